@@ -1,0 +1,138 @@
+"""The compute core's front door: jobs for append and attend on session caches.
+
+``Engine`` owns the :class:`~attnserve.gpu.device.GpuWorker` and turns calls
+into GPU jobs. It validates nothing about HTTP (the routes do that, before any
+job is queued) but re-checks the invariants the kernels rely on, so a bug above
+can never make a kernel read out of bounds.
+
+All methods return ``concurrent.futures.Future`` objects; ``asyncio.wrap_future``
+awaits them from the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from .gpu.device import GpuContext, GpuWorker, open_device
+from .kvcache import LayerCache, SessionConfig, SessionKV
+
+__all__ = ["Engine", "AttendResult"]
+
+
+def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype="<f4")
+    if a.ndim != 3:
+        raise ValueError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a.shape}")
+    return a
+
+
+class AttendResult(tuple):
+    """``(out [n, H, d] float32, length)``."""
+
+    __slots__ = ()
+
+    @property
+    def out(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def length(self) -> int:
+        return self[1]
+
+
+class Engine:
+    def __init__(self, ctx: GpuContext, *, max_batch_jobs: int = 256, max_queue: int = 4096,
+                 on_batch: Callable[[int, int, float], None] | None = None):
+        self.ctx = ctx
+        self.worker = GpuWorker(ctx, max_batch_jobs=max_batch_jobs, max_queue=max_queue, on_batch=on_batch)
+        self.worker.start()
+
+    @classmethod
+    def open(cls, adapter: str | None = None, **kw) -> "Engine":
+        return cls(open_device(adapter), **kw)
+
+    def close(self) -> None:
+        self.worker.stop()
+
+    # ── limits ──────────────────────────────────────────────────────────────
+
+    def max_tokens_limit(self, kv_format: str, num_kv_heads: int, head_dim: int) -> int:
+        """Largest per-layer capacity whose K and V buffers the adapter can bind."""
+        probe = SessionKV(SessionConfig(1, num_kv_heads, num_kv_heads, head_dim, kv_format, 1, 0))
+        per_token = max(probe.layers[0].buffer_bytes(1))
+        limit = min(self.ctx.max_binding, int(self.ctx.limits.get("max-buffer-size", self.ctx.max_binding)))
+        return limit // per_token
+
+    # ── jobs ────────────────────────────────────────────────────────────────
+
+    def append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> Future:
+        """Append rows ``k, v [n, Hkv, d]``; the future gives the new length."""
+        k, v = _as_rows(k, "k"), _as_rows(v, "v")
+        self._check_rows(layer, k, v)
+
+        def plan(batch):
+            length = layer.plan_append(batch, k, v)
+            return lambda out: length
+
+        return self.worker.submit_plan(plan)
+
+    def attend(
+        self,
+        layer: LayerCache,
+        q: np.ndarray,
+        *,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> Future:
+        """Optionally append ``k, v`` first (fused step), then attend ``q [n, H, d]``.
+
+        The future gives an :class:`AttendResult` ``(out [n, H, d] float32, length)``.
+        ``start_pos`` defaults to ``length - n`` after the fused append.
+        """
+        q = _as_rows(q, "q")
+        if (k is None) != (v is None):
+            raise ValueError("k and v go together")
+        if k is not None:
+            k, v = _as_rows(k, "k"), _as_rows(v, "v")
+            self._check_rows(layer, k, v)
+        n, _, d = q.shape
+        if d != layer.head_dim:
+            raise ValueError(f"q head_dim {d} != cache head_dim {layer.head_dim}")
+        sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+
+        def plan(batch):
+            if k is not None:
+                layer.plan_append(batch, k, v)
+            length = layer.length
+            sp = length - n if start_pos is None else int(start_pos)
+            if sp < 0 or sp + n > length:
+                raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
+            seg = layer.plan_attend(batch, q, start_pos=sp, causal=causal, scale=sc)
+
+            def finish(out):
+                arr = np.frombuffer(out, dtype="<f4", count=seg.size // 4, offset=seg.offset)
+                return AttendResult((arr.reshape(q.shape), length))
+
+            return finish
+
+        return self.worker.submit_plan(plan)
+
+    def call(self, fn: Callable[[GpuContext], object]) -> Future:
+        """Run ``fn(ctx)`` alone on the GPU thread (readbacks, restores, frees)."""
+        return self.worker.submit_call(fn)
+
+    def release(self, session: SessionKV) -> Future:
+        return self.worker.submit_call(lambda ctx: session.release())
+
+    @staticmethod
+    def _check_rows(layer: LayerCache, k: np.ndarray, v: np.ndarray) -> None:
+        want = (layer.n_kv_heads, layer.head_dim)
+        if k.shape != v.shape or k.shape[1:] != want or k.shape[0] < 1:
+            raise ValueError(f"k/v must both be [n>=1, {want[0]}, {want[1]}], got {k.shape} and {v.shape}")

@@ -1,0 +1,1 @@
+"""The GPU side: device and its owner thread, shader loading, params, kernels."""

@@ -1,0 +1,202 @@
+"""A batch of GPU work: many jobs' dispatches, one submit, one readback.
+
+Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
+
+* ``upload(data)`` places host bytes (queries, new K/V rows, params blocks) in
+  the batch's input arena, written with one ``queue.write_buffer``;
+* ``scratch(nbytes)`` reserves GPU-only space (e.g. rotated queries);
+* ``output(nbytes)`` reserves space in the output arena, copied to one
+  persistent ``MAP_READ`` staging buffer and read back once per batch;
+* ``dispatch(kernel, bindings, grid)`` and ``copy(...)`` record commands in
+  order, referring to real buffers or to arena segments.
+
+``execute()`` materializes the arenas, encodes every command in recorded order
+(consecutive dispatches share one compute pass; wgpu inserts the barriers
+between dispatches), submits once, and returns the output arena's bytes.
+Because K/V appends are copies *recorded in the stream* (never
+``queue.write_buffer`` straight into a cache), an attend planned before an
+append in the same batch never sees the appended rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+import wgpu
+
+from .shaders import PipelineCache
+
+__all__ = ["Seg", "Batch", "Arenas"]
+
+
+@dataclass(frozen=True)
+class Seg:
+    """A byte range of one of the batch's arenas ("in", "scratch" or "out")."""
+
+    arena: str
+    offset: int
+    size: int
+
+
+Resource = Union[wgpu.GPUBuffer, Seg]
+
+_ARENA_USAGE = {
+    "in": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
+    "scratch": wgpu.BufferUsage.STORAGE,
+    "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+}
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class Arenas:
+    """Persistent arena and staging buffers of one device, grown on demand.
+
+    Reusing them across batches is safe: ``queue.write_buffer`` and submits
+    are executed in queue order, and every batch with outputs waits for its
+    readback before the next one is planned.
+    """
+
+    def __init__(self, device: wgpu.GPUDevice):
+        self.device = device
+        self.buffers: dict[str, wgpu.GPUBuffer] = {}
+        self.staging: wgpu.GPUBuffer | None = None
+
+    def get(self, arena: str, size: int) -> wgpu.GPUBuffer:
+        buf = self.buffers.get(arena)
+        if buf is None or buf.size < size:
+            new_size = _round_up(max(size, 2 * (buf.size if buf else 0), 1 << 16), 1 << 12)
+            self.buffers[arena] = buf = self.device.create_buffer(
+                label=f"arena-{arena}", size=new_size, usage=_ARENA_USAGE[arena]
+            )
+        return buf
+
+    def get_staging(self, size: int) -> wgpu.GPUBuffer:
+        if self.staging is None or self.staging.size < size:
+            new_size = _round_up(max(size, 2 * (self.staging.size if self.staging else 0), 1 << 16), 1 << 12)
+            self.staging = self.device.create_buffer(
+                label="staging",
+                size=new_size,
+                usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+            )
+        return self.staging
+
+
+class Batch:
+    """Commands of several jobs, planned on the GPU owner thread."""
+
+    def __init__(self, device: wgpu.GPUDevice, pipelines: PipelineCache, arenas: Arenas, align: int):
+        self.device = device
+        self.pipelines = pipelines
+        self.arenas = arenas
+        self.align = max(int(align), 16)
+        self._upload = bytearray()
+        self._sizes = {"in": 0, "scratch": 0, "out": 0}
+        self.ops: list[tuple] = []
+        self.n_dispatches = 0
+
+    # ── planning ────────────────────────────────────────────────────────────
+
+    def _reserve(self, arena: str, nbytes: int) -> Seg:
+        if nbytes <= 0:
+            raise ValueError("a segment needs at least one byte")
+        off = _round_up(self._sizes[arena], self.align)
+        self._sizes[arena] = off + _round_up(nbytes, 4)
+        return Seg(arena, off, nbytes)
+
+    def upload(self, data: bytes | np.ndarray) -> Seg:
+        """Host bytes (a C-contiguous array or bytes) into the input arena."""
+        mv = memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+        seg = self._reserve("in", mv.nbytes)
+        self._upload.extend(b"\0" * (seg.offset - len(self._upload)))
+        self._upload.extend(mv)
+        return seg
+
+    def scratch(self, nbytes: int) -> Seg:
+        return self._reserve("scratch", nbytes)
+
+    def output(self, nbytes: int) -> Seg:
+        return self._reserve("out", nbytes)
+
+    def dispatch(self, kernel: str, bindings: dict[int, Resource], grid: tuple[int, int, int]) -> None:
+        self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid)))
+        self.n_dispatches += 1
+
+    def copy(self, src: Resource, src_off: int, dst: Resource, dst_off: int, size: int) -> None:
+        if size > 0:
+            self.ops.append(("copy", src, src_off, dst, dst_off, size))
+
+    def mark(self) -> tuple:
+        return (len(self.ops), self.n_dispatches, len(self._upload), dict(self._sizes))
+
+    def rollback(self, mark: tuple) -> None:
+        """Drop everything planned since ``mark`` (a job whose planning failed)."""
+        n_ops, n_disp, n_up, sizes = mark
+        del self.ops[n_ops:]
+        del self._upload[n_up:]
+        self.n_dispatches = n_disp
+        self._sizes = sizes
+
+    @property
+    def empty(self) -> bool:
+        return not self.ops
+
+    # ── execution ───────────────────────────────────────────────────────────
+
+    def _resolve(self, res: Resource, bufs: dict[str, wgpu.GPUBuffer]) -> tuple[wgpu.GPUBuffer, int, int]:
+        if isinstance(res, Seg):
+            return bufs[res.arena], res.offset, _round_up(res.size, 4)
+        return res, 0, res.size
+
+    def execute(self) -> memoryview | None:
+        """Encode, submit once, and read the output arena back (None if empty)."""
+        if not self.ops:
+            return None
+        bufs = {a: self.arenas.get(a, n) for a, n in self._sizes.items() if n > 0}
+        queue = self.device.queue
+        if self._upload:
+            queue.write_buffer(bufs["in"], 0, self._upload)
+        enc = self.device.create_command_encoder()
+        cpass = None
+        for op in self.ops:
+            if op[0] == "dispatch":
+                _, kernel, bindings, grid = op
+                pipe, bgl = self.pipelines.get(kernel)
+                entries = []
+                for b, res in sorted(bindings.items()):
+                    buf, off, size = self._resolve(res, bufs)
+                    entries.append({"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}})
+                bg = self.device.create_bind_group(layout=bgl, entries=entries)
+                if cpass is None:
+                    cpass = enc.begin_compute_pass()
+                cpass.set_pipeline(pipe)
+                cpass.set_bind_group(0, bg)
+                cpass.dispatch_workgroups(*grid)
+            else:
+                if cpass is not None:
+                    cpass.end()
+                    cpass = None
+                _, src, so, dst, do, size = op
+                sbuf, soff, _ = self._resolve(src, bufs)
+                dbuf, doff, _ = self._resolve(dst, bufs)
+                enc.copy_buffer_to_buffer(sbuf, soff + so, dbuf, doff + do, size)
+        if cpass is not None:
+            cpass.end()
+        n_out = _round_up(self._sizes["out"], 4)
+        staging = None
+        if n_out:
+            staging = self.arenas.get_staging(n_out)
+            enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
+        queue.submit([enc.finish()])
+        if staging is None:
+            return None
+        staging.map_sync(wgpu.MapMode.READ, 0, n_out)
+        try:
+            data = memoryview(bytes(staging.read_mapped(0, n_out, copy=False)))
+        finally:
+            staging.unmap()
+        return data

@@ -1,0 +1,334 @@
+"""Adapter choice, limits, and the single thread that owns the device.
+
+wgpu-py is not safe to drive from several threads, and a blocking readback must
+never run on the event loop. So one :class:`GpuWorker` thread owns the device
+and its queue; everything else hands it jobs and waits on a
+``concurrent.futures.Future`` (``asyncio.wrap_future`` on the event loop).
+
+Jobs that arrive while the worker is busy are coalesced: the worker drains the
+queue, lets each job plan its dispatches into one :class:`~.batch.Batch`, and
+submits once with one readback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import wgpu
+
+from ..errors import GpuError, Overloaded
+from .batch import Arenas, Batch
+from .shaders import PipelineCache
+
+__all__ = ["GpuContext", "open_device", "list_adapters", "GpuWorker", "DeviceError"]
+
+log = logging.getLogger("attnserve.gpu")
+
+# What the kernels need at least: 6 storage buffers in a stage (flash_attention_tq),
+# 6 KiB of workgroup memory, 256 invocations, and room for a useful cache.
+MIN_LIMITS = {
+    "max-storage-buffers-per-shader-stage": 7,
+    "max-compute-workgroup-storage-size": 8192,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-storage-buffer-binding-size": 16 << 20,
+}
+# Limits requested at the adapter's own value (the largest caches it can bind).
+REQUESTED_FROM_ADAPTER = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroups-per-dimension",
+)
+
+
+class DeviceError(RuntimeError):
+    """No usable adapter: raised at start with a message saying why."""
+
+
+@dataclass
+class GpuContext:
+    adapter: wgpu.GPUAdapter
+    device: wgpu.GPUDevice
+    info: dict[str, Any]
+    limits: dict[str, int]
+    features: frozenset[str]
+    pipelines: PipelineCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pipelines = PipelineCache(self.device)
+
+    @property
+    def name(self) -> str:
+        return str(self.info.get("device") or self.info.get("description") or "unknown")
+
+    @property
+    def backend(self) -> str:
+        return str(self.info.get("backend_type", "unknown"))
+
+    @property
+    def max_binding(self) -> int:
+        return int(self.limits["max-storage-buffer-binding-size"])
+
+    @property
+    def max_workgroups(self) -> int:
+        return int(self.limits["max-compute-workgroups-per-dimension"])
+
+    @property
+    def offset_align(self) -> int:
+        return int(self.limits.get("min-storage-buffer-offset-alignment", 256))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "adapter_type": str(self.info.get("adapter_type", "")),
+            "vendor": str(self.info.get("vendor", "")),
+            "description": str(self.info.get("description", "")),
+            "max_storage_buffer_binding_size": self.max_binding,
+            "max_buffer_size": int(self.limits["max-buffer-size"]),
+        }
+
+
+def list_adapters() -> list[wgpu.GPUAdapter]:
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # silences a harmless Mesa warning
+    return list(wgpu.gpu.enumerate_adapters_sync())
+
+
+def _select(adapters: list[wgpu.GPUAdapter], selector: str | None) -> wgpu.GPUAdapter:
+    if not adapters:
+        raise DeviceError(
+            "no wgpu adapter found: install a GPU driver with Vulkan/Metal/DX12 support, "
+            "or Mesa's software Vulkan driver (Debian: apt-get install mesa-vulkan-drivers)"
+        )
+    if not selector:
+        return adapters[0]
+    sel = selector.strip().lower()
+    if sel.isdigit():
+        i = int(sel)
+        if i < len(adapters):
+            return adapters[i]
+    for a in adapters:
+        info = a.info
+        backend = str(info.get("backend_type", "")).lower()
+        kind = str(info.get("adapter_type", "")).lower()
+        names = f"{info.get('device', '')} {info.get('vendor', '')} {info.get('description', '')}".lower()
+        if sel in (backend, kind) or sel in names:
+            return a
+    avail = "; ".join(f"[{i}] {a.summary}" for i, a in enumerate(adapters))
+    raise DeviceError(f"no adapter matches ATTNSERVE_ADAPTER={selector!r}; available: {avail}")
+
+
+def open_device(selector: str | None = None) -> GpuContext:
+    """Open the first adapter (or the one ``selector`` names: an index, a backend
+    such as ``vulkan``, an adapter type such as ``cpu``, or part of its name) and
+    request the limits the kernels need from it. Raises :class:`DeviceError`."""
+    adapter = _select(list_adapters(), selector)
+    alimits = {k: int(v) for k, v in adapter.limits.items() if isinstance(v, int)}
+    short = [
+        f"{k} = {alimits.get(k)} (need >= {v})" for k, v in MIN_LIMITS.items() if alimits.get(k, 0) < v
+    ]
+    if short:
+        raise DeviceError(f"adapter {adapter.summary} is too small for attnserve: " + ", ".join(short))
+    required = {k: alimits[k] for k in REQUESTED_FROM_ADAPTER if k in alimits}
+    try:
+        device = adapter.request_device_sync(label="attnserve", required_limits=required)
+    except Exception as e:  # pragma: no cover - depends on the driver
+        raise DeviceError(f"cannot open a device on {adapter.summary}: {e}") from e
+    dlimits = {k: int(v) for k, v in device.limits.items() if isinstance(v, int)}
+    ctx = GpuContext(
+        adapter=adapter,
+        device=device,
+        info=dict(adapter.info),
+        limits=dlimits,
+        features=frozenset(device.features),
+    )
+    ctx.pipelines.warm_up()
+    log.info("gpu device open", extra={"adapter": adapter.summary})
+    return ctx
+
+
+# ── the owner thread ─────────────────────────────────────────────────────────
+
+PlanFn = Callable[[Batch], Callable[[memoryview | None], Any]]
+CallFn = Callable[[GpuContext], Any]
+
+
+class _Job:
+    __slots__ = ("kind", "fn", "future", "enqueued")
+
+    def __init__(self, kind: str, fn: Callable, future: Future):
+        self.kind = kind
+        self.fn = fn
+        self.future = future
+        self.enqueued = time.perf_counter()
+
+
+class GpuWorker:
+    """The one thread that drives the device.
+
+    * ``submit_plan(plan)``: ``plan(batch)`` records dispatches and returns
+      ``finish(outputs)``, which turns the batch's output bytes into the job's
+      result. Plans run in submission order; a plan that raises is rolled back
+      and fails only its own future.
+    * ``submit_call(fn)``: ``fn(ctx)`` runs alone on the worker (after the
+      batch in progress), for readbacks of whole caches, restores and frees.
+
+    ``max_queue`` bounds the backlog: past it, submits raise ``Overloaded``.
+    ``on_batch(n_jobs, n_dispatches, seconds)`` is called after each submit
+    (metrics).
+    """
+
+    def __init__(
+        self,
+        ctx: GpuContext,
+        *,
+        max_batch_jobs: int = 256,
+        max_queue: int = 4096,
+        on_batch: Callable[[int, int, float], None] | None = None,
+    ):
+        self.ctx = ctx
+        self.max_batch_jobs = max_batch_jobs
+        self.max_queue = max_queue
+        self.on_batch = on_batch
+        self._arenas = Arenas(ctx.device)
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="attnserve-gpu", daemon=True)
+        self.batches = 0
+        self.dispatches = 0
+
+    # ── public ──────────────────────────────────────────────────────────────
+
+    def start(self) -> "GpuWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish every queued job, then end the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._jobs) + (1 if self._busy else 0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def submit_plan(self, plan: PlanFn) -> Future:
+        return self._put(_Job("plan", plan, Future()))
+
+    def submit_call(self, fn: CallFn) -> Future:
+        return self._put(_Job("call", fn, Future()))
+
+    def run(self, fn: CallFn, timeout: float | None = None) -> Any:
+        """``submit_call`` and wait (for tools, tests and start-up)."""
+        return self.submit_call(fn).result(timeout)
+
+    def execute(self, plan: PlanFn, timeout: float | None = None) -> Any:
+        return self.submit_plan(plan).result(timeout)
+
+    # ── internals ───────────────────────────────────────────────────────────
+
+    def _put(self, job: _Job) -> Future:
+        with self._cv:
+            if self._stop:
+                raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
+            if len(self._jobs) >= self.max_queue:
+                raise Overloaded(
+                    f"the GPU queue is full ({self.max_queue} jobs waiting)", headers={"Retry-After": "1"}
+                )
+            self._jobs.append(job)
+            self._cv.notify()
+        return job.future
+
+    def _take(self) -> list[_Job] | None:
+        with self._cv:
+            while not self._jobs:
+                if self._stop:
+                    return None
+                self._cv.wait()
+            first = self._jobs.popleft()
+            jobs = [first]
+            if first.kind == "plan":
+                while self._jobs and self._jobs[0].kind == "plan" and len(jobs) < self.max_batch_jobs:
+                    jobs.append(self._jobs.popleft())
+            self._busy = True
+            return jobs
+
+    def _run(self) -> None:
+        while True:
+            jobs = self._take()
+            if jobs is None:
+                return
+            try:
+                if jobs[0].kind == "call":
+                    self._run_call(jobs[0])
+                else:
+                    self._run_batch(jobs)
+            except BaseException as e:  # pragma: no cover - last-resort guard
+                log.exception("gpu worker error")
+                for j in jobs:
+                    if not j.future.done():
+                        j.future.set_exception(GpuError(f"GPU worker failure: {e}"))
+            finally:
+                with self._cv:
+                    self._busy = False
+
+    def _run_call(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(job.fn(self.ctx))
+        except BaseException as e:
+            job.future.set_exception(e)
+
+    def _run_batch(self, jobs: list[_Job]) -> None:
+        t0 = time.perf_counter()
+        batch = Batch(self.ctx.device, self.ctx.pipelines, self._arenas, self.ctx.offset_align)
+        planned: list[tuple[_Job, Callable]] = []
+        for job in jobs:
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            mark = batch.mark()
+            try:
+                planned.append((job, job.fn(batch)))
+            except BaseException as e:
+                batch.rollback(mark)
+                job.future.set_exception(e)
+        try:
+            out = batch.execute()
+        except BaseException as e:
+            log.exception("gpu submit failed")
+            for job, _ in planned:
+                job.future.set_exception(GpuError(f"GPU submission failed: {e}"))
+            return
+        self.batches += 1
+        self.dispatches += batch.n_dispatches
+        if self.on_batch is not None:
+            try:
+                self.on_batch(len(planned), batch.n_dispatches, time.perf_counter() - t0)
+            except Exception:  # pragma: no cover
+                log.exception("on_batch hook failed")
+        for job, finish in planned:
+            try:
+                job.future.set_result(finish(out))
+            except BaseException as e:
+                job.future.set_exception(e)

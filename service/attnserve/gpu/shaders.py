@@ -1,0 +1,116 @@
+"""The cached WGSL loader and the pipeline cache.
+
+Shaders ship as package data (``attnserve.shaders``, mapped to the top-level
+``shaders/`` folder by pyproject.toml); in a plain checkout they are read from
+``<repo>/shaders``. Every kernel is described once in ``KERNELS``: its file, its
+entry point and its bindings (number and access), from which an explicit bind
+group layout is made, so the host and the WGSL cannot disagree silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import wgpu
+
+__all__ = ["KERNELS", "KernelSpec", "load_wgsl", "shader_dir", "PipelineCache"]
+
+R, RW = "read", "rw"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    file: str
+    entry_point: str
+    bindings: tuple[tuple[int, str], ...]
+
+
+KERNELS: dict[str, KernelSpec] = {
+    "attention_prefill": KernelSpec(
+        "attention_prefill.wgsl", "attention_prefill", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
+    "flash_attention_tq": KernelSpec(
+        "flash_attention_tq.wgsl",
+        "flash_attention_tq",
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
+    ),
+    "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R))),
+    "tq_encode_values": KernelSpec(
+        "turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))
+    ),
+    "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
+}
+
+
+def shader_dir() -> Path:
+    """Where the .wgsl files are: the installed package data, else the checkout."""
+    try:
+        pkg = importlib.resources.files("attnserve.shaders")
+        if pkg.joinpath("attention_prefill.wgsl").is_file():
+            return Path(str(pkg))
+    except ModuleNotFoundError:
+        pass
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "shaders"
+        if (cand / "attention_prefill.wgsl").is_file():
+            return cand
+    raise FileNotFoundError("cannot find the WGSL shaders (attnserve.shaders or <repo>/shaders)")
+
+
+@functools.lru_cache(maxsize=None)
+def load_wgsl(name: str) -> str:
+    """The source of one shader file, read once."""
+    return (shader_dir() / name).read_text(encoding="utf-8")
+
+
+class PipelineCache:
+    """Compute pipelines of one device, made on first use and kept."""
+
+    def __init__(self, device: wgpu.GPUDevice):
+        self._device = device
+        self._modules: dict[str, wgpu.GPUShaderModule] = {}
+        self._pipelines: dict[str, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
+        self._lock = threading.Lock()
+
+    def _module(self, file: str) -> wgpu.GPUShaderModule:
+        if file not in self._modules:
+            self._modules[file] = self._device.create_shader_module(label=file, code=load_wgsl(file))
+        return self._modules[file]
+
+    def get(self, kernel: str) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
+        with self._lock:
+            if kernel not in self._pipelines:
+                spec = KERNELS[kernel]
+                bgl = self._device.create_bind_group_layout(
+                    label=kernel,
+                    entries=[
+                        {
+                            "binding": b,
+                            "visibility": wgpu.ShaderStage.COMPUTE,
+                            "buffer": {
+                                "type": wgpu.BufferBindingType.storage
+                                if access == RW
+                                else wgpu.BufferBindingType.read_only_storage
+                            },
+                        }
+                        for b, access in spec.bindings
+                    ],
+                )
+                layout = self._device.create_pipeline_layout(label=kernel, bind_group_layouts=[bgl])
+                pipe = self._device.create_compute_pipeline(
+                    label=kernel,
+                    layout=layout,
+                    compute={"module": self._module(spec.file), "entry_point": spec.entry_point},
+                )
+                self._pipelines[kernel] = (pipe, bgl)
+            return self._pipelines[kernel]
+
+    def warm_up(self) -> None:
+        """Compile every kernel now (at start), so a bad shader fails the start."""
+        for name in KERNELS:
+            self.get(name)

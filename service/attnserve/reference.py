@@ -1,0 +1,340 @@
+"""Float64 numpy oracles for every numeric path the kernels take.
+
+Shapes (row-major, like the wire format):
+
+* queries ``q``: ``[n, num_qo_heads, head_dim]``
+* keys / values ``k``, ``v``: ``[length, num_kv_heads, head_dim]``
+
+Head ``h`` reads KV head ``h // (num_qo_heads // num_kv_heads)`` (GQA). Query row
+``i`` sits at position ``start_pos + i``; causal rows attend to ``0..pos``
+inclusive, non-causal rows to all ``length`` timesteps.
+
+The TuroQuant oracles follow ``docs/turboquant.md`` step by step in float64,
+using the same float32 codebook and boundaries and the same +-1 signs as the
+kernels, and produce the packed cache words in the kernels' layout, so tests can
+compare the GPU cache with them word by word. Intermediate values (the rotated
+coordinates and the JL projections) are returned too: where the GPU's float32
+arithmetic lands on the other side of a decision boundary, a test can prove the
+oracle value was within rounding of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .turboquant import Codebook, qjl_scale
+
+__all__ = [
+    "attention",
+    "hadamard",
+    "rht",
+    "rht_inv",
+    "f16_bits",
+    "f16_value",
+    "EncodedKeys",
+    "EncodedValues",
+    "encode_keys",
+    "encode_values",
+    "residual_bits",
+    "pack_key_cache",
+    "pack_value_cache",
+    "unpack_key_cache",
+    "unpack_value_cache",
+    "rotate_q",
+    "tq_scores",
+    "tq_attention",
+]
+
+NORM_EPS = 1e-12
+
+
+# ── exact attention ─────────────────────────────────────────────────────────
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    start_pos: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Exact softmax attention in float64: ``[n, H, d]`` from ``k``/``v`` ``[L, Hkv, d]``."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    n, h, d = q.shape
+    length, hkv, _ = k.shape
+    if start_pos is None:
+        start_pos = length - n
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    group = h // hkv
+    kh = np.repeat(k, group, axis=1)  # [L, H, d]
+    vh = np.repeat(v, group, axis=1)
+    s = np.einsum("nhd,lhd->hnl", q, kh) * scale  # [H, n, L]
+    if causal:
+        pos = start_pos + np.arange(n)
+        mask = np.arange(length)[None, :] > pos[:, None]  # [n, L]
+        s = np.where(mask[None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hnl,lhd->nhd", p, vh)
+
+
+# ── randomized Hadamard transform ───────────────────────────────────────────
+
+
+def hadamard(d: int) -> np.ndarray:
+    """Unnormalized Walsh-Hadamard matrix (Sylvester order, entries +-1)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"Hadamard needs a power of two, got {d}")
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def rht(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """``H (s * x) / sqrt(d)`` along the last axis (orthonormal)."""
+    d = x.shape[-1]
+    return (np.asarray(x, np.float64) * s) @ hadamard(d).T / math.sqrt(d)
+
+
+def rht_inv(y: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`rht`: ``s * (H y) / sqrt(d)``."""
+    d = y.shape[-1]
+    return s * (np.asarray(y, np.float64) @ hadamard(d).T) / math.sqrt(d)
+
+
+# ── f16 norm words (pack2x16float) ──────────────────────────────────────────
+
+
+def f16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float64 values to IEEE half (nearest-even) and return the 16-bit patterns."""
+    return np.asarray(x, np.float64).astype(np.float16).view(np.uint16).astype(np.uint32)
+
+
+def f16_value(bits: np.ndarray) -> np.ndarray:
+    """The float64 value of 16-bit half patterns."""
+    return np.asarray(bits, np.uint32).astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+# ── TurboQuant encode ───────────────────────────────────────────────────────
+
+
+def _quantize(y: np.ndarray, cb: Codebook) -> np.ndarray:
+    b = np.asarray(cb.boundaries, np.float64)
+    return (y[..., None] >= b).sum(axis=-1).astype(np.uint32)
+
+
+@dataclass
+class EncodedValues:
+    """Per-vector codes of ``[..., d]`` inputs (leading axes kept)."""
+
+    norm: np.ndarray  # [...] float64
+    y: np.ndarray  # [..., d] rotated unit vector (float64)
+    idx: np.ndarray  # [..., d] uint32 in 0..3 (0 for zero vectors)
+    live: np.ndarray  # [...] bool: norm >= 1e-12
+
+
+@dataclass
+class EncodedKeys(EncodedValues):
+    residual_norm: np.ndarray  # [...] float64 (unit-key space)
+    z: np.ndarray  # [..., d] rht(r / ||r||, jl_signs) (float64)
+    bits: np.ndarray  # [..., d] uint32 JL sign bits
+
+
+def encode_values(x: np.ndarray, polar_signs: np.ndarray, cb: Codebook) -> EncodedValues:
+    """Steps 1-2 of the encoding: norm, rotation and 2-bit indices."""
+    x = np.asarray(x, np.float64)
+    norm = np.sqrt((x * x).sum(axis=-1))
+    live = norm >= NORM_EPS
+    safe = np.where(live, norm, 1.0)[..., None]
+    y = np.where(live[..., None], rht(x / safe, polar_signs), 0.0)
+    idx = np.where(live[..., None], _quantize(y, cb), 0).astype(np.uint32)
+    return EncodedValues(norm=np.where(live, norm, 0.0), y=y, idx=idx, live=live)
+
+
+def residual_bits(
+    y: np.ndarray, idx: np.ndarray, live: np.ndarray, jl_signs: np.ndarray, cb: Codebook
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 3-4 from given indices: (residual_norm, z, bits).
+
+    Split out so a test can replay them with the GPU's indices where a float32
+    rotation fell on the other side of a boundary.
+    """
+    c = np.asarray(cb.centroids, np.float64)
+    r = np.where(live[..., None], y - c[idx], 0.0)
+    rn = np.sqrt((r * r).sum(axis=-1))
+    rlive = live & (rn >= NORM_EPS)
+    safe = np.where(rlive, rn, 1.0)[..., None]
+    z = np.where(rlive[..., None], rht(r / safe, jl_signs), 0.0)
+    bits = (rlive[..., None] & (z >= 0.0)).astype(np.uint32)
+    return np.where(live, rn, 0.0), z, bits
+
+
+def encode_keys(
+    k: np.ndarray, polar_signs: np.ndarray, jl_signs: np.ndarray, cb: Codebook
+) -> EncodedKeys:
+    """All four steps for keys ``[..., d]``."""
+    ev = encode_values(k, polar_signs, cb)
+    rn, z, bits = residual_bits(ev.y, ev.idx, ev.live, jl_signs, cb)
+    return EncodedKeys(
+        norm=ev.norm, y=ev.y, idx=ev.idx, live=ev.live, residual_norm=rn, z=z, bits=bits
+    )
+
+
+def _pack_polar(idx: np.ndarray) -> np.ndarray:
+    """[..., d] 2-bit indices -> [..., d/16] u32 words, element j at bits 2j..2j+1."""
+    d = idx.shape[-1]
+    g = idx.reshape(*idx.shape[:-1], d // 16, 16).astype(np.uint64)
+    return (g << (2 * np.arange(16, dtype=np.uint64))).sum(axis=-1).astype(np.uint32)
+
+
+def _pack_bits(bits: np.ndarray) -> np.ndarray:
+    """[..., d] bits -> [..., d/32] u32 words, element j at bit j."""
+    d = bits.shape[-1]
+    g = bits.reshape(*bits.shape[:-1], d // 32, 32).astype(np.uint64)
+    return (g << np.arange(32, dtype=np.uint64)).sum(axis=-1).astype(np.uint32)
+
+
+def _unpack_polar(words: np.ndarray, d: int) -> np.ndarray:
+    w = np.asarray(words, np.uint32)[..., None]
+    return ((w >> (2 * np.arange(16, dtype=np.uint32))) & 3).reshape(*words.shape[:-1], d)
+
+
+def _unpack_bits(words: np.ndarray, d: int) -> np.ndarray:
+    w = np.asarray(words, np.uint32)[..., None]
+    return ((w >> np.arange(32, dtype=np.uint32)) & 1).reshape(*words.shape[:-1], d)
+
+
+def _to_slots(a: np.ndarray, cap: int) -> np.ndarray:
+    """[L, Hkv, ...] per-timestep data -> [Hkv * cap, ...] slot order (zeros past L)."""
+    length, hkv = a.shape[:2]
+    out = np.zeros((hkv, cap) + a.shape[2:], a.dtype)
+    out[:, :length] = np.swapaxes(a, 0, 1)
+    return out.reshape((hkv * cap,) + a.shape[2:])
+
+
+def pack_key_cache(enc: EncodedKeys, cap: int) -> np.ndarray:
+    """Key cache words ``[polar | jl | norms]`` for keys encoded from ``[L, Hkv, d]``."""
+    polar = np.where(enc.live[..., None], _pack_polar(enc.idx), 0)
+    jl = _pack_bits(enc.bits)
+    nw = f16_bits(enc.norm) | (f16_bits(enc.residual_norm) << 16)
+    nw = np.where(enc.live, nw, 0).astype(np.uint32)
+    return np.concatenate(
+        [_to_slots(polar, cap).ravel(), _to_slots(jl, cap).ravel(), _to_slots(nw, cap).ravel()]
+    ).astype(np.uint32)
+
+
+def pack_value_cache(enc: EncodedValues, cap: int) -> np.ndarray:
+    """Value cache words ``[polar | norms]`` for values encoded from ``[L, Hkv, d]``."""
+    polar = np.where(enc.live[..., None], _pack_polar(enc.idx), 0)
+    nw = np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
+    return np.concatenate([_to_slots(polar, cap).ravel(), _to_slots(nw, cap).ravel()]).astype(
+        np.uint32
+    )
+
+
+def unpack_key_cache(words: np.ndarray, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """Inverse of :func:`pack_key_cache` for timesteps ``< length``.
+
+    Returns ``(idx [L, Hkv, d], bits [L, Hkv, d], norm [L, Hkv], residual_norm [L, Hkv])``
+    with the norms decoded from their f16 halves.
+    """
+    vecs = n_kv_heads * cap
+    pw, jw = d // 16, d // 32
+    w = np.asarray(words, np.uint32)
+    polar = w[: vecs * pw].reshape(n_kv_heads, cap, pw)[:, :length]
+    jl = w[vecs * pw : vecs * (pw + jw)].reshape(n_kv_heads, cap, jw)[:, :length]
+    nw = w[vecs * (pw + jw) : vecs * (pw + jw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    idx = np.swapaxes(_unpack_polar(polar, d), 0, 1)
+    bits = np.swapaxes(_unpack_bits(jl, d), 0, 1)
+    norm = f16_value(nw & 0xFFFF).T
+    rn = f16_value(nw >> 16).T
+    return idx, bits, norm, rn
+
+
+def unpack_value_cache(words: np.ndarray, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """Inverse of :func:`pack_value_cache`: ``(idx [L, Hkv, d], norm [L, Hkv])``."""
+    vecs = n_kv_heads * cap
+    pw = d // 16
+    w = np.asarray(words, np.uint32)
+    polar = w[: vecs * pw].reshape(n_kv_heads, cap, pw)[:, :length]
+    nw = w[vecs * pw : vecs * (pw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    return np.swapaxes(_unpack_polar(polar, d), 0, 1), f16_value(nw & 0xFFFF).T
+
+
+# ── TurboQuant queries, scores and attention ────────────────────────────────
+
+
+def rotate_q(q: np.ndarray, polar_signs: np.ndarray, jl_signs: np.ndarray):
+    """``(q_rot, q_jl, sums)`` for queries ``[..., d]`` (``tq_rotate_q``)."""
+    q_rot = rht(q, polar_signs)
+    q_jl = rht(q_rot, jl_signs)
+    return q_rot, q_jl, q_jl.sum(axis=-1)
+
+
+def tq_scores(q_rot, q_jl, idx, bits, norm, residual_norm, cb: Codebook, *, polar_only=False):
+    """Estimated ``<q, k>`` for rotated queries ``[n, H, d]`` and key codes ``[L, Hkv, d]``.
+
+    Returns ``[H, n, L]`` float64 (unscaled). ``polar_only`` drops the QJL term
+    (PolarQuant alone), for comparing the two estimators.
+    """
+    d = q_rot.shape[-1]
+    group = q_rot.shape[1] // idx.shape[1]
+    c = np.asarray(cb.centroids, np.float64)
+    kc = np.repeat(c[idx], group, axis=1)  # [L, H, d]
+    polar = np.einsum("nhd,lhd->hnl", q_rot, kc)
+    est = polar
+    if not polar_only:
+        sign = np.repeat(2.0 * bits.astype(np.float64) - 1.0, group, axis=1)
+        signed = np.einsum("nhd,lhd->hnl", q_jl, sign)
+        rn = np.repeat(residual_norm, group, axis=1).T[:, None, :]  # [H, 1, L]
+        est = polar + rn * qjl_scale(d) * signed
+    return est * np.repeat(norm, group, axis=1).T[:, None, :]
+
+
+def tq_attention(
+    q: np.ndarray,
+    key_words: np.ndarray,
+    value_words: np.ndarray,
+    *,
+    n_kv_heads: int,
+    cap: int,
+    length: int,
+    polar_signs: np.ndarray,
+    jl_signs: np.ndarray,
+    cb: Codebook,
+    start_pos: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Attention computed from the compressed codes, in float64 (``flash_attention_tq``)."""
+    q = np.asarray(q, np.float64)
+    n, h, d = q.shape
+    if start_pos is None:
+        start_pos = length - n
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    idx, bits, norm, rn = unpack_key_cache(key_words, n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
+    vidx, vnorm = unpack_value_cache(value_words, n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
+    q_rot, q_jl, _ = rotate_q(q, polar_signs, jl_signs)
+    s = tq_scores(q_rot, q_jl, idx, bits, norm, rn, cb) * scale  # [H, n, L]
+    if causal:
+        pos = start_pos + np.arange(n)
+        s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    group = h // n_kv_heads
+    c = np.asarray(cb.centroids, np.float64)
+    vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)  # [L, H, d] rotated space
+    acc = np.einsum("hnl,lhd->nhd", p, vrot)
+    return rht_inv(acc, polar_signs)

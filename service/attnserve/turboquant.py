@@ -1,0 +1,157 @@
+"""Session-level TurboQuant state: rotation signs, the Lloyd-Max codebook, constants.
+
+Everything here is host-side and deterministic across machines:
+
+* ``layer_signs(seed, layer, d)`` draws the two +-1 vectors (polar, JL) of one
+  layer from splitmix64, a fixed integer recurrence (no numpy Generator, whose
+  streams may change between numpy releases), so a seed gives the same signs on
+  every host and snapshots stay loadable anywhere.
+* ``CODEBOOK[d]`` is the 4-level Lloyd-Max quantizer for one coordinate of a
+  randomly rotated unit vector in dimension d (density proportional to
+  ``(1 - x^2)^((d-3)/2)`` on [-1, 1]), stored as float32 values that the kernels
+  and the float64 oracle share bit for bit. ``lloyd_max_codebook(d)`` recomputes
+  it in float64 (a test checks the table against it).
+* ``qjl_scale(d)`` is the QJL constant for the ORTHONORMAL rotation
+  ``rht(x, s) = H (s * x) / sqrt(d)``: sqrt(pi/2) / sqrt(d) (docs/turboquant.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "CODEBOOK",
+    "Codebook",
+    "codebook",
+    "lloyd_max_codebook",
+    "layer_signs",
+    "session_signs",
+    "qjl_scale",
+    "splitmix64",
+    "bytes_per_token",
+]
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+
+# float32 centroids c0 < c1 < c2 < c3 (exact float32 values, written as hex).
+_CODEBOOK_HEX = {
+    32: ("-0x1.0da39ap-2", "-0x1.46de64p-4", "0x1.46de64p-4", "0x1.0da39ap-2"),
+    64: ("-0x1.7ffe5ap-3", "-0x1.cef846p-5", "0x1.cef846p-5", "0x1.7ffe5ap-3"),
+    128: ("-0x1.107812p-3", "-0x1.479c74p-5", "0x1.479c74p-5", "0x1.107812p-3"),
+}
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """The 2-bit quantizer of one head_dim, as float32 values (held as float64)."""
+
+    head_dim: int
+    centroids: tuple[float, float, float, float]
+    boundaries: tuple[float, float, float]
+
+    def centroids_f32(self) -> np.ndarray:
+        return np.asarray(self.centroids, dtype=np.float32)
+
+    def boundaries_f32(self) -> np.ndarray:
+        return np.asarray(self.boundaries, dtype=np.float32)
+
+
+def _make_codebook(d: int) -> Codebook:
+    c = tuple(float(np.float32(float.fromhex(h))) for h in _CODEBOOK_HEX[d])
+    # b_i = (c_i + c_{i+1}) / 2, rounded once to float32: the GPU and the oracle
+    # compare against exactly these thresholds.
+    b = tuple(float(np.float32((c[i] + c[i + 1]) / 2.0)) for i in range(3))
+    return Codebook(d, c, b)  # type: ignore[arg-type]
+
+
+CODEBOOK: dict[int, Codebook] = {d: _make_codebook(d) for d in SUPPORTED_HEAD_DIMS}
+
+
+def codebook(head_dim: int) -> Codebook:
+    try:
+        return CODEBOOK[head_dim]
+    except KeyError:
+        raise ValueError(
+            f"turboquant supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+        ) from None
+
+
+def lloyd_max_codebook(d: int, iters: int = 200) -> np.ndarray:
+    """Recompute the 4-level Lloyd-Max centroids in float64 on the exact density."""
+    gx, gw = np.polynomial.legendre.leggauss(200)
+
+    def integ(f, a: float, b: float) -> float:
+        x = (b - a) / 2 * gx + (a + b) / 2
+        return float((b - a) / 2 * np.sum(gw * f(x)))
+
+    def dens(x):
+        return (1.0 - x * x) ** ((d - 3) / 2)
+
+    c = np.array([-1.5104, -0.4528, 0.4528, 1.5104]) / math.sqrt(d)  # Gaussian start
+    for _ in range(iters):
+        b = np.concatenate([[-1.0], (c[:-1] + c[1:]) / 2, [1.0]])
+        c = np.array(
+            [
+                integ(lambda x: x * dens(x), b[i], b[i + 1]) / integ(dens, b[i], b[i + 1])
+                for i in range(4)
+            ]
+        )
+    return (c - c[::-1]) / 2  # exactly symmetric
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(state: int, n: int) -> list[int]:
+    """n outputs of splitmix64 started from ``state`` (a fixed, portable recurrence)."""
+    out = []
+    s = state & _MASK64
+    for _ in range(n):
+        s = (s + 0x9E3779B97F4A7C15) & _MASK64
+        z = s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _layer_signs_cached(seed: int, layer: int, d: int) -> bytes:
+    # One stream per (seed, layer): mix the layer into the start state so that
+    # neighbouring layers do not share a shifted stream.
+    start = splitmix64((seed & _MASK64) ^ ((layer + 1) * 0xD1B54A32D192ED03 & _MASK64), 1)[0]
+    words = splitmix64(start, (2 * d + 63) // 64)
+    bits = [(words[j // 64] >> (j % 64)) & 1 for j in range(2 * d)]
+    return np.where(np.array(bits, dtype=np.uint8) == 1, 1.0, -1.0).astype(np.float32).tobytes()
+
+
+def layer_signs(seed: int, layer: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """(polar_signs, jl_signs) of one layer: float32 arrays of +-1.0, length d each."""
+    s = np.frombuffer(_layer_signs_cached(int(seed), int(layer), int(d)), dtype=np.float32)
+    return s[:d].copy(), s[d:].copy()
+
+
+def session_signs(seed: int, num_layers: int, d: int) -> np.ndarray:
+    """All layers' signs in the kernels' layout: layer l at ``l * 2 * d``, polar then JL."""
+    return np.concatenate([np.concatenate(layer_signs(seed, l, d)) for l in range(num_layers)])
+
+
+def qjl_scale(d: int) -> float:
+    """Unbiased QJL constant for the orthonormal ``q_jl = rht(q_rot, jl_signs)``."""
+    return math.sqrt(math.pi / 2.0) / math.sqrt(d)
+
+
+def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes one timestep of one layer occupies in the cache (keys + values)."""
+    if kv_format == "f32":
+        return 2 * num_kv_heads * head_dim * 4
+    if kv_format == "turboquant":
+        key_words = head_dim // 16 + head_dim // 32 + 1
+        value_words = head_dim // 16 + 1
+        return num_kv_heads * (key_words + value_words) * 4
+    raise ValueError(f"unknown kv_format {kv_format!r}")

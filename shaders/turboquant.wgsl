@@ -1,0 +1,408 @@
+// TurboQuant writer side: the encoders that fill the compressed KV cache read
+// by `flash_attention_tq.wgsl`, and the query rotation that kernel expects.
+//
+// Math (docs/turboquant.md; TurboQuant arXiv:2504.19874, QJL arXiv:2406.03482):
+//
+//   rht(x, s) = H (s * x) / sqrt(d)     H: unnormalized Walsh-Hadamard (+-1)
+//
+// Keys, per (timestep, kv head), d = head_dim (32, 64 or 128):
+//   norm = ||k||; a vector with norm < 1e-12 is stored as all-zero words.
+//   y    = rht(k / norm, polar_signs);  idx_j = #{ i : y_j >= b_i }  (0..3)
+//   r    = y - c[idx];  residual_norm = ||r||  (unit-key space)
+//   bit_j = rht(r / residual_norm, jl_signs)_j >= 0   (all zero if ||r|| < 1e-12)
+//   norm word = pack2x16float(norm, residual_norm)
+// Values: the same first two steps; norm word = pack2x16float(norm, 0).
+//
+// Cache layout of one layer (`cap` = allocated timesteps = per-head stride,
+// `vecs = n_kv_heads * cap`, slot(h, t) = h * cap + t), all `array<u32>`:
+//   keys:   [ polar: vecs * d/16 | jl: vecs * d/32 | norms: vecs ]
+//   values: [ polar: vecs * d/16 | norms: vecs ]
+//   polar word w of a slot: slot * (d/16) + w, element j at bits 2j..2j+1 (LSB first)
+//   jl word w of a slot:    jl_off + slot * (d/32) + w, element j at bit j
+//
+// Rotated queries (`tq_rotate_q`), one f32 buffer of q_cap query rows:
+//   [ q_rot: q_cap*n_heads*d | q_jl: same | sums: q_cap*n_heads ]
+//   q_rot = rht(q, polar_signs); q_jl = rht(q_rot, jl_signs); sums = sum_d q_jl
+//
+// Signs: one f32 buffer of +-1.0 for all layers; layer l at sign_off = l*2*d,
+// polar signs first, JL signs after them.
+//
+// Every workgroupBarrier() sits in uniform control flow at entry-point scope and
+// the reductions / butterflies are inlined: naga's SPIR-V path miscompiles a
+// barrier reached through a function call inside a loop (see the seed kernels).
+// Loop bounds come from `params` (read-only storage), which is uniform.
+// Workgroup memory is not zero-initialized: every slot read is written first.
+//
+// ── tq_encode_keys / tq_encode_values ───────────────────────────────────────
+// @binding(0) src:    array<f32>  rows x n_kv_heads x head_dim (row-major)
+// @binding(1) cache:  array<u32>  the layer's key (or value) cache (rw)
+// @binding(2) eparams: array<u32, 16>
+//   ( n_kv_heads, head_dim, cache_cap, t0, row_base, sign_off, n_rows, _pad0,
+//     c0_bits, c1_bits, c2_bits, c3_bits, b0_bits, b1_bits, b2_bits, _pad1 )
+//   Source row i (= row_base + workgroup_id.y) goes to timestep t0 + i.
+//   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 bits so the host's
+//   oracle compares against the very same thresholds.
+// @binding(3) signs:  array<f32>
+// Dispatch: (n_kv_heads, rows in this dispatch, 1) workgroups of 128 threads.
+//
+// ── tq_rotate_q ─────────────────────────────────────────────────────────────
+// @binding(3) signs:  array<f32>
+// @binding(4) q_in:   array<f32>  query rows, row stride q_stride floats
+// @binding(5) q_out:  array<f32>  [q_rot | q_jl | sums] (rw)
+// @binding(6) rparams: array<u32, 8>
+//   ( n_heads, head_dim, q_cap, sign_off, q_base, q_stride, _pad, _pad )
+// Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 128 threads;
+// query row q_base + workgroup_id.y.
+
+@group(0) @binding(0) var<storage, read> src: array<f32>;
+@group(0) @binding(1) var<storage, read_write> cache: array<u32>;
+@group(0) @binding(2) var<storage, read> eparams: array<u32, 16>;
+@group(0) @binding(3) var<storage, read> signs: array<f32>;
+@group(0) @binding(4) var<storage, read> q_in: array<f32>;
+@group(0) @binding(5) var<storage, read_write> q_out: array<f32>;
+@group(0) @binding(6) var<storage, read> rparams: array<u32, 8>;
+
+const WG: u32 = 128u;
+const MAX_HEAD_DIM: u32 = 128u;
+const NORM_EPS: f32 = 1e-12;
+
+var<workgroup> buf: array<f32, MAX_HEAD_DIM>;   // butterfly workspace
+var<workgroup> red: array<f32, WG>;             // reduction scratch
+var<workgroup> code: array<u32, MAX_HEAD_DIM>;  // 2-bit indices / sign bits
+var<workgroup> jl_bits: array<u32, MAX_HEAD_DIM>;
+
+// 2-bit Lloyd-Max index: how many boundaries the value is >= to.
+fn quantize(y: f32, b0: f32, b1: f32, b2: f32) -> u32 {
+    return u32(y >= b0) + u32(y >= b1) + u32(y >= b2);
+}
+
+fn centroid(i: u32, c0: f32, c1: f32, c2: f32, c3: f32) -> f32 {
+    var c = c0;
+    if i == 1u { c = c1; }
+    if i == 2u { c = c2; }
+    if i == 3u { c = c3; }
+    return c;
+}
+
+@compute @workgroup_size(128, 1, 1)
+fn tq_encode_keys(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let tid = lid.x;
+    let n_kv_heads = eparams[0];
+    let head_dim = eparams[1];
+    let cache_cap = eparams[2];
+    let t0 = eparams[3];
+    let row_base = eparams[4];
+    let row = row_base + wid.y;
+    let sign_off = eparams[5];
+    let c0 = bitcast<f32>(eparams[8]);
+    let c1 = bitcast<f32>(eparams[9]);
+    let c2 = bitcast<f32>(eparams[10]);
+    let c3 = bitcast<f32>(eparams[11]);
+    let b0 = bitcast<f32>(eparams[12]);
+    let b1 = bitcast<f32>(eparams[13]);
+    let b2 = bitcast<f32>(eparams[14]);
+    let head = wid.x;
+    let in_dim = tid < head_dim;
+
+    var x = 0.0;
+    if in_dim {
+        x = src[(row * n_kv_heads + head) * head_dim + tid];
+    }
+
+    // ── norm = ||k|| (inlined tree reduction) ──
+    red[tid] = x * x;
+    workgroupBarrier();
+    if tid < 64u { red[tid] += red[tid + 64u]; }
+    workgroupBarrier();
+    if tid < 32u { red[tid] += red[tid + 32u]; }
+    workgroupBarrier();
+    if tid < 16u { red[tid] += red[tid + 16u]; }
+    workgroupBarrier();
+    if tid < 8u { red[tid] += red[tid + 8u]; }
+    workgroupBarrier();
+    if tid < 4u { red[tid] += red[tid + 4u]; }
+    workgroupBarrier();
+    if tid < 2u { red[tid] += red[tid + 2u]; }
+    workgroupBarrier();
+    if tid < 1u { red[tid] += red[tid + 1u]; }
+    workgroupBarrier();
+    let norm = sqrt(red[0]);
+    let live = norm >= NORM_EPS;
+    var inv_norm = 0.0;
+    if live { inv_norm = 1.0 / norm; }
+
+    // ── y = rht(k / norm, polar_signs) ──
+    if in_dim {
+        buf[tid] = x * inv_norm * signs[sign_off + tid];
+    }
+    var stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = buf[i];
+            let b = buf[i + stride];
+            buf[i] = a + b;
+            buf[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    var r = 0.0;
+    if in_dim {
+        let y = buf[tid] * inv_sqrt_d;
+        let idx = quantize(y, b0, b1, b2);
+        code[tid] = idx;
+        r = y - centroid(idx, c0, c1, c2, c3);
+    }
+
+    // ── residual_norm = ||y - c[idx]|| ──
+    red[tid] = r * r;
+    workgroupBarrier();
+    if tid < 64u { red[tid] += red[tid + 64u]; }
+    workgroupBarrier();
+    if tid < 32u { red[tid] += red[tid + 32u]; }
+    workgroupBarrier();
+    if tid < 16u { red[tid] += red[tid + 16u]; }
+    workgroupBarrier();
+    if tid < 8u { red[tid] += red[tid + 8u]; }
+    workgroupBarrier();
+    if tid < 4u { red[tid] += red[tid + 4u]; }
+    workgroupBarrier();
+    if tid < 2u { red[tid] += red[tid + 2u]; }
+    workgroupBarrier();
+    if tid < 1u { red[tid] += red[tid + 1u]; }
+    workgroupBarrier();
+    let residual_norm = sqrt(red[0]);
+    let rlive = live && residual_norm >= NORM_EPS;
+    var inv_rn = 0.0;
+    if rlive { inv_rn = 1.0 / residual_norm; }
+
+    // ── JL sign bits of rht(r / ||r||, jl_signs) (the 1/sqrt(d) keeps signs) ──
+    if in_dim {
+        buf[tid] = r * inv_rn * signs[sign_off + head_dim + tid];
+    }
+    stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = buf[i];
+            let b = buf[i + stride];
+            buf[i] = a + b;
+            buf[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    if in_dim {
+        jl_bits[tid] = u32(rlive && buf[tid] >= 0.0);
+    }
+    workgroupBarrier();
+
+    // ── pack: polar words, JL words, norm word ──
+    let polar_words = head_dim / 16u;
+    let jl_words = head_dim / 32u;
+    let vecs = n_kv_heads * cache_cap;
+    let slot = head * cache_cap + t0 + row;
+    if tid < polar_words {
+        var word = 0u;
+        for (var k = 0u; k < 16u; k += 1u) {
+            word = word | (code[tid * 16u + k] << (2u * k));
+        }
+        if !live { word = 0u; }
+        cache[slot * polar_words + tid] = word;
+    }
+    if tid < jl_words {
+        var word = 0u;
+        for (var k = 0u; k < 32u; k += 1u) {
+            word = word | (jl_bits[tid * 32u + k] << k);
+        }
+        cache[vecs * polar_words + slot * jl_words + tid] = word;
+    }
+    if tid == 0u {
+        var nw = 0u;
+        if live { nw = pack2x16float(vec2<f32>(norm, residual_norm)); }
+        cache[vecs * (polar_words + jl_words) + slot] = nw;
+    }
+}
+
+@compute @workgroup_size(128, 1, 1)
+fn tq_encode_values(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let tid = lid.x;
+    let n_kv_heads = eparams[0];
+    let head_dim = eparams[1];
+    let cache_cap = eparams[2];
+    let t0 = eparams[3];
+    let row_base = eparams[4];
+    let row = row_base + wid.y;
+    let sign_off = eparams[5];
+    let b0 = bitcast<f32>(eparams[12]);
+    let b1 = bitcast<f32>(eparams[13]);
+    let b2 = bitcast<f32>(eparams[14]);
+    let head = wid.x;
+    let in_dim = tid < head_dim;
+
+    var x = 0.0;
+    if in_dim {
+        x = src[(row * n_kv_heads + head) * head_dim + tid];
+    }
+
+    // ── norm = ||v|| ──
+    red[tid] = x * x;
+    workgroupBarrier();
+    if tid < 64u { red[tid] += red[tid + 64u]; }
+    workgroupBarrier();
+    if tid < 32u { red[tid] += red[tid + 32u]; }
+    workgroupBarrier();
+    if tid < 16u { red[tid] += red[tid + 16u]; }
+    workgroupBarrier();
+    if tid < 8u { red[tid] += red[tid + 8u]; }
+    workgroupBarrier();
+    if tid < 4u { red[tid] += red[tid + 4u]; }
+    workgroupBarrier();
+    if tid < 2u { red[tid] += red[tid + 2u]; }
+    workgroupBarrier();
+    if tid < 1u { red[tid] += red[tid + 1u]; }
+    workgroupBarrier();
+    let norm = sqrt(red[0]);
+    let live = norm >= NORM_EPS;
+    var inv_norm = 0.0;
+    if live { inv_norm = 1.0 / norm; }
+
+    // ── y = rht(v / norm, polar_signs); idx = quantize(y) ──
+    if in_dim {
+        buf[tid] = x * inv_norm * signs[sign_off + tid];
+    }
+    var stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = buf[i];
+            let b = buf[i + stride];
+            buf[i] = a + b;
+            buf[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    if in_dim {
+        code[tid] = quantize(buf[tid] * inv_sqrt_d, b0, b1, b2);
+    }
+    workgroupBarrier();
+
+    // ── pack: polar words, norm word (no JL region for values) ──
+    let polar_words = head_dim / 16u;
+    let vecs = n_kv_heads * cache_cap;
+    let slot = head * cache_cap + t0 + row;
+    if tid < polar_words {
+        var word = 0u;
+        for (var k = 0u; k < 16u; k += 1u) {
+            word = word | (code[tid * 16u + k] << (2u * k));
+        }
+        if !live { word = 0u; }
+        cache[slot * polar_words + tid] = word;
+    }
+    if tid == 0u {
+        var nw = 0u;
+        if live { nw = pack2x16float(vec2<f32>(norm, 0.0)); }
+        cache[vecs * polar_words + slot] = nw;
+    }
+}
+
+@compute @workgroup_size(128, 1, 1)
+fn tq_rotate_q(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let tid = lid.x;
+    let n_heads = rparams[0];
+    let head_dim = rparams[1];
+    let q_cap = rparams[2];
+    let sign_off = rparams[3];
+    let q_base = rparams[4];
+    let q_global = q_base + wid.y;
+    let q_stride = rparams[5];
+    let head = wid.x;
+    let in_dim = tid < head_dim;
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    let q_region = q_cap * n_heads * head_dim;
+    let out_off = (q_global * n_heads + head) * head_dim;
+
+    // ── q_rot = rht(q, polar_signs) ──
+    if in_dim {
+        buf[tid] = q_in[q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
+    }
+    var stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = buf[i];
+            let b = buf[i + stride];
+            buf[i] = a + b;
+            buf[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    var q_rot = 0.0;
+    if in_dim {
+        q_rot = buf[tid] * inv_sqrt_d;
+        q_out[out_off + tid] = q_rot;
+    }
+    workgroupBarrier();
+
+    // ── q_jl = rht(q_rot, jl_signs) ──
+    if in_dim {
+        buf[tid] = q_rot * signs[sign_off + head_dim + tid];
+    }
+    stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = buf[i];
+            let b = buf[i + stride];
+            buf[i] = a + b;
+            buf[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    var q_jl = 0.0;
+    if in_dim {
+        q_jl = buf[tid] * inv_sqrt_d;
+        q_out[q_region + out_off + tid] = q_jl;
+    }
+
+    // ── sums = sum_d q_jl ──
+    red[tid] = q_jl;
+    workgroupBarrier();
+    if tid < 64u { red[tid] += red[tid + 64u]; }
+    workgroupBarrier();
+    if tid < 32u { red[tid] += red[tid + 32u]; }
+    workgroupBarrier();
+    if tid < 16u { red[tid] += red[tid + 16u]; }
+    workgroupBarrier();
+    if tid < 8u { red[tid] += red[tid + 8u]; }
+    workgroupBarrier();
+    if tid < 4u { red[tid] += red[tid + 4u]; }
+    workgroupBarrier();
+    if tid < 2u { red[tid] += red[tid + 2u]; }
+    workgroupBarrier();
+    if tid < 1u { red[tid] += red[tid + 1u]; }
+    workgroupBarrier();
+    if tid == 0u {
+        q_out[2u * q_region + q_global * n_heads + head] = red[0];
+    }
+}
