@@ -1,0 +1,76 @@
+"""attnserve_client: the Python client of the attnserve attention service.
+
+    from attnserve_client import Client
+
+    with Client("http://127.0.0.1:8000") as client:
+        session = client.create_session(num_qo_heads=8, num_kv_heads=2, head_dim=64)
+        session.append(0, k, v)            # k, v: [m, 2, 64] float arrays
+        out = session.attend(0, q)         # q: [n, 8, 64] -> out: [n, 8, 64] float32
+
+See ``docs/client.md`` for the whole guide.
+"""
+
+from . import wire
+from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session
+from ._types import SessionInfo
+from ._version import __version__
+from .errors import (
+    APIConnectionError,
+    APIError,
+    APIStatusError,
+    APITimeoutError,
+    AttnServeError,
+    CapacityExceeded,
+    InvalidInput,
+    InvalidRequest,
+    InvalidResponse,
+    InvalidSnapshot,
+    LayerNotFound,
+    MalformedBody,
+    NotReady,
+    OffsetMismatch,
+    OutOfMemory,
+    Overloaded,
+    PayloadTooLarge,
+    SessionExists,
+    SessionNotFound,
+    Unauthorized,
+    UnsupportedMediaType,
+    parse_problem,
+)
+from .wire import WireError
+
+__all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT",
+    "APIConnectionError",
+    "APIError",
+    "APIStatusError",
+    "APITimeoutError",
+    "AsyncClient",
+    "AsyncSession",
+    "AttnServeError",
+    "CapacityExceeded",
+    "Client",
+    "InvalidInput",
+    "InvalidRequest",
+    "InvalidResponse",
+    "InvalidSnapshot",
+    "LayerNotFound",
+    "MalformedBody",
+    "NotReady",
+    "OffsetMismatch",
+    "OutOfMemory",
+    "Overloaded",
+    "PayloadTooLarge",
+    "Session",
+    "SessionExists",
+    "SessionInfo",
+    "SessionNotFound",
+    "Unauthorized",
+    "UnsupportedMediaType",
+    "WireError",
+    "__version__",
+    "parse_problem",
+    "wire",
+]

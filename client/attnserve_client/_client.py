@@ -1,0 +1,825 @@
+"""Client, AsyncClient and their sessions.
+
+All protocol logic (request building, input checks, retries, offset tracking and
+the recovery of calls whose answer was lost) is written once, as generators
+("flows") on :class:`_BaseClient` and :class:`_SessionBase`. A flow yields the I/O
+it needs, :class:`_Send` (one HTTP attempt) or :class:`_Sleep` (a backoff), and
+receives its result; :meth:`Client._run` performs them with ``httpx.Client`` and
+:meth:`AsyncClient._run` with ``httpx.AsyncClient``. So the sync and async clients
+cannot drift apart: they differ only in those two small drivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Generic, TypeVar, Union
+
+import httpx
+import numpy as np
+
+from . import wire
+from ._types import SessionInfo
+from ._version import __version__
+from .errors import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    InvalidInput,
+    InvalidResponse,
+    OffsetMismatch,
+    SessionExists,
+    SessionNotFound,
+    parse_problem,
+    parse_retry_after,
+)
+
+__all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_TIMEOUT",
+    "AsyncClient",
+    "AsyncSession",
+    "Client",
+    "Session",
+]
+
+#: Seconds every request may take (connect, each read and write, pool wait).
+DEFAULT_TIMEOUT = 60.0
+#: Extra attempts after the first one, for the failures that are safe to retry.
+DEFAULT_MAX_RETRIES = 2
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Transport errors raised before any byte of the request left: always safe to retry.
+_UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# Transport errors worth another attempt of an idempotent request.
+_RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+_RETRY_STATUSES = frozenset({429, 503})
+
+T = TypeVar("T")
+_C = TypeVar("_C", bound="_BaseClient")
+
+
+@dataclass(frozen=True)
+class _Send:
+    """One HTTP attempt; the driver answers with an ``httpx.Response`` or throws an
+    ``httpx.RequestError`` into the flow."""
+
+    method: str
+    url: str
+    content: bytes | None
+    headers: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    seconds: float
+
+
+_Op = Union[_Send, _Sleep]
+Flow = Generator[_Op, Any, T]
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """The final answer to one call, after any retries.
+
+    ``maybe_landed`` is true when an earlier attempt failed after its request was
+    sent, so the server may have carried it out although its answer was lost.
+    """
+
+    response: httpx.Response
+    maybe_landed: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.response.is_success
+
+    def error(self) -> APIError:
+        return parse_problem(self.response.status_code, self.response.content, self.response.headers)
+
+
+def _wrap_transport_error(exc: httpx.RequestError) -> APIConnectionError:
+    cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
+    return cls(f"{type(exc).__name__}: {exc or 'no details'}")
+
+
+def _check_session_id(session_id: Any) -> str:
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        raise InvalidInput(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+    return session_id
+
+
+def _int_arg(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise InvalidInput(f"{name}: expected an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidInput(f"{name}: expected an int, got {value!r}") from None
+
+
+def _int_member(body: Any, key: str, what: str) -> int:
+    value = body.get(key) if isinstance(body, Mapping) else None
+    if type(value) is not int:
+        raise InvalidResponse(f"{what}: expected {key!r} as an int in the answer, got {value!r}")
+    return value
+
+
+class _BaseClient:
+    """What :class:`Client` and :class:`AsyncClient` share: configuration and flows."""
+
+    # Backoff between attempts: initial * 2**attempt seconds, at most _backoff_max,
+    # less up to 25 % jitter; a Retry-After is honoured up to _retry_after_max.
+    _backoff_initial = 0.5
+    _backoff_max = 8.0
+    _retry_after_max = 60.0
+    # Largest answer body decoded (an attend output of 2 GiB is far past any limit).
+    _max_response_bytes = 1 << 31
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        api_key: str | None,
+        timeout: float | httpx.Timeout | None,
+        max_retries: int,
+        headers: Mapping[str, str] | None,
+    ) -> None:
+        max_retries = _int_arg("max_retries", max_retries)
+        if max_retries < 0:
+            raise InvalidInput(f"max_retries: expected an int >= 0, got {max_retries}")
+        self.base_url = str(base_url).rstrip("/")
+        self.max_retries = max_retries
+        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self._headers = {"Accept": wire.MSGPACK, "User-Agent": f"attnserve-client/{__version__}"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._headers.update(headers or {})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r})"
+
+    # -- the request loop -------------------------------------------------------
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self._retry_after_max)
+        delay = min(self._backoff_max, self._backoff_initial * 2**attempt)
+        return delay * (1.0 - 0.25 * random.random())
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        idempotent: bool = True,
+        retry: bool = True,
+    ) -> Flow[_Reply]:
+        """Send one request, retrying what is safe to retry; return the final answer.
+
+        Retried (at most ``max_retries`` times, with backoff): answers 429 and 503
+        (the server did nothing; ``Retry-After`` honoured), transport errors before
+        the request was sent, and for idempotent requests also timeouts and dropped
+        connections after it was sent. Error answers are returned, not raised.
+
+        Raises:
+            APIConnectionError, APITimeoutError: no answer came, after the retries.
+        """
+        headers = dict(self._headers)
+        content = None
+        if body is not None:
+            content = wire.packb(body)
+            headers["Content-Type"] = wire.MSGPACK
+        send = _Send(method, self.base_url + path, content, headers)
+        maybe_landed = False
+        attempt = 0
+        while True:
+            try:
+                response: httpx.Response = yield send
+            except httpx.RequestError as exc:
+                sent = not isinstance(exc, _UNSENT)
+                retryable = isinstance(exc, _RETRYABLE) and (idempotent or not sent)
+                if not (retry and retryable and attempt < self.max_retries):
+                    raise _wrap_transport_error(exc) from exc
+                maybe_landed = maybe_landed or sent
+                yield _Sleep(self._backoff(attempt, None))
+            else:
+                if not (retry and response.status_code in _RETRY_STATUSES and attempt < self.max_retries):
+                    return _Reply(response, maybe_landed)
+                retry_after = parse_retry_after(response.headers.get("retry-after"))
+                yield _Sleep(self._backoff(attempt, retry_after))
+            attempt += 1
+
+    def _decode(self, reply: _Reply) -> Any:
+        """The decoded body of a success answer (MessagePack or JSON), ``None`` if empty."""
+        response = reply.response
+        if not response.content:
+            return None
+        try:
+            if wire.is_msgpack(response.headers.get("content-type")):
+                return wire.unpackb(response.content, max_bytes=self._max_response_bytes)
+            return json.loads(response.content)
+        except (wire.WireError, ValueError, RecursionError) as exc:
+            raise InvalidResponse(
+                f"{response.request.method} {response.request.url.path}: undecodable answer ({exc})"
+            ) from None
+
+    def _call_ok(self, method: str, path: str, body: Mapping[str, Any] | None = None, **kw: Any) -> Flow[Any]:
+        """:meth:`_call`, raising the error of an error answer; returns the decoded body."""
+        reply = yield from self._call(method, path, body, **kw)
+        if not reply.ok:
+            raise reply.error()
+        return self._decode(reply)
+
+    # -- flows ---------------------------------------------------------------
+
+    def _create_flow(
+        self,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        kv_format: str,
+        max_tokens: int | None,
+        seed: int | None,
+        session_id: str | None,
+    ) -> Flow[SessionInfo]:
+        body: dict[str, Any] = {
+            "num_layers": _int_arg("num_layers", num_layers),
+            "num_qo_heads": _int_arg("num_qo_heads", num_qo_heads),
+            "num_kv_heads": _int_arg("num_kv_heads", num_kv_heads),
+            "head_dim": _int_arg("head_dim", head_dim),
+        }
+        if not isinstance(kv_format, str):
+            raise InvalidInput(f"kv_format: expected a str, got {kv_format!r}")
+        body["kv_format"] = kv_format
+        if max_tokens is not None:
+            body["max_tokens"] = _int_arg("max_tokens", max_tokens)
+        if seed is not None:
+            body["seed"] = _int_arg("seed", seed)
+        if session_id is None:
+            # POST is not idempotent: retried only when the request surely did not arrive.
+            info = yield from self._call_ok("POST", "/v1/sessions", body, idempotent=False)
+            return SessionInfo.from_dict(info)
+        path = f"/v1/sessions/{_check_session_id(session_id)}"
+        reply = yield from self._call("PUT", path, body)
+        if reply.ok:
+            return SessionInfo.from_dict(self._decode(reply))
+        error = reply.error()
+        if isinstance(error, SessionExists) and reply.maybe_landed:
+            # Our own earlier attempt may have created it: adopt it if it is exactly
+            # what we asked for and still empty.
+            info = SessionInfo.from_dict((yield from self._call_ok("GET", path)))
+            if all(getattr(info, key) == value for key, value in body.items()) and not any(info.lengths):
+                return info
+        raise error
+
+    def _get_info_flow(self, session_id: str) -> Flow[SessionInfo]:
+        body = yield from self._call_ok("GET", f"/v1/sessions/{_check_session_id(session_id)}")
+        return SessionInfo.from_dict(body)
+
+    def _list_flow(self) -> Flow[list[SessionInfo]]:
+        body = yield from self._call_ok("GET", "/v1/sessions")
+        items = body.get("sessions") if isinstance(body, Mapping) else body
+        if not isinstance(items, list):
+            raise InvalidResponse(f"list sessions: expected {{'sessions': [...]}}, got {type(body).__name__}")
+        return [SessionInfo.from_dict(item) for item in items]
+
+    def _delete_flow(self, session_id: str) -> Flow[None]:
+        reply = yield from self._call("DELETE", f"/v1/sessions/{_check_session_id(session_id)}")
+        if reply.ok:
+            return None
+        error = reply.error()
+        # A lost answer to an earlier attempt that did delete it: done all the same.
+        if isinstance(error, SessionNotFound) and reply.maybe_landed:
+            return None
+        raise error
+
+    def _server_info_flow(self) -> Flow[dict[str, Any]]:
+        body = yield from self._call_ok("GET", "/v1/info")
+        if not isinstance(body, dict):
+            raise InvalidResponse(f"server info: expected an object, got {type(body).__name__}")
+        return body
+
+    def _probe_flow(self, path: str) -> Flow[bool]:
+        reply = yield from self._call("GET", path, retry=False)
+        return reply.ok
+
+
+class _SessionBase(Generic[_C]):
+    """What :class:`Session` and :class:`AsyncSession` share: checks, tracking, flows."""
+
+    def __init__(self, client: _C, info: SessionInfo) -> None:
+        self._client = client
+        self._config = info
+        # The length of each layer as this client believes it; None: unknown (then
+        # the next write first asks the server with GET).
+        self._lengths: list[int | None] = list(info.lengths)
+
+    @property
+    def session_id(self) -> str:
+        return self._config.session_id
+
+    @property
+    def lengths(self) -> tuple[int | None, ...]:
+        """Each layer's length as last seen in an answer (``None``: not known now)."""
+        return tuple(self._lengths)
+
+    def __repr__(self) -> str:
+        c = self._config
+        return (
+            f"{type(self).__name__}({c.session_id!r}, num_layers={c.num_layers},"
+            f" num_qo_heads={c.num_qo_heads}, num_kv_heads={c.num_kv_heads},"
+            f" head_dim={c.head_dim}, kv_format={c.kv_format!r})"
+        )
+
+    # -- checks, before anything is sent ------------------------------------------
+
+    def _check_layer(self, layer: Any) -> int:
+        n = self._config.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n:
+            raise InvalidInput(f"layer: expected an int in 0..{n - 1}, got {layer!r}")
+        return int(layer)
+
+    def _check_rows(self, a: Any, name: str, heads: int, rows: str) -> np.ndarray:
+        try:
+            arr = wire.as_float32(a, name=name)
+        except wire.WireError as exc:
+            raise InvalidInput(str(exc)) from None
+        d = self._config.head_dim
+        if arr.ndim != 3 or arr.shape[1:] != (heads, d) or arr.shape[0] < 1:
+            raise InvalidInput(
+                f"{name}: expected shape ({rows}, {heads}, {d}) with {rows} >= 1, got {arr.shape}"
+            )
+        try:
+            return wire.check_finite(arr, name=name)
+        except wire.WireError as exc:
+            raise InvalidInput(str(exc)) from None
+
+    def _check_kv(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        k = self._check_rows(k, "k", self._config.num_kv_heads, "m")
+        v = self._check_rows(v, "v", self._config.num_kv_heads, "m")
+        if v.shape != k.shape:
+            raise InvalidInput(f"v: expected the shape of k {k.shape}, got {v.shape}")
+        return k, v
+
+    # -- flows -------------------------------------------------------------------
+
+    def _path(self, layer: int, what: str) -> str:
+        return f"/v1/sessions/{self.session_id}/layers/{layer}/{what}"
+
+    def _info_flow(self) -> Flow[SessionInfo]:
+        info = yield from self._client._get_info_flow(self.session_id)
+        self._lengths = list(info.lengths)
+        return info
+
+    def _offset_flow(self, layer: int) -> Flow[int]:
+        length = self._lengths[layer]
+        if length is None:
+            yield from self._info_flow()
+            length = self._lengths[layer]
+        assert length is not None
+        return length
+
+    def _write(self, layer: int, what: str, body: Mapping[str, Any]) -> Flow[_Reply]:
+        """POST a body that appends; if no answer comes at all, forget the layer's length."""
+        try:
+            return (yield from self._client._call("POST", self._path(layer, what), body))
+        except APIConnectionError:
+            self._lengths[layer] = None
+            raise
+
+    def _length_from(self, layer: int, body: Any, what: str) -> int:
+        length = _int_member(body, "length", what)
+        self._lengths[layer] = length
+        return length
+
+    def _landed_length(self, layer: int, reply: _Reply, landed: int) -> int:
+        """Settle a write that got an error answer: return ``landed`` (the layer's length
+        had the write been done) if the error shows that a lost earlier attempt of this
+        very call did it; else refresh the tracked length if the error tells it, and
+        raise the error."""
+        error = reply.error()
+        if isinstance(error, OffsetMismatch) and error.length is not None:
+            self._lengths[layer] = error.length
+            if reply.maybe_landed and error.length == landed:
+                return landed
+        raise error
+
+    def _append_flow(self, layer: Any, k: Any, v: Any) -> Flow[int]:
+        layer = self._check_layer(layer)
+        k, v = self._check_kv(k, v)
+        offset = yield from self._offset_flow(layer)
+        body = {"k": wire.encode_array(k, name="k"), "v": wire.encode_array(v, name="v"), "offset": offset}
+        reply = yield from self._write(layer, "kv", body)
+        if reply.ok:
+            return self._length_from(layer, self._client._decode(reply), "append")
+        return self._landed_length(layer, reply, offset + k.shape[0])
+
+    def _attend_flow(
+        self,
+        layer: Any,
+        q: Any,
+        k: Any,
+        v: Any,
+        start_pos: int | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Flow[np.ndarray]:
+        layer = self._check_layer(layer)
+        q = self._check_rows(q, "q", self._config.num_qo_heads, "n")
+        n = q.shape[0]
+        fused = k is not None or v is not None
+        if fused and (k is None or v is None):
+            raise InvalidInput("k, v: expected both or neither, got only " + ("k" if v is None else "v"))
+        if fused:
+            k, v = self._check_kv(k, v)
+        if start_pos is not None:
+            start_pos = _int_arg("start_pos", start_pos)
+            if start_pos < 0:
+                raise InvalidInput(f"start_pos: expected an int >= 0, got {start_pos}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise InvalidInput(f"causal: expected a bool, got {causal!r}")
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
+                raise InvalidInput(f"scale: expected a finite float, got {scale!r}")
+            scale = float(scale)
+
+        query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": bool(causal)}
+        if scale is not None:
+            query["scale"] = scale
+        if not fused:
+            if start_pos is not None:
+                query["start_pos"] = start_pos
+            reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
+            return self._out_from(layer, reply, n)
+
+        offset = yield from self._offset_flow(layer)
+        body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
+        if start_pos is not None:
+            body["start_pos"] = start_pos
+        reply = yield from self._write(layer, "attend", body)
+        if not reply.ok:
+            length = self._landed_length(layer, reply, offset + k.shape[0])
+            # The lost first attempt appended k, v but its output was lost with its
+            # answer: attend again, without k, v, at the position that call had.
+            query["start_pos"] = start_pos if start_pos is not None else length - n
+            reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
+        return self._out_from(layer, reply, n)
+
+    def _out_from(self, layer: int, reply: _Reply, n: int) -> np.ndarray:
+        if not reply.ok:
+            raise reply.error()
+        body = self._client._decode(reply)
+        self._length_from(layer, body, "attend")
+        try:
+            out = wire.decode_array(body.get("out"), name="out", ndim=3, finite=False)
+        except wire.WireError as exc:
+            raise InvalidResponse(f"attend: {exc}") from None
+        expected = (n, self._config.num_qo_heads, self._config.head_dim)
+        if out.shape != expected:
+            raise InvalidResponse(f"attend: expected out of shape {expected}, got {out.shape}")
+        return out
+
+
+# -- synchronous -------------------------------------------------------------------
+
+
+class Session(_SessionBase["Client"]):
+    """One session: a KV cache for every layer of one sequence, on the server.
+
+    Made by :meth:`Client.create_session` or :meth:`Client.get_session`. Arrays go in
+    as any float array-like (converted once to C-contiguous little-endian float32)
+    and come out as float32 ndarrays. A session tracks each layer's length and sends
+    it as ``offset`` with every append, so a retried append never appends twice;
+    drive one layer of a session from one thread at a time.
+    """
+
+    def info(self) -> SessionInfo:
+        """Fetch the session's info (and refresh the tracked lengths from it)."""
+        return self._client._run(self._info_flow())
+
+    def append(self, layer: int, k: Any, v: Any) -> int:
+        """Append ``m`` timesteps to ``layer``; return the layer's new length.
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            k, v: ``[m, num_kv_heads, head_dim]`` float arrays, ``m >= 1``, finite.
+
+        Raises:
+            InvalidInput: a bad argument (nothing sent).
+            OffsetMismatch: the layer's length on the server is not the one tracked
+                (another writer); the tracked length is refreshed, nothing appended.
+            CapacityExceeded, ...: see :mod:`attnserve_client.errors`.
+        """
+        return self._client._run(self._append_flow(layer, k, v))
+
+    def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> np.ndarray:
+        """Attention of ``q`` over ``layer``'s cache; with ``k``, ``v`` append them first (fused).
+
+        Args:
+            layer: ``0 <= layer < num_layers``.
+            q: ``[n, num_qo_heads, head_dim]`` float array, ``n >= 1``.
+            k, v: ``[m, num_kv_heads, head_dim]``, appended before attending (both or none).
+            start_pos: position of q's first row; default ``length - n`` (after any append).
+            causal: row ``i`` attends to timesteps ``0..start_pos + i``; else to all.
+            scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+        Returns:
+            ``[n, num_qo_heads, head_dim]`` float32, C-contiguous, read-only (a view of
+            the answer's bytes; ``.copy()`` it to write). The layer's length after the
+            call is in :attr:`lengths`.
+        """
+        return self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+
+    def delete(self) -> None:
+        """Delete the session and free its GPU memory."""
+        self._client._run(self._client._delete_flow(self.session_id))
+
+
+class Client(_BaseClient):
+    """Synchronous client of one attnserve server, with one connection pool.
+
+    Args:
+        base_url: e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept).
+        api_key: sent as ``Authorization: Bearer <api_key>``.
+        timeout: seconds (or an ``httpx.Timeout``) for every request.
+        max_retries: extra attempts after the first, for safe-to-retry failures.
+        headers: extra headers for every request.
+        transport: an httpx transport for the pool (tests: ``httpx.MockTransport``).
+        http_client: an ``httpx.Client`` to use instead of a new one; it is not
+            closed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+        http_client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
+        if http_client is not None and transport is not None:
+            raise InvalidInput("transport, http_client: expected at most one, got both")
+        self._owns_http = http_client is None
+        self._http = http_client if http_client is not None else httpx.Client(transport=transport, timeout=self.timeout)
+        self._sleep: Callable[[float], None] = time.sleep
+
+    def _run(self, flow: Flow[T]) -> T:
+        try:
+            op = next(flow)
+            while True:
+                if isinstance(op, _Sleep):
+                    self._sleep(op.seconds)
+                    op = flow.send(None)
+                    continue
+                try:
+                    response = self._http.request(
+                        op.method, op.url, content=op.content, headers=op.headers, timeout=self.timeout
+                    )
+                except httpx.RequestError as exc:
+                    op = flow.throw(exc)
+                else:
+                    op = flow.send(response)
+        except StopIteration as stop:
+            return stop.value
+
+    def create_session(
+        self,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        kv_format: str = "f32",
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """Create a session (``POST``, or ``PUT`` with ``session_id`` of ``[A-Za-z0-9_-]{1,64}``).
+
+        ``max_tokens`` and ``seed`` default to the server's choice.
+
+        Raises:
+            SessionExists: ``session_id`` is taken.
+            InvalidRequest: the server refused the configuration.
+        """
+        info = self._run(
+            self._create_flow(
+                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
+                seed=seed, session_id=session_id,
+            )
+        )
+        return Session(self, info)
+
+    def get_session(self, session_id: str) -> Session:
+        """The existing session ``session_id`` (fetches its info).
+
+        Raises:
+            SessionNotFound: no such session for this API key.
+        """
+        return Session(self, self._run(self._get_info_flow(session_id)))
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Info of every session of this API key."""
+        return self._run(self._list_flow())
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete session ``session_id``; raises :class:`SessionNotFound` if there is none."""
+        self._run(self._delete_flow(session_id))
+
+    def info(self) -> dict[str, Any]:
+        """The server's info (``GET /v1/info``): adapter, backend, limits, kv formats, version."""
+        return self._run(self._server_info_flow())
+
+    def health(self) -> bool:
+        """Whether the server process is up (``/livez`` answers 2xx); no retries.
+
+        Raises:
+            APIConnectionError: no answer.
+        """
+        return self._run(self._probe_flow("/livez"))
+
+    def ready(self) -> bool:
+        """Whether the server is ready for work (``/readyz`` answers 2xx); no retries.
+
+        Raises:
+            APIConnectionError: no answer.
+        """
+        return self._run(self._probe_flow("/readyz"))
+
+    def close(self) -> None:
+        """Close the connection pool (unless it was passed in as ``http_client``)."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+# -- asynchronous ------------------------------------------------------------------
+
+
+class AsyncSession(_SessionBase["AsyncClient"]):
+    """:class:`Session` for :class:`AsyncClient`: the same methods, awaitable."""
+
+    async def info(self) -> SessionInfo:
+        """See :meth:`Session.info`."""
+        return await self._client._run(self._info_flow())
+
+    async def append(self, layer: int, k: Any, v: Any) -> int:
+        """See :meth:`Session.append`."""
+        return await self._client._run(self._append_flow(layer, k, v))
+
+    async def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> np.ndarray:
+        """See :meth:`Session.attend`."""
+        return await self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+
+    async def delete(self) -> None:
+        """See :meth:`Session.delete`."""
+        await self._client._run(self._client._delete_flow(self.session_id))
+
+
+class AsyncClient(_BaseClient):
+    """Asynchronous client: :class:`Client`'s arguments and methods, awaitable.
+
+    ``http_client`` is an ``httpx.AsyncClient`` and ``transport`` an
+    ``httpx.AsyncBaseTransport``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL,
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
+        if http_client is not None and transport is not None:
+            raise InvalidInput("transport, http_client: expected at most one, got both")
+        self._owns_http = http_client is None
+        self._http = (
+            http_client if http_client is not None else httpx.AsyncClient(transport=transport, timeout=self.timeout)
+        )
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    async def _run(self, flow: Flow[T]) -> T:
+        try:
+            op = next(flow)
+            while True:
+                if isinstance(op, _Sleep):
+                    await self._sleep(op.seconds)
+                    op = flow.send(None)
+                    continue
+                try:
+                    response = await self._http.request(
+                        op.method, op.url, content=op.content, headers=op.headers, timeout=self.timeout
+                    )
+                except httpx.RequestError as exc:
+                    op = flow.throw(exc)
+                else:
+                    op = flow.send(response)
+        except StopIteration as stop:
+            return stop.value
+
+    async def create_session(
+        self,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        kv_format: str = "f32",
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        session_id: str | None = None,
+    ) -> AsyncSession:
+        """See :meth:`Client.create_session`."""
+        info = await self._run(
+            self._create_flow(
+                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
+                seed=seed, session_id=session_id,
+            )
+        )
+        return AsyncSession(self, info)
+
+    async def get_session(self, session_id: str) -> AsyncSession:
+        """See :meth:`Client.get_session`."""
+        return AsyncSession(self, await self._run(self._get_info_flow(session_id)))
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        """See :meth:`Client.list_sessions`."""
+        return await self._run(self._list_flow())
+
+    async def delete_session(self, session_id: str) -> None:
+        """See :meth:`Client.delete_session`."""
+        await self._run(self._delete_flow(session_id))
+
+    async def info(self) -> dict[str, Any]:
+        """See :meth:`Client.info`."""
+        return await self._run(self._server_info_flow())
+
+    async def health(self) -> bool:
+        """See :meth:`Client.health`."""
+        return await self._run(self._probe_flow("/livez"))
+
+    async def ready(self) -> bool:
+        """See :meth:`Client.ready`."""
+        return await self._run(self._probe_flow("/readyz"))
+
+    async def close(self) -> None:
+        """Close the connection pool (unless it was passed in as ``http_client``)."""
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

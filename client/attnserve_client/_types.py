@@ -1,0 +1,86 @@
+"""Typed views of the contract's JSON objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidResponse
+
+__all__ = ["SessionInfo"]
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session's info, as ``GET /v1/sessions/{id}`` answers it.
+
+    Attributes:
+        session_id: the session's id.
+        num_layers: number of layers, each with its own KV cache.
+        num_qo_heads: query/output heads; ``q`` and the attend output are
+            ``[n, num_qo_heads, head_dim]``.
+        num_kv_heads: key/value heads; ``k`` and ``v`` are ``[m, num_kv_heads, head_dim]``.
+        head_dim: size of one head.
+        kv_format: how the cache is stored (``"f32"`` or ``"turboquant"``).
+        max_tokens: cap on each layer's length, or ``None`` if the server gave none.
+        seed: the seed of the TurboQuant rotations, or ``None``.
+        lengths: each layer's length (timesteps held), one int per layer.
+        bytes: GPU memory the session holds now.
+        extra: any members the server sent that this version does not know.
+    """
+
+    session_id: str
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_format: str
+    max_tokens: int | None
+    seed: int | None
+    lengths: tuple[int, ...]
+    bytes: int
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> SessionInfo:
+        """Build from a decoded info object; extra members are kept in ``extra``.
+
+        Raises:
+            InvalidResponse: a member is missing or has the wrong type.
+        """
+        if not isinstance(obj, Mapping):
+            raise InvalidResponse(f"session info: expected an object, got {type(obj).__name__}")
+
+        def get(key: str, kind: type, optional: bool = False) -> Any:
+            value = obj.get(key)
+            if value is None and optional:
+                return None
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise InvalidResponse(
+                    f"session info: expected {key!r} as {kind.__name__}, got {value!r}"
+                )
+            return value
+
+        lengths = obj.get("lengths")
+        if not isinstance(lengths, list) or not all(type(n) is int for n in lengths):
+            raise InvalidResponse(f"session info: expected 'lengths' as a list of int, got {lengths!r}")
+        known = {f.name for f in fields(cls)}
+        info = cls(
+            session_id=get("session_id", str),
+            num_layers=get("num_layers", int),
+            num_qo_heads=get("num_qo_heads", int),
+            num_kv_heads=get("num_kv_heads", int),
+            head_dim=get("head_dim", int),
+            kv_format=get("kv_format", str),
+            max_tokens=get("max_tokens", int, optional=True),
+            seed=get("seed", int, optional=True),
+            lengths=tuple(lengths),
+            bytes=get("bytes", int),
+            extra={k: v for k, v in obj.items() if k not in known},
+        )
+        if len(info.lengths) != info.num_layers:
+            raise InvalidResponse(
+                f"session info: expected {info.num_layers} lengths (one per layer), got {len(info.lengths)}"
+            )
+        return info

@@ -1,0 +1,305 @@
+"""The one definition of attnserve's wire format for arrays and MessagePack.
+
+Both the client and the server import this module, so it depends on numpy and
+msgpack only and is strict: anything that is not exactly what the contract
+(``api.md``) allows raises :class:`WireError`, a :class:`ValueError` whose
+message names the argument and says what was expected and what came.
+
+An array on the wire is, in MessagePack, the map::
+
+    {"dtype": "<f4", "shape": [d0, d1, ...], "data": <bin: prod(shape) * 4 bytes>}
+
+(C order, little-endian float32), and in JSON nested lists of numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "DTYPE",
+    "JSON",
+    "MAX_ELEMENTS",
+    "MAX_NDIM",
+    "MSGPACK",
+    "MSGPACK_TYPES",
+    "PROBLEM_JSON",
+    "WireError",
+    "as_float32",
+    "check_finite",
+    "decode_array",
+    "encode_array",
+    "is_msgpack",
+    "packb",
+    "unpackb",
+]
+
+#: The media type requests and responses use by default.
+MSGPACK = "application/vnd.msgpack"
+#: Every MessagePack media type the contract accepts (``MSGPACK`` first).
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/msgpack")
+JSON = "application/json"
+#: RFC 9457 problem details, the media type of every error answer.
+PROBLEM_JSON = "application/problem+json"
+
+#: The only dtype on the wire: little-endian float32.
+DTYPE = "<f4"
+_F32 = np.dtype(DTYPE)
+#: Most dimensions an array on the wire may have.
+MAX_NDIM = 8
+#: Default cap on the number of elements of one decoded array (1 GiB of float32).
+MAX_ELEMENTS = 1 << 28
+
+_ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+class WireError(ValueError):
+    """A value is not valid on the wire; the message names it, with expected vs got."""
+
+
+def is_msgpack(content_type: str | None) -> bool:
+    """Whether a ``Content-Type``/``Accept`` value names one of ``MSGPACK_TYPES``.
+
+    Parameters after ``;`` and letter case are ignored.
+    """
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() in MSGPACK_TYPES
+
+
+# -- arrays -------------------------------------------------------------------
+
+
+def as_float32(a: Any, *, name: str = "array") -> np.ndarray:
+    """Return ``a`` as a C-contiguous little-endian float32 array, converting once.
+
+    ``a`` may be any float array or nested sequence of floats (float16, float32,
+    float64, any byte order or memory layout). An array that is already C-contiguous
+    ``<f4`` is returned as it is, without a copy. Values too large for float32 become
+    infinite (see :func:`check_finite`).
+
+    Raises:
+        WireError: ``a`` is not a float array (integer, bool, complex, object, ...)
+            or is a ragged sequence.
+    """
+    try:
+        arr = np.asarray(a)
+    except (ValueError, TypeError) as exc:
+        raise WireError(f"{name}: expected a float array, got {type(a).__name__} ({exc})") from None
+    if arr.dtype.kind != "f":
+        raise WireError(f"{name}: expected a float array, got dtype {arr.dtype}")
+    with np.errstate(over="ignore"):
+        return arr.astype(_F32, order="C", copy=False)
+
+
+def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
+    """Return ``arr`` unchanged if every element is finite.
+
+    Raises:
+        WireError: an element is NaN or infinite; the message gives its index.
+    """
+    if arr.size and not np.isfinite(arr).all():
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+        raise WireError(
+            f"{name}: expected finite values, got {arr[where]!r} at index {where}"
+        )
+    return arr
+
+
+def encode_array(a: Any, *, name: str = "array") -> dict[str, Any]:
+    """Encode a float array as the wire map ``{"dtype": "<f4", "shape": [...], "data": ...}``.
+
+    ``a`` is converted with :func:`as_float32` (no copy when it already is
+    C-contiguous ``<f4``). ``data`` is a zero-copy byte view of that array (a
+    ``memoryview`` of format ``"B"``, or ``b""`` when the array is empty): it is
+    bytes-like, packs as MessagePack ``bin`` and compares equal to the bytes it
+    holds, but it keeps the array alive and reflects later writes to it.
+
+    Raises:
+        WireError: as :func:`as_float32`.
+    """
+    arr = as_float32(a, name=name)
+    data: bytes | memoryview = memoryview(arr).cast("B") if arr.size else b""
+    return {"dtype": DTYPE, "shape": list(arr.shape), "data": data}
+
+
+def decode_array(
+    obj: Any,
+    *,
+    name: str,
+    ndim: int | None = None,
+    finite: bool = True,
+    max_elements: int = MAX_ELEMENTS,
+) -> np.ndarray:
+    """Decode one array from its wire form into a float32 ndarray of the sent shape.
+
+    ``obj`` is either the MessagePack map (exactly the keys ``dtype``, ``shape`` and
+    ``data``; ``dtype == "<f4"``; ``shape`` a list of ints >= 0; ``data`` exactly
+    ``prod(shape) * 4`` bytes) or, from JSON, uniformly nested lists of numbers
+    (``int`` or ``float``, not ``bool``).
+
+    The map form is decoded without copying: the result is
+    ``np.frombuffer(data, "<f4").reshape(shape)`` and is **read-only** when ``data`` is
+    ``bytes``; copy it before writing to it. The list form gives a new writable array.
+
+    Args:
+        name: what the array is called in error messages (e.g. ``"q"``).
+        ndim: the number of dimensions required, or ``None`` for any (<= MAX_NDIM).
+        finite: refuse NaN and infinite values.
+        max_elements: refuse arrays with more elements than this.
+
+    Raises:
+        WireError: anything about ``obj`` is invalid; the message names ``name``.
+    """
+    if isinstance(obj, dict):
+        arr = _decode_map(obj, name, ndim, max_elements)
+    elif isinstance(obj, list):
+        arr = _decode_lists(obj, name, ndim, max_elements)
+    else:
+        raise WireError(
+            f"{name}: expected an array (a map with dtype, shape and data, or nested lists),"
+            f" got {type(obj).__name__}"
+        )
+    if finite:
+        check_finite(arr, name=name)
+    return arr
+
+
+def _check_shape(shape: Sequence[int], name: str, ndim: int | None, max_elements: int) -> int:
+    """Check dimension count and element cap; return the element count (a Python int)."""
+    if ndim is not None and len(shape) != ndim:
+        raise WireError(f"{name}: expected {ndim} dimensions, got shape {tuple(shape)}")
+    if len(shape) > MAX_NDIM:
+        raise WireError(f"{name}: expected at most {MAX_NDIM} dimensions, got {len(shape)}")
+    count = 1
+    for dim in shape:
+        count *= dim
+        if dim > max_elements or count > max_elements:
+            raise WireError(
+                f"{name}: expected at most {max_elements} elements, got shape {tuple(shape)}"
+            )
+    return count
+
+
+def _decode_map(obj: dict[Any, Any], name: str, ndim: int | None, max_elements: int) -> np.ndarray:
+    keys = set(obj)
+    if keys != _ARRAY_KEYS:
+        raise WireError(
+            f"{name}: expected exactly the keys ['data', 'dtype', 'shape'],"
+            f" got {sorted(map(str, keys))}"
+        )
+    dtype = obj["dtype"]
+    if not isinstance(dtype, str) or dtype != DTYPE:
+        raise WireError(f"{name}: expected dtype {DTYPE!r}, got {dtype!r}")
+    shape = obj["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        shown = shape if isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM else type(shape).__name__
+        raise WireError(
+            f"{name}: expected shape as a list of at most {MAX_NDIM} ints >= 0, got {shown!r}"
+        )
+    count = _check_shape(shape, name, ndim, max_elements)
+    data = obj["data"]
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"{name}: expected data as bytes, got {type(data).__name__}")
+    nbytes = memoryview(data).nbytes
+    if nbytes != count * 4:
+        raise WireError(
+            f"{name}: expected {count * 4} data bytes for shape {tuple(shape)}, got {nbytes}"
+        )
+    return np.frombuffer(data, dtype=_F32).reshape(shape)
+
+
+def _decode_lists(obj: list[Any], name: str, ndim: int | None, max_elements: int) -> np.ndarray:
+    # The shape is read down the first elements; every list is then checked against it,
+    # level by level (no recursion, so depth is bounded by MAX_NDIM, not the stack).
+    shape: list[int] = []
+    node: Any = obj
+    while isinstance(node, list):
+        if len(shape) == MAX_NDIM:
+            raise WireError(f"{name}: expected at most {MAX_NDIM} dimensions, got more")
+        shape.append(len(node))
+        if not node:
+            break
+        node = node[0]
+    _check_shape(shape, name, ndim, max_elements)
+    level: list[Any] = [obj]
+    for depth, size in enumerate(shape):
+        below: list[Any] = []
+        for item in level:
+            if not isinstance(item, list) or len(item) != size:
+                got = f"a list of {len(item)}" if isinstance(item, list) else type(item).__name__
+                raise WireError(
+                    f"{name}: expected rectangular nested lists of shape {tuple(shape)},"
+                    f" got {got} at depth {depth}"
+                )
+            below.extend(item)
+        level = below
+    for x in level:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise WireError(f"{name}: expected numbers, got {type(x).__name__}")
+    try:
+        with np.errstate(over="ignore"):
+            flat = np.array(level, dtype=np.float64).astype(_F32)
+    except OverflowError:
+        flat = np.array([_clip_int(x) for x in level], dtype=np.float64).astype(_F32)
+    return flat.reshape(shape)
+
+
+def _clip_int(x: int | float) -> float:
+    """A number too large for float64 (only huge ints) becomes +-inf."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+# -- MessagePack ---------------------------------------------------------------
+
+
+def packb(obj: Any) -> bytes:
+    """Serialise ``obj`` to MessagePack (``bin`` for bytes-like values, ``str`` for text)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
+    """Parse one MessagePack document of at most ``max_bytes`` bytes, safely.
+
+    Every declared length (str, bin, array, map) is bounded by ``max_bytes``, so a
+    small body cannot make the parser allocate a huge object; ext types are refused;
+    map keys must be str (or bytes); str is decoded as UTF-8. Nesting deeper than the
+    parser's limit is refused.
+
+    Raises:
+        WireError: the body is too long, malformed, truncated, has trailing data,
+            nests too deeply, or uses ext types.
+    """
+    size = memoryview(data).nbytes
+    if size > max_bytes:
+        raise WireError(f"body: expected at most {max_bytes} bytes of MessagePack, got {size}")
+    try:
+        return _unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_array_len=max_bytes,
+            max_map_len=max_bytes // 2,
+            max_ext_len=0,
+        )
+    except RecursionError:
+        raise WireError("body: expected MessagePack nested at most a few hundred deep, got deeper") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise WireError(f"body: expected valid MessagePack, got {type(exc).__name__}: {exc}") from None
+
+
+# The parser used by unpackb; the C extension when available (tests swap in the
+# pure-Python fallback to check that deep nesting is refused there too).
+_unpackb = msgpack.unpackb
