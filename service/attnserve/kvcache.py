@@ -118,7 +118,11 @@ class LayerCache:
         """(src_off, dst_off, size) byte ranges to carry K and V into a larger buffer."""
         raise NotImplementedError
 
-    def _ensure_capacity(self, batch: Batch, new_length: int) -> None:
+    def plan_reserve(self, batch: Batch, capacity: int) -> None:
+        """Preallocate ``capacity`` timesteps now (never shrinks; capped at max_tokens)."""
+        self._ensure_capacity(batch, self.length, capacity=min(capacity, self.max_tokens))
+
+    def _ensure_capacity(self, batch: Batch, new_length: int, capacity: int | None = None) -> None:
         if new_length > self.max_tokens:
             from .errors import CapacityExceeded
 
@@ -128,6 +132,8 @@ class LayerCache:
                 max_tokens=self.max_tokens,
             )
         new_cap = self.capacity_for(new_length)
+        if capacity is not None:
+            new_cap = max(new_cap, capacity)
         if new_cap == self.capacity:
             return
         kb, vb = self.buffer_bytes(new_cap)

@@ -1,0 +1,33 @@
+"""Helpers for the compute-core tests (no pytest fixtures here)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnserve.kvcache import SessionConfig, SessionKV
+
+# Relative error of a result against its float64 oracle: max abs error over the
+# oracle's max abs value (a norm-wise bound; per-element relative error is
+# meaningless for outputs near zero).
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    want = np.asarray(want, np.float64)
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def session(fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> SessionKV:
+    return SessionKV(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
+
+
+def rows(rng, n, heads, d, scale=1.0) -> np.ndarray:
+    return (rng.standard_normal((n, heads, d)) * scale).astype(np.float32)
+
+
+def reserve(engine, layer, capacity):
+    engine.worker.execute(lambda b: (layer.plan_reserve(b, capacity), (lambda out: None))[1])
+
+
+def read_words(engine, layer):
+    kb, vb = engine.call(lambda ctx: layer.read_words(ctx.device)).result()
+    return np.frombuffer(kb, np.uint32), np.frombuffer(vb, np.uint32)

@@ -1,0 +1,48 @@
+"""Shared fixtures. GPU tests need a wgpu adapter: lavapipe in CI.
+
+Without an adapter they skip on a developer machine, but FAIL when the
+environment variable CI is set, so CI can never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "service", ROOT / "client"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+
+def no_adapter(reason: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs a wgpu adapter (lavapipe): {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from attnserve.engine import Engine
+    from attnserve.gpu.device import DeviceError
+
+    try:
+        eng = Engine.open(os.environ.get("ATTNSERVE_ADAPTER") or None)
+    except DeviceError as e:
+        no_adapter(str(e))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh random inputs every run; the seed is printed on failure to replay.
+    seed = int(os.environ.get("ATTNSERVE_TEST_SEED", np.random.SeedSequence().entropy % (1 << 32)))
+    request.node.user_properties.append(("seed", seed))
+    print(f"random seed: {seed} (ATTNSERVE_TEST_SEED={seed} replays it)")
+    return np.random.default_rng(seed)

@@ -1,0 +1,186 @@
+"""GPU attention (both formats) against float64 oracles at awkward sizes.
+
+f32: max abs error <= 1e-5 of the oracle's max abs value.
+TurboQuant: against its own oracle computed from the GPU's packed cache
+(same signs, same codebook) to <= 1e-4 of the max abs value.
+Every case uses capacity > length (the cache is preallocated past it), and
+many cases are queued together so they also exercise coalesced batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from attnserve import reference as ref
+from attnserve.turboquant import codebook, layer_signs
+
+from _core import read_words, rel_err, reserve, rows, session
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (1, 7, 54, 97, 300, 600)
+GQA = (1, 2, 4, 8)
+F32_TOL = 1e-5
+TQ_TOL = 1e-4
+
+
+def _case_queries(length, n_max=3):
+    """(n, start_pos) pairs: decode-like, prefill-like, and start_pos > 0 inside."""
+    n = min(n_max, length)
+    cases = [(n, length - n)]
+    if length > 4:
+        cases.append((2, length // 3))  # start_pos > 0, queries in the middle
+    return cases
+
+
+def _run_cases(engine, fmt, head_dims, rng):
+    pending = []
+    for length, ratio, d in itertools.product(LENGTHS, GQA, head_dims):
+        hkv = 2 if ratio < 8 else 1
+        h = hkv * ratio
+        s = session(fmt, h, hkv, d, layers=2, max_tokens=2048, seed=int(rng.integers(2**53)))
+        layer = s.layers[1]  # layer 1: sign_off != 0 for TurboQuant
+        reserve(engine, layer, length + 37)  # capacity > length
+        k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+        engine.append(layer, k, v)
+        for (n, sp), causal in itertools.product(_case_queries(length), (True, False)):
+            q = rows(rng, n, h, d)
+            scale = 1.0 / np.sqrt(d) if causal else 0.7 / np.sqrt(d)
+            fut = engine.attend(layer, q, start_pos=sp, causal=causal, scale=scale)
+            pending.append((s, layer, q, k, v, sp, causal, scale, fut, (length, ratio, d)))
+    return pending
+
+
+@pytest.mark.parametrize("head_dims", [(32,), (64,), (128,), (80,)], ids=lambda x: f"d{x[0]}")
+def test_f32_attention_matches_oracle(engine, rng, head_dims):
+    worst = 0.0
+    for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, "f32", head_dims, rng):
+        out, length = fut.result()
+        assert layer.capacity > length
+        want = ref.attention(q, k, v, start_pos=sp, causal=causal, scale=scale)
+        err = rel_err(out, want)
+        worst = max(worst, err)
+        assert err <= F32_TOL, (case, sp, causal, err)
+    print("worst f32 relative error", worst)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_turboquant_attention_matches_its_oracle(engine, rng, d):
+    worst = 0.0
+    for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, "turboquant", (d,), rng):
+        out, length = fut.result()
+        kw, vw = read_words(engine, layer)
+        ps, js = layer_signs(s.config.seed, layer.layer, d)
+        want = ref.tq_attention(
+            q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
+            polar_signs=ps, jl_signs=js, cb=codebook(d), start_pos=sp, causal=causal, scale=scale,
+        )
+        err = rel_err(out, want)
+        worst = max(worst, err)
+        assert err <= TQ_TOL, (case, sp, causal, err)
+    print("worst turboquant relative error vs own oracle", worst)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_chunked_prefill_equals_one_call(engine, rng, fmt):
+    h, hkv, d, L = 8, 2, 64, 301
+    q, k, v = rows(rng, L, h, d), rows(rng, L, hkv, d), rows(rng, L, hkv, d)
+    one = session(fmt, h, hkv, d, seed=77)
+    whole, _ = engine.attend(one.layers[0], q, k=k, v=v).result()
+    many = session(fmt, h, hkv, d, seed=77)
+    parts, start = [], 0
+    for size in (1, 63, 64, 100, 73):  # chunks that cross growth boundaries
+        out, length = engine.attend(many.layers[0], q[start:start + size], k=k[start:start + size], v=v[start:start + size]).result()
+        assert length == start + size
+        parts.append(np.array(out))
+        start += size
+    assert start == L
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    if fmt == "f32":
+        assert rel_err(whole, ref.attention(q, k, v)) <= F32_TOL
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
+    h, hkv, d = 4, 4, 32
+    L = 700
+    k, v = rows(rng, L, hkv, d), rows(rng, L, hkv, d)
+    q = rows(rng, 5, h, d)
+    grown = session(fmt, h, hkv, d, seed=5)
+    caps = []
+    for i in range(0, L, 50):
+        engine.append(grown.layers[0], k[i:i + 50], v[i:i + 50]).result()
+        caps.append(grown.layers[0].capacity)
+    assert len(set(caps)) >= 3, caps  # it really grew several times
+    big = session(fmt, h, hkv, d, seed=5)
+    reserve(engine, big.layers[0], 2048)
+    engine.append(big.layers[0], k, v).result()
+    assert big.layers[0].capacity == 2048 != grown.layers[0].capacity
+    for causal in (True, False):
+        a, _ = engine.attend(grown.layers[0], q, start_pos=400, causal=causal).result()
+        b, _ = engine.attend(big.layers[0], q, start_pos=400, causal=causal).result()
+        np.testing.assert_array_equal(a, b)
+    if fmt == "turboquant":  # same words per slot, in a differently strided layout
+        ga, gb = read_words(engine, grown.layers[0]), read_words(engine, big.layers[0])
+        for words_g, words_b, regions in zip(ga, gb, (grown.layers[0].key_regions, grown.layers[0].value_regions)):
+            og = ob = 0
+            for w in regions:
+                cg, cb_ = grown.layers[0].capacity, 2048
+                rg = words_g[og:og + hkv * cg * w].reshape(hkv, cg, w)[:, :L]
+                rb = words_b[ob:ob + hkv * cb_ * w].reshape(hkv, cb_, w)[:, :L]
+                np.testing.assert_array_equal(rg, rb)
+                og += hkv * cg * w
+                ob += hkv * cb_ * w
+
+
+def test_an_attend_queued_before_an_append_does_not_see_it(engine, rng):
+    """Ordering inside one coalesced batch: appends are recorded in the stream."""
+    h, hkv, d = 2, 1, 32
+    s = session("f32", h, hkv, d)
+    k, v = rows(rng, 20, hkv, d), rows(rng, 20, hkv, d)
+    engine.append(s.layers[0], k[:10], v[:10]).result()
+    q = rows(rng, 1, h, d)
+    f1 = engine.attend(s.layers[0], q, start_pos=9, causal=False)
+    f2 = engine.append(s.layers[0], k[10:], v[10:])
+    f3 = engine.attend(s.layers[0], q, start_pos=19, causal=False)
+    out1, len1 = f1.result()
+    assert f2.result() == 20
+    out3, len3 = f3.result()
+    assert (len1, len3) == (10, 20)
+    assert rel_err(out1, ref.attention(q, k[:10], v[:10], start_pos=9, causal=False)) <= F32_TOL
+    assert rel_err(out3, ref.attention(q, k, v, start_pos=19, causal=False)) <= F32_TOL
+
+
+def test_batches_coalesce_many_jobs(engine, rng):
+    h, hkv, d = 4, 2, 32
+    sessions = [session("f32", h, hkv, d) for _ in range(12)]
+    datas = []
+    before = engine.worker.batches
+    futs = []
+    for s in sessions:
+        k, v, q = rows(rng, 9, hkv, d), rows(rng, 9, hkv, d), rows(rng, 2, h, d)
+        datas.append((q, k, v))
+        futs.append(engine.attend(s.layers[0], q, k=k, v=v))
+    for (q, k, v), f in zip(datas, futs):
+        out, _ = f.result()
+        assert rel_err(out, ref.attention(q, k, v)) <= F32_TOL
+    assert engine.worker.batches - before < len(sessions)  # some jobs shared a submit
+
+
+def test_failed_plan_fails_only_its_job(engine, rng):
+    h, hkv, d = 2, 1, 32
+    s = session("f32", h, hkv, d, max_tokens=10)
+    k, v = rows(rng, 8, hkv, d), rows(rng, 8, hkv, d)
+    ok = engine.append(s.layers[0], k, v)
+    bad = engine.append(s.layers[0], k, v)  # passes max_tokens at plan time
+    q = rows(rng, 1, h, d)
+    after = engine.attend(s.layers[0], q)
+    assert ok.result() == 8
+    with pytest.raises(Exception, match="max_tokens"):
+        bad.result()
+    out, length = after.result()
+    assert length == 8
+    assert rel_err(out, ref.attention(q, k, v)) <= F32_TOL
