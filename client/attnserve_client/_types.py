@@ -62,9 +62,12 @@ class SessionInfo:
                 )
             return value
 
-        lengths = obj.get("lengths")
-        if not isinstance(lengths, list) or not all(type(n) is int for n in lengths):
-            raise InvalidResponse(f"session info: expected 'lengths' as a list of int, got {lengths!r}")
+        def get_lengths() -> tuple[int, ...]:
+            value = obj.get("lengths")
+            if not isinstance(value, (list, tuple)) or not all(type(n) is int for n in value):
+                raise InvalidResponse(f"session info: expected 'lengths' as a list of int, got {value!r}")
+            return tuple(value)
+
         known = {f.name for f in fields(cls)}
         info = cls(
             session_id=get("session_id", str),
@@ -75,7 +78,7 @@ class SessionInfo:
             kv_format=get("kv_format", str),
             max_tokens=get("max_tokens", int, optional=True),
             seed=get("seed", int, optional=True),
-            lengths=tuple(lengths),
+            lengths=get_lengths(),
             bytes=get("bytes", int),
             extra={k: v for k, v in obj.items() if k not in known},
         )

@@ -106,7 +106,7 @@ def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
     if arr.size and not np.isfinite(arr).all():
         where = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
         raise WireError(
-            f"{name}: expected finite values, got {arr[where]!r} at index {where}"
+            f"{name}: expected finite values, got {float(arr[where])} at index {where}"
         )
     return arr
 
@@ -257,7 +257,7 @@ def _clip_int(x: int | float) -> float:
     try:
         return float(x)
     except OverflowError:
-        return math.copysign(math.inf, x)
+        return math.inf if x > 0 else -math.inf
 
 
 # -- MessagePack ---------------------------------------------------------------

@@ -1,0 +1,99 @@
+"""The exception tree and parse_problem."""
+
+from __future__ import annotations
+
+import json
+from email.utils import formatdate
+import time
+
+import pytest
+
+import attnserve_client as ac
+from attnserve_client import wire
+from attnserve_client.errors import parse_retry_after
+
+SLUGS = [
+    (400, "malformed-body", ac.MalformedBody),
+    (401, "unauthorized", ac.Unauthorized),
+    (404, "session-not-found", ac.SessionNotFound),
+    (404, "layer-not-found", ac.LayerNotFound),
+    (409, "offset-mismatch", ac.OffsetMismatch),
+    (409, "session-exists", ac.SessionExists),
+    (409, "capacity-exceeded", ac.CapacityExceeded),
+    (413, "payload-too-large", ac.PayloadTooLarge),
+    (415, "unsupported-media-type", ac.UnsupportedMediaType),
+    (422, "invalid-snapshot", ac.InvalidSnapshot),
+    (422, "invalid-request", ac.InvalidRequest),
+    (503, "overloaded", ac.Overloaded),
+    (503, "not-ready", ac.NotReady),
+    (507, "out-of-memory", ac.OutOfMemory),
+]
+
+
+def problem(status, slug, **extra):
+    return {"type": f"/problems/{slug}", "title": slug.replace("-", " "), "status": status,
+            "detail": f"detail of {slug}", **extra}
+
+
+@pytest.mark.parametrize("status, slug, cls", SLUGS)
+@pytest.mark.parametrize("form", ["json", "msgpack", "dict"])
+def test_every_slug_maps_to_its_class(status, slug, cls, form):
+    body = problem(status, slug, extra_member=[1, 2])
+    raw = {"json": json.dumps(body).encode(), "msgpack": wire.packb(body), "dict": body}[form]
+    err = ac.parse_problem(status, raw, {"Retry-After": "3"})
+    assert type(err) is cls and cls.slug == slug
+    assert isinstance(err, ac.APIError) and isinstance(err, ac.AttnServeError)
+    assert err.status == status and err.problem == body
+    assert err.type == f"/problems/{slug}" and err.title == body["title"] and err.detail == body["detail"]
+    assert err.retry_after == 3.0 and err.headers["retry-after"] == "3"
+    assert str(err) == f"{status} {slug}: detail of {slug}"
+
+
+def test_the_slug_is_the_last_path_segment_of_type():
+    err = ac.parse_problem(404, problem(404, "x") | {"type": "https://errors.example/problems/session-not-found/"})
+    assert type(err) is ac.SessionNotFound
+
+
+def test_offset_mismatch_carries_length():
+    assert ac.parse_problem(409, problem(409, "offset-mismatch", length=17)).length == 17
+    assert ac.parse_problem(409, problem(409, "offset-mismatch")).length is None
+    assert ac.parse_problem(409, problem(409, "offset-mismatch", length="17")).length is None
+
+
+def test_unknown_type_and_non_problem_bodies():
+    err = ac.parse_problem(418, problem(418, "teapot"))
+    assert type(err) is ac.APIStatusError and err.status == 418 and err.problem["type"] == "/problems/teapot"
+    err = ac.parse_problem(500, b"<html>Internal Server Error</html>")
+    assert type(err) is ac.APIStatusError and err.detail == "<html>Internal Server Error</html>"
+    assert str(err) == "500 error: <html>Internal Server Error</html>"
+    err = ac.parse_problem(502, b"")
+    assert type(err) is ac.APIStatusError and err.problem == {} and err.detail is None
+    err = ac.parse_problem(404, {"detail": "Not Found"})  # a framework's default 404, no type
+    assert type(err) is ac.APIStatusError and err.detail == "Not Found"
+    # A status that names one problem type only, without a problem body (e.g. from a proxy).
+    assert type(ac.parse_problem(413, b"<html>413 Request Entity Too Large</html>")) is ac.PayloadTooLarge
+    assert type(ac.parse_problem(401, b"")) is ac.Unauthorized
+    assert type(ac.parse_problem(503, b"")) is ac.APIStatusError  # overloaded or not-ready: unknown
+
+
+def test_retry_after_forms():
+    assert parse_retry_after(None) is None
+    assert parse_retry_after(" 2.5 ") == 2.5
+    assert parse_retry_after("-4") == 0.0
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after("nan") is None
+    assert 8 <= parse_retry_after(formatdate(time.time() + 10, usegmt=True)) <= 10
+    assert parse_retry_after(formatdate(time.time() - 100, usegmt=True)) == 0.0
+
+
+def test_hierarchy():
+    assert issubclass(ac.InvalidInput, ValueError) and issubclass(ac.InvalidInput, ac.AttnServeError)
+    assert issubclass(ac.APITimeoutError, ac.APIConnectionError)
+    assert issubclass(ac.APIConnectionError, ac.AttnServeError)
+    assert issubclass(ac.InvalidResponse, ac.AttnServeError)
+    assert issubclass(ac.APIStatusError, ac.APIError)
+    for _, _, cls in SLUGS:
+        assert issubclass(cls, ac.APIError) and not issubclass(cls, ac.APIStatusError)
+    assert issubclass(ac.WireError, ValueError)
+    err = ac.InvalidInput("q: bad")
+    assert err.status is None and err.problem == {} and err.type is None

@@ -1,0 +1,244 @@
+"""The array codec and MessagePack helpers of attnserve_client.wire."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import msgpack
+import msgpack.fallback
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from attnserve_client import wire
+from attnserve_client.wire import WireError, decode_array, encode_array, packb, unpackb
+
+FLOAT_DTYPES = st.sampled_from(["<f2", ">f2", "<f4", ">f4", "<f8", ">f8"])
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5)
+FINITE = st.floats(allow_nan=False, allow_infinity=False, width=16)
+
+
+def float_arrays():
+    return FLOAT_DTYPES.flatmap(lambda dt: hnp.arrays(dt, SHAPES, elements=FINITE))
+
+
+def wire_trip(a: np.ndarray, name: str = "x") -> np.ndarray:
+    return decode_array(unpackb(packb(encode_array(a)), max_bytes=1 << 24), name=name)
+
+
+# -- round trips ---------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(float_arrays(), st.booleans())
+def test_msgpack_round_trip_gives_float32_of_same_values(a, transpose):
+    if transpose:
+        a = a.T  # non-contiguous when ndim >= 2
+    out = wire_trip(a)
+    assert out.dtype == np.dtype("<f4") and out.shape == a.shape and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, a.astype(np.float32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(FLOAT_DTYPES.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5), elements=FINITE)))
+def test_json_nested_lists_round_trip(a):
+    as_json = json.loads(json.dumps(a.astype(np.float32).tolist()))
+    out = decode_array(as_json, name="x")
+    if 0 in a.shape[:-1]:
+        # Nested lists cannot show dimensions below an empty one.
+        assert out.size == 0
+        return
+    assert out.shape == a.shape and out.dtype == np.float32
+    np.testing.assert_array_equal(out, a.astype(np.float32))
+
+
+def test_encode_is_zero_copy_when_already_float32_c_order():
+    a = np.arange(24, dtype="<f4").reshape(2, 3, 4)
+    enc = encode_array(a)
+    assert enc["dtype"] == "<f4" and enc["shape"] == [2, 3, 4]
+    assert enc["data"] == a.tobytes() and len(enc["data"]) == 96
+    a[0, 0, 0] = 42.0  # a view: the encoded bytes follow the array
+    assert struct.unpack_from("<f", enc["data"])[0] == 42.0
+
+
+def test_encode_converts_other_layouts_once():
+    a = np.arange(24, dtype=">f8").reshape(4, 6)[:, ::2]
+    enc = encode_array(a)
+    assert enc["shape"] == [4, 3]
+    assert enc["data"] == np.ascontiguousarray(a, dtype="<f4").tobytes()
+
+
+def test_encode_empty_and_scalar():
+    assert encode_array(np.zeros((0, 2, 3), np.float32)) == {"dtype": "<f4", "shape": [0, 2, 3], "data": b""}
+    assert encode_array(np.float32(1.5))["data"] == struct.pack("<f", 1.5)
+
+
+def test_decode_map_is_zero_copy_and_read_only():
+    data = bytearray(np.arange(6, dtype="<f4").tobytes())
+    out = decode_array({"dtype": "<f4", "shape": [2, 3], "data": data}, name="x")
+    data[0:4] = struct.pack("<f", 7.0)
+    assert out[0, 0] == 7.0  # shares the buffer
+    frozen = decode_array({"dtype": "<f4", "shape": [6], "data": bytes(data)}, name="x")
+    assert not frozen.flags.writeable
+
+
+@pytest.mark.parametrize("bad", [np.arange(3), np.array([True]), np.array([1 + 2j]), np.array(["a"]),
+                                 np.array([None]), [[1.0], [2.0, 3.0]], "1.0"])
+def test_encode_refuses_non_float(bad):
+    with pytest.raises(WireError, match=r"^k: expected a float array"):
+        encode_array(bad, name="k")
+
+
+def test_as_float32_overflow_becomes_inf_and_check_finite_names_the_index():
+    a = wire.as_float32(np.array([[1.0, 1e300]]), name="q")
+    assert np.isinf(a[0, 1])
+    with pytest.raises(WireError, match=r"q: expected finite values, got .*inf.* at index \(0, 1\)"):
+        wire.check_finite(a, name="q")
+
+
+# -- strict validation -------------------------------------------------------------------
+
+
+def arr_map(shape=(2, 3), data=None, dtype="<f4", **extra):
+    n = int(np.prod(shape)) if isinstance(shape, (list, tuple)) else 0
+    obj = {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape,
+           "data": bytes(4 * n) if data is None else data}
+    obj.update(extra)
+    return obj
+
+
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"dtype": "<f4", "shape": [1]}, r"expected exactly the keys \['data', 'dtype', 'shape'\], got \['dtype', 'shape'\]"),
+        (arr_map(extra=1), r"expected exactly the keys .* got \['data', 'dtype', 'extra', 'shape'\]"),
+        (arr_map(dtype="<f8"), r"expected dtype '<f4', got '<f8'"),
+        (arr_map(dtype=">f4"), r"expected dtype '<f4', got '>f4'"),
+        (arr_map(dtype=b"<f4"), r"expected dtype '<f4', got b'<f4'"),
+        (arr_map(shape=(2, -1), data=b""), r"expected shape as a list of at most 8 ints >= 0, got \[2, -1\]"),
+        (arr_map(shape=[2, True], data=b"\0" * 8), r"expected shape as a list .* got \[2, True\]"),
+        (arr_map(shape=[2.0], data=b"\0" * 8), r"expected shape as a list .* got \[2.0\]"),
+        (arr_map(shape="23", data=b""), r"expected shape as a list .* got 'str'"),
+        (arr_map(shape=[1] * 9, data=b"\0" * 4), r"expected shape as a list of at most 8 ints >= 0, got 'list'"),
+        (arr_map(data=b"\0" * 23), r"expected 24 data bytes for shape \(2, 3\), got 23"),
+        (arr_map(data=b"\0" * 25), r"expected 24 data bytes for shape \(2, 3\), got 25"),
+        (arr_map(data="x" * 24), r"expected data as bytes, got str"),
+        (arr_map(shape=[2**40, 2**40, 0], data=b""), r"expected at most \d+ elements"),
+        (arr_map(shape=[0, 2**62], data=b""), r"expected at most \d+ elements"),
+        (arr_map(shape=[2**31] * 8, data=b""), r"expected at most \d+ elements"),
+        (3.5, r"expected an array \(a map with dtype, shape and data, or nested lists\), got float"),
+        (None, r"expected an array .* got NoneType"),
+        ([[1.0, 2.0], [3.0]], r"expected rectangular nested lists of shape \(2, 2\), got a list of 1 at depth 1"),
+        ([[1.0, 2.0], 3.0], r"expected rectangular nested lists of shape \(2, 2\), got float at depth 1"),
+        ([1.0, True], r"expected numbers, got bool"),
+        ([1.0, "2"], r"expected numbers, got str"),
+        ([1.0, None], r"expected numbers, got NoneType"),
+        ([[[[[[[[[1.0]]]]]]]]], r"expected at most 8 dimensions, got more"),
+    ],
+)
+def test_decode_refuses_invalid(obj, message):
+    with pytest.raises(WireError, match=r"^k: " + message):
+        decode_array(obj, name="k")
+
+
+def test_decode_checks_ndim_and_element_cap():
+    with pytest.raises(WireError, match=r"q: expected 3 dimensions, got shape \(2, 3\)"):
+        decode_array(arr_map(), name="q", ndim=3)
+    with pytest.raises(WireError, match=r"q: expected 3 dimensions, got shape \(2,\)"):
+        decode_array([1.0, 2.0], name="q", ndim=3)
+    with pytest.raises(WireError, match=r"expected at most 5 elements"):
+        decode_array(arr_map(), name="q", max_elements=5)
+    with pytest.raises(WireError, match=r"expected at most 5 elements"):
+        decode_array([[0.0] * 3] * 2, name="q", max_elements=5)
+    assert decode_array(arr_map(), name="q", ndim=2, max_elements=6).shape == (2, 3)
+
+
+def test_decode_refuses_non_finite_unless_told_not_to():
+    nan = arr_map(shape=(2,), data=struct.pack("<2f", 1.0, float("nan")))
+    with pytest.raises(WireError, match=r"^v: expected finite values, got .*nan at index \(1,\)"):
+        decode_array(nan, name="v")
+    assert np.isnan(decode_array(nan, name="v", finite=False)[1])
+    with pytest.raises(WireError, match=r"^v: expected finite values"):
+        decode_array([[1.0, float("inf")]], name="v")
+    with pytest.raises(WireError, match=r"^v: expected finite values"):
+        decode_array([1.0, 10**400], name="v")  # a JSON integer past float64
+    with pytest.raises(WireError, match=r"^v: expected finite values"):
+        decode_array([1e39], name="v")  # past float32
+    assert np.isinf(decode_array([-(10**400)], name="v", finite=False)[0])
+
+
+def test_decode_accepts_empty_and_integral_json():
+    assert decode_array([], name="x").shape == (0,)
+    assert decode_array([[], []], name="x").shape == (2, 0)
+    out = decode_array([[1, 2], [3, 4.5]], name="x")
+    assert out.dtype == np.float32 and out.tolist() == [[1.0, 2.0], [3.0, 4.5]]
+    assert decode_array(arr_map(shape=(0, 5), data=b""), name="x").shape == (0, 5)
+
+
+# -- MessagePack limits ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\xc1",  # never used
+        b"\x92\x01",  # truncated array
+        b"\x01\x02",  # trailing data
+        b"",
+        b"\xc6\xff\xff\xff\xff",  # bin of 4 GiB announced
+        b"\xdb\x7f\xff\xff\xff",  # str of 2 GiB announced
+        b"\xdd\xff\xff\xff\xff",  # array of 4 G elements announced
+        b"\xdf\xff\xff\xff\xff",  # map of 4 G pairs announced
+        b"\x81\x01\x02",  # int map key
+        b"\xd6\xff\x00\x00\x00\x01",  # ext (timestamp)
+        b"\xc7\x01\x05\x00",  # ext type 5
+        b"\xa2\xff\xfe",  # invalid UTF-8 in str
+    ],
+)
+def test_unpackb_refuses_malformed_and_bombs(data):
+    with pytest.raises(WireError, match=r"^body: expected valid MessagePack"):
+        unpackb(data, max_bytes=1 << 20)
+
+
+def test_unpackb_limits_body_size():
+    with pytest.raises(WireError, match=r"body: expected at most 10 bytes of MessagePack, got 11"):
+        unpackb(packb(b"x" * 9), max_bytes=10)
+    assert unpackb(packb(b"x" * 8), max_bytes=10) == b"x" * 8
+
+
+@pytest.mark.parametrize("parser", ["c", "fallback"])
+def test_unpackb_refuses_deep_nesting(parser, monkeypatch):
+    if parser == "fallback":
+        monkeypatch.setattr(wire, "_unpackb", msgpack.fallback.unpackb)
+    for deep in (b"\x91" * 100_000 + b"\xc0", b"\x81\xa1a" * 50_000 + b"\xc0"):
+        with pytest.raises(WireError, match=r"^body: expected"):
+            unpackb(deep, max_bytes=1 << 20)
+
+
+def test_packb_uses_bin_for_bytes_and_str_for_text():
+    assert packb({"a": b"\x00"}) == b"\x81\xa1a\xc4\x01\x00"
+    assert unpackb(packb({"a": "é", "b": [1, 2.5, None, True]}), max_bytes=100) == {"a": "é", "b": [1, 2.5, None, True]}
+    assert msgpack.unpackb(packb(encode_array(np.ones(2, np.float32))))["data"] == np.ones(2, "<f4").tobytes()
+
+
+def test_media_types():
+    assert wire.MSGPACK == "application/vnd.msgpack"
+    assert wire.MSGPACK_TYPES == ("application/vnd.msgpack", "application/x-msgpack", "application/msgpack")
+    assert wire.JSON == "application/json" and wire.PROBLEM_JSON == "application/problem+json"
+    for ok in ("application/vnd.msgpack", "Application/X-MsgPack; charset=binary", " application/msgpack"):
+        assert wire.is_msgpack(ok)
+    for no in (None, "", "application/json", "application/vnd.msgpack+json"):
+        assert not wire.is_msgpack(no)
+
+
+def test_wire_imports_only_numpy_and_msgpack():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(wire))
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert roots <= {"__future__", "collections", "math", "typing", "msgpack", "numpy"}
