@@ -44,8 +44,8 @@ Resource = Union[wgpu.GPUBuffer, Seg]
 
 _ARENA_USAGE = {
     "in": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
-    "scratch": wgpu.BufferUsage.STORAGE,
-    "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+    "scratch": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+    "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
 }
 
 

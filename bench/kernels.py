@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Kernel benchmark: decode and prefill, f32 and TurboQuant, against torch SDPA.
+
+    python bench/kernels.py [--json-out bench/results/h200-latest.json] [--quick]
+
+Shapes: 32 query heads, 8 KV heads, head_dim 128. Decode (one query row) at
+contexts 4096, 32768, 131072; prefill 2048 causal queries over 2048 keys, and
+512 queries at the end of 8192 keys (bottom-right-aligned causal mask).
+
+wgpu time: the kernels of one attend (TurboQuant: tq_rotate_q + the attention
+kernel) recorded ``iters`` times into one submission, timed from submit to
+completion and divided by ``iters`` (the ~0.2-0.3 ms submit/readback round trip
+is paid once, so it is amortized away). torch time: CUDA events around
+``scaled_dot_product_attention`` (f32 and bf16, K/V heads repeated for GQA),
+median of repeats. ``bytes_read`` is what the kernel must read at least: the
+K/V cache up to the context (in its format) plus the queries; ``gbps`` is that
+over the wgpu time, and ``bandwidth_fraction`` its ratio to the device-to-device
+copy bandwidth measured in the same run (bytes read + written per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "service"))
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+from attnserve.engine import Engine  # noqa: E402
+from attnserve.gpu.batch import Batch  # noqa: E402
+from attnserve.gpu.kernels import plan_attention_f32, plan_attention_tq, plan_rotate_q, rotated_q_bytes  # noqa: E402
+from attnserve.kvcache import SessionConfig, SessionKV  # noqa: E402
+from attnserve.turboquant import bytes_per_token  # noqa: E402
+
+H, HKV, D = 32, 8, 128
+DECODE_CONTEXTS = (4096, 32768, 131072)
+PREFILL_SHAPES = ((2048, 2048), (512, 8192))  # (queries, keys)
+
+
+def git_commit() -> str:
+    env = os.environ.get("ATTNSERVE_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def fill_layer(engine: Engine, layer, length: int, rng) -> None:
+    """Append ``length`` random rows in chunks (bounded host memory)."""
+    chunk = 16384
+    for start in range(0, length, chunk):
+        n = min(chunk, length - start)
+        k = rng.standard_normal((n, HKV, D), dtype=np.float32)
+        v = rng.standard_normal((n, HKV, D), dtype=np.float32)
+        engine.append(layer, k, v).result()
+
+
+def plan_kernels(batch: Batch, layer, q_seg, n: int, length: int, out) -> None:
+    """The dispatches of one attend over the first ``length`` timesteps, queries
+    at the end of that window, writing into ``out`` (no readback)."""
+    start_pos = length - n
+    if layer.kv_format == "f32":
+        plan_attention_f32(
+            batch, q=q_seg, k_cache=layer.k, v_cache=layer.v, out=out, n_queries=n, n_heads=H,
+            n_kv_heads=HKV, head_dim=D, length=length, start_pos=start_pos, causal=True,
+            scale=1 / math.sqrt(D),
+        )
+    else:
+        signs = layer.session.signs_buffer(batch.device)
+        qrot = batch.scratch(rotated_q_bytes(n, H, D))
+        plan_rotate_q(batch, q=q_seg, q_out=qrot, signs=signs, n_queries=n, n_heads=H, head_dim=D, sign_off=layer.sign_off)
+        plan_attention_tq(
+            batch, q_rot=qrot, k_cache=layer.k, v_cache=layer.v, out=out, signs=signs,
+            codebook=layer.codebook, n_queries=n, n_heads=H, n_kv_heads=HKV, head_dim=D,
+            length=length, cache_cap=layer.capacity, start_pos=start_pos, causal=True,
+            scale=1 / math.sqrt(D), sign_off=layer.sign_off,
+        )
+
+
+def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) -> float:
+    """Milliseconds per attend, from one submission of ``iters`` attends."""
+    q = rng.standard_normal((n, H, D), dtype=np.float32)
+
+    def run(iters: int) -> float:
+        def job(ctx):
+            import wgpu
+
+            batch = Batch(ctx.device, ctx.pipelines, engine.worker._arenas, ctx.offset_align)
+            q_seg = batch.upload(q)
+            # a buffer of its own: no readback of the whole output per timing
+            out = ctx.device.create_buffer(size=q.nbytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+            for _ in range(iters):
+                plan_kernels(batch, layer, q_seg, n, length, out)
+            sync = batch.output(4)
+            batch.copy(out, 0, sync, 0, 4)
+            t0 = time.perf_counter()
+            batch.execute()  # submit + wait for the 4-byte readback
+            return time.perf_counter() - t0
+
+        return engine.worker.run(job)
+
+    run(1)  # warm-up (pipelines, arenas)
+    once = run(1)
+    iters = int(min(500, max(3, budget_s / max(once, 1e-5))))
+    times = [run(iters) / iters for _ in range(3)]
+    return 1e3 * min(times)
+
+
+def torch_sdpa_ms(n: int, length: int, dtype_name: str):
+    try:
+        import torch
+        import torch.nn.functional as F
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, H, n, D, device=dev, dtype=dt, generator=g)
+    k = torch.randn(1, HKV, length, D, device=dev, dtype=dt, generator=g).repeat_interleave(H // HKV, dim=1)
+    v = torch.randn(1, HKV, length, D, device=dev, dtype=dt, generator=g).repeat_interleave(H // HKV, dim=1)
+    kwargs = {}
+    if n == 1:
+        pass  # one query at the end attends to everything
+    elif n == length:
+        kwargs["is_causal"] = True
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(n, length)
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        reps = 20
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def copy_gbps(engine: Engine) -> tuple[float, str]:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = 2 << 30
+            a = torch.empty(n, dtype=torch.uint8, device="cuda")
+            b = torch.empty_like(a)
+            for _ in range(3):
+                b.copy_(a)
+            torch.cuda.synchronize()
+            t = []
+            for _ in range(10):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                b.copy_(a)
+                e1.record()
+                torch.cuda.synchronize()
+                t.append(e0.elapsed_time(e1) / 1e3)
+            del a, b
+            torch.cuda.empty_cache()
+            return 2 * n / min(t) / 1e9, "torch device copy"
+    except Exception:
+        pass
+    import wgpu
+
+    def job(ctx):
+        n = min(1 << 28, ctx.max_binding)
+        usage = wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        a = ctx.device.create_buffer(size=n, usage=usage)
+        b = ctx.device.create_buffer(size=n, usage=usage)
+        best = 1e9
+        for _ in range(5):
+            enc = ctx.device.create_command_encoder()
+            for _ in range(4):
+                enc.copy_buffer_to_buffer(a, 0, b, 0, n)
+            t0 = time.perf_counter()
+            ctx.device.queue.submit([enc.finish()])
+            ctx.device.queue.read_buffer(b, 0, 4)
+            best = min(best, (time.perf_counter() - t0) / 4)
+        return 2 * n / best / 1e9
+
+    return engine.worker.run(job), "wgpu copy_buffer_to_buffer"
+
+
+def gpu_description(engine: Engine) -> tuple[str, str]:
+    gpu, driver = engine.ctx.name, str(engine.ctx.info.get("description", ""))
+    try:
+        out = subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], text=True
+        ).strip().splitlines()[0]
+        gpu, driver = [s.strip() for s in out.split(",")]
+    except Exception:
+        pass
+    return gpu, driver
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json-out", type=Path)
+    ap.add_argument("--quick", action="store_true", help="small shapes (CI smoke / lavapipe)")
+    ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
+    ap.add_argument("--formats", default="f32,turboquant")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
+    args = ap.parse_args(argv)
+
+    decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
+    prefill = ((64, 64), (16, 256)) if args.quick else PREFILL_SHAPES
+    engine = Engine.open(args.adapter)
+    rng = np.random.default_rng(0)
+    gpu, driver = gpu_description(engine)
+    cgbps, cmethod = copy_gbps(engine)
+    print(f"# {gpu} (driver {driver}) via {engine.ctx.backend}; copy bandwidth {cgbps:.0f} GB/s ({cmethod})")
+    rows = []
+    hdr = f"{'kernel':8} {'format':10} {'ctx':>7} {'q':>5} {'wgpu ms':>9} {'torch f32':>9} {'torch bf16':>10} {'MB read':>8} {'GB/s':>7} {'bw%':>5} {'x f32':>6} {'x bf16':>6}"
+    print(hdr)
+    max_ctx = max(list(decode_ctx) + [k for _, k in prefill])
+    torch_cache: dict = {}
+    for fmt in args.formats.split(","):
+        s = SessionKV(SessionConfig(1, H, HKV, D, fmt, max_ctx, 1))
+        layer = s.layers[0]
+        filled = 0
+        shapes = [("decode", 1, c) for c in decode_ctx] + [("prefill", n, k) for n, k in prefill]
+        for kernel, n, ctx_len in sorted(shapes, key=lambda x: x[2]):
+            if ctx_len > filled:
+                fill_layer(engine, layer, ctx_len - filled, rng)
+                filled = ctx_len
+            ms = time_wgpu(engine, layer, n, ctx_len, rng, args.budget)
+            key = (n, ctx_len)
+            if key not in torch_cache:
+                torch_cache[key] = (torch_sdpa_ms(n, ctx_len, "f32"), torch_sdpa_ms(n, ctx_len, "bf16"))
+            tf32, tbf16 = torch_cache[key]
+            nbytes = ctx_len * bytes_per_token(fmt, HKV, D) + n * H * D * 4
+            gbps = nbytes / (ms / 1e3) / 1e9
+            row = {
+                "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n,
+                "wgpu_ms": round(ms, 4),
+                "torch_f32_ms": None if tf32 is None else round(tf32, 4),
+                "torch_bf16_ms": None if tbf16 is None else round(tbf16, 4),
+                "bytes_read": nbytes, "gbps": round(gbps, 1),
+                "bandwidth_fraction": round(gbps / cgbps, 4),
+                "speedup_vs_torch_f32": None if tf32 is None else round(tf32 / ms, 3),
+                "speedup_vs_torch_bf16": None if tbf16 is None else round(tbf16 / ms, 3),
+            }
+            rows.append(row)
+            fmt_opt = lambda x, w: f"{x:{w}.3f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+            print(
+                f"{kernel:8} {fmt:10} {ctx_len:7d} {n:5d} {ms:9.3f} {fmt_opt(tf32, 9)} {fmt_opt(tbf16, 10)} "
+                f"{nbytes / 1e6:8.1f} {gbps:7.1f} {100 * gbps / cgbps:5.1f} "
+                f"{fmt_opt(row['speedup_vs_torch_f32'], 6)} {fmt_opt(row['speedup_vs_torch_bf16'], 6)}",
+                flush=True,
+            )
+        engine.release(s).result()
+    result = {
+        "gpu": gpu, "driver": driver, "backend": engine.ctx.backend, "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "copy_gbps": round(cgbps, 1), "copy_method": cmethod,
+        "shape": {"num_qo_heads": H, "num_kv_heads": HKV, "head_dim": D},
+        "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in ("f32", "turboquant")},
+        "rows": rows,
+    }
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
