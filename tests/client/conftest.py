@@ -407,3 +407,19 @@ def live_server_url() -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture
+def live_client(mode: str, live_server_url: str) -> Iterator[Any]:
+    """A Client, or an AsyncClient behind blocking calls, on the live server."""
+    if mode == "sync":
+        with Client(live_server_url) as client:
+            yield client
+        return
+    loop = asyncio.new_event_loop()
+    aclient = AsyncClient(live_server_url)
+    try:
+        yield Blocking(aclient, loop)
+    finally:
+        loop.run_until_complete(aclient.close())
+        loop.close()

@@ -18,7 +18,7 @@ import pytest
 import attnserve_client as ac
 from attnserve_client import wire
 
-from conftest import BASE_URL  # noqa: E402  (tests/client is on sys.path under pytest)
+BASE_URL = "http://attnserve.test"  # where conftest's make_client points
 
 rng = np.random.default_rng(0)
 
