@@ -171,7 +171,7 @@ class _BaseClient:
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
             return min(retry_after, self._retry_after_max)
-        delay = min(self._backoff_max, self._backoff_initial * 2**attempt)
+        delay = min(self._backoff_max, self._backoff_initial * 2.0**attempt)
         return delay * (1.0 - 0.25 * random.random())
 
     def _call(
@@ -457,22 +457,20 @@ class _SessionBase(Generic[_C]):
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": bool(causal)}
         if scale is not None:
             query["scale"] = scale
+        if start_pos is not None:
+            query["start_pos"] = start_pos
         if not fused:
-            if start_pos is not None:
-                query["start_pos"] = start_pos
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
             return self._out_from(layer, reply, n)
 
         offset = yield from self._offset_flow(layer)
         body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
-        if start_pos is not None:
-            body["start_pos"] = start_pos
         reply = yield from self._write(layer, "attend", body)
         if not reply.ok:
             length = self._landed_length(layer, reply, offset + k.shape[0])
             # The lost first attempt appended k, v but its output was lost with its
             # answer: attend again, without k, v, at the position that call had.
-            query["start_pos"] = start_pos if start_pos is not None else length - n
+            query.setdefault("start_pos", length - n)
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
         return self._out_from(layer, reply, n)
 
@@ -605,7 +603,8 @@ class Client(_BaseClient):
                 else:
                     op = flow.send(response)
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     def create_session(
         self,
@@ -763,7 +762,8 @@ class AsyncClient(_BaseClient):
                 else:
                     op = flow.send(response)
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     async def create_session(
         self,

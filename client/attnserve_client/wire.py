@@ -124,7 +124,7 @@ def encode_array(a: Any, *, name: str = "array") -> dict[str, Any]:
         WireError: as :func:`as_float32`.
     """
     arr = as_float32(a, name=name)
-    data: bytes | memoryview = memoryview(arr).cast("B") if arr.size else b""
+    data: bytes | memoryview = arr.data.cast("B") if arr.size else b""
     return {"dtype": DTYPE, "shape": list(arr.shape), "data": data}
 
 
@@ -265,7 +265,8 @@ def _clip_int(x: int | float) -> float:
 
 def packb(obj: Any) -> bytes:
     """Serialise ``obj`` to MessagePack (``bin`` for bytes-like values, ``str`` for text)."""
-    return msgpack.packb(obj, use_bin_type=True)
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
 
 
 def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
