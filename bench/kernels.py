@@ -39,7 +39,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
-from attnserve.gpu.kernels import plan_attention_f32, plan_attention_tq, plan_rotate_q, rotated_q_bytes  # noqa: E402
+from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.kvcache import SessionConfig, SessionKV  # noqa: E402
 from attnserve.turboquant import bytes_per_token  # noqa: E402
 
@@ -68,28 +68,6 @@ def fill_layer(engine: Engine, layer, length: int, rng) -> None:
         engine.append(layer, k, v).result()
 
 
-def plan_kernels(batch: Batch, layer, q_seg, n: int, length: int, out) -> None:
-    """The dispatches of one attend over the first ``length`` timesteps, queries
-    at the end of that window, writing into ``out`` (no readback)."""
-    start_pos = length - n
-    if layer.kv_format == "f32":
-        plan_attention_f32(
-            batch, q=q_seg, k_cache=layer.k, v_cache=layer.v, out=out, n_queries=n, n_heads=H,
-            n_kv_heads=HKV, head_dim=D, length=length, start_pos=start_pos, causal=True,
-            scale=1 / math.sqrt(D),
-        )
-    else:
-        signs = layer.session.signs_buffer(batch.device)
-        qrot = batch.scratch(rotated_q_bytes(n, H, D))
-        plan_rotate_q(batch, q=q_seg, q_out=qrot, signs=signs, n_queries=n, n_heads=H, head_dim=D, sign_off=layer.sign_off)
-        plan_attention_tq(
-            batch, q_rot=qrot, k_cache=layer.k, v_cache=layer.v, out=out, signs=signs,
-            codebook=layer.codebook, n_queries=n, n_heads=H, n_kv_heads=HKV, head_dim=D,
-            length=length, cache_cap=layer.capacity, start_pos=start_pos, causal=True,
-            scale=1 / math.sqrt(D), sign_off=layer.sign_off,
-        )
-
-
 def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) -> float:
     """Milliseconds per attend, from one submission of ``iters`` attends."""
     q = rng.standard_normal((n, H, D), dtype=np.float32)
@@ -103,7 +81,8 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
             # a buffer of its own: no readback of the whole output per timing
             out = ctx.device.create_buffer(size=q.nbytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
             for _ in range(iters):
-                plan_kernels(batch, layer, q_seg, n, length, out)
+                layer.plan_attend_rows(batch, q_seg, q.shape, out=out, length=length,
+                                       start_pos=length - n, causal=True, scale=1 / math.sqrt(D))
             sync = batch.output(4)
             batch.copy(out, 0, sync, 0, 4)
             t0 = time.perf_counter()
@@ -226,10 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
+    ap.add_argument("--path", choices=["auto", "split", "single"], default="auto",
+                    help="attention kernel family (auto: split-KV for decode, single-pass for prefill)")
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
     prefill = ((64, 64), (16, 256)) if args.quick else PREFILL_SHAPES
+    K.POLICY.force = None if args.path == "auto" else args.path
     engine = Engine.open(args.adapter)
     rng = np.random.default_rng(0)
     gpu, driver = gpu_description(engine)
@@ -256,8 +238,9 @@ def main(argv=None) -> int:
             tf32, tbf16 = torch_cache[key]
             nbytes = ctx_len * bytes_per_token(fmt, HKV, D) + n * H * D * 4
             gbps = nbytes / (ms / 1e3) / 1e9
+            path = "split" if K.POLICY.use_split(fmt, n, H, HKV, D) else "single"
             row = {
-                "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n,
+                "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n, "path": path,
                 "wgpu_ms": round(ms, 4),
                 "torch_f32_ms": None if tf32 is None else round(tf32, 4),
                 "torch_bf16_ms": None if tbf16 is None else round(tbf16, 4),

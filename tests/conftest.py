@@ -46,3 +46,15 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"random seed: {seed} (ATTNSERVE_TEST_SEED={seed} replays it)")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=["split", "single"])
+def kernel_path(request):
+    """Run a test through each attention kernel family: the split-KV kernels
+    (split + merge) and the single-pass seed-derived kernels."""
+    from attnserve.gpu import kernels
+
+    saved = kernels.POLICY.force
+    kernels.POLICY.force = request.param
+    yield request.param
+    kernels.POLICY.force = saved

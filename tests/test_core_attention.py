@@ -19,7 +19,7 @@ from attnserve.turboquant import codebook, layer_signs
 
 from _core import read_words, rel_err, reserve, rows, session
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_path")]
 
 LENGTHS = (1, 7, 54, 97, 300, 600)
 GQA = (1, 2, 4, 8)
@@ -85,7 +85,10 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "turboquant"])
-def test_chunked_prefill_equals_one_call(engine, rng, fmt):
+def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
+    """Bit for bit on the single-pass kernels (each query row's arithmetic does
+    not depend on the batch); the split kernels size their splits by context
+    and row count, so chunks sum in another order: equal to float rounding."""
     h, hkv, d, L = 8, 2, 64, 301
     q, k, v = rows(rng, L, h, d), rows(rng, L, hkv, d), rows(rng, L, hkv, d)
     one = session(fmt, h, hkv, d, seed=77)
@@ -98,7 +101,10 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt):
         parts.append(np.array(out))
         start += size
     assert start == L
-    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    if kernel_path == "single":
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    else:
+        assert rel_err(np.concatenate(parts), whole) <= 2e-6
     if fmt == "f32":
         assert rel_err(whole, ref.attention(q, k, v)) <= F32_TOL
 

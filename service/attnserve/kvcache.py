@@ -22,6 +22,7 @@ import numpy as np
 import wgpu
 
 from .gpu.batch import Batch, Seg
+from .gpu import kernels as K
 from .gpu.kernels import (
     plan_attention_f32,
     plan_attention_tq,
@@ -155,6 +156,18 @@ class LayerCache:
         self, batch: Batch, q: np.ndarray, *, start_pos: int, causal: bool, scale: float
     ) -> Seg:
         """Record attention for ``q[n, H, d]``; returns the output segment ``[n, H, d]``."""
+        out = batch.output(q.nbytes)
+        self.plan_attend_rows(
+            batch, batch.upload(q), q.shape, out=out, length=self.length,
+            start_pos=start_pos, causal=causal, scale=scale,
+        )
+        return out
+
+    def plan_attend_rows(self, batch: Batch, q: Seg, shape: tuple, *, out, length: int,
+                         start_pos: int, causal: bool, scale: float) -> None:
+        """Attention for uploaded queries ``q`` of ``shape = (n, H, d)`` over the
+        first ``length`` timesteps, into ``out`` (a segment or a buffer); the
+        kernel family is chosen by ``gpu.kernels.POLICY``."""
         raise NotImplementedError
 
     def read_words(self, device: wgpu.GPUDevice) -> tuple[bytes, bytes]:
@@ -212,16 +225,15 @@ class F32LayerCache(LayerCache):
         self.length += n
         return self.length
 
-    def plan_attend(self, batch, q, *, start_pos, causal, scale):
-        n, h, d = q.shape
-        qs = batch.upload(q)
-        out = batch.output(q.nbytes)
-        plan_attention_f32(
-            batch, q=qs, k_cache=self.k, v_cache=self.v, out=out, n_queries=n, n_heads=h,
-            n_kv_heads=self.n_kv_heads, head_dim=d, length=self.length, start_pos=start_pos,
+    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+        n, h, d = shape
+        split = K.POLICY.use_split(self.kv_format, n, h, self.n_kv_heads, d)
+        plan = K.plan_attention_split_f32 if split else plan_attention_f32
+        plan(
+            batch, q=q, k_cache=self.k, v_cache=self.v, out=out, n_queries=n, n_heads=h,
+            n_kv_heads=self.n_kv_heads, head_dim=d, length=length, start_pos=start_pos,
             causal=causal, scale=scale,
         )
-        return out
 
 
 class TurboQuantLayerCache(LayerCache):
@@ -285,20 +297,19 @@ class TurboQuantLayerCache(LayerCache):
         self.length += n
         return self.length
 
-    def plan_attend(self, batch, q, *, start_pos, causal, scale):
-        n, h, d = q.shape
+    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+        n, h, d = shape
         signs = self.session.signs_buffer(batch.device)
-        qs = batch.upload(q)
         qrot = batch.scratch(rotated_q_bytes(n, h, d))
-        plan_rotate_q(batch, q=qs, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
-        out = batch.output(q.nbytes)
-        plan_attention_tq(
+        plan_rotate_q(batch, q=q, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
+        split = K.POLICY.use_split(self.kv_format, n, h, self.n_kv_heads, d)
+        plan = K.plan_attention_split_tq if split else plan_attention_tq
+        plan(
             batch, q_rot=qrot, k_cache=self.k, v_cache=self.v, out=out, signs=signs,
             codebook=self.codebook, n_queries=n, n_heads=h, n_kv_heads=self.n_kv_heads, head_dim=d,
-            length=self.length, cache_cap=self.capacity, start_pos=start_pos, causal=causal,
+            length=length, cache_cap=self.capacity, start_pos=start_pos, causal=causal,
             scale=scale, sign_off=self.sign_off,
         )
-        return out
 
 
 @dataclass

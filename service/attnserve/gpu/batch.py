@@ -33,7 +33,7 @@ __all__ = ["Seg", "Batch", "Arenas"]
 
 @dataclass(frozen=True)
 class Seg:
-    """A byte range of one of the batch's arenas ("in", "scratch" or "out")."""
+    """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out")."""
 
     arena: str
     offset: int
@@ -45,6 +45,10 @@ Resource = Union[wgpu.GPUBuffer, Seg]
 _ARENA_USAGE = {
     "in": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
     "scratch": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+    # split-KV partials: a buffer of their own, since a split kernel reads a
+    # scratch segment (rotated queries) while it writes the partials, and one
+    # buffer cannot be bound read-only and read-write in the same dispatch
+    "partial": wgpu.BufferUsage.STORAGE,
     "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
 }
 
@@ -95,7 +99,7 @@ class Batch:
         self.arenas = arenas
         self.align = max(int(align), 16)
         self._upload = bytearray()
-        self._sizes = {"in": 0, "scratch": 0, "out": 0}
+        self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
         self.ops: list[tuple] = []
         self.n_dispatches = 0
 
@@ -116,8 +120,11 @@ class Batch:
         self._upload.extend(mv)
         return seg
 
-    def scratch(self, nbytes: int) -> Seg:
-        return self._reserve("scratch", nbytes)
+    def scratch(self, nbytes: int, arena: str = "scratch") -> Seg:
+        """GPU-only space: ``arena`` is "scratch" or "partial" (split-KV partials)."""
+        if arena not in ("scratch", "partial"):
+            raise ValueError(arena)
+        return self._reserve(arena, nbytes)
 
     def output(self, nbytes: int) -> Seg:
         return self._reserve("out", nbytes)

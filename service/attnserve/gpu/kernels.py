@@ -15,6 +15,7 @@ Array layouts (all float32, row-major):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import wgpu
 
@@ -28,6 +29,12 @@ __all__ = [
     "plan_attention_tq",
     "plan_tq_encode",
     "rotated_q_bytes",
+    "KernelPolicy",
+    "POLICY",
+    "split_eligible",
+    "choose_split",
+    "plan_attention_split_f32",
+    "plan_attention_split_tq",
 ]
 
 
@@ -212,3 +219,136 @@ def plan_tq_encode(
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# ── split-KV (flash-decoding) path ──────────────────────────────────────────
+
+SPLIT_TILE = 32  # TK in the split kernels
+SPLIT_MAX_SCORES = 2048  # MAX_SCORES: group * split_len
+TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
+
+
+@dataclass
+class KernelPolicy:
+    """Which attention kernel an attend uses.
+
+    ``force``: None (choose by shape), "split" or "single" (the seed-derived
+    one-workgroup-per-(head, query) kernels). The split path is taken for up to
+    ``split_max_queries`` query rows when the shape allows it (GQA group of 1,
+    2, 4 or 8; f32 head_dim a multiple of 4). ``target_workgroups`` sizes the
+    splits so that a decode step fills the GPU.
+    """
+
+    force: str | None = None
+    split_max_queries: int = 16
+    target_workgroups: int = 2048
+
+    def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
+        if self.force == "split":
+            return ok
+        if self.force == "single":
+            return False
+        return ok and n_queries <= self.split_max_queries
+
+
+POLICY = KernelPolicy()
+
+
+def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    if n_heads // n_kv_heads not in (1, 2, 4, 8):
+        return False
+    if kv_format == "f32":
+        return head_dim % 4 == 0 and head_dim <= 128
+    return head_dim in (32, 64, 128)
+
+
+def choose_split(kv_format: str, max_seq: int, n_kv_heads: int, n_queries: int, group: int,
+                 target_workgroups: int | None = None) -> tuple[int, int]:
+    """(split_len, n_splits): a power-of-two split so that about
+    ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
+    target = target_workgroups or POLICY.target_workgroups
+    cap = SPLIT_MAX_SCORES // group
+    if kv_format == "turboquant":
+        cap = min(cap, TQ_MAX_SPLIT)
+    want = -(-max_seq * n_kv_heads * n_queries // target)
+    s = SPLIT_TILE
+    while s < want and s < cap:
+        s *= 2
+    s = min(s, cap)
+    return s, -(-max_seq // s)
+
+
+def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) -> int:
+    return n_queries * n_heads * n_splits * (head_dim + 2) * 4
+
+
+def _plan_merge(batch: Batch, *, partial: Seg, out: Seg, n_queries: int, n_heads: int, head_dim: int,
+                n_splits: int, signs: wgpu.GPUBuffer | None = None, sign_off: int = 0) -> None:
+    for q_base, rows in _chunks(n_queries, _limit(batch)):
+        prm = batch.upload(
+            P.pack(P.MERGE_PARAMS, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits,
+                   q_total=n_queries, q_base=q_base, out_stride=n_heads * head_dim, sign_off=sign_off)
+        )
+        if signs is None:
+            batch.dispatch("attention_merge", {0: partial, 1: out, 2: prm}, (n_heads, rows, 1))
+        else:
+            batch.dispatch("attention_merge_rot", {0: partial, 1: out, 2: prm, 3: signs}, (n_heads, rows, 1))
+
+
+def plan_attention_split_f32(
+    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
+    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
+    start_pos: int, causal: bool, scale: float,
+) -> None:
+    """Split-KV f32 attention: split kernel, then merge, into ``out[n, H, d]``."""
+    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
+        raise ValueError("shape not eligible for the split kernel")
+    group = n_heads // n_kv_heads
+    split_len, n_splits = choose_split("f32", length, n_kv_heads, n_queries, group)
+    if n_splits > _limit(batch):
+        raise ValueError(f"{n_splits} splits pass the dispatch limit")
+    part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
+    for q_base, rows in _chunks(n_queries, _limit(batch)):
+        prm = batch.upload(
+            P.pack(
+                P.SPLIT_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
+                split_len=split_len, q_stride=n_heads * head_dim, n_splits=n_splits, q_base=q_base,
+                flags=0 if causal else P.FLAG_NON_CAUSAL, q_total=n_queries,
+            )
+        )
+        batch.dispatch(
+            "attention_split_f32", {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows)
+        )
+    _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
+
+
+def plan_attention_split_tq(
+    batch: Batch, *, q_rot: Resource, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
+    signs: wgpu.GPUBuffer, codebook: Codebook, n_queries: int, n_heads: int, n_kv_heads: int,
+    head_dim: int, length: int, cache_cap: int, start_pos: int, causal: bool, scale: float, sign_off: int,
+) -> None:
+    """Split-KV TurboQuant attention from rotated queries: split kernel, then merge + inverse RHT."""
+    if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
+        raise ValueError("shape not eligible for the split kernel")
+    group = n_heads // n_kv_heads
+    split_len, n_splits = choose_split("turboquant", length, n_kv_heads, n_queries, group)
+    if n_splits > _limit(batch):
+        raise ValueError(f"{n_splits} splits pass the dispatch limit")
+    part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
+    c = codebook.centroids
+    for q_base, rows in _chunks(n_queries, _limit(batch)):
+        prm = batch.upload(
+            P.pack(
+                P.TQ_SPLIT_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                max_seq=length, start_pos=start_pos, scale=scale, q_cap=n_queries, split_len=split_len,
+                qjl_scale=qjl_scale(head_dim), n_splits=n_splits, c0=c[0], c1=c[1], c2=c[2], c3=c[3],
+                q_base=q_base, cache_cap=cache_cap, flags=0 if causal else P.FLAG_NON_CAUSAL,
+            )
+        )
+        batch.dispatch(
+            "attention_split_tq", {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows)
+        )
+    _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
+                n_splits=n_splits, signs=signs, sign_off=sign_off)

@@ -16,6 +16,9 @@ __all__ = [
     "TQ_ATTENTION_PARAMS",
     "TQ_ENCODE_PARAMS",
     "TQ_ROTATE_PARAMS",
+    "SPLIT_PARAMS",
+    "TQ_SPLIT_PARAMS",
+    "MERGE_PARAMS",
     "PARAMS_OF",
     "pack",
 ]
@@ -52,12 +55,33 @@ TQ_ROTATE_PARAMS = _block(
     "n_heads", "head_dim", "q_cap", "sign_off", "q_base", "q_stride", "_pad0", "_pad1",
 )
 
+# attention_split.wgsl, params: array<u32, 16>
+SPLIT_PARAMS = _block(
+    "n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale", "start_pos",
+    "split_len", "q_stride", "n_splits", "q_base", "flags", "q_total", "_pad0", "_pad1", "_pad2",
+)
+
+# flash_attention_tq_split.wgsl, params: array<u32, 20>
+TQ_SPLIT_PARAMS = _block(
+    "n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap",
+    "split_len", "~qjl_scale", "n_splits", "~c0", "~c1", "~c2", "~c3",
+    "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2",
+)
+
+# attention_merge.wgsl, mparams: array<u32, 8>
+MERGE_PARAMS = _block(
+    "n_heads", "head_dim", "n_splits", "q_total", "q_base", "out_stride", "sign_off", "_pad0",
+)
+
 # (shader file, the params variable) -> dtype, for the layout test
 PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
     ("flash_attention_tq.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,
     ("turboquant.wgsl", "rparams"): TQ_ROTATE_PARAMS,
+    ("attention_split.wgsl", "params"): SPLIT_PARAMS,
+    ("flash_attention_tq_split.wgsl", "params"): TQ_SPLIT_PARAMS,
+    ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
 }
 
 

@@ -43,6 +43,16 @@ KERNELS: dict[str, KernelSpec] = {
         "turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))
     ),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
+    "attention_split_f32": KernelSpec(
+        "attention_split.wgsl", "attention_split_f32", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
+    "attention_split_tq": KernelSpec(
+        "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
+    "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R))),
+    "attention_merge_rot": KernelSpec(
+        "attention_merge.wgsl", "attention_merge_rot", ((0, R), (1, RW), (2, R), (3, R))
+    ),
 }
 
 

@@ -1,0 +1,228 @@
+// Split-KV attention (flash-decoding) over the TurboQuant cache: the decode path.
+//
+// The same estimator and value path as `flash_attention_tq.wgsl` (see its
+// comments and docs/turboquant.md), reorganized like `attention_split.wgsl`:
+// one workgroup per (split, KV head, query row) serves every query head of the
+// GQA group, so each compressed key is read once per query row, and thousands
+// of workgroups are in flight. Per TK-row tile, the compressed words of the
+// tile (polar, JL, norm, value norm) are staged in workgroup memory with
+// coalesced loads (consecutive threads read consecutive words: for a fixed KV
+// head, consecutive timesteps are consecutive slots of every region), padded
+// so the score phase is bank-conflict free. The accumulator stays in rotated
+// space; `attention_merge_rot` merges the splits and applies the inverse RHT.
+//
+//   score = norm * (sum_d q_rot[d] c[idx_d] + residual_norm * qjl_scale * signed_sum) * scale
+//   signed_sum = 2 * sum_{bit_d = 1} q_jl[d] - sum_d q_jl[d]
+//
+// Constraints (checked host-side): head_dim in {32, 64, 128};
+// G = n_heads / n_kv_heads in {1, 2, 4, 8}; split_len a multiple of TK with
+// G * split_len <= MAX_SCORES and split_len <= MAX_SPLIT.
+//
+// Bind group 0:
+// @binding(0) qrot:    array<f32>  [q_rot | q_jl | sums] of q_cap rows (tq_rotate_q)
+// @binding(1) k_cache: array<u32>  [polar | jl | norms]
+// @binding(2) v_cache: array<u32>  [polar | norms]
+// @binding(3) partial: array<f32>  [acc | m | l], see attention_merge.wgsl (q_total = q_cap)
+// @binding(4) params:  array<u32, 20>
+//   ( n_heads, n_kv_heads, head_dim, max_seq, start_pos, scale_bits, q_cap,
+//     split_len, qjl_scale_bits, n_splits, c0_bits, c1_bits, c2_bits, c3_bits,
+//     q_base, cache_cap, flags, _pad0, _pad1, _pad2 )
+//   flags bit 0: non-causal.
+//
+// Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
+
+@group(0) @binding(0) var<storage, read> qrot: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<u32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<u32>;
+@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
+@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+
+const WG: u32 = 256u;
+const TK: u32 = 32u;
+const MAX_HEAD_DIM: u32 = 128u;
+const MAX_GROUP: u32 = 8u;
+const MAX_SCORES: u32 = 2048u;
+const MAX_SPLIT: u32 = 512u;
+const PROW: u32 = 9u;                 // padded polar words per staged key (d/16 <= 8)
+const JROW: u32 = 5u;                 // padded JL words per staged key (d/32 <= 4)
+const NEG_INF: f32 = -3.402823e+38;
+const FLAG_NON_CAUSAL: u32 = 1u;
+
+var<workgroup> qr_sh: array<f32, 1024>;          // MAX_GROUP * MAX_HEAD_DIM
+var<workgroup> qj_sh: array<f32, 1024>;
+var<workgroup> qsum_sh: array<f32, MAX_GROUP>;
+var<workgroup> kp_tile: array<u32, 288>;         // TK * PROW
+var<workgroup> kj_tile: array<u32, 160>;         // TK * JROW
+var<workgroup> kn_tile: array<u32, TK>;          // packed (norm, residual_norm)
+var<workgroup> vn_sh: array<f32, MAX_SPLIT>;     // value norms of the split
+var<workgroup> scores: array<f32, MAX_SCORES>;
+var<workgroup> red: array<f32, WG>;
+var<workgroup> stat: array<f32, MAX_GROUP>;
+
+fn cval(code: u32, c0: f32, c1: f32, c2: f32, c3: f32) -> f32 {
+    return select(select(c0, c1, code == 1u), select(c2, c3, code == 3u), code >= 2u);
+}
+
+@compute @workgroup_size(256, 1, 1)
+fn attention_split_tq(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let tid = lid.x;
+    let n_heads = params[0];
+    let n_kv_heads = params[1];
+    let head_dim = params[2];
+    let max_seq = params[3];
+    let start_pos = params[4];
+    let scale = bitcast<f32>(params[5]);
+    let q_cap = params[6];
+    let split_len = params[7];
+    let qjl_scale = bitcast<f32>(params[8]);
+    let n_splits = params[9];
+    let c0 = bitcast<f32>(params[10]);
+    let c1 = bitcast<f32>(params[11]);
+    let c2 = bitcast<f32>(params[12]);
+    let c3 = bitcast<f32>(params[13]);
+    let q_base = params[14];
+    let cache_cap = params[15];
+    let flags = params[16];
+
+    let split = wid.x;
+    let kv_head = wid.y;
+    let q_idx = q_base + wid.z;
+    let group = n_heads / n_kv_heads;
+    let seg = WG / group;
+    let pos_q = start_pos + q_idx;
+    var seq_len = min(pos_q + 1u, max_seq);
+    if (flags & FLAG_NON_CAUSAL) != 0u {
+        seq_len = max_seq;
+    }
+    let t0 = split * split_len;
+    var n_t = 0u;
+    if t0 < seq_len {
+        n_t = min(split_len, seq_len - t0);
+    }
+
+    // Compressed regions of this layer.
+    let pw = head_dim / 16u;
+    let jw = head_dim / 32u;
+    let vecs = n_kv_heads * cache_cap;
+    let k_jl_off = vecs * pw;
+    let k_norm_off = k_jl_off + vecs * jw;
+    let v_norm_off = vecs * pw;
+    let slot0 = kv_head * cache_cap + t0;        // slot of the split's first timestep
+
+    // ── the group's rotated queries ──
+    let q_region = q_cap * n_heads * head_dim;
+    let q_off = (q_idx * n_heads + kv_head * group) * head_dim;
+    for (var e = tid; e < group * head_dim; e += WG) {
+        qr_sh[e] = qrot[q_off + e];
+        qj_sh[e] = qrot[q_region + q_off + e];
+    }
+    if tid < group {
+        qsum_sh[tid] = qrot[2u * q_region + q_idx * n_heads + kv_head * group + tid];
+    }
+    workgroupBarrier();
+
+    // ── 1. scores, one staged tile of compressed keys at a time ──
+    let gi = tid / TK;
+    let j = tid % TK;
+    for (var tb = 0u; tb < n_t; tb += TK) {
+        let nk = min(TK, n_t - tb);
+        let s0 = slot0 + tb;
+        for (var e = tid; e < nk * pw; e += WG) {
+            kp_tile[(e / pw) * PROW + e % pw] = k_cache[s0 * pw + e];
+        }
+        for (var e = tid; e < nk * jw; e += WG) {
+            kj_tile[(e / jw) * JROW + e % jw] = k_cache[k_jl_off + s0 * jw + e];
+        }
+        if tid < nk {
+            kn_tile[tid] = k_cache[k_norm_off + s0 + tid];
+            vn_sh[tb + tid] = unpack2x16float(v_cache[v_norm_off + s0 + tid]).x;
+        }
+        workgroupBarrier();
+        if gi < group && j < nk {
+            let qo = gi * head_dim;
+            var polar = 0.0;
+            for (var w = 0u; w < pw; w += 1u) {
+                let word = kp_tile[j * PROW + w];
+                let d0 = qo + w * 16u;
+                for (var k = 0u; k < 16u; k += 1u) {
+                    polar += qr_sh[d0 + k] * cval((word >> (2u * k)) & 3u, c0, c1, c2, c3);
+                }
+            }
+            var pos_sum = 0.0;
+            for (var w = 0u; w < jw; w += 1u) {
+                let word = kj_tile[j * JROW + w];
+                let d0 = qo + w * 32u;
+                for (var k = 0u; k < 32u; k += 1u) {
+                    pos_sum += select(0.0, qj_sh[d0 + k], ((word >> k) & 1u) == 1u);
+                }
+            }
+            let nr = unpack2x16float(kn_tile[j]);
+            let signed_sum = 2.0 * pos_sum - qsum_sh[gi];
+            scores[gi * split_len + tb + j] = (polar * nr.x + nr.x * nr.y * qjl_scale * signed_sum) * scale;
+        }
+        workgroupBarrier();
+    }
+
+    // ── 2. per-head max and sum over this split ──
+    let rh = tid / seg;
+    let lane = tid % seg;
+    var m = NEG_INF;
+    if rh < group {
+        for (var t = lane; t < n_t; t += seg) {
+            m = max(m, scores[rh * split_len + t]);
+        }
+    }
+    red[tid] = m;
+    for (var s = seg / 2u; s > 0u; s = s / 2u) {
+        workgroupBarrier();
+        if lane < s {
+            red[tid] = max(red[tid], red[tid + s]);
+        }
+    }
+    workgroupBarrier();
+    if lane == 0u && rh < group {
+        stat[rh] = red[tid];
+    }
+    workgroupBarrier();
+    var l = 0.0;
+    if rh < group {
+        let mx = stat[rh];
+        for (var t = lane; t < n_t; t += seg) {
+            let p = exp(scores[rh * split_len + t] - mx);
+            scores[rh * split_len + t] = p;
+            l += p;
+        }
+    }
+    red[tid] = l;
+    for (var s = seg / 2u; s > 0u; s = s / 2u) {
+        workgroupBarrier();
+        if lane < s {
+            red[tid] += red[tid + s];
+        }
+    }
+    workgroupBarrier();
+
+    // ── 3. rotated-space value accumulation; write the partials ──
+    let n_part = q_cap * n_heads * n_splits;
+    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
+    if tid < group {
+        let pi = pbase + tid * n_splits;
+        partial[n_part * head_dim + pi] = stat[tid];
+        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
+    }
+    for (var e = tid; e < group * head_dim; e += WG) {
+        let g2 = e / head_dim;
+        let x = e % head_dim;
+        let vw = x / 16u;
+        let vshift = (x % 16u) * 2u;
+        var acc = 0.0;
+        for (var t = 0u; t < n_t; t += 1u) {
+            let word = v_cache[(slot0 + t) * pw + vw];
+            acc += scores[g2 * split_len + t] * vn_sh[t] * cval((word >> vshift) & 3u, c0, c1, c2, c3);
+        }
+        partial[(pbase + g2 * n_splits) * head_dim + x] = acc;
+    }
+}
