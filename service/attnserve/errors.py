@@ -29,6 +29,9 @@ __all__ = [
     "QuotaExceeded",
     "RequestTimeout",
     "GpuError",
+    "RouteNotFound",
+    "MethodNotAllowed",
+    "InternalError",
 ]
 
 
@@ -79,3 +82,6 @@ NotReady = _error("NotReady", 503, "not-ready", "Not ready")
 RequestTimeout = _error("RequestTimeout", 503, "timeout", "Request timed out")
 OutOfMemory = _error("OutOfMemory", 507, "out-of-memory", "Out of GPU memory")
 GpuError = _error("GpuError", 500, "gpu-error", "GPU error")
+RouteNotFound = _error("RouteNotFound", 404, "not-found", "Not found")
+MethodNotAllowed = _error("MethodNotAllowed", 405, "method-not-allowed", "Method not allowed")
+InternalError = _error("InternalError", 500, "internal-error", "Internal server error")

@@ -1,0 +1,331 @@
+"""Content negotiation, body reading with a size limit, decoding and answers.
+
+The array codec itself lives in the client package (:mod:`attnserve_client.wire`)
+and is imported from there: this module only decides *which* encoding a request
+uses and answers in, reads bodies without ever holding more than the limit, and
+turns documents into checked Python values.
+
+* Request ``Content-Type``: MessagePack (``application/vnd.msgpack``,
+  ``application/x-msgpack``, ``application/msgpack``) or ``application/json``,
+  parameters such as ``charset`` ignored; anything else with a body is
+  ``415 unsupported-media-type``.
+* Answer type: the best of those types the ``Accept`` header names (``q``
+  values honoured), else the request's type, else JSON. Errors are always
+  ``application/problem+json``.
+* Decoding copies array data at most once: MessagePack ``bin`` fields become
+  ``bytes`` inside the parser and :func:`wire.decode_array` wraps them without a
+  copy (read-only arrays).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio.to_thread
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .errors import ApiError, InvalidRequest, MalformedBody, PayloadTooLarge, UnsupportedMediaType
+
+try:
+    from attnserve_client import wire
+except ImportError:  # pragma: no cover - a checkout without the client on sys.path
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
+    from attnserve_client import wire
+
+__all__ = [
+    "wire",
+    "MediaKind",
+    "Wire",
+    "media_kind",
+    "accept_kind",
+    "negotiate",
+    "read_body",
+    "decode_document",
+    "Fields",
+    "encode",
+    "respond",
+    "array_out",
+    "problem_response",
+    "offload",
+    "MEDIA_TYPES",
+]
+
+MediaKind = Literal["json", "msgpack"]
+MEDIA_TYPES: dict[str, str] = {"json": wire.JSON, "msgpack": wire.MSGPACK}
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def media_kind(value: str | None) -> MediaKind | None:
+    """``"msgpack"``, ``"json"`` or ``None`` for a Content-Type / media range."""
+    if not value:
+        return None
+    base = value.split(";", 1)[0].strip().lower()
+    if base in wire.MSGPACK_TYPES:
+        return "msgpack"
+    if base == wire.JSON:
+        return "json"
+    return None
+
+
+def accept_kind(accept: str | None) -> MediaKind | None:
+    """The supported type an ``Accept`` header prefers (highest ``q``, then first named)."""
+    if not accept:
+        return None
+    best: MediaKind | None = None
+    best_q = 0.0
+    for part in accept.split(","):
+        base, *params = part.split(";")
+        kind = media_kind(base)
+        if kind is None:
+            continue
+        q = 1.0
+        for p in params:
+            key, _, val = p.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(val.strip())
+                except ValueError:
+                    q = 0.0
+                if not math.isfinite(q):
+                    q = 0.0
+        if q > best_q:
+            best, best_q = kind, q
+    return best
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How one request is encoded (``None``: it has no body) and how to answer it."""
+
+    request: MediaKind | None
+    response: MediaKind
+
+    @property
+    def response_type(self) -> str:
+        return MEDIA_TYPES[self.response]
+
+
+def _has_body(request: Request) -> bool:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        return cl.strip() not in ("", "0")
+    return "transfer-encoding" in request.headers
+
+
+def negotiate(request: Request, max_body_bytes: int) -> Wire:
+    """Pick the encodings, refusing other content types (415) and a declared
+    ``Content-Length`` over the limit (413) before any of the body is read."""
+    ctype = request.headers.get("content-type")
+    kind = media_kind(ctype)
+    if request.method in _BODY_METHODS and _has_body(request):
+        if kind is None:
+            raise UnsupportedMediaType(
+                f"Content-Type {ctype or '(none)'} is not supported; send application/vnd.msgpack "
+                "(or application/x-msgpack, application/msgpack) or application/json"
+            )
+        cl = request.headers.get("content-length")
+        if cl is not None and cl.strip().isdigit() and int(cl) > max_body_bytes:
+            raise PayloadTooLarge(
+                f"the body is {int(cl)} bytes; this server takes at most {max_body_bytes}",
+                max_body_bytes=max_body_bytes,
+            )
+    return Wire(request=kind, response=accept_kind(request.headers.get("accept")) or kind or "json")
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The whole body, refusing it (413) as soon as it passes ``max_body_bytes``:
+    before reading anything when ``Content-Length`` says so, else as soon as the
+    streamed bytes pass the limit (the rest is never buffered)."""
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.strip().isdigit() and int(cl) > max_body_bytes:
+        raise PayloadTooLarge(
+            f"the body is {int(cl)} bytes; this server takes at most {max_body_bytes}",
+            max_body_bytes=max_body_bytes,
+        )
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        if not chunk:
+            continue
+        total += len(chunk)
+        if total > max_body_bytes:
+            raise PayloadTooLarge(
+                f"the body passed {max_body_bytes} bytes, the most this server takes",
+                max_body_bytes=max_body_bytes,
+            )
+        chunks.append(chunk)
+    if len(chunks) == 1:
+        return chunks[0]
+    return b"".join(chunks)
+
+
+def decode_document(raw: bytes, kind: MediaKind | None, max_bytes: int) -> Any:
+    """Parse the body as its declared type; ``{}`` for an empty body with no type.
+
+    Raises:
+        MalformedBody: the bytes are not a document of that type.
+    """
+    if kind is None:
+        return {}
+    if kind == "msgpack":
+        try:
+            return wire.unpackb(raw, max_bytes=max_bytes)
+        except wire.WireError as e:
+            raise MalformedBody(str(e)) from None
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise MalformedBody("body: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise MalformedBody(f"body: expected valid JSON, got {type(e).__name__}: {e}") from None
+
+
+_MISSING: Any = object()
+
+
+class Fields:
+    """Typed access to the members of a request document, refusing unknown ones.
+
+    ``None`` (JSON ``null``, MessagePack ``nil``) counts as absent for optional
+    members. Every refusal is ``422 invalid-request`` naming the member.
+    """
+
+    def __init__(self, doc: Any, allowed: tuple[str, ...], what: str):
+        if not isinstance(doc, dict):
+            raise InvalidRequest(f"{what}: expected an object (a map), got {_type_name(doc)}")
+        unknown = [k for k in doc if k not in allowed]
+        if unknown:
+            raise InvalidRequest(
+                f"{what}: unknown field(s) {', '.join(map(repr, unknown))}; expected some of "
+                f"{', '.join(allowed)}",
+                fields=[str(u) for u in unknown],
+            )
+        self.doc = doc
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.doc.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise InvalidRequest(f"{name}: required")
+            return default
+        return value
+
+    def int(self, name: str, default: Any = _MISSING, *, lo: int | None = None, hi: int | None = None) -> Any:
+        value = self._get(name, default)
+        if value is default and default is not _MISSING:
+            return value
+        if type(value) is not int:
+            raise InvalidRequest(f"{name}: expected an integer, got {_type_name(value)} {_short(value)}")
+        if lo is not None and value < lo or hi is not None and value > hi:
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise InvalidRequest(f"{name}: expected an integer in {rng}, got {value}")
+        return value
+
+    def bool(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._get(name, default)
+        if type(value) is not bool:
+            raise InvalidRequest(f"{name}: expected true or false, got {_type_name(value)} {_short(value)}")
+        return value
+
+    def str(self, name: str, default: Any = _MISSING, *, choices: tuple[str, ...] | None = None) -> Any:
+        value = self._get(name, default)
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{name}: expected a string, got {_type_name(value)} {_short(value)}")
+        if choices is not None and value not in choices:
+            raise InvalidRequest(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+
+    def number(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._get(name, default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequest(f"{name}: expected a number, got {_type_name(value)} {_short(value)}")
+        try:
+            f = float(value)
+        except OverflowError:
+            f = math.inf
+        if not math.isfinite(f):
+            raise InvalidRequest(f"{name}: expected a finite number, got {value}")
+        return f
+
+    def array(self, name: str, default: Any = _MISSING, *, max_elements: int = wire.MAX_ELEMENTS) -> Any:
+        value = self._get(name, default)
+        if value is default and default is not _MISSING:
+            return value
+        try:
+            return wire.decode_array(value, name=name, ndim=3, finite=True, max_elements=max_elements)
+        except wire.WireError as e:
+            raise InvalidRequest(str(e)) from None
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return "binary"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (dict, list, bytes, bytearray, memoryview)):
+        return ""
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+# ── answers ─────────────────────────────────────────────────────────────────
+
+
+def array_out(arr: np.ndarray, kind: MediaKind) -> Any:
+    """An array for an answer: the wire map for MessagePack, nested lists for JSON."""
+    if kind == "msgpack":
+        return wire.encode_array(arr)
+    return arr.tolist()
+
+
+def encode(obj: Any, kind: MediaKind) -> bytes:
+    if kind == "msgpack":
+        return wire.packb(obj)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def respond(
+    obj: Any, wire_: Wire, status: int = 200, headers: dict[str, str] | None = None, body: bytes | None = None
+) -> Response:
+    content = encode(obj, wire_.response) if body is None else body
+    return Response(content, status_code=status, media_type=wire_.response_type, headers=headers)
+
+
+def problem_response(err: ApiError, instance: str | None = None) -> Response:
+    body = json.dumps(err.problem(instance), separators=(",", ":"), default=str).encode()
+    return Response(body, status_code=err.status, media_type=wire.PROBLEM_JSON, headers=err.headers or None)
+
+
+async def offload(fn: Callable[..., Any], *args: Any, size: int, threshold: int) -> Any:
+    """``fn(*args)``, on a worker thread when ``size`` bytes pass ``threshold``
+    (large bodies must not stall the event loop and with it the probes)."""
+    if size > threshold:
+        return await anyio.to_thread.run_sync(fn, *args)
+    return fn(*args)

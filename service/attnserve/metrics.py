@@ -1,0 +1,219 @@
+"""Prometheus metrics, written in the text exposition format (version 0.0.4).
+
+A few small thread-safe primitives (counter, gauge, histogram with labels) and
+the :class:`Metrics` of one app. Gauges that describe state (sessions, bytes,
+queue depth) are computed when scraped, from the store and the GPU worker.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["Counter", "Gauge", "Histogram", "Metrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(v: float) -> str:
+    if v == math.inf:
+        return "+Inf"
+    if isinstance(v, int) or float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
+        self.name = name
+        self.help = help
+        self.labelnames = tuple(labelnames)
+        self._lock = threading.Lock()
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
+        super().__init__(name, help, labelnames)
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *labels: str, amount: float = 1) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0) + amount
+
+    def value(self, *labels: str) -> float:
+        return self._values.get(labels, 0)
+
+    def render(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        if not items and not self.labelnames:
+            items = [((), 0)]
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    """A gauge whose samples a callback gives at scrape time (or set by hand)."""
+
+    kind = "gauge"
+
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        labelnames: Sequence[str] = (),
+        fn: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None,
+    ):
+        super().__init__(name, help, labelnames)
+        self.fn = fn
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def set(self, value: float, *labels: str) -> None:
+        with self._lock:
+            self._values[labels] = value
+
+    def render(self) -> list[str]:
+        if self.fn is not None:
+            items = sorted(self.fn())
+        else:
+            with self._lock:
+                items = sorted(self._values.items())
+        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, labelnames: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS):
+        super().__init__(name, help, labelnames)
+        self.buckets = tuple(sorted(buckets))
+        # labels -> [bucket counts (non-cumulative) ..., +Inf count], sum
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            s = self._series.get(labels)
+            if s is None:
+                s = self._series[labels] = ([0] * (len(self.buckets) + 1), [0.0])
+            s[0][i] += 1
+            s[1][0] += value
+
+    def snapshot(self, *labels: str) -> tuple[list[int], float]:
+        """(cumulative counts per bucket incl. +Inf, sum)."""
+        with self._lock:
+            counts, total = self._series.get(labels, ([0] * (len(self.buckets) + 1), [0.0]))
+            counts = list(counts)
+            total_sum = total[0]
+        cum, acc = [], 0
+        for c in counts:
+            acc += c
+            cum.append(acc)
+        return cum, total_sum
+
+    def render(self) -> list[str]:
+        with self._lock:
+            keys = sorted(self._series)
+        if not keys and not self.labelnames:
+            keys = [()]
+        lines = self.header()
+        for key in keys:
+            cum, total = self.snapshot(*key)
+            for b, c in zip(list(self.buckets) + [math.inf], cum):
+                le = 'le="' + _num(b) + '"'
+                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {c}")
+            lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total)}")
+            lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {cum[-1]}")
+        return lines
+
+
+class Metrics:
+    """Every metric of one app. ``bind(store, engine_fn, ...)`` wires the scrape-time gauges."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "attnserve_requests_total", "HTTP requests answered, by route template, method and status.",
+            ("route", "method", "status"),
+        )
+        self.latency = Histogram(
+            "attnserve_request_duration_seconds", "HTTP request latency in seconds, by route template and method.",
+            ("route", "method"),
+        )
+        self.errors = Counter(
+            "attnserve_errors_total", "Problem answers, by problem type slug.", ("type",)
+        )
+        self.gpu_batches = Counter("attnserve_gpu_batches_total", "GPU submissions (one readback each).")
+        self.gpu_dispatches = Counter("attnserve_gpu_dispatches_total", "Compute dispatches submitted.")
+        self.gpu_jobs = Counter("attnserve_gpu_jobs_total", "Jobs (appends and attends) run in submissions.")
+        self.gpu_dispatches_per = Histogram(
+            "attnserve_gpu_dispatches_per_submission", "Compute dispatches in one GPU submission.",
+            buckets=COUNT_BUCKETS,
+        )
+        self.gpu_jobs_per = Histogram(
+            "attnserve_gpu_jobs_per_submission", "Jobs coalesced into one GPU submission.", buckets=COUNT_BUCKETS
+        )
+        self.gpu_seconds = Histogram(
+            "attnserve_gpu_submission_seconds", "Time to plan, submit and read back one GPU submission."
+        )
+        self.rows = Counter(
+            "attnserve_rows_total", "Rows processed: appended K/V timesteps and attended query rows.",
+            ("kind", "kv_format"),
+        )
+        self._gauges: list[Gauge] = []
+
+    def on_batch(self, n_jobs: int, n_dispatches: int, seconds: float) -> None:
+        """The GPU worker's hook (called on the GPU thread after each submission)."""
+        self.gpu_batches.inc()
+        self.gpu_dispatches.inc(amount=n_dispatches)
+        self.gpu_jobs.inc(amount=n_jobs)
+        self.gpu_dispatches_per.observe(n_dispatches)
+        self.gpu_jobs_per.observe(n_jobs)
+        self.gpu_seconds.observe(seconds)
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.inc(route, method, str(status))
+        self.latency.observe(seconds, route, method)
+
+    def add_gauge(self, gauge: Gauge) -> None:
+        self._gauges.append(gauge)
+
+    def render(self) -> str:
+        metrics: list[_Metric] = [
+            *self._gauges,
+            self.requests,
+            self.latency,
+            self.errors,
+            self.rows,
+            self.gpu_batches,
+            self.gpu_dispatches,
+            self.gpu_jobs,
+            self.gpu_dispatches_per,
+            self.gpu_jobs_per,
+            self.gpu_seconds,
+        ]
+        lines: list[str] = []
+        for m in metrics:
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,99 @@
+"""Probes, metrics and server info: /livez, /readyz, /metrics, /v1/info.
+
+None of them touches the GPU thread, so a slow GPU never stalls them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from .. import __version__
+from ..codec import respond
+from ..errors import NotReady
+from ..kvcache import KV_FORMATS
+from ..metrics import CONTENT_TYPE
+from ..turboquant import SUPPORTED_HEAD_DIMS
+from .deps import Runtime, RuntimeDep, WireDep
+from .schemas import ok, problems
+from .sessions import MAX_LAYERS, MAX_QO_HEADS
+
+__all__ = ["router", "API_VERSION"]
+
+router = APIRouter(tags=["probes"])
+API_VERSION = 1
+
+
+@router.get(
+    "/livez",
+    summary="Liveness: the process is up",
+    response_class=Response,
+    responses=ok(200, "Alive", "Status"),
+)
+async def livez(wire: WireDep) -> Response:
+    return respond({"status": "ok"}, wire)
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: the device is open and the server is not draining",
+    response_class=Response,
+    responses={**ok(200, "Ready", "Status"), **problems(503, slugs={503: "not-ready"})},
+)
+async def readyz(rt: RuntimeDep, wire: WireDep) -> Response:
+    if rt.draining:
+        raise NotReady("the server is draining", headers={"Retry-After": "1"})
+    if not rt.ready or rt.engine is None or not rt.engine.worker.alive:
+        raise NotReady("the GPU device is not ready", headers={"Retry-After": "1"})
+    return respond({"status": "ready"}, wire)
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"description": "Prometheus text exposition format 0.0.4.",
+                     "content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def metrics(rt: RuntimeDep) -> Response:
+    return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def server_info(rt: Runtime) -> dict[str, Any]:
+    s = rt.settings
+    eng = rt.engine
+    adapter = eng.ctx.describe() if eng is not None else None
+    return {
+        "name": "attnserve",
+        "version": __version__,
+        "api_version": API_VERSION,
+        "adapter": adapter,
+        "backend": adapter["backend"] if adapter else None,
+        "kv_formats": list(KV_FORMATS),
+        "head_dims": {"f32": list(range(1, 129)), "turboquant": list(SUPPORTED_HEAD_DIMS)},
+        "limits": {
+            "max_body_bytes": s.max_body_bytes,
+            "memory_budget_bytes": s.memory_budget_bytes,
+            "memory_used_bytes": rt.store.used_bytes,
+            "max_sessions": s.max_sessions,
+            "default_max_tokens": s.default_max_tokens,
+            "max_layers": MAX_LAYERS,
+            "max_qo_heads": MAX_QO_HEADS,
+            "max_binding_bytes": eng.ctx.max_binding if eng is not None else None,
+            "max_queue": s.max_queue,
+            "max_batch_jobs": s.max_batch_jobs,
+        },
+        "sessions": len(rt.store),
+        "ready": bool(rt.ready and not rt.draining),
+    }
+
+
+@router.get(
+    "/v1/info",
+    summary="Server info: adapter, limits, kv formats, version",
+    response_class=Response,
+    responses=ok(200, "Server info", "ServerInfo"),
+)
+async def info(rt: RuntimeDep, wire: WireDep) -> Response:
+    return respond(server_info(rt), wire)

@@ -1,0 +1,271 @@
+"""OpenAPI 3.1 schemas of the bodies, in both encodings.
+
+The routes read and write bodies themselves (MessagePack or JSON, see
+:mod:`attnserve.codec`), so FastAPI cannot infer these: they are written here
+once, added to ``components.schemas`` by ``create_app``, and referenced from
+each route's ``openapi_extra`` (request bodies) and ``responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..codec import wire
+
+__all__ = ["COMPONENTS", "ref", "request_body", "ok", "problems", "PROBLEM_STATUSES"]
+
+JSON = wire.JSON
+MSGPACK = wire.MSGPACK
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_ARRAY_JSON = {
+    "title": "Array (JSON)",
+    "description": "A float32 array as nested lists of numbers, [rows, heads, head_dim].",
+    "type": "array",
+    "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+}
+_ARRAY_MSGPACK = {
+    "title": "Array (MessagePack)",
+    "description": "A float32 array as a MessagePack map: C order, little endian; "
+    "`data` is a `bin` of exactly prod(shape) * 4 bytes.",
+    "type": "object",
+    "required": ["dtype", "shape", "data"],
+    "additionalProperties": False,
+    "properties": {
+        "dtype": {"type": "string", "const": "<f4"},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 3, "maxItems": 3},
+        "data": {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"},
+    },
+}
+
+
+def _append(array: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["k", "v"],
+        "additionalProperties": False,
+        "properties": {
+            "k": {**ref(array), "description": "[n, num_kv_heads, head_dim], n >= 1."},
+            "v": {**ref(array), "description": "Same shape as k."},
+            "offset": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "If given, must equal the layer's length before the append (else 409 "
+                "offset-mismatch, and nothing changes): makes a retried append safe.",
+            },
+        },
+    }
+
+
+def _attend(array: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["q"],
+        "additionalProperties": False,
+        "properties": {
+            "q": {**ref(array), "description": "[n, num_qo_heads, head_dim], n >= 1 query rows."},
+            "k": {**ref(array), "description": "[m, num_kv_heads, head_dim]: appended first (fused step)."},
+            "v": {**ref(array), "description": "Same shape as k; k and v go together."},
+            "offset": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "As for append, checked before the fused append (also without one).",
+            },
+            "start_pos": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "Position of the first query row; default length - n (after the fused "
+                "append). start_pos + n <= length.",
+            },
+            "causal": {
+                "type": "boolean",
+                "default": True,
+                "description": "Row i attends to 0..start_pos+i; false: to all length timesteps.",
+            },
+            "scale": {
+                "type": ["number", "null"],
+                "description": "Softmax scale (any finite number); default 1/sqrt(head_dim).",
+            },
+        },
+    }
+
+
+def _attend_out(array: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["out", "length"],
+        "properties": {
+            "out": {**ref(array), "description": "[n, num_qo_heads, head_dim] float32."},
+            "length": {"type": "integer", "description": "The layer's length after the call."},
+        },
+    }
+
+
+COMPONENTS: dict[str, Any] = {
+    "ArrayJson": _ARRAY_JSON,
+    "ArrayMsgpack": _ARRAY_MSGPACK,
+    "CreateSession": {
+        "type": "object",
+        "required": ["num_qo_heads", "num_kv_heads", "head_dim"],
+        "additionalProperties": False,
+        "properties": {
+            "num_layers": {"type": "integer", "minimum": 1, "maximum": 256, "default": 1},
+            "num_qo_heads": {"type": "integer", "minimum": 1, "maximum": 256},
+            "num_kv_heads": {"type": "integer", "minimum": 1, "description": "Divides num_qo_heads (GQA)."},
+            "head_dim": {"type": "integer", "description": "f32: 1..128; turboquant: 32, 64 or 128."},
+            "kv_format": {"type": "string", "enum": ["f32", "turboquant"], "default": "f32"},
+            "max_tokens": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "description": "Cap on each layer's length. Default: the server's default_max_tokens, "
+                "capped by what the adapter can bind for this shape (more is a 422 that says the limit).",
+            },
+            "seed": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": 18446744073709551615,
+                "description": "Decides the TurboQuant rotations; random in [0, 2^53) if absent; echoed back.",
+            },
+        },
+    },
+    "SessionInfo": {
+        "type": "object",
+        "required": [
+            "session_id", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format",
+            "max_tokens", "seed", "lengths", "bytes",
+        ],
+        "properties": {
+            "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "num_layers": {"type": "integer"},
+            "num_qo_heads": {"type": "integer"},
+            "num_kv_heads": {"type": "integer"},
+            "head_dim": {"type": "integer"},
+            "kv_format": {"type": "string"},
+            "max_tokens": {"type": "integer"},
+            "seed": {"type": "integer"},
+            "lengths": {"type": "array", "items": {"type": "integer"}, "description": "Each layer's length."},
+            "bytes": {"type": "integer", "description": "GPU memory the session holds now."},
+        },
+    },
+    "SessionList": {
+        "type": "object",
+        "required": ["sessions"],
+        "properties": {"sessions": {"type": "array", "items": ref("SessionInfo")}},
+    },
+    "AppendJson": _append("ArrayJson"),
+    "AppendMsgpack": _append("ArrayMsgpack"),
+    "AppendResult": {
+        "type": "object",
+        "required": ["length"],
+        "properties": {"length": {"type": "integer", "description": "The layer's new length."}},
+    },
+    "AttendJson": _attend("ArrayJson"),
+    "AttendMsgpack": _attend("ArrayMsgpack"),
+    "AttendResultJson": _attend_out("ArrayJson"),
+    "AttendResultMsgpack": _attend_out("ArrayMsgpack"),
+    "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
+    "ServerInfo": {
+        "type": "object",
+        "required": ["version", "adapter", "backend", "kv_formats", "limits"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "api_version": {"type": "integer"},
+            "adapter": {
+                "type": "object",
+                "description": "The wgpu adapter: name, backend, adapter_type, vendor, description, and "
+                "its max_storage_buffer_binding_size and max_buffer_size.",
+                "properties": {"name": {"type": "string"}, "backend": {"type": "string"}},
+                "additionalProperties": True,
+            },
+            "backend": {"type": "string", "description": "The adapter's backend (Vulkan, Metal, D3D12...)."},
+            "kv_formats": {"type": "array", "items": {"type": "string"}},
+            "head_dims": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+            "limits": {
+                "type": "object",
+                "properties": {
+                    "max_body_bytes": {"type": "integer"},
+                    "memory_budget_bytes": {"type": "integer", "description": "0: no budget."},
+                    "memory_used_bytes": {"type": "integer"},
+                    "max_sessions": {"type": "integer"},
+                    "default_max_tokens": {"type": "integer"},
+                    "max_layers": {"type": "integer"},
+                    "max_qo_heads": {"type": "integer"},
+                    "max_binding_bytes": {"type": "integer"},
+                    "max_queue": {"type": "integer"},
+                    "max_batch_jobs": {"type": "integer"},
+                },
+                "additionalProperties": True,
+            },
+            "sessions": {"type": "integer"},
+            "ready": {"type": "boolean"},
+        },
+    },
+    "Problem": {
+        "type": "object",
+        "description": "RFC 9457 problem details; extra members depend on the type (offset-mismatch and "
+        "capacity-exceeded carry `length`, capacity-exceeded also `max_tokens`).",
+        "required": ["type", "title", "status", "detail"],
+        "properties": {
+            "type": {"type": "string", "examples": ["/problems/offset-mismatch"]},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+            "instance": {"type": "string"},
+            "length": {"type": "integer"},
+            "max_tokens": {"type": "integer"},
+        },
+        "additionalProperties": True,
+    },
+}
+
+
+def request_body(json_schema: str, msgpack_schema: str | None = None, *, required: bool = True) -> dict[str, Any]:
+    msgpack_schema = msgpack_schema or json_schema
+    return {
+        "requestBody": {
+            "required": required,
+            "content": {
+                MSGPACK: {"schema": ref(msgpack_schema)},
+                JSON: {"schema": ref(json_schema)},
+            },
+        }
+    }
+
+
+def ok(status: int, description: str, json_schema: str, msgpack_schema: str | None = None) -> dict[int, Any]:
+    msgpack_schema = msgpack_schema or json_schema
+    return {
+        status: {
+            "description": description + " (MessagePack or JSON, as negotiated).",
+            "content": {MSGPACK: {"schema": ref(msgpack_schema)}, JSON: {"schema": ref(json_schema)}},
+        }
+    }
+
+
+PROBLEM_STATUSES: dict[int, str] = {
+    400: "malformed-body",
+    404: "session-not-found, layer-not-found",
+    409: "offset-mismatch, session-exists, capacity-exceeded",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+    422: "invalid-request",
+    500: "internal-error, gpu-error",
+    503: "overloaded (with Retry-After), not-ready",
+    507: "out-of-memory",
+}
+
+
+def problems(*statuses: int, slugs: dict[int, str] | None = None) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for st in statuses:
+        desc = (slugs or {}).get(st) or PROBLEM_STATUSES.get(st, "")
+        out[st] = {
+            "description": f"Problem: {desc}",
+            "content": {wire.PROBLEM_JSON: {"schema": ref("Problem")}},
+        }
+    return out

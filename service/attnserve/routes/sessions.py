@@ -1,0 +1,159 @@
+"""Sessions: create (POST, or PUT with the client's id), get, list, delete."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request, Response
+
+from ..codec import Fields, decode_document, read_body, respond
+from ..errors import InvalidRequest
+from ..kvcache import KV_FORMATS, SessionConfig, check_head_dim
+from ..store import SESSION_ID_RE
+from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
+from .schemas import ok, problems, request_body
+
+__all__ = ["router", "MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED"]
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+MAX_LAYERS = 256
+MAX_QO_HEADS = 256
+MAX_SEED = (1 << 64) - 1
+_CREATE_FIELDS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_format: str
+    max_tokens: int | None
+    seed: int | None
+
+
+def parse_create(doc: object) -> CreateRequest:
+    f = Fields(doc, _CREATE_FIELDS, "session")
+    kv_format = f.str("kv_format", "f32", choices=KV_FORMATS)
+    num_layers = f.int("num_layers", 1, lo=1, hi=MAX_LAYERS)
+    num_qo_heads = f.int("num_qo_heads", lo=1, hi=MAX_QO_HEADS)
+    num_kv_heads = f.int("num_kv_heads", lo=1, hi=MAX_QO_HEADS)
+    if num_qo_heads % num_kv_heads:
+        raise InvalidRequest(
+            f"num_kv_heads: expected a divisor of num_qo_heads {num_qo_heads} (GQA), got {num_kv_heads}"
+        )
+    head_dim = f.int("head_dim")
+    try:
+        check_head_dim(kv_format, head_dim)
+    except ValueError as e:
+        raise InvalidRequest(f"head_dim: {e}") from None
+    max_tokens = f.int("max_tokens", None, lo=1)
+    seed = f.int("seed", None, lo=0, hi=MAX_SEED)
+    return CreateRequest(num_layers, num_qo_heads, num_kv_heads, head_dim, kv_format, max_tokens, seed)
+
+
+def _decode_create(raw: bytes, kind: str | None, max_bytes: int) -> CreateRequest:
+    return parse_create(decode_document(raw, kind, max_bytes))
+
+
+async def _create(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: str | None,
+                  session_id: str | None) -> Response:
+    if session_id is not None and not SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+    rt.store.check_room(session_id)  # early 409 / 507, before reading the body
+    raw = await read_body(request, rt.settings.max_body_bytes)
+    req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
+    limit = engine.max_tokens_limit(req.kv_format, req.num_kv_heads, req.head_dim)
+    if req.max_tokens is None:
+        max_tokens = min(rt.settings.default_max_tokens, limit)
+    elif req.max_tokens > limit:
+        raise InvalidRequest(
+            f"max_tokens: this adapter can bind at most {limit} timesteps per layer for "
+            f"{req.kv_format} with num_kv_heads {req.num_kv_heads} and head_dim {req.head_dim}, "
+            f"got {req.max_tokens}",
+            max_tokens_limit=limit,
+        )
+    else:
+        max_tokens = req.max_tokens
+    seed = req.seed if req.seed is not None else secrets.randbits(53)
+    config = SessionConfig(
+        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, max_tokens, seed
+    )
+    session = rt.store.create(config, owner=owner, session_id=session_id)  # checks the room again
+    return respond(session.info(), wire, 201, headers={"Location": f"/v1/sessions/{session.id}"})
+
+
+_CREATE_DOC = dict(
+    status_code=201,
+    response_class=Response,
+    openapi_extra=request_body("CreateSession"),
+)
+
+
+@router.post(
+    "",
+    summary="Create a session",
+    description="Creates a session: a KV cache for every layer of one sequence, with a random id.",
+    responses={**ok(201, "The session's info", "SessionInfo"), **problems(400, 413, 415, 422, 503, 507)},
+    **_CREATE_DOC,
+)
+async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
+                         owner: OwnerDep) -> Response:
+    return await _create(request, rt, wire, engine, owner, None)
+
+
+@router.put(
+    "/{session_id}",
+    summary="Create a session with a chosen id",
+    description="Creates a session under the id in the path (`[A-Za-z0-9_-]{1,64}`); 409 session-exists "
+    "if taken. A router in front of several replicas can hash the id, so a session lives on one replica.",
+    responses={
+        **ok(201, "The session's info", "SessionInfo"),
+        **problems(400, 409, 413, 415, 422, 503, 507, slugs={409: "session-exists"}),
+    },
+    **_CREATE_DOC,
+)
+async def put_session(session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire: WireDep,
+                      engine: EngineDep, owner: OwnerDep) -> Response:
+    return await _create(request, rt, wire, engine, owner, session_id)
+
+
+@router.get(
+    "",
+    summary="List the caller's sessions",
+    response_class=Response,
+    responses={**ok(200, "The sessions' info", "SessionList"), **problems(503)},
+)
+async def list_sessions(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Response:
+    return respond({"sessions": [s.info() for s in rt.store.list(owner)]}, wire)
+
+
+@router.get(
+    "/{session_id}",
+    summary="Get a session's info",
+    response_class=Response,
+    responses={**ok(200, "The session's info", "SessionInfo"), **problems(404, 503, slugs={404: "session-not-found"})},
+)
+async def get_session_info(session: SessionDep, wire: WireDep) -> Response:
+    return respond(session.info(), wire)
+
+
+@router.delete(
+    "/{session_id}",
+    summary="Delete a session",
+    description="Frees the session's GPU memory (after any of its work already queued) and answers 204.",
+    status_code=204,
+    response_class=Response,
+    responses={204: {"description": "Deleted."}, **problems(404, 503, slugs={404: "session-not-found"})},
+)
+async def delete_session(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
+    fut = engine.release(session.kv)  # queued after the session's jobs; may raise Overloaded
+    freed = rt.store.remove(session)
+    loop = asyncio.get_running_loop()
+    fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(rt.store.released, freed))
+    await asyncio.shield(asyncio.wrap_future(fut))
+    return Response(status_code=204)
