@@ -17,8 +17,8 @@
 //      free; thread (gi, j) scores query head gi against row j of the tile.
 //   2. Per query head: max and sum of exp over the split's scores (inlined
 //      tree reductions over segments of WG / G threads).
-//   3. Thread (gi, x) accumulates sum_t p[gi][t] * V[t][x]: consecutive threads
-//      read consecutive floats of a V row (coalesced).
+//   3. V tiles are staged the same way; thread (gi, x) accumulates
+//      sum_t p[gi][t] * V[t][x] from workgroup memory.
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow:
 // loop bounds depend only on params and the workgroup id (naga's SPIR-V path
@@ -31,7 +31,7 @@
 // Bind group 0:
 // @binding(0) q_batch:  array<f32>        n_queries x q_stride floats
 // @binding(1) k_cache:  array<vec4<f32>>  [cap, kv_dim] (row t at t * kv_dim floats)
-// @binding(2) v_cache:  array<f32>        [cap, kv_dim]
+// @binding(2) v_cache:  array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) partial:  array<f32>        [acc: n_q*H*n_splits*d | m: n_q*H*n_splits | l: same] (rw)
 // @binding(4) params:   array<u32, 16>
 //   ( n_heads, n_kv_heads, head_dim, kv_dim, max_seq, scale_bits, start_pos,
@@ -44,7 +44,7 @@
 
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 @group(0) @binding(4) var<storage, read> params: array<u32, 16>;
 
@@ -182,14 +182,51 @@ fn attention_split_f32(
         partial[n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
         partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
     }
-    for (var e = tid; e < group * head_dim; e += WG) {
-        let g2 = e / head_dim;
-        let x = e % head_dim;
-        var acc = 0.0;
-        let vo = kv_head * head_dim + x;
-        for (var t = 0u; t < n_t; t += 1u) {
-            acc += scores[g2 * split_len + t] * v_cache[(t0 + t) * kv_dim + vo];
+    // V tiles are staged like K tiles (vec4 loads, all independent, coalesced),
+    // then thread (g2, x) accumulates its outputs from workgroup memory.
+    var acc0 = 0.0;
+    var acc1 = 0.0;
+    var acc2 = 0.0;
+    var acc3 = 0.0;
+    for (var tb = 0u; tb < n_t; tb += TK) {
+        let nk = min(TK, n_t - tb);
+        for (var e = tid; e < nk * d4; e += WG) {
+            let row = e / d4;
+            let part = e % d4;
+            let vv = v_cache[((t0 + tb + row) * kv_dim + kv_head * head_dim) / 4u + part];
+            let o = row * ROW + 4u * part;
+            k_tile[o] = vv.x;
+            k_tile[o + 1u] = vv.y;
+            k_tile[o + 2u] = vv.z;
+            k_tile[o + 3u] = vv.w;
         }
-        partial[(pbase + g2 * n_splits) * head_dim + x] = acc;
+        workgroupBarrier();
+        // up to 4 outputs per thread (group * head_dim <= 1024 = 4 * WG)
+        for (var r = 0u; r < 4u; r += 1u) {
+            let e = tid + r * WG;
+            if e < group * head_dim {
+                let g2 = e / head_dim;
+                let x = e % head_dim;
+                var a = 0.0;
+                for (var t = 0u; t < nk; t += 1u) {
+                    a += scores[g2 * split_len + tb + t] * k_tile[t * ROW + x];
+                }
+                if r == 0u { acc0 += a; }
+                if r == 1u { acc1 += a; }
+                if r == 2u { acc2 += a; }
+                if r == 3u { acc3 += a; }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var r = 0u; r < 4u; r += 1u) {
+        let e = tid + r * WG;
+        if e < group * head_dim {
+            var a = acc0;
+            if r == 1u { a = acc1; }
+            if r == 2u { a = acc2; }
+            if r == 3u { a = acc3; }
+            partial[(pbase + (e / head_dim) * n_splits) * head_dim + e % head_dim] = a;
+        }
     }
 }

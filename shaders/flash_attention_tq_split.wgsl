@@ -38,7 +38,7 @@
 @group(0) @binding(4) var<storage, read> params: array<u32, 20>;
 
 const WG: u32 = 256u;
-const TK: u32 = 32u;
+const TK: u32 = 64u;                 // compressed keys per staged tile
 const MAX_HEAD_DIM: u32 = 128u;
 const MAX_GROUP: u32 = 8u;
 const MAX_SCORES: u32 = 2048u;
@@ -51,9 +51,10 @@ const FLAG_NON_CAUSAL: u32 = 1u;
 var<workgroup> qr_sh: array<f32, 1024>;          // MAX_GROUP * MAX_HEAD_DIM
 var<workgroup> qj_sh: array<f32, 1024>;
 var<workgroup> qsum_sh: array<f32, MAX_GROUP>;
-var<workgroup> kp_tile: array<u32, 288>;         // TK * PROW
-var<workgroup> kj_tile: array<u32, 160>;         // TK * JROW
+var<workgroup> kp_tile: array<u32, 576>;         // TK * PROW
+var<workgroup> kj_tile: array<u32, 320>;         // TK * JROW
 var<workgroup> kn_tile: array<u32, TK>;          // packed (norm, residual_norm)
+var<workgroup> vp_tile: array<u32, 512>;         // TK * d/16 value polar words
 var<workgroup> vn_sh: array<f32, MAX_SPLIT>;     // value norms of the split
 var<workgroup> scores: array<f32, MAX_SCORES>;
 var<workgroup> red: array<f32, WG>;
@@ -141,27 +142,30 @@ fn attention_split_tq(
             vn_sh[tb + tid] = unpack2x16float(v_cache[v_norm_off + s0 + tid]).x;
         }
         workgroupBarrier();
-        if gi < group && j < nk {
-            let qo = gi * head_dim;
-            var polar = 0.0;
-            for (var w = 0u; w < pw; w += 1u) {
-                let word = kp_tile[j * PROW + w];
-                let d0 = qo + w * 16u;
-                for (var k = 0u; k < 16u; k += 1u) {
-                    polar += qr_sh[d0 + k] * cval((word >> (2u * k)) & 3u, c0, c1, c2, c3);
+        // thread (head gg, key j); with G = 8 each thread scores two heads
+        for (var gg = gi; gg < group; gg += WG / TK) {
+            if j < nk {
+                let qo = gg * head_dim;
+                var polar = 0.0;
+                for (var w = 0u; w < pw; w += 1u) {
+                    let word = kp_tile[j * PROW + w];
+                    let d0 = qo + w * 16u;
+                    for (var k = 0u; k < 16u; k += 1u) {
+                        polar += qr_sh[d0 + k] * cval((word >> (2u * k)) & 3u, c0, c1, c2, c3);
+                    }
                 }
-            }
-            var pos_sum = 0.0;
-            for (var w = 0u; w < jw; w += 1u) {
-                let word = kj_tile[j * JROW + w];
-                let d0 = qo + w * 32u;
-                for (var k = 0u; k < 32u; k += 1u) {
-                    pos_sum += select(0.0, qj_sh[d0 + k], ((word >> k) & 1u) == 1u);
+                var pos_sum = 0.0;
+                for (var w = 0u; w < jw; w += 1u) {
+                    let word = kj_tile[j * JROW + w];
+                    let d0 = qo + w * 32u;
+                    for (var k = 0u; k < 32u; k += 1u) {
+                        pos_sum += select(0.0, qj_sh[d0 + k], ((word >> k) & 1u) == 1u);
+                    }
                 }
+                let nr = unpack2x16float(kn_tile[j]);
+                let signed_sum = 2.0 * pos_sum - qsum_sh[gg];
+                scores[gg * split_len + tb + j] = (polar * nr.x + nr.x * nr.y * qjl_scale * signed_sum) * scale;
             }
-            let nr = unpack2x16float(kn_tile[j]);
-            let signed_sum = 2.0 * pos_sum - qsum_sh[gi];
-            scores[gi * split_len + tb + j] = (polar * nr.x + nr.x * nr.y * qjl_scale * signed_sum) * scale;
         }
         workgroupBarrier();
     }
@@ -213,16 +217,45 @@ fn attention_split_tq(
         partial[n_part * head_dim + pi] = stat[tid];
         partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
     }
-    for (var e = tid; e < group * head_dim; e += WG) {
-        let g2 = e / head_dim;
-        let x = e % head_dim;
-        let vw = x / 16u;
-        let vshift = (x % 16u) * 2u;
-        var acc = 0.0;
-        for (var t = 0u; t < n_t; t += 1u) {
-            let word = v_cache[(slot0 + t) * pw + vw];
-            acc += scores[g2 * split_len + t] * vn_sh[t] * cval((word >> vshift) & 3u, c0, c1, c2, c3);
+    // value polar words staged per tile (coalesced), accumulated from workgroup memory
+    var acc0 = 0.0;
+    var acc1 = 0.0;
+    var acc2 = 0.0;
+    var acc3 = 0.0;
+    for (var tb = 0u; tb < n_t; tb += TK) {
+        let nk = min(TK, n_t - tb);
+        for (var e = tid; e < nk * pw; e += WG) {
+            vp_tile[e] = v_cache[(slot0 + tb) * pw + e];
         }
-        partial[(pbase + g2 * n_splits) * head_dim + x] = acc;
+        workgroupBarrier();
+        for (var r = 0u; r < 4u; r += 1u) {
+            let e = tid + r * WG;
+            if e < group * head_dim {
+                let g2 = e / head_dim;
+                let x = e % head_dim;
+                let vw = x / 16u;
+                let vshift = (x % 16u) * 2u;
+                var a = 0.0;
+                for (var t = 0u; t < nk; t += 1u) {
+                    let word = vp_tile[t * pw + vw];
+                    a += scores[g2 * split_len + tb + t] * vn_sh[tb + t] * cval((word >> vshift) & 3u, c0, c1, c2, c3);
+                }
+                if r == 0u { acc0 += a; }
+                if r == 1u { acc1 += a; }
+                if r == 2u { acc2 += a; }
+                if r == 3u { acc3 += a; }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var r = 0u; r < 4u; r += 1u) {
+        let e = tid + r * WG;
+        if e < group * head_dim {
+            var a = acc0;
+            if r == 1u { a = acc1; }
+            if r == 2u { a = acc2; }
+            if r == 3u { a = acc3; }
+            partial[(pbase + (e / head_dim) * n_splits) * head_dim + e % head_dim] = a;
+        }
     }
 }

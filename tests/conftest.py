@@ -48,13 +48,17 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "single"])
+@pytest.fixture(params=["split", "split-long", "single"])
 def kernel_path(request):
     """Run a test through each attention kernel family: the split-KV kernels
-    (split + merge) and the single-pass seed-derived kernels."""
+    (split + merge) with short splits (one tile, many splits) and with the
+    longest splits they allow (many tiles per split), and the single-pass
+    seed-derived kernels."""
     from attnserve.gpu import kernels
 
-    saved = kernels.POLICY.force
-    kernels.POLICY.force = request.param
+    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups)
+    kernels.POLICY.force = "single" if request.param == "single" else "split"
+    if request.param == "split-long":
+        kernels.POLICY.target_workgroups = 1
     yield request.param
-    kernels.POLICY.force = saved
+    kernels.POLICY.force, kernels.POLICY.target_workgroups = saved

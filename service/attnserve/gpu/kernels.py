@@ -223,7 +223,7 @@ def default_scale(head_dim: int) -> float:
 
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
-SPLIT_TILE = 32  # TK in the split kernels
+SPLIT_TILE = 32  # TK in attention_split.wgsl (smallest split; TQ tiles are 64)
 SPLIT_MAX_SCORES = 2048  # MAX_SCORES: group * split_len
 TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
 
@@ -285,15 +285,16 @@ def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) ->
 
 def _plan_merge(batch: Batch, *, partial: Seg, out: Seg, n_queries: int, n_heads: int, head_dim: int,
                 n_splits: int, signs: wgpu.GPUBuffer | None = None, sign_off: int = 0) -> None:
+    """``attention_merge``; with ``signs`` it also applies TurboQuant's inverse rotation."""
     for q_base, rows in _chunks(n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(P.MERGE_PARAMS, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits,
-                   q_total=n_queries, q_base=q_base, out_stride=n_heads * head_dim, sign_off=sign_off)
+                   q_total=n_queries, q_base=q_base, out_stride=n_heads * head_dim, sign_off=sign_off,
+                   flags=0 if signs is None else P.FLAG_ROTATE)
         )
-        if signs is None:
-            batch.dispatch("attention_merge", {0: partial, 1: out, 2: prm}, (n_heads, rows, 1))
-        else:
-            batch.dispatch("attention_merge_rot", {0: partial, 1: out, 2: prm, 3: signs}, (n_heads, rows, 1))
+        # f32 merges bind the partials again as the (unread) signs: both read-only
+        batch.dispatch("attention_merge", {0: partial, 1: out, 2: prm, 3: signs if signs is not None else partial},
+                       (n_heads, rows, 1))
 
 
 def plan_attention_split_f32(

@@ -70,8 +70,10 @@ TQ_SPLIT_PARAMS = _block(
 
 # attention_merge.wgsl, mparams: array<u32, 8>
 MERGE_PARAMS = _block(
-    "n_heads", "head_dim", "n_splits", "q_total", "q_base", "out_stride", "sign_off", "_pad0",
+    "n_heads", "head_dim", "n_splits", "q_total", "q_base", "out_stride", "sign_off", "flags",
 )
+
+FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 
 # (shader file, the params variable) -> dtype, for the layout test
 PARAMS_OF = {

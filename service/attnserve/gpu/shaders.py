@@ -49,10 +49,7 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_split_tq": KernelSpec(
         "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R))
     ),
-    "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R))),
-    "attention_merge_rot": KernelSpec(
-        "attention_merge.wgsl", "attention_merge_rot", ((0, R), (1, RW), (2, R), (3, R))
-    ),
+    "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
 }
 
 
