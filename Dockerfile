@@ -80,4 +80,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["/opt/attnserve/bin/python", "/usr/local/bin/attnserve-healthcheck"]
 
 STOPSIGNAL SIGTERM
-CMD ["sh", "-c", "exec attnserve serve --host \"$ATTNSERVE_HOST\" --port \"$ATTNSERVE_PORT\""]
+# Host and port come from ATTNSERVE_HOST and ATTNSERVE_PORT above.
+CMD ["attnserve", "serve"]
