@@ -199,13 +199,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route offers on this path (Starlette names only the first)."""
-    scope = {"type": "http", "path": request.url.path, "method": "", "root_path": ""}
-    methods: set[str] = set()
-    for route in request.app.routes:
-        match, _ = route.matches(scope)
-        if match != Match.NONE:
-            methods |= set(getattr(route, "methods", None) or ())
-    return sorted(methods)
+    methods = []
+    for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        scope = {"type": "http", "path": request.url.path, "method": method, "root_path": ""}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.routes):
+            methods.append(method)
+    return methods
 
 
 # ── metrics that describe state (computed when scraped) ─────────────────────

@@ -18,7 +18,8 @@ import time
 __all__ = ["JsonFormatter", "configure_logging"]
 
 # Attributes every LogRecord has; anything else came from ``extra=``.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {"message", "asctime", "taskName"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
+    "message", "asctime", "taskName", "color_message"}
 
 
 class JsonFormatter(logging.Formatter):

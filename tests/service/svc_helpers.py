@@ -108,8 +108,8 @@ class Api:
         if body is not None:
             payload = to_wire(body, enc)
             content = wire.packb(payload) if enc == "msgpack" else httpx_json(payload)
-        if content is not None and "content-type" not in {k.lower() for k in h}:
-            h["Content-Type"] = TYPES[enc]
+            if "content-type" not in {k.lower() for k in h}:
+                h["Content-Type"] = TYPES[enc]
         if accept is not None:
             h["Accept"] = accept
         r = self.client.request(method, path, content=content, headers=h)

@@ -124,7 +124,7 @@ def test_delete_frees_gpu_memory(api, server, rng):
 )
 def test_create_rules(api, enc, fields, needle):
     if enc == "msgpack" and fields.get("seed") == 2**64:
-        pytest.skip("MessagePack cannot carry 2**64")
+        enc = "json"  # MessagePack cannot carry 2**64
     before = len(api.call("GET", "/v1/sessions").body["sessions"])
     r = api.call("POST", "/v1/sessions", fields, enc=enc)
     assert r.status == 422, r.body

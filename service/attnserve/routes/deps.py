@@ -148,7 +148,9 @@ def get_engine(rt: RuntimeDep) -> Engine:
 EngineDep = Annotated[Engine, Depends(get_engine)]
 
 SessionIdPath = Annotated[str, Path(description="The session's id.", examples=["my-session-1"])]
-LayerPath = Annotated[int, Path(ge=0, description="Layer index, 0..num_layers-1.")]
+LayerPath = Annotated[
+    str, Path(pattern=r"^[0-9]{1,10}$", description="Layer index, 0..num_layers-1.", examples=["0"])
+]
 
 
 def get_session(session_id: SessionIdPath, rt: RuntimeDep, owner: OwnerDep) -> Session:

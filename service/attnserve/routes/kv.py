@@ -79,7 +79,8 @@ def parse_attend(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AttendRe
     )
 
 
-def _layer(session: Session, layer: int) -> int:
+def _layer(session: Session, layer_path: str) -> int:
+    layer = int(layer_path)  # the path pattern allows 1 to 10 digits only
     if not 0 <= layer < session.config.num_layers:
         raise LayerNotFound(
             f"layer {layer} is outside 0..{session.config.num_layers - 1} of session {session.id!r}",
@@ -142,16 +143,16 @@ def _fresh(rt: Runtime, session: Session, owner: str | None) -> Session:
 )
 async def append_kv(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
                     session: SessionDep, owner: OwnerDep) -> Response:
-    _layer(session, layer)
+    li = _layer(session, layer)
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     req: AppendRequest = await rt.offload(parse_append, raw, wire.request, max_bytes, size=len(raw))
     # From here to the queueing: no await, so the check and the queue order agree.
     session = _fresh(rt, session, owner)
     rows = _check_kv(session, engine, req.k, req.v)
-    res = rt.store.plan_append(session, layer, rows, req.offset)
+    res = rt.store.plan_append(session, li, rows, req.offset)
     rt.store.check_budget(res)
-    fut = engine.append(session.kv.layers[layer], req.k, req.v)
+    fut = engine.append(session.kv.layers[li], req.k, req.v)
     rt.track(fut, res)
     length = await asyncio.shield(asyncio.wrap_future(fut))
     rt.metrics.rows.inc("append", session.kv_format, amount=rows)
@@ -178,7 +179,7 @@ def _attend_body(out: np.ndarray, length: int, kind: MediaKind) -> bytes:
 )
 async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
                  session: SessionDep, owner: OwnerDep) -> Response:
-    _layer(session, layer)
+    li = _layer(session, layer)
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     req: AttendRequest = await rt.offload(parse_attend, raw, wire.request, max_bytes, size=len(raw))
@@ -187,9 +188,9 @@ async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireD
     rows = 0
     if req.k is not None:
         rows = _check_kv(session, engine, req.k, req.v)
-        res = rt.store.plan_append(session, layer, rows, req.offset)
+        res = rt.store.plan_append(session, li, rows, req.offset)
     else:
-        res = rt.store.plan_read(session, layer, req.offset)
+        res = rt.store.plan_read(session, li, req.offset)
     length = res.new_length
     start_pos = length - n if req.start_pos is None else req.start_pos
     if start_pos < 0 or start_pos + n > length:
@@ -200,7 +201,7 @@ async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireD
         )
     rt.store.check_budget(res)
     fut = engine.attend(
-        session.kv.layers[layer], req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
+        session.kv.layers[li], req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
     )
     rt.track(fut, res)
     out, got_length = await asyncio.shield(asyncio.wrap_future(fut))

@@ -1,0 +1,123 @@
+"""/livez, /readyz, /metrics, /v1/info and /openapi.json."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from attnserve import __version__
+from attnserve_client import wire
+from svc_helpers import TYPES, rows
+
+_SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
+                     r'([-+]?[0-9.eE+-]+|\+Inf|-Inf|NaN)$')
+
+
+def test_livez_readyz(api, enc):
+    for path, status in (("/livez", "ok"), ("/readyz", "ready")):
+        r = api.call("GET", path, accept=TYPES[enc])
+        assert r.status == 200 and r.body == {"status": status} and r.content_type == TYPES[enc]
+
+
+def test_info(api, server, enc):
+    r = api.call("GET", "/v1/info", accept=TYPES[enc])
+    assert r.status == 200 and r.content_type == TYPES[enc]
+    info = r.body
+    ctx = server.runtime.engine.ctx
+    assert info["version"] == __version__ and info["api_version"] == 1
+    assert info["adapter"]["name"] == ctx.name and info["adapter"]["backend"] == ctx.backend
+    assert info["backend"] == ctx.backend
+    assert info["kv_formats"] == ["f32", "turboquant"]
+    assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
+    s = server.runtime.settings
+    limits = info["limits"]
+    assert limits["max_body_bytes"] == s.max_body_bytes
+    assert limits["memory_budget_bytes"] == s.memory_budget_bytes
+    assert limits["max_sessions"] == s.max_sessions
+    assert limits["default_max_tokens"] == s.default_max_tokens
+    assert limits["max_binding_bytes"] == ctx.max_binding
+    assert (limits["max_layers"], limits["max_qo_heads"]) == (256, 256)
+    assert info["ready"] is True
+
+
+def _parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    """Check the exposition format line by line; returns {name: {labels: value}}."""
+    out: dict[str, dict[str, float]] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            assert kind in ("counter", "gauge", "histogram"), line
+            assert name not in typed, f"TYPE twice for {name}"
+            typed.add(name)
+            continue
+        assert _SAMPLE.match(line), f"not a sample line: {line!r}"
+        name_labels, value = line.rsplit(" ", 1)
+        name, _, labels = name_labels.partition("{")
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert base in typed or name in typed, f"sample before its TYPE: {line}"
+        out.setdefault(name, {})["{" + labels if labels else ""] = float(value)
+    return out
+
+
+def test_metrics(api, server, rng):
+    sid = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=32, kv_format="turboquant")["session_id"]
+    api.append(sid, 0, rows(rng, 3, 2, 32), rows(rng, 3, 2, 32))
+    api.attend(sid, 0, rows(rng, 1, 4, 32), k=rows(rng, 1, 2, 32), v=rows(rng, 1, 2, 32))
+    api.call("GET", "/v1/sessions/not-there")
+    r = api.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    m = _parse_metrics(r.text)
+    tq_bytes = api.info(sid)["bytes"]
+    assert m["attnserve_sessions"]['{kv_format="turboquant"}'] >= 1
+    assert m["attnserve_kv_bytes"]['{kv_format="turboquant"}'] >= tq_bytes > 0
+    assert "{kv_format=\"f32\"}" in m["attnserve_sessions"]
+    route = "/v1/sessions/{session_id}/layers/{layer}/attend"
+    assert m["attnserve_requests_total"][f'{{route="{route}",method="POST",status="200"}}'] >= 1
+    assert m["attnserve_request_duration_seconds_count"][f'{{route="{route}",method="POST"}}'] >= 1
+    assert m["attnserve_request_duration_seconds_bucket"][f'{{route="{route}",method="POST",le="+Inf"}}'] >= 1
+    assert m["attnserve_errors_total"]['{type="session-not-found"}'] >= 1
+    assert m["attnserve_requests_total"][
+        '{route="/v1/sessions/{session_id}",method="GET",status="404"}'] >= 1
+    for name in ("attnserve_gpu_queue_depth", "attnserve_gpu_batches_total", "attnserve_memory_used_bytes",
+                 "attnserve_memory_budget_bytes", "attnserve_requests_in_flight", "attnserve_ready"):
+        assert "" in m[name], name
+    assert m["attnserve_gpu_batches_total"][""] >= 2
+    assert m["attnserve_gpu_dispatches_per_submission_count"][""] == m["attnserve_gpu_batches_total"][""]
+    assert m["attnserve_gpu_jobs_per_submission_sum"][""] >= m["attnserve_gpu_batches_total"][""]
+    assert m["attnserve_rows_total"]['{kind="append",kv_format="turboquant"}'] >= 4
+    assert m["attnserve_rows_total"]['{kind="query",kv_format="turboquant"}'] >= 1
+    api.delete(sid)
+
+
+def test_openapi_documents_both_encodings(api):
+    r = api.client.get("/openapi.json")
+    assert r.status_code == 200
+    spec = r.json()
+    assert spec["openapi"].startswith("3.1")
+    validator = pytest.importorskip("openapi_spec_validator")
+    validator.validate(spec)
+    paths = spec["paths"]
+    expected = {
+        "/v1/sessions": {"get", "post"},
+        "/v1/sessions/{session_id}": {"get", "put", "delete"},
+        "/v1/sessions/{session_id}/layers/{layer}/kv": {"post"},
+        "/v1/sessions/{session_id}/layers/{layer}/attend": {"post"},
+        "/livez": {"get"}, "/readyz": {"get"}, "/metrics": {"get"}, "/v1/info": {"get"},
+    }
+    for path, methods in expected.items():
+        assert methods <= set(paths[path]), path
+    for path, method in [("/v1/sessions", "post"), ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"),
+                         ("/v1/sessions/{session_id}/layers/{layer}/attend", "post")]:
+        op = paths[path][method]
+        assert set(op["requestBody"]["content"]) == {wire.JSON, wire.MSGPACK}
+        ok = op["responses"]["201" if path == "/v1/sessions" else "200"]["content"]
+        assert set(ok) == {wire.JSON, wire.MSGPACK}
+        assert wire.PROBLEM_JSON in op["responses"]["422"]["content"]
+    schemas = spec["components"]["schemas"]
+    assert schemas["ArrayMsgpack"]["properties"]["data"]["format"] == "binary"
+    assert schemas["AttendMsgpack"]["properties"]["q"]["$ref"].endswith("/ArrayMsgpack")
+    assert schemas["AttendJson"]["properties"]["q"]["$ref"].endswith("/ArrayJson")
