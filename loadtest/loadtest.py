@@ -88,6 +88,7 @@ class Config:
     url: str
     sessions: int = 8
     concurrency: int = 0  # 0: = sessions
+    workers: int = 1
     duration: float = 30.0
     mode: str = "closed"
     rate: float = 0.0
@@ -128,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)")
     p.add_argument("--sessions", type=int, default=8, help="virtual users; each holds one session at a time")
     p.add_argument("--concurrency", type=int, default=0, help="most requests in flight over all users (0: --sessions)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="load-generating processes (the users are split over them; use a few on a many-core host)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops")
     p.add_argument("--mode", choices=("closed", "open"), default="closed", help="closed or open loop")
     p.add_argument("--rate", type=float, default=0.0, help="open loop: decode steps per second over all users")
@@ -158,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="allow a non-loopback target (only hosts you run yourself)")
     a = p.parse_args(argv)
     cfg = Config(
-        url=a.url.rstrip("/"), sessions=a.sessions, concurrency=a.concurrency or a.sessions,
+        url=a.url.rstrip("/"), sessions=a.sessions, concurrency=a.concurrency or a.sessions, workers=a.workers,
         duration=a.duration, mode=a.mode, rate=a.rate, prefill=a.prefill, chunk=a.chunk,
         decode_steps=a.decode_steps, layers=a.layers, qo_heads=a.qo_heads, kv_heads=a.kv_heads,
         head_dim=a.head_dim, kv_format=a.kv_format, create=a.create, timeout=a.timeout,
@@ -180,6 +183,7 @@ def check_config(cfg: Config) -> None:
 
     need(cfg.sessions >= 1, "--sessions must be >= 1")
     need(cfg.concurrency >= 1, "--concurrency must be >= 1")
+    need(1 <= cfg.workers <= 64, "--workers must be in 1..64")
     need(0 < cfg.duration <= 24 * 3600, "--duration must be in (0, 86400] seconds")
     need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
     need(cfg.prefill >= 0 and cfg.chunk >= 1, "--prefill must be >= 0 and --chunk >= 1")
@@ -363,16 +367,22 @@ def reference_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 
 class LoadTest:
-    def __init__(self, cfg: Config) -> None:
+    """The virtual users of one process (``cfg`` is this process's share of the run).
+
+    ``t0`` is a ``time.perf_counter()`` instant (CLOCK_MONOTONIC, the same in every
+    process of the host), so worker processes' samples share one time axis.
+    """
+
+    def __init__(self, cfg: Config, *, run_id: str, seed: int, t0: float, user_offset: int = 0) -> None:
         self.cfg = cfg
-        self.run_id = f"{random.getrandbits(32):08x}"
+        self.run_id = run_id
+        self.user_offset = user_offset
         self.stop = asyncio.Event()
         self.stop_reason = "duration"
         self.sem = asyncio.Semaphore(cfg.concurrency)
-        self.t0 = time.perf_counter()
-        self.rec = Recorder(self.t0)
+        self.t0 = t0
+        self.rec = Recorder(t0)
         self.load_end_requested: float | None = None
-        seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
         self.seed = seed
         self.seeds = np.random.SeedSequence(seed)
 
@@ -410,7 +420,7 @@ class LoadTest:
         await self._sleep_until(self.t0 + min(0.5, cfg.duration / 10) * index / cfg.sessions)
         n = 0
         while not self.stop.is_set():
-            sid = f"lt-{self.run_id}-u{index}-{n}"
+            sid = f"lt-{self.run_id}-u{self.user_offset + index}-{n}"
             n += 1
             try:
                 await self._session(client, rng, sid, step_interval)
@@ -510,6 +520,14 @@ class LoadTest:
 
     # ── progress ──────────────────────────────────────────────────────────────
 
+    async def share(self, slot: Any) -> None:
+        """Worker processes: publish running totals to the parent's progress line."""
+        while True:
+            slot[0], slot[1] = self.rec.attends, self.rec.decode_tokens
+            slot[2], slot[3] = self.rec.error_count, self.rec.live_sessions
+            slot[4] = self.rec.sessions_started
+            await asyncio.sleep(0.25)
+
     async def progress(self, mode: str) -> None:
         if mode == "off":
             return
@@ -531,11 +549,15 @@ class LoadTest:
                 f"| tokens {len(steps) / window:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
                 f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
             )
-            if mode == "line":
-                sys.stderr.write("\r" + line.ljust(118)[:160])
-            else:
-                sys.stderr.write(line + "\n")
-            sys.stderr.flush()
+            write_progress(mode, line)
+
+
+def write_progress(mode: str, line: str) -> None:
+    if mode == "line":
+        sys.stderr.write("\r" + line.ljust(118)[:160])
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def fmt_ms(seconds: float) -> str:
@@ -545,51 +567,57 @@ def fmt_ms(seconds: float) -> str:
 # ── the run ──────────────────────────────────────────────────────────────────
 
 
-async def run(cfg: Config) -> dict[str, Any]:
-    """Run the load test; return the report (see :func:`summarize`)."""
-    if not cfg.allow_remote:
-        check_loopback([cfg.url, *cfg.metrics_urls])
-    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
-    timeout = httpx.Timeout(cfg.timeout)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False, follow_redirects=False) as http:
-        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=timeout, max_retries=cfg.retries, http_client=http)
+@dataclass
+class Outcome:
+    """What the users of one process did (picklable, for worker processes)."""
+
+    rec: Recorder
+    stop_reason: str
+    interrupted: bool
+    load_end: float
+    end: float
+
+
+def _http(cfg: Config, connections: int) -> httpx.AsyncClient:
+    # trust_env=False: no proxy from the environment; traffic goes to --url only.
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        timeout=httpx.Timeout(cfg.timeout), trust_env=False, follow_redirects=False,
+    )
+
+
+async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outcome:
+    """Run ``lt``'s users until the duration is over (or the error limit, or a
+    signal), then let them finish and delete their sessions."""
+    loop = asyncio.get_running_loop()
+    interrupted = False
+    users: list[asyncio.Task[None]] = []
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        if lt.stop.is_set():
+            for task in users:
+                task.cancel()
+        interrupted = True
+        lt.stop_reason = "interrupted"
+        lt.stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            info = await client.info()
-        except AttnServeError as exc:
-            raise UsageError(f"{cfg.url}: the server does not answer GET /v1/info: {exc}") from None
-        formats = info.get("kv_formats")
-        if isinstance(formats, list) and cfg.kv_format not in formats:
-            raise UsageError(f"--kv-format {cfg.kv_format!r}: the server offers {formats}")
-        before = await scrape(http, cfg.metrics_urls, headers)
-
-        lt = LoadTest(cfg)
-        mode = cfg.progress
-        if mode == "auto":
-            mode = "line" if sys.stderr.isatty() else "log"
-        loop = asyncio.get_running_loop()
-        interrupted = False
-        users: list[asyncio.Task[None]] = []
-
-        def on_signal() -> None:
-            nonlocal interrupted
-            if lt.stop.is_set():
-                for task in users:
-                    task.cancel()
-            interrupted = True
-            lt.stop_reason = "interrupted"
-            lt.stop.set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, on_signal)
-            except (NotImplementedError, RuntimeError):
-                pass
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError):
+            pass
+    async with _http(cfg, cfg.concurrency + 4) as http:
+        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout),
+                             max_retries=cfg.retries, http_client=http)
         users.extend(asyncio.create_task(lt.user(client, i), name=f"user-{i}") for i in range(cfg.sessions))
-        progress = asyncio.create_task(lt.progress(mode))
+        helpers = [asyncio.create_task(lt.progress(mode))]
+        if slot is not None:
+            helpers.append(asyncio.create_task(lt.share(slot)))
         try:
             try:
-                await asyncio.wait_for(lt.stop.wait(), timeout=cfg.duration)
+                remaining = lt.t0 + cfg.duration - time.perf_counter()
+                await asyncio.wait_for(lt.stop.wait(), timeout=max(remaining, 0.0))
             except asyncio.TimeoutError:
                 lt.stop.set()
             lt.load_end_requested = time.perf_counter()
@@ -608,7 +636,10 @@ async def run(cfg: Config) -> dict[str, Any]:
                     lt.rec.errors[f"crash-{type(exc).__name__}"] += 1
                     lt.rec.error_examples.append({"op": "user", "type": "crash", "message": repr(exc)[:300]})
         finally:
-            progress.cancel()
+            for task in helpers:
+                task.cancel()
+            if slot is not None:
+                slot[0], slot[1], slot[2], slot[3] = lt.rec.attends, lt.rec.decode_tokens, lt.rec.error_count, 0
             for sig in (signal.SIGINT, signal.SIGTERM):
                 try:
                     loop.remove_signal_handler(sig)
@@ -616,14 +647,146 @@ async def run(cfg: Config) -> dict[str, Any]:
                     pass
             if mode == "line":
                 sys.stderr.write("\n")
-        end = time.perf_counter()
+    return Outcome(lt.rec, lt.stop_reason, interrupted, lt.load_end_requested or time.perf_counter(), time.perf_counter())
+
+
+def _split(total: int, parts: int, i: int) -> int:
+    return total // parts + (1 if i < total % parts else 0)
+
+
+# The workers' shared counters: set before the pool forks, so inherited (a shared
+# array cannot travel through the pool's pickling queue).
+_WORKER_SLOTS: Any = None
+
+
+def _worker(cfg: Config, i: int, run_id: str, seed: int, t0: float, offset: int) -> Outcome:
+    """One load-generating process of ``--workers``: its share of the users."""
+    lt = LoadTest(cfg, run_id=run_id, seed=seed, t0=t0, user_offset=offset)
+    return asyncio.run(drive(cfg, lt, "off", _Slot(_WORKER_SLOTS, i)))
+
+
+class _Slot:
+    """Five shared doubles of one worker: attends, decode tokens, errors, live, started."""
+
+    def __init__(self, array: Any, i: int) -> None:
+        self.array, self.base = array, i * 5
+
+    def __setitem__(self, k: int, v: float) -> None:
+        self.array[self.base + k] = v
+
+    def __getitem__(self, k: int) -> float:
+        return self.array[self.base + k]
+
+
+async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome:
+    """Split the users over ``cfg.workers`` processes (forked: the load generator
+    is Python, and one process saturates a core before a fast server does)."""
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    n = min(cfg.workers, cfg.sessions)
+    global _WORKER_SLOTS
+    slots = _WORKER_SLOTS = ctx.Array("d", n * 5, lock=False)
+    t0 = time.perf_counter() + 0.5  # every worker starts its users at the same instant
+    seeds = np.random.SeedSequence(seed).generate_state(n)
+    futures = []
+    offset = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
+        for i in range(n):
+            sessions = _split(cfg.sessions, n, i)
+            share = Config(**{
+                **asdict(cfg), "sessions": sessions, "workers": 1,
+                "concurrency": max(1, _split(cfg.concurrency, n, i)),
+                "rate": cfg.rate * sessions / cfg.sessions,
+                "max_errors": max(1, cfg.max_errors // n),
+            })
+            futures.append(asyncio.wrap_future(pool.submit(_worker, share, i, run_id, int(seeds[i]), t0, offset)))
+            offset += sessions
+        progress = asyncio.create_task(_progress_workers(cfg, slots, n, t0, mode))
+        try:
+            outcomes = await asyncio.gather(*futures)
+        finally:
+            progress.cancel()
+            if mode == "line":
+                sys.stderr.write("\n")
+    rec = Recorder(t0)
+    for o in outcomes:
+        for op in OPERATIONS:
+            rec.samples[op].extend(o.rec.samples[op])
+        rec.errors.update(o.rec.errors)
+        rec.errors_by_op.update(o.rec.errors_by_op)
+        rec.error_examples.extend(o.rec.error_examples)
+        rec.error_times.extend(o.rec.error_times)
+        for name in ("verified", "verify_failed", "sessions_started", "sessions_completed", "prefill_tokens",
+                     "decode_tokens", "kv_rows", "attends"):
+            setattr(rec, name, getattr(rec, name) + getattr(o.rec, name))
+    for op in OPERATIONS:
+        rec.samples[op].sort()
+    rec.error_examples = sorted(rec.error_examples, key=lambda e: e.get("t", 0))[:20]
+    reasons = [o.stop_reason for o in outcomes if o.stop_reason != "duration"]
+    return Outcome(rec, reasons[0] if reasons else "duration", any(o.interrupted for o in outcomes),
+                   max(o.load_end for o in outcomes), max(o.end for o in outcomes))
+
+
+async def _progress_workers(cfg: Config, slots: Any, n: int, t0: float, mode: str) -> None:
+    if mode == "off":
+        return
+    every = 1.0 if mode == "line" else 5.0
+    last = (0.0, 0.0, time.perf_counter())
+    while True:
+        await asyncio.sleep(every)
+        now = time.perf_counter()
+        attends = sum(slots[i * 5] for i in range(n))
+        tokens = sum(slots[i * 5 + 1] for i in range(n))
+        window = max(now - last[2], 1e-9)
+        line = (
+            f"[{now - t0:6.1f}s/{cfg.duration:.0f}s] {n} workers, sessions {sum(slots[i * 5 + 3] for i in range(n)):.0f} live "
+            f"{sum(slots[i * 5 + 4] for i in range(n)):.0f} started | attends {(attends - last[0]) / window:7.1f}/s "
+            f"| tokens {(tokens - last[1]) / window:6.1f}/s | errors {sum(slots[i * 5 + 2] for i in range(n)):.0f}"
+        )
+        last = (attends, tokens, now)
+        write_progress(mode, line)
+
+
+async def run(cfg: Config) -> dict[str, Any]:
+    """Run the load test; return the report (see :func:`summarize`)."""
+    if not cfg.allow_remote:
+        check_loopback([cfg.url, *cfg.metrics_urls])
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    async with _http(cfg, 4) as http:
+        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=0,
+                             http_client=http)
+        try:
+            info = await client.info()
+        except AttnServeError as exc:
+            raise UsageError(f"{cfg.url}: the server does not answer GET /v1/info: {exc}") from None
+        formats = info.get("kv_formats")
+        if isinstance(formats, list) and cfg.kv_format not in formats:
+            raise UsageError(f"--kv-format {cfg.kv_format!r}: the server offers {formats}")
+        before = await scrape(http, cfg.metrics_urls, headers)
+
+    run_id = f"{random.getrandbits(32):08x}"
+    seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
+    mode = cfg.progress
+    if mode == "auto":
+        mode = "line" if sys.stderr.isatty() else "log"
+    if cfg.workers > 1 and cfg.sessions > 1:
+        outcome = await run_workers(cfg, run_id, seed, mode)
+    else:
+        lt = LoadTest(cfg, run_id=run_id, seed=seed, t0=time.perf_counter())
+        outcome = await drive(cfg, lt, mode)
+
+    async with _http(cfg, 4) as http:
         after = await scrape(http, cfg.metrics_urls, headers)
-    return summarize(cfg, lt, info, before, after, end, interrupted)
+    return summarize(cfg, outcome, run_id, seed, info, before, after)
 
 
-def summarize(cfg, lt: LoadTest, info, before, after, end: float, interrupted: bool) -> dict[str, Any]:
-    rec = lt.rec
-    stop_at = (lt.load_end_requested or end) - lt.t0
+def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[str, Any],
+              before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    rec = outcome.rec
+    end = outcome.end
+    stop_at = outcome.load_end - rec.t0
     # Throughput over the load phase: from the start until the stop (the requests
     # that finish after it count too; the final deletes are not load).
     window = max(stop_at, 1e-9)
@@ -642,7 +805,7 @@ def summarize(cfg, lt: LoadTest, info, before, after, end: float, interrupted: b
             entry["error"] = b.get("error") or a.get("error")
         metrics[base] = entry
     timeline = []
-    seconds = int(math.ceil(end - lt.t0))
+    seconds = int(math.ceil(end - rec.t0))
     by_second: dict[int, list[float]] = defaultdict(list)
     for t, lat in rec.samples["decode_step"]:
         by_second[int(t + lat)].append(lat)
@@ -662,15 +825,15 @@ def summarize(cfg, lt: LoadTest, info, before, after, end: float, interrupted: b
         "report_version": 1,
         "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.public(),
-        "seed": lt.seed,
-        "run_id": lt.run_id,
+        "seed": seed,
+        "run_id": run_id,
         "client": {"python": platform.python_version(), "host": platform.node(),
                    "attnserve_client": getattr(attnserve_client, "__version__", None)},
         "server": info,
-        "stop_reason": lt.stop_reason,
-        "interrupted": interrupted,
+        "stop_reason": outcome.stop_reason,
+        "interrupted": outcome.interrupted,
         "load_seconds": round(stop_at, 3),
-        "total_seconds": round(end - lt.t0, 3),
+        "total_seconds": round(end - rec.t0, 3),
         "operations": ops,
         "throughput": {
             "attends_per_s": round(rec.attends / window, 2),
@@ -712,6 +875,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"attnserve load test: {cfg['url']} ({adapter}, {server.get('backend', '?')}), "
         f"{cfg['mode']} loop{' at %.1f steps/s' % cfg['rate'] if cfg['mode'] == 'open' else ''}, "
         f"{cfg['sessions']} sessions, concurrency {cfg['concurrency']}"
+        f"{', %d load processes' % cfg['workers'] if cfg.get('workers', 1) > 1 else ''}"
     )
     lines.append(
         f"  {cfg['layers']} layers, {cfg['qo_heads']}/{cfg['kv_heads']} heads x {cfg['head_dim']}, "
