@@ -45,7 +45,7 @@ from .errors import (
 from .gpu.device import DeviceError
 from .kvcache import KV_FORMATS
 from .metrics import Gauge
-from .routes import kv, probes, sessions
+from .routes import kv, probes, sessions, snapshots
 from .routes.deps import Runtime
 from .routes.schemas import COMPONENTS
 
@@ -124,12 +124,14 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         openapi_tags=[
             {"name": "sessions", "description": "Sessions: one KV cache per layer of one sequence."},
             {"name": "kv", "description": "Append K/V rows and attend."},
+            {"name": "snapshots", "description": "A session as one MessagePack blob, and its restore."},
             {"name": "probes", "description": "Liveness, readiness, metrics and server info."},
         ],
     )
     app.state.runtime = rt
     app.include_router(sessions.router)
     app.include_router(kv.router)
+    app.include_router(snapshots.router)
     app.include_router(probes.router)
     _install_error_handlers(app)
     _install_gauges(rt)

@@ -114,6 +114,7 @@ class Store:
         self.sessions: dict[str, Session] = {}
         self.reserved_bytes = 0  # reserved GPU bytes of live sessions
         self.releasing_bytes = 0  # bytes of deleted sessions whose release is still queued
+        self.holds: dict[str, int] = {}  # ids (and their bytes) of sessions being restored
 
     # ── sessions ────────────────────────────────────────────────────────────
 
@@ -121,9 +122,9 @@ class Store:
         return len(self.sessions)
 
     def check_room(self, session_id: str | None = None) -> None:
-        if session_id is not None and session_id in self.sessions:
+        if session_id is not None and (session_id in self.sessions or session_id in self.holds):
             raise SessionExists(f"session {session_id!r} already exists")
-        if len(self.sessions) >= self.max_sessions:
+        if len(self.sessions) + len(self.holds) >= self.max_sessions:
             raise OutOfMemory(
                 f"this server holds at most {self.max_sessions} sessions; delete one first",
                 max_sessions=self.max_sessions,
@@ -144,6 +145,37 @@ class Store:
                 session_id = new_session_id()
         session = Session(session_id, owner, SessionKV(config))
         self.sessions[session_id] = session
+        return session
+
+    def hold(self, session_id: str, nbytes: int) -> str:
+        """Take an id and ``nbytes`` of the budget for a session being restored.
+
+        Raises:
+            SessionExists, OutOfMemory: as :meth:`create` and :meth:`check_budget`.
+        """
+        self.check_room(session_id)
+        budget = self.memory_budget_bytes
+        if budget and nbytes > 0 and self.used_bytes + nbytes > budget:
+            raise OutOfMemory(
+                f"the snapshot needs {nbytes} GPU bytes; {self.used_bytes} of the budget of {budget} are in use",
+                budget_bytes=budget,
+                used_bytes=self.used_bytes,
+                requested_bytes=nbytes,
+            )
+        self.holds[session_id] = nbytes
+        return session_id
+
+    def unhold(self, session_id: str) -> None:
+        self.holds.pop(session_id, None)
+
+    def adopt(self, kv: SessionKV, *, owner: str | None, session_id: str) -> Session:
+        """Add a session whose caches are already on the GPU (a restored snapshot)."""
+        if session_id in self.sessions:  # pragma: no cover - the id was held
+            raise SessionExists(f"session {session_id!r} already exists")
+        session = Session(session_id, owner, kv)
+        self.sessions[session_id] = session
+        session.dirty = True  # its bytes come from the caches, not from reservations
+        self.resync(session)
         return session
 
     def get(self, session_id: str, owner: str | None) -> Session:
@@ -176,7 +208,7 @@ class Store:
     @property
     def used_bytes(self) -> int:
         """GPU bytes held or reserved by queued jobs (what the budget counts)."""
-        return self.reserved_bytes + self.releasing_bytes
+        return self.reserved_bytes + self.releasing_bytes + sum(self.holds.values())
 
     def plan_append(self, session: Session, layer: int, rows: int, offset: int | None) -> Reservation:
         """Check an append of ``rows`` to ``layer`` at ``offset`` against the reserved

@@ -106,6 +106,7 @@ def test_openapi_documents_both_encodings(api):
         "/v1/sessions/{session_id}": {"get", "put", "delete"},
         "/v1/sessions/{session_id}/layers/{layer}/kv": {"post"},
         "/v1/sessions/{session_id}/layers/{layer}/attend": {"post"},
+        "/v1/sessions/{session_id}/snapshot": {"get", "put"},
         "/livez": {"get"}, "/readyz": {"get"}, "/metrics": {"get"}, "/v1/info": {"get"},
     }
     for path, methods in expected.items():

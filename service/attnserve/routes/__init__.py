@@ -1,5 +1,5 @@
-"""One router per resource: sessions, kv (append and attend), probes."""
+"""One router per resource: sessions, kv (append and attend), snapshots, probes."""
 
-from . import kv, probes, sessions
+from . import kv, probes, sessions, snapshots
 
-__all__ = ["kv", "probes", "sessions"]
+__all__ = ["kv", "probes", "sessions", "snapshots"]

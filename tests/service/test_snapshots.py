@@ -1,0 +1,144 @@
+"""Snapshots: GET a session as one MessagePack blob, PUT it back under another id, and
+attends on the restored session are bit-identical; invalid blobs create nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnserve.routes.snapshots import FORMAT, VERSION, digest
+from attnserve_client import wire
+from svc_helpers import rows
+
+FORMATS = [("f32", 8, 2, 32), ("turboquant", 8, 2, 64)]
+
+
+def _session(api, rng, fmt, h, hkv, d, layers=3):
+    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=fmt, num_layers=layers,
+                     max_tokens=300)["session_id"]
+    for layer, n in enumerate((70, 5, 0)[:layers]):
+        if n:
+            assert api.append(sid, layer, rows(rng, n, hkv, d), rows(rng, n, hkv, d)).status == 200
+    return sid
+
+
+def _snapshot(api, sid) -> bytes:
+    r = api.client.get(f"/v1/sessions/{sid}/snapshot", headers={"Accept": wire.JSON})
+    assert r.status_code == 200 and r.headers["content-type"] == wire.MSGPACK
+    return r.content
+
+
+def _restore(api, sid, blob: bytes, ctype: str = wire.MSGPACK):
+    return api.call("PUT", f"/v1/sessions/{sid}/snapshot", content=blob, headers={"Content-Type": ctype})
+
+
+@pytest.mark.parametrize("fmt, h, hkv, d", FORMATS)
+def test_snapshot_round_trip_is_bit_identical(api, rng, fmt, h, hkv, d):
+    sid = _session(api, rng, fmt, h, hkv, d)
+    blob = _snapshot(api, sid)
+    doc = wire.unpackb(blob, max_bytes=1 << 30)
+    assert doc["format"] == FORMAT and doc["version"] == VERSION and doc["checksum"].startswith("sha256:")
+    info = api.info(sid)
+    assert doc["config"] == {k: info[k] for k in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
+                                                  "kv_format", "max_tokens", "seed")}
+    assert [layer["length"] for layer in doc["layers"]] == info["lengths"] == [70, 5, 0]
+    copy = f"restored-{fmt}-{rng.integers(1 << 30)}"
+    r = _restore(api, copy, blob)
+    assert r.status == 201, r.body
+    assert r.content_type == wire.MSGPACK  # the request's type (no Accept)
+    assert r.body == {**info, "session_id": copy}
+    assert api.info(copy) == {**info, "session_id": copy}
+    # attends, and further fused steps, agree bit for bit
+    for layer in range(3):
+        for _ in range(3):
+            q, k, v = rows(rng, 1, h, d), rows(rng, 1, hkv, d), rows(rng, 1, hkv, d)
+            a = api.attend(sid, layer, q, k=k, v=v)
+            b = api.attend(copy, layer, q, k=k, v=v)
+            assert a.status == b.status == 200 and a.body["length"] == b.body["length"]
+            assert a.body["out"].tobytes() == b.body["out"].tobytes()
+    assert api.info(copy)["bytes"] == api.info(sid)["bytes"]
+    assert _restore(api, copy, blob).status == 409  # the id is taken now
+    api.delete(sid)
+    api.delete(copy)
+
+
+def _mutate(doc: dict, path: tuple, value) -> dict:
+    import copy
+
+    doc = copy.deepcopy(doc)
+    target = doc
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return doc
+
+
+def _reseal(doc: dict) -> bytes:
+    doc = dict(doc)
+    doc["checksum"] = digest(doc["format"], doc["version"], doc["config"], doc["layers"])
+    return wire.packb(doc)
+
+
+def test_invalid_snapshots_create_nothing(api, server, rng):
+    sid = _session(api, rng, "f32", 4, 2, 16)
+    before = api.info(sid)
+    blob = _snapshot(api, sid)
+    doc = wire.unpackb(blob, max_bytes=1 << 30)
+    limit = server.runtime.engine.max_tokens_limit("f32", 2, 16)
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0x40
+    nan_k = bytearray(doc["layers"][0]["k"])
+    nan_k[0:4] = np.float32(np.nan).tobytes()
+    cases = {
+        "truncated": blob[:-10],
+        "truncated-half": blob[: len(blob) // 2],
+        "corrupted": bytes(flipped),
+        "empty-map": b"\x80",
+        "not-msgpack": b"\xc1",
+        "empty": b"",
+        "wrong-version": _reseal(_mutate(doc, ("version",), 2)),
+        "wrong-format": _reseal(_mutate(doc, ("format",), "something-else")),
+        "missing-checksum": wire.packb({k: v for k, v in doc.items() if k != "checksum"}),
+        "bad-checksum": wire.packb({**doc, "checksum": "sha256:" + "0" * 64}),
+        "too-few-layers": _reseal(_mutate(doc, ("layers",), doc["layers"][:2])),
+        "bad-head-dim": _reseal(_mutate(doc, ("config", "head_dim"), 129)),
+        "oversized-max-tokens": _reseal(_mutate(doc, ("config", "max_tokens"), limit + 1)),
+        "capacity-past-max-tokens": _reseal(_mutate(doc, ("layers", 0, "capacity"), 301)),
+        "length-past-capacity": _reseal(_mutate(doc, ("layers", 1, "length"), 10**6)),
+        "short-k": _reseal(_mutate(doc, ("layers", 0, "k"), doc["layers"][0]["k"][:-4])),
+        "nan-in-cache": _reseal(_mutate(doc, ("layers", 0, "k"), bytes(nan_k))),
+        "extra-key": _reseal({**doc, "extra": 1}),
+    }
+    for name, bad in cases.items():
+        r = _restore(api, "never-created", bad)
+        assert r.status == 422 and r.body["type"] == "/problems/invalid-snapshot", (name, r.status, r.body)
+        assert r.content_type == wire.PROBLEM_JSON
+        assert api.call("GET", "/v1/sessions/never-created").status == 404, name
+    r = _restore(api, "never-created", blob, ctype=wire.JSON)
+    assert r.status == 415
+    r = _restore(api, "bad.id", blob)
+    assert r.status == 422 and r.body["type"] == "/problems/invalid-request"
+    r = _restore(api, sid, blob)
+    assert r.status == 409 and r.body["type"] == "/problems/session-exists"
+    # budget and session limit: 507, nothing created
+    store = server.runtime.store
+    old_budget, old_max = store.memory_budget_bytes, store.max_sessions
+    try:
+        store.memory_budget_bytes = store.used_bytes + 100
+        r = _restore(api, "never-created", blob)
+        assert r.status == 507 and r.body["type"] == "/problems/out-of-memory"
+        store.memory_budget_bytes = old_budget
+        store.max_sessions = len(store)
+        r = _restore(api, "never-created", blob)
+        assert r.status == 507
+    finally:
+        store.memory_budget_bytes, store.max_sessions = old_budget, old_max
+    assert api.call("GET", "/v1/sessions/never-created").status == 404
+    assert api.info(sid) == before
+    assert _snapshot(api, sid) == blob
+    api.delete(sid)
+
+
+def test_snapshot_of_unknown_session_is_404(api):
+    r = api.call("GET", "/v1/sessions/nope/snapshot")
+    assert r.status == 404 and r.body["type"] == "/problems/session-not-found"
