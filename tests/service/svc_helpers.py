@@ -7,7 +7,6 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 

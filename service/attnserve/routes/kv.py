@@ -123,7 +123,8 @@ def _check_q(session: Session, engine: Engine, q: np.ndarray) -> int:
 
 
 def _fresh(rt: Runtime, session: Session, owner: str | None) -> Session:
-    """The session again after an ``await``: it may have been deleted meanwhile."""
+    """The session again after an ``await``: it may have been deleted (or even
+    deleted and created anew under the same id) meanwhile."""
     return rt.store.get(session.id, owner)
 
 
@@ -149,6 +150,7 @@ async def append_kv(request: Request, layer: LayerPath, rt: RuntimeDep, wire: Wi
     req: AppendRequest = await rt.offload(parse_append, raw, wire.request, max_bytes, size=len(raw))
     # From here to the queueing: no await, so the check and the queue order agree.
     session = _fresh(rt, session, owner)
+    li = _layer(session, layer)
     rows = _check_kv(session, engine, req.k, req.v)
     res = rt.store.plan_append(session, li, rows, req.offset)
     rt.store.check_budget(res)
@@ -184,6 +186,7 @@ async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireD
     raw = await read_body(request, max_bytes)
     req: AttendRequest = await rt.offload(parse_attend, raw, wire.request, max_bytes, size=len(raw))
     session = _fresh(rt, session, owner)
+    li = _layer(session, layer)
     n = _check_q(session, engine, req.q)
     rows = 0
     if req.k is not None:
@@ -194,11 +197,13 @@ async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireD
     length = res.new_length
     start_pos = length - n if req.start_pos is None else req.start_pos
     if start_pos < 0 or start_pos + n > length:
-        raise InvalidRequest(
-            f"start_pos: {n} query rows from start_pos {start_pos} pass the layer's length {length} "
-            f"(start_pos + n <= length is required)",
-            length=length,
-        )
+        if req.start_pos is None:
+            detail = (f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
+                      f"start_pos, length - n, would be {start_pos}); give start_pos or fewer rows")
+        else:
+            detail = (f"start_pos: {n} query rows from start_pos {start_pos} pass the layer's length "
+                      f"{length} (start_pos + n <= length is required)")
+        raise InvalidRequest(detail, length=length)
     rt.store.check_budget(res)
     fut = engine.attend(
         session.kv.layers[li], req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
@@ -209,5 +214,6 @@ async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireD
     if rows:
         rt.metrics.rows.inc("append", fmt, amount=rows)
     rt.metrics.rows.inc("query", fmt, amount=n)
-    body = await rt.offload(_attend_body, out, got_length, wire.response, size=out.nbytes * (1 if wire.response == "msgpack" else 8))
+    size = out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
+    body = await rt.offload(_attend_body, out, got_length, wire.response, size=size)
     return respond(None, wire, body=body)
