@@ -13,18 +13,22 @@
 // Within a split (at most MAX_SCORES / G timesteps):
 //   1. K tiles of TK rows are staged in workgroup memory with coalesced vec4
 //      loads (consecutive threads read consecutive 16-byte words of a row),
-//      rows padded to head_dim + 1 floats so the score phase is bank-conflict
-//      free; thread (gi, j) scores query head gi against row j of the tile.
+//      rows padded to head_dim/4 + 1 vec4 so that the score phase's vec4 reads
+//      are bank-conflict free; thread (gi, j) scores query head gi against tile
+//      row j with vec4 dot products (q and k both read as vec4).
 //   2. Per query head: max and sum of exp over the split's scores (inlined
 //      tree reductions over segments of WG / G threads).
-//   3. V tiles are staged the same way; thread (gi, x) accumulates
-//      sum_t p[gi][t] * V[t][x] from workgroup memory.
+//   3. V tiles are staged the same way. Thread (c, grp) owns the vec4 column c
+//      of the output for EVERY query head of the group (G vec4 accumulators in
+//      registers, so a V element is read once from workgroup memory for all G
+//      heads) and takes every NG-th row of the tile; the NG row groups are
+//      summed in workgroup memory at the end.
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow:
 // loop bounds depend only on params and the workgroup id (naga's SPIR-V path
 // miscompiles a barrier reached through a function call inside a loop).
 //
-// Constraints (checked host-side in kernels.plan_attention_split):
+// Constraints (checked host-side in kernels.plan_attention_split_f32):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8};
 //   split_len a multiple of TK with G * split_len <= MAX_SCORES.
 //
@@ -49,19 +53,19 @@
 @group(0) @binding(4) var<storage, read> params: array<u32, 16>;
 
 const WG: u32 = 256u;
-const TK: u32 = 32u;                 // K rows per staged tile
-const MAX_HEAD_DIM: u32 = 128u;
+const TK: u32 = 32u;                 // K/V rows per staged tile
+const MAX_D4: u32 = 32u;             // head_dim / 4 <= 32
+const ROW4: u32 = 33u;               // padded tile row, in vec4
 const MAX_GROUP: u32 = 8u;
 const MAX_SCORES: u32 = 2048u;       // G * split_len
-const ROW: u32 = 129u;               // padded tile row (MAX_HEAD_DIM + 1)
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> q_sh: array<f32, 1024>;            // MAX_GROUP * MAX_HEAD_DIM
-var<workgroup> k_tile: array<f32, 4128>;          // TK * ROW
-var<workgroup> scores: array<f32, MAX_SCORES>;    // [G][split_len]
+var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * MAX_D4
+var<workgroup> tile: array<vec4<f32>, 1056>;     // TK * ROW4 (K, then V; then the row-group sums)
+var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
-var<workgroup> stat: array<f32, MAX_GROUP>;     // per-head split max
+var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_split_f32(
@@ -88,6 +92,7 @@ fn attention_split_f32(
     let q_idx = q_base + wid.z;
     let group = n_heads / n_kv_heads;
     let seg = WG / group;                      // threads per query head in reductions
+    let d4 = head_dim / 4u;
     let pos_q = start_pos + q_idx;
     var seq_len = min(pos_q + 1u, max_seq);
     if (flags & FLAG_NON_CAUSAL) != 0u {
@@ -98,39 +103,36 @@ fn attention_split_f32(
     if t0 < seq_len {
         n_t = min(split_len, seq_len - t0);
     }
+    let row0 = (t0 * kv_dim + kv_head * head_dim) / 4u;   // vec4 index of (t0, this head)
+    let kv4 = kv_dim / 4u;
 
     // ── the group's query heads (contiguous: heads kv_head*G .. +G-1) ──
     let q_off = q_idx * q_stride + kv_head * group * head_dim;
-    for (var e = tid; e < group * head_dim; e += WG) {
-        q_sh[e] = q_batch[q_off + e];
+    for (var e = tid; e < group * d4; e += WG) {
+        let o = q_off + 4u * e;
+        q_sh[e] = vec4<f32>(q_batch[o], q_batch[o + 1u], q_batch[o + 2u], q_batch[o + 3u]);
     }
     workgroupBarrier();
 
     // ── 1. scores, one staged K tile at a time ──
-    let d4 = head_dim / 4u;
     let gi = tid / TK;                           // score phase: query head ...
     let j = tid % TK;                            // ... against tile row j
     for (var tb = 0u; tb < n_t; tb += TK) {
         let nk = min(TK, n_t - tb);
         for (var e = tid; e < nk * d4; e += WG) {
             let row = e / d4;
-            let part = e % d4;
-            let kv = k_cache[((t0 + tb + row) * kv_dim + kv_head * head_dim) / 4u + part];
-            let o = row * ROW + 4u * part;
-            k_tile[o] = kv.x;
-            k_tile[o + 1u] = kv.y;
-            k_tile[o + 2u] = kv.z;
-            k_tile[o + 3u] = kv.w;
+            let c = e % d4;
+            tile[row * ROW4 + c] = k_cache[row0 + (tb + row) * kv4 + c];
         }
         workgroupBarrier();
         if gi < group && j < nk {
-            var dot = 0.0;
-            let qo = gi * head_dim;
-            let ko = j * ROW;
-            for (var x = 0u; x < head_dim; x += 1u) {
-                dot += q_sh[qo + x] * k_tile[ko + x];
+            var dot = vec4<f32>(0.0);
+            let qo = gi * d4;
+            let ko = j * ROW4;
+            for (var c = 0u; c < d4; c += 1u) {
+                dot += q_sh[qo + c] * tile[ko + c];
             }
-            scores[gi * split_len + tb + j] = dot * scale;
+            scores[gi * split_len + tb + j] = (dot.x + dot.y + dot.z + dot.w) * scale;
         }
         workgroupBarrier();
     }
@@ -174,7 +176,50 @@ fn attention_split_f32(
     }
     workgroupBarrier();
 
-    // ── 3. V accumulation; write the partial (m, l, acc) of each query head ──
+    // ── 3. V: thread (column c, row group grp) accumulates all G heads ──
+    let n_grp = WG / d4;                         // row groups (8 for d = 128)
+    let c = tid % d4;
+    let grp = tid / d4;
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    for (var tb = 0u; tb < n_t; tb += TK) {
+        let nk = min(TK, n_t - tb);
+        for (var e = tid; e < nk * d4; e += WG) {
+            let row = e / d4;
+            let cc = e % d4;
+            tile[row * ROW4 + cc] = v_cache[row0 + (tb + row) * kv4 + cc];
+        }
+        workgroupBarrier();
+        if grp < n_grp {
+            for (var t = grp; t < nk; t += n_grp) {
+                let v = tile[t * ROW4 + c];
+                let st = tb + t;
+                a0 += scores[st] * v;
+                if group > 1u {
+                    a1 += scores[split_len + st] * v;
+                }
+                if group > 2u {
+                    a2 += scores[2u * split_len + st] * v;
+                    a3 += scores[3u * split_len + st] * v;
+                }
+                if group > 4u {
+                    a4 += scores[4u * split_len + st] * v;
+                    a5 += scores[5u * split_len + st] * v;
+                    a6 += scores[6u * split_len + st] * v;
+                    a7 += scores[7u * split_len + st] * v;
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // ── sum the row groups (through `tile`), write the partial of each head ──
     let n_part = q_total * n_heads * n_splits;
     let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;  // head gi = 0
     if tid < group {
@@ -182,51 +227,38 @@ fn attention_split_f32(
         partial[n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
         partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
     }
-    // V tiles are staged like K tiles (vec4 loads, all independent, coalesced),
-    // then thread (g2, x) accumulates its outputs from workgroup memory.
-    var acc0 = 0.0;
-    var acc1 = 0.0;
-    var acc2 = 0.0;
-    var acc3 = 0.0;
-    for (var tb = 0u; tb < n_t; tb += TK) {
-        let nk = min(TK, n_t - tb);
-        for (var e = tid; e < nk * d4; e += WG) {
-            let row = e / d4;
-            let part = e % d4;
-            let vv = v_cache[((t0 + tb + row) * kv_dim + kv_head * head_dim) / 4u + part];
-            let o = row * ROW + 4u * part;
-            k_tile[o] = vv.x;
-            k_tile[o + 1u] = vv.y;
-            k_tile[o + 2u] = vv.z;
-            k_tile[o + 3u] = vv.w;
-        }
-        workgroupBarrier();
-        // up to 4 outputs per thread (group * head_dim <= 1024 = 4 * WG)
-        for (var r = 0u; r < 4u; r += 1u) {
-            let e = tid + r * WG;
-            if e < group * head_dim {
-                let g2 = e / head_dim;
-                let x = e % head_dim;
-                var a = 0.0;
-                for (var t = 0u; t < nk; t += 1u) {
-                    a += scores[g2 * split_len + tb + t] * k_tile[t * ROW + x];
-                }
-                if r == 0u { acc0 += a; }
-                if r == 1u { acc1 += a; }
-                if r == 2u { acc2 += a; }
-                if r == 3u { acc3 += a; }
+    // `tile` holds n_grp * G * d4 vec4 = WG * G / ... <= 8 * 32 * 8 / ... ; done in
+    // passes of at most 4 heads so it fits (n_grp * d4 = WG vec4 per head).
+    for (var h0 = 0u; h0 < group; h0 += 4u) {
+        if grp < n_grp {
+            let o = grp * d4 + c;
+            if h0 == 0u {
+                tile[o] = a0;
+                tile[WG + o] = a1;
+                tile[2u * WG + o] = a2;
+                tile[3u * WG + o] = a3;
+            } else {
+                tile[o] = a4;
+                tile[WG + o] = a5;
+                tile[2u * WG + o] = a6;
+                tile[3u * WG + o] = a7;
             }
         }
         workgroupBarrier();
-    }
-    for (var r = 0u; r < 4u; r += 1u) {
-        let e = tid + r * WG;
-        if e < group * head_dim {
-            var a = acc0;
-            if r == 1u { a = acc1; }
-            if r == 2u { a = acc2; }
-            if r == 3u { a = acc3; }
-            partial[(pbase + (e / head_dim) * n_splits) * head_dim + e % head_dim] = a;
+        // thread -> (head hh of this pass, vec4 column cc)
+        let hh = tid / d4;
+        let cc = tid % d4;
+        if hh < 4u && h0 + hh < group {
+            var sum = vec4<f32>(0.0);
+            for (var g = 0u; g < n_grp; g += 1u) {
+                sum += tile[hh * WG + g * d4 + cc];
+            }
+            let o = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            partial[o] = sum.x;
+            partial[o + 1u] = sum.y;
+            partial[o + 2u] = sum.z;
+            partial[o + 3u] = sum.w;
         }
+        workgroupBarrier();
     }
 }

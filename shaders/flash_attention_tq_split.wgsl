@@ -8,8 +8,12 @@
 // tile (polar, JL, norm, value norm) are staged in workgroup memory with
 // coalesced loads (consecutive threads read consecutive words: for a fixed KV
 // head, consecutive timesteps are consecutive slots of every region), padded
-// so the score phase is bank-conflict free. The accumulator stays in rotated
-// space; `attention_merge_rot` merges the splits and applies the inverse RHT.
+// so the score phase is bank-conflict free. Queries are read as vec4 and four
+// 2-bit codes (or four JL bits) are decoded per vec4 step. For values, thread
+// (c, grp) owns the vec4 column c of the rotated accumulator of EVERY query head
+// of the group (G vec4 registers) and takes every NG-th row of the tile. The
+// accumulator stays in rotated space; `attention_merge` (ROTATE) merges the
+// splits and applies the inverse RHT.
 //
 //   score = norm * (sum_d q_rot[d] c[idx_d] + residual_norm * qjl_scale * signed_sum) * scale
 //   signed_sum = 2 * sum_{bit_d = 1} q_jl[d] - sum_d q_jl[d]
@@ -39,7 +43,6 @@
 
 const WG: u32 = 256u;
 const TK: u32 = 64u;                 // compressed keys per staged tile
-const MAX_HEAD_DIM: u32 = 128u;
 const MAX_GROUP: u32 = 8u;
 const MAX_SCORES: u32 = 2048u;
 const MAX_SPLIT: u32 = 512u;
@@ -48,8 +51,9 @@ const JROW: u32 = 5u;                 // padded JL words per staged key (d/32 <=
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> qr_sh: array<f32, 1024>;          // MAX_GROUP * MAX_HEAD_DIM
-var<workgroup> qj_sh: array<f32, 1024>;
+// q_rot at [0, 256), q_jl at [256, 512) (G * d/4 <= 256 each); reused at the end
+// to sum the value accumulators' row groups, two heads per pass.
+var<workgroup> qbuf: array<vec4<f32>, 512>;
 var<workgroup> qsum_sh: array<f32, MAX_GROUP>;
 var<workgroup> kp_tile: array<u32, 576>;         // TK * PROW
 var<workgroup> kj_tile: array<u32, 320>;         // TK * JROW
@@ -60,8 +64,11 @@ var<workgroup> scores: array<f32, MAX_SCORES>;
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;
 
-fn cval(code: u32, c0: f32, c1: f32, c2: f32, c3: f32) -> f32 {
-    return select(select(c0, c1, code == 1u), select(c2, c3, code == 3u), code >= 2u);
+// Centroids of four 2-bit codes.
+fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
+    let lo = select(vec4<f32>(c0), vec4<f32>(c1), codes == vec4<u32>(1u));
+    let hi = select(vec4<f32>(c2), vec4<f32>(c3), codes == vec4<u32>(3u));
+    return select(lo, hi, codes >= vec4<u32>(2u));
 }
 
 @compute @workgroup_size(256, 1, 1)
@@ -93,6 +100,7 @@ fn attention_split_tq(
     let q_idx = q_base + wid.z;
     let group = n_heads / n_kv_heads;
     let seg = WG / group;
+    let d4 = head_dim / 4u;
     let pos_q = start_pos + q_idx;
     var seq_len = min(pos_q + 1u, max_seq);
     if (flags & FLAG_NON_CAUSAL) != 0u {
@@ -113,12 +121,14 @@ fn attention_split_tq(
     let v_norm_off = vecs * pw;
     let slot0 = kv_head * cache_cap + t0;        // slot of the split's first timestep
 
-    // ── the group's rotated queries ──
+    // ── the group's rotated queries, as vec4 ──
     let q_region = q_cap * n_heads * head_dim;
     let q_off = (q_idx * n_heads + kv_head * group) * head_dim;
-    for (var e = tid; e < group * head_dim; e += WG) {
-        qr_sh[e] = qrot[q_off + e];
-        qj_sh[e] = qrot[q_region + q_off + e];
+    for (var e = tid; e < group * d4; e += WG) {
+        let o = q_off + 4u * e;
+        qbuf[e] = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
+        let oj = q_region + o;
+        qbuf[256u + e] = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
     }
     if tid < group {
         qsum_sh[tid] = qrot[2u * q_region + q_idx * n_heads + kv_head * group + tid];
@@ -128,6 +138,8 @@ fn attention_split_tq(
     // ── 1. scores, one staged tile of compressed keys at a time ──
     let gi = tid / TK;
     let j = tid % TK;
+    let sh2 = vec4<u32>(0u, 2u, 4u, 6u);
+    let sh1 = vec4<u32>(0u, 1u, 2u, 3u);
     for (var tb = 0u; tb < n_t; tb += TK) {
         let nk = min(TK, n_t - tb);
         let s0 = slot0 + tb;
@@ -145,26 +157,27 @@ fn attention_split_tq(
         // thread (head gg, key j); with G = 8 each thread scores two heads
         for (var gg = gi; gg < group; gg += WG / TK) {
             if j < nk {
-                let qo = gg * head_dim;
-                var polar = 0.0;
+                let qo = gg * d4;
+                var polar = vec4<f32>(0.0);
                 for (var w = 0u; w < pw; w += 1u) {
-                    let word = kp_tile[j * PROW + w];
-                    let d0 = qo + w * 16u;
-                    for (var k = 0u; k < 16u; k += 1u) {
-                        polar += qr_sh[d0 + k] * cval((word >> (2u * k)) & 3u, c0, c1, c2, c3);
+                    let word = vec4<u32>(kp_tile[j * PROW + w]);
+                    for (var k4 = 0u; k4 < 4u; k4 += 1u) {
+                        let codes = (word >> (sh2 + vec4<u32>(8u * k4))) & vec4<u32>(3u);
+                        polar += qbuf[qo + 4u * w + k4] * cvals(codes, c0, c1, c2, c3);
                     }
                 }
-                var pos_sum = 0.0;
+                var pos = vec4<f32>(0.0);
                 for (var w = 0u; w < jw; w += 1u) {
-                    let word = kj_tile[j * JROW + w];
-                    let d0 = qo + w * 32u;
-                    for (var k = 0u; k < 32u; k += 1u) {
-                        pos_sum += select(0.0, qj_sh[d0 + k], ((word >> k) & 1u) == 1u);
+                    let word = vec4<u32>(kj_tile[j * JROW + w]);
+                    for (var k8 = 0u; k8 < 8u; k8 += 1u) {
+                        let bits = (word >> (sh1 + vec4<u32>(4u * k8))) & vec4<u32>(1u);
+                        pos += select(vec4<f32>(0.0), qbuf[256u + qo + 8u * w + k8], bits == vec4<u32>(1u));
                     }
                 }
                 let nr = unpack2x16float(kn_tile[j]);
-                let signed_sum = 2.0 * pos_sum - qsum_sh[gg];
-                scores[gg * split_len + tb + j] = (polar * nr.x + nr.x * nr.y * qjl_scale * signed_sum) * scale;
+                let polar_dot = polar.x + polar.y + polar.z + polar.w;
+                let signed_sum = 2.0 * (pos.x + pos.y + pos.z + pos.w) - qsum_sh[gg];
+                scores[gg * split_len + tb + j] = (polar_dot * nr.x + nr.x * nr.y * qjl_scale * signed_sum) * scale;
             }
         }
         workgroupBarrier();
@@ -195,8 +208,9 @@ fn attention_split_tq(
     if rh < group {
         let mx = stat[rh];
         for (var t = lane; t < n_t; t += seg) {
+            // fold the value norm into the weight once the sum is taken
             let p = exp(scores[rh * split_len + t] - mx);
-            scores[rh * split_len + t] = p;
+            scores[rh * split_len + t] = p * vn_sh[t];
             l += p;
         }
     }
@@ -209,7 +223,48 @@ fn attention_split_tq(
     }
     workgroupBarrier();
 
-    // ── 3. rotated-space value accumulation; write the partials ──
+    // ── 3. values: thread (column c, row group grp) accumulates all G heads ──
+    let n_grp = WG / d4;
+    let c = tid % d4;
+    let grp = tid / d4;
+    let vw = c / 4u;                             // value word of dims 4c..4c+3
+    let vsh = sh2 + vec4<u32>(8u * (c % 4u));
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    for (var tb = 0u; tb < n_t; tb += TK) {
+        let nk = min(TK, n_t - tb);
+        for (var e = tid; e < nk * pw; e += WG) {
+            vp_tile[e] = v_cache[(slot0 + tb) * pw + e];
+        }
+        workgroupBarrier();
+        for (var t = grp; t < nk; t += n_grp) {
+            let v = cvals((vec4<u32>(vp_tile[t * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+            let st = tb + t;
+            a0 += scores[st] * v;
+            if group > 1u {
+                a1 += scores[split_len + st] * v;
+            }
+            if group > 2u {
+                a2 += scores[2u * split_len + st] * v;
+                a3 += scores[3u * split_len + st] * v;
+            }
+            if group > 4u {
+                a4 += scores[4u * split_len + st] * v;
+                a5 += scores[5u * split_len + st] * v;
+                a6 += scores[6u * split_len + st] * v;
+                a7 += scores[7u * split_len + st] * v;
+            }
+        }
+        workgroupBarrier();
+    }
+
+    // ── sum the row groups (through qbuf, two heads per pass); write partials ──
     let n_part = q_cap * n_heads * n_splits;
     let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
     if tid < group {
@@ -217,45 +272,26 @@ fn attention_split_tq(
         partial[n_part * head_dim + pi] = stat[tid];
         partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
     }
-    // value polar words staged per tile (coalesced), accumulated from workgroup memory
-    var acc0 = 0.0;
-    var acc1 = 0.0;
-    var acc2 = 0.0;
-    var acc3 = 0.0;
-    for (var tb = 0u; tb < n_t; tb += TK) {
-        let nk = min(TK, n_t - tb);
-        for (var e = tid; e < nk * pw; e += WG) {
-            vp_tile[e] = v_cache[(slot0 + tb) * pw + e];
-        }
+    for (var h0 = 0u; h0 < group; h0 += 2u) {
+        let o = grp * d4 + c;                    // < WG
+        if h0 == 0u { qbuf[o] = a0; qbuf[WG + o] = a1; }
+        if h0 == 2u { qbuf[o] = a2; qbuf[WG + o] = a3; }
+        if h0 == 4u { qbuf[o] = a4; qbuf[WG + o] = a5; }
+        if h0 == 6u { qbuf[o] = a6; qbuf[WG + o] = a7; }
         workgroupBarrier();
-        for (var r = 0u; r < 4u; r += 1u) {
-            let e = tid + r * WG;
-            if e < group * head_dim {
-                let g2 = e / head_dim;
-                let x = e % head_dim;
-                let vw = x / 16u;
-                let vshift = (x % 16u) * 2u;
-                var a = 0.0;
-                for (var t = 0u; t < nk; t += 1u) {
-                    let word = vp_tile[t * pw + vw];
-                    a += scores[g2 * split_len + tb + t] * vn_sh[tb + t] * cval((word >> vshift) & 3u, c0, c1, c2, c3);
-                }
-                if r == 0u { acc0 += a; }
-                if r == 1u { acc1 += a; }
-                if r == 2u { acc2 += a; }
-                if r == 3u { acc3 += a; }
+        let hh = tid / d4;
+        let cc = tid % d4;
+        if hh < 2u && h0 + hh < group {
+            var sum = vec4<f32>(0.0);
+            for (var g = 0u; g < n_grp; g += 1u) {
+                sum += qbuf[hh * WG + g * d4 + cc];
             }
+            let po = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            partial[po] = sum.x;
+            partial[po + 1u] = sum.y;
+            partial[po + 2u] = sum.z;
+            partial[po + 3u] = sum.w;
         }
         workgroupBarrier();
-    }
-    for (var r = 0u; r < 4u; r += 1u) {
-        let e = tid + r * WG;
-        if e < group * head_dim {
-            var a = acc0;
-            if r == 1u { a = acc1; }
-            if r == 2u { a = acc2; }
-            if r == 3u { a = acc3; }
-            partial[(pbase + (e / head_dim) * n_splits) * head_dim + e % head_dim] = a;
-        }
     }
 }

@@ -48,7 +48,7 @@ _ARENA_USAGE = {
     # split-KV partials: a buffer of their own, since a split kernel reads a
     # scratch segment (rotated queries) while it writes the partials, and one
     # buffer cannot be bound read-only and read-write in the same dispatch
-    "partial": wgpu.BufferUsage.STORAGE,
+    "partial": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
     "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
 }
 
@@ -161,6 +161,11 @@ class Batch:
 
     def execute(self) -> memoryview | None:
         """Encode, submit once, and read the output arena back (None if empty)."""
+        return self.submit(self.encode())
+
+    def encode(self):
+        """Write the upload arena and encode every command (CPU work); returns
+        what :meth:`submit` needs. Split out so benchmarks can time the GPU part."""
         if not self.ops:
             return None
         bufs = {a: self.arenas.get(a, n) for a, n in self._sizes.items() if n > 0}
@@ -198,7 +203,14 @@ class Batch:
         if n_out:
             staging = self.arenas.get_staging(n_out)
             enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
-        queue.submit([enc.finish()])
+        return enc.finish(), staging, n_out
+
+    def submit(self, encoded) -> memoryview | None:
+        """Submit what :meth:`encode` made and wait for the readback, if any."""
+        if encoded is None:
+            return None
+        command_buffer, staging, n_out = encoded
+        self.device.queue.submit([command_buffer])
         if staging is None:
             return None
         staging.map_sync(wgpu.MapMode.READ, 0, n_out)
