@@ -97,8 +97,8 @@ profile_args() {
   case "$1" in
     # A few small heads: per-request overhead (HTTP, msgpack, one GPU submit) dominates.
     small) echo "--sessions 8 --layers 4 --qo-heads 8 --kv-heads 2 --head-dim 64 --prefill 128 --chunk 64 --decode-steps 64" ;;
-    # A 7B-class layer shape (32 query, 8 KV heads of 128), 2k-token prompts, 64 sessions.
-    large) echo "--sessions 64 --layers 8 --qo-heads 32 --kv-heads 8 --head-dim 128 --prefill 2048 --chunk 512 --decode-steps 256" ;;
+    # A 7B-class layer shape (32 query, 8 KV heads of 128), 1k-token prompts, 32 sessions.
+    large) echo "--sessions 32 --layers 4 --qo-heads 32 --kv-heads 8 --head-dim 128 --prefill 1024 --chunk 256 --decode-steps 256" ;;
   esac
 }
 
