@@ -64,7 +64,8 @@ if ! "$PY" -c 'import fastapi, uvicorn, wgpu, msgpack, httpx, pydantic_settings,
   echo "bench: Python packages missing (see docs/deploy.md, 'Load test on the H200 host')" >&2
   exit 2
 fi
-if [ -n "$ADAPTER" ] && ! "$PY" -m attnserve adapters 2>/dev/null | grep -qi "$ADAPTER"; then
+SEEN="$("$PY" -m attnserve adapters 2>/dev/null || true)"
+if [ -n "$ADAPTER" ] && ! printf '%s\n' "$SEEN" | grep -qi -- "$ADAPTER"; then
   for icd in /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json /usr/share/vulkan/icd.d/nvidia_icd.json \
              /etc/vulkan/icd.d/nvidia_icd.json; do
     if [ -f "$icd" ]; then export VK_DRIVER_FILES="$icd"; break; fi
