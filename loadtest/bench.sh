@@ -51,7 +51,8 @@ elif [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; fi
 
 # A machine without network (the lent GPU hosts): the Vulkan loader and the Python
 # packages that its image lacks travel in .gl/ and .whl/ (docs/deploy.md).
-if [ -d .gl ] && ! ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1'; then
+LIBS="$(ldconfig -p 2>/dev/null || true)"
+if [ -d .gl ] && ! printf '%s\n' "$LIBS" | grep -q 'libvulkan.so.1'; then
   for f in .gl/*.deb; do dpkg -x "$f" /; done
   ldconfig
 fi
