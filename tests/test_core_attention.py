@@ -190,3 +190,52 @@ def test_failed_plan_fails_only_its_job(engine, rng):
     out, length = after.result()
     assert length == 8
     assert rel_err(out, ref.attention(q, k, v)) <= F32_TOL
+
+
+def test_a_failed_fused_attend_leaves_the_layer_as_it_was(engine, rng):
+    h, hkv, d = 4, 2, 32
+    s = session("f32", h, hkv, d)
+    layer = s.layers[0]
+    k, v = rows(rng, 60, hkv, d), rows(rng, 60, hkv, d)
+    engine.append(layer, k, v).result()
+    before = layer.state()
+    q = rows(rng, 1, h, d)
+    # the fused append (which would also grow the buffers past 64) plans, then
+    # the attend's start_pos check fails: nothing of the job may remain
+    bad = engine.attend(layer, q, k=rows(rng, 10, hkv, d), v=rows(rng, 10, hkv, d), start_pos=1000)
+    with pytest.raises(ValueError, match="start_pos"):
+        bad.result()
+    assert layer.state() == before and layer.length == 60
+    out, length = engine.attend(layer, q).result()
+    assert length == 60
+    assert rel_err(out, ref.attention(q, k, v)) <= F32_TOL
+
+
+def test_a_batch_stays_within_the_binding_limit(engine, rng):
+    """Jobs that would push an arena past the binding limit wait for the next
+    submission (a job alone may still use it all); results stay exact."""
+    h, hkv, d = 8, 2, 64
+    limits = engine.ctx.limits
+    saved = limits["max-storage-buffer-binding-size"]
+    sessions = [session("f32", h, hkv, d) for _ in range(6)]
+    data = []
+    for s in sessions:
+        k, v = rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)
+        engine.append(s.layers[0], k, v).result()
+        data.append((k, v))
+    try:
+        limits["max-storage-buffer-binding-size"] = 40 * h * d * 4  # ~2 jobs' queries
+        before = engine.worker.batches
+        qs = [rows(rng, 30, h, d) for _ in sessions]
+        futs = [engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)]
+        outs = [f.result() for f in futs]
+    finally:
+        limits["max-storage-buffer-binding-size"] = saved
+    assert engine.worker.batches - before >= 3
+    for s, (k, v), q, (out, length) in zip(sessions, data, qs, outs):
+        assert length == 42 == s.layers[0].length
+        kw, vw = engine.call(lambda ctx, l=s.layers[0]: l.read_words(ctx.device)).result()
+        kall = np.frombuffer(kw, np.float32).reshape(-1, hkv, d)[:42]
+        vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
+        np.testing.assert_array_equal(kall[:40], k)
+        assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL

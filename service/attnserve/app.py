@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import __version__
 from .codec import problem_response
+from .instance import InstanceHeaderMiddleware
 from .config import Settings, get_settings
 from .engine import Engine
 from .errors import (
@@ -136,6 +137,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     _install_error_handlers(app)
     _install_gauges(rt)
     app.add_middleware(RequestMiddleware, runtime=rt)
+    # outermost: names the replica on every answer, problems included
+    app.add_middleware(InstanceHeaderMiddleware, name=settings.instance_name)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

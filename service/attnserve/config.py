@@ -59,6 +59,11 @@ class Settings(BaseSettings):
         "info", description="Log level."
     )
     log_format: Literal["json", "text"] = Field("json", description="Log lines as JSON or as text.")
+    instance_name: str | None = Field(
+        None,
+        description="This replica's name, sent on every response as X-Attnserve-Instance "
+        "(default: the host name).",
+    )
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

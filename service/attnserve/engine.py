@@ -11,6 +11,7 @@ awaits them from the event loop.
 
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import Future
 from typing import Callable
@@ -75,6 +76,7 @@ class Engine:
         self._check_rows(layer, k, v)
 
         def plan(batch):
+            batch.on_rollback(functools.partial(layer.restore, layer.state()))
             length = layer.plan_append(batch, k, v)
             return lambda out: length
 
@@ -108,6 +110,9 @@ class Engine:
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
         def plan(batch):
+            # Atomic: if this job is rolled back (it raised below, or the batch
+            # pushed it to the next one), the layer is put back as it was.
+            batch.on_rollback(functools.partial(layer.restore, layer.state()))
             if k is not None:
                 layer.plan_append(batch, k, v)
             length = layer.length

@@ -115,6 +115,14 @@ class LayerCache:
 
     # ── device work (GPU owner thread) ──────────────────────────────────────
 
+    def state(self) -> tuple:
+        """What planning may change: restore it with :meth:`restore` when a job
+        that already planned into this layer fails (its ops are rolled back)."""
+        return (self.length, self.capacity, self.k, self.v)
+
+    def restore(self, state: tuple) -> None:
+        self.length, self.capacity, self.k, self.v = state
+
     def _copy_plan(self, old_cap: int, new_cap: int) -> tuple[list, list]:
         """(src_off, dst_off, size) byte ranges to carry K and V into a larger buffer."""
         raise NotImplementedError

@@ -102,6 +102,7 @@ class Batch:
         self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
         self.ops: list[tuple] = []
         self.n_dispatches = 0
+        self._undo: list = []
 
     # ── planning ────────────────────────────────────────────────────────────
 
@@ -137,20 +138,33 @@ class Batch:
         if size > 0:
             self.ops.append(("copy", src, src_off, dst, dst_off, size))
 
+    def on_rollback(self, undo) -> None:
+        """Register ``undo()`` to run if the job planning now is rolled back:
+        planning may change host state (a layer's length, its buffers) that the
+        dropped commands would have matched."""
+        self._undo.append(undo)
+
     def mark(self) -> tuple:
-        return (len(self.ops), self.n_dispatches, len(self._upload), dict(self._sizes))
+        return (len(self.ops), self.n_dispatches, len(self._upload), dict(self._sizes), len(self._undo))
 
     def rollback(self, mark: tuple) -> None:
-        """Drop everything planned since ``mark`` (a job whose planning failed)."""
-        n_ops, n_disp, n_up, sizes = mark
+        """Drop everything planned since ``mark`` and undo its host-state changes."""
+        n_ops, n_disp, n_up, sizes, n_undo = mark
         del self.ops[n_ops:]
         del self._upload[n_up:]
         self.n_dispatches = n_disp
         self._sizes = sizes
+        while len(self._undo) > n_undo:
+            self._undo.pop()()
 
     @property
     def empty(self) -> bool:
         return not self.ops
+
+    @property
+    def largest_arena(self) -> int:
+        """Bytes of the largest arena this batch needs (bounded by the binding limit)."""
+        return max(self._sizes.values())
 
     # ── execution ───────────────────────────────────────────────────────────
 

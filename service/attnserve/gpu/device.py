@@ -165,13 +165,14 @@ CallFn = Callable[[GpuContext], Any]
 
 
 class _Job:
-    __slots__ = ("kind", "fn", "future", "enqueued")
+    __slots__ = ("kind", "fn", "future", "enqueued", "started")
 
     def __init__(self, kind: str, fn: Callable, future: Future):
         self.kind = kind
         self.fn = fn
         self.future = future
         self.enqueued = time.perf_counter()
+        self.started = False  # its future is RUNNING (a job pushed back keeps it)
 
 
 class GpuWorker:
@@ -304,15 +305,28 @@ class GpuWorker:
         t0 = time.perf_counter()
         batch = Batch(self.ctx.device, self.ctx.pipelines, self._arenas, self.ctx.offset_align)
         planned: list[tuple[_Job, Callable]] = []
-        for job in jobs:
-            if not job.future.set_running_or_notify_cancel():
-                continue
+        # An arena is bound whole-or-in-part, so a coalesced batch must keep each
+        # arena within the binding limit: a job that would pass it goes back to
+        # the front of the queue for the next batch (a job alone may use it all).
+        cap = self.ctx.max_binding
+        for i, job in enumerate(jobs):
+            if not job.started:
+                job.started = True
+                if not job.future.set_running_or_notify_cancel():
+                    continue
             mark = batch.mark()
             try:
-                planned.append((job, job.fn(batch)))
+                finish = job.fn(batch)
             except BaseException as e:
                 batch.rollback(mark)
                 job.future.set_exception(e)
+                continue
+            if planned and batch.largest_arena > cap:
+                batch.rollback(mark)
+                with self._cv:
+                    self._jobs.extendleft(reversed(jobs[i:]))
+                break
+            planned.append((job, finish))
         try:
             out = batch.execute()
         except BaseException as e:
