@@ -48,17 +48,22 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "split-long", "single"])
-def kernel_path(request):
+@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "single"])
+def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
-    (split + merge) with short splits (one tile, many splits) and with the
-    longest splits they allow (many tiles per split), and the single-pass
-    seed-derived kernels."""
+    (split + merge) without and with subgroup operations, each with short
+    splits (one tile, many splits) and with the longest splits they allow (many
+    tiles per split), and the single-pass seed-derived kernels. The subgroup
+    variants need the device feature, which lavapipe has: in CI they never skip."""
     from attnserve.gpu import kernels
 
-    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups)
-    kernels.POLICY.force = "single" if request.param == "single" else "split"
-    if request.param == "split-long":
+    p = request.param
+    if "sg" in p and "subgroup" not in engine.ctx.features:
+        no_adapter(f"the adapter has no subgroup feature for {p}")
+    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups)
+    kernels.POLICY.force = "single" if p == "single" else "split"
+    kernels.POLICY.subgroups = "sg" in p
+    if p.endswith("long"):
         kernels.POLICY.target_workgroups = 1
-    yield request.param
-    kernels.POLICY.force, kernels.POLICY.target_workgroups = saved
+    yield p
+    kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups = saved

@@ -52,6 +52,9 @@ REQUESTED_FROM_ADAPTER = (
 )
 
 
+OPTIONAL_FEATURES = ("subgroup",)
+
+
 class DeviceError(RuntimeError):
     """No usable adapter: raised at start with a message saying why."""
 
@@ -141,8 +144,12 @@ def open_device(selector: str | None = None) -> GpuContext:
     if short:
         raise DeviceError(f"adapter {adapter.summary} is too small for attnserve: " + ", ".join(short))
     required = {k: alimits[k] for k in REQUESTED_FROM_ADAPTER if k in alimits}
+    # Optional features the kernels use when present (subgroup reductions).
+    features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
     try:
-        device = adapter.request_device_sync(label="attnserve", required_limits=required)
+        device = adapter.request_device_sync(
+            label="attnserve", required_limits=required, required_features=features
+        )
     except Exception as e:  # pragma: no cover - depends on the driver
         raise DeviceError(f"cannot open a device on {adapter.summary}: {e}") from e
     dlimits = {k: int(v) for k, v in device.limits.items() if isinstance(v, int)}

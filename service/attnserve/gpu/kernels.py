@@ -242,6 +242,11 @@ class KernelPolicy:
     force: str | None = None
     split_max_queries: int = 16
     target_workgroups: int = 2048
+    subgroups: bool | None = None  # None: use them where the device has the feature
+
+    def use_subgroups(self, device) -> bool:
+        has = "subgroup" in device.features
+        return has if self.subgroups is None else (self.subgroups and has)
 
     def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
@@ -319,9 +324,8 @@ def plan_attention_split_f32(
                 flags=0 if causal else P.FLAG_NON_CAUSAL, q_total=n_queries,
             )
         )
-        batch.dispatch(
-            "attention_split_f32", {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows)
-        )
+        kernel = "attention_split_f32_sg" if POLICY.use_subgroups(batch.device) else "attention_split_f32"
+        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
 
 
@@ -348,8 +352,7 @@ def plan_attention_split_tq(
                 q_base=q_base, cache_cap=cache_cap, flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        batch.dispatch(
-            "attention_split_tq", {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows)
-        )
+        kernel = "attention_split_tq_sg" if POLICY.use_subgroups(batch.device) else "attention_split_tq"
+        batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
                 n_splits=n_splits, signs=signs, sign_off=sign_off)

@@ -27,6 +27,7 @@ class KernelSpec:
     file: str
     entry_point: str
     bindings: tuple[tuple[int, str], ...]
+    features: tuple[str, ...] = ()  # device features the shader needs
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -48,6 +49,13 @@ KERNELS: dict[str, KernelSpec] = {
     ),
     "attention_split_tq": KernelSpec(
         "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
+    "attention_split_f32_sg": KernelSpec(
+        "attention_split_sg.wgsl", "attention_split_f32_sg", ((0, R), (1, R), (2, R), (3, RW), (4, R)), ("subgroup",)
+    ),
+    "attention_split_tq_sg": KernelSpec(
+        "flash_attention_tq_split_sg.wgsl", "attention_split_tq_sg", ((0, R), (1, R), (2, R), (3, RW), (4, R)),
+        ("subgroup",),
     ),
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
 }
@@ -118,6 +126,9 @@ class PipelineCache:
             return self._pipelines[kernel]
 
     def warm_up(self) -> None:
-        """Compile every kernel now (at start), so a bad shader fails the start."""
-        for name in KERNELS:
-            self.get(name)
+        """Compile every kernel the device can run now (at start), so a bad
+        shader fails the start."""
+        features = set(self._device.features)
+        for name, spec in KERNELS.items():
+            if set(spec.features) <= features:
+                self.get(name)

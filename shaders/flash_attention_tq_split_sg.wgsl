@@ -1,0 +1,292 @@
+// Split-KV attention over the TurboQuant cache, subgroup variant (decode path).
+//
+// Same work split, partial layout, params and bindings as
+// `flash_attention_tq_split.wgsl` (read its header and docs/turboquant.md); used
+// when the device was opened with the `subgroup` feature. One subgroup scores
+// one compressed key at a time: lane c owns rotated dims 4c..4c+3, decodes its
+// four 2-bit codes (word c/4 of the key's polar words) and four JL bits (word
+// c/8), forms its share of the PolarQuant dot and of the signed JL sum with
+// every query head of the GQA group, and subgroupAdd finishes them. The words
+// of a key are contiguous, so a subgroup's reads of one key are one coalesced
+// 52-byte span (d = 128). Values: thread (c, grp) owns rotated column c of
+// every head's accumulator and reads value words straight from global memory.
+// The accumulator stays in rotated space; `attention_merge` (ROTATE) merges the
+// splits and applies the inverse RHT.
+//
+// Calls to subgroupAdd sit in control flow uniform across the workgroup: every
+// subgroup runs the same number of key steps; lanes past the end add zeros.
+//
+// Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
+
+@group(0) @binding(0) var<storage, read> qrot: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<u32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<u32>;
+@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
+@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+
+const WG: u32 = 256u;
+const MAX_GROUP: u32 = 8u;
+const MAX_SCORES: u32 = 2048u;
+const MAX_SPLIT: u32 = 512u;
+const NEG_INF: f32 = -3.402823e+38;
+const FLAG_NON_CAUSAL: u32 = 1u;
+
+// q_rot at [0, 256), q_jl at [256, 512); reused at the end to sum the value
+// accumulators' row groups, two heads per pass.
+var<workgroup> qbuf: array<vec4<f32>, 512>;
+var<workgroup> qsum_sh: array<f32, MAX_GROUP>;
+var<workgroup> vn_sh: array<f32, MAX_SPLIT>;     // value norms of the split
+var<workgroup> scores: array<f32, MAX_SCORES>;
+var<workgroup> red: array<f32, WG>;
+var<workgroup> stat: array<f32, MAX_GROUP>;
+
+// Centroids of four 2-bit codes.
+fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
+    let lo = select(vec4<f32>(c0), vec4<f32>(c1), codes == vec4<u32>(1u));
+    let hi = select(vec4<f32>(c2), vec4<f32>(c3), codes == vec4<u32>(3u));
+    return select(lo, hi, codes >= vec4<u32>(2u));
+}
+
+// Score of one head from its subgroup-summed polar dot and positive JL sum.
+fn tq_score(polar: f32, pos: f32, qsum: f32, nr: vec2<f32>, qjl_scale: f32, scale: f32) -> f32 {
+    return (polar * nr.x + nr.x * nr.y * qjl_scale * (2.0 * pos - qsum)) * scale;
+}
+
+@compute @workgroup_size(256, 1, 1)
+fn attention_split_tq_sg(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(subgroup_invocation_id) lane_id: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
+    let tid = lid.x;
+    let n_heads = params[0];
+    let n_kv_heads = params[1];
+    let head_dim = params[2];
+    let max_seq = params[3];
+    let start_pos = params[4];
+    let scale = bitcast<f32>(params[5]);
+    let q_cap = params[6];
+    let split_len = params[7];
+    let qjl_scale = bitcast<f32>(params[8]);
+    let n_splits = params[9];
+    let c0 = bitcast<f32>(params[10]);
+    let c1 = bitcast<f32>(params[11]);
+    let c2 = bitcast<f32>(params[12]);
+    let c3 = bitcast<f32>(params[13]);
+    let q_base = params[14];
+    let cache_cap = params[15];
+    let flags = params[16];
+
+    let split = wid.x;
+    let kv_head = wid.y;
+    let q_idx = q_base + wid.z;
+    let group = n_heads / n_kv_heads;
+    let seg = WG / group;
+    let d4 = head_dim / 4u;
+    let pos_q = start_pos + q_idx;
+    var seq_len = min(pos_q + 1u, max_seq);
+    if (flags & FLAG_NON_CAUSAL) != 0u {
+        seq_len = max_seq;
+    }
+    let t0 = split * split_len;
+    var n_t = 0u;
+    if t0 < seq_len {
+        n_t = min(split_len, seq_len - t0);
+    }
+
+    // Compressed regions of this layer.
+    let pw = head_dim / 16u;
+    let jw = head_dim / 32u;
+    let vecs = n_kv_heads * cache_cap;
+    let k_jl_off = vecs * pw;
+    let k_norm_off = k_jl_off + vecs * jw;
+    let v_norm_off = vecs * pw;
+    let slot0 = kv_head * cache_cap + t0;        // slot of the split's first timestep
+
+    // ── the group's rotated queries, as vec4 ──
+    let q_region = q_cap * n_heads * head_dim;
+    let q_off = (q_idx * n_heads + kv_head * group) * head_dim;
+    for (var e = tid; e < group * d4; e += WG) {
+        let o = q_off + 4u * e;
+        qbuf[e] = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
+        let oj = q_region + o;
+        qbuf[256u + e] = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
+    }
+    if tid < group {
+        qsum_sh[tid] = qrot[2u * q_region + q_idx * n_heads + kv_head * group + tid];
+    }
+    workgroupBarrier();
+
+    // ── 1. scores: one subgroup per compressed key ──
+    let n_sg = WG / sg_size;
+    let sg = tid / sg_size;
+    let d_sh2 = vec4<u32>(0u, 2u, 4u, 6u);
+    let d_sh1 = vec4<u32>(0u, 1u, 2u, 3u);
+    for (var tb = 0u; tb < n_t; tb += n_sg) {
+        let t = tb + sg;
+        let live = t < n_t;
+        var pa = vec4<f32>(0.0);   // polar, heads 0..3
+        var pb = vec4<f32>(0.0);   // polar, heads 4..7
+        var ja = vec4<f32>(0.0);   // positive JL sums, heads 0..3
+        var jb = vec4<f32>(0.0);   // positive JL sums, heads 4..7
+        if live {
+            let slot = slot0 + t;
+            for (var c = lane_id; c < d4; c += sg_size) {
+                let pword = k_cache[slot * pw + c / 4u];
+                let cv = cvals((vec4<u32>(pword) >> (d_sh2 + vec4<u32>(8u * (c % 4u)))) & vec4<u32>(3u), c0, c1, c2, c3);
+                let jword = k_cache[k_jl_off + slot * jw + c / 8u];
+                let bits = vec4<f32>((vec4<u32>(jword) >> (d_sh1 + vec4<u32>(4u * (c % 8u)))) & vec4<u32>(1u));
+                pa.x += dot(qbuf[c], cv);
+                ja.x += dot(qbuf[256u + c], bits);
+                if group > 1u {
+                    pa.y += dot(qbuf[d4 + c], cv);
+                    ja.y += dot(qbuf[256u + d4 + c], bits);
+                }
+                if group > 2u {
+                    pa.z += dot(qbuf[2u * d4 + c], cv);
+                    ja.z += dot(qbuf[256u + 2u * d4 + c], bits);
+                    pa.w += dot(qbuf[3u * d4 + c], cv);
+                    ja.w += dot(qbuf[256u + 3u * d4 + c], bits);
+                }
+                if group > 4u {
+                    pb.x += dot(qbuf[4u * d4 + c], cv);
+                    jb.x += dot(qbuf[256u + 4u * d4 + c], bits);
+                    pb.y += dot(qbuf[5u * d4 + c], cv);
+                    jb.y += dot(qbuf[256u + 5u * d4 + c], bits);
+                    pb.z += dot(qbuf[6u * d4 + c], cv);
+                    jb.z += dot(qbuf[256u + 6u * d4 + c], bits);
+                    pb.w += dot(qbuf[7u * d4 + c], cv);
+                    jb.w += dot(qbuf[256u + 7u * d4 + c], bits);
+                }
+            }
+        }
+        let sp_a = subgroupAdd(pa);
+        let sj_a = subgroupAdd(ja);
+        var sp_b = vec4<f32>(0.0);
+        var sj_b = vec4<f32>(0.0);
+        if group > 4u {
+            sp_b = subgroupAdd(pb);
+            sj_b = subgroupAdd(jb);
+        }
+        if live && lane_id == 0u {
+            let slot = slot0 + t;
+            let nr = unpack2x16float(k_cache[k_norm_off + slot]);
+            vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot]).x;
+            scores[t] = tq_score(sp_a.x, sj_a.x, qsum_sh[0], nr, qjl_scale, scale);
+            if group > 1u { scores[split_len + t] = tq_score(sp_a.y, sj_a.y, qsum_sh[1], nr, qjl_scale, scale); }
+            if group > 2u {
+                scores[2u * split_len + t] = tq_score(sp_a.z, sj_a.z, qsum_sh[2], nr, qjl_scale, scale);
+                scores[3u * split_len + t] = tq_score(sp_a.w, sj_a.w, qsum_sh[3], nr, qjl_scale, scale);
+            }
+            if group > 4u {
+                scores[4u * split_len + t] = tq_score(sp_b.x, sj_b.x, qsum_sh[4], nr, qjl_scale, scale);
+                scores[5u * split_len + t] = tq_score(sp_b.y, sj_b.y, qsum_sh[5], nr, qjl_scale, scale);
+                scores[6u * split_len + t] = tq_score(sp_b.z, sj_b.z, qsum_sh[6], nr, qjl_scale, scale);
+                scores[7u * split_len + t] = tq_score(sp_b.w, sj_b.w, qsum_sh[7], nr, qjl_scale, scale);
+            }
+        }
+    }
+    workgroupBarrier();
+
+    // ── 2. per-head max and sum over this split ──
+    let rh = tid / seg;
+    let lane = tid % seg;
+    var m = NEG_INF;
+    if rh < group {
+        for (var t = lane; t < n_t; t += seg) {
+            m = max(m, scores[rh * split_len + t]);
+        }
+    }
+    red[tid] = m;
+    for (var s = seg / 2u; s > 0u; s = s / 2u) {
+        workgroupBarrier();
+        if lane < s {
+            red[tid] = max(red[tid], red[tid + s]);
+        }
+    }
+    workgroupBarrier();
+    if lane == 0u && rh < group {
+        stat[rh] = red[tid];
+    }
+    workgroupBarrier();
+    var l = 0.0;
+    if rh < group {
+        let mx = stat[rh];
+        for (var t = lane; t < n_t; t += seg) {
+            // fold the value norm into the weight once the sum is taken
+            let p = exp(scores[rh * split_len + t] - mx);
+            scores[rh * split_len + t] = p * vn_sh[t];
+            l += p;
+        }
+    }
+    red[tid] = l;
+    for (var s = seg / 2u; s > 0u; s = s / 2u) {
+        workgroupBarrier();
+        if lane < s {
+            red[tid] += red[tid + s];
+        }
+    }
+    workgroupBarrier();
+
+    // ── 3. values: thread (column c, row group grp) accumulates all G heads ──
+    let n_grp = WG / d4;
+    let c = tid % d4;
+    let grp = tid / d4;
+    let vw = c / 4u;                             // value word of dims 4c..4c+3
+    let vsh = d_sh2 + vec4<u32>(8u * (c % 4u));
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    for (var t = grp; t < n_t; t += n_grp) {
+        let v = cvals((vec4<u32>(v_cache[(slot0 + t) * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+        a0 += scores[t] * v;
+        if group > 1u { a1 += scores[split_len + t] * v; }
+        if group > 2u {
+            a2 += scores[2u * split_len + t] * v;
+            a3 += scores[3u * split_len + t] * v;
+        }
+        if group > 4u {
+            a4 += scores[4u * split_len + t] * v;
+            a5 += scores[5u * split_len + t] * v;
+            a6 += scores[6u * split_len + t] * v;
+            a7 += scores[7u * split_len + t] * v;
+        }
+    }
+
+    // ── sum the row groups (through qbuf, two heads per pass); write partials ──
+    let n_part = q_cap * n_heads * n_splits;
+    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
+    if tid < group {
+        let pi = pbase + tid * n_splits;
+        partial[n_part * head_dim + pi] = stat[tid];
+        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
+    }
+    for (var h0 = 0u; h0 < group; h0 += 2u) {
+        let o = grp * d4 + c;                    // < WG
+        if h0 == 0u { qbuf[o] = a0; qbuf[WG + o] = a1; }
+        if h0 == 2u { qbuf[o] = a2; qbuf[WG + o] = a3; }
+        if h0 == 4u { qbuf[o] = a4; qbuf[WG + o] = a5; }
+        if h0 == 6u { qbuf[o] = a6; qbuf[WG + o] = a7; }
+        workgroupBarrier();
+        let hh = tid / d4;
+        let cc = tid % d4;
+        if hh < 2u && h0 + hh < group {
+            var sum = vec4<f32>(0.0);
+            for (var g = 0u; g < n_grp; g += 1u) {
+                sum += qbuf[hh * WG + g * d4 + cc];
+            }
+            let po = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            partial[po] = sum.x;
+            partial[po + 1u] = sum.y;
+            partial[po + 2u] = sum.z;
+            partial[po + 3u] = sum.w;
+        }
+        workgroupBarrier();
+    }
+}
