@@ -206,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
+    ap.add_argument("--only", choices=["decode", "prefill"], help="time only one kernel kind")
     ap.add_argument("--path", choices=["auto", "split", "single"], default="auto",
                     help="attention kernel family (auto: split-KV for decode, single-pass for prefill)")
     args = ap.parse_args(argv)
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
         layer = s.layers[0]
         filled = 0
         shapes = [("decode", 1, c) for c in decode_ctx] + [("prefill", n, k) for n, k in prefill]
+        shapes = [x for x in shapes if args.only in (None, x[0])]
         for kernel, n, ctx_len in sorted(shapes, key=lambda x: x[2]):
             if ctx_len > filled:
                 fill_layer(engine, layer, ctx_len - filled, rng)

@@ -4,7 +4,7 @@
 // (read its header); used when the device was opened with the `subgroup`
 // feature. The difference is how a key is scored and how V is read:
 //
-//   scores: one subgroup scores one key at a time. Lane c reads vec4 column c
+//   scores: one subgroup scores four keys per step. Lane c reads vec4 column c
 //           (and c + sg, ... when head_dim/4 > subgroup size) of the key row
 //           straight from global memory (consecutive lanes, consecutive 16-byte
 //           words: one coalesced 512-byte read per key at head_dim 128), forms
@@ -13,7 +13,7 @@
 //           barriers per tile.
 //   values: thread (c, grp) owns output column c of every head of the group
 //           (G vec4 registers) and reads V rows grp, grp + NG, ... straight
-//           from global memory (coalesced), two rows per step.
+//           from global memory (coalesced), four rows per step.
 //
 // Subgroup builtins need no `enable` line with this naga once the device has
 // the feature. Calls to subgroupAdd sit in control flow uniform across the
@@ -38,7 +38,7 @@ var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
-var<workgroup> sums: array<vec4<f32>, 1024>;     // row-group partial sums, 4 heads per pass
+var<workgroup> sums: array<vec4<f32>, 256>;      // row-group partial sums, one head per pass
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_split_f32_sg(
@@ -88,51 +88,89 @@ fn attention_split_f32_sg(
     }
     workgroupBarrier();
 
-    // ── 1. scores: one subgroup per key ──
+    // ── 1. scores: one subgroup per key, four keys per step (four loads in flight) ──
     let n_sg = WG / sg_size;                    // subgroups in the workgroup
     let sg = tid / sg_size;
-    for (var tb = 0u; tb < n_t; tb += n_sg) {
-        let t = tb + sg;
-        let live = t < n_t;
-        var p0 = 0.0;
-        var p1 = 0.0;
-        var p2 = 0.0;
-        var p3 = 0.0;
-        var p4 = 0.0;
-        var p5 = 0.0;
-        var p6 = 0.0;
-        var p7 = 0.0;
-        if live {
-            for (var c = lane_id; c < d4; c += sg_size) {
-                let k = k_cache[row0 + t * kv4 + c];
-                p0 += dot(q_sh[c], k);
-                if group > 1u { p1 += dot(q_sh[d4 + c], k); }
-                if group > 2u {
-                    p2 += dot(q_sh[2u * d4 + c], k);
-                    p3 += dot(q_sh[3u * d4 + c], k);
-                }
-                if group > 4u {
-                    p4 += dot(q_sh[4u * d4 + c], k);
-                    p5 += dot(q_sh[5u * d4 + c], k);
-                    p6 += dot(q_sh[6u * d4 + c], k);
-                    p7 += dot(q_sh[7u * d4 + c], k);
-                }
+    for (var tb = 0u; tb < n_t; tb += 4u * n_sg) {
+        let t = tb + sg;                          // keys t, t + n_sg, t + 2 n_sg, t + 3 n_sg
+        let live = vec4<bool>(t < n_t, t + n_sg < n_t, t + 2u * n_sg < n_t, t + 3u * n_sg < n_t);
+        let r = row0 + t * kv4;
+        let rs = n_sg * kv4;
+        // pH = the four keys' partial dot products with query head H
+        var p0 = vec4<f32>(0.0);
+        var p1 = vec4<f32>(0.0);
+        var p2 = vec4<f32>(0.0);
+        var p3 = vec4<f32>(0.0);
+        var p4 = vec4<f32>(0.0);
+        var p5 = vec4<f32>(0.0);
+        var p6 = vec4<f32>(0.0);
+        var p7 = vec4<f32>(0.0);
+        for (var c = lane_id; c < d4; c += sg_size) {
+            var k0 = vec4<f32>(0.0);
+            var k1 = vec4<f32>(0.0);
+            var k2 = vec4<f32>(0.0);
+            var k3 = vec4<f32>(0.0);
+            if live.x { k0 = k_cache[r + c]; }
+            if live.y { k1 = k_cache[r + rs + c]; }
+            if live.z { k2 = k_cache[r + 2u * rs + c]; }
+            if live.w { k3 = k_cache[r + 3u * rs + c]; }
+            var q = q_sh[c];
+            p0 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+            if group > 1u {
+                q = q_sh[d4 + c];
+                p1 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
             }
-        }
-        let s0 = subgroupAdd(vec4<f32>(p0, p1, p2, p3));
-        let s1 = subgroupAdd(vec4<f32>(p4, p5, p6, p7));
-        if live && lane_id == 0u {
-            scores[t] = s0.x * scale;
-            if group > 1u { scores[split_len + t] = s0.y * scale; }
             if group > 2u {
-                scores[2u * split_len + t] = s0.z * scale;
-                scores[3u * split_len + t] = s0.w * scale;
+                q = q_sh[2u * d4 + c];
+                p2 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+                q = q_sh[3u * d4 + c];
+                p3 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
             }
             if group > 4u {
-                scores[4u * split_len + t] = s1.x * scale;
-                scores[5u * split_len + t] = s1.y * scale;
-                scores[6u * split_len + t] = s1.z * scale;
-                scores[7u * split_len + t] = s1.w * scale;
+                q = q_sh[4u * d4 + c];
+                p4 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+                q = q_sh[5u * d4 + c];
+                p5 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+                q = q_sh[6u * d4 + c];
+                p6 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+                q = q_sh[7u * d4 + c];
+                p7 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
+            }
+        }
+        // subgroupAdd in workgroup-uniform control flow (`group` is uniform)
+        let s0 = subgroupAdd(p0) * scale;
+        var s1 = vec4<f32>(0.0);
+        var s2 = vec4<f32>(0.0);
+        var s3 = vec4<f32>(0.0);
+        var s4 = vec4<f32>(0.0);
+        var s5 = vec4<f32>(0.0);
+        var s6 = vec4<f32>(0.0);
+        var s7 = vec4<f32>(0.0);
+        if group > 1u { s1 = subgroupAdd(p1) * scale; }
+        if group > 2u {
+            s2 = subgroupAdd(p2) * scale;
+            s3 = subgroupAdd(p3) * scale;
+        }
+        if group > 4u {
+            s4 = subgroupAdd(p4) * scale;
+            s5 = subgroupAdd(p5) * scale;
+            s6 = subgroupAdd(p6) * scale;
+            s7 = subgroupAdd(p7) * scale;
+        }
+        // lane i < 4 writes key i of the step, for every head
+        if lane_id < 4u && live[lane_id] {
+            let tt = t + lane_id * n_sg;
+            scores[tt] = s0[lane_id];
+            if group > 1u { scores[split_len + tt] = s1[lane_id]; }
+            if group > 2u {
+                scores[2u * split_len + tt] = s2[lane_id];
+                scores[3u * split_len + tt] = s3[lane_id];
+            }
+            if group > 4u {
+                scores[4u * split_len + tt] = s4[lane_id];
+                scores[5u * split_len + tt] = s5[lane_id];
+                scores[6u * split_len + tt] = s6[lane_id];
+                scores[7u * split_len + tt] = s7[lane_id];
             }
         }
     }
@@ -190,19 +228,41 @@ fn attention_split_f32_sg(
     var a6 = vec4<f32>(0.0);
     var a7 = vec4<f32>(0.0);
     if grp < n_grp {
-        for (var t = grp; t < n_t; t += n_grp) {
-            let v = v_cache[row0 + t * kv4 + c];
-            a0 += scores[t] * v;
-            if group > 1u { a1 += scores[split_len + t] * v; }
-            if group > 2u {
-                a2 += scores[2u * split_len + t] * v;
-                a3 += scores[3u * split_len + t] * v;
+        for (var t = grp; t < n_t; t += 4u * n_grp) {
+            // four rows per step: four independent loads in flight
+            let ts = vec4<u32>(t, t + n_grp, t + 2u * n_grp, t + 3u * n_grp);
+            var v: array<vec4<f32>, 4>;
+            var w: array<vec4<f32>, 4>;  // w[i] = scores of row i for heads 0..3
+            var x: array<vec4<f32>, 4>;  // heads 4..7
+            for (var i = 0u; i < 4u; i += 1u) {
+                v[i] = vec4<f32>(0.0);
+                w[i] = vec4<f32>(0.0);
+                x[i] = vec4<f32>(0.0);
+                if ts[i] < n_t {
+                    v[i] = v_cache[row0 + ts[i] * kv4 + c];
+                    w[i].x = scores[ts[i]];
+                    if group > 1u { w[i].y = scores[split_len + ts[i]]; }
+                    if group > 2u {
+                        w[i].z = scores[2u * split_len + ts[i]];
+                        w[i].w = scores[3u * split_len + ts[i]];
+                    }
+                    if group > 4u {
+                        x[i] = vec4<f32>(scores[4u * split_len + ts[i]], scores[5u * split_len + ts[i]],
+                                         scores[6u * split_len + ts[i]], scores[7u * split_len + ts[i]]);
+                    }
+                }
             }
-            if group > 4u {
-                a4 += scores[4u * split_len + t] * v;
-                a5 += scores[5u * split_len + t] * v;
-                a6 += scores[6u * split_len + t] * v;
-                a7 += scores[7u * split_len + t] * v;
+            for (var i = 0u; i < 4u; i += 1u) {
+                a0 += w[i].x * v[i];
+                a1 += w[i].y * v[i];
+                a2 += w[i].z * v[i];
+                a3 += w[i].w * v[i];
+                if group > 4u {
+                    a4 += x[i].x * v[i];
+                    a5 += x[i].y * v[i];
+                    a6 += x[i].z * v[i];
+                    a7 += x[i].w * v[i];
+                }
             }
         }
     }
@@ -215,30 +275,25 @@ fn attention_split_f32_sg(
         partial[n_part * head_dim + pi] = stat[tid];
         partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
     }
-    for (var h0 = 0u; h0 < group; h0 += 4u) {
+    for (var h = 0u; h < group; h += 1u) {
         if grp < n_grp {
-            let o = grp * d4 + c;
-            if h0 == 0u {
-                sums[o] = a0;
-                sums[WG + o] = a1;
-                sums[2u * WG + o] = a2;
-                sums[3u * WG + o] = a3;
-            } else {
-                sums[o] = a4;
-                sums[WG + o] = a5;
-                sums[2u * WG + o] = a6;
-                sums[3u * WG + o] = a7;
-            }
+            var acc = a0;
+            if h == 1u { acc = a1; }
+            if h == 2u { acc = a2; }
+            if h == 3u { acc = a3; }
+            if h == 4u { acc = a4; }
+            if h == 5u { acc = a5; }
+            if h == 6u { acc = a6; }
+            if h == 7u { acc = a7; }
+            sums[grp * d4 + c] = acc;
         }
         workgroupBarrier();
-        let hh = tid / d4;
-        let cc = tid % d4;
-        if hh < 4u && h0 + hh < group {
+        if tid < d4 {
             var sum = vec4<f32>(0.0);
             for (var g = 0u; g < n_grp; g += 1u) {
-                sum += sums[hh * WG + g * d4 + cc];
+                sum += sums[g * d4 + tid];
             }
-            let o = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            let o = (pbase + h * n_splits) * head_dim + 4u * tid;
             partial[o] = sum.x;
             partial[o + 1u] = sum.y;
             partial[o + 2u] = sum.z;
