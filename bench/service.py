@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""End-to-end service benchmark: fused decode steps over HTTP with msgpack.
+
+    python bench/service.py [--adapter nvidia] [--json-out FILE]
+
+Starts an attnserve server on 127.0.0.1 (a free port, the chosen adapter) in a
+child process, then for each kv format:
+
+1. one session (32 query heads, 8 KV heads, head_dim 128, one layer) prefilled
+   to ``--context`` timesteps, then ``--steps`` fused decode steps (append one
+   K/V row and attend one query row in one call): p50 / p99 latency, and the
+   GPU worker's time per submission from the server's own metrics
+   (``attnserve_gpu_submission_seconds``: record + submit + readback), i.e.
+   how much of a step is GPU work;
+2. ``--sessions`` sessions (64) stepping concurrently from as many client
+   threads, each prefilled to ``--concurrent-context``: attends per second, and
+   jobs per GPU submission (coalescing) from the metrics.
+
+Traffic goes only to the loopback server it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "client"))
+from attnserve_client import Client  # noqa: E402
+
+H, HKV, D = 32, 8, 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def scrape(c: Client) -> str:
+    import httpx
+
+    return httpx.get(c.base_url + "/metrics", timeout=30).text
+
+
+def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        sess.append(layer, rng.standard_normal((m, HKV, D), dtype=np.float32),
+                    rng.standard_normal((m, HKV, D), dtype=np.float32))
+
+
+def one_session(c: Client, fmt: str, context: int, steps: int, rng) -> dict:
+    sess = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
+    prefill(sess, 0, context, rng)
+    q = rng.standard_normal((1, H, D), dtype=np.float32)
+    k = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    for _ in range(10):  # warm-up
+        sess.attend(0, q, k=k, v=k)
+    before = scrape(c)
+    lat = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        sess.attend(0, q, k=k, v=k)
+        lat.append(time.perf_counter() - t)
+    after = scrape(c)
+    n_sub = metric(after, "attnserve_gpu_submission_seconds_count") - metric(before, "attnserve_gpu_submission_seconds_count")
+    s_sub = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(before, "attnserve_gpu_submission_seconds_sum")
+    sess.delete()
+    lat_ms = sorted(1e3 * x for x in lat)
+    p = lambda f: lat_ms[min(len(lat_ms) - 1, int(f * len(lat_ms)))]  # noqa: E731
+    gpu_ms = 1e3 * s_sub / max(n_sub, 1)
+    return {"kv_format": fmt, "context": context, "steps": steps, "p50_ms": round(p(0.5), 3),
+            "p99_ms": round(p(0.99), 3), "mean_ms": round(statistics.mean(lat_ms), 3),
+            "gpu_submission_ms": round(gpu_ms, 3), "gpu_fraction_of_p50": round(gpu_ms / p(0.5), 3)}
+
+
+def many_sessions(c: Client, url: str, fmt: str, n_sessions: int, context: int, seconds: float, rng) -> dict:
+    sessions = []
+    for _ in range(n_sessions):
+        s = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
+        prefill(s, 0, context, rng)
+        sessions.append(s.session_id)
+    counts = [0] * n_sessions
+    errors = []
+    stop = threading.Event()
+    start_gate = threading.Barrier(n_sessions + 1)
+
+    def user(i: int) -> None:
+        r = np.random.default_rng(i)
+        q = r.standard_normal((1, H, D), dtype=np.float32)
+        k = r.standard_normal((1, HKV, D), dtype=np.float32)
+        with Client(url, timeout=120) as cc:
+            s = cc.get_session(sessions[i])
+            start_gate.wait()
+            while not stop.is_set():
+                try:
+                    s.attend(0, q, k=k, v=k)
+                    counts[i] += 1
+                except Exception as e:  # counted, reported
+                    errors.append(repr(e))
+                    return
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(n_sessions)]
+    for t in threads:
+        t.start()
+    before = scrape(c)
+    start_gate.wait()
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    dt = time.perf_counter() - t0
+    after = scrape(c)
+    jobs = metric(after, "attnserve_gpu_jobs_per_submission_sum") - metric(before, "attnserve_gpu_jobs_per_submission_sum")
+    subs = metric(after, "attnserve_gpu_jobs_per_submission_count") - metric(before, "attnserve_gpu_jobs_per_submission_count")
+    for sid in sessions:
+        c.delete_session(sid)
+    return {"kv_format": fmt, "sessions": n_sessions, "context": context, "seconds": round(dt, 2),
+            "attends": sum(counts), "attends_per_s": round(sum(counts) / dt, 1),
+            "jobs_per_submission": round(jobs / max(subs, 1), 2), "errors": errors[:5]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER", ""))
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--concurrent-context", type=int, default=4096)
+    ap.add_argument("--seconds", type=float, default=15)
+    ap.add_argument("--formats", default="f32,turboquant")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args(argv)
+
+    port = free_port()
+    env = dict(os.environ, ATTNSERVE_ADAPTER=args.adapter, ATTNSERVE_LOG_LEVEL="warning",
+               ATTNSERVE_MEMORY_BUDGET_BYTES=str(64 << 30), ATTNSERVE_DEFAULT_MAX_TOKENS="200000",
+               XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
+    server = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with Client(url, timeout=300) as c:
+            for _ in range(600):
+                if server.poll() is not None:
+                    raise SystemExit(f"server exited: {server.stderr.read().decode()[-2000:]}")
+                try:
+                    if c.ready():
+                        break
+                except Exception:  # not listening yet
+                    pass
+                time.sleep(0.2)
+            info = c.info()
+            rng = np.random.default_rng(0)
+            result = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
+                      "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": []}
+            print(f"# adapter: {info.get('adapter')}", flush=True)
+            for fmt in args.formats.split(","):
+                r = one_session(c, fmt, args.context, args.steps, rng)
+                result["single"].append(r)
+                print(json.dumps(r), flush=True)
+            for fmt in args.formats.split(","):
+                r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
+                result["concurrent"].append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
