@@ -1,8 +1,8 @@
 """The client against the real server, run in-process (``live_server_url`` in conftest.py).
 
 Skipped while the server package cannot be imported, except under CI, where that
-fails. Tests that need a differently configured server (API keys, a tiny body limit,
-a full queue, a small memory budget) are the integrator's to add.
+fails. The exceptions that need a differently configured server (a tiny body limit,
+a session limit, a full queue, a draining server) are in test_client_live_limits.py.
 """
 
 from __future__ import annotations
