@@ -241,7 +241,7 @@ class KernelPolicy:
 
     force: str | None = None
     split_max_queries: int = 16
-    target_workgroups: int = 2048
+    target_workgroups: int = 512  # measured on the H200 at 32k: 512 beats 2048 (docs/benchmarks.md)
     subgroups: bool | None = None  # None: use them where the device has the feature
 
     def use_subgroups(self, device) -> bool:
