@@ -73,6 +73,11 @@ names = sorted(p.name for p in shaders.iterdir() if p.name.endswith(".wgsl"))
 assert names, "no .wgsl shaders in the installed package"
 for name in names:
     assert "@compute" in shaders.joinpath(name).read_text(), name
+# every kernel's source, includes expanded, loads from the installed package
+from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
+assert os.path.realpath(shader_dir()).startswith(site + os.sep), shader_dir()
+for spec in KERNELS.values():
+    assert "#include" not in load_wgsl(spec.file), spec.file
 for optional in ("attnserve.cli", "attnserve.app"):
     try:
         importlib.import_module(optional)

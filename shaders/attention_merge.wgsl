@@ -139,18 +139,7 @@ fn attention_merge(
 
     // ── TurboQuant: inverse RHT of the rotated-space result ──
     if rotate {
-        var stride = 1u;
-        while stride < head_dim {
-            if tid < head_dim / 2u {
-                let i = (tid / stride) * 2u * stride + (tid % stride);
-                let va = acc_sh[i];
-                let vb = acc_sh[i + stride];
-                acc_sh[i] = va + vb;
-                acc_sh[i + stride] = va - vb;
-            }
-            stride = stride * 2u;
-            workgroupBarrier();
-        }
+    // #include "butterfly.wgsl" ARR=acc_sh
     }
     if tid < head_dim {
         var o = acc_sh[tid];

@@ -176,44 +176,7 @@ fn attention_split_f32_sg(
     }
     workgroupBarrier();
 
-    // ── 2. per-head max and sum over this split ──
-    let rh = tid / seg;
-    let lane = tid % seg;
-    var m = NEG_INF;
-    if rh < group {
-        for (var t = lane; t < n_t; t += seg) {
-            m = max(m, scores[rh * split_len + t]);
-        }
-    }
-    red[tid] = m;
-    for (var s = seg / 2u; s > 0u; s = s / 2u) {
-        workgroupBarrier();
-        if lane < s {
-            red[tid] = max(red[tid], red[tid + s]);
-        }
-    }
-    workgroupBarrier();
-    if lane == 0u && rh < group {
-        stat[rh] = red[tid];
-    }
-    workgroupBarrier();
-    var l = 0.0;
-    if rh < group {
-        let mx = stat[rh];
-        for (var t = lane; t < n_t; t += seg) {
-            let p = exp(scores[rh * split_len + t] - mx);
-            scores[rh * split_len + t] = p;
-            l += p;
-        }
-    }
-    red[tid] = l;
-    for (var s = seg / 2u; s > 0u; s = s / 2u) {
-        workgroupBarrier();
-        if lane < s {
-            red[tid] += red[tid + s];
-        }
-    }
-    workgroupBarrier();
+    // #include "split_softmax.wgsl" WEIGHT="p"
 
     // ── 3. V: thread (column c, row group grp), all G heads, rows from global ──
     let n_grp = WG / d4;

@@ -114,21 +114,7 @@ fn tq_encode_keys(
 
     // ── norm = ||k|| (inlined tree reduction) ──
     red[tid] = x * x;
-    workgroupBarrier();
-    if tid < 64u { red[tid] += red[tid + 64u]; }
-    workgroupBarrier();
-    if tid < 32u { red[tid] += red[tid + 32u]; }
-    workgroupBarrier();
-    if tid < 16u { red[tid] += red[tid + 16u]; }
-    workgroupBarrier();
-    if tid < 8u { red[tid] += red[tid + 8u]; }
-    workgroupBarrier();
-    if tid < 4u { red[tid] += red[tid + 4u]; }
-    workgroupBarrier();
-    if tid < 2u { red[tid] += red[tid + 2u]; }
-    workgroupBarrier();
-    if tid < 1u { red[tid] += red[tid + 1u]; }
-    workgroupBarrier();
+    // #include "tree_sum_128.wgsl"
     let norm = sqrt(red[0]);
     let live = norm >= NORM_EPS;
     var inv_norm = 0.0;
@@ -138,19 +124,7 @@ fn tq_encode_keys(
     if in_dim {
         buf[tid] = x * inv_norm * signs[sign_off + tid];
     }
-    var stride = 1u;
-    while stride < head_dim {
-        workgroupBarrier();
-        if tid < head_dim / 2u {
-            let i = (tid / stride) * 2u * stride + (tid % stride);
-            let a = buf[i];
-            let b = buf[i + stride];
-            buf[i] = a + b;
-            buf[i + stride] = a - b;
-        }
-        stride = stride * 2u;
-    }
-    workgroupBarrier();
+    // #include "butterfly.wgsl" ARR=buf
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     var r = 0.0;
     if in_dim {
@@ -162,21 +136,7 @@ fn tq_encode_keys(
 
     // ── residual_norm = ||y - c[idx]|| ──
     red[tid] = r * r;
-    workgroupBarrier();
-    if tid < 64u { red[tid] += red[tid + 64u]; }
-    workgroupBarrier();
-    if tid < 32u { red[tid] += red[tid + 32u]; }
-    workgroupBarrier();
-    if tid < 16u { red[tid] += red[tid + 16u]; }
-    workgroupBarrier();
-    if tid < 8u { red[tid] += red[tid + 8u]; }
-    workgroupBarrier();
-    if tid < 4u { red[tid] += red[tid + 4u]; }
-    workgroupBarrier();
-    if tid < 2u { red[tid] += red[tid + 2u]; }
-    workgroupBarrier();
-    if tid < 1u { red[tid] += red[tid + 1u]; }
-    workgroupBarrier();
+    // #include "tree_sum_128.wgsl"
     let residual_norm = sqrt(red[0]);
     let rlive = live && residual_norm >= NORM_EPS;
     var inv_rn = 0.0;
@@ -186,19 +146,7 @@ fn tq_encode_keys(
     if in_dim {
         buf[tid] = r * inv_rn * signs[sign_off + head_dim + tid];
     }
-    stride = 1u;
-    while stride < head_dim {
-        workgroupBarrier();
-        if tid < head_dim / 2u {
-            let i = (tid / stride) * 2u * stride + (tid % stride);
-            let a = buf[i];
-            let b = buf[i + stride];
-            buf[i] = a + b;
-            buf[i + stride] = a - b;
-        }
-        stride = stride * 2u;
-    }
-    workgroupBarrier();
+    // #include "butterfly.wgsl" ARR=buf
     if in_dim {
         jl_bits[tid] = u32(rlive && buf[tid] >= 0.0);
     }
@@ -257,21 +205,7 @@ fn tq_encode_values(
 
     // ── norm = ||v|| ──
     red[tid] = x * x;
-    workgroupBarrier();
-    if tid < 64u { red[tid] += red[tid + 64u]; }
-    workgroupBarrier();
-    if tid < 32u { red[tid] += red[tid + 32u]; }
-    workgroupBarrier();
-    if tid < 16u { red[tid] += red[tid + 16u]; }
-    workgroupBarrier();
-    if tid < 8u { red[tid] += red[tid + 8u]; }
-    workgroupBarrier();
-    if tid < 4u { red[tid] += red[tid + 4u]; }
-    workgroupBarrier();
-    if tid < 2u { red[tid] += red[tid + 2u]; }
-    workgroupBarrier();
-    if tid < 1u { red[tid] += red[tid + 1u]; }
-    workgroupBarrier();
+    // #include "tree_sum_128.wgsl"
     let norm = sqrt(red[0]);
     let live = norm >= NORM_EPS;
     var inv_norm = 0.0;
@@ -281,19 +215,7 @@ fn tq_encode_values(
     if in_dim {
         buf[tid] = x * inv_norm * signs[sign_off + tid];
     }
-    var stride = 1u;
-    while stride < head_dim {
-        workgroupBarrier();
-        if tid < head_dim / 2u {
-            let i = (tid / stride) * 2u * stride + (tid % stride);
-            let a = buf[i];
-            let b = buf[i + stride];
-            buf[i] = a + b;
-            buf[i + stride] = a - b;
-        }
-        stride = stride * 2u;
-    }
-    workgroupBarrier();
+    // #include "butterfly.wgsl" ARR=buf
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     if in_dim {
         code[tid] = quantize(buf[tid] * inv_sqrt_d, b0, b1, b2);
@@ -342,19 +264,7 @@ fn tq_rotate_q(
     if in_dim {
         buf[tid] = q_in[q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
     }
-    var stride = 1u;
-    while stride < head_dim {
-        workgroupBarrier();
-        if tid < head_dim / 2u {
-            let i = (tid / stride) * 2u * stride + (tid % stride);
-            let a = buf[i];
-            let b = buf[i + stride];
-            buf[i] = a + b;
-            buf[i + stride] = a - b;
-        }
-        stride = stride * 2u;
-    }
-    workgroupBarrier();
+    // #include "butterfly.wgsl" ARR=buf
     var q_rot = 0.0;
     if in_dim {
         q_rot = buf[tid] * inv_sqrt_d;
@@ -366,19 +276,7 @@ fn tq_rotate_q(
     if in_dim {
         buf[tid] = q_rot * signs[sign_off + head_dim + tid];
     }
-    stride = 1u;
-    while stride < head_dim {
-        workgroupBarrier();
-        if tid < head_dim / 2u {
-            let i = (tid / stride) * 2u * stride + (tid % stride);
-            let a = buf[i];
-            let b = buf[i + stride];
-            buf[i] = a + b;
-            buf[i + stride] = a - b;
-        }
-        stride = stride * 2u;
-    }
-    workgroupBarrier();
+    // #include "butterfly.wgsl" ARR=buf
     var q_jl = 0.0;
     if in_dim {
         q_jl = buf[tid] * inv_sqrt_d;
@@ -387,21 +285,7 @@ fn tq_rotate_q(
 
     // ── sums = sum_d q_jl ──
     red[tid] = q_jl;
-    workgroupBarrier();
-    if tid < 64u { red[tid] += red[tid + 64u]; }
-    workgroupBarrier();
-    if tid < 32u { red[tid] += red[tid + 32u]; }
-    workgroupBarrier();
-    if tid < 16u { red[tid] += red[tid + 16u]; }
-    workgroupBarrier();
-    if tid < 8u { red[tid] += red[tid + 8u]; }
-    workgroupBarrier();
-    if tid < 4u { red[tid] += red[tid + 4u]; }
-    workgroupBarrier();
-    if tid < 2u { red[tid] += red[tid + 2u]; }
-    workgroupBarrier();
-    if tid < 1u { red[tid] += red[tid + 1u]; }
-    workgroupBarrier();
+    // #include "tree_sum_128.wgsl"
     if tid == 0u {
         q_out[2u * q_region + q_global * n_heads + head] = red[0];
     }

@@ -19,6 +19,23 @@ def test_shaders_found_and_every_kernel_listed():
         assert f"fn {spec.entry_point}(" in load_wgsl(spec.file), name
 
 
+def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
+    from attnserve.gpu import shaders
+
+    for spec in KERNELS.values():
+        src = load_wgsl(spec.file)
+        assert "#include" not in src and not re.search(r"\{[A-Z][A-Z0-9_]*\}", src), spec.file
+    assert "stride < head_dim" in load_wgsl("turboquant.wgsl")  # the butterfly is really inlined
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "x.wgsl").write_text("    let y = {VALUE};\n")
+    (tmp_path / "a.wgsl").write_text('fn f() {\n    // #include "x.wgsl" VALUE="1 + 2"\n}\n')
+    (tmp_path / "b.wgsl").write_text('fn f() {\n    // #include "x.wgsl"\n}\n')
+    monkeypatch.setattr(shaders, "shader_dir", lambda: tmp_path)
+    assert shaders._expand((tmp_path / "a.wgsl").read_text()) == "fn f() {\n    let y = 1 + 2;\n}\n"
+    with pytest.raises(ValueError, match="VALUE"):
+        shaders._expand((tmp_path / "b.wgsl").read_text())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_every_kernel_compiles(engine, kernel):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +78,37 @@ def shader_dir() -> Path:
     raise FileNotFoundError("cannot find the WGSL shaders (attnserve.shaders or <repo>/shaders)")
 
 
+# `// #include "file.wgsl" KEY=value KEY="value with spaces"` on a line of its own
+# inlines shaders/include/file.wgsl with each {KEY} replaced. WGSL has no includes,
+# and a block with barriers cannot become a function (naga's SPIR-V path
+# miscompiles a barrier reached through a call in a loop): textual inclusion keeps
+# such blocks at entry-point scope while writing them once.
+_INCLUDE = re.compile(r'^[ \t]*//[ \t]*#include[ \t]+"([\w.-]+)"(.*)$', re.M)
+_ARG = re.compile(r'(\w+)=(?:"([^"]*)"|(\S+))')
+_PLACEHOLDER = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
+
+
+def _expand(text: str, depth: int = 0) -> str:
+    if depth > 4:
+        raise ValueError("shader includes nested too deeply")
+
+    def one(m: re.Match) -> str:
+        snippet = (shader_dir() / "include" / m.group(1)).read_text(encoding="utf-8")
+        args = {k: (q if q else u) for k, q, u in _ARG.findall(m.group(2))}
+        missing = set(_PLACEHOLDER.findall(snippet)) - set(args)
+        if missing:
+            raise ValueError(f"include {m.group(1)} needs {sorted(missing)}")
+        for k, v in args.items():
+            snippet = snippet.replace("{" + k + "}", v)
+        return _expand(snippet.rstrip("\n"), depth + 1)
+
+    return _INCLUDE.sub(one, text)
+
+
 @functools.lru_cache(maxsize=None)
 def load_wgsl(name: str) -> str:
-    """The source of one shader file, read once."""
-    return (shader_dir() / name).read_text(encoding="utf-8")
+    """The source of one shader file with its includes expanded, read once."""
+    return _expand((shader_dir() / name).read_text(encoding="utf-8"))
 
 
 class PipelineCache:
