@@ -10,7 +10,7 @@ group layout is made, so the host and the WGSL cannot disagree silently.
 from __future__ import annotations
 
 import functools
-import importlib.resources
+import importlib.util
 import re
 import threading
 from dataclasses import dataclass
@@ -64,12 +64,16 @@ KERNELS: dict[str, KernelSpec] = {
 
 def shader_dir() -> Path:
     """Where the .wgsl files are: the installed package data, else the checkout."""
+    # `attnserve.shaders` is a namespace package (WGSL only, no __init__.py), so
+    # ask for its folders rather than `importlib.resources.files`, whose
+    # MultiplexedPath is no plain path.
     try:
-        pkg = importlib.resources.files("attnserve.shaders")
-        if pkg.joinpath("attention_prefill.wgsl").is_file():
-            return Path(str(pkg))
+        spec = importlib.util.find_spec("attnserve.shaders")
     except ModuleNotFoundError:
-        pass
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(loc) / "attention_prefill.wgsl").is_file():
+            return Path(loc)
     here = Path(__file__).resolve()
     for parent in here.parents:
         cand = parent / "shaders"
