@@ -48,12 +48,13 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "single"])
+@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "single"])
 def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
     (split + merge) without and with subgroup operations, each with short
     splits (one tile, many splits) and with the longest splits they allow (many
-    tiles per split), and the single-pass seed-derived kernels. The subgroup
+    tiles per split), the query-block tiled prefill kernel (f32; TurboQuant
+    falls back to single-pass there), and the single-pass seed-derived kernels. The subgroup
     variants need the device feature, which lavapipe has: in CI they never skip."""
     from attnserve.gpu import kernels
 
@@ -61,7 +62,7 @@ def kernel_path(request, engine):
     if "sg" in p and "subgroup" not in engine.ctx.features:
         no_adapter(f"the adapter has no subgroup feature for {p}")
     saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups)
-    kernels.POLICY.force = "single" if p == "single" else "split"
+    kernels.POLICY.force = p if p in ("single", "tiled") else "split"
     kernels.POLICY.subgroups = "sg" in p
     if p.endswith("long"):
         kernels.POLICY.target_workgroups = 1

@@ -101,7 +101,7 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
         parts.append(np.array(out))
         start += size
     assert start == L
-    if kernel_path == "single":
+    if kernel_path == "single" or (kernel_path == "tiled" and fmt == "turboquant"):
         np.testing.assert_array_equal(np.concatenate(parts), whole)
     else:
         assert rel_err(np.concatenate(parts), whole) <= 2e-6

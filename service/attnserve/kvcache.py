@@ -235,8 +235,11 @@ class F32LayerCache(LayerCache):
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         n, h, d = shape
-        split = K.POLICY.use_split(self.kv_format, n, h, self.n_kv_heads, d)
-        plan = K.plan_attention_split_f32 if split else plan_attention_f32
+        plan = {
+            "split": K.plan_attention_split_f32,
+            "tiled": K.plan_attention_prefill_tiled,
+            "single": plan_attention_f32,
+        }[K.POLICY.path(self.kv_format, n, h, self.n_kv_heads, d)]
         plan(
             batch, q=q, k_cache=self.k, v_cache=self.v, out=out, n_queries=n, n_heads=h,
             n_kv_heads=self.n_kv_heads, head_dim=d, length=length, start_pos=start_pos,

@@ -35,6 +35,7 @@ __all__ = [
     "choose_split",
     "plan_attention_split_f32",
     "plan_attention_split_tq",
+    "plan_attention_prefill_tiled",
 ]
 
 
@@ -232,11 +233,13 @@ TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
 class KernelPolicy:
     """Which attention kernel an attend uses.
 
-    ``force``: None (choose by shape), "split" or "single" (the seed-derived
-    one-workgroup-per-(head, query) kernels). The split path is taken for up to
-    ``split_max_queries`` query rows when the shape allows it (GQA group of 1,
-    2, 4 or 8; f32 head_dim a multiple of 4). ``target_workgroups`` sizes the
-    splits so that a decode step fills the GPU.
+    ``force``: None (choose by shape), "split", "tiled" or "single" (the
+    seed-derived one-workgroup-per-(head, query) kernels). By default an attend
+    of up to ``split_max_queries`` query rows takes the split-KV kernels and a
+    larger one the query-block tiled kernel (f32; TurboQuant prefill still runs
+    the single-pass kernel), where the shape allows them (GQA group of 1, 2, 4
+    or 8; f32 head_dim a multiple of 4); anything else takes the single-pass
+    kernels. ``target_workgroups`` sizes the splits so a decode step fills the GPU.
     """
 
     force: str | None = None
@@ -248,13 +251,22 @@ class KernelPolicy:
         has = "subgroup" in device.features
         return has if self.subgroups is None else (self.subgroups and has)
 
-    def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
+        """"split", "tiled" or "single" for this attend."""
         ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
+        tiled = ok and kv_format == "f32"
         if self.force == "split":
-            return ok
-        if self.force == "single":
-            return False
-        return ok and n_queries <= self.split_max_queries
+            return "split" if ok else "single"
+        if self.force == "tiled":
+            return "tiled" if tiled else "single"
+        if self.force == "single" or not ok:
+            return "single"
+        if n_queries <= self.split_max_queries:
+            return "split"
+        return "tiled" if tiled else "single"
+
+    def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        return self.path(kv_format, n_queries, n_heads, n_kv_heads, head_dim) == "split"
 
 
 POLICY = KernelPolicy()
@@ -356,3 +368,31 @@ def plan_attention_split_tq(
         batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
                 n_splits=n_splits, signs=signs, sign_off=sign_off)
+
+
+# ── query-block tiled prefill (f32) ─────────────────────────────────────────
+
+TILED_ROWS = 32  # R in attention_prefill_tiled.wgsl
+
+
+def plan_attention_prefill_tiled(
+    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
+    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
+    start_pos: int, causal: bool, scale: float,
+) -> None:
+    """``attention_prefill_tiled``: blocks of R / G query rows x the G heads of a KV head."""
+    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
+        raise ValueError("shape not eligible for the tiled prefill kernel")
+    bq = TILED_ROWS // (n_heads // n_kv_heads)
+    stride = n_heads * head_dim
+    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
+        prm = batch.upload(
+            P.pack(
+                P.PREFILL_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
+                n_queries=q_base + rows, q_stride=stride, out_stride=stride, q_base=q_base,
+                flags=0 if causal else P.FLAG_NON_CAUSAL,
+            )
+        )
+        batch.dispatch("attention_prefill_tiled", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
+                       (-(-rows // bq), n_kv_heads, 1))

@@ -78,6 +78,7 @@ FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 # (shader file, the params variable) -> dtype, for the layout test
 PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
+    ("attention_prefill_tiled.wgsl", "params"): PREFILL_PARAMS,
     ("flash_attention_tq.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,
     ("turboquant.wgsl", "rparams"): TQ_ROTATE_PARAMS,

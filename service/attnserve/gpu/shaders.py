@@ -45,6 +45,9 @@ KERNELS: dict[str, KernelSpec] = {
         "turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))
     ),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
+    "attention_prefill_tiled": KernelSpec(
+        "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
     "attention_split_f32": KernelSpec(
         "attention_split.wgsl", "attention_split_f32", ((0, R), (1, R), (2, R), (3, RW), (4, R))
     ),
