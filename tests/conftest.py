@@ -53,8 +53,8 @@ def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
     (split + merge) without and with subgroup operations, each with short
     splits (one tile, many splits) and with the longest splits they allow (many
-    tiles per split), the query-block tiled prefill kernel (f32; TurboQuant
-    falls back to single-pass there), and the single-pass seed-derived kernels. The subgroup
+    tiles per split), the query-block tiled prefill kernels, and the
+    single-pass seed-derived kernels. The subgroup
     variants need the device feature, which lavapipe has: in CI they never skip."""
     from attnserve.gpu import kernels
 

@@ -313,8 +313,11 @@ class TurboQuantLayerCache(LayerCache):
         signs = self.session.signs_buffer(batch.device)
         qrot = batch.scratch(rotated_q_bytes(n, h, d))
         plan_rotate_q(batch, q=q, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
-        split = K.POLICY.use_split(self.kv_format, n, h, self.n_kv_heads, d)
-        plan = K.plan_attention_split_tq if split else plan_attention_tq
+        plan = {
+            "split": K.plan_attention_split_tq,
+            "tiled": K.plan_attention_tq_tiled,
+            "single": plan_attention_tq,
+        }[K.POLICY.path(self.kv_format, n, h, self.n_kv_heads, d)]
         plan(
             batch, q_rot=qrot, k_cache=self.k, v_cache=self.v, out=out, signs=signs,
             codebook=self.codebook, n_queries=n, n_heads=h, n_kv_heads=self.n_kv_heads, head_dim=d,

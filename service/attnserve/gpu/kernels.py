@@ -36,6 +36,7 @@ __all__ = [
     "plan_attention_split_f32",
     "plan_attention_split_tq",
     "plan_attention_prefill_tiled",
+    "plan_attention_tq_tiled",
 ]
 
 
@@ -236,10 +237,9 @@ class KernelPolicy:
     ``force``: None (choose by shape), "split", "tiled" or "single" (the
     seed-derived one-workgroup-per-(head, query) kernels). By default an attend
     of up to ``split_max_queries`` query rows takes the split-KV kernels and a
-    larger one the query-block tiled kernel (f32; TurboQuant prefill still runs
-    the single-pass kernel), where the shape allows them (GQA group of 1, 2, 4
-    or 8; f32 head_dim a multiple of 4); anything else takes the single-pass
-    kernels. ``target_workgroups`` sizes the splits so a decode step fills the GPU.
+    larger one the query-block tiled kernels, where the shape allows them (GQA
+    group of 1, 2, 4 or 8; f32 head_dim a multiple of 4); anything else takes
+    the single-pass kernels. ``target_workgroups`` sizes the splits so a decode step fills the GPU.
     """
 
     force: str | None = None
@@ -254,16 +254,11 @@ class KernelPolicy:
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
         """"split", "tiled" or "single" for this attend."""
         ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
-        tiled = ok and kv_format == "f32"
-        if self.force == "split":
-            return "split" if ok else "single"
-        if self.force == "tiled":
-            return "tiled" if tiled else "single"
         if self.force == "single" or not ok:
             return "single"
-        if n_queries <= self.split_max_queries:
-            return "split"
-        return "tiled" if tiled else "single"
+        if self.force in ("split", "tiled"):
+            return self.force
+        return "split" if n_queries <= self.split_max_queries else "tiled"
 
     def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         return self.path(kv_format, n_queries, n_heads, n_kv_heads, head_dim) == "split"
@@ -395,4 +390,31 @@ def plan_attention_prefill_tiled(
             )
         )
         batch.dispatch("attention_prefill_tiled", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
+                       (-(-rows // bq), n_kv_heads, 1))
+
+
+TQ_TILED_ROWS = 16  # R in flash_attention_tq_tiled.wgsl
+
+
+def plan_attention_tq_tiled(
+    batch: Batch, *, q_rot: Resource, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
+    signs: wgpu.GPUBuffer, codebook: Codebook, n_queries: int, n_heads: int, n_kv_heads: int,
+    head_dim: int, length: int, cache_cap: int, start_pos: int, causal: bool, scale: float, sign_off: int,
+) -> None:
+    """``attention_tq_tiled``: blocks of R / G query rows x the G heads of a KV head, from rotated queries."""
+    if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
+        raise ValueError("shape not eligible for the tiled TurboQuant kernel")
+    bq = TQ_TILED_ROWS // (n_heads // n_kv_heads)
+    c = codebook.centroids
+    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
+        prm = batch.upload(
+            P.pack(
+                P.TQ_ATTENTION_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                max_seq=length, start_pos=start_pos, scale=scale, q_cap=n_queries,
+                out_stride=n_heads * head_dim, qjl_scale=qjl_scale(head_dim), sign_off=sign_off,
+                c0=c[0], c1=c[1], c2=c[2], c3=c[3], q_base=q_base, cache_cap=cache_cap,
+                flags=0 if causal else P.FLAG_NON_CAUSAL,
+            )
+        )
+        batch.dispatch("attention_tq_tiled", {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
                        (-(-rows // bq), n_kv_heads, 1))

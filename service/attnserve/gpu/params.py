@@ -80,6 +80,7 @@ PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
     ("attention_prefill_tiled.wgsl", "params"): PREFILL_PARAMS,
     ("flash_attention_tq.wgsl", "params"): TQ_ATTENTION_PARAMS,
+    ("flash_attention_tq_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,
     ("turboquant.wgsl", "rparams"): TQ_ROTATE_PARAMS,
     ("attention_split.wgsl", "params"): SPLIT_PARAMS,
