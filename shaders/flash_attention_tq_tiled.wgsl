@@ -45,8 +45,8 @@ const JROW: u32 = 5u;                // padded JL words per key (head_dim/32 <= 
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> qr_sh: array<f32, 2048>;          // R * head_dim: q_rot, then the output rows
-var<workgroup> qj_sh: array<f32, 2048>;          // R * head_dim: q_jl
+var<workgroup> qr_sh: array<vec4<f32>, 512>;    // R * head_dim/4: q_rot, then the output rows
+var<workgroup> qj_sh: array<vec4<f32>, 512>;    // R * head_dim/4: q_jl
 var<workgroup> qsum_sh: array<f32, R>;
 var<workgroup> dec: array<vec4<f32>, 528>;       // TK * ROW4 decoded centroids (K, then V)
 var<workgroup> kj: array<u32, 80>;               // TK * JROW JL sign words
@@ -61,6 +61,12 @@ fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
     let lo = select(vec4<f32>(c0), vec4<f32>(c1), codes == vec4<u32>(1u));
     let hi = select(vec4<f32>(c2), vec4<f32>(c3), codes == vec4<u32>(3u));
     return select(lo, hi, codes >= vec4<u32>(2u));
+}
+
+// Walsh-Hadamard strides 1 and 2 within one vec4 (elements 4c .. 4c+3).
+fn wht4(v: vec4<f32>) -> vec4<f32> {
+    let s1 = vec4<f32>(v.x + v.y, v.x - v.y, v.z + v.w, v.z - v.w);
+    return vec4<f32>(s1.x + s1.z, s1.y + s1.w, s1.x - s1.z, s1.y - s1.w);
 }
 
 @compute @workgroup_size(256, 1, 1)
@@ -108,17 +114,18 @@ fn attention_tq_tiled(
     let q_region = q_cap * n_heads * head_dim;
 
     // ── rows: r = g * bq + b is head kv_head*G + g at query q_first + b ──
-    for (var e = tid; e < R * head_dim; e += WG) {
-        let r = e / head_dim;
-        let x = e % head_dim;
+    for (var e = tid; e < R * d4; e += WG) {
+        let r = e / d4;
+        let c = e % d4;
         let qi = q_first + r % bq;
         let head = kv_head * group + r / bq;
-        var a = 0.0;
-        var b = 0.0;
+        var a = vec4<f32>(0.0);
+        var b = vec4<f32>(0.0);
         if qi <= q_last {
-            let o = (qi * n_heads + head) * head_dim + x;
-            a = qrot[o];
-            b = qrot[q_region + o];
+            let o = (qi * n_heads + head) * head_dim + 4u * c;
+            a = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
+            let oj = q_region + o;
+            b = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
         }
         qr_sh[e] = a;
         qj_sh[e] = b;
@@ -168,11 +175,10 @@ fn attention_tq_tiled(
         // (2) score of key sj for row sr
         var polar = 0.0;
         var pos = 0.0;
-        let qo = sr * head_dim;
+        let qo = sr * d4;
         for (var c = 0u; c < d4; c += 1u) {
-            let o = qo + 4u * c;
-            let qr = vec4<f32>(qr_sh[o], qr_sh[o + 1u], qr_sh[o + 2u], qr_sh[o + 3u]);
-            let qj = vec4<f32>(qj_sh[o], qj_sh[o + 1u], qj_sh[o + 2u], qj_sh[o + 3u]);
+            let qr = qr_sh[qo + c];
+            let qj = qj_sh[qo + c];
             polar += dot(qr, dec[sj * ROW4 + c]);
             let bits = (vec4<u32>(kj[sj * JROW + c / 8u]) >> (sh1 + vec4<u32>(4u * (c % 8u)))) & vec4<u32>(1u);
             pos += dot(qj, vec4<f32>(bits));
@@ -220,29 +226,23 @@ fn attention_tq_tiled(
         }
     }
 
-    // ── epilogue: normalize, inverse RHT per row (butterfly over qr_sh), write ──
+    // ── epilogue: normalize, inverse RHT per row, write ──
+    // The butterfly's strides 1 and 2 stay inside one vec4 (done in registers);
+    // strides 4 .. head_dim/2 pair whole vec4 columns of a row in qr_sh.
     workgroupBarrier();
     let inv = 1.0 / (l_sh[sr] * sqrt(f32(head_dim)));
     if sj < d4 {
-        let o = sr * head_dim + 4u * sj;
-        qr_sh[o] = acc0.x * inv;
-        qr_sh[o + 1u] = acc0.y * inv;
-        qr_sh[o + 2u] = acc0.z * inv;
-        qr_sh[o + 3u] = acc0.w * inv;
+        qr_sh[sr * d4 + sj] = wht4(acc0 * inv);
     }
     if sj + 16u < d4 {
-        let o = sr * head_dim + 4u * (sj + 16u);
-        qr_sh[o] = acc1.x * inv;
-        qr_sh[o + 1u] = acc1.y * inv;
-        qr_sh[o + 2u] = acc1.z * inv;
-        qr_sh[o + 3u] = acc1.w * inv;
+        qr_sh[sr * d4 + sj + 16u] = wht4(acc1 * inv);
     }
-    let half = head_dim / 2u;
-    for (var stride = 1u; stride < head_dim; stride = stride * 2u) {
+    let half4 = d4 / 2u;
+    for (var stride = 1u; stride < d4; stride = stride * 2u) {
         workgroupBarrier();
-        for (var e = tid; e < R * half; e += WG) {
-            let base = (e / half) * head_dim;
-            let k = e % half;
+        for (var e = tid; e < R * half4; e += WG) {
+            let base = (e / half4) * d4;
+            let k = e % half4;
             let i = base + (k / stride) * 2u * stride + (k % stride);
             let a = qr_sh[i];
             let b = qr_sh[i + stride];
@@ -251,13 +251,19 @@ fn attention_tq_tiled(
         }
     }
     workgroupBarrier();
-    for (var e = tid; e < R * head_dim; e += WG) {
-        let r = e / head_dim;
-        let x = e % head_dim;
+    for (var e = tid; e < R * d4; e += WG) {
+        let r = e / d4;
+        let c = e % d4;
         let qi = q_first + r % bq;
         if qi <= q_last {
             let head = kv_head * group + r / bq;
-            out_batch[qi * out_stride + head * head_dim + x] = qr_sh[e] * signs[sign_off + x];
+            let v = qr_sh[e];
+            let o = qi * out_stride + head * head_dim + 4u * c;
+            let sg = sign_off + 4u * c;
+            out_batch[o] = v.x * signs[sg];
+            out_batch[o + 1u] = v.y * signs[sg + 1u];
+            out_batch[o + 2u] = v.z * signs[sg + 2u];
+            out_batch[o + 3u] = v.w * signs[sg + 3u];
         }
     }
 }
