@@ -1,9 +1,15 @@
 """The app factory: lifespan (device open, drain, close), routers, one error mapping.
 
 ``create_app(settings)`` builds the FastAPI app. Its lifespan opens the GPU
-engine on a thread (the event loop keeps running), marks the server ready, and
-on shutdown marks it draining (``/readyz`` 503, new ``/v1`` requests 503),
-waits for the requests in flight, and closes the engine after its queue drains.
+engine on a thread (the event loop keeps running), marks the server ready and
+starts the idle-session expiry; on shutdown it marks the server draining
+(``/readyz`` 503, new ``/v1`` requests 503), waits for the requests in flight,
+and closes the engine after its queue drains.
+
+Tenants: with API keys configured, the request middleware checks the bearer
+token of every ``/v1`` request (and of ``/metrics`` with ``metrics_auth``) before
+anything else but the drain check, answers 401 without a valid one, and puts
+the key's id in the scope for :func:`~attnserve.routes.deps.get_owner`.
 
 Errors: routes raise :class:`~attnserve.errors.ApiError` subclasses; one handler
 turns them (and FastAPI's validation errors, unknown routes, wrong methods) into
@@ -41,13 +47,15 @@ from .errors import (
     LayerNotFound,
     MethodNotAllowed,
     NotReady,
+    RequestTimeout,
     RouteNotFound,
+    Unauthorized,
 )
 from .gpu.device import DeviceError
 from .kvcache import KV_FORMATS
 from .metrics import Gauge
 from .routes import kv, probes, sessions, snapshots
-from .routes.deps import Runtime
+from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
 from .routes.schemas import COMPONENTS
 
 __all__ = ["create_app"]
@@ -96,13 +104,19 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             previous_hook = eng.worker.on_batch
             eng.worker.on_batch = rt.metrics.on_batch
         rt.engine = eng
+        expiry: asyncio.Task | None = None
+        if settings.session_ttl_seconds > 0:
+            expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
         rt.ready = True
-        log.info("ready", extra={"adapter": eng.ctx.describe(), "version": __version__})
+        log.info("ready", extra={"adapter": eng.ctx.describe(), "version": __version__,
+                                 "api_keys": len(rt.keys), "sessions": len(rt.store)})
         try:
             yield
         finally:
             rt.begin_drain()
             rt.ready = False
+            if expiry is not None:
+                expiry.cancel()
             if not await rt.wait_idle(settings.drain_timeout_s):
                 log.warning("drain timeout: requests still in flight", extra={"in_flight": rt.in_flight})
             for s in list(rt.store.sessions.values()):
@@ -151,6 +165,14 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 tags=app.openapi_tags,
             )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+            if rt.keys.enabled:
+                schema["components"]["securitySchemes"] = {
+                    "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key as a bearer token."}
+                }
+                for path, ops in schema.get("paths", {}).items():
+                    if path.startswith("/v1") or (path == "/metrics" and settings.metrics_auth):
+                        for op in ops.values():
+                            op["security"] = [{"apiKey": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -246,6 +268,31 @@ def _install_gauges(rt: Runtime) -> None:
         "attnserve_ready", "1 when the device is open and the server is not draining.",
         fn=lambda: [((), int(rt.ready and not rt.draining))],
     ))
+    s = rt.settings
+    m.add_gauge(Gauge(
+        "attnserve_gpu_queue_limit", "Most jobs that may wait for the GPU (503 overloaded past it).",
+        fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
+    ))
+    m.add_gauge(Gauge(
+        "attnserve_limit", "Configured limits (0: none), by name.", ("name",),
+        fn=lambda: [(("quota_sessions_per_key",), s.quota_sessions_per_key),
+                    (("quota_bytes_per_key",), s.quota_bytes_per_key),
+                    (("request_timeout_seconds",), s.request_timeout_s),
+                    (("session_ttl_seconds",), s.session_ttl_seconds),
+                    (("max_sessions",), s.max_sessions)],
+    ))
+
+    def tenants(i: int):
+        return [((owner or "",), v[i]) for owner, v in rt.store.by_tenant().items()]
+
+    m.add_gauge(Gauge(
+        "attnserve_tenant_sessions", "Sessions each tenant holds (tenant: its API key id; empty without keys).",
+        ("tenant",), lambda: tenants(0),
+    ))
+    m.add_gauge(Gauge(
+        "attnserve_tenant_bytes", "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
+        ("tenant",), lambda: tenants(1),
+    ))
 
     def info():
         d = rt.engine.ctx.describe() if rt.engine is not None else {}
@@ -259,8 +306,9 @@ def _install_gauges(rt: Runtime) -> None:
 
 class RequestMiddleware:
     """Pure ASGI middleware (no body buffering): times every request, logs one
-    structured line, counts it, refuses new /v1 work while draining, and turns an
-    unexpected exception into a 500 problem."""
+    structured line, counts it, refuses new /v1 work while draining, checks the
+    API key, answers a request whose GPU job timed out in the queue with 503
+    timeout, and turns an unexpected exception into a 500 problem."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime):
         self.app = app
@@ -287,14 +335,36 @@ class RequestMiddleware:
                 state["bytes"] += len(message.get("body", b""))
             await send(message)
 
+        async def answer(err: ApiError) -> None:
+            scope[_PROBLEM_KEY] = err.slug
+            await problem_response(err, path)(scope, receive, send_wrapper)
+
+        req = RequestState()
+        token = current_request.set(req)
         rt.request_started()
         try:
-            if rt.draining and path.startswith("/v1"):
-                scope[_PROBLEM_KEY] = NotReady.slug
-                resp = problem_response(NotReady("the server is draining", headers={"Retry-After": "1"}), path)
-                await resp(scope, receive, send_wrapper)
+            v1 = path == "/v1" or path.startswith("/v1/")
+            if rt.draining and v1:
+                await answer(NotReady("the server is draining", headers={"Retry-After": "1"}))
+            elif rt.keys.enabled and (v1 or (path == "/metrics" and rt.settings.metrics_auth)):
+                try:
+                    scope[OWNER_KEY] = rt.keys.authenticate(_header(scope, b"authorization"))
+                except Unauthorized as e:
+                    rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
+                    await answer(e)
+                else:
+                    await self.app(scope, receive, send_wrapper)
             else:
                 await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if not req.timed_out or state["started"]:
+                raise
+            # our request timeout cancelled the queued GPU job: nothing was applied
+            await answer(RequestTimeout(
+                f"the request waited more than {rt.settings.request_timeout_s:g} s for the GPU and was "
+                "dropped; nothing was applied, so it is safe to retry",
+                headers={"Retry-After": "1"},
+            ))
         except ClientDisconnect:
             if not state["started"]:
                 state["status"] = 499
@@ -307,6 +377,7 @@ class RequestMiddleware:
                 )
                 await resp(scope, receive, send_wrapper)
         finally:
+            current_request.reset(token)
             rt.request_finished()
             dt = time.perf_counter() - t0
             route = scope.get("route")
@@ -330,9 +401,18 @@ class RequestMiddleware:
                 fields["session_id"] = params["session_id"]
             if "layer" in params:
                 fields["layer"] = params["layer"]
+            if scope.get(OWNER_KEY):
+                fields["tenant"] = scope[OWNER_KEY]
             if slug:
                 fields["problem"] = slug
             access_log.info("request", extra=fields)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return v
+    return None
 
 
 def _request_id(scope: Scope) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "MiB", "GiB"]
+__all__ = ["Settings", "get_settings", "parse_api_keys", "MiB", "GiB"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -21,7 +21,9 @@ GiB = 1 << 30
 class Settings(BaseSettings):
     """Every knob of the server. Environment: ``ATTNSERVE_<NAME>`` (case-insensitive)."""
 
-    model_config = SettingsConfigDict(env_prefix="ATTNSERVE_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="ATTNSERVE_", extra="ignore", frozen=True, hide_input_in_errors=True  # keys never printed
+    )
 
     host: str = Field("127.0.0.1", description="Address `attnserve serve` binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port `attnserve serve` binds.")
@@ -64,16 +66,87 @@ class Settings(BaseSettings):
         description="This replica's name, sent on every response as X-Attnserve-Instance "
         "(default: the host name).",
     )
+    # ── tenants, quotas, overload ────────────────────────────────────────────
+    api_keys: SecretStr | None = Field(
+        None,
+        description="API keys, comma-separated. When any key is configured (here or in "
+        "api_keys_file), every /v1 request needs `Authorization: Bearer <key>`, and each key "
+        "is a tenant that sees only its own sessions.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="A file of API keys: one per line (or comma-separated); blank lines and "
+        "lines starting with # are ignored. Read once at start.",
+    )
+    metrics_auth: bool = Field(
+        False, description="With API keys configured, /metrics needs a valid key too."
+    )
+    quota_sessions_per_key: int = Field(
+        0, ge=0, description="Most sessions one tenant may hold at once (507 past it); 0: no quota."
+    )
+    quota_bytes_per_key: int = Field(
+        0, ge=0, description="GPU bytes one tenant's sessions may hold (507 past it); 0: no quota."
+    )
+    request_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="Longest an append or attend may wait in the GPU queue before it is "
+        "dropped, unapplied, with 503 timeout; 0: no timeout.",
+    )
+    session_ttl_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="A session not used for this long is deleted (its GPU memory freed); "
+        "0: sessions never expire.",
+    )
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.strip().lower() if isinstance(v, str) else v
 
-    @field_validator("adapter", mode="before")
+    @field_validator("adapter", "api_keys_file", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _keys_readable(self) -> "Settings":
+        self.api_key_list()  # a missing file or a malformed key stops the start, with the reason
+        return self
+
+    def api_key_list(self) -> list[str]:
+        """Every configured API key (from api_keys and api_keys_file), in order, without
+        duplicates. Raises ValueError (naming a key by its position only, never its text)."""
+        keys: list[str] = []
+        if self.api_keys is not None:
+            keys += parse_api_keys(self.api_keys.get_secret_value(), "api_keys")
+        if self.api_keys_file:
+            try:
+                with open(self.api_keys_file, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"api_keys_file: cannot read {self.api_keys_file!r}: {type(e).__name__}") from None
+            lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
+            keys += parse_api_keys(",".join(lines), "api_keys_file")
+        return list(dict.fromkeys(keys))
+
+
+_KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {","}
+
+
+def parse_api_keys(text: str, where: str) -> list[str]:
+    """Keys from comma- or newline-separated ``text`` (blank entries skipped). A key is
+    1 to 4096 visible ASCII characters, no commas or spaces (it travels in a header)."""
+    keys = []
+    for i, raw in enumerate(text.replace("\n", ",").split(",")):
+        key = raw.strip()
+        if not key:
+            continue
+        if len(key) > 4096 or not set(key) <= _KEY_CHARS:
+            raise ValueError(f"{where}: key #{i + 1} is not 1 to 4096 visible ASCII characters without spaces")
+        keys.append(key)
+    return keys
 
 
 @lru_cache(maxsize=1)

@@ -181,6 +181,21 @@ class Metrics:
             "attnserve_rows_total", "Rows processed: appended K/V timesteps and attended query rows.",
             ("kind", "kv_format"),
         )
+        # tenants, quotas, overload, expiry
+        self.auth_failures = Counter(
+            "attnserve_auth_failures_total", "Requests refused with 401, by reason (missing, invalid).", ("reason",)
+        )
+        self.quota_rejections = Counter(
+            "attnserve_quota_rejections_total", "Requests refused by a per-key quota, by quota (sessions, bytes).",
+            ("quota",),
+        )
+        self.timeouts = Counter(
+            "attnserve_request_timeouts_total",
+            "Appends and attends dropped unapplied after waiting past the request timeout in the GPU queue.",
+        )
+        self.expired = Counter(
+            "attnserve_sessions_expired_total", "Sessions deleted after being idle for the session TTL."
+        )
         self._gauges: list[Gauge] = []
 
     def on_batch(self, n_jobs: int, n_dispatches: int, seconds: float) -> None:
@@ -212,6 +227,10 @@ class Metrics:
             self.gpu_dispatches_per,
             self.gpu_jobs_per,
             self.gpu_seconds,
+            self.auth_failures,
+            self.quota_rejections,
+            self.timeouts,
+            self.expired,
         ]
         lines: list[str] = []
         for m in metrics:

@@ -13,6 +13,12 @@ state (offset, capacity, start_pos, memory budget) and, once its job is queued,
 rows are given back; whenever a session has no job left in flight, its reserved
 state is set again from what the caches really hold (:meth:`Store.finish`), so
 the accounting can never drift.
+
+Tenants: a session belongs to an *owner* (an API key's id, or ``None`` without
+keys), and ids are per owner: the store is keyed by ``(owner, id)``, so one
+tenant can neither see nor block another's ids. Per-owner quotas (sessions, GPU
+bytes) are checked with the global limits and answer 507 out-of-memory with a
+``quota`` member.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Optional
 
 from .errors import CapacityExceeded, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
 from .kvcache import LayerCache, SessionConfig, SessionKV, grow_capacity
 
-__all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store"]
+__all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store", "Owner"]
+
+Owner = Optional[str]
 
 log = logging.getLogger("attnserve.store")
 
@@ -46,6 +54,8 @@ class LayerState:
     cache: LayerCache
     length: int = 0
     capacity: int = 0
+    # committed jobs not yet done, in queue order (the last one may be cancelled safely)
+    inflight: list["Reservation"] = field(default_factory=list)
 
     @property
     def max_tokens(self) -> int:
@@ -65,6 +75,14 @@ class Session:
         self.closed = False
         self.dirty = False
         self.created = time.time()
+        self.last_used = time.monotonic()
+
+    @property
+    def key(self) -> tuple[Owner, str]:
+        return (self.owner, self.id)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
 
     @property
     def kv_format(self) -> str:
@@ -91,7 +109,7 @@ class Session:
         }
 
 
-@dataclass
+@dataclass(eq=False)
 class Reservation:
     """What one queued job will do to a session: ``rows`` appended to ``layer``."""
 
@@ -108,52 +126,68 @@ class Reservation:
 class Store:
     """All sessions of this replica, with the global limits."""
 
-    def __init__(self, *, max_sessions: int, memory_budget_bytes: int):
+    def __init__(self, *, max_sessions: int, memory_budget_bytes: int, quota_sessions_per_key: int = 0,
+                 quota_bytes_per_key: int = 0, on_quota: Callable[[str], None] | None = None):
         self.max_sessions = max_sessions
         self.memory_budget_bytes = memory_budget_bytes
-        self.sessions: dict[str, Session] = {}
+        self.quota_sessions_per_key = quota_sessions_per_key  # 0: none
+        self.quota_bytes_per_key = quota_bytes_per_key  # 0: none
+        self.on_quota = on_quota  # called with "sessions" or "bytes" when a quota refuses a request
+        self.sessions: dict[tuple[Owner, str], Session] = {}
+        self._by_owner: dict[Owner, dict[str, Session]] = {}
         self.reserved_bytes = 0  # reserved GPU bytes of live sessions
         self.releasing_bytes = 0  # bytes of deleted sessions whose release is still queued
-        self.holds: dict[str, int] = {}  # ids (and their bytes) of sessions being restored
+        self.holds: dict[tuple[Owner, str], int] = {}  # (owner, id) of sessions being restored: their bytes
 
     # ── sessions ────────────────────────────────────────────────────────────
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def check_room(self, session_id: str | None = None) -> None:
-        if session_id is not None and (session_id in self.sessions or session_id in self.holds):
+    def check_room(self, session_id: str | None = None, owner: Owner = None, *, quotas: bool = True) -> None:
+        """Raises SessionExists (the owner has that id), or OutOfMemory (the server's
+        session limit, or the owner's session quota unless ``quotas`` is False)."""
+        if session_id is not None and ((owner, session_id) in self.sessions or (owner, session_id) in self.holds):
             raise SessionExists(f"session {session_id!r} already exists")
         if len(self.sessions) + len(self.holds) >= self.max_sessions:
             raise OutOfMemory(
                 f"this server holds at most {self.max_sessions} sessions; delete one first",
                 max_sessions=self.max_sessions,
             )
+        quota = self.quota_sessions_per_key
+        if quotas and quota and self.tenant_sessions(owner) >= quota:
+            self._refused("sessions")
+            raise OutOfMemory(
+                f"this API key may hold at most {quota} sessions at once (its quota); delete one first",
+                quota="sessions", quota_limit=quota, max_sessions=quota,
+            )
 
-    def create(self, config: SessionConfig, *, owner: str | None, session_id: str | None = None) -> Session:
+    def create(self, config: SessionConfig, *, owner: Owner, session_id: str | None = None) -> Session:
         """Add an empty session (no GPU memory until its first append).
 
         Raises:
-            SessionExists: ``session_id`` is taken.
-            OutOfMemory: the session limit is reached.
+            SessionExists: ``session_id`` is taken (by this owner).
+            OutOfMemory: the session limit or the owner's quota is reached.
             ValueError: the configuration is invalid (checked by the routes first).
         """
-        self.check_room(session_id)
+        self.check_room(session_id, owner)
         if session_id is None:
             session_id = new_session_id()
-            while session_id in self.sessions:  # pragma: no cover - 128 random bits
+            while (owner, session_id) in self.sessions:  # pragma: no cover - 128 random bits
                 session_id = new_session_id()
         session = Session(session_id, owner, SessionKV(config))
-        self.sessions[session_id] = session
+        self._add(session)
         return session
 
-    def hold(self, session_id: str, nbytes: int) -> str:
-        """Take an id and ``nbytes`` of the budget for a session being restored.
+    def hold(self, session_id: str, nbytes: int, owner: Owner = None, *, quotas: bool = True) -> tuple[Owner, str]:
+        """Take an id and ``nbytes`` of the budget (and of the owner's quota) for a
+        session being restored; returns the key to give to :meth:`unhold`.
+        ``quotas=False`` (restores at start) checks the server's limits only.
 
         Raises:
             SessionExists, OutOfMemory: as :meth:`create` and :meth:`check_budget`.
         """
-        self.check_room(session_id)
+        self.check_room(session_id, owner, quotas=quotas)
         budget = self.memory_budget_bytes
         if budget and nbytes > 0 and self.used_bytes + nbytes > budget:
             raise OutOfMemory(
@@ -162,38 +196,51 @@ class Store:
                 used_bytes=self.used_bytes,
                 requested_bytes=nbytes,
             )
-        self.holds[session_id] = nbytes
-        return session_id
+        if quotas:
+            self._check_quota_bytes(owner, nbytes)
+        key = (owner, session_id)
+        self.holds[key] = nbytes
+        return key
 
-    def unhold(self, session_id: str) -> None:
-        self.holds.pop(session_id, None)
+    def unhold(self, key: tuple[Owner, str]) -> None:
+        self.holds.pop(key, None)
 
-    def adopt(self, kv: SessionKV, *, owner: str | None, session_id: str) -> Session:
+    def adopt(self, kv: SessionKV, *, owner: Owner, session_id: str) -> Session:
         """Add a session whose caches are already on the GPU (a restored snapshot)."""
-        if session_id in self.sessions:  # pragma: no cover - the id was held
+        if (owner, session_id) in self.sessions:  # pragma: no cover - the id was held
             raise SessionExists(f"session {session_id!r} already exists")
         session = Session(session_id, owner, kv)
-        self.sessions[session_id] = session
+        self._add(session)
         session.dirty = True  # its bytes come from the caches, not from reservations
         self.resync(session)
         return session
 
-    def get(self, session_id: str, owner: str | None) -> Session:
-        """The session, if it exists and belongs to ``owner`` (else 404, the same
-        answer for both, so ids of other tenants cannot be probed)."""
-        s = self.sessions.get(session_id)
-        if s is None or s.owner != owner:
+    def _add(self, session: Session) -> None:
+        self.sessions[session.key] = session
+        self._by_owner.setdefault(session.owner, {})[session.id] = session
+
+    def get(self, session_id: str, owner: Owner) -> Session:
+        """The owner's session with that id (else 404; another owner's sessions are
+        simply not there, so their ids cannot be probed). Counts as a use (TTL)."""
+        s = self.sessions.get((owner, session_id))
+        if s is None:
             raise SessionNotFound(f"no session {session_id!r}")
+        s.touch()
         return s
 
-    def list(self, owner: str | None) -> list[Session]:
-        return [s for s in self.sessions.values() if s.owner == owner]
+    def list(self, owner: Owner) -> list[Session]:
+        return list(self._by_owner.get(owner, {}).values())
 
     def remove(self, session: Session) -> int:
         """Drop the session from the store (its release is queued by the caller);
         returns the bytes to give back once the release is done (:meth:`released`)."""
-        if self.sessions.get(session.id) is session:
-            del self.sessions[session.id]
+        if self.sessions.get(session.key) is session:
+            del self.sessions[session.key]
+            mine = self._by_owner.get(session.owner)
+            if mine is not None:
+                mine.pop(session.id, None)
+                if not mine:
+                    del self._by_owner[session.owner]
         session.closed = True
         freed = session.reserved_bytes
         self.reserved_bytes -= freed
@@ -202,6 +249,42 @@ class Store:
 
     def released(self, nbytes: int) -> None:
         self.releasing_bytes -= nbytes
+
+    def idle(self, ttl: float, now: float | None = None) -> list[Session]:
+        """Sessions unused for ``ttl`` seconds, with no job in flight."""
+        now = time.monotonic() if now is None else now
+        return [s for s in self.sessions.values() if s.pending == 0 and not s.closed and now - s.last_used >= ttl]
+
+    # ── tenants ─────────────────────────────────────────────────────────────
+
+    def tenant_sessions(self, owner: Owner) -> int:
+        """Sessions the owner holds or is restoring."""
+        return len(self._by_owner.get(owner, ())) + sum(1 for o, _ in self.holds if o == owner)
+
+    def tenant_bytes(self, owner: Owner) -> int:
+        """GPU bytes the owner's sessions hold or have reserved (what its quota counts)."""
+        held = sum(s.reserved_bytes for s in self._by_owner.get(owner, {}).values())
+        return held + sum(n for (o, _), n in self.holds.items() if o == owner)
+
+    def by_tenant(self) -> dict[Owner, tuple[int, int]]:
+        """``{owner: (sessions, reserved GPU bytes)}``."""
+        return {o: (len(ss), sum(s.reserved_bytes for s in ss.values())) for o, ss in self._by_owner.items()}
+
+    def _refused(self, quota: str) -> None:
+        if self.on_quota is not None:
+            self.on_quota(quota)
+
+    def _check_quota_bytes(self, owner: Owner, nbytes: int) -> None:
+        quota = self.quota_bytes_per_key
+        if quota and nbytes > 0:
+            used = self.tenant_bytes(owner)
+            if used + nbytes > quota:
+                self._refused("bytes")
+                raise OutOfMemory(
+                    f"the request needs {nbytes} more GPU bytes; this API key's sessions hold {used} of "
+                    f"its quota of {quota} bytes",
+                    quota="bytes", quota_limit=quota, budget_bytes=quota, used_bytes=used, requested_bytes=nbytes,
+                )
 
     # ── reservations ────────────────────────────────────────────────────────
 
@@ -247,7 +330,8 @@ class Store:
         return Reservation(session, ls, 0, ls.length, ls.capacity, 0, False)
 
     def check_budget(self, res: Reservation) -> None:
-        """Raises OutOfMemory when the reservation would pass the memory budget."""
+        """Raises OutOfMemory when the reservation would pass the memory budget, or
+        the owner's byte quota."""
         budget = self.memory_budget_bytes
         if budget and res.delta_bytes > 0 and self.used_bytes + res.delta_bytes > budget:
             raise OutOfMemory(
@@ -257,6 +341,7 @@ class Store:
                 used_bytes=self.used_bytes,
                 requested_bytes=res.delta_bytes,
             )
+        self._check_quota_bytes(res.session.owner, res.delta_bytes)
 
     def commit(self, res: Reservation) -> None:
         """The job is queued: move the reserved state forward."""
@@ -266,12 +351,25 @@ class Store:
         self.reserved_bytes += res.delta_bytes
         s.signs_reserved = s.signs_reserved or res.signs
         s.pending += 1
+        ls.inflight.append(res)
         res.committed = True
 
+    def cancellable(self, res: Reservation) -> bool:
+        """Whether the job may be dropped before it runs without changing what any
+        other queued job was checked against: it appends nothing, or it is the last
+        job still queued for its layer."""
+        inflight = res.layer.inflight
+        return res.rows == 0 or bool(inflight) and inflight[-1] is res
+
     def finish(self, res: Reservation, error: BaseException | None) -> None:
-        """The job is done (on the event loop, right after it completes)."""
+        """The job is done, failed or was cancelled (on the event loop, right after)."""
         s = res.session
         s.pending -= 1
+        inflight = res.layer.inflight
+        for i in range(len(inflight) - 1, -1, -1):
+            if inflight[i] is res:
+                del inflight[i]
+                break
         if error is not None and res.rows:
             res.layer.length -= res.rows  # later queued jobs were checked against it; resynced below
             s.dirty = True

@@ -15,7 +15,7 @@ from ..errors import NotReady
 from ..kvcache import KV_FORMATS
 from ..metrics import CONTENT_TYPE
 from ..turboquant import SUPPORTED_HEAD_DIMS
-from .deps import Runtime, RuntimeDep, WireDep
+from .deps import OwnerDep, Runtime, RuntimeDep, WireDep
 from .schemas import ok, problems
 from .sessions import MAX_LAYERS, MAX_QO_HEADS
 
@@ -60,7 +60,7 @@ async def metrics(rt: RuntimeDep) -> Response:
     return Response(rt.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def server_info(rt: Runtime) -> dict[str, Any]:
+def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
     s = rt.settings
     eng = rt.engine
     adapter = eng.ctx.describe() if eng is not None else None
@@ -83,8 +83,15 @@ def server_info(rt: Runtime) -> dict[str, Any]:
             "max_binding_bytes": eng.ctx.max_binding if eng is not None else None,
             "max_queue": s.max_queue,
             "max_batch_jobs": s.max_batch_jobs,
+            "quota_sessions_per_key": s.quota_sessions_per_key,
+            "quota_bytes_per_key": s.quota_bytes_per_key,
+            "request_timeout_s": s.request_timeout_s,
+            "session_ttl_seconds": s.session_ttl_seconds,
         },
-        "sessions": len(rt.store),
+        # with API keys, a tenant sees its own sessions and bytes only
+        "sessions": len(rt.store.list(owner)) if rt.keys.enabled else len(rt.store),
+        "tenant_bytes": rt.store.tenant_bytes(owner),
+        "auth": rt.keys.enabled,
         "ready": bool(rt.ready and not rt.draining),
     }
 
@@ -95,5 +102,5 @@ def server_info(rt: Runtime) -> dict[str, Any]:
     response_class=Response,
     responses=ok(200, "Server info", "ServerInfo"),
 )
-async def info(rt: RuntimeDep, wire: WireDep) -> Response:
-    return respond(server_info(rt), wire)
+async def info(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Response:
+    return respond(server_info(rt, owner), wire)

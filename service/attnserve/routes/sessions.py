@@ -64,7 +64,7 @@ async def _create(request: Request, rt: RuntimeDep, wire: WireDep, engine: Engin
                   session_id: str | None) -> Response:
     if session_id is not None and not SESSION_ID_RE.fullmatch(session_id):
         raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
-    rt.store.check_room(session_id)  # early 409 / 507, before reading the body
+    rt.store.check_room(session_id, owner)  # early 409 / 507, before reading the body
     raw = await read_body(request, rt.settings.max_body_bytes)
     req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
     limit = engine.max_tokens_limit(req.kv_format, req.num_kv_heads, req.head_dim)
@@ -110,7 +110,8 @@ async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine
     "/{session_id}",
     summary="Create a session with a chosen id",
     description="Creates a session under the id in the path (`[A-Za-z0-9_-]{1,64}`); 409 session-exists "
-    "if taken. A router in front of several replicas can hash the id, so a session lives on one replica.",
+    "if the caller already has a session with that id (ids are per API key: another key's sessions never "
+    "collide). A router in front of several replicas can hash the id, so a session lives on one replica.",
     responses={
         **ok(201, "The session's info", "SessionInfo"),
         **problems(400, 409, 413, 415, 422, 503, 507, slugs={409: "session-exists"}),
@@ -151,9 +152,6 @@ async def get_session_info(session: SessionDep, wire: WireDep) -> Response:
     responses={204: {"description": "Deleted."}, **problems(404, 503, slugs={404: "session-not-found"})},
 )
 async def delete_session(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
-    fut = engine.release(session.kv)  # queued after the session's jobs; may raise Overloaded
-    freed = rt.store.remove(session)
-    loop = asyncio.get_running_loop()
-    fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(rt.store.released, freed))
+    fut = rt.drop_session(session, engine)  # queued after the session's jobs; may raise Overloaded
     await asyncio.shield(asyncio.wrap_future(fut))
     return Response(status_code=204)

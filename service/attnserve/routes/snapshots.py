@@ -178,7 +178,7 @@ async def put_snapshot(session_id: SessionIdPath, request: Request, rt: RuntimeD
     if not SESSION_ID_RE.fullmatch(session_id):
         raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
     store = rt.store
-    store.check_room(session_id)
+    store.check_room(session_id, owner)  # the restored session is the caller's (ids are per tenant)
     raw = await read_body(request, rt.settings.max_body_bytes)
     config, layers = await rt.offload(_parse_blob, raw, rt.settings.max_body_bytes, engine.max_tokens_limit,
                                       size=len(raw))
@@ -187,7 +187,7 @@ async def put_snapshot(session_id: SessionIdPath, request: Request, rt: RuntimeD
     need = sum(kv.layers[i].bytes_for(cap) for i, (_, cap, _, _) in enumerate(layers) if cap)
     if any(n for n, _, _, _ in layers):
         need += kv.signs_bytes()
-    hold = store.hold(session_id, need)  # 409 / 507 now; the id and bytes stay taken while restoring
+    hold = store.hold(session_id, need, owner)  # 409 / 507 now; the id and bytes stay taken while restoring
 
     def restore(ctx) -> None:
         try:
