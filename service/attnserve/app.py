@@ -1,10 +1,12 @@
 """The app factory: lifespan (device open, drain, close), routers, one error mapping.
 
 ``create_app(settings)`` builds the FastAPI app. Its lifespan opens the GPU
-engine on a thread (the event loop keeps running), marks the server ready and
-starts the idle-session expiry; on shutdown it marks the server draining
-(``/readyz`` 503, new ``/v1`` requests 503), waits for the requests in flight,
-and closes the engine after its queue drains.
+engine on a thread (the event loop keeps running), restores the snapshot
+directory's sessions (``snapshot_dir``), marks the server ready and starts the
+idle-session expiry; on shutdown it marks the server draining (``/readyz`` 503,
+new ``/v1`` requests 503), waits for the requests in flight, writes every
+session's snapshot (``snapshot_dir``), and closes the engine after its queue
+drains.
 
 Tenants: with API keys configured, the request middleware checks the bearer
 token of every ``/v1`` request (and of ``/metrics`` with ``metrics_auth``) before
@@ -54,6 +56,7 @@ from .errors import (
 from .gpu.device import DeviceError
 from .kvcache import KV_FORMATS
 from .metrics import Gauge
+from .persistence import SnapshotDir
 from .routes import kv, probes, sessions, snapshots
 from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
 from .routes.schemas import COMPONENTS
@@ -105,8 +108,20 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             eng.worker.on_batch = rt.metrics.on_batch
         rt.engine = eng
         expiry: asyncio.Task | None = None
-        if settings.session_ttl_seconds > 0:
-            expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
+        try:
+            if settings.snapshot_dir:
+                rt.persistence = SnapshotDir(settings.snapshot_dir, rt)
+                rt.persistence.open()
+                await rt.persistence.restore_all(eng)
+            if settings.session_ttl_seconds > 0:
+                expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
+        except BaseException:
+            log.exception("start-up failed")
+            if rt.persistence is not None:
+                rt.persistence.close()
+            if owned:
+                await asyncio.to_thread(eng.close)
+            raise
         rt.ready = True
         log.info("ready", extra={"adapter": eng.ctx.describe(), "version": __version__,
                                  "api_keys": len(rt.keys), "sessions": len(rt.store)})
@@ -119,6 +134,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 expiry.cancel()
             if not await rt.wait_idle(settings.drain_timeout_s):
                 log.warning("drain timeout: requests still in flight", extra={"in_flight": rt.in_flight})
+            if rt.persistence is not None:
+                try:
+                    await rt.persistence.save_all(eng)
+                finally:
+                    rt.persistence.close()
             for s in list(rt.store.sessions.values()):
                 rt.store.remove(s)
                 try:

@@ -66,7 +66,7 @@ class Settings(BaseSettings):
         description="This replica's name, sent on every response as X-Attnserve-Instance "
         "(default: the host name).",
     )
-    # ── tenants, quotas, overload ────────────────────────────────────────────
+    # ── tenants, quotas, overload, persistence ───────────────────────────────
     api_keys: SecretStr | None = Field(
         None,
         description="API keys, comma-separated. When any key is configured (here or in "
@@ -99,13 +99,18 @@ class Settings(BaseSettings):
         description="A session not used for this long is deleted (its GPU memory freed); "
         "0: sessions never expire.",
     )
+    snapshot_dir: str | None = Field(
+        None,
+        description="A local directory: on shutdown every session is written there as a "
+        "snapshot, and the next start restores them before it reports ready.",
+    )
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, v: object) -> object:
         return v.strip().lower() if isinstance(v, str) else v
 
-    @field_validator("adapter", "api_keys_file", mode="before")
+    @field_validator("adapter", "api_keys_file", "snapshot_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v

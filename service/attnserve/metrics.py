@@ -181,7 +181,7 @@ class Metrics:
             "attnserve_rows_total", "Rows processed: appended K/V timesteps and attended query rows.",
             ("kind", "kv_format"),
         )
-        # tenants, quotas, overload, expiry
+        # tenants, quotas, overload, expiry, persistence
         self.auth_failures = Counter(
             "attnserve_auth_failures_total", "Requests refused with 401, by reason (missing, invalid).", ("reason",)
         )
@@ -195,6 +195,19 @@ class Metrics:
         )
         self.expired = Counter(
             "attnserve_sessions_expired_total", "Sessions deleted after being idle for the session TTL."
+        )
+        self.snapshot_writes = Counter(
+            "attnserve_snapshot_writes_total", "Session snapshots written to the snapshot directory, by result.",
+            ("result",),
+        )
+        self.snapshot_restores = Counter(
+            "attnserve_snapshot_restores_total",
+            "Snapshot files read at start, by result (ok, invalid: moved aside as .bad, skipped: kept).",
+            ("result",),
+        )
+        self.snapshot_seconds = Histogram(
+            "attnserve_snapshot_seconds", "Time to save (at shutdown) or restore (at start) every session.",
+            ("phase",),
         )
         self._gauges: list[Gauge] = []
 
@@ -231,6 +244,9 @@ class Metrics:
             self.quota_rejections,
             self.timeouts,
             self.expired,
+            self.snapshot_writes,
+            self.snapshot_restores,
+            self.snapshot_seconds,
         ]
         lines: list[str] = []
         for m in metrics:

@@ -83,6 +83,7 @@ class Runtime:
             self.metrics.auth_failures.inc(reason, amount=0)
         for quota in ("sessions", "bytes"):
             self.metrics.quota_rejections.inc(quota, amount=0)
+        self.persistence: Any = None  # a persistence.SnapshotDir when snapshot_dir is set
         self.engine: Engine | None = engine
         self.ready = False
         self.draining = False
@@ -124,8 +125,8 @@ class Runtime:
     # ── sessions ────────────────────────────────────────────────────────────
 
     def drop_session(self, session: Session, engine: Engine) -> Future:
-        """Delete a session: queue the release of its GPU memory (after its jobs)
-        and drop it from the store.
+        """Delete a session: queue the release of its GPU memory (after its jobs),
+        drop it from the store and its snapshot file from the snapshot directory.
         Returns the release's future. Raises Overloaded (queue full): nothing changed."""
         fut = engine.release(session.kv)
         freed = self.store.remove(session)
@@ -138,6 +139,8 @@ class Runtime:
                 pass
 
         fut.add_done_callback(released)
+        if self.persistence is not None:
+            self.persistence.forget(session)
         return fut
 
     async def expire_idle(self) -> None:

@@ -92,6 +92,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "sessions": len(rt.store.list(owner)) if rt.keys.enabled else len(rt.store),
         "tenant_bytes": rt.store.tenant_bytes(owner),
         "auth": rt.keys.enabled,
+        "persistence": rt.persistence is not None,
         "ready": bool(rt.ready and not rt.draining),
     }
 

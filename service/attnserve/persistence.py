@@ -1,0 +1,318 @@
+"""Restarts that lose nothing: every session written to a local directory on
+shutdown, and read back on the next start before the server reports ready.
+
+With ``ATTNSERVE_SNAPSHOT_DIR`` set, the app's lifespan calls
+:meth:`SnapshotDir.restore_all` after the device opens (uvicorn binds its port only
+after that, so neither ``/readyz`` nor any request sees a half-restored server),
+and :meth:`SnapshotDir.save_all` on shutdown, after the requests in flight have
+finished and before the device closes.
+
+One file per session, ``<id>.snap`` (no API keys) or ``<key id>.<id>.snap`` (ids
+are per tenant; ``.`` is not an id character). A file is a MessagePack map, the
+header, followed by the snapshot::
+
+    {"format": "attnserve-session-file", "version": 1, "session_id": str,
+     "owner": key id or nil, "snapshot_bytes": int, "header_checksum": "sha256:<hex>"}
+    <snapshot_bytes bytes: exactly the blob of GET /v1/sessions/{id}/snapshot>
+
+The blob carries its own checksum over the caches, and ``header_checksum`` is
+SHA-256 over the canonical JSON ``[format, version, session_id, owner,
+snapshot_bytes]``, so a flipped bit anywhere is caught. (The blob follows the
+header rather than sitting in it as a ``bin``, so no 4 GiB limit applies and
+reading it needs no copy.)
+
+Writes are atomic: a temporary file ``.<name>.<pid>.tmp`` in the same directory
+(mode 0600), written, fsynced, renamed over the old file, and the directory
+fsynced. Files are
+kept after a restore (a crash before the next clean shutdown restores the same
+state again) and deleted when their session is deleted or expires. At start a
+file that cannot be parsed is renamed ``<name>.bad`` (and logged); one that is
+valid but does not fit (memory budget, session limit) is kept for a later start.
+A lock file (``.lock``, ``flock``) keeps two servers off one directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from .errors import InvalidSnapshot, OutOfMemory, SessionExists
+from .kvcache import SessionKV
+from .routes.snapshots import _parse_blob, build_blob
+from .store import SESSION_ID_RE, Session
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine
+    from .routes.deps import Runtime
+
+__all__ = ["SnapshotDir", "FILE_FORMAT", "FILE_VERSION", "SUFFIX", "encode_file", "decode_file"]
+
+log = logging.getLogger("attnserve.persistence")
+
+FILE_FORMAT = "attnserve-session-file"
+FILE_VERSION = 1
+SUFFIX = ".snap"
+_KEY_ID = re.compile(r"[0-9a-f]{24}")
+_FILE_KEYS = frozenset({"format", "version", "session_id", "owner", "snapshot_bytes", "header_checksum"})
+_MAX_HEADER = 4096
+
+
+def _header_checksum(session_id: str, owner: str | None, nbytes: int) -> str:
+    text = json.dumps([FILE_FORMAT, FILE_VERSION, session_id, owner, nbytes], separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_name(owner: str | None, session_id: str) -> str:
+    return f"{session_id}{SUFFIX}" if owner is None else f"{owner}.{session_id}{SUFFIX}"
+
+
+def encode_file(session_id: str, owner: str | None, blob: bytes) -> list[bytes]:
+    """The file's bytes in two pieces, header and blob (the blob is not copied)."""
+    n = len(blob)
+    header = {"format": FILE_FORMAT, "version": FILE_VERSION, "session_id": session_id, "owner": owner,
+              "snapshot_bytes": n, "header_checksum": _header_checksum(session_id, owner, n)}
+    return [msgpack.packb(header, use_bin_type=True), blob]
+
+
+def decode_file(data: bytes | memoryview) -> tuple[str, str | None, memoryview]:
+    """``(session_id, owner, snapshot blob)`` of a file's bytes. Raises InvalidSnapshot."""
+    data = memoryview(data)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=_MAX_HEADER,
+                                max_str_len=_MAX_HEADER, max_bin_len=0, max_array_len=16, max_map_len=16,
+                                max_ext_len=0)
+    unpacker.feed(data[:_MAX_HEADER])
+    try:
+        doc = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError, TypeError, msgpack.UnpackException) as e:
+        raise InvalidSnapshot(f"not a session file: {type(e).__name__}") from None
+    offset = unpacker.tell()
+    if not isinstance(doc, dict) or set(doc) != _FILE_KEYS:
+        raise InvalidSnapshot("not a session file: wrong header members")
+    if doc["format"] != FILE_FORMAT or type(doc["version"]) is not int or doc["version"] != FILE_VERSION:
+        raise InvalidSnapshot(f"unknown file format {doc['format']!r} version {doc['version']!r}")
+    sid, owner, n = doc["session_id"], doc["owner"], doc["snapshot_bytes"]
+    if not isinstance(sid, str) or not SESSION_ID_RE.fullmatch(sid):
+        raise InvalidSnapshot("session_id: not a session id")
+    if owner is not None and not (isinstance(owner, str) and _KEY_ID.fullmatch(owner)):
+        raise InvalidSnapshot("owner: not a key id")
+    if type(n) is not int or doc["header_checksum"] != _header_checksum(sid, owner, n):
+        raise InvalidSnapshot("header_checksum: the file's header does not match its checksum")
+    if data.nbytes - offset != n:
+        raise InvalidSnapshot(f"expected {n} snapshot bytes after the header, got {data.nbytes - offset} "
+                              "(truncated or extended)")
+    return sid, owner, data[offset:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SnapshotDir:
+    """The snapshot directory of one server."""
+
+    def __init__(self, path: str | os.PathLike[str], runtime: "Runtime"):
+        self.path = Path(path)
+        self.rt = runtime
+        self._lock_fd: int | None = None
+
+    # ── lifecycle ───────────────────────────────────────────────────────────
+
+    def open(self) -> None:
+        """Create the directory, take its lock, remove temporary files a crash left.
+
+        Raises:
+            RuntimeError: not a writable directory, or another server holds it.
+        """
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise RuntimeError(f"snapshot_dir {str(self.path)!r} is not a writable directory: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RuntimeError(f"snapshot_dir {str(self.path)!r} is in use by another server") from None
+            raise
+        self._lock_fd = fd
+        for tmp in self.path.glob(".*.tmp"):
+            try:
+                tmp.unlink()
+                log.warning("removed a partly written snapshot", extra={"file": tmp.name})
+            except OSError:  # pragma: no cover
+                pass
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def file_for(self, session: Session) -> Path:
+        return self.path / file_name(session.owner, session.id)
+
+    def forget(self, session: Session) -> None:
+        """The session is gone (deleted or expired): so is its file."""
+        try:
+            self.file_for(session).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # pragma: no cover - permissions changed under us
+            log.error("cannot delete a snapshot file", extra={"session_id": session.id, "error": str(e)})
+
+    # ── restore (at start) ──────────────────────────────────────────────────
+
+    async def restore_all(self, engine: "Engine") -> dict[str, int]:
+        """Restore every ``*.snap`` file; returns counts by result (ok, invalid, skipped)."""
+        t0 = time.perf_counter()
+        counts = {"ok": 0, "invalid": 0, "skipped": 0}
+        files = sorted(p for p in self.path.glob("*" + SUFFIX) if p.is_file() and not p.name.startswith("."))
+        for path in files:
+            result = await self._restore_one(path, engine)
+            counts[result] += 1
+            self.rt.metrics.snapshot_restores.inc(result)
+        dt = time.perf_counter() - t0
+        self.rt.metrics.snapshot_seconds.observe(dt, "restore")
+        log.info("snapshots restored", extra={"dir": str(self.path), **counts, "seconds": round(dt, 3)})
+        return counts
+
+    async def _restore_one(self, path: Path, engine: "Engine") -> str:
+        store = self.rt.store
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+            sid, owner, blob = await asyncio.to_thread(decode_file, data)
+            del data
+            config, layers = await asyncio.to_thread(_parse_blob, blob, max(blob.nbytes, 1), engine.max_tokens_limit)
+            del blob
+        except InvalidSnapshot as e:
+            self._move_aside(path, e.detail)
+            return "invalid"
+        except OSError as e:
+            log.error("cannot read a snapshot file; kept", extra={"file": path.name, "error": str(e)})
+            return "skipped"
+        kv = SessionKV(config)
+        need = sum(kv.layers[i].bytes_for(cap) for i, (_, cap, _, _) in enumerate(layers) if cap)
+        if any(n for n, _, _, _ in layers):
+            need += kv.signs_bytes()
+        try:
+            # a session that lived here may exceed a quota lowered since: it is kept (no data is lost)
+            hold = store.hold(sid, need, owner, quotas=False)
+        except (SessionExists, OutOfMemory) as e:
+            log.error("a snapshot does not fit; kept for a later start",
+                      extra={"file": path.name, "session_id": sid, "error": e.detail})
+            return "skipped"
+        try:
+            await asyncio.wrap_future(engine.call(lambda ctx: _load(ctx, kv, layers)))
+        except Exception:
+            log.exception("cannot load a snapshot onto the GPU; kept", extra={"file": path.name, "session_id": sid})
+            return "skipped"
+        finally:
+            store.unhold(hold)
+        session = store.adopt(kv, owner=owner, session_id=sid)
+        keys = self.rt.keys
+        if (owner is None) == keys.enabled or (owner is not None and owner not in keys.key_ids):
+            log.warning("restored a session whose API key is not configured: no request can reach it "
+                        "(it expires with the session TTL, or delete its file)",
+                        extra={"file": path.name, "session_id": sid, "tenant": owner})
+        canonical = self.file_for(session)
+        if path != canonical:  # renamed by hand: keep one file per session
+            os.replace(path, canonical)
+        return "ok"
+
+    def _move_aside(self, path: Path, why: str) -> None:
+        bad = path.with_name(path.name + ".bad")
+        n = 1
+        while bad.exists():
+            bad = path.with_name(f"{path.name}.{n}.bad")
+            n += 1
+        try:
+            os.replace(path, bad)
+        except OSError as e:  # pragma: no cover
+            log.error("cannot move an invalid snapshot aside", extra={"file": path.name, "error": str(e)})
+            return
+        log.error("invalid snapshot file moved aside", extra={"file": path.name, "moved_to": bad.name, "error": why})
+
+    # ── save (at shutdown) ──────────────────────────────────────────────────
+
+    async def save_all(self, engine: "Engine") -> dict[str, int]:
+        """Write every session's snapshot (one at a time, so memory stays bounded by
+        the largest session); returns counts by result (ok, error)."""
+        t0 = time.perf_counter()
+        counts = {"ok": 0, "error": 0}
+        for session in list(self.rt.store.sessions.values()):
+            try:
+                await self.save(session, engine)
+            except Exception as e:
+                counts["error"] += 1
+                self.rt.metrics.snapshot_writes.inc("error")
+                log.error("cannot write a session's snapshot",
+                          extra={"session_id": session.id, "error": f"{type(e).__name__}: {e}"})
+            else:
+                counts["ok"] += 1
+                self.rt.metrics.snapshot_writes.inc("ok")
+        dt = time.perf_counter() - t0
+        self.rt.metrics.snapshot_seconds.observe(dt, "save")
+        log.info("snapshots written", extra={"dir": str(self.path), **counts, "seconds": round(dt, 3)})
+        return counts
+
+    async def save(self, session: Session, engine: "Engine") -> Path:
+        kv = session.kv
+
+        def read(ctx) -> list[tuple[int, int, bytes, bytes]]:
+            out = []
+            for layer in kv.layers:
+                kb, vb = layer.read_words(ctx.device)
+                out.append((layer.length, layer.capacity, kb, vb))
+            return out
+
+        layers = await asyncio.wrap_future(engine.call(read))  # after every job queued for it
+        blob = await asyncio.to_thread(build_blob, session.config, layers)
+        del layers
+        path = self.file_for(session)
+        await asyncio.to_thread(self._write_atomic, path, encode_file(session.id, session.owner, blob))
+        return path
+
+    def _write_atomic(self, path: Path, pieces: list[bytes]) -> None:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            # owner-only: a snapshot holds a tenant's data
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
+        _fsync_dir(self.path)
+
+
+def _load(ctx: Any, kv: SessionKV, layers: list[tuple[int, int, bytes, bytes]]) -> None:
+    """On the GPU thread: upload a parsed snapshot's caches (as PUT snapshot does)."""
+    try:
+        for layer, (n, cap, kb, vb) in zip(kv.layers, layers):
+            layer.load_words(ctx.device, n, cap, kb, vb)
+        if kv.signs_bytes() and any(n for n, _, _, _ in layers):
+            kv.signs_buffer(ctx.device)
+    except BaseException:
+        kv.release()
+        raise
