@@ -269,36 +269,62 @@ def packb(obj: Any) -> bytes:
     return data
 
 
-def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int) -> Any:
+def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_containers: int | None = None) -> Any:
     """Parse one MessagePack document of at most ``max_bytes`` bytes, safely.
 
-    Every declared length (str, bin, array, map) is bounded by ``max_bytes``, so a
-    small body cannot make the parser allocate a huge object; ext types are refused;
-    map keys must be str (or bytes); str is decoded as UTF-8. Nesting deeper than the
-    parser's limit is refused.
+    Every declared length (str, bin, array, map) is bounded by the size of ``data``
+    itself, so a small body cannot make the parser allocate a huge object; ext types
+    are refused; map keys must be str (or bytes); str is decoded as UTF-8. Nesting
+    deeper than the parser's limit is refused.
+
+    The document may hold at most ``max_containers`` arrays and maps (default
+    ``1024 + len(data) // 32``): an empty map is one byte of MessagePack but some
+    60 bytes of Python, so without a cap a 64 MiB body of them would take about
+    4 GiB to parse. Arrays on the wire are maps with one ``bin``, so real
+    documents hold a handful; the parse stops as soon as the cap is passed.
 
     Raises:
         WireError: the body is too long, malformed, truncated, has trailing data,
-            nests too deeply, or uses ext types.
+            nests too deeply, holds too many arrays and maps, or uses ext types.
     """
     size = memoryview(data).nbytes
     if size > max_bytes:
         raise WireError(f"body: expected at most {max_bytes} bytes of MessagePack, got {size}")
+    cap = 1024 + size // 32 if max_containers is None else max_containers
+    count = 0
+
+    def container(obj: Any) -> Any:
+        nonlocal count
+        count += 1
+        if count > cap:
+            raise _TooManyContainers
+        return obj
+
     try:
         return _unpackb(
             data,
             raw=False,
             strict_map_key=True,
-            max_str_len=max_bytes,
-            max_bin_len=max_bytes,
-            max_array_len=max_bytes,
-            max_map_len=max_bytes // 2,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size // 2,
             max_ext_len=0,
+            list_hook=container,
+            object_hook=container,
         )
+    except _TooManyContainers:
+        raise WireError(
+            f"body: expected at most {cap} arrays and maps in {size} bytes of MessagePack, got more"
+        ) from None
     except RecursionError:
         raise WireError("body: expected MessagePack nested at most a few hundred deep, got deeper") from None
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise WireError(f"body: expected valid MessagePack, got {type(exc).__name__}: {exc}") from None
+
+
+class _TooManyContainers(Exception):
+    pass
 
 
 # The parser used by unpackb; the C extension when available (tests swap in the
