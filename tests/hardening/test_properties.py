@@ -225,7 +225,7 @@ def test_parsers_give_a_checked_request_or_a_client_error(doc, what, kind):
     if what == "attend":
         assert req.start_pos is None or (type(req.start_pos) is int and req.start_pos >= 0)
         assert type(req.causal) is bool
-        assert req.scale is None or math.isfinite(req.scale)
+        assert req.scale is None or np.isfinite(np.float32(req.scale))
 
 
 @SETTINGS
@@ -244,6 +244,16 @@ def test_valid_attends_are_taken_exactly(q, scale, causal, kind):
     body = {"q": wire.encode_array(q) if kind == "msgpack" else q.tolist(), "scale": scale, "causal": causal}
     req = parse_attend(_encode(body, kind), kind, MAX)
     assert req.q.tobytes() == q.tobytes() and req.causal is causal and req.scale == scale
+
+
+@pytest.mark.parametrize("scale", [1e39, -1e39, 3.5e38, float("inf"), float("nan")])
+def test_a_scale_past_float32_is_refused(scale):
+    q = np.ones((1, 1, 4), np.float32)
+    for kind in ("msgpack", "json"):
+        body = {"q": wire.encode_array(q) if kind == "msgpack" else q.tolist(), "scale": scale}
+        with pytest.raises(ApiError) as e:
+            parse_attend(_encode(body, kind), kind, MAX)
+        assert e.value.status == 422 and "scale" in e.value.detail
 
 
 @SETTINGS

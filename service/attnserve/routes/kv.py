@@ -29,6 +29,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/sessions/{session_id}/layers/{layer}", tags=["kv"])
 
 _APPEND_FIELDS = ("k", "v", "offset")
+F32_MAX = float(np.finfo(np.float32).max)
 _ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale")
 
 
@@ -70,12 +71,17 @@ def parse_attend(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AttendRe
     v = f.array("v", None, max_elements=me)
     if (k is None) != (v is None):
         raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
+    scale = f.number("scale", None)
+    if scale is not None:
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.float32(scale)):  # the kernels take it as float32
+                raise InvalidRequest(f"scale: expected a finite float32 (|scale| <= {F32_MAX:.7g}), got {scale!r}")
     return AttendRequest(
         q, k, v,
         offset=f.int("offset", None, lo=0),
         start_pos=f.int("start_pos", None, lo=0),
         causal=f.bool("causal", True),
-        scale=f.number("scale", None),
+        scale=scale,
     )
 
 
