@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Whether the packages installed in the image are this checkout's files.
+
+    podman run --rm --entrypoint /opt/attnserve/bin/python IMAGE -c "$(cat LISTER)" \
+        | python3 deploy/image/image_matches_checkout.py
+
+stdin: one ``<sha256> <path>`` line per file of the installed packages, the path
+relative to site-packages (what ``--print-lister`` prints is a program that lists
+them inside the image). The checkout's side comes from pyproject.toml: each
+package's folder (``package-dir``), its ``*.py`` files and its ``package-data``.
+Exit 0 when both sides hold the same files with the same contents, else 1 with
+the differences.
+
+Why: podman (buildah 1.28) does not count the stage mounted by ``RUN
+--mount=type=bind,from=builder`` in its layer cache key, so after a change of the
+sources a cached build can keep the previous wheels. deploy/test-image.sh checks
+every build with this and rebuilds without the cache when it fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LISTER = """
+import hashlib, os, sys, sysconfig
+site = sysconfig.get_paths()["purelib"]
+for top in ("attnserve", "attnserve_client"):
+    for folder, dirs, files in os.walk(os.path.join(site, top)):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.join(folder, name)
+            digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+            print(digest, os.path.relpath(path, site))
+"""
+
+
+def checkout_files() -> dict[str, str]:
+    """{path in site-packages: sha256} of what the wheel should install."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir: dict[str, str] = setup.get("package-dir", {})
+    data: dict[str, list[str]] = setup.get("package-data", {})
+    out: dict[str, str] = {}
+    for package in setup["packages"]:
+        # the folder of a package: its own package-dir entry, else its parent's + name
+        parts = package.split(".")
+        for i in range(len(parts), 0, -1):
+            base = ".".join(parts[:i])
+            if base in package_dir:
+                folder = ROOT / package_dir[base] / Path(*parts[i:])
+                break
+        else:
+            folder = ROOT / Path(*parts)
+        target = Path(*parts)
+        patterns = ["*.py", *data.get(package, [])]
+        for pattern in patterns:
+            for path in folder.glob(pattern):
+                if path.is_file():
+                    rel = (target / path.relative_to(folder)).as_posix()
+                    out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--print-lister"]:
+        print(LISTER)
+        return 0
+    image: dict[str, str] = {}
+    for line in sys.stdin:
+        if line.strip():
+            digest, path = line.split(maxsplit=1)
+            image[path.strip()] = digest
+    # What pip adds besides the package files (none today) would show up here.
+    want = checkout_files()
+    missing = sorted(set(want) - set(image))
+    extra = sorted(p for p in set(image) - set(want) if not p.endswith((".pyc",)))
+    changed = sorted(p for p in set(want) & set(image) if want[p] != image[p])
+    if missing or extra or changed:
+        for what, paths in (("missing from the image", missing), ("only in the image", extra),
+                            ("different in the image", changed)):
+            if paths:
+                print(f"{what}: {', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}")
+        return 1
+    print(f"ok -- the image's attnserve and attnserve_client are this checkout's {len(want)} files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
