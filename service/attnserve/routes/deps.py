@@ -183,15 +183,21 @@ class Runtime:
         self.store.commit(res)
         loop = self.loop or asyncio.get_running_loop()
         cancelling = False
+        timer: asyncio.TimerHandle | None = None
+
+        def settle(err: BaseException | None) -> None:  # on the event loop
+            if timer is not None:
+                timer.cancel()  # drops the closure (and the job's result) at once, not after the timeout
+            self.store.finish(res, err)
 
         def done(f: Future) -> None:
             err: BaseException | None
             err = asyncio.CancelledError() if f.cancelled() else f.exception()
             if cancelling and f.cancelled():  # our cancel, on the event loop: settle now, before any other check
-                self.store.finish(res, err)
+                settle(err)
                 return
             try:
-                loop.call_soon_threadsafe(self.store.finish, res, err)
+                loop.call_soon_threadsafe(settle, err)
             except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
                 pass
 
@@ -200,11 +206,12 @@ class Runtime:
             state = current_request.get()
 
             def expire() -> None:
-                nonlocal cancelling
+                nonlocal cancelling, timer
+                timer = None
                 if fut.done() or fut.running():
                     return
                 if not self.store.cancellable(res):
-                    loop.call_later(min(0.05, timeout), expire)
+                    timer = loop.call_later(min(0.05, timeout), expire)
                     return
                 cancelling = True
                 try:
@@ -216,7 +223,7 @@ class Runtime:
                         state.timed_out = True
                     self.metrics.timeouts.inc()
 
-            loop.call_later(timeout, expire)
+            timer = loop.call_later(timeout, expire)
 
         fut.add_done_callback(done)
 
