@@ -213,8 +213,15 @@ class NotReady(APIError):
     slug = "not-ready"
 
 
+class RequestTimeout(APIError):
+    """503: the request waited too long for the GPU and was dropped unapplied
+    (server setting ``ATTNSERVE_REQUEST_TIMEOUT_S``); safe to retry."""
+
+    slug = "timeout"
+
+
 class OutOfMemory(APIError):
-    """507: the GPU memory budget cannot hold the request."""
+    """507: the GPU memory budget (or the key's quota) cannot hold the request."""
 
     slug = "out-of-memory"
 
@@ -235,6 +242,7 @@ _BY_SLUG: dict[str, type[APIError]] = {
         InvalidRequest,
         Overloaded,
         NotReady,
+        RequestTimeout,
         OutOfMemory,
     )
     if cls.slug is not None

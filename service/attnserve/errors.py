@@ -26,7 +26,6 @@ __all__ = [
     "Overloaded",
     "NotReady",
     "OutOfMemory",
-    "QuotaExceeded",
     "RequestTimeout",
     "GpuError",
     "RouteNotFound",
@@ -76,7 +75,6 @@ UnsupportedMediaType = _error(
 InvalidSnapshot = _error("InvalidSnapshot", 422, "invalid-snapshot", "Invalid snapshot")
 InvalidRequest = _error("InvalidRequest", 422, "invalid-request", "Invalid request")
 Unauthorized = _error("Unauthorized", 401, "unauthorized", "Unauthorized")
-QuotaExceeded = _error("QuotaExceeded", 429, "quota-exceeded", "Quota exceeded")
 Overloaded = _error("Overloaded", 503, "overloaded", "Overloaded")
 NotReady = _error("NotReady", 503, "not-ready", "Not ready")
 RequestTimeout = _error("RequestTimeout", 503, "timeout", "Request timed out")

@@ -26,6 +26,7 @@ SLUGS = [
     (422, "invalid-request", ac.InvalidRequest),
     (503, "overloaded", ac.Overloaded),
     (503, "not-ready", ac.NotReady),
+    (503, "timeout", ac.RequestTimeout),
     (507, "out-of-memory", ac.OutOfMemory),
 ]
 

@@ -1,6 +1,6 @@
 """The exceptions that need a differently configured real server: a small body
-limit, a session limit, a full GPU queue and a draining server, each mapped from
-a real answer by the sync and the async client."""
+limit, a session limit, a full GPU queue, a draining server and API keys, each
+mapped from a real answer by the sync and the async client."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import attnserve_client as ac
 
 H, KV, D = 4, 2, 32
+KEY, OTHER_KEY = "k-live-limits-1", "k-live-limits-2"
 rng = np.random.default_rng(11)
 
 
@@ -37,7 +38,7 @@ def tight_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(Settings(max_body_bytes=16 * 1024, max_sessions=2))
+    app = create_app(Settings(max_body_bytes=16 * 1024, max_sessions=2, api_keys=f"{KEY},{OTHER_KEY}"))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -60,7 +61,7 @@ def _check(err: ac.AttnServeError, cls: type, status: int, slug: str) -> None:
 
 def test_limits_map_to_exceptions_sync(tight_server):
     url, rt = tight_server
-    with ac.Client(url, max_retries=0) as c:
+    with ac.Client(url, max_retries=0, api_key=KEY) as c:
         s = c.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
         try:
             # 413: 2 x 64 rows x 2 x 32 floats is 32 KiB, over the 16 KiB limit
@@ -102,7 +103,7 @@ def test_limits_map_to_exceptions_async(tight_server):
     url, rt = tight_server
 
     async def body():
-        async with ac.AsyncClient(url, max_retries=0) as c:
+        async with ac.AsyncClient(url, max_retries=0, api_key=KEY) as c:
             s = await c.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
             try:
                 with pytest.raises(ac.PayloadTooLarge) as e:
@@ -134,3 +135,30 @@ def test_limits_map_to_exceptions_async(tight_server):
                 await s.delete()
 
     asyncio.run(body())
+
+
+def test_unauthorized_and_tenants_sync_and_async(tight_server):
+    url, _ = tight_server
+    with ac.Client(url, max_retries=0, api_key=KEY) as owner:
+        s = owner.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
+        try:
+            for key in (None, "wrong-key"):
+                with ac.Client(url, max_retries=0, api_key=key) as c:
+                    with pytest.raises(ac.Unauthorized) as e:
+                        c.list_sessions()
+                _check(e.value, ac.Unauthorized, 401, "unauthorized")
+                assert "bearer" in e.value.headers.get("www-authenticate", "").lower()
+            with ac.Client(url, max_retries=0, api_key=OTHER_KEY) as other:
+                with pytest.raises(ac.SessionNotFound):
+                    other.get_session(s.session_id)
+                assert s.session_id not in [i.session_id for i in other.list_sessions()]
+
+            async def body():
+                async with ac.AsyncClient(url, max_retries=0, api_key="wrong-key") as c:
+                    with pytest.raises(ac.Unauthorized) as e:
+                        await c.get_session(s.session_id)
+                    _check(e.value, ac.Unauthorized, 401, "unauthorized")
+
+            asyncio.run(body())
+        finally:
+            s.delete()
