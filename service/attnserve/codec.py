@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 import anyio.to_thread
 import numpy as np
 from starlette.requests import Request
@@ -57,9 +58,14 @@ __all__ = [
     "problem_response",
     "offload",
     "MEDIA_TYPES",
+    "BodyTimeout",
+    "BODY_IDLE_TIMEOUT_S",
 ]
 
 MediaKind = Literal["json", "msgpack"]
+# A refused body is not read on: the answer closes the connection (else the server
+# would go on receiving, and dropping, whatever the client still sends).
+_CLOSE = {"Connection": "close"}
 MEDIA_TYPES: dict[str, str] = {"json": wire.JSON, "msgpack": wire.MSGPACK}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
@@ -137,23 +143,53 @@ def negotiate(request: Request, max_body_bytes: int) -> Wire:
             raise PayloadTooLarge(
                 f"the body is {int(cl)} bytes; this server takes at most {max_body_bytes}",
                 max_body_bytes=max_body_bytes,
+                headers=_CLOSE,
             )
     return Wire(request=kind, response=accept_kind(request.headers.get("accept")) or kind or "json")
 
 
-async def read_body(request: Request, max_body_bytes: int) -> bytes:
+class BodyTimeout(ApiError):
+    """The client stopped sending its body (no byte for ``BODY_IDLE_TIMEOUT_S``)."""
+
+    status = 408
+    slug = "body-timeout"
+    title = "Body timeout"
+
+
+#: Longest wait for the next piece of a request body (like nginx's client_body_timeout):
+#: a client that stalls mid-body is answered 408 body-timeout and its connection closed,
+#: instead of holding a request (and its partial body) open for ever.
+BODY_IDLE_TIMEOUT_S = 60.0
+
+
+async def read_body(request: Request, max_body_bytes: int, *, idle_timeout_s: float | None = None) -> bytes:
     """The whole body, refusing it (413) as soon as it passes ``max_body_bytes``:
     before reading anything when ``Content-Length`` says so, else as soon as the
-    streamed bytes pass the limit (the rest is never buffered)."""
+    streamed bytes pass the limit (the rest is never buffered); and refusing it
+    (408) when no byte arrives for ``idle_timeout_s`` (default
+    :data:`BODY_IDLE_TIMEOUT_S`)."""
     cl = request.headers.get("content-length")
     if cl is not None and cl.strip().isdigit() and int(cl) > max_body_bytes:
         raise PayloadTooLarge(
             f"the body is {int(cl)} bytes; this server takes at most {max_body_bytes}",
             max_body_bytes=max_body_bytes,
+            headers=_CLOSE,
         )
+    idle = BODY_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            with anyio.fail_after(idle):
+                chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise BodyTimeout(
+                f"no byte of the body arrived for {idle:g} s ({total} bytes came); send it whole and promptly",
+                headers=_CLOSE,
+            ) from None
         if not chunk:
             continue
         total += len(chunk)
@@ -161,6 +197,7 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
             raise PayloadTooLarge(
                 f"the body passed {max_body_bytes} bytes, the most this server takes",
                 max_body_bytes=max_body_bytes,
+                headers=_CLOSE,
             )
         chunks.append(chunk)
     if len(chunks) == 1:
