@@ -61,6 +61,7 @@ COPY deploy/healthcheck.py /usr/local/bin/attnserve-healthcheck
 RUN groupadd --system --gid 10001 attnserve \
     && useradd --system --uid 10001 --gid attnserve --no-log-init \
         --create-home --home-dir /home/attnserve --shell /usr/sbin/nologin attnserve \
+    && install -d -o 10001 -g 10001 -m 0700 /var/lib/attnserve/snapshots \
     && chmod 0755 /usr/local/bin/attnserve-healthcheck
 
 ENV PATH=/opt/attnserve/bin:$PATH \

@@ -313,6 +313,9 @@ echo "the service process (host pid $pid, $(tr '\0' ' ' <"/proc/$pid/cmdline" | 
 [ "$uids" = "10001 10001 10001 10001" ] && [ "$gids" = "10001 10001 10001 10001" ] \
   || die "the service does not run as 10001:10001"
 [ "$(podman exec "$API" id -u)" = 10001 ] || die "podman exec does not run as 10001"
+# the snapshot folder compose mounts a volume on is the service user's to write
+podman exec "$API" sh -c 'touch /var/lib/attnserve/snapshots/.w && rm /var/lib/attnserve/snapshots/.w' \
+  || die "the service user cannot write /var/lib/attnserve/snapshots"
 podman healthcheck run "$API" >/dev/null || die "the image's HEALTHCHECK failed on a ready container"
 echo "HEALTHCHECK: healthy ($(podman container inspect --format '{{.State.Health.Status}}' "$API" 2>/dev/null || echo '?'))"
 if podman exec "$API" /opt/attnserve/bin/python /usr/local/bin/attnserve-healthcheck http://127.0.0.1:1/readyz 2>/dev/null; then
