@@ -168,7 +168,8 @@ def _parse_blob(raw: bytes, max_bytes: int, limit_for) -> tuple[SessionConfig, l
         wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}}},
     responses={
         **ok(201, "The restored session's info", "SessionInfo"),
-        **problems(409, 413, 415, 422, 503, 507, slugs={409: "session-exists", 422: "invalid-snapshot"}),
+        **problems(408, 409, 413, 415, 422, 503, 507,
+                   slugs={408: "body-timeout", 409: "session-exists", 422: "invalid-snapshot"}),
     },
 )
 async def put_snapshot(session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire_: WireDep,
