@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-live", type=int, default=6, help="sessions each worker keeps at most (default 6)")
     p.add_argument("--rss-tolerance-mb", type=float, default=64.0,
                    help="how far above its level after the warm-up the server's memory may end (default 64: the "
-                   "allocator settles 24 to 35 MiB above it, docs/reliability.md)")
+                   "allocator settles 21 to 35 MiB above it, docs/reliability.md)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json-out", help="write the figures here as JSON")
     p.add_argument("--log-dir", help="where the spawned server logs (default: a temporary folder)")
