@@ -156,6 +156,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        # a trailing slash (or an id like %2F) is a 404 problem, not a redirect
+        redirect_slashes=False,
         openapi_tags=[
             {"name": "sessions", "description": "Sessions: one KV cache per layer of one sequence."},
             {"name": "kv", "description": "Append K/V rows and attend."},

@@ -211,3 +211,12 @@ def test_tq_session_bytes_count_the_signs(api, rng):
     assert info["bytes"] == cache + signs and info["lengths"] == [0, 3]
     api.delete(sid)
     assert np.isfinite(info["bytes"])
+
+
+def test_trailing_slashes_are_problems_not_redirects(server):
+    import httpx
+
+    for method, path in (("PUT", "/v1/sessions/%2F"), ("GET", "/v1/sessions/"), ("GET", "/v1/info/")):
+        r = httpx.request(method, server.url + path, json={} if method == "PUT" else None)
+        assert r.status_code in (404, 405, 422), (path, r.status_code)
+        assert r.headers["content-type"].startswith("application/problem+json")
