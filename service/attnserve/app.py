@@ -37,6 +37,8 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from attnserve_client.wire import PROBLEM_JSON
+
 from . import __version__
 from .codec import problem_response
 from .instance import InstanceHeaderMiddleware
@@ -195,6 +197,10 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                     if path.startswith("/v1") or (path == "/metrics" and settings.metrics_auth):
                         for op in ops.values():
                             op["security"] = [{"apiKey": []}]
+                            # a missing or wrong key answers 401 on every protected route
+                            op.setdefault("responses", {}).setdefault(
+                                "401", {"description": "Problem: unauthorized",
+                                        "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}})
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -98,7 +98,8 @@ _CREATE_DOC = dict(
     "",
     summary="Create a session",
     description="Creates a session: a KV cache for every layer of one sequence, with a random id.",
-    responses={**ok(201, "The session's info", "SessionInfo"), **problems(400, 413, 415, 422, 503, 507)},
+    responses={**ok(201, "The session's info", "SessionInfo"),
+               **problems(400, 408, 413, 415, 422, 503, 507, slugs={408: "body-timeout"})},
     **_CREATE_DOC,
 )
 async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
@@ -114,7 +115,7 @@ async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine
     "collide). A router in front of several replicas can hash the id, so a session lives on one replica.",
     responses={
         **ok(201, "The session's info", "SessionInfo"),
-        **problems(400, 409, 413, 415, 422, 503, 507, slugs={409: "session-exists"}),
+        **problems(400, 408, 409, 413, 415, 422, 503, 507, slugs={408: "body-timeout", 409: "session-exists"}),
     },
     **_CREATE_DOC,
 )
