@@ -72,47 +72,7 @@ fn attention_split_f32(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let kv_dim = params[3];
-    let max_seq = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let start_pos = params[6];
-    let split_len = params[7];
-    let q_stride = params[8];
-    let n_splits = params[9];
-    let q_base = params[10];
-    let flags = params[11];
-    let q_total = params[12];
-
-    let split = wid.x;
-    let kv_head = wid.y;
-    let q_idx = q_base + wid.z;
-    let group = n_heads / n_kv_heads;
-    let seg = WG / group;                      // threads per query head in reductions
-    let d4 = head_dim / 4u;
-    let pos_q = start_pos + q_idx;
-    var seq_len = min(pos_q + 1u, max_seq);
-    if (flags & FLAG_NON_CAUSAL) != 0u {
-        seq_len = max_seq;
-    }
-    let t0 = split * split_len;
-    var n_t = 0u;
-    if t0 < seq_len {
-        n_t = min(split_len, seq_len - t0);
-    }
-    let row0 = (t0 * kv_dim + kv_head * head_dim) / 4u;   // vec4 index of (t0, this head)
-    let kv4 = kv_dim / 4u;
-
-    // ── the group's query heads (contiguous: heads kv_head*G .. +G-1) ──
-    let q_off = q_idx * q_stride + kv_head * group * head_dim;
-    for (var e = tid; e < group * d4; e += WG) {
-        let o = q_off + 4u * e;
-        q_sh[e] = vec4<f32>(q_batch[o], q_batch[o + 1u], q_batch[o + 2u], q_batch[o + 3u]);
-    }
-    workgroupBarrier();
+    // #include "split_f32_prologue.wgsl"
 
     // ── 1. scores, one staged K tile at a time ──
     let gi = tid / TK;                           // score phase: query head ...

@@ -1,0 +1,61 @@
+    // (shaders/include/split_tq_prologue.wgsl: the prologue shared by flash_attention_tq_split.wgsl and flash_attention_tq_split_sg.wgsl:
+    // params, this workgroup's split window, and the GQA group's queries
+    // in workgroup memory; inlined by the loader, barrier included.)
+    let tid = lid.x;
+    let n_heads = params[0];
+    let n_kv_heads = params[1];
+    let head_dim = params[2];
+    let max_seq = params[3];
+    let start_pos = params[4];
+    let scale = bitcast<f32>(params[5]);
+    let q_cap = params[6];
+    let split_len = params[7];
+    let qjl_scale = bitcast<f32>(params[8]);
+    let n_splits = params[9];
+    let c0 = bitcast<f32>(params[10]);
+    let c1 = bitcast<f32>(params[11]);
+    let c2 = bitcast<f32>(params[12]);
+    let c3 = bitcast<f32>(params[13]);
+    let q_base = params[14];
+    let cache_cap = params[15];
+    let flags = params[16];
+
+    let split = wid.x;
+    let kv_head = wid.y;
+    let q_idx = q_base + wid.z;
+    let group = n_heads / n_kv_heads;
+    let seg = WG / group;
+    let d4 = head_dim / 4u;
+    let pos_q = start_pos + q_idx;
+    var seq_len = min(pos_q + 1u, max_seq);
+    if (flags & FLAG_NON_CAUSAL) != 0u {
+        seq_len = max_seq;
+    }
+    let t0 = split * split_len;
+    var n_t = 0u;
+    if t0 < seq_len {
+        n_t = min(split_len, seq_len - t0);
+    }
+
+    // Compressed regions of this layer.
+    let pw = head_dim / 16u;
+    let jw = head_dim / 32u;
+    let vecs = n_kv_heads * cache_cap;
+    let k_jl_off = vecs * pw;
+    let k_norm_off = k_jl_off + vecs * jw;
+    let v_norm_off = vecs * pw;
+    let slot0 = kv_head * cache_cap + t0;        // slot of the split's first timestep
+
+    // ── the group's rotated queries, as vec4 ──
+    let q_region = q_cap * n_heads * head_dim;
+    let q_off = (q_idx * n_heads + kv_head * group) * head_dim;
+    for (var e = tid; e < group * d4; e += WG) {
+        let o = q_off + 4u * e;
+        qbuf[e] = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
+        let oj = q_region + o;
+        qbuf[256u + e] = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
+    }
+    if tid < group {
+        qsum_sh[tid] = qrot[2u * q_region + q_idx * n_heads + kv_head * group + tid];
+    }
+    workgroupBarrier();
