@@ -213,6 +213,12 @@ class NotReady(APIError):
     slug = "not-ready"
 
 
+class BodyTimeout(APIError):
+    """408: the server stopped waiting for the rest of the request body; nothing changed."""
+
+    slug = "body-timeout"
+
+
 class RequestTimeout(APIError):
     """503: the request waited too long for the GPU and was dropped unapplied
     (server setting ``ATTNSERVE_REQUEST_TIMEOUT_S``); safe to retry."""
@@ -242,6 +248,7 @@ _BY_SLUG: dict[str, type[APIError]] = {
         InvalidRequest,
         Overloaded,
         NotReady,
+        BodyTimeout,
         RequestTimeout,
         OutOfMemory,
     )

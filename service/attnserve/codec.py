@@ -31,7 +31,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import ApiError, InvalidRequest, MalformedBody, PayloadTooLarge, UnsupportedMediaType
+from .errors import ApiError, BodyTimeout, InvalidRequest, MalformedBody, PayloadTooLarge, UnsupportedMediaType
 
 try:
     from attnserve_client import wire
@@ -146,14 +146,6 @@ def negotiate(request: Request, max_body_bytes: int) -> Wire:
                 headers=_CLOSE,
             )
     return Wire(request=kind, response=accept_kind(request.headers.get("accept")) or kind or "json")
-
-
-class BodyTimeout(ApiError):
-    """The client stopped sending its body (no byte for ``BODY_IDLE_TIMEOUT_S``)."""
-
-    status = 408
-    slug = "body-timeout"
-    title = "Body timeout"
 
 
 #: Longest wait for the next piece of a request body (like nginx's client_body_timeout):

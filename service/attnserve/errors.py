@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "ApiError",
     "MalformedBody",
+    "BodyTimeout",
     "SessionNotFound",
     "LayerNotFound",
     "OffsetMismatch",
@@ -63,6 +64,8 @@ def _error(name: str, status: int, slug: str, title: str) -> type[ApiError]:
 
 
 MalformedBody = _error("MalformedBody", 400, "malformed-body", "Malformed body")
+# the client stopped sending its body (codec.BODY_IDLE_TIMEOUT_S without a byte)
+BodyTimeout = _error("BodyTimeout", 408, "body-timeout", "Body timeout")
 SessionNotFound = _error("SessionNotFound", 404, "session-not-found", "Session not found")
 LayerNotFound = _error("LayerNotFound", 404, "layer-not-found", "Layer not found")
 OffsetMismatch = _error("OffsetMismatch", 409, "offset-mismatch", "Offset mismatch")

@@ -27,6 +27,7 @@ SLUGS = [
     (503, "overloaded", ac.Overloaded),
     (503, "not-ready", ac.NotReady),
     (503, "timeout", ac.RequestTimeout),
+    (408, "body-timeout", ac.BodyTimeout),
     (507, "out-of-memory", ac.OutOfMemory),
 ]
 

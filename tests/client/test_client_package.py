@@ -22,7 +22,7 @@ PUBLIC = {
     "APIConnectionError", "APIError", "APIStatusError", "APITimeoutError",
     "AsyncClient", "AsyncSession", "AttnServeError", "CapacityExceeded", "Client",
     "InvalidInput", "InvalidRequest", "InvalidResponse", "InvalidSnapshot",
-    "LayerNotFound", "MalformedBody", "NotReady", "OffsetMismatch", "OutOfMemory", "RequestTimeout",
+    "LayerNotFound", "MalformedBody", "NotReady", "OffsetMismatch", "OutOfMemory", "RequestTimeout", "BodyTimeout",
     "Overloaded", "PayloadTooLarge", "Session", "SessionExists", "SessionInfo",
     "SessionNotFound", "Unauthorized", "UnsupportedMediaType", "WireError",
     "__version__", "parse_problem", "wire",

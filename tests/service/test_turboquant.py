@@ -3,6 +3,8 @@ attention, bit-identical for identical seeds and inputs, different for another s
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,51 @@ def test_identical_seeds_and_inputs_give_identical_bits(api, server):
     for a, b in zip(results[0], same):
         assert a.tobytes() == b.tobytes()
     assert any(a.tobytes() != c.tobytes() for a, c in zip(results[0], other))
+
+
+def test_turboquant_refuses_rows_whose_norm_float16_cannot_hold(server):
+    """Norms are stored as float16: a row over 65504 is a 422 (nothing appended),
+    one just under it is stored and answers finite values. A snapshot carrying a
+    non-finite norm is refused too."""
+    import attnserve_client as ac
+    from attnserve_client import wire
+
+    rng = np.random.default_rng(3)
+    hkv, d = 2, 32
+    with ac.Client(server.url, max_retries=0) as c:
+        s = c.create_session(num_qo_heads=4, num_kv_heads=hkv, head_dim=d, kv_format="turboquant")
+        try:
+            k = rng.standard_normal((3, hkv, d)).astype(np.float32)
+            v = rng.standard_normal((3, hkv, d)).astype(np.float32)
+            big = k.copy()
+            big[1, 0] *= 7e4 / np.linalg.norm(big[1, 0])
+            for kk, vv, name in ((big, v, "k[1, 0]"), (k, big, "v[1, 0]")):
+                with pytest.raises(ac.InvalidRequest, match=re.escape(name)):
+                    s.append(0, kk, vv)
+                with pytest.raises(ac.InvalidRequest):
+                    s.attend(0, rng.standard_normal((1, 4, d)), k=kk[:2], v=vv[:2])
+            assert s.info().lengths == (0,)
+            ok = k.copy()
+            ok[1, 0] *= 6e4 / np.linalg.norm(ok[1, 0])
+            assert s.append(0, ok, v) == 3
+            out = s.attend(0, rng.standard_normal((2, 4, d)))
+            assert np.isfinite(out).all()
+            # a snapshot whose norm word says NaN is refused and creates nothing
+            import httpx
+            blob = wire.unpackb(httpx.get(f"{server.url}/v1/sessions/{s.session_id}/snapshot").content,
+                                max_bytes=1 << 26)
+            layer = blob["layers"][0]
+            cap, vecs = layer["capacity"], hkv * layer["capacity"]
+            kb = bytearray(layer["k"])
+            off = 4 * (vecs * (d // 16 + d // 32))  # first norm word: head 0, timestep 0
+            kb[off:off + 2] = np.array([np.nan], np.float16).tobytes()
+            layer["k"] = bytes(kb)
+            from attnserve.routes.snapshots import digest
+            blob["checksum"] = digest(blob["format"], blob["version"], blob["config"], blob["layers"])
+            r = httpx.put(f"{server.url}/v1/sessions/nan-norms/snapshot", content=wire.packb(blob),
+                          headers={"content-type": wire.MSGPACK})
+            assert r.status_code == 422 and r.json()["type"] == "/problems/invalid-snapshot", r.text
+            assert "norm" in r.json()["detail"]
+            assert httpx.get(f"{server.url}/v1/sessions/nan-norms").status_code == 404
+        finally:
+            s.delete()

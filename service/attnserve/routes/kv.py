@@ -95,6 +95,9 @@ def _layer(session: Session, layer_path: str) -> int:
     return layer
 
 
+F16_MAX = 65504.0  # the largest finite float16
+
+
 def _check_kv(session: Session, engine: Engine, k: np.ndarray, v: np.ndarray) -> int:
     c = session.config
     want = (c.num_kv_heads, c.head_dim)
@@ -102,6 +105,17 @@ def _check_kv(session: Session, engine: Engine, k: np.ndarray, v: np.ndarray) ->
         raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
     if v.shape != k.shape:
         raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if c.kv_format == "turboquant":
+        # TurboQuant keeps each row's norm as float16: a larger one would be stored
+        # as inf and turn that layer's answers into NaN.
+        for name, a in (("k", k), ("v", v)):
+            norms = np.sqrt(np.einsum("nhd,nhd->nh", a, a, dtype=np.float64))
+            if norms.max() > F16_MAX:
+                i, h = np.unravel_index(int(norms.argmax()), norms.shape)
+                raise InvalidRequest(
+                    f"{name}[{i}, {h}]: norm {norms[i, h]:.6g} is over {F16_MAX:g}, the largest norm "
+                    "turboquant stores (float16); scale the rows down"
+                )
     limit = engine.ctx.max_binding
     if k.nbytes > limit:
         rows = limit // (k.nbytes // k.shape[0])

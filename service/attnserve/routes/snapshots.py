@@ -95,6 +95,17 @@ async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -
                     headers={"Content-Disposition": f'attachment; filename="{session.id}.attnsnap"'})
 
 
+def _check_tq_norms(i: int, config: SessionConfig, n: int, cap: int, kb: bytes, vb: bytes) -> None:
+    """The f16 norm halves of the used slots must be finite (appends never store others)."""
+    d, hkv = config.head_dim, config.num_kv_heads
+    vecs = hkv * cap
+    for name, buf, words_before in (("k", kb, vecs * (d // 16 + d // 32)), ("v", vb, vecs * (d // 16))):
+        words = np.frombuffer(buf, "<u4", count=vecs, offset=4 * words_before).reshape(hkv, cap)[:, :n]
+        halves = np.stack([words & 0xFFFF, words >> 16]).astype(np.uint16).view(np.float16)
+        if not np.isfinite(halves).all():
+            raise InvalidSnapshot(f"layers[{i}].{name}: non-finite norms")
+
+
 def _parse_blob(raw: bytes, max_bytes: int, limit_for) -> tuple[SessionConfig, list[tuple[int, int, bytes, bytes]]]:
     """Check everything about a blob (InvalidSnapshot otherwise); ``limit_for(fmt, hkv, d)``
     is the adapter's max_tokens limit."""
@@ -150,6 +161,8 @@ def _parse_blob(raw: bytes, max_bytes: int, limit_for) -> tuple[SessionConfig, l
             for name, b in (("k", kb), ("v", vb)):
                 if not np.isfinite(np.frombuffer(b, "<f4", count=used)).all():
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
+        if config.kv_format == "turboquant" and n:
+            _check_tq_norms(i, config, n, cap, kb, vb)
         out.append((n, cap, kb, vb))
     if doc["checksum"] != digest(doc["format"], doc["version"], cfg, layers):
         raise InvalidSnapshot("checksum: the blob does not match its checksum (corrupted or truncated)")
