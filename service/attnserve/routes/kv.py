@@ -109,7 +109,9 @@ def _check_kv(session: Session, engine: Engine, k: np.ndarray, v: np.ndarray) ->
         # TurboQuant keeps each row's norm as float16: a larger one would be stored
         # as inf and turn that layer's answers into NaN.
         for name, a in (("k", k), ("v", v)):
-            norms = np.sqrt(np.einsum("nhd,nhd->nh", a, a, dtype=np.float64))
+            # float32 is enough: rows under the limit cannot overflow it, and an
+            # overflow is inf, which the check refuses (no float64 copy of the body)
+            norms = np.sqrt(np.einsum("nhd,nhd->nh", a, a))
             if norms.max() > F16_MAX:
                 i, h = np.unravel_index(int(norms.argmax()), norms.shape)
                 raise InvalidRequest(
