@@ -136,25 +136,7 @@ fn attention_prefill_tiled(
         p_sh[sr * TK + sj] = select(NEG_INF, s0 * scale, sj < nk && t0 < s_end);
         p_sh[sr * TK + sj + 8u] = select(NEG_INF, s1 * scale, sj + 8u < nk && t0 + 8u < s_end);
         workgroupBarrier();
-        // (3) online softmax, one thread per row
-        if tid < R {
-            let m_old = m_sh[tid];
-            var mx = m_old;
-            for (var j = 0u; j < TK; j += 1u) {
-                mx = max(mx, p_sh[tid * TK + j]);
-            }
-            let corr = exp(m_old - mx);
-            var l = l_sh[tid] * corr;
-            for (var j = 0u; j < TK; j += 1u) {
-                let s = p_sh[tid * TK + j];
-                let p = select(0.0, exp(s - mx), s > NEG_INF);
-                p_sh[tid * TK + j] = p;
-                l += p;
-            }
-            m_sh[tid] = mx;
-            l_sh[tid] = l;
-            c_sh[tid] = corr;
-        }
+        // #include "tiled_row_softmax.wgsl"
         // (4) V tile (the K tile is no longer read)
         for (var e = tid; e < nk * d4; e += WG) {
             kv[(e / d4) * ROW4 + e % d4] = v_cache[(tb + e / d4) * kv4 + kv_off + e % d4];

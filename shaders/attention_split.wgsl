@@ -123,20 +123,7 @@ fn attention_split_f32(
             for (var t = grp; t < nk; t += n_grp) {
                 let v = tile[t * ROW4 + c];
                 let st = tb + t;
-                a0 += scores[st] * v;
-                if group > 1u {
-                    a1 += scores[split_len + st] * v;
-                }
-                if group > 2u {
-                    a2 += scores[2u * split_len + st] * v;
-                    a3 += scores[3u * split_len + st] * v;
-                }
-                if group > 4u {
-                    a4 += scores[4u * split_len + st] * v;
-                    a5 += scores[5u * split_len + st] * v;
-                    a6 += scores[6u * split_len + st] * v;
-                    a7 += scores[7u * split_len + st] * v;
-                }
+                // #include "accumulate_heads.wgsl" T=st V=v
             }
         }
         workgroupBarrier();

@@ -151,52 +151,10 @@ fn attention_split_tq(
         for (var t = grp; t < nk; t += n_grp) {
             let v = cvals((vec4<u32>(vp_tile[t * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
             let st = tb + t;
-            a0 += scores[st] * v;
-            if group > 1u {
-                a1 += scores[split_len + st] * v;
-            }
-            if group > 2u {
-                a2 += scores[2u * split_len + st] * v;
-                a3 += scores[3u * split_len + st] * v;
-            }
-            if group > 4u {
-                a4 += scores[4u * split_len + st] * v;
-                a5 += scores[5u * split_len + st] * v;
-                a6 += scores[6u * split_len + st] * v;
-                a7 += scores[7u * split_len + st] * v;
-            }
+            // #include "accumulate_heads.wgsl" T=st V=v
         }
         workgroupBarrier();
     }
 
-    // ── sum the row groups (through qbuf, two heads per pass); write partials ──
-    let n_part = q_cap * n_heads * n_splits;
-    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
-    if tid < group {
-        let pi = pbase + tid * n_splits;
-        partial[n_part * head_dim + pi] = stat[tid];
-        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
-    }
-    for (var h0 = 0u; h0 < group; h0 += 2u) {
-        let o = grp * d4 + c;                    // < WG
-        if h0 == 0u { qbuf[o] = a0; qbuf[WG + o] = a1; }
-        if h0 == 2u { qbuf[o] = a2; qbuf[WG + o] = a3; }
-        if h0 == 4u { qbuf[o] = a4; qbuf[WG + o] = a5; }
-        if h0 == 6u { qbuf[o] = a6; qbuf[WG + o] = a7; }
-        workgroupBarrier();
-        let hh = tid / d4;
-        let cc = tid % d4;
-        if hh < 2u && h0 + hh < group {
-            var sum = vec4<f32>(0.0);
-            for (var g = 0u; g < n_grp; g += 1u) {
-                sum += qbuf[hh * WG + g * d4 + cc];
-            }
-            let po = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
-            partial[po] = sum.x;
-            partial[po + 1u] = sum.y;
-            partial[po + 2u] = sum.z;
-            partial[po + 3u] = sum.w;
-        }
-        workgroupBarrier();
-    }
+    // #include "split_tq_epilogue.wgsl"
 }

@@ -187,25 +187,7 @@ fn attention_tq_tiled(
         let score = (polar * nr.x + nr.x * nr.y * qjl_scale * (2.0 * pos - qsum_sh[sr])) * scale;
         p_sh[sr * TK + sj] = select(NEG_INF, score, sj < nk && tb + sj < s_end);
         workgroupBarrier();
-        // (3) online softmax, one thread per row
-        if tid < R {
-            let m_old = m_sh[tid];
-            var mx = m_old;
-            for (var j = 0u; j < TK; j += 1u) {
-                mx = max(mx, p_sh[tid * TK + j]);
-            }
-            let corr = exp(m_old - mx);
-            var l = l_sh[tid] * corr;
-            for (var j = 0u; j < TK; j += 1u) {
-                let s = p_sh[tid * TK + j];
-                let p = select(0.0, exp(s - mx), s > NEG_INF);
-                p_sh[tid * TK + j] = p;
-                l += p;
-            }
-            m_sh[tid] = mx;
-            l_sh[tid] = l;
-            c_sh[tid] = corr;
-        }
+        // #include "tiled_row_softmax.wgsl"
         // (4) decode the value tile: norm * centroid (the keys' tile is no longer read)
         for (var e = tid; e < nk * d4; e += WG) {
             let t = e / d4;
