@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from attnserve import reference as ref
 from attnserve_client import wire
+from contract_helpers import Model, Resp, decode, rel_err, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
 KV_FORMATS = ("f32", "turboquant")
@@ -82,42 +82,6 @@ TARGET = Target.from_env()
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
-
-
-@dataclass
-class Resp:
-    status: int
-    headers: httpx.Headers
-    body: Any
-    raw: bytes
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "")
-
-    @property
-    def problem_type(self) -> str | None:
-        return self.body.get("type") if isinstance(self.body, dict) else None
-
-
-def to_wire(obj: Any, enc: str) -> Any:
-    """Arrays inside ``obj`` in the encoding's form (map for msgpack, lists for JSON)."""
-    if isinstance(obj, np.ndarray):
-        return wire.encode_array(obj) if enc == "msgpack" else obj.tolist()
-    if isinstance(obj, dict):
-        return {k: to_wire(v, enc) for k, v in obj.items()}
-    return obj
-
-
-def decode(r: httpx.Response) -> Any:
-    if not r.content:
-        return None
-    ctype = r.headers.get("content-type", "")
-    if wire.is_msgpack(ctype):
-        return wire.unpackb(r.content, max_bytes=1 << 31)
-    if "json" in ctype:
-        return json.loads(r.content)
-    return r.text
 
 
 def out_array(body: dict) -> np.ndarray:
@@ -184,11 +148,6 @@ class Api:
         return self.call("DELETE", f"/v1/sessions/{sid}")
 
 
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    want = np.asarray(want, np.float64)
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
-
-
 def band(out: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     out, exact = np.asarray(out, np.float64), np.asarray(exact, np.float64)
     rel = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
@@ -196,25 +155,3 @@ def band(out: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     return rel, corr
 
 
-def rows(rng: np.random.Generator, n: int, heads: int, d: int) -> np.ndarray:
-    return rng.standard_normal((n, heads, d)).astype(np.float32)
-
-
-class Model:
-    """What a session's layers should hold, for oracle checks after every request."""
-
-    def __init__(self, h: int, hkv: int, d: int, layers: int = 1):
-        self.h, self.hkv, self.d = h, hkv, d
-        self.k = [np.zeros((0, hkv, d), np.float32) for _ in range(layers)]
-        self.v = [np.zeros((0, hkv, d), np.float32) for _ in range(layers)]
-
-    def add(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.k[layer] = np.concatenate([self.k[layer], k])
-        self.v[layer] = np.concatenate([self.v[layer], v])
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(k) for k in self.k]
-
-    def attention(self, layer: int, q: np.ndarray, **kw: Any) -> np.ndarray:
-        return ref.attention(q, self.k[layer], self.v[layer], **kw)

@@ -7,7 +7,6 @@ import math
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -18,6 +17,7 @@ from attnserve import reference as ref
 from attnserve.app import create_app
 from attnserve.config import Settings
 from attnserve_client import wire
+from contract_helpers import Model, Resp, decode, rel_err, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
 TYPES = {"json": wire.JSON, "msgpack": wire.MSGPACK}
@@ -58,31 +58,6 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
-
-
-@dataclass
-class Resp:
-    status: int
-    headers: httpx.Headers
-    body: Any
-    raw: bytes
-
-    @property
-    def content_type(self) -> str:
-        return self.headers.get("content-type", "")
-
-    @property
-    def problem_type(self) -> str | None:
-        return self.body.get("type") if isinstance(self.body, dict) else None
-
-
-def to_wire(obj: Any, enc: str) -> Any:
-    """Arrays inside ``obj`` in the encoding's form (map for msgpack, lists for JSON)."""
-    if isinstance(obj, np.ndarray):
-        return wire.encode_array(obj) if enc == "msgpack" else obj.tolist()
-    if isinstance(obj, dict):
-        return {k: to_wire(v, enc) for k, v in obj.items()}
-    return obj
 
 
 def from_wire(obj: Any) -> Any:
@@ -147,50 +122,8 @@ def httpx_json(payload: Any) -> bytes:
     return json.dumps(payload).encode()
 
 
-def decode(r: httpx.Response) -> Any:
-    if not r.content:
-        return None
-    ctype = r.headers.get("content-type", "")
-    if wire.is_msgpack(ctype):
-        return wire.unpackb(r.content, max_bytes=1 << 31)
-    if "json" in ctype:
-        import json
-
-        return json.loads(r.content)
-    return r.text
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    want = np.asarray(want, np.float64)
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-def rows(rng: np.random.Generator, n: int, heads: int, d: int) -> np.ndarray:
-    return rng.standard_normal((n, heads, d)).astype(np.float32)
-
-
 def oracle(q, k, v, **kw) -> np.ndarray:
     return ref.attention(q, k, v, **kw)
-
-
-class Model:
-    """What a session's layers should hold, for oracle checks after every request."""
-
-    def __init__(self, h: int, hkv: int, d: int, layers: int = 1):
-        self.h, self.hkv, self.d = h, hkv, d
-        self.k = [np.zeros((0, hkv, d), np.float32) for _ in range(layers)]
-        self.v = [np.zeros((0, hkv, d), np.float32) for _ in range(layers)]
-
-    def add(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.k[layer] = np.concatenate([self.k[layer], k])
-        self.v[layer] = np.concatenate([self.v[layer], v])
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(k) for k in self.k]
-
-    def attention(self, layer: int, q: np.ndarray, **kw: Any) -> np.ndarray:
-        return oracle(q, self.k[layer], self.v[layer], **kw)
 
 
 def default_scale(d: int) -> float:
