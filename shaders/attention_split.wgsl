@@ -11,18 +11,21 @@
 // (`attention_merge.wgsl`) combines the splits.
 //
 // Within a split (at most MAX_SCORES / G timesteps):
-//   1. K tiles of TK rows are staged in workgroup memory with coalesced vec4
-//      loads (consecutive threads read consecutive 16-byte words of a row),
-//      rows padded to head_dim/4 + 1 vec4 so that the score phase's vec4 reads
-//      are bank-conflict free; thread (gi, j) scores query head gi against tile
-//      row j with vec4 dot products (q and k both read as vec4).
+//   1. Scores, one thread per key: thread i scores keys i, i + WG, ... of the
+//      split against every query head of the group. It reads its key row
+//      straight from global memory as vec4 (eight loads in flight per step,
+//      no staging, no barriers) and the queries from workgroup memory, where
+//      every thread of a subgroup reads the same address (a broadcast). The
+//      seven earlier versions of this phase (staged tiles, one subgroup per
+//      key) serialized each subgroup on one key at a time; see
+//      docs/benchmarks.md for what each measured.
 //   2. Per query head: max and sum of exp over the split's scores (inlined
 //      tree reductions over segments of WG / G threads).
-//   3. V tiles are staged the same way. Thread (c, grp) owns the vec4 column c
-//      of the output for EVERY query head of the group (G vec4 accumulators in
-//      registers, so a V element is read once from workgroup memory for all G
-//      heads) and takes every NG-th row of the tile; the NG row groups are
-//      summed in workgroup memory at the end.
+//   3. Thread (c, grp) owns the vec4 column c of the output for EVERY query
+//      head of the group (G vec4 accumulators in registers) and reads V rows
+//      grp, grp + NG, ... straight from global memory (coalesced: consecutive
+//      threads, consecutive 16-byte words), four rows per step; the NG row
+//      groups are summed in workgroup memory at the end.
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow:
 // loop bounds depend only on params and the workgroup id (naga's SPIR-V path
@@ -30,7 +33,7 @@
 //
 // Constraints (checked host-side in kernels.plan_attention_split_f32):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8};
-//   split_len a multiple of TK with G * split_len <= MAX_SCORES.
+//   G * split_len <= MAX_SCORES.
 //
 // Bind group 0:
 // @binding(0) q_batch:  array<f32>        n_queries x q_stride floats
@@ -53,19 +56,31 @@
 @group(0) @binding(4) var<storage, read> params: array<u32, 16>;
 
 const WG: u32 = 256u;
-const TK: u32 = 32u;                 // K/V rows per staged tile
-const MAX_D4: u32 = 32u;             // head_dim / 4 <= 32
-const ROW4: u32 = 33u;               // padded tile row, in vec4
 const MAX_GROUP: u32 = 8u;
-const MAX_SCORES: u32 = 2048u;       // G * split_len
+const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group sums
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * MAX_D4
-var<workgroup> tile: array<vec4<f32>, 1056>;     // TK * ROW4 (K, then V; then the row-group sums)
+var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
+
+// Column c of key k dotted with query heads 0..3 (lo) and 4..7 (hi) of the group.
+fn qk_lo(c: u32, d4: u32, group: u32, k: vec4<f32>) -> vec4<f32> {
+    var s = vec4<f32>(dot(q_sh[c], k), 0.0, 0.0, 0.0);
+    if group > 1u { s.y = dot(q_sh[d4 + c], k); }
+    if group > 2u {
+        s.z = dot(q_sh[2u * d4 + c], k);
+        s.w = dot(q_sh[3u * d4 + c], k);
+    }
+    return s;
+}
+
+fn qk_hi(c: u32, d4: u32, k: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot(q_sh[4u * d4 + c], k), dot(q_sh[5u * d4 + c], k),
+                     dot(q_sh[6u * d4 + c], k), dot(q_sh[7u * d4 + c], k));
+}
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_split_f32(
@@ -74,101 +89,53 @@ fn attention_split_f32(
 ) {
     // #include "split_f32_prologue.wgsl"
 
-    // ── 1. scores, one staged K tile at a time ──
-    let gi = tid / TK;                           // score phase: query head ...
-    let j = tid % TK;                            // ... against tile row j
-    for (var tb = 0u; tb < n_t; tb += TK) {
-        let nk = min(TK, n_t - tb);
-        for (var e = tid; e < nk * d4; e += WG) {
-            let row = e / d4;
-            let c = e % d4;
-            tile[row * ROW4 + c] = k_cache[row0 + (tb + row) * kv4 + c];
-        }
-        workgroupBarrier();
-        if gi < group && j < nk {
-            var dot = vec4<f32>(0.0);
-            let qo = gi * d4;
-            let ko = j * ROW4;
-            for (var c = 0u; c < d4; c += 1u) {
-                dot += q_sh[qo + c] * tile[ko + c];
+    // ── 1. scores: one thread per key, every head of the group ──
+    for (var t = tid; t < n_t; t += WG) {
+        let r = row0 + t * kv4;
+        var sa = vec4<f32>(0.0);                 // heads 0..3
+        var sb = vec4<f32>(0.0);                 // heads 4..7
+        var c = 0u;
+        for (; c + 8u <= d4; c += 8u) {
+            let k0 = k_cache[r + c];
+            let k1 = k_cache[r + c + 1u];
+            let k2 = k_cache[r + c + 2u];
+            let k3 = k_cache[r + c + 3u];
+            let k4 = k_cache[r + c + 4u];
+            let k5 = k_cache[r + c + 5u];
+            let k6 = k_cache[r + c + 6u];
+            let k7 = k_cache[r + c + 7u];
+            sa += qk_lo(c, d4, group, k0) + qk_lo(c + 1u, d4, group, k1)
+                + qk_lo(c + 2u, d4, group, k2) + qk_lo(c + 3u, d4, group, k3)
+                + qk_lo(c + 4u, d4, group, k4) + qk_lo(c + 5u, d4, group, k5)
+                + qk_lo(c + 6u, d4, group, k6) + qk_lo(c + 7u, d4, group, k7);
+            if group > 4u {
+                sb += qk_hi(c, d4, k0) + qk_hi(c + 1u, d4, k1) + qk_hi(c + 2u, d4, k2) + qk_hi(c + 3u, d4, k3)
+                    + qk_hi(c + 4u, d4, k4) + qk_hi(c + 5u, d4, k5) + qk_hi(c + 6u, d4, k6) + qk_hi(c + 7u, d4, k7);
             }
-            scores[gi * split_len + tb + j] = (dot.x + dot.y + dot.z + dot.w) * scale;
         }
-        workgroupBarrier();
+        for (; c < d4; c += 1u) {
+            let k = k_cache[r + c];
+            sa += qk_lo(c, d4, group, k);
+            if group > 4u { sb += qk_hi(c, d4, k); }
+        }
+        sa *= scale;
+        sb *= scale;
+        scores[t] = sa.x;
+        if group > 1u { scores[split_len + t] = sa.y; }
+        if group > 2u {
+            scores[2u * split_len + t] = sa.z;
+            scores[3u * split_len + t] = sa.w;
+        }
+        if group > 4u {
+            scores[4u * split_len + t] = sb.x;
+            scores[5u * split_len + t] = sb.y;
+            scores[6u * split_len + t] = sb.z;
+            scores[7u * split_len + t] = sb.w;
+        }
     }
+    workgroupBarrier();
 
     // #include "split_softmax.wgsl" WEIGHT="p"
 
-    // ── 3. V: thread (column c, row group grp) accumulates all G heads ──
-    let n_grp = WG / d4;                         // row groups (8 for d = 128)
-    let c = tid % d4;
-    let grp = tid / d4;
-    var a0 = vec4<f32>(0.0);
-    var a1 = vec4<f32>(0.0);
-    var a2 = vec4<f32>(0.0);
-    var a3 = vec4<f32>(0.0);
-    var a4 = vec4<f32>(0.0);
-    var a5 = vec4<f32>(0.0);
-    var a6 = vec4<f32>(0.0);
-    var a7 = vec4<f32>(0.0);
-    for (var tb = 0u; tb < n_t; tb += TK) {
-        let nk = min(TK, n_t - tb);
-        for (var e = tid; e < nk * d4; e += WG) {
-            let row = e / d4;
-            let cc = e % d4;
-            tile[row * ROW4 + cc] = v_cache[row0 + (tb + row) * kv4 + cc];
-        }
-        workgroupBarrier();
-        if grp < n_grp {
-            for (var t = grp; t < nk; t += n_grp) {
-                let v = tile[t * ROW4 + c];
-                let st = tb + t;
-                // #include "accumulate_heads.wgsl" T=st V=v
-            }
-        }
-        workgroupBarrier();
-    }
-
-    // ── sum the row groups (through `tile`), write the partial of each head ──
-    let n_part = q_total * n_heads * n_splits;
-    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;  // head gi = 0
-    if tid < group {
-        let pi = pbase + tid * n_splits;
-        partial[n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
-        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
-    }
-    // `tile` holds n_grp * G * d4 vec4 = WG * G / ... <= 8 * 32 * 8 / ... ; done in
-    // passes of at most 4 heads so it fits (n_grp * d4 = WG vec4 per head).
-    for (var h0 = 0u; h0 < group; h0 += 4u) {
-        if grp < n_grp {
-            let o = grp * d4 + c;
-            if h0 == 0u {
-                tile[o] = a0;
-                tile[WG + o] = a1;
-                tile[2u * WG + o] = a2;
-                tile[3u * WG + o] = a3;
-            } else {
-                tile[o] = a4;
-                tile[WG + o] = a5;
-                tile[2u * WG + o] = a6;
-                tile[3u * WG + o] = a7;
-            }
-        }
-        workgroupBarrier();
-        // thread -> (head hh of this pass, vec4 column cc)
-        let hh = tid / d4;
-        let cc = tid % d4;
-        if hh < 4u && h0 + hh < group {
-            var sum = vec4<f32>(0.0);
-            for (var g = 0u; g < n_grp; g += 1u) {
-                sum += tile[hh * WG + g * d4 + cc];
-            }
-            let o = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
-            partial[o] = sum.x;
-            partial[o + 1u] = sum.y;
-            partial[o + 2u] = sum.z;
-            partial[o + 3u] = sum.w;
-        }
-        workgroupBarrier();
-    }
+    // #include "split_f32_values.wgsl"
 }

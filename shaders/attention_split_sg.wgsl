@@ -30,7 +30,7 @@
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;
-const MAX_SCORES: u32 = 2048u;       // G * split_len
+const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group sums
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
@@ -38,7 +38,6 @@ var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
-var<workgroup> sums: array<vec4<f32>, 256>;      // row-group partial sums, one head per pass
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_split_f32_sg(
@@ -139,90 +138,5 @@ fn attention_split_f32_sg(
 
     // #include "split_softmax.wgsl" WEIGHT="p"
 
-    // ── 3. V: thread (column c, row group grp), all G heads, rows from global ──
-    let n_grp = WG / d4;
-    let c = tid % d4;
-    let grp = tid / d4;
-    var a0 = vec4<f32>(0.0);
-    var a1 = vec4<f32>(0.0);
-    var a2 = vec4<f32>(0.0);
-    var a3 = vec4<f32>(0.0);
-    var a4 = vec4<f32>(0.0);
-    var a5 = vec4<f32>(0.0);
-    var a6 = vec4<f32>(0.0);
-    var a7 = vec4<f32>(0.0);
-    if grp < n_grp {
-        for (var t = grp; t < n_t; t += 4u * n_grp) {
-            // four rows per step: four independent loads in flight
-            let ts = vec4<u32>(t, t + n_grp, t + 2u * n_grp, t + 3u * n_grp);
-            var v: array<vec4<f32>, 4>;
-            var w: array<vec4<f32>, 4>;  // w[i] = scores of row i for heads 0..3
-            var x: array<vec4<f32>, 4>;  // heads 4..7
-            for (var i = 0u; i < 4u; i += 1u) {
-                v[i] = vec4<f32>(0.0);
-                w[i] = vec4<f32>(0.0);
-                x[i] = vec4<f32>(0.0);
-                if ts[i] < n_t {
-                    v[i] = v_cache[row0 + ts[i] * kv4 + c];
-                    w[i].x = scores[ts[i]];
-                    if group > 1u { w[i].y = scores[split_len + ts[i]]; }
-                    if group > 2u {
-                        w[i].z = scores[2u * split_len + ts[i]];
-                        w[i].w = scores[3u * split_len + ts[i]];
-                    }
-                    if group > 4u {
-                        x[i] = vec4<f32>(scores[4u * split_len + ts[i]], scores[5u * split_len + ts[i]],
-                                         scores[6u * split_len + ts[i]], scores[7u * split_len + ts[i]]);
-                    }
-                }
-            }
-            for (var i = 0u; i < 4u; i += 1u) {
-                a0 += w[i].x * v[i];
-                a1 += w[i].y * v[i];
-                a2 += w[i].z * v[i];
-                a3 += w[i].w * v[i];
-                if group > 4u {
-                    a4 += x[i].x * v[i];
-                    a5 += x[i].y * v[i];
-                    a6 += x[i].z * v[i];
-                    a7 += x[i].w * v[i];
-                }
-            }
-        }
-    }
-
-    // ── sum the row groups; write the partial of each head ──
-    let n_part = q_total * n_heads * n_splits;
-    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
-    if tid < group {
-        let pi = pbase + tid * n_splits;
-        partial[n_part * head_dim + pi] = stat[tid];
-        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
-    }
-    for (var h = 0u; h < group; h += 1u) {
-        if grp < n_grp {
-            var acc = a0;
-            if h == 1u { acc = a1; }
-            if h == 2u { acc = a2; }
-            if h == 3u { acc = a3; }
-            if h == 4u { acc = a4; }
-            if h == 5u { acc = a5; }
-            if h == 6u { acc = a6; }
-            if h == 7u { acc = a7; }
-            sums[grp * d4 + c] = acc;
-        }
-        workgroupBarrier();
-        if tid < d4 {
-            var sum = vec4<f32>(0.0);
-            for (var g = 0u; g < n_grp; g += 1u) {
-                sum += sums[g * d4 + tid];
-            }
-            let o = (pbase + h * n_splits) * head_dim + 4u * tid;
-            partial[o] = sum.x;
-            partial[o + 1u] = sum.y;
-            partial[o + 2u] = sum.z;
-            partial[o + 3u] = sum.w;
-        }
-        workgroupBarrier();
-    }
+    // #include "split_f32_values.wgsl"
 }

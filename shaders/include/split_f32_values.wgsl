@@ -1,0 +1,78 @@
+    // (shaders/include/split_f32_values.wgsl, shared by attention_split.wgsl and
+    // attention_split_sg.wgsl: the value phase and the partial write; inlined by
+    // the loader, barriers included. Needs the prologue's names and `scores`
+    // holding the split's softmax numerators [G][split_len], `stat`, `red`.)
+    // ── 3. V: thread (column c, row group grp), all G heads, rows from global ──
+    let n_grp = WG / d4;
+    let c = tid % d4;
+    let grp = tid / d4;
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    if grp < n_grp {
+        var t = grp;
+        // four rows per step: four independent loads in flight
+        for (; t + 3u * n_grp < n_t; t += 4u * n_grp) {
+            let v0 = v_cache[row0 + t * kv4 + c];
+            let v1 = v_cache[row0 + (t + n_grp) * kv4 + c];
+            let v2 = v_cache[row0 + (t + 2u * n_grp) * kv4 + c];
+            let v3 = v_cache[row0 + (t + 3u * n_grp) * kv4 + c];
+            let t1 = t + n_grp;
+            let t2 = t + 2u * n_grp;
+            let t3 = t + 3u * n_grp;
+            // #include "accumulate_heads.wgsl" T=t V=v0
+            // #include "accumulate_heads.wgsl" T=t1 V=v1
+            // #include "accumulate_heads.wgsl" T=t2 V=v2
+            // #include "accumulate_heads.wgsl" T=t3 V=v3
+        }
+        for (; t < n_t; t += n_grp) {
+            let v = v_cache[row0 + t * kv4 + c];
+            // #include "accumulate_heads.wgsl" T=t V=v
+        }
+    }
+
+    // ── sum the row groups (through `scores`, two heads per pass); write partials ──
+    let n_part = q_total * n_heads * n_splits;
+    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;  // head 0 of the group
+    if tid < group {
+        let pi = pbase + tid * n_splits;
+        partial[n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
+        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
+    }
+    for (var h0 = 0u; h0 < group; h0 += 2u) {
+        workgroupBarrier();                      // `scores` (and the last pass) read
+        if grp < n_grp {
+            var x = a0;
+            var y = a1;
+            if h0 == 2u { x = a2; y = a3; }
+            if h0 == 4u { x = a4; y = a5; }
+            if h0 == 6u { x = a6; y = a7; }
+            let o = 4u * (grp * d4 + c);         // < 4 * WG
+            scores[o] = x.x;
+            scores[o + 1u] = x.y;
+            scores[o + 2u] = x.z;
+            scores[o + 3u] = x.w;
+            scores[4u * WG + o] = y.x;
+            scores[4u * WG + o + 1u] = y.y;
+            scores[4u * WG + o + 2u] = y.z;
+            scores[4u * WG + o + 3u] = y.w;
+        }
+        workgroupBarrier();
+        // thread -> (head hh of this pass, float column e)
+        let hh = tid / head_dim;
+        let e = tid % head_dim;
+        for (var hx = hh; hx < 2u; hx += WG / head_dim) {
+            if h0 + hx < group {
+                var sum = 0.0;
+                for (var g = 0u; g < n_grp; g += 1u) {
+                    sum += scores[hx * 4u * WG + 4u * g * d4 + e];
+                }
+                partial[(pbase + (h0 + hx) * n_splits) * head_dim + e] = sum;
+            }
+        }
+    }
