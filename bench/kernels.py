@@ -207,13 +207,19 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
     ap.add_argument("--only", choices=["decode", "prefill"], help="time only one kernel kind")
-    ap.add_argument("--path", choices=["auto", "split", "single"], default="auto",
-                    help="attention kernel family (auto: split-KV for decode, single-pass for prefill)")
+    ap.add_argument("--path", choices=["auto", "split", "tiled", "single"], default="auto",
+                    help="attention kernel family (auto: split-KV for decode, query-block tiled for prefill)")
+    ap.add_argument("--subgroups", choices=["auto", "on", "off"], default="auto",
+                    help="split-KV kernel variant (auto: the policy's default for this device)")
+    ap.add_argument("--target-workgroups", type=int, help="split sizing (default: the policy's)")
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
     prefill = ((64, 64), (16, 256)) if args.quick else PREFILL_SHAPES
     K.POLICY.force = None if args.path == "auto" else args.path
+    K.POLICY.subgroups = {"auto": K.POLICY.subgroups, "on": True, "off": False}[args.subgroups]
+    if args.target_workgroups:
+        K.POLICY.target_workgroups = args.target_workgroups
     engine = Engine.open(args.adapter)
     rng = np.random.default_rng(0)
     gpu, driver = gpu_description(engine)
@@ -241,7 +247,9 @@ def main(argv=None) -> int:
             tf32, tbf16 = torch_cache[key]
             nbytes = ctx_len * bytes_per_token(fmt, HKV, D) + n * H * D * 4
             gbps = nbytes / (ms / 1e3) / 1e9
-            path = "split" if K.POLICY.use_split(fmt, n, H, HKV, D) else "single"
+            path = K.POLICY.path(fmt, n, H, HKV, D)
+            if path == "split" and K.POLICY.use_subgroups(engine.ctx):
+                path = "split-sg"
             row = {
                 "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n, "path": path,
                 "wgpu_ms": round(ms, 4),
