@@ -2,19 +2,45 @@
 //
 // The seed kernel (`attention_prefill.wgsl`) runs one workgroup per (head,
 // query) and re-reads every K/V row once per (query, head). Here one workgroup
-// takes R = 32 rows: a block of BQ = R / G consecutive query positions times
-// the G query heads of one KV head's GQA group, and walks the K/V rows in tiles
-// of TK staged once in workgroup memory for all R rows (coalesced vec4 loads,
-// rows padded for conflict-free vec4 reads). Online softmax (Dao 2022) per row
-// across tiles; each thread keeps 4 vec4 of one row's output in registers.
+// takes R = 64 rows: a block of BQ = R / G consecutive query positions times
+// the G query heads of one KV head's GQA group (row r = g * BQ + b), and walks
+// the K/V rows in tiles of TK = 32 keys with online softmax (Dao 2022) per row.
+// It is register blocked like an SGEMM: 256 threads, thread (tr, tc) with
+// tr, tc in 0..15 owns rows {tr, tr+16, tr+32, tr+48} x keys {tc, tc+16} of
+// each tile's 64 x 32 scores (8 vec4 accumulators) and the same 4 rows x
+// columns (vec4) {tc, tc+16} of the 64 x head_dim output (8 vec4 accumulators
+// in registers). A warp holds 4 row groups x 8 key groups, so each of its
+// workgroup-memory vec4 reads touches at most 8 distinct conflict-free vec4s
+// (rows padded to 9 vec4) and feeds 8 (scores) or ~10 (values) vec4 FMAs.
 //
-// Per tile: (1) stage K; (2) thread (row r, key pair) scores two keys with vec4
-// dot products; (3) one thread per row updates the running max / sum and turns
-// the scores into probabilities; (4) stage V; (5) thread (row r, column group)
-// rescales and accumulates. Causal rows mask keys past their position; the tile
-// loop runs to the end of the block's last row's window (uniform per workgroup).
+// Per tile:
+//   scores: for each 32-dim chunk of head_dim (ceil(head_dim / 32) chunks):
+//     barrier; store the prefetched Q chunk (64 x 8 vec4) and K chunk (32 x 8
+//     vec4) into `stage`; barrier; prefetch the next chunk (or this tile's V)
+//     from global memory into registers; 6 vec4 reads -> 8 vec4 FMAs per
+//     column. Q is re-staged per tile (the budget below has no room to keep
+//     64 x 128 floats resident); it comes from L2.
+//   softmax: each thread masks and scales its 8 scores, writes the max of its
+//     two keys per row to pm_sh; barrier; stores V into `stage`; reads the 16
+//     partial maxima of each of its rows (4 vec4), updates the running max in
+//     registers (every thread of a row computes the same value), writes its 8
+//     probabilities to p_sh; barrier; prefetches the next tile's first chunk.
+//   values: rescale the accumulators by exp(m_old - m_new) and, per 4 keys,
+//     4 vec4 reads of p_sh + 8 of V -> 32 vec4 FMAs; the row sum l is summed
+//     by each thread of the row from the same p_sh values in the same order.
+// Barriers per tile: 2 * ceil(head_dim / 32) + 2 (10 at head_dim 128).
+// Workgroup memory: stage 16384 + p_sh 9216 + pm_sh 5120 = 30720 bytes.
+//
+// Causal: the tile loop ends at the block's widest window (tiles fully masked
+// for every row of the block are never read); a key past a row's window scores
+// NEG_INF and weighs exactly 0, a tile wholly past it rescales by exp(0) = 1,
+// so a row's result does not depend on which block it falls in (chunked
+// prefill equals one call bit for bit). Blocks are dispatched longest first
+// (block x covers the (n_blocks - 1 - x)-th group of BQ rows) so the causal
+// tail is short.
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
+// Register blocks are explicit vec4 variables (no runtime-indexed arrays).
 //
 // Constraints (checked host-side in kernels.plan_attention_prefill_tiled):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8}.
@@ -30,8 +56,8 @@
 //   n_queries: query rows in q_batch (rows q_base + ... past it are skipped);
 //   flags bit 0: non-causal.
 //
-// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; block
-// x covers query rows q_base + x * BQ .. + BQ - 1.
+// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
+// blocks together cover query rows q_base .. q_base + rows - 1.
 
 @group(0) @binding(0) var<storage, read> q_batch: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
@@ -40,23 +66,40 @@
 @group(0) @binding(4) var<storage, read> params: array<u32, 12>;
 
 const WG: u32 = 256u;
-const R: u32 = 32u;                  // rows (query position x head) per workgroup
-const TK: u32 = 16u;                 // keys per tile
-const ROW4: u32 = 33u;               // padded tile row, in vec4 (head_dim/4 <= 32)
+const R: u32 = 64u;                  // rows (query position x head) per workgroup
+const TK: u32 = 32u;                 // keys per tile
+const CV: u32 = 8u;                  // vec4 per head_dim chunk (32 dims)
+const CROW: u32 = 9u;                // padded chunk row, in vec4
+const KOFF: u32 = 576u;              // R * CROW: the K chunk follows the Q chunk
+const VROW: u32 = 32u;               // V tile row, in vec4 (head_dim / 4 <= 32)
+const PROW4: u32 = 9u;               // padded p_sh row (TK + 4 floats), in vec4
+const MROW4: u32 = 5u;               // padded pm_sh row (16 + 4 floats), in vec4
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> q_sh: array<vec4<f32>, 1024>;     // R * head_dim/4
-var<workgroup> kv: array<vec4<f32>, 528>;        // TK * ROW4: K, then V
-var<workgroup> p_sh: array<f32, 512>;            // R * TK scores, then probabilities
-var<workgroup> m_sh: array<f32, R>;              // running max per row
-var<workgroup> l_sh: array<f32, R>;              // running sum per row
-var<workgroup> c_sh: array<f32, R>;              // this tile's rescale per row
+var<workgroup> stage: array<vec4<f32>, 1024>;    // Q + K chunk (864 used), then V tile (TK x VROW)
+var<workgroup> p_sh: array<vec4<f32>, 576>;      // R x PROW4: probabilities
+var<workgroup> pm_sh: array<vec4<f32>, 320>;     // R x MROW4: per-thread partial row maxima
+
+// #include "tiled_common.wgsl"
+
+// Row r's output columns tc and tc + 16 (vec4), if r is a query row of the batch.
+fn write_row(r: u32, l: f32, a: vec4<f32>, b: vec4<f32>, q_first: u32, q_last: u32, bq: u32,
+             head0: u32, head_dim: u32, out_stride: u32, d4: u32, tc: u32) {
+    let qi = q_first + r % bq;
+    if qi <= q_last {
+        let inv = 1.0 / l;
+        let o = (qi * out_stride + (head0 + r / bq) * head_dim) / 4u;
+        if tc < d4 { out_batch[o + tc] = a * inv; }
+        if tc + 16u < d4 { out_batch[o + tc + 16u] = b * inv; }
+    }
+}
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_prefill_tiled(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
     let n_heads = params[0];
@@ -77,96 +120,166 @@ fn attention_prefill_tiled(
     let bq = R / group;                          // query positions per block
     let d4 = head_dim / 4u;
     let kv4 = kv_dim / 4u;
-    let q_first = q_base + wid.x * bq;
+    let kv_off = kv_head * d4;
+    let blk = nwg.x - 1u - wid.x;                // longest (latest) blocks first
+    let q_first = q_base + blk * bq;
     let q_last = min(q_first + bq, n_queries) - 1u;  // host guarantees q_first < n_queries
     let non_causal = (flags & FLAG_NON_CAUSAL) != 0u;
     var t_end = max_seq;                         // the block's widest window
     if !non_causal {
         t_end = min(start_pos + q_last + 1u, max_seq);
     }
+    let nch = (d4 + CV - 1u) / CV;               // head_dim chunks per tile
 
-    // ── the block's rows: row r = g * bq + b is head kv_head*G + g at query q_first + b ──
-    for (var e = tid; e < R * d4; e += WG) {
-        let r = e / d4;
-        let c = e % d4;
-        let qi = q_first + r % bq;
-        let head = kv_head * group + r / bq;
-        var v = vec4<f32>(0.0);
-        if qi <= q_last {
-            v = q_batch[(qi * q_stride + head * head_dim) / 4u + c];
-        }
-        q_sh[r * d4 + c] = v;
-    }
-    if tid < R {
-        m_sh[tid] = NEG_INF;
-        l_sh[tid] = 0.0;
-    }
+    // ── staging roles: Q rows sq, sq + 32 and K key sq at chunk column sc; V keys vk + 8k at column vc ──
+    let sq = tid / 8u;
+    let sc = tid % 8u;
+    let qa = q_first + sq % bq;
+    let qa_ok = qa <= q_last;
+    let qa_base = (qa * q_stride + (kv_head * group + sq / bq) * head_dim) / 4u;
+    let qb = q_first + (sq + 32u) % bq;
+    let qb_ok = qb <= q_last;
+    let qb_base = (qb * q_stride + (kv_head * group + (sq + 32u) / bq) * head_dim) / 4u;
+    let vk = tid / 32u;
+    let vc = tid % 32u;
 
-    // score phase: thread (row sr, keys sj and sj + 8); value phase: thread (row sr, columns)
-    let sr = tid / 8u;
-    let sj = tid % 8u;
-    let s_qi = q_first + sr % bq;
-    var s_end = t_end;                           // this row's window
-    if !non_causal {
-        s_end = min(start_pos + s_qi + 1u, max_seq);
+    // ── compute roles: rows tr + 16i (i < 4), keys / columns tc and tc + 16 ──
+    let lane = tid % 32u;
+    let warp = tid / 32u;
+    let tc = lane % 8u + 8u * (warp % 2u);
+    let tr = lane / 8u + 4u * (warp / 2u);
+    let r0 = tr;
+    let r1 = tr + 16u;
+    let r2 = tr + 32u;
+    let r3 = tr + 48u;
+    let e0 = row_end(r0, q_first, bq, start_pos, t_end, non_causal);
+    let e1 = row_end(r1, q_first, bq, start_pos, t_end, non_causal);
+    let e2 = row_end(r2, q_first, bq, start_pos, t_end, non_causal);
+    let e3 = row_end(r3, q_first, bq, start_pos, t_end, non_causal);
+    let pw_a = tc / 4u;                          // p_sh / pm_sh vec4 of key tc (key tc + 16: + 4)
+    let pw_c = tc % 4u;
+
+    var m0 = NEG_INF;
+    var m1 = NEG_INF;
+    var m2 = NEG_INF;
+    var m3 = NEG_INF;
+    var l0 = 0.0;
+    var l1 = 0.0;
+    var l2 = 0.0;
+    var l3 = 0.0;
+    var o00 = vec4<f32>(0.0);
+    var o01 = vec4<f32>(0.0);
+    var o10 = vec4<f32>(0.0);
+    var o11 = vec4<f32>(0.0);
+    var o20 = vec4<f32>(0.0);
+    var o21 = vec4<f32>(0.0);
+    var o30 = vec4<f32>(0.0);
+    var o31 = vec4<f32>(0.0);
+
+    // prefetch: the first tile's first chunk
+    var pqa = vec4<f32>(0.0);
+    var pqb = vec4<f32>(0.0);
+    var pk = vec4<f32>(0.0);
+    if sc < d4 {
+        if qa_ok { pqa = q_batch[qa_base + sc]; }
+        if qb_ok { pqb = q_batch[qb_base + sc]; }
+        if sq < t_end { pk = k_cache[sq * kv4 + kv_off + sc]; }
     }
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
-    let kv_off = kv_head * head_dim / 4u;
+    var pv0 = vec4<f32>(0.0);
+    var pv1 = vec4<f32>(0.0);
+    var pv2 = vec4<f32>(0.0);
+    var pv3 = vec4<f32>(0.0);
 
     for (var tb = 0u; tb < t_end; tb += TK) {
-        let nk = min(TK, t_end - tb);
-        // (1) K tile
-        workgroupBarrier();
-        for (var e = tid; e < nk * d4; e += WG) {
-            kv[(e / d4) * ROW4 + e % d4] = k_cache[(tb + e / d4) * kv4 + kv_off + e % d4];
+        var a00 = vec4<f32>(0.0);
+        var a01 = vec4<f32>(0.0);
+        var a10 = vec4<f32>(0.0);
+        var a11 = vec4<f32>(0.0);
+        var a20 = vec4<f32>(0.0);
+        var a21 = vec4<f32>(0.0);
+        var a30 = vec4<f32>(0.0);
+        var a31 = vec4<f32>(0.0);
+        for (var ch = 0u; ch < nch; ch += 1u) {
+            workgroupBarrier();
+            stage[sq * CROW + sc] = pqa;
+            stage[(sq + 32u) * CROW + sc] = pqb;
+            stage[KOFF + sq * CROW + sc] = pk;
+            workgroupBarrier();
+            if ch + 1u < nch {
+                let col = (ch + 1u) * CV + sc;
+                pqa = vec4<f32>(0.0);
+                pqb = vec4<f32>(0.0);
+                pk = vec4<f32>(0.0);
+                if col < d4 {
+                    if qa_ok { pqa = q_batch[qa_base + col]; }
+                    if qb_ok { pqb = q_batch[qb_base + col]; }
+                    if tb + sq < t_end { pk = k_cache[(tb + sq) * kv4 + kv_off + col]; }
+                }
+            } else {
+                pv0 = vec4<f32>(0.0);
+                pv1 = vec4<f32>(0.0);
+                pv2 = vec4<f32>(0.0);
+                pv3 = vec4<f32>(0.0);
+                if vc < d4 {
+                    let vb = kv_off + vc;
+                    if tb + vk < t_end { pv0 = v_cache[(tb + vk) * kv4 + vb]; }
+                    if tb + vk + 8u < t_end { pv1 = v_cache[(tb + vk + 8u) * kv4 + vb]; }
+                    if tb + vk + 16u < t_end { pv2 = v_cache[(tb + vk + 16u) * kv4 + vb]; }
+                    if tb + vk + 24u < t_end { pv3 = v_cache[(tb + vk + 24u) * kv4 + vb]; }
+                }
+            }
+            for (var c = 0u; c < CV; c += 1u) {
+                let k0 = stage[KOFF + tc * CROW + c];
+                let k1 = stage[KOFF + (tc + 16u) * CROW + c];
+                let q0 = stage[r0 * CROW + c];
+                a00 += q0 * k0;
+                a01 += q0 * k1;
+                let q1 = stage[r1 * CROW + c];
+                a10 += q1 * k0;
+                a11 += q1 * k1;
+                let q2 = stage[r2 * CROW + c];
+                a20 += q2 * k0;
+                a21 += q2 * k1;
+                let q3 = stage[r3 * CROW + c];
+                a30 += q3 * k0;
+                a31 += q3 * k1;
+            }
         }
-        workgroupBarrier();
-        // (2) scores of keys sj, sj + 8 for row sr
-        var s0 = 0.0;
-        var s1 = 0.0;
-        for (var c = 0u; c < d4; c += 1u) {
-            let q = q_sh[sr * d4 + c];
-            s0 += dot(q, kv[sj * ROW4 + c]);
-            s1 += dot(q, kv[(sj + 8u) * ROW4 + c]);
+        // ── scores of keys t0 = tb + tc, t1 = t0 + 16 ──
+        let t0 = tb + tc;
+        let t1 = t0 + 16u;
+        let s00 = select(NEG_INF, hsum(a00) * scale, t0 < e0);
+        let s01 = select(NEG_INF, hsum(a01) * scale, t1 < e0);
+        let s10 = select(NEG_INF, hsum(a10) * scale, t0 < e1);
+        let s11 = select(NEG_INF, hsum(a11) * scale, t1 < e1);
+        let s20 = select(NEG_INF, hsum(a20) * scale, t0 < e2);
+        let s21 = select(NEG_INF, hsum(a21) * scale, t1 < e2);
+        let s30 = select(NEG_INF, hsum(a30) * scale, t0 < e3);
+        let s31 = select(NEG_INF, hsum(a31) * scale, t1 < e3);
+        // #include "tiled_softmax.wgsl"
+        // (the V tile goes into `stage`, which no thread reads any more)
+        stage[vk * VROW + vc] = pv0;
+        stage[(vk + 8u) * VROW + vc] = pv1;
+        stage[(vk + 16u) * VROW + vc] = pv2;
+        stage[(vk + 24u) * VROW + vc] = pv3;
+        // #include "tiled_probs.wgsl"
+        // prefetch the next tile's first chunk
+        if tb + TK < t_end {
+            pqa = vec4<f32>(0.0);
+            pqb = vec4<f32>(0.0);
+            pk = vec4<f32>(0.0);
+            if sc < d4 {
+                if qa_ok { pqa = q_batch[qa_base + sc]; }
+                if qb_ok { pqb = q_batch[qb_base + sc]; }
+                if tb + TK + sq < t_end { pk = k_cache[(tb + TK + sq) * kv4 + kv_off + sc]; }
+            }
         }
-        let t0 = tb + sj;
-        p_sh[sr * TK + sj] = select(NEG_INF, s0 * scale, sj < nk && t0 < s_end);
-        p_sh[sr * TK + sj + 8u] = select(NEG_INF, s1 * scale, sj + 8u < nk && t0 + 8u < s_end);
-        workgroupBarrier();
-        // #include "tiled_row_softmax.wgsl"
-        // (4) V tile (the K tile is no longer read)
-        for (var e = tid; e < nk * d4; e += WG) {
-            kv[(e / d4) * ROW4 + e % d4] = v_cache[(tb + e / d4) * kv4 + kv_off + e % d4];
-        }
-        workgroupBarrier();
-        // (5) rescale and accumulate columns sj, sj + 8, sj + 16, sj + 24 of row sr
-        let corr = c_sh[sr];
-        acc0 *= corr;
-        acc1 *= corr;
-        acc2 *= corr;
-        acc3 *= corr;
-        for (var j = 0u; j < nk; j += 1u) {
-            let p = p_sh[sr * TK + j];
-            let o = j * ROW4 + sj;
-            acc0 += p * kv[o];
-            acc1 += p * kv[o + 8u];
-            acc2 += p * kv[o + 16u];
-            acc3 += p * kv[o + 24u];
-        }
+        // #include "tiled_values.wgsl"
     }
 
-    // ── write the block's outputs ──
-    let qi = q_first + sr % bq;
-    if qi <= q_last {
-        let head = kv_head * group + sr / bq;
-        let inv = 1.0 / l_sh[sr];
-        let o = (qi * out_stride + head * head_dim) / 4u;
-        if sj < d4 { out_batch[o + sj] = acc0 * inv; }
-        if sj + 8u < d4 { out_batch[o + sj + 8u] = acc1 * inv; }
-        if sj + 16u < d4 { out_batch[o + sj + 16u] = acc2 * inv; }
-        if sj + 24u < d4 { out_batch[o + sj + 24u] = acc3 * inv; }
-    }
+    // ── write the block's outputs: rows r0..r3, columns tc, tc + 16 ──
+    write_row(r0, l0, o00, o01, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
+    write_row(r1, l1, o10, o11, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
+    write_row(r2, l2, o20, o21, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
+    write_row(r3, l3, o30, o31, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
 }

@@ -241,3 +241,46 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
         np.testing.assert_array_equal(kall[:40], k)
         assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
+    """Prefill-sized attends (the tiled kernels' blocks of 64 rows = 64 / G query
+    positions x G heads): a last block partly past the queries, key tiles (32)
+    partly past a row's causal window and past the length, start_pos > 0, G = 8
+    with 8 positions per block, head_dim 80 (a partial 32-dim chunk), causal
+    and non-causal, capacity > length, peaked and flat softmax. (The split
+    kernels serve up to 16 query rows and are covered above.)"""
+    if kernel_path not in ("tiled", "single"):
+        pytest.skip("a prefill-sized case for the tiled and single-pass kernels")
+    dims = (80, 128) if fmt == "f32" else (32, 64, 128)
+    pending = []
+    for d, ratio, (n, sp) in itertools.product(dims, GQA, ((131, 45), (70, 0), (9, 300))):
+        hkv = 2 if ratio < 8 else 1
+        h = hkv * ratio
+        s = session(fmt, h, hkv, d, layers=2, seed=int(rng.integers(2**53)))
+        layer = s.layers[1]
+        length = sp + n
+        reserve(engine, layer, length + 37)
+        k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+        engine.append(layer, k, v)
+        for causal, qscale in ((True, 1.0), (False, 1.0), (True, 4.0)):
+            q = rows(rng, n, h, d, scale=qscale)
+            scale = 1.0 / np.sqrt(d) if causal else 0.7 / np.sqrt(d)
+            fut = engine.attend(layer, q, start_pos=sp, causal=causal, scale=scale)
+            pending.append((s, layer, q, k, v, sp, causal, scale, fut, (d, ratio, n, sp, qscale)))
+    for s, layer, q, k, v, sp, causal, scale, fut, case in pending:
+        out, length = fut.result()
+        assert layer.capacity > length
+        if fmt == "f32":
+            want, tol = ref.attention(q, k, v, start_pos=sp, causal=causal, scale=scale), F32_TOL
+        else:
+            kw, vw = read_words(engine, layer)
+            ps, js = layer_signs(s.config.seed, layer.layer, case[0])
+            want = ref.tq_attention(
+                q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
+                polar_signs=ps, jl_signs=js, cb=codebook(case[0]), start_pos=sp, causal=causal, scale=scale,
+            )
+            tol = TQ_TOL
+        err = rel_err(out, want)
+        assert err <= tol, (case, causal, err)

@@ -367,7 +367,7 @@ def plan_attention_split_tq(
 
 # ── query-block tiled prefill (f32) ─────────────────────────────────────────
 
-TILED_ROWS = 32  # R in attention_prefill_tiled.wgsl
+TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
 
 
 def plan_attention_prefill_tiled(
