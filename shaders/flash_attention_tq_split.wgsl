@@ -84,27 +84,102 @@ fn hq_hi(base: u32, i: u32, d4: u32, x: vec4<f32>) -> vec4<f32> {
                      dot(qbuf[base + 6u * d4 + i], x), dot(qbuf[base + 7u * d4 + i], x));
 }
 
-// One polar word (16 dims, vec4 columns 4w..4w+3): the PolarQuant dot with
-// every head, added to pa (heads 0..3) and pb (heads 4..7).
-fn polar_word(word: u32, w: u32, d4: u32, group: u32, cb: vec4<f32>,
-              pa: ptr<function, vec4<f32>>, pb: ptr<function, vec4<f32>>) {
+// One polar word (16 dims, vec4 columns 4w..4w+3) of two keys, A and B: the
+// PolarQuant dot with every head, added to pa/pb (key A, heads 0..3 / 4..7)
+// and qa/qb (key B). Each query load serves both keys.
+fn polar_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32, cb: vec4<f32>,
+              pa: ptr<function, vec4<f32>>, pb: ptr<function, vec4<f32>>,
+              qa: ptr<function, vec4<f32>>, qb: ptr<function, vec4<f32>>) {
     let sh = vec4<u32>(0u, 2u, 4u, 6u);
     for (var k4 = 0u; k4 < 4u; k4 += 1u) {
-        let x = cvals((vec4<u32>(word) >> (sh + vec4<u32>(8u * k4))) & vec4<u32>(3u), cb.x, cb.y, cb.z, cb.w);
-        *pa += hq_lo(0u, 4u * w + k4, d4, group, x);
-        if group > 4u { *pb += hq_hi(0u, 4u * w + k4, d4, x); }
+        let s = sh + vec4<u32>(8u * k4);
+        let xa = cvals((vec4<u32>(wa) >> s) & vec4<u32>(3u), cb.x, cb.y, cb.z, cb.w);
+        let xb = cvals((vec4<u32>(wb) >> s) & vec4<u32>(3u), cb.x, cb.y, cb.z, cb.w);
+        let i = 4u * w + k4;
+        var q = qbuf[i];
+        (*pa).x += dot(q, xa);
+        (*qa).x += dot(q, xb);
+        if group > 1u {
+            q = qbuf[d4 + i];
+            (*pa).y += dot(q, xa);
+            (*qa).y += dot(q, xb);
+        }
+        if group > 2u {
+            q = qbuf[2u * d4 + i];
+            (*pa).z += dot(q, xa);
+            (*qa).z += dot(q, xb);
+            q = qbuf[3u * d4 + i];
+            (*pa).w += dot(q, xa);
+            (*qa).w += dot(q, xb);
+        }
+        if group > 4u {
+            *pb += hq_hi(0u, i, d4, xa);
+            *qb += hq_hi(0u, i, d4, xb);
+        }
     }
 }
 
-// One JL word (32 dims, vec4 columns 8w..8w+7): the sum of q_jl over set bits.
-fn jl_word(word: u32, w: u32, d4: u32, group: u32,
-           ja: ptr<function, vec4<f32>>, jb: ptr<function, vec4<f32>>) {
+// One JL word (32 dims, vec4 columns 8w..8w+7) of keys A and B: the sums of
+// q_jl over set bits, into ja/jb (key A) and ka/kb (key B).
+fn jl_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32,
+           ja: ptr<function, vec4<f32>>, jb: ptr<function, vec4<f32>>,
+           ka: ptr<function, vec4<f32>>, kb: ptr<function, vec4<f32>>) {
     let sh = vec4<u32>(0u, 1u, 2u, 3u);
     for (var k8 = 0u; k8 < 8u; k8 += 1u) {
-        let x = vec4<f32>((vec4<u32>(word) >> (sh + vec4<u32>(4u * k8))) & vec4<u32>(1u));
-        *ja += hq_lo(256u, 8u * w + k8, d4, group, x);
-        if group > 4u { *jb += hq_hi(256u, 8u * w + k8, d4, x); }
+        let s = sh + vec4<u32>(4u * k8);
+        let xa = vec4<f32>((vec4<u32>(wa) >> s) & vec4<u32>(1u));
+        let xb = vec4<f32>((vec4<u32>(wb) >> s) & vec4<u32>(1u));
+        let i = 256u + 8u * w + k8;
+        var q = qbuf[i];
+        (*ja).x += dot(q, xa);
+        (*ka).x += dot(q, xb);
+        if group > 1u {
+            q = qbuf[d4 + i];
+            (*ja).y += dot(q, xa);
+            (*ka).y += dot(q, xb);
+        }
+        if group > 2u {
+            q = qbuf[2u * d4 + i];
+            (*ja).z += dot(q, xa);
+            (*ka).z += dot(q, xb);
+            q = qbuf[3u * d4 + i];
+            (*ja).w += dot(q, xa);
+            (*ka).w += dot(q, xb);
+        }
+        if group > 4u {
+            *jb += hq_hi(0u, i, d4, xa);
+            *kb += hq_hi(0u, i, d4, xb);
+        }
     }
+}
+
+// The words of one key: polar (up to 8), JL (up to 4), and the packed norms.
+struct KeyWords {
+    p: vec4<u32>,
+    p2: vec4<u32>,
+    j: vec4<u32>,
+    nr: vec2<f32>,
+}
+
+fn load_key(slot: u32, pw: u32, jw: u32, k_jl_off: u32, k_norm_off: u32) -> KeyWords {
+    var k: KeyWords;
+    let po = slot * pw;
+    let jo = k_jl_off + slot * jw;
+    k.p = vec4<u32>(k_cache[po], k_cache[po + 1u], 0u, 0u);     // pw >= 2
+    k.p2 = vec4<u32>(0u);
+    k.j = vec4<u32>(k_cache[jo], 0u, 0u, 0u);                   // jw >= 1
+    if pw > 2u {
+        k.p.z = k_cache[po + 2u];
+        k.p.w = k_cache[po + 3u];
+        k.j.y = k_cache[jo + 1u];
+    }
+    if pw > 4u {
+        k.p2 = vec4<u32>(k_cache[po + 4u], k_cache[po + 5u], k_cache[po + 6u], k_cache[po + 7u]);
+        k.j.z = k_cache[jo + 2u];
+        k.j.w = k_cache[jo + 3u];
+    }
+    k.nr = unpack2x16float(k_cache[k_norm_off + slot]);
+    return k;
 }
 
 fn tq_score(polar: f32, pos: f32, qsum: f32, nr: vec2<f32>, qjl_scale: f32, scale: f32) -> f32 {
@@ -118,60 +193,58 @@ fn attention_split_tq(
 ) {
     // #include "split_tq_prologue.wgsl"
 
-    // ── 1. scores: one thread per compressed key, every head of the group ──
+    // ── 1. scores: one thread per compressed key, two keys at a time (each
+    // query read from workgroup memory serves both), every head. Rounds of up
+    // to 2 WG keys; in a round of m keys thread i takes keys i and i + ceil(m/2). ──
     let cb = vec4<f32>(c0, c1, c2, c3);
-    for (var t = tid; t < n_t; t += WG) {
-        let slot = slot0 + t;
-        // every word of the key first: independent loads, all in flight
-        let po = slot * pw;
-        let jo = k_jl_off + slot * jw;
-        var p = vec4<u32>(k_cache[po], k_cache[po + 1u], 0u, 0u);    // pw >= 2
-        var p2 = vec4<u32>(0u);
-        var j = vec2<u32>(k_cache[jo], 0u);                          // jw >= 1
-        var j2 = vec2<u32>(0u);
-        if pw > 2u {
-            p.z = k_cache[po + 2u];
-            p.w = k_cache[po + 3u];
-            j.y = k_cache[jo + 1u];
+    for (var r = 0u; r < n_t; r += 2u * WG) {
+        let m = min(2u * WG, n_t - r);
+        let half = (m + 1u) / 2u;
+        if tid >= half {
+            continue;
         }
-        if pw > 4u {
-            p2 = vec4<u32>(k_cache[po + 4u], k_cache[po + 5u], k_cache[po + 6u], k_cache[po + 7u]);
-            j2 = vec2<u32>(k_cache[jo + 2u], k_cache[jo + 3u]);
-        }
-        let nr = unpack2x16float(k_cache[k_norm_off + slot]);
-        vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot]).x;
+        let t = r + tid;
+        let tb = t + half;
+        let has_b = tb < r + m;
+        // every word of both keys first: independent loads, all in flight
+        let ka = load_key(slot0 + t, pw, jw, k_jl_off, k_norm_off);
+        var kb = ka;
+        if has_b { kb = load_key(slot0 + tb, pw, jw, k_jl_off, k_norm_off); }
+        vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot0 + t]).x;
+        if has_b { vn_sh[tb] = unpack2x16float(v_cache[v_norm_off + slot0 + tb]).x; }
 
-        var pa = vec4<f32>(0.0);   // polar, heads 0..3
-        var pb = vec4<f32>(0.0);   // polar, heads 4..7
-        var ja = vec4<f32>(0.0);   // sums of q_jl over set bits, heads 0..3
-        var jb = vec4<f32>(0.0);   // heads 4..7
-        polar_word(p.x, 0u, d4, group, cb, &pa, &pb);
-        polar_word(p.y, 1u, d4, group, cb, &pa, &pb);
-        jl_word(j.x, 0u, d4, group, &ja, &jb);
+        var pa = vec4<f32>(0.0);   // key A: polar, heads 0..3
+        var pb = vec4<f32>(0.0);   // key A: polar, heads 4..7
+        var ja = vec4<f32>(0.0);   // key A: sums of q_jl over set bits, heads 0..3
+        var jb = vec4<f32>(0.0);   // key A: heads 4..7
+        var qa = vec4<f32>(0.0);   // the same four for key B
+        var qb = vec4<f32>(0.0);
+        var ra = vec4<f32>(0.0);
+        var rb = vec4<f32>(0.0);
+        polar_word(ka.p.x, kb.p.x, 0u, d4, group, cb, &pa, &pb, &qa, &qb);
+        polar_word(ka.p.y, kb.p.y, 1u, d4, group, cb, &pa, &pb, &qa, &qb);
+        jl_word(ka.j.x, kb.j.x, 0u, d4, group, &ja, &jb, &ra, &rb);
         if pw > 2u {
-            polar_word(p.z, 2u, d4, group, cb, &pa, &pb);
-            polar_word(p.w, 3u, d4, group, cb, &pa, &pb);
-            jl_word(j.y, 1u, d4, group, &ja, &jb);
+            polar_word(ka.p.z, kb.p.z, 2u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p.w, kb.p.w, 3u, d4, group, cb, &pa, &pb, &qa, &qb);
+            jl_word(ka.j.y, kb.j.y, 1u, d4, group, &ja, &jb, &ra, &rb);
         }
         if pw > 4u {
-            polar_word(p2.x, 4u, d4, group, cb, &pa, &pb);
-            polar_word(p2.y, 5u, d4, group, cb, &pa, &pb);
-            polar_word(p2.z, 6u, d4, group, cb, &pa, &pb);
-            polar_word(p2.w, 7u, d4, group, cb, &pa, &pb);
-            jl_word(j2.x, 2u, d4, group, &ja, &jb);
-            jl_word(j2.y, 3u, d4, group, &ja, &jb);
+            polar_word(ka.p2.x, kb.p2.x, 4u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.y, kb.p2.y, 5u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.z, kb.p2.z, 6u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.w, kb.p2.w, 7u, d4, group, cb, &pa, &pb, &qa, &qb);
+            jl_word(ka.j.z, kb.j.z, 2u, d4, group, &ja, &jb, &ra, &rb);
+            jl_word(ka.j.w, kb.j.w, 3u, d4, group, &ja, &jb, &ra, &rb);
         }
-        scores[t] = tq_score(pa.x, ja.x, qsum_sh[0], nr, qjl_scale, scale);
-        if group > 1u { scores[split_len + t] = tq_score(pa.y, ja.y, qsum_sh[1], nr, qjl_scale, scale); }
-        if group > 2u {
-            scores[2u * split_len + t] = tq_score(pa.z, ja.z, qsum_sh[2], nr, qjl_scale, scale);
-            scores[3u * split_len + t] = tq_score(pa.w, ja.w, qsum_sh[3], nr, qjl_scale, scale);
-        }
-        if group > 4u {
-            scores[4u * split_len + t] = tq_score(pb.x, jb.x, qsum_sh[4], nr, qjl_scale, scale);
-            scores[5u * split_len + t] = tq_score(pb.y, jb.y, qsum_sh[5], nr, qjl_scale, scale);
-            scores[6u * split_len + t] = tq_score(pb.z, jb.z, qsum_sh[6], nr, qjl_scale, scale);
-            scores[7u * split_len + t] = tq_score(pb.w, jb.w, qsum_sh[7], nr, qjl_scale, scale);
+        for (var h = 0u; h < group; h += 1u) {
+            let o = h * split_len;
+            let lo = h < 4u;
+            let hh = h % 4u;
+            scores[o + t] = tq_score(select(pb[hh], pa[hh], lo), select(jb[hh], ja[hh], lo), qsum_sh[h], ka.nr, qjl_scale, scale);
+            if has_b {
+                scores[o + tb] = tq_score(select(qb[hh], qa[hh], lo), select(rb[hh], ra[hh], lo), qsum_sh[h], kb.nr, qjl_scale, scale);
+            }
         }
     }
     workgroupBarrier();

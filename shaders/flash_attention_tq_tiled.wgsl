@@ -1,18 +1,27 @@
 // Query-block flash attention over the TurboQuant cache: the prefill path.
 //
-// `attention_prefill_tiled.wgsl`'s scheme on compressed keys and values (read
-// it, and `flash_attention_tq.wgsl` for the estimator). One workgroup takes
-// R = 16 rows (a block of BQ = R / G query positions times the G heads of one
-// KV head's GQA group) and walks the cache in tiles of TK = 16 timesteps. Each
-// tile is decoded ONCE into workgroup memory for all R rows:
-//   keys:   the 2-bit codes to their centroids (rotated space, norm not folded),
-//           the JL sign words and the packed (norm, residual_norm) words;
-//   values: norm * centroid, rotated space.
-// Thread (row r, key j) forms
-//   score = norm * (q_rot . c[idx] + residual_norm * qjl_scale * (2 * sum_{bit} q_jl - sum q_jl)) * scale
-// and the online softmax and accumulation follow the f32 kernel; the rotated
-// accumulator of every row gets one inverse RHT (a Walsh-Hadamard butterfly in
-// workgroup memory, then the polar signs and 1/sqrt(d)) at the end.
+// `attention_prefill_tiled.wgsl`'s register-blocked tile on compressed keys
+// and values (read it first, and `flash_attention_tq.wgsl` for the estimator).
+// One workgroup takes R = 64 rows (a block of BQ = R / G query positions times
+// the G heads of one KV head's GQA group) and walks the cache in tiles of
+// TK = 32 timesteps; thread (tr, tc) owns rows {tr, tr+16, tr+32, tr+48} x keys
+// {tc, tc+16} of the scores and the same rows x vec4 columns {tc, tc+16} of the
+// rotated output, in registers. The estimator
+//   score = norm * (q_rot . c[idx] + residual_norm * qjl_scale * sum_d q_jl[d] (2 bit_d - 1)) * scale
+// is one dot product of length 2 * head_dim between the row [q_rot | q_jl] and
+// the decoded key [c[idx] | +-residual_norm * qjl_scale], so the score phase is
+// the f32 kernel's over 2 * head_dim / 32 chunks of 32 dims: the first half
+// polar (codes to centroids), the second half JL (sign bits). Each chunk's raw
+// words are prefetched into registers and decoded once, when staged, into
+// workgroup memory for all 64 rows; the key norms go to kn_sh and multiply the
+// finished dot products. The value tile is decoded to norm * centroid (rotated
+// space). The softmax and value phases are the f32 kernel's includes. At the
+// end every row's rotated output gets one inverse RHT: strides 1 and 2 of the
+// Walsh-Hadamard butterfly in registers, the rest in `stage` (32 rows at a
+// time), then the polar signs and 1/sqrt(d).
+//
+// Barriers per tile: 2 * head_dim / 16 + 2 (18 at head_dim 128).
+// Workgroup memory: stage 16384 + p_sh 9216 + pm_sh 5120 + kn_sh 128 = 30848 bytes.
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
 //
@@ -20,15 +29,18 @@
 // G = n_heads / n_kv_heads in {1, 2, 4, 8}.
 //
 // Bind group 0 (as flash_attention_tq.wgsl):
-// @binding(0) qrot:    array<f32>  [q_rot | q_jl | sums] of q_cap rows (tq_rotate_q)
+// @binding(0) qrot:    array<f32>  [q_rot | q_jl | sums] of q_cap rows (tq_rotate_q;
+//   the sums are not read here: the +-1 form of the JL term needs none)
 // @binding(1) k_cache: array<u32>  [polar | jl | norms]
 // @binding(2) v_cache: array<u32>  [polar | norms]
 // @binding(3) out_batch: array<f32> q_cap x out_stride floats (rw)
 // @binding(4) params:  array<u32, 20>  (flash_attention_tq.wgsl's layout; q_cap is
-//   the number of query rows, block x covers rows q_base + x * BQ ..)
+//   the number of query rows)
 // @binding(5) signs:   array<f32>
 //
-// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads.
+// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
+// blocks together cover query rows q_base .. q_base + rows - 1, longest causal
+// windows first (block x covers the (n_blocks - 1 - x)-th group of BQ rows).
 
 @group(0) @binding(0) var<storage, read> qrot: array<f32>;
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
@@ -38,23 +50,23 @@
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
-const R: u32 = 16u;                  // rows (query position x head) per workgroup
-const TK: u32 = 16u;                 // timesteps per tile
-const ROW4: u32 = 33u;               // padded decoded row, in vec4 (head_dim/4 <= 32)
-const JROW: u32 = 5u;                // padded JL words per key (head_dim/32 <= 4)
+const R: u32 = 64u;                  // rows (query position x head) per workgroup
+const TK: u32 = 32u;                 // timesteps per tile
+const CV: u32 = 8u;                  // vec4 per chunk (32 dims)
+const CROW: u32 = 9u;                // padded chunk row, in vec4
+const KOFF: u32 = 576u;              // R * CROW: the key chunk follows the query chunk
+const VROW: u32 = 32u;               // value tile row, in vec4 (head_dim / 4 <= 32)
+const PROW4: u32 = 9u;               // padded p_sh row (TK + 4 floats), in vec4
+const MROW4: u32 = 5u;               // padded pm_sh row (16 + 4 floats), in vec4
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> qr_sh: array<vec4<f32>, 512>;    // R * head_dim/4: q_rot, then the output rows
-var<workgroup> qj_sh: array<vec4<f32>, 512>;    // R * head_dim/4: q_jl
-var<workgroup> qsum_sh: array<f32, R>;
-var<workgroup> dec: array<vec4<f32>, 528>;       // TK * ROW4 decoded centroids (K, then V)
-var<workgroup> kj: array<u32, 80>;               // TK * JROW JL sign words
-var<workgroup> kn: array<u32, TK>;               // packed (norm, residual_norm)
-var<workgroup> p_sh: array<f32, 256>;            // R * TK scores, then probabilities
-var<workgroup> m_sh: array<f32, R>;
-var<workgroup> l_sh: array<f32, R>;
-var<workgroup> c_sh: array<f32, R>;
+var<workgroup> stage: array<vec4<f32>, 1024>;    // query + key chunk, then value tile, then output rows
+var<workgroup> p_sh: array<vec4<f32>, 576>;      // R x PROW4: probabilities
+var<workgroup> pm_sh: array<vec4<f32>, 320>;     // R x MROW4: per-thread partial row maxima
+var<workgroup> kn_sh: array<u32, TK>;            // the tile's packed (norm, residual_norm)
+
+// #include "tiled_common.wgsl"
 
 // Centroids of four 2-bit codes.
 fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
@@ -69,10 +81,19 @@ fn wht4(v: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(s1.x + s1.z, s1.y + s1.w, s1.x - s1.z, s1.y - s1.w);
 }
 
+// Four consecutive floats of the rotated queries, or zeros for a row past the queries.
+fn ld_q(o: u32, ok: bool) -> vec4<f32> {
+    if ok {
+        return vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
+    }
+    return vec4<f32>(0.0);
+}
+
 @compute @workgroup_size(256, 1, 1)
 fn attention_tq_tiled(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
     let n_heads = params[0];
@@ -104,7 +125,8 @@ fn attention_tq_tiled(
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * pw;
     let slot0 = kv_head * cache_cap;
-    let q_first = q_base + wid.x * bq;
+    let blk = nwg.x - 1u - wid.x;                    // longest (latest) blocks first
+    let q_first = q_base + blk * bq;
     let q_last = min(q_first + bq, q_cap) - 1u;      // host guarantees q_first < q_cap
     let non_causal = (flags & FLAG_NON_CAUSAL) != 0u;
     var t_end = max_seq;
@@ -112,140 +134,240 @@ fn attention_tq_tiled(
         t_end = min(start_pos + q_last + 1u, max_seq);
     }
     let q_region = q_cap * n_heads * head_dim;
+    let npc = d4 / CV;                               // polar chunks (= JL chunks)
+    let nch = 2u * npc;
 
-    // ── rows: r = g * bq + b is head kv_head*G + g at query q_first + b ──
-    for (var e = tid; e < R * d4; e += WG) {
-        let r = e / d4;
-        let c = e % d4;
-        let qi = q_first + r % bq;
-        let head = kv_head * group + r / bq;
-        var a = vec4<f32>(0.0);
-        var b = vec4<f32>(0.0);
-        if qi <= q_last {
-            let o = (qi * n_heads + head) * head_dim + 4u * c;
-            a = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
-            let oj = q_region + o;
-            b = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
-        }
-        qr_sh[e] = a;
-        qj_sh[e] = b;
-    }
-    if tid < R {
-        let qi = q_first + tid % bq;
-        var s = 0.0;
-        if qi <= q_last {
-            s = qrot[2u * q_region + qi * n_heads + kv_head * group + tid / bq];
-        }
-        qsum_sh[tid] = s;
-        m_sh[tid] = NEG_INF;
-        l_sh[tid] = 0.0;
-    }
+    // ── staging roles: query rows sq, sq + 32 and key sq at chunk column sc; value keys vk + 8k at column vc ──
+    let sq = tid / 8u;
+    let sc = tid % 8u;
+    let qa = q_first + sq % bq;
+    let qa_ok = qa <= q_last;
+    let qa_base = (qa * n_heads + kv_head * group + sq / bq) * head_dim + 4u * sc;
+    let qb = q_first + (sq + 32u) % bq;
+    let qb_ok = qb <= q_last;
+    let qb_base = (qb * n_heads + kv_head * group + (sq + 32u) / bq) * head_dim + 4u * sc;
+    let vk = tid / 32u;
+    let vc = tid % 32u;
+    let sh2 = vec4<u32>(0u, 2u, 4u, 6u) + vec4<u32>(8u * (sc % 4u));   // key chunk column sc's codes
+    let vsh2 = vec4<u32>(0u, 2u, 4u, 6u) + vec4<u32>(8u * (vc % 4u));  // value column vc's codes
+    let sh1 = vec4<u32>(0u, 1u, 2u, 3u) + vec4<u32>(4u * sc);          // JL bits of column sc
 
-    // score phase: thread (row sr, key sj); value phase: thread (row sr, columns sj, sj + 16)
-    let sr = tid / 16u;
-    let sj = tid % 16u;
-    let s_qi = q_first + sr % bq;
-    var s_end = t_end;
-    if !non_causal {
-        s_end = min(start_pos + s_qi + 1u, max_seq);
+    // ── compute roles: rows tr + 16i (i < 4), keys / columns tc and tc + 16 ──
+    let lane = tid % 32u;
+    let warp = tid / 32u;
+    let tc = lane % 8u + 8u * (warp % 2u);
+    let tr = lane / 8u + 4u * (warp / 2u);
+    let r0 = tr;
+    let r1 = tr + 16u;
+    let r2 = tr + 32u;
+    let r3 = tr + 48u;
+    let e0 = row_end(r0, q_first, bq, start_pos, t_end, non_causal);
+    let e1 = row_end(r1, q_first, bq, start_pos, t_end, non_causal);
+    let e2 = row_end(r2, q_first, bq, start_pos, t_end, non_causal);
+    let e3 = row_end(r3, q_first, bq, start_pos, t_end, non_causal);
+    let pw_a = tc / 4u;
+    let pw_c = tc % 4u;
+
+    var m0 = NEG_INF;
+    var m1 = NEG_INF;
+    var m2 = NEG_INF;
+    var m3 = NEG_INF;
+    var l0 = 0.0;
+    var l1 = 0.0;
+    var l2 = 0.0;
+    var l3 = 0.0;
+    var o00 = vec4<f32>(0.0);
+    var o01 = vec4<f32>(0.0);
+    var o10 = vec4<f32>(0.0);
+    var o11 = vec4<f32>(0.0);
+    var o20 = vec4<f32>(0.0);
+    var o21 = vec4<f32>(0.0);
+    var o30 = vec4<f32>(0.0);
+    var o31 = vec4<f32>(0.0);
+
+    // prefetch: the first tile's first (polar) chunk, raw key words
+    var pqa = ld_q(qa_base, qa_ok);
+    var pqb = ld_q(qb_base, qb_ok);
+    var pkw = 0u;                                    // the key's polar or JL word
+    var pkn = 0u;                                    // the key's norm word (whole tile)
+    if sq < t_end {
+        pkw = k_cache[(slot0 + sq) * pw + sc / 4u];
+        pkn = k_cache[k_norm_off + slot0 + sq];
     }
-    let sh2 = vec4<u32>(0u, 2u, 4u, 6u);
-    let sh1 = vec4<u32>(0u, 1u, 2u, 3u);
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
+    var pvw0 = 0u;
+    var pvw1 = 0u;
+    var pvw2 = 0u;
+    var pvw3 = 0u;
+    var pvn0 = 0u;
+    var pvn1 = 0u;
+    var pvn2 = 0u;
+    var pvn3 = 0u;
 
     for (var tb = 0u; tb < t_end; tb += TK) {
-        let nk = min(TK, t_end - tb);
         let s0 = slot0 + tb;
-        // (1) decode the key tile
-        workgroupBarrier();
-        for (var e = tid; e < nk * d4; e += WG) {
-            let t = e / d4;
-            let c = e % d4;
-            let word = k_cache[(s0 + t) * pw + c / 4u];
-            dec[t * ROW4 + c] = cvals((vec4<u32>(word) >> (sh2 + vec4<u32>(8u * (c % 4u)))) & vec4<u32>(3u), c0, c1, c2, c3);
+        var a00 = vec4<f32>(0.0);
+        var a01 = vec4<f32>(0.0);
+        var a10 = vec4<f32>(0.0);
+        var a11 = vec4<f32>(0.0);
+        var a20 = vec4<f32>(0.0);
+        var a21 = vec4<f32>(0.0);
+        var a30 = vec4<f32>(0.0);
+        var a31 = vec4<f32>(0.0);
+        for (var ch = 0u; ch < nch; ch += 1u) {
+            workgroupBarrier();
+            stage[sq * CROW + sc] = pqa;
+            stage[(sq + 32u) * CROW + sc] = pqb;
+            var kd: vec4<f32>;
+            if ch < npc {
+                kd = cvals((vec4<u32>(pkw) >> sh2) & vec4<u32>(3u), c0, c1, c2, c3);
+            } else {
+                let a = unpack2x16float(pkn).y * qjl_scale;
+                kd = select(vec4<f32>(-a), vec4<f32>(a), ((vec4<u32>(pkw) >> sh1) & vec4<u32>(1u)) == vec4<u32>(1u));
+            }
+            stage[KOFF + sq * CROW + sc] = kd;
+            if ch == 0u && sc == 0u {
+                kn_sh[sq] = pkn;
+            }
+            workgroupBarrier();
+            if ch + 1u < nch {
+                let nx = ch + 1u;
+                pkw = 0u;
+                if nx < npc {
+                    let off = 4u * CV * nx;
+                    pqa = ld_q(qa_base + off, qa_ok);
+                    pqb = ld_q(qb_base + off, qb_ok);
+                    if tb + sq < t_end { pkw = k_cache[(s0 + sq) * pw + (CV * nx + sc) / 4u]; }
+                } else {
+                    let off = q_region + 4u * CV * (nx - npc);
+                    pqa = ld_q(qa_base + off, qa_ok);
+                    pqb = ld_q(qb_base + off, qb_ok);
+                    if tb + sq < t_end { pkw = k_cache[k_jl_off + (s0 + sq) * jw + nx - npc]; }
+                }
+            } else {
+                pvw0 = 0u;
+                pvw1 = 0u;
+                pvw2 = 0u;
+                pvw3 = 0u;
+                pvn0 = 0u;
+                pvn1 = 0u;
+                pvn2 = 0u;
+                pvn3 = 0u;
+                if vc < d4 {
+                    let vo = vc / 4u;
+                    if tb + vk < t_end {
+                        pvw0 = v_cache[(s0 + vk) * pw + vo];
+                        pvn0 = v_cache[v_norm_off + s0 + vk];
+                    }
+                    if tb + vk + 8u < t_end {
+                        pvw1 = v_cache[(s0 + vk + 8u) * pw + vo];
+                        pvn1 = v_cache[v_norm_off + s0 + vk + 8u];
+                    }
+                    if tb + vk + 16u < t_end {
+                        pvw2 = v_cache[(s0 + vk + 16u) * pw + vo];
+                        pvn2 = v_cache[v_norm_off + s0 + vk + 16u];
+                    }
+                    if tb + vk + 24u < t_end {
+                        pvw3 = v_cache[(s0 + vk + 24u) * pw + vo];
+                        pvn3 = v_cache[v_norm_off + s0 + vk + 24u];
+                    }
+                }
+            }
+            for (var c = 0u; c < CV; c += 1u) {
+                let k0 = stage[KOFF + tc * CROW + c];
+                let k1 = stage[KOFF + (tc + 16u) * CROW + c];
+                let q0 = stage[r0 * CROW + c];
+                a00 += q0 * k0;
+                a01 += q0 * k1;
+                let q1 = stage[r1 * CROW + c];
+                a10 += q1 * k0;
+                a11 += q1 * k1;
+                let q2 = stage[r2 * CROW + c];
+                a20 += q2 * k0;
+                a21 += q2 * k1;
+                let q3 = stage[r3 * CROW + c];
+                a30 += q3 * k0;
+                a31 += q3 * k1;
+            }
         }
-        for (var e = tid; e < nk * jw; e += WG) {
-            kj[(e / jw) * JROW + e % jw] = k_cache[k_jl_off + s0 * jw + e];
+        // ── scores of keys t0 = tb + tc, t1 = t0 + 16: the dot products times norm * scale ──
+        let t0 = tb + tc;
+        let t1 = t0 + 16u;
+        let g0 = unpack2x16float(kn_sh[tc]).x * scale;
+        let g1 = unpack2x16float(kn_sh[tc + 16u]).x * scale;
+        let s00 = select(NEG_INF, hsum(a00) * g0, t0 < e0);
+        let s01 = select(NEG_INF, hsum(a01) * g1, t1 < e0);
+        let s10 = select(NEG_INF, hsum(a10) * g0, t0 < e1);
+        let s11 = select(NEG_INF, hsum(a11) * g1, t1 < e1);
+        let s20 = select(NEG_INF, hsum(a20) * g0, t0 < e2);
+        let s21 = select(NEG_INF, hsum(a21) * g1, t1 < e2);
+        let s30 = select(NEG_INF, hsum(a30) * g0, t0 < e3);
+        let s31 = select(NEG_INF, hsum(a31) * g1, t1 < e3);
+        // #include "tiled_softmax.wgsl"
+        // (the decoded value tile, norm * centroid, goes into `stage`, which no thread reads any more)
+        stage[vk * VROW + vc] = unpack2x16float(pvn0).x * cvals((vec4<u32>(pvw0) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[(vk + 8u) * VROW + vc] = unpack2x16float(pvn1).x * cvals((vec4<u32>(pvw1) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[(vk + 16u) * VROW + vc] = unpack2x16float(pvn2).x * cvals((vec4<u32>(pvw2) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[(vk + 24u) * VROW + vc] = unpack2x16float(pvn3).x * cvals((vec4<u32>(pvw3) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        // #include "tiled_probs.wgsl"
+        // prefetch the next tile's first (polar) chunk
+        if tb + TK < t_end {
+            pqa = ld_q(qa_base, qa_ok);
+            pqb = ld_q(qb_base, qb_ok);
+            pkw = 0u;
+            pkn = 0u;
+            if tb + TK + sq < t_end {
+                pkw = k_cache[(s0 + TK + sq) * pw + sc / 4u];
+                pkn = k_cache[k_norm_off + s0 + TK + sq];
+            }
         }
-        if tid < nk {
-            kn[tid] = k_cache[k_norm_off + s0 + tid];
-        }
-        workgroupBarrier();
-        // (2) score of key sj for row sr
-        var polar = 0.0;
-        var pos = 0.0;
-        let qo = sr * d4;
-        for (var c = 0u; c < d4; c += 1u) {
-            let qr = qr_sh[qo + c];
-            let qj = qj_sh[qo + c];
-            polar += dot(qr, dec[sj * ROW4 + c]);
-            let bits = (vec4<u32>(kj[sj * JROW + c / 8u]) >> (sh1 + vec4<u32>(4u * (c % 8u)))) & vec4<u32>(1u);
-            pos += dot(qj, vec4<f32>(bits));
-        }
-        let nr = unpack2x16float(kn[sj]);
-        let score = (polar * nr.x + nr.x * nr.y * qjl_scale * (2.0 * pos - qsum_sh[sr])) * scale;
-        p_sh[sr * TK + sj] = select(NEG_INF, score, sj < nk && tb + sj < s_end);
-        workgroupBarrier();
-        // #include "tiled_row_softmax.wgsl"
-        // (4) decode the value tile: norm * centroid (the keys' tile is no longer read)
-        for (var e = tid; e < nk * d4; e += WG) {
-            let t = e / d4;
-            let c = e % d4;
-            let word = v_cache[(s0 + t) * pw + c / 4u];
-            let vn = unpack2x16float(v_cache[v_norm_off + s0 + t]).x;
-            dec[t * ROW4 + c] = vn * cvals((vec4<u32>(word) >> (sh2 + vec4<u32>(8u * (c % 4u)))) & vec4<u32>(3u), c0, c1, c2, c3);
-        }
-        workgroupBarrier();
-        // (5) rescale and accumulate columns sj, sj + 16 of row sr
-        let corr = c_sh[sr];
-        acc0 *= corr;
-        acc1 *= corr;
-        for (var j = 0u; j < nk; j += 1u) {
-            let p = p_sh[sr * TK + j];
-            acc0 += p * dec[j * ROW4 + sj];
-            acc1 += p * dec[j * ROW4 + sj + 16u];
-        }
+        // #include "tiled_values.wgsl"
     }
 
-    // ── epilogue: normalize, inverse RHT per row, write ──
+    // ── epilogue: normalize, inverse RHT per row, write; rows 0..31 then 32..63 ──
     // The butterfly's strides 1 and 2 stay inside one vec4 (done in registers);
-    // strides 4 .. head_dim/2 pair whole vec4 columns of a row in qr_sh.
-    workgroupBarrier();
-    let inv = 1.0 / (l_sh[sr] * sqrt(f32(head_dim)));
-    if sj < d4 {
-        qr_sh[sr * d4 + sj] = wht4(acc0 * inv);
-    }
-    if sj + 16u < d4 {
-        qr_sh[sr * d4 + sj + 16u] = wht4(acc1 * inv);
-    }
+    // strides 4 .. head_dim/2 pair whole vec4 columns of a row in `stage`.
+    let sqrt_d = sqrt(f32(head_dim));
     let half4 = d4 / 2u;
-    for (var stride = 1u; stride < d4; stride = stride * 2u) {
+    for (var half = 0u; half < 2u; half += 1u) {
+        let hi = half == 1u;
         workgroupBarrier();
-        for (var e = tid; e < R * half4; e += WG) {
-            let base = (e / half4) * d4;
-            let k = e % half4;
-            let i = base + (k / stride) * 2u * stride + (k % stride);
-            let a = qr_sh[i];
-            let b = qr_sh[i + stride];
-            qr_sh[i] = a + b;
-            qr_sh[i + stride] = a - b;
+        let ia = 1.0 / (select(l0, l2, hi) * sqrt_d);
+        let ib = 1.0 / (select(l1, l3, hi) * sqrt_d);
+        if tc < d4 {
+            stage[tr * d4 + tc] = wht4(select(o00, o20, hi) * ia);
+            stage[(tr + 16u) * d4 + tc] = wht4(select(o10, o30, hi) * ib);
         }
-    }
-    workgroupBarrier();
-    for (var e = tid; e < R * d4; e += WG) {
-        let r = e / d4;
-        let c = e % d4;
-        let qi = q_first + r % bq;
-        if qi <= q_last {
-            let head = kv_head * group + r / bq;
-            let v = qr_sh[e];
-            let o = qi * out_stride + head * head_dim + 4u * c;
-            let sg = sign_off + 4u * c;
-            out_batch[o] = v.x * signs[sg];
-            out_batch[o + 1u] = v.y * signs[sg + 1u];
-            out_batch[o + 2u] = v.z * signs[sg + 2u];
-            out_batch[o + 3u] = v.w * signs[sg + 3u];
+        if tc + 16u < d4 {
+            stage[tr * d4 + tc + 16u] = wht4(select(o01, o21, hi) * ia);
+            stage[(tr + 16u) * d4 + tc + 16u] = wht4(select(o11, o31, hi) * ib);
+        }
+        for (var stride = 1u; stride < d4; stride = stride * 2u) {
+            workgroupBarrier();
+            for (var e = tid; e < 32u * half4; e += WG) {
+                let base = (e / half4) * d4;
+                let k = e % half4;
+                let i = base + (k / stride) * 2u * stride + (k % stride);
+                let a = stage[i];
+                let b = stage[i + stride];
+                stage[i] = a + b;
+                stage[i + stride] = a - b;
+            }
+        }
+        workgroupBarrier();
+        for (var e = tid; e < 32u * d4; e += WG) {
+            let r = e / d4 + 32u * half;
+            let c = e % d4;
+            let qi = q_first + r % bq;
+            if qi <= q_last {
+                let head = kv_head * group + r / bq;
+                let v = stage[e];
+                let o = qi * out_stride + head * head_dim + 4u * c;
+                let sg = sign_off + 4u * c;
+                out_batch[o] = v.x * signs[sg];
+                out_batch[o + 1u] = v.y * signs[sg + 1u];
+                out_batch[o + 2u] = v.z * signs[sg + 2u];
+                out_batch[o + 3u] = v.w * signs[sg + 3u];
+            }
         }
     }
 }
