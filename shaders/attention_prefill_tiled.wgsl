@@ -10,15 +10,26 @@
 // each tile's 64 x 32 scores (8 vec4 accumulators) and the same 4 rows x
 // columns (vec4) {tc, tc+16} of the 64 x head_dim output (8 vec4 accumulators
 // in registers). A warp holds 4 row groups x 8 key groups, so each of its
-// workgroup-memory vec4 reads touches at most 8 distinct conflict-free vec4s
-// (rows padded to 9 vec4) and feeds 8 (scores) or ~10 (values) vec4 FMAs.
+// workgroup-memory vec4 reads touches at most 8 distinct, consecutive (bank
+// conflict free) vec4s and feeds 8 (scores) or ~10 (values) vec4 FMAs.
+//
+// Workgroup memory is indexed [a][b] with a a literal and b a per-thread
+// invariant in the hot loops (unrolled by includes), so naga's bounds clamps
+// fold or hoist out instead of costing integer ops per read.
+//   stage[32][32] vec4: during the scores, chunk column c of Q row r < 32 in
+//     stage[3c][r], of Q row r + 32 in stage[3c + 1][r], of key j in
+//     stage[3c + 2][j] (column-major: a warp's distinct rows are adjacent);
+//     during the values, the V tile, stage[key][column].
+//   p_sh[64][9] vec4: probabilities, [row][key / 4] (padded: a warp's 4 adjacent rows
+//     land on different banks).
+//   pm_sh[64][4] vec4: the 16 partial maxima of each row.
 //
 // Per tile:
 //   scores: for each 32-dim chunk of head_dim (ceil(head_dim / 32) chunks):
 //     barrier; store the prefetched Q chunk (64 x 8 vec4) and K chunk (32 x 8
 //     vec4) into `stage`; barrier; prefetch the next chunk (or this tile's V)
-//     from global memory into registers; 6 vec4 reads -> 8 vec4 FMAs per
-//     column. Q is re-staged per tile (the budget below has no room to keep
+//     from global memory into registers; per vec4 column, 6 vec4 reads -> 8
+//     vec4 FMAs. Q is re-staged per tile (the budget below has no room to keep
 //     64 x 128 floats resident); it comes from L2.
 //   softmax: each thread masks and scales its 8 scores, writes the max of its
 //     two keys per row to pm_sh; barrier; stores V into `stage`; reads the 16
@@ -29,7 +40,7 @@
 //     4 vec4 reads of p_sh + 8 of V -> 32 vec4 FMAs; the row sum l is summed
 //     by each thread of the row from the same p_sh values in the same order.
 // Barriers per tile: 2 * ceil(head_dim / 32) + 2 (10 at head_dim 128).
-// Workgroup memory: stage 16384 + p_sh 9216 + pm_sh 5120 = 30720 bytes.
+// Workgroup memory: stage 16384 + p_sh 9216 + pm_sh 4096 = 29696 bytes.
 //
 // Causal: the tile loop ends at the block's widest window (tiles fully masked
 // for every row of the block are never read); a key past a row's window scores
@@ -69,17 +80,12 @@ const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
 const TK: u32 = 32u;                 // keys per tile
 const CV: u32 = 8u;                  // vec4 per head_dim chunk (32 dims)
-const CROW: u32 = 9u;                // padded chunk row, in vec4
-const KOFF: u32 = 576u;              // R * CROW: the K chunk follows the Q chunk
-const VROW: u32 = 32u;               // V tile row, in vec4 (head_dim / 4 <= 32)
-const PROW4: u32 = 9u;               // padded p_sh row (TK + 4 floats), in vec4
-const MROW4: u32 = 5u;               // padded pm_sh row (16 + 4 floats), in vec4
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> stage: array<vec4<f32>, 1024>;    // Q + K chunk (864 used), then V tile (TK x VROW)
-var<workgroup> p_sh: array<vec4<f32>, 576>;      // R x PROW4: probabilities
-var<workgroup> pm_sh: array<vec4<f32>, 320>;     // R x MROW4: per-thread partial row maxima
+var<workgroup> stage: array<array<vec4<f32>, 32>, 32>;  // Q + K chunk [3c + i][.], then V tile [key][column]
+var<workgroup> p_sh: array<array<vec4<f32>, 9>, R>;     // probabilities [row][key / 4] (8 used, padded)
+var<workgroup> pm_sh: array<array<vec4<f32>, 4>, R>;    // partial row maxima [row][tc / 4][tc % 4]
 
 // #include "tiled_common.wgsl"
 
@@ -132,8 +138,8 @@ fn attention_prefill_tiled(
     let nch = (d4 + CV - 1u) / CV;               // head_dim chunks per tile
 
     // ── staging roles: Q rows sq, sq + 32 and K key sq at chunk column sc; V keys vk + 8k at column vc ──
-    let sq = tid / 8u;
-    let sc = tid % 8u;
+    let sq = tid % 8u + 8u * (tid / 64u);        // conflict-free stores, 64-byte row segments
+    let sc = (tid / 8u) % 8u;
     let qa = q_first + sq % bq;
     let qa_ok = qa <= q_last;
     let qa_base = (qa * q_stride + (kv_head * group + sq / bq) * head_dim) / 4u;
@@ -201,9 +207,9 @@ fn attention_prefill_tiled(
         var a31 = vec4<f32>(0.0);
         for (var ch = 0u; ch < nch; ch += 1u) {
             workgroupBarrier();
-            stage[sq * CROW + sc] = pqa;
-            stage[(sq + 32u) * CROW + sc] = pqb;
-            stage[KOFF + sq * CROW + sc] = pk;
+            stage[3u * sc][sq] = pqa;
+            stage[3u * sc + 1u][sq] = pqb;
+            stage[3u * sc + 2u][sq] = pk;
             workgroupBarrier();
             if ch + 1u < nch {
                 let col = (ch + 1u) * CV + sc;
@@ -228,22 +234,14 @@ fn attention_prefill_tiled(
                     if tb + vk + 24u < t_end { pv3 = v_cache[(tb + vk + 24u) * kv4 + vb]; }
                 }
             }
-            for (var c = 0u; c < CV; c += 1u) {
-                let k0 = stage[KOFF + tc * CROW + c];
-                let k1 = stage[KOFF + (tc + 16u) * CROW + c];
-                let q0 = stage[r0 * CROW + c];
-                a00 += q0 * k0;
-                a01 += q0 * k1;
-                let q1 = stage[r1 * CROW + c];
-                a10 += q1 * k0;
-                a11 += q1 * k1;
-                let q2 = stage[r2 * CROW + c];
-                a20 += q2 * k0;
-                a21 += q2 * k1;
-                let q3 = stage[r3 * CROW + c];
-                a30 += q3 * k0;
-                a31 += q3 * k1;
-            }
+            // #include "tiled_score_col.wgsl" QA=0u QB=1u KR=2u
+            // #include "tiled_score_col.wgsl" QA=3u QB=4u KR=5u
+            // #include "tiled_score_col.wgsl" QA=6u QB=7u KR=8u
+            // #include "tiled_score_col.wgsl" QA=9u QB=10u KR=11u
+            // #include "tiled_score_col.wgsl" QA=12u QB=13u KR=14u
+            // #include "tiled_score_col.wgsl" QA=15u QB=16u KR=17u
+            // #include "tiled_score_col.wgsl" QA=18u QB=19u KR=20u
+            // #include "tiled_score_col.wgsl" QA=21u QB=22u KR=23u
         }
         // ── scores of keys t0 = tb + tc, t1 = t0 + 16 ──
         let t0 = tb + tc;
@@ -258,10 +256,10 @@ fn attention_prefill_tiled(
         let s31 = select(NEG_INF, hsum(a31) * scale, t1 < e3);
         // #include "tiled_softmax.wgsl"
         // (the V tile goes into `stage`, which no thread reads any more)
-        stage[vk * VROW + vc] = pv0;
-        stage[(vk + 8u) * VROW + vc] = pv1;
-        stage[(vk + 16u) * VROW + vc] = pv2;
-        stage[(vk + 24u) * VROW + vc] = pv3;
+        stage[vk][vc] = pv0;
+        stage[vk + 8u][vc] = pv1;
+        stage[vk + 16u][vc] = pv2;
+        stage[vk + 24u][vc] = pv3;
         // #include "tiled_probs.wgsl"
         // prefetch the next tile's first chunk
         if tb + TK < t_end {

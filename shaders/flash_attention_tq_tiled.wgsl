@@ -21,7 +21,8 @@
 // time), then the polar signs and 1/sqrt(d).
 //
 // Barriers per tile: 2 * head_dim / 16 + 2 (18 at head_dim 128).
-// Workgroup memory: stage 16384 + p_sh 9216 + pm_sh 5120 + kn_sh 128 = 30848 bytes.
+// Workgroup memory (the f32 kernel's layout): stage 16384 + p_sh 9216 + pm_sh 4096
+// + kn_sh 128 = 29824 bytes; the epilogue reuses stage as [32 rows][head_dim / 4].
 //
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
 //
@@ -53,17 +54,12 @@ const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
 const TK: u32 = 32u;                 // timesteps per tile
 const CV: u32 = 8u;                  // vec4 per chunk (32 dims)
-const CROW: u32 = 9u;                // padded chunk row, in vec4
-const KOFF: u32 = 576u;              // R * CROW: the key chunk follows the query chunk
-const VROW: u32 = 32u;               // value tile row, in vec4 (head_dim / 4 <= 32)
-const PROW4: u32 = 9u;               // padded p_sh row (TK + 4 floats), in vec4
-const MROW4: u32 = 5u;               // padded pm_sh row (16 + 4 floats), in vec4
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-var<workgroup> stage: array<vec4<f32>, 1024>;    // query + key chunk, then value tile, then output rows
-var<workgroup> p_sh: array<vec4<f32>, 576>;      // R x PROW4: probabilities
-var<workgroup> pm_sh: array<vec4<f32>, 320>;     // R x MROW4: per-thread partial row maxima
+var<workgroup> stage: array<array<vec4<f32>, 32>, 32>;  // Q + K chunk [3c + i][.], then V tile [key][column]
+var<workgroup> p_sh: array<array<vec4<f32>, 9>, R>;     // probabilities [row][key / 4] (8 used, padded)
+var<workgroup> pm_sh: array<array<vec4<f32>, 4>, R>;    // partial row maxima [row][tc / 4][tc % 4]
 var<workgroup> kn_sh: array<u32, TK>;            // the tile's packed (norm, residual_norm)
 
 // #include "tiled_common.wgsl"
@@ -138,8 +134,8 @@ fn attention_tq_tiled(
     let nch = 2u * npc;
 
     // ── staging roles: query rows sq, sq + 32 and key sq at chunk column sc; value keys vk + 8k at column vc ──
-    let sq = tid / 8u;
-    let sc = tid % 8u;
+    let sq = tid % 8u + 8u * (tid / 64u);        // conflict-free stores, 64-byte row segments
+    let sc = (tid / 8u) % 8u;
     let qa = q_first + sq % bq;
     let qa_ok = qa <= q_last;
     let qa_base = (qa * n_heads + kv_head * group + sq / bq) * head_dim + 4u * sc;
@@ -215,8 +211,8 @@ fn attention_tq_tiled(
         var a31 = vec4<f32>(0.0);
         for (var ch = 0u; ch < nch; ch += 1u) {
             workgroupBarrier();
-            stage[sq * CROW + sc] = pqa;
-            stage[(sq + 32u) * CROW + sc] = pqb;
+            stage[3u * sc][sq] = pqa;
+            stage[3u * sc + 1u][sq] = pqb;
             var kd: vec4<f32>;
             if ch < npc {
                 kd = cvals((vec4<u32>(pkw) >> sh2) & vec4<u32>(3u), c0, c1, c2, c3);
@@ -224,7 +220,7 @@ fn attention_tq_tiled(
                 let a = unpack2x16float(pkn).y * qjl_scale;
                 kd = select(vec4<f32>(-a), vec4<f32>(a), ((vec4<u32>(pkw) >> sh1) & vec4<u32>(1u)) == vec4<u32>(1u));
             }
-            stage[KOFF + sq * CROW + sc] = kd;
+            stage[3u * sc + 2u][sq] = kd;
             if ch == 0u && sc == 0u {
                 kn_sh[sq] = pkn;
             }
@@ -272,22 +268,14 @@ fn attention_tq_tiled(
                     }
                 }
             }
-            for (var c = 0u; c < CV; c += 1u) {
-                let k0 = stage[KOFF + tc * CROW + c];
-                let k1 = stage[KOFF + (tc + 16u) * CROW + c];
-                let q0 = stage[r0 * CROW + c];
-                a00 += q0 * k0;
-                a01 += q0 * k1;
-                let q1 = stage[r1 * CROW + c];
-                a10 += q1 * k0;
-                a11 += q1 * k1;
-                let q2 = stage[r2 * CROW + c];
-                a20 += q2 * k0;
-                a21 += q2 * k1;
-                let q3 = stage[r3 * CROW + c];
-                a30 += q3 * k0;
-                a31 += q3 * k1;
-            }
+            // #include "tiled_score_col.wgsl" QA=0u QB=1u KR=2u
+            // #include "tiled_score_col.wgsl" QA=3u QB=4u KR=5u
+            // #include "tiled_score_col.wgsl" QA=6u QB=7u KR=8u
+            // #include "tiled_score_col.wgsl" QA=9u QB=10u KR=11u
+            // #include "tiled_score_col.wgsl" QA=12u QB=13u KR=14u
+            // #include "tiled_score_col.wgsl" QA=15u QB=16u KR=17u
+            // #include "tiled_score_col.wgsl" QA=18u QB=19u KR=20u
+            // #include "tiled_score_col.wgsl" QA=21u QB=22u KR=23u
         }
         // ── scores of keys t0 = tb + tc, t1 = t0 + 16: the dot products times norm * scale ──
         let t0 = tb + tc;
@@ -304,10 +292,10 @@ fn attention_tq_tiled(
         let s31 = select(NEG_INF, hsum(a31) * g1, t1 < e3);
         // #include "tiled_softmax.wgsl"
         // (the decoded value tile, norm * centroid, goes into `stage`, which no thread reads any more)
-        stage[vk * VROW + vc] = unpack2x16float(pvn0).x * cvals((vec4<u32>(pvw0) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
-        stage[(vk + 8u) * VROW + vc] = unpack2x16float(pvn1).x * cvals((vec4<u32>(pvw1) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
-        stage[(vk + 16u) * VROW + vc] = unpack2x16float(pvn2).x * cvals((vec4<u32>(pvw2) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
-        stage[(vk + 24u) * VROW + vc] = unpack2x16float(pvn3).x * cvals((vec4<u32>(pvw3) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[vk][vc] = unpack2x16float(pvn0).x * cvals((vec4<u32>(pvw0) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[vk + 8u][vc] = unpack2x16float(pvn1).x * cvals((vec4<u32>(pvw1) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[vk + 16u][vc] = unpack2x16float(pvn2).x * cvals((vec4<u32>(pvw2) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
+        stage[vk + 24u][vc] = unpack2x16float(pvn3).x * cvals((vec4<u32>(pvw3) >> vsh2) & vec4<u32>(3u), c0, c1, c2, c3);
         // #include "tiled_probs.wgsl"
         // prefetch the next tile's first (polar) chunk
         if tb + TK < t_end {
@@ -334,23 +322,23 @@ fn attention_tq_tiled(
         let ia = 1.0 / (select(l0, l2, hi) * sqrt_d);
         let ib = 1.0 / (select(l1, l3, hi) * sqrt_d);
         if tc < d4 {
-            stage[tr * d4 + tc] = wht4(select(o00, o20, hi) * ia);
-            stage[(tr + 16u) * d4 + tc] = wht4(select(o10, o30, hi) * ib);
+            stage[tr][tc] = wht4(select(o00, o20, hi) * ia);
+            stage[tr + 16u][tc] = wht4(select(o10, o30, hi) * ib);
         }
         if tc + 16u < d4 {
-            stage[tr * d4 + tc + 16u] = wht4(select(o01, o21, hi) * ia);
-            stage[(tr + 16u) * d4 + tc + 16u] = wht4(select(o11, o31, hi) * ib);
+            stage[tr][tc + 16u] = wht4(select(o01, o21, hi) * ia);
+            stage[tr + 16u][tc + 16u] = wht4(select(o11, o31, hi) * ib);
         }
         for (var stride = 1u; stride < d4; stride = stride * 2u) {
             workgroupBarrier();
             for (var e = tid; e < 32u * half4; e += WG) {
-                let base = (e / half4) * d4;
+                let row = e / half4;
                 let k = e % half4;
-                let i = base + (k / stride) * 2u * stride + (k % stride);
-                let a = stage[i];
-                let b = stage[i + stride];
-                stage[i] = a + b;
-                stage[i + stride] = a - b;
+                let i = (k / stride) * 2u * stride + (k % stride);
+                let a = stage[row][i];
+                let b = stage[row][i + stride];
+                stage[row][i] = a + b;
+                stage[row][i + stride] = a - b;
             }
         }
         workgroupBarrier();
@@ -360,7 +348,7 @@ fn attention_tq_tiled(
             let qi = q_first + r % bq;
             if qi <= q_last {
                 let head = kv_head * group + r / bq;
-                let v = stage[e];
+                let v = stage[e / d4][c];
                 let o = qi * out_stride + head * head_dim + 4u * c;
                 let sg = sign_off + 4u * c;
                 out_batch[o] = v.x * signs[sg];

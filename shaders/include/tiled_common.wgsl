@@ -1,5 +1,5 @@
 // Helpers of the two query-block tiled prefill kernels (shaders/include/
-// tiled_common.wgsl; no barriers). Needs pm_sh and MROW4 declared.
+// tiled_common.wgsl; no barriers). Needs pm_sh: array<array<vec4<f32>, 4>, R>.
 
 fn hsum(v: vec4<f32>) -> f32 {
     return (v.x + v.y) + (v.z + v.w);
@@ -20,6 +20,5 @@ fn row_end(r: u32, q_first: u32, bq: u32, start_pos: u32, t_end: u32, non_causal
 
 // The max over row r's 16 partial maxima in pm_sh.
 fn row_max(r: u32) -> f32 {
-    let b = r * MROW4;
-    return vmax(max(max(pm_sh[b], pm_sh[b + 1u]), max(pm_sh[b + 2u], pm_sh[b + 3u])));
+    return vmax(max(max(pm_sh[r][0], pm_sh[r][1]), max(pm_sh[r][2], pm_sh[r][3])));
 }

@@ -393,7 +393,7 @@ def plan_attention_prefill_tiled(
                        (-(-rows // bq), n_kv_heads, 1))
 
 
-TQ_TILED_ROWS = 16  # R in flash_attention_tq_tiled.wgsl
+TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl
 
 
 def plan_attention_tq_tiled(
