@@ -244,12 +244,16 @@ class KernelPolicy:
 
     force: str | None = None
     split_max_queries: int = 16
-    target_workgroups: int = 512  # measured on the H200 at 32k: 512 beats 2048 (docs/benchmarks.md)
-    subgroups: bool | None = None  # None: use them where the device has the feature
+    # Measured on the H200 (bench/decode_sweep.py, docs/benchmarks.md): the longest
+    # splits win; 128 gives 512-key splits from 8k context on with 8 KV heads.
+    target_workgroups: int = 128
+    # The subgroup variants of the split kernels (one subgroup per key) measured
+    # slower than the plain ones (one thread per key) on the H200 at every
+    # context, so they run only when asked for (and the device has the feature).
+    subgroups: bool = False
 
     def use_subgroups(self, device) -> bool:
-        has = "subgroup" in device.features
-        return has if self.subgroups is None else (self.subgroups and has)
+        return bool(self.subgroups) and "subgroup" in device.features
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
         """"split", "tiled" or "single" for this attend."""
