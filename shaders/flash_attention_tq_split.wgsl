@@ -60,7 +60,12 @@ var<workgroup> scores: array<f32, MAX_SCORES>;
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;
 
-// #include "tq_decode.wgsl"
+// Centroids of four 2-bit codes.
+fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
+    let lo = select(vec4<f32>(c0), vec4<f32>(c1), codes == vec4<u32>(1u));
+    let hi = select(vec4<f32>(c2), vec4<f32>(c3), codes == vec4<u32>(3u));
+    return select(lo, hi, codes >= vec4<u32>(2u));
+}
 
 // x (four decoded dims at vec4 column i) dotted with heads 0..3 / 4..7 of the
 // group, queries at qbuf[base + h * d4 + i].
@@ -82,12 +87,14 @@ fn hq_hi(base: u32, i: u32, d4: u32, x: vec4<f32>) -> vec4<f32> {
 // One polar word (16 dims, vec4 columns 4w..4w+3) of two keys, A and B: the
 // PolarQuant dot with every head, added to pa/pb (key A, heads 0..3 / 4..7)
 // and qa/qb (key B). Each query load serves both keys.
-fn polar_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32, bl: vec4<f32>,
+fn polar_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32, cb: vec4<f32>,
               pa: ptr<function, vec4<f32>>, pb: ptr<function, vec4<f32>>,
               qa: ptr<function, vec4<f32>>, qb: ptr<function, vec4<f32>>) {
+    let sh = vec4<u32>(0u, 2u, 4u, 6u);
     for (var k4 = 0u; k4 < 4u; k4 += 1u) {
-        let xa = tq_codes4(wa >> (8u * k4), bl);
-        let xb = tq_codes4(wb >> (8u * k4), bl);
+        let s = sh + vec4<u32>(8u * k4);
+        let xa = cvals((vec4<u32>(wa) >> s) & vec4<u32>(3u), cb.x, cb.y, cb.z, cb.w);
+        let xb = cvals((vec4<u32>(wb) >> s) & vec4<u32>(3u), cb.x, cb.y, cb.z, cb.w);
         let i = 4u * w + k4;
         var q = qbuf[i];
         (*pa).x += dot(q, xa);
@@ -117,9 +124,11 @@ fn polar_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32, bl: vec4<f32>,
 fn jl_word(wa: u32, wb: u32, w: u32, d4: u32, group: u32,
            ja: ptr<function, vec4<f32>>, jb: ptr<function, vec4<f32>>,
            ka: ptr<function, vec4<f32>>, kb: ptr<function, vec4<f32>>) {
+    let sh = vec4<u32>(0u, 1u, 2u, 3u);
     for (var k8 = 0u; k8 < 8u; k8 += 1u) {
-        let xa = tq_bits4(wa >> (4u * k8));
-        let xb = tq_bits4(wb >> (4u * k8));
+        let s = sh + vec4<u32>(4u * k8);
+        let xa = vec4<f32>((vec4<u32>(wa) >> s) & vec4<u32>(1u));
+        let xb = vec4<f32>((vec4<u32>(wb) >> s) & vec4<u32>(1u));
         let i = 256u + 8u * w + k8;
         var q = qbuf[i];
         (*ja).x += dot(q, xa);
@@ -187,7 +196,7 @@ fn attention_split_tq(
     // ── 1. scores: one thread per compressed key, two keys at a time (each
     // query read from workgroup memory serves both), every head. Rounds of up
     // to 2 WG keys; in a round of m keys thread i takes keys i and i + ceil(m/2). ──
-    let bl = tq_bilinear(c0, c1, c2, c3);
+    let cb = vec4<f32>(c0, c1, c2, c3);
     for (var r = 0u; r < n_t; r += 2u * WG) {
         let m = min(2u * WG, n_t - r);
         let half = (m + 1u) / 2u;
@@ -212,19 +221,19 @@ fn attention_split_tq(
         var qb = vec4<f32>(0.0);
         var ra = vec4<f32>(0.0);
         var rb = vec4<f32>(0.0);
-        polar_word(ka.p.x, kb.p.x, 0u, d4, group, bl, &pa, &pb, &qa, &qb);
-        polar_word(ka.p.y, kb.p.y, 1u, d4, group, bl, &pa, &pb, &qa, &qb);
+        polar_word(ka.p.x, kb.p.x, 0u, d4, group, cb, &pa, &pb, &qa, &qb);
+        polar_word(ka.p.y, kb.p.y, 1u, d4, group, cb, &pa, &pb, &qa, &qb);
         jl_word(ka.j.x, kb.j.x, 0u, d4, group, &ja, &jb, &ra, &rb);
         if pw > 2u {
-            polar_word(ka.p.z, kb.p.z, 2u, d4, group, bl, &pa, &pb, &qa, &qb);
-            polar_word(ka.p.w, kb.p.w, 3u, d4, group, bl, &pa, &pb, &qa, &qb);
+            polar_word(ka.p.z, kb.p.z, 2u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p.w, kb.p.w, 3u, d4, group, cb, &pa, &pb, &qa, &qb);
             jl_word(ka.j.y, kb.j.y, 1u, d4, group, &ja, &jb, &ra, &rb);
         }
         if pw > 4u {
-            polar_word(ka.p2.x, kb.p2.x, 4u, d4, group, bl, &pa, &pb, &qa, &qb);
-            polar_word(ka.p2.y, kb.p2.y, 5u, d4, group, bl, &pa, &pb, &qa, &qb);
-            polar_word(ka.p2.z, kb.p2.z, 6u, d4, group, bl, &pa, &pb, &qa, &qb);
-            polar_word(ka.p2.w, kb.p2.w, 7u, d4, group, bl, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.x, kb.p2.x, 4u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.y, kb.p2.y, 5u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.z, kb.p2.z, 6u, d4, group, cb, &pa, &pb, &qa, &qb);
+            polar_word(ka.p2.w, kb.p2.w, 7u, d4, group, cb, &pa, &pb, &qa, &qb);
             jl_word(ka.j.z, kb.j.z, 2u, d4, group, &ja, &jb, &ra, &rb);
             jl_word(ka.j.w, kb.j.w, 3u, d4, group, &ja, &jb, &ra, &rb);
         }

@@ -43,7 +43,12 @@ var<workgroup> scores: array<f32, MAX_SCORES>;
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;
 
-// #include "tq_decode.wgsl"
+// Centroids of four 2-bit codes.
+fn cvals(codes: vec4<u32>, c0: f32, c1: f32, c2: f32, c3: f32) -> vec4<f32> {
+    let lo = select(vec4<f32>(c0), vec4<f32>(c1), codes == vec4<u32>(1u));
+    let hi = select(vec4<f32>(c2), vec4<f32>(c3), codes == vec4<u32>(3u));
+    return select(lo, hi, codes >= vec4<u32>(2u));
+}
 
 // Score of one head from its subgroup-summed polar dot and positive JL sum.
 fn tq_score(polar: f32, pos: f32, qsum: f32, nr: vec2<f32>, qjl_scale: f32, scale: f32) -> f32 {
@@ -62,7 +67,8 @@ fn attention_split_tq_sg(
     // ── 1. scores: one subgroup per compressed key ──
     let n_sg = WG / sg_size;
     let sg = tid / sg_size;
-    let bl = tq_bilinear(c0, c1, c2, c3);
+    let d_sh2 = vec4<u32>(0u, 2u, 4u, 6u);
+    let d_sh1 = vec4<u32>(0u, 1u, 2u, 3u);
     for (var tb = 0u; tb < n_t; tb += n_sg) {
         let t = tb + sg;
         let live = t < n_t;
@@ -74,9 +80,9 @@ fn attention_split_tq_sg(
             let slot = slot0 + t;
             for (var c = lane_id; c < d4; c += sg_size) {
                 let pword = k_cache[slot * pw + c / 4u];
-                let cv = tq_codes4(pword >> (8u * (c % 4u)), bl);
+                let cv = cvals((vec4<u32>(pword) >> (d_sh2 + vec4<u32>(8u * (c % 4u)))) & vec4<u32>(3u), c0, c1, c2, c3);
                 let jword = k_cache[k_jl_off + slot * jw + c / 8u];
-                let bits = tq_bits4(jword >> (4u * (c % 8u)));
+                let bits = vec4<f32>((vec4<u32>(jword) >> (d_sh1 + vec4<u32>(4u * (c % 8u)))) & vec4<u32>(1u));
                 pa.x += dot(qbuf[c], cv);
                 ja.x += dot(qbuf[256u + c], bits);
                 if group > 1u {

@@ -6,8 +6,7 @@
     let c = tid % d4;
     let grp = tid / d4;
     let vw = c / 4u;                             // value word of dims 4c..4c+3
-    let vsh = 8u * (c % 4u);                    // its byte in the word
-    let vbl = tq_bilinear(c0, c1, c2, c3);
+    let vsh = vec4<u32>(0u, 2u, 4u, 6u) + vec4<u32>(8u * (c % 4u));
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
@@ -26,16 +25,16 @@
         let w1 = v_cache[(slot0 + t1) * pw + vw];
         let w2 = v_cache[(slot0 + t2) * pw + vw];
         let w3 = v_cache[(slot0 + t3) * pw + vw];
-        let v0 = tq_codes4(w0 >> vsh, vbl);
-        let v1 = tq_codes4(w1 >> vsh, vbl);
-        let v2 = tq_codes4(w2 >> vsh, vbl);
-        let v3 = tq_codes4(w3 >> vsh, vbl);
+        let v0 = cvals((vec4<u32>(w0) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+        let v1 = cvals((vec4<u32>(w1) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+        let v2 = cvals((vec4<u32>(w2) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+        let v3 = cvals((vec4<u32>(w3) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
         // #include "accumulate_heads.wgsl" T=t V=v0
         // #include "accumulate_heads.wgsl" T=t1 V=v1
         // #include "accumulate_heads.wgsl" T=t2 V=v2
         // #include "accumulate_heads.wgsl" T=t3 V=v3
     }
     for (; t < n_t; t += n_grp) {
-        let v = tq_codes4(v_cache[(slot0 + t) * pw + vw] >> vsh, vbl);
+        let v = cvals((vec4<u32>(v_cache[(slot0 + t) * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
         // #include "accumulate_heads.wgsl" T=t V=v
     }
