@@ -71,11 +71,11 @@ for fmt in ("f32", "turboquant"):
             if fmt == "f32" and "rotation" in label:
                 continue
 
-            def dispatch(self, kernel, bindings, grid, _swap=swap):
+            def dispatch(self, kernel, bindings, grid, constants=None, _swap=swap):
                 k = _swap.get(kernel, kernel)
                 if k is None:
                     return None
-                return orig_dispatch(self, k, bindings, grid)
+                return orig_dispatch(self, k, bindings, grid, constants)
 
             Batch.dispatch = dispatch
 

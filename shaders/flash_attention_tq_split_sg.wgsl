@@ -34,6 +34,13 @@ const MAX_SPLIT: u32 = 512u;
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
+// Pipeline-overridable constants, set by the host for each (GQA group size,
+// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params[2]):
+// the compiler then drops the branches and registers of other group sizes and
+// knows the loop bounds over head_dim.
+override GROUP: u32 = 4u;
+override HEAD_DIM: u32 = 128u;
+
 // q_rot at [0, 256), q_jl at [256, 512); reused at the end to sum the value
 // accumulators' row groups, two heads per pass.
 var<workgroup> qbuf: array<vec4<f32>, 512>;

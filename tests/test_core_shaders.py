@@ -77,6 +77,12 @@ def test_params_layout_matches_wgsl(key):
         want_kind = "f" if bitcast else "u"
         assert dtype.fields[name][0].kind == want_kind, f"{file}: {name} kind"
         seen.add(name)
+    # fields a kernel takes from a pipeline override constant instead, marked
+    # `let NAME = CONSTANT;  // = var[i]` (the host sets both from one value)
+    for name, idx in re.findall(rf"let (\w+) = [A-Z_]+;\s*// = {var}\[(\d+)\]", src):
+        assert name in dtype.names, f"{file}: {name} has no host field"
+        assert dtype.fields[name][1] == 4 * int(idx), f"{file}: {name} at word {idx}"
+        seen.add(name)
     # centroids read in an array literal in flash_attention_tq: c0..c3 at words 10..13
     for i, word in enumerate(re.findall(rf"bitcast<f32>\({var}\[(\d+)\]\),", src)):
         name = f"c{i}"

@@ -130,8 +130,10 @@ class Batch:
     def output(self, nbytes: int) -> Seg:
         return self._reserve("out", nbytes)
 
-    def dispatch(self, kernel: str, bindings: dict[int, Resource], grid: tuple[int, int, int]) -> None:
-        self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid)))
+    def dispatch(self, kernel: str, bindings: dict[int, Resource], grid: tuple[int, int, int],
+                 constants: dict[str, int] | None = None) -> None:
+        """Record one dispatch of ``kernel``; ``constants`` set its WGSL overrides."""
+        self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid), dict(constants or {})))
         self.n_dispatches += 1
 
     def copy(self, src: Resource, src_off: int, dst: Resource, dst_off: int, size: int) -> None:
@@ -190,8 +192,8 @@ class Batch:
         cpass = None
         for op in self.ops:
             if op[0] == "dispatch":
-                _, kernel, bindings, grid = op
-                pipe, bgl = self.pipelines.get(kernel)
+                _, kernel, bindings, grid, constants = op
+                pipe, bgl = self.pipelines.get(kernel, constants)
                 entries = []
                 for b, res in sorted(bindings.items()):
                     buf, off, size = self._resolve(res, bufs)

@@ -336,7 +336,8 @@ def plan_attention_split_f32(
             )
         )
         kernel = "attention_split_f32_sg" if POLICY.use_subgroups(batch.device) else "attention_split_f32"
-        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
+        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
+                       constants={"GROUP": group, "HEAD_DIM": head_dim})
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
 
 
@@ -364,7 +365,8 @@ def plan_attention_split_tq(
             )
         )
         kernel = "attention_split_tq_sg" if POLICY.use_subgroups(batch.device) else "attention_split_tq"
-        batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
+        batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
+                       constants={"GROUP": group, "HEAD_DIM": head_dim})
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
                 n_splits=n_splits, signs=signs, sign_off=sign_off)
 

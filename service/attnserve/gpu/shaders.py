@@ -127,7 +127,7 @@ class PipelineCache:
     def __init__(self, device: wgpu.GPUDevice):
         self._device = device
         self._modules: dict[str, wgpu.GPUShaderModule] = {}
-        self._pipelines: dict[str, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
+        self._pipelines: dict[tuple, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
         self._lock = threading.Lock()
 
     def _module(self, file: str) -> wgpu.GPUShaderModule:
@@ -135,9 +135,13 @@ class PipelineCache:
             self._modules[file] = self._device.create_shader_module(label=file, code=load_wgsl(file))
         return self._modules[file]
 
-    def get(self, kernel: str) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
+    def get(self, kernel: str, constants: dict[str, int] | None = None
+            ) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
+        """The pipeline of ``kernel`` with its WGSL ``override`` constants set
+        to ``constants`` (one pipeline per distinct set)."""
+        key = (kernel, tuple(sorted((constants or {}).items())))
         with self._lock:
-            if kernel not in self._pipelines:
+            if key not in self._pipelines:
                 spec = KERNELS[kernel]
                 bgl = self._device.create_bind_group_layout(
                     label=kernel,
@@ -155,13 +159,12 @@ class PipelineCache:
                     ],
                 )
                 layout = self._device.create_pipeline_layout(label=kernel, bind_group_layouts=[bgl])
-                pipe = self._device.create_compute_pipeline(
-                    label=kernel,
-                    layout=layout,
-                    compute={"module": self._module(spec.file), "entry_point": spec.entry_point},
-                )
-                self._pipelines[kernel] = (pipe, bgl)
-            return self._pipelines[kernel]
+                stage = {"module": self._module(spec.file), "entry_point": spec.entry_point}
+                if constants:
+                    stage["constants"] = dict(constants)
+                pipe = self._device.create_compute_pipeline(label=kernel, layout=layout, compute=stage)
+                self._pipelines[key] = (pipe, bgl)
+            return self._pipelines[key]
 
     def warm_up(self) -> None:
         """Compile every kernel the device can run now (at start), so a bad
