@@ -7,10 +7,12 @@
 //
 //   M = max_s m_s;  L = sum_s l_s exp(m_s - M);  out = sum_s acc_s exp(m_s - M) / L
 //
-// One 256-thread workgroup per (query head, query row): M and L are tree
-// reductions over the splits; the accumulators are summed by 256 / head_dim
-// thread groups (each over every P-th split, four splits per step so several
-// loads are in flight), then combined in workgroup memory.
+// One 256-thread workgroup per (query head, query row). Thread (c, g) owns
+// the vec4 column c of the accumulator and walks splits g, g + NG, ... (NG =
+// 256 / (head_dim / 4) groups), four per step so several loads are in flight,
+// merging them online into its own (m, l, acc); the NG groups are combined in
+// workgroup memory with the same rescaling. One barrier before the combine
+// (two more, plus the butterfly's, with ROTATE).
 //
 // With flags bit 0 (ROTATE) it then applies the TurboQuant epilogue to the
 // rotated-space result: out = s * (H out) / sqrt(d) with the layer's polar signs
@@ -18,8 +20,9 @@
 // clear and may bind any read-only buffer as `signs`.
 //
 // Bind group 0:
-// @binding(0) partial: array<f32>  [acc: n_part*d | m: n_part | l: n_part],
-//                                  n_part = q_total * n_heads * n_splits
+// @binding(0) partial: array<vec4<f32>>  [acc: n_part*d | m: n_part | l: n_part]
+//                                  floats, n_part = q_total * n_heads * n_splits,
+//                                  bound rounded up to whole vec4s
 // @binding(1) out_batch: array<f32> n_queries x out_stride floats (rw)
 // @binding(2) mparams: array<u32, 8>
 //   ( n_heads, head_dim, n_splits, q_total, q_base, out_stride, sign_off, flags )
@@ -27,7 +30,7 @@
 //
 // Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
 
-@group(0) @binding(0) var<storage, read> partial: array<f32>;
+@group(0) @binding(0) var<storage, read> partial: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> out_batch: array<f32>;
 @group(0) @binding(2) var<storage, read> mparams: array<u32, 8>;
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
@@ -37,8 +40,17 @@ const NEG_INF: f32 = -3.402823e+38;
 const MAX_HEAD_DIM: u32 = 128u;
 const FLAG_ROTATE: u32 = 1u;
 
-var<workgroup> red: array<f32, WG>;
+// per thread group: running max, sum, accumulator column
+var<workgroup> gm: array<f32, WG>;
+var<workgroup> gl: array<f32, WG>;
+var<workgroup> gacc: array<vec4<f32>, WG>;
 var<workgroup> acc_sh: array<f32, MAX_HEAD_DIM>;
+
+// One float of the partial buffer (bound as vec4; the m and l regions start at
+// multiples of four floats).
+fn pf(i: u32) -> f32 {
+    return partial[i / 4u][i % 4u];
+}
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_merge(
@@ -60,92 +72,88 @@ fn attention_merge(
     let base = (q_idx * n_heads + head) * n_splits;
     let m_off = n_part * head_dim + base;
     let l_off = n_part * (head_dim + 1u) + base;
+    let d4 = head_dim / 4u;
+    let n_grp = WG / d4;
+    let c = tid % d4;
+    let g = tid / d4;
 
-    // ── M = max_s m_s ──
-    var mx = NEG_INF;
-    for (var s = tid; s < n_splits; s += WG) {
-        mx = max(mx, partial[m_off + s]);
-    }
-    red[tid] = mx;
-    for (var st = WG / 2u; st > 0u; st = st / 2u) {
-        workgroupBarrier();
-        if tid < st {
-            red[tid] = max(red[tid], red[tid + st]);
-        }
-    }
-    workgroupBarrier();
-    let m_all = red[0];
-    workgroupBarrier();
-
-    // ── L = sum_s l_s exp(m_s - M) ──
+    // ── each group merges its splits online: four per step ──
+    var m = NEG_INF;
     var l = 0.0;
-    for (var s = tid; s < n_splits; s += WG) {
-        l += partial[l_off + s] * exp(partial[m_off + s] - m_all);
-    }
-    red[tid] = l;
-    for (var st = WG / 2u; st > 0u; st = st / 2u) {
-        workgroupBarrier();
-        if tid < st {
-            red[tid] += red[tid + st];
+    var acc = vec4<f32>(0.0);
+    if g < n_grp {
+        var s = g;
+        for (; s + 3u * n_grp < n_splits; s += 4u * n_grp) {
+            let s1 = s + n_grp;
+            let s2 = s1 + n_grp;
+            let s3 = s2 + n_grp;
+            let ms = vec4<f32>(pf(m_off + s), pf(m_off + s1), pf(m_off + s2), pf(m_off + s3));
+            let ls = vec4<f32>(pf(l_off + s), pf(l_off + s1), pf(l_off + s2), pf(l_off + s3));
+            let v0 = partial[(base + s) * d4 + c];
+            let v1 = partial[(base + s1) * d4 + c];
+            let v2 = partial[(base + s2) * d4 + c];
+            let v3 = partial[(base + s3) * d4 + c];
+            let mn = max(m, max(max(ms.x, ms.y), max(ms.z, ms.w)));
+            let r = exp(m - mn);
+            let w = exp(ms - vec4<f32>(mn));
+            l = l * r + dot(ls, w);
+            acc = acc * r + (v0 * w.x + v1 * w.y) + (v2 * w.z + v3 * w.w);
+            m = mn;
+        }
+        for (; s < n_splits; s += n_grp) {
+            let ms = pf(m_off + s);
+            let mn = max(m, ms);
+            let r = exp(m - mn);
+            let w = exp(ms - mn);
+            l = l * r + pf(l_off + s) * w;
+            acc = acc * r + partial[(base + s) * d4 + c] * w;
+            m = mn;
         }
     }
-    workgroupBarrier();
-    let l_all = red[0];
+    gm[tid] = m;
+    gl[tid] = l;
+    gacc[tid] = acc;
     workgroupBarrier();
 
-    // ── accumulators: P = WG / head_dim groups, each over every P-th split ──
-    let n_groups = WG / head_dim;
-    let part = tid / head_dim;
-    let x = tid % head_dim;
-    var a = 0.0;
-    if part < n_groups {
-        var s = part;
-        let step = n_groups;
-        while s + 3u * step < n_splits {
-            let s1 = s + step;
-            let s2 = s1 + step;
-            let s3 = s2 + step;
-            let v0 = partial[(base + s) * head_dim + x];
-            let v1 = partial[(base + s1) * head_dim + x];
-            let v2 = partial[(base + s2) * head_dim + x];
-            let v3 = partial[(base + s3) * head_dim + x];
-            let w0 = exp(partial[m_off + s] - m_all);
-            let w1 = exp(partial[m_off + s1] - m_all);
-            let w2 = exp(partial[m_off + s2] - m_all);
-            let w3 = exp(partial[m_off + s3] - m_all);
-            a += (v0 * w0 + v1 * w1) + (v2 * w2 + v3 * w3);
-            s += 4u * step;
-        }
-        while s < n_splits {
-            a += partial[(base + s) * head_dim + x] * exp(partial[m_off + s] - m_all);
-            s += step;
-        }
-    }
-    red[tid] = a;
-    workgroupBarrier();
+    // ── combine the groups: thread c < d4 owns column c ──
     let rotate = (flags & FLAG_ROTATE) != 0u;
-    var inv = 1.0 / l_all;
-    if rotate {
-        inv = inv / sqrt(f32(head_dim));
-    }
-    if tid < head_dim {
-        var sum = 0.0;
-        for (var p = 0u; p < n_groups; p += 1u) {
-            sum += red[p * head_dim + tid];
+    var o = vec4<f32>(0.0);
+    if tid < d4 {
+        var mx = NEG_INF;
+        for (var k = 0u; k < n_grp; k += 1u) {
+            mx = max(mx, gm[k * d4]);
         }
-        acc_sh[tid] = sum * inv;
+        var lt = 0.0;
+        for (var k = 0u; k < n_grp; k += 1u) {
+            let w = exp(gm[k * d4] - mx);
+            lt += gl[k * d4] * w;
+            o += gacc[k * d4 + tid] * w;
+        }
+        var inv = 1.0 / lt;
+        if rotate {
+            inv = inv / sqrt(f32(head_dim));
+        }
+        o *= inv;
+        if !rotate {
+            let ob = q_idx * out_stride + head * head_dim + 4u * tid;
+            out_batch[ob] = o.x;
+            out_batch[ob + 1u] = o.y;
+            out_batch[ob + 2u] = o.z;
+            out_batch[ob + 3u] = o.w;
+        }
     }
-    workgroupBarrier();
 
     // ── TurboQuant: inverse RHT of the rotated-space result ──
     if rotate {
-    // #include "butterfly.wgsl" ARR=acc_sh
-    }
-    if tid < head_dim {
-        var o = acc_sh[tid];
-        if rotate {
-            o = o * signs[sign_off + tid];
+        if tid < d4 {
+            acc_sh[4u * tid] = o.x;
+            acc_sh[4u * tid + 1u] = o.y;
+            acc_sh[4u * tid + 2u] = o.z;
+            acc_sh[4u * tid + 3u] = o.w;
         }
-        out_batch[q_idx * out_stride + head * head_dim + tid] = o;
+    // #include "butterfly.wgsl" ARR=acc_sh
+        if tid < head_dim {
+            out_batch[q_idx * out_stride + head * head_dim + tid] = acc_sh[tid] * signs[sign_off + tid];
+        }
     }
 }

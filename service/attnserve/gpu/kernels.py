@@ -296,7 +296,10 @@ def choose_split(kv_format: str, max_seq: int, n_kv_heads: int, n_queries: int, 
 
 
 def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) -> int:
-    return n_queries * n_heads * n_splits * (head_dim + 2) * 4
+    """[acc | m | l] of every (query, head, split), rounded up to whole vec4s
+    (the merge kernel binds it as ``array<vec4<f32>>``)."""
+    n = n_queries * n_heads * n_splits * (head_dim + 2) * 4
+    return -(-n // 16) * 16
 
 
 def _plan_merge(batch: Batch, *, partial: Seg, out: Seg, n_queries: int, n_heads: int, head_dim: int,
