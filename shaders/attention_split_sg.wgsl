@@ -34,12 +34,12 @@ const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group 
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-// Pipeline-overridable constants, set by the host for each (GQA group size,
-// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params[2]):
-// the compiler then drops the branches and registers of other group sizes and
-// knows the loop bounds over head_dim.
+// Pipeline-overridable constant, set by the host for the GQA group size it
+// dispatches (it must equal n_heads / n_kv_heads): the compiler then drops the
+// branches and registers of other group sizes. (head_dim stays a runtime
+// parameter here: specializing it too made the 32k decode step 15% slower on
+// the H200, docs/benchmarks.md.)
 override GROUP: u32 = 4u;
-override HEAD_DIM: u32 = 128u;
 
 var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]

@@ -340,7 +340,7 @@ def plan_attention_split_f32(
         )
         kernel = "attention_split_f32_sg" if POLICY.use_subgroups(batch.device) else "attention_split_f32"
         batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
-                       constants={"GROUP": group, "HEAD_DIM": head_dim})
+                       constants={"GROUP": group})
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
 
 
