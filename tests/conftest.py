@@ -48,12 +48,13 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "single"])
+@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "tiled-rb", "single"])
 def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
     (split + merge) without and with subgroup operations, each with short
     splits (one tile, many splits) and with the longest splits they allow (many
-    tiles per split), the query-block tiled prefill kernels, and the
+    tiles per split), the query-block tiled prefill kernels (for f32 both
+    attention_prefill_tiled and, as "tiled-rb", attention_prefill_rb), and the
     single-pass seed-derived kernels. The subgroup
     variants need the device feature, which lavapipe has: in CI they never skip."""
     from attnserve.gpu import kernels
@@ -61,10 +62,13 @@ def kernel_path(request, engine):
     p = request.param
     if "sg" in p and "subgroup" not in engine.ctx.features:
         no_adapter(f"the adapter has no subgroup feature for {p}")
-    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups)
-    kernels.POLICY.force = p if p in ("single", "tiled") else "split"
+    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups,
+             kernels.POLICY.prefill_f32)
+    kernels.POLICY.force = "tiled" if p.startswith("tiled") else p if p == "single" else "split"
     kernels.POLICY.subgroups = "sg" in p
+    kernels.POLICY.prefill_f32 = "rb" if p == "tiled-rb" else "tiled"
     if p.endswith("long"):
         kernels.POLICY.target_workgroups = 1
     yield p
-    kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups = saved
+    (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups,
+     kernels.POLICY.prefill_f32) = saved

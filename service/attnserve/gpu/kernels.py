@@ -36,6 +36,7 @@ __all__ = [
     "plan_attention_split_f32",
     "plan_attention_split_tq",
     "plan_attention_prefill_tiled",
+    "plan_attention_prefill_rb",
     "plan_attention_tq_tiled",
 ]
 
@@ -251,6 +252,13 @@ class KernelPolicy:
     # slower than the plain ones (one thread per key) on the H200 at every
     # context, so they run only when asked for (and the device has the feature).
     subgroups: bool = False
+    # The f32 query-block prefill kernel behind the "tiled" path: "tiled"
+    # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
+    # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
+    prefill_f32: str = "tiled"
+    # attention_prefill_rb: hold the next Q/K chunk in registers during the
+    # scores (more registers, the loads' latency hidden) or load it at staging.
+    prefill_rb_prefetch: bool = True
 
     def use_subgroups(self, device) -> bool:
         return bool(self.subgroups) and "subgroup" in device.features
@@ -400,6 +408,35 @@ def plan_attention_prefill_tiled(
         )
         batch.dispatch("attention_prefill_tiled", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
                        (-(-rows // bq), n_kv_heads, 1))
+
+
+RB_ROWS = 64  # R in attention_prefill_rb.wgsl
+
+
+def plan_attention_prefill_rb(
+    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
+    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
+    start_pos: int, causal: bool, scale: float,
+) -> None:
+    """``attention_prefill_rb``: blocks of R / G query rows x the G heads of a KV
+    head, 64-key tiles; the pipeline is specialized on G and head_dim."""
+    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
+        raise ValueError("shape not eligible for the rb prefill kernel")
+    group = n_heads // n_kv_heads
+    bq = RB_ROWS // group
+    stride = n_heads * head_dim
+    constants = {"GROUP": group, "HEAD_DIM": head_dim, "PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
+    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
+        prm = batch.upload(
+            P.pack(
+                P.PREFILL_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
+                n_queries=q_base + rows, q_stride=stride, out_stride=stride, q_base=q_base,
+                flags=0 if causal else P.FLAG_NON_CAUSAL,
+            )
+        )
+        batch.dispatch("attention_prefill_rb", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
+                       (-(-rows // bq), n_kv_heads, 1), constants=constants)
 
 
 TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl

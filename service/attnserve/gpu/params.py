@@ -79,6 +79,7 @@ FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
     ("attention_prefill_tiled.wgsl", "params"): PREFILL_PARAMS,
+    ("attention_prefill_rb.wgsl", "params"): PREFILL_PARAMS,
     ("flash_attention_tq.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tq_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,

@@ -48,6 +48,9 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_prefill_tiled": KernelSpec(
         "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R))
     ),
+    "attention_prefill_rb": KernelSpec(
+        "attention_prefill_rb.wgsl", "attention_prefill_rb", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+    ),
     "attention_tq_tiled": KernelSpec(
         "flash_attention_tq_tiled.wgsl", "attention_tq_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
