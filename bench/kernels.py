@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--subgroups", choices=["auto", "on", "off"], default="auto",
                     help="split-KV kernel variant (auto: the policy's default for this device)")
     ap.add_argument("--target-workgroups", type=int, help="split sizing (default: the policy's)")
+    ap.add_argument("--prefill-f32", choices=["tiled", "rb"], default=K.POLICY.prefill_f32,
+                    help="f32 query-block prefill kernel: attention_prefill_tiled or attention_prefill_rb")
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
@@ -220,6 +222,7 @@ def main(argv=None) -> int:
     K.POLICY.subgroups = {"auto": K.POLICY.subgroups, "on": True, "off": False}[args.subgroups]
     if args.target_workgroups:
         K.POLICY.target_workgroups = args.target_workgroups
+    K.POLICY.prefill_f32 = args.prefill_f32
     engine = Engine.open(args.adapter)
     rng = np.random.default_rng(0)
     gpu, driver = gpu_description(engine)
