@@ -59,10 +59,12 @@
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
 // Register blocks are explicit vec4 variables (no runtime-indexed arrays).
 //
-// Pipeline overrides (set by kernels.plan_attention_prefill_rb; 0 = read from
-// params, the generic path): GROUP (= n_heads / n_kv_heads), HEAD_DIM
-// (= params[2]) let the compiler drop the other shapes' branches; PREFETCH
-// (default on) holds the next Q/K chunk in registers during the scores.
+// Pipeline overrides (set by kernels.plan_attention_prefill_rb from
+// KernelPolicy.prefill_rb_specialize / prefill_rb_prefetch): GROUP
+// (= n_heads / n_kv_heads) and HEAD_DIM (= params[2]) let the compiler drop
+// the other shapes' branches (0, the default: read from params, the generic
+// path); PREFETCH (default on) holds the next Q/K chunk in registers during
+// the scores (off: loaded just before it is stored).
 //
 // Constraints (checked host-side): head_dim % 4 == 0 and <= 128; G in
 // {1, 2, 4, 8}.

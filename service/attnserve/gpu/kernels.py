@@ -259,6 +259,9 @@ class KernelPolicy:
     # attention_prefill_rb: hold the next Q/K chunk in registers during the
     # scores (more registers, the loads' latency hidden) or load it at staging.
     prefill_rb_prefetch: bool = True
+    # attention_prefill_rb: specialize the pipeline on G and head_dim (override
+    # constants GROUP, HEAD_DIM; one pipeline per shape) or run the generic one.
+    prefill_rb_specialize: bool = True
 
     def use_subgroups(self, device) -> bool:
         return bool(self.subgroups) and "subgroup" in device.features
@@ -425,7 +428,9 @@ def plan_attention_prefill_rb(
     group = n_heads // n_kv_heads
     bq = RB_ROWS // group
     stride = n_heads * head_dim
-    constants = {"GROUP": group, "HEAD_DIM": head_dim, "PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
+    constants = {"PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
+    if POLICY.prefill_rb_specialize:
+        constants.update(GROUP=group, HEAD_DIM=head_dim)
     for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
         prm = batch.upload(
             P.pack(
