@@ -61,12 +61,9 @@ const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group 
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
-// Pipeline-overridable constant, set by the host for the GQA group size it
-// dispatches (it must equal n_heads / n_kv_heads): the compiler then drops the
-// branches and registers of other group sizes. (head_dim stays a runtime
-// parameter here: specializing it too made the 32k decode step 15% slower on
-// the H200, docs/benchmarks.md.)
-override GROUP: u32 = 4u;
+// Not specialized per pipeline (unlike the TurboQuant split kernels): with
+// GROUP and HEAD_DIM override constants the 32k decode step measured 15-20%
+// slower on the H200 (docs/benchmarks.md).
 
 var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]

@@ -48,13 +48,15 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "tiled-rb", "single"])
+@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "tiled-rb", "tiled-rb-prefetch",
+                        "tiled-rb-generic", "single"])
 def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
     (split + merge) without and with subgroup operations, each with short
     splits (one tile, many splits) and with the longest splits they allow (many
     tiles per split), the query-block tiled prefill kernels (for f32 both
-    attention_prefill_tiled and, as "tiled-rb", attention_prefill_rb), and the
+    attention_prefill_tiled and, as "tiled-rb*", attention_prefill_rb in its
+    default, register-prefetch and generic-pipeline variants), and the
     single-pass seed-derived kernels. The subgroup
     variants need the device feature, which lavapipe has: in CI they never skip."""
     from attnserve.gpu import kernels
@@ -62,13 +64,18 @@ def kernel_path(request, engine):
     p = request.param
     if "sg" in p and "subgroup" not in engine.ctx.features:
         no_adapter(f"the adapter has no subgroup feature for {p}")
-    saved = (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups,
-             kernels.POLICY.prefill_f32)
+    fields = ("force", "target_workgroups", "subgroups", "prefill_f32", "prefill_rb_prefetch",
+              "prefill_rb_specialize")
+    saved = {f: getattr(kernels.POLICY, f) for f in fields}
     kernels.POLICY.force = "tiled" if p.startswith("tiled") else p if p == "single" else "split"
     kernels.POLICY.subgroups = "sg" in p
-    kernels.POLICY.prefill_f32 = "rb" if p == "tiled-rb" else "tiled"
+    kernels.POLICY.prefill_f32 = "rb" if p.startswith("tiled-rb") else "tiled"
+    # the register-blocked kernel's variants: register prefetch of the next
+    # chunk, and the generic pipeline (shape from params, no override constants)
+    kernels.POLICY.prefill_rb_prefetch = p == "tiled-rb-prefetch"
+    kernels.POLICY.prefill_rb_specialize = p != "tiled-rb-generic"
     if p.endswith("long"):
         kernels.POLICY.target_workgroups = 1
     yield p
-    (kernels.POLICY.force, kernels.POLICY.target_workgroups, kernels.POLICY.subgroups,
-     kernels.POLICY.prefill_f32) = saved
+    for f, v in saved.items():
+        setattr(kernels.POLICY, f, v)

@@ -103,7 +103,7 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
         parts.append(np.array(out))
         start += size
     assert start == L
-    if kernel_path in ("single", "tiled", "tiled-rb"):
+    if not kernel_path.startswith("split"):
         np.testing.assert_array_equal(np.concatenate(parts), whole)
     else:
         assert rel_err(np.concatenate(parts), whole) <= 2e-6
@@ -243,6 +243,9 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
 
 
+@pytest.mark.parametrize(
+    "kernel_path", ["tiled", "tiled-rb", "tiled-rb-prefetch", "tiled-rb-generic", "single"], indirect=True
+)
 @pytest.mark.parametrize("fmt", ["f32", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     """Prefill-sized attends (the tiled kernels' blocks of 64 rows = 64 / G query
@@ -251,8 +254,6 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     with 8 positions per block, head_dim 80 (a partial 32-dim chunk), causal
     and non-causal, capacity > length, peaked and flat softmax. (The split
     kernels serve up to 16 query rows and are covered above.)"""
-    if kernel_path not in ("tiled", "tiled-rb", "single"):
-        pytest.skip("a prefill-sized case for the tiled and single-pass kernels")
     dims = (80, 128) if fmt == "f32" else (32, 64, 128)
     pending = []
     for d, ratio, (n, sp) in itertools.product(dims, GQA, ((131, 45), (70, 0), (9, 300))):

@@ -5,7 +5,7 @@
     let tid = lid.x;
     let n_heads = params[0];
     let n_kv_heads = params[1];
-    let head_dim = params[2];                  // not specialized: measured slower at 32k when it was
+    let head_dim = params[2];
     let kv_dim = params[3];
     let max_seq = params[4];
     let scale = bitcast<f32>(params[5]);
@@ -20,7 +20,7 @@
     let split = wid.x;
     let kv_head = wid.y;
     let q_idx = q_base + wid.z;
-    let group = GROUP;                         // = n_heads / n_kv_heads, fixed per pipeline
+    let group = n_heads / n_kv_heads;
     let seg = WG / group;                      // threads per query head in reductions
     let d4 = head_dim / 4u;
     let pos_q = start_pos + q_idx;

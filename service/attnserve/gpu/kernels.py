@@ -255,10 +255,12 @@ class KernelPolicy:
     # The f32 query-block prefill kernel behind the "tiled" path: "tiled"
     # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
-    prefill_f32: str = "tiled"
+    # "rb" measured faster on the H200 (bench/prefill_sweep.py, docs/benchmarks.md).
+    prefill_f32: str = "rb"
     # attention_prefill_rb: hold the next Q/K chunk in registers during the
-    # scores (more registers, the loads' latency hidden) or load it at staging.
-    prefill_rb_prefetch: bool = True
+    # scores (more registers, the loads' latency hidden) or load it at staging
+    # (measured faster on the H200: fewer registers, more workgroups per SM).
+    prefill_rb_prefetch: bool = False
     # attention_prefill_rb: specialize the pipeline on G and head_dim (override
     # constants GROUP, HEAD_DIM; one pipeline per shape) or run the generic one.
     prefill_rb_specialize: bool = True
@@ -350,8 +352,7 @@ def plan_attention_split_f32(
             )
         )
         kernel = "attention_split_f32_sg" if POLICY.use_subgroups(batch.device) else "attention_split_f32"
-        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
-                       constants={"GROUP": group})
+        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
 
 
