@@ -253,6 +253,8 @@ def main(argv=None) -> int:
             path = K.POLICY.path(fmt, n, H, HKV, D)
             if path == "split" and K.POLICY.use_subgroups(engine.ctx):
                 path = "split-sg"
+            if path == "tiled" and fmt == "f32" and K.POLICY.prefill_f32 == "rb":
+                path = "tiled-rb"
             row = {
                 "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n, "path": path,
                 "wgpu_ms": round(ms, 4),
