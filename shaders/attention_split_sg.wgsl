@@ -1,8 +1,10 @@
 // Split-KV attention over an f32 KV cache, subgroup variant (decode path).
 //
 // Same work split, partial layout, params and bindings as `attention_split.wgsl`
-// (read its header); used when the device was opened with the `subgroup`
-// feature. The difference is how a key is scored and how V is read:
+// (read its header). Opt-in (KernelPolicy.subgroups, and the device needs the
+// `subgroup` feature): on the H200 it measured 1.3-1.7x slower than the plain
+// kernel, which scores one key per thread (docs/benchmarks.md). The difference
+// is how a key is scored (the value phase is shared):
 //
 //   scores: one subgroup scores four keys per step. Lane c reads vec4 column c
 //           (and c + sg, ... when head_dim/4 > subgroup size) of the key row
@@ -13,7 +15,8 @@
 //           barriers per tile.
 //   values: thread (c, grp) owns output column c of every head of the group
 //           (G vec4 registers) and reads V rows grp, grp + NG, ... straight
-//           from global memory (coalesced), four rows per step.
+//           from global memory (coalesced), four rows per step
+//           (shaders/include/split_f32_values.wgsl, as the plain kernel).
 //
 // Subgroup builtins need no `enable` line with this naga once the device has
 // the feature. Calls to subgroupAdd sit in control flow uniform across the

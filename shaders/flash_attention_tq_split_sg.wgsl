@@ -1,18 +1,19 @@
 // Split-KV attention over the TurboQuant cache, subgroup variant (decode path).
 //
 // Same work split, partial layout, params and bindings as
-// `flash_attention_tq_split.wgsl` (read its header and docs/turboquant.md); used
-// when the device was opened with the `subgroup` feature. One subgroup scores
+// `flash_attention_tq_split.wgsl` (read its header and docs/turboquant.md). Opt-in
+// (KernelPolicy.subgroups, and the device needs the `subgroup` feature): on the
+// H200 it measured 2-2.7x slower than the plain kernel, which scores one key per
+// thread (docs/benchmarks.md, bench/decode_sweep.py). One subgroup scores
 // one compressed key at a time: lane c owns rotated dims 4c..4c+3, decodes its
 // four 2-bit codes (word c/4 of the key's polar words) and four JL bits (word
 // c/8), forms its share of the PolarQuant dot and of the signed JL sum with
 // every query head of the GQA group, and subgroupAdd finishes them. The words
 // of a key are contiguous, so a subgroup's reads of one key are one coalesced
 // 52-byte span (d = 128). Values: thread (c, grp) owns rotated column c of
-// every head's accumulator and reads value words straight from global memory.
-// (Measured slower on the H200 and so not used here: scoring four keys per
-// subgroup step with per-head arrays, 0.42 ms at 32k, and reading four value
-// rows per step, 0.38 ms, against 0.27 ms for this version.)
+// every head's accumulator and reads value words straight from global memory,
+// four rows per step (the value phase shared with the plain kernel). (Scoring
+// four keys per subgroup step with per-head arrays measured slower on the H200.)
 // The accumulator stays in rotated space; `attention_merge` (ROTATE) merges the
 // splits and applies the inverse RHT.
 //
