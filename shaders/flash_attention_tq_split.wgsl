@@ -4,15 +4,16 @@
 // comments and docs/turboquant.md), reorganized like `attention_split.wgsl`:
 // one workgroup per (split, KV head, query row) serves every query head of the
 // GQA group, so each compressed key is read once per query row, and thousands
-// of workgroups are in flight. Scores: one thread per key. Thread i scores keys
-// i, i + WG, ... of the split against every query head of the group: it loads
-// the key's 13 words (d = 128: 8 polar, 4 JL, 1 norm) straight from global
-// memory, all independent, decodes four 2-bit codes (or four JL bits) per vec4
-// step once for all G heads, and reads the rotated queries from workgroup
-// memory, where every thread of a subgroup reads the same address (a
-// broadcast). No staging and no barriers in this phase. Values: thread (c, grp)
-// owns the vec4 column c of the rotated accumulator of EVERY query head of the
-// group (G vec4 registers) and reads value words straight from global memory.
+// of workgroups are in flight. Scores: one thread per key, two keys at a time
+// (each query read serves both). A thread loads its keys' words (d = 128: 8
+// polar, 4 JL, 1 norm each) straight from global memory, all independent,
+// decodes four 2-bit codes (or four JL bits) per vec4 step once for all G
+// heads, and reads the rotated queries from workgroup memory, where every
+// thread of a subgroup reads the same address (a broadcast). No staging and no
+// barriers in this phase. Values: thread (c, grp) owns the vec4 column c of the
+// rotated accumulator of EVERY query head of the group (G vec4 registers) and
+// reads value words straight from global memory, four rows per step. The
+// pipeline is specialized per (G, head_dim) with override constants.
 // The accumulator stays in rotated space; `attention_merge` (ROTATE) merges the
 // splits and applies the inverse RHT. (Earlier versions staged tiles in
 // workgroup memory, or scored one key per subgroup; docs/benchmarks.md has
