@@ -237,7 +237,7 @@ class F32LayerCache(LayerCache):
         n, h, d = shape
         plan = {
             "split": K.plan_attention_split_f32,
-            "tiled": K.plan_attention_prefill_rb if K.POLICY.prefill_f32 == "rb" else K.plan_attention_prefill_tiled,
+            "tiled": K.plan_attention_prefill_tiled,
             "single": plan_attention_f32,
         }[K.POLICY.path(self.kv_format, n, h, self.n_kv_heads, d)]
         plan(

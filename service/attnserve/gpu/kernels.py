@@ -36,7 +36,6 @@ __all__ = [
     "plan_attention_split_f32",
     "plan_attention_split_tq",
     "plan_attention_prefill_tiled",
-    "plan_attention_prefill_rb",
     "plan_attention_tq_tiled",
 ]
 
@@ -389,6 +388,7 @@ def plan_attention_split_tq(
 # ── query-block tiled prefill (f32) ─────────────────────────────────────────
 
 TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
+RB_ROWS = 64  # R in attention_prefill_rb.wgsl
 
 
 def plan_attention_prefill_tiled(
@@ -396,42 +396,21 @@ def plan_attention_prefill_tiled(
     n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
     start_pos: int, causal: bool, scale: float,
 ) -> None:
-    """``attention_prefill_tiled``: blocks of R / G query rows x the G heads of a KV head."""
+    """The f32 query-block prefill: blocks of R / G query rows x the G heads of a
+    KV head, with ``attention_prefill_rb`` (64-key tiles, outer-product register
+    blocks; its pipeline specialized on G and head_dim unless the policy says
+    otherwise) or ``attention_prefill_tiled``, as ``POLICY.prefill_f32`` says."""
     if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
         raise ValueError("shape not eligible for the tiled prefill kernel")
-    bq = TILED_ROWS // (n_heads // n_kv_heads)
-    stride = n_heads * head_dim
-    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
-        prm = batch.upload(
-            P.pack(
-                P.PREFILL_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
-                n_queries=q_base + rows, q_stride=stride, out_stride=stride, q_base=q_base,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-            )
-        )
-        batch.dispatch("attention_prefill_tiled", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
-                       (-(-rows // bq), n_kv_heads, 1))
-
-
-RB_ROWS = 64  # R in attention_prefill_rb.wgsl
-
-
-def plan_attention_prefill_rb(
-    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
-    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
-    start_pos: int, causal: bool, scale: float,
-) -> None:
-    """``attention_prefill_rb``: blocks of R / G query rows x the G heads of a KV
-    head, 64-key tiles; the pipeline is specialized on G and head_dim."""
-    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
-        raise ValueError("shape not eligible for the rb prefill kernel")
     group = n_heads // n_kv_heads
-    bq = RB_ROWS // group
+    if POLICY.prefill_f32 == "rb":
+        kernel, bq = "attention_prefill_rb", RB_ROWS // group
+        constants = {"PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
+        if POLICY.prefill_rb_specialize:
+            constants.update(GROUP=group, HEAD_DIM=head_dim)
+    else:
+        kernel, bq, constants = "attention_prefill_tiled", TILED_ROWS // group, None
     stride = n_heads * head_dim
-    constants = {"PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
-    if POLICY.prefill_rb_specialize:
-        constants.update(GROUP=group, HEAD_DIM=head_dim)
     for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
         prm = batch.upload(
             P.pack(
@@ -441,7 +420,7 @@ def plan_attention_prefill_rb(
                 flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        batch.dispatch("attention_prefill_rb", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
+        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
                        (-(-rows // bq), n_kv_heads, 1), constants=constants)
 
 
