@@ -102,21 +102,7 @@ override PREFETCH: bool = true;
 var<workgroup> qk: array<array<array<vec4<f32>, 8>, 2>, 64>;   // Q + K^T chunk, then P^T
 var<workgroup> vb: array<array<array<vec4<f32>, 16>, 2>, 32>;  // V quarters (2 buffers); row maxima / sums
 
-fn hsum(v: vec4<f32>) -> f32 {
-    return (v.x + v.y) + (v.z + v.w);
-}
-
-fn vmax(v: vec4<f32>) -> f32 {
-    return max(max(v.x, v.y), max(v.z, v.w));
-}
-
-// The end (exclusive) of row r's window (see attention_prefill_tiled.wgsl).
-fn row_end(r: u32, q_first: u32, bq: u32, start_pos: u32, t_end: u32, non_causal: bool) -> u32 {
-    if non_causal {
-        return t_end;
-    }
-    return min(start_pos + q_first + r % bq + 1u, t_end);
-}
+// #include "prefill_common.wgsl"
 
 // Scores past a row's window -> NEG_INF (keys kt of the thread's vec4).
 fn mask_row(s: vec4<f32>, kt: vec4<u32>, e: u32) -> vec4<f32> {
@@ -149,17 +135,7 @@ fn load_v(t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32
     return vec4<f32>(0.0);
 }
 
-// Row r's output columns tc and tc + 16 (vec4), if r is a query row of the batch.
-fn write_row(r: u32, l: f32, a: vec4<f32>, b: vec4<f32>, q_first: u32, q_last: u32, bq: u32,
-             head0: u32, head_dim: u32, out_stride: u32, d4: u32, tc: u32) {
-    let qi = q_first + r % bq;
-    if qi <= q_last {
-        let inv = 1.0 / l;
-        let o = (qi * out_stride + (head0 + r / bq) * head_dim) / 4u;
-        if tc < d4 { out_batch[o + tc] = a * inv; }
-        if tc + 16u < d4 { out_batch[o + tc + 16u] = b * inv; }
-    }
-}
+// #include "prefill_write_row.wgsl"
 
 @compute @workgroup_size(128, 1, 1)
 fn attention_prefill_rb(
