@@ -8,9 +8,11 @@ a plain f32 GEMM (C = A B, n x n x n) written with the register blocking of
 attention_prefill_rb's score phase: 128 threads per 64 x 64 tile of C, each
 thread 8 rows x 4 columns as outer products over k, A and B staged in
 workgroup memory 32 values of k at a time (16 KiB), A read as vec4 along k and
-B as vec4 along n. Its FLOP rate is a ceiling for that tile design (the
-attention kernel does the same work and more); torch's f32 matmul (TF32 off)
-on the same GPU is printed beside it when CUDA is there. Checked against numpy
+B as vec4 along n (`gemm`); and a larger tile, 128 x 128 with 256 threads of 8
+rows x 8 columns each (`gemm128`: twice the FMAs per workgroup-memory read).
+Neither has the attention kernel's shared-read pairing or prefetch; they show
+what tile size buys on this stack. torch's f32 matmul (TF32 off) on the same
+GPU is printed beside them when CUDA is there. Each is checked against numpy
 (float64) at a small size first.
 """
 from __future__ import annotations
@@ -74,10 +76,59 @@ fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     c[o] = acc0; c[o + 8u * n4] = acc1; c[o + 16u * n4] = acc2; c[o + 24u * n4] = acc3;
     c[o + 32u * n4] = acc4; c[o + 40u * n4] = acc5; c[o + 48u * n4] = acc6; c[o + 56u * n4] = acc7;
 }
+
+var<workgroup> as2: array<array<vec4<f32>, 128>, 4>;  // [k/4][m]
+var<workgroup> bs2: array<array<vec4<f32>, 32>, 16>;  // [k][n/4]
+
+// 128 x 128 tile, 256 threads, each 8 rows x 8 columns (two vec4): 4 vec4 FMAs per load.
+@compute @workgroup_size(256, 1, 1)
+fn gemm128(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let n = dims[0];
+    let n4 = n / 4u;
+    let tid = lid.x;
+    let tr = tid / 16u;          // rows tr + 16 i
+    let tc = tid % 16u;          // vec4 columns tc, tc + 16
+    let m0 = wid.y * 128u;
+    let c0 = wid.x * 32u;
+    var p0 = vec4<f32>(0.0); var p1 = vec4<f32>(0.0); var p2 = vec4<f32>(0.0); var p3 = vec4<f32>(0.0);
+    var p4 = vec4<f32>(0.0); var p5 = vec4<f32>(0.0); var p6 = vec4<f32>(0.0); var p7 = vec4<f32>(0.0);
+    var q0 = vec4<f32>(0.0); var q1 = vec4<f32>(0.0); var q2 = vec4<f32>(0.0); var q3 = vec4<f32>(0.0);
+    var q4 = vec4<f32>(0.0); var q5 = vec4<f32>(0.0); var q6 = vec4<f32>(0.0); var q7 = vec4<f32>(0.0);
+    for (var k0 = 0u; k0 < n; k0 += 16u) {
+        for (var e = tid; e < 512u; e += 256u) {
+            as2[e % 4u][e / 4u] = a[(m0 + e / 4u) * n4 + k0 / 4u + e % 4u];
+            bs2[e / 32u][e % 32u] = b[(k0 + e / 32u) * n4 + c0 + e % 32u];
+        }
+        workgroupBarrier();
+        for (var kq = 0u; kq < 4u; kq += 1u) {
+            let b0 = bs2[4u * kq][tc];       let d0 = bs2[4u * kq][tc + 16u];
+            let b1 = bs2[4u * kq + 1u][tc];  let d1 = bs2[4u * kq + 1u][tc + 16u];
+            let b2 = bs2[4u * kq + 2u][tc];  let d2 = bs2[4u * kq + 2u][tc + 16u];
+            let b3 = bs2[4u * kq + 3u][tc];  let d3 = bs2[4u * kq + 3u][tc + 16u];
+            var x = as2[kq][tr];         p0 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q0 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 16u];       p1 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q1 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 32u];       p2 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q2 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 48u];       p3 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q3 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 64u];       p4 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q4 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 80u];       p5 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q5 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 96u];       p6 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q6 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+            x = as2[kq][tr + 112u];      p7 += x.x * b0 + x.y * b1 + x.z * b2 + x.w * b3; q7 += x.x * d0 + x.y * d1 + x.z * d2 + x.w * d3;
+        }
+        workgroupBarrier();
+    }
+    let o = (m0 + tr) * n4 + c0 + tc;
+    let s16 = 16u * n4;
+    c[o] = p0; c[o + s16] = p1; c[o + 2u * s16] = p2; c[o + 3u * s16] = p3;
+    c[o + 4u * s16] = p4; c[o + 5u * s16] = p5; c[o + 6u * s16] = p6; c[o + 7u * s16] = p7;
+    c[o + 16u] = q0; c[o + s16 + 16u] = q1; c[o + 2u * s16 + 16u] = q2; c[o + 3u * s16 + 16u] = q3;
+    c[o + 4u * s16 + 16u] = q4; c[o + 5u * s16 + 16u] = q5; c[o + 6u * s16 + 16u] = q6; c[o + 7u * s16 + 16u] = q7;
+}
 """
 
+TILES = {"gemm": 64, "gemm128": 128}  # entry point -> tile edge
 
-def run(dev, pipe, a: np.ndarray, b: np.ndarray, reps: int):
+
+def run(dev, pipe, a: np.ndarray, b: np.ndarray, reps: int, tile: int = 64):
     n = a.shape[0]
     S = wgpu.BufferUsage
     ba = dev.create_buffer_with_data(data=a.astype(np.float32), usage=S.STORAGE)
@@ -93,7 +144,7 @@ def run(dev, pipe, a: np.ndarray, b: np.ndarray, reps: int):
         p.set_pipeline(pipe)
         p.set_bind_group(0, bg)
         for _ in range(reps):
-            p.dispatch_workgroups(n // 64, n // 64, 1)
+            p.dispatch_workgroups(n // tile, n // tile, 1)
         p.end()
         cb = enc.finish()
         t = time.perf_counter()
@@ -113,22 +164,24 @@ def main(argv=None) -> int:
     dev = adapter.request_device_sync(required_limits={
         "max-storage-buffer-binding-size": adapter.limits["max-storage-buffer-binding-size"],
         "max-buffer-size": adapter.limits["max-buffer-size"]})
-    pipe = dev.create_compute_pipeline(layout="auto", compute={"module": dev.create_shader_module(code=GEMM),
-                                                               "entry_point": "gemm"})
+    module = dev.create_shader_module(code=GEMM)
     rng = np.random.default_rng(0)
-    n = args.check
-    a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
-    got, _ = run(dev, pipe, a, b, 1)
-    want = a.astype(np.float32).astype(np.float64) @ b.astype(np.float32).astype(np.float64)
-    err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"# {adapter.info['device']}: check at n={n}: max error / max |C| = {err:.2e}", flush=True)
-    if err > 1e-5:
-        print("GEMM probe is wrong", file=sys.stderr)
-        return 1
-    n = args.n
-    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
-    _, sec = run(dev, pipe, a, b, args.reps)
-    print(f"WGSL GEMM (rb tile) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s", flush=True)
+    for entry, tile in TILES.items():
+        pipe = dev.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry})
+        n = args.check
+        a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
+        got, _ = run(dev, pipe, a, b, 1, tile)
+        want = a.astype(np.float32).astype(np.float64) @ b.astype(np.float32).astype(np.float64)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        print(f"# {adapter.info['device']}: {entry} check at n={n}: max error / max |C| = {err:.2e}", flush=True)
+        if err > 1e-5:
+            print(f"{entry} is wrong", file=sys.stderr)
+            return 1
+        n = args.n
+        a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+        _, sec = run(dev, pipe, a, b, args.reps, tile)
+        print(f"WGSL {entry} ({tile} x {tile} tile) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s",
+              flush=True)
     try:
         import torch
 
