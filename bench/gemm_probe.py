@@ -159,12 +159,19 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--check", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trusted", action="store_true", help="no naga bounds checks (see trusted_probe.py)")
     args = ap.parse_args(argv)
     adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     dev = adapter.request_device_sync(required_limits={
         "max-storage-buffer-binding-size": adapter.limits["max-storage-buffer-binding-size"],
         "max-buffer-size": adapter.limits["max-buffer-size"]})
-    module = dev.create_shader_module(code=GEMM)
+    if args.trusted:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from trusted_probe import trusted_module
+
+        module = trusted_module(dev, GEMM, "gemm")
+    else:
+        module = dev.create_shader_module(code=GEMM)
     rng = np.random.default_rng(0)
     for entry, tile in TILES.items():
         pipe = dev.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry})
@@ -180,7 +187,7 @@ def main(argv=None) -> int:
         n = args.n
         a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
         _, sec = run(dev, pipe, a, b, args.reps, tile)
-        print(f"WGSL {entry} ({tile} x {tile} tile) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s",
+        print(f"WGSL {entry} ({tile} x {tile} tile{', trusted' if args.trusted else ''}) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s",
               flush=True)
     try:
         import torch
