@@ -225,7 +225,7 @@ def default_scale(head_dim: int) -> float:
 
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
-SPLIT_TILE = 32  # TK in attention_split.wgsl (smallest split; TQ tiles are 64)
+SPLIT_TILE = 32  # the shortest split choose_split makes
 SPLIT_MAX_SCORES = 2048  # MAX_SCORES: group * split_len
 TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
 
