@@ -144,18 +144,7 @@ fn attention_prefill_rb(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let kv_dim = params[3];
-    let max_seq = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let start_pos = params[6];
-    let n_queries = params[7];
-    let q_stride = params[8];
-    let out_stride = params[9];
-    let q_base = params[10];
-    let flags = params[11];
+    // #include "prefill_params.wgsl"
 
     let group = select(n_heads / n_kv_heads, GROUP, GROUP != 0u);
     let hd = select(head_dim, HEAD_DIM, HEAD_DIM != 0u);
