@@ -101,9 +101,11 @@ chmod 0755 "$WORK"
 
 # ---------------------------------------------------------------------------
 step "tools (podman, runc, debootstrap)"
+# `type -P` looks for the program on PATH only: `command -v podman` would find the
+# wrapper function above and never install podman.
 need=()
 for pair in podman:podman runc:runc debootstrap:debootstrap; do
-  command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
+  type -P "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
 if [ "${#need[@]}" -gt 0 ]; then
   echo "installing ${need[*]} with apt-get"
