@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -89,7 +90,7 @@ class TinyModel:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        with Client(args.url, api_key=args.api_key) as client:
+        api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
+        with Client(args.url, api_key=api_key) as client:
             session = client.create_session(
                 num_qo_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                 num_layers=args.layers, kv_format=args.kv_format,

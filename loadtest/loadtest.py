@@ -150,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                    help="f32: check this fraction of decode outputs against a float64 reference")
     p.add_argument("--max-errors", type=int, default=100, help="stop early after this many errors")
     p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
-    p.add_argument("--api-key", default=os.environ.get("ATTNSERVE_API_KEY"), help="bearer token (env ATTNSERVE_API_KEY)")
+    # The key's value never becomes an argparse default: --help would print it.
+    p.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
                    help="scrape /metrics here (repeat: e.g. each replica behind a router); default: --url")
     p.add_argument("--json-out", help="write the report as JSON to this file")
@@ -165,7 +166,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         duration=a.duration, mode=a.mode, rate=a.rate, prefill=a.prefill, chunk=a.chunk,
         decode_steps=a.decode_steps, layers=a.layers, qo_heads=a.qo_heads, kv_heads=a.kv_heads,
         head_dim=a.head_dim, kv_format=a.kv_format, create=a.create, timeout=a.timeout,
-        retries=a.retries, verify=a.verify, max_errors=a.max_errors, seed=a.seed, api_key=a.api_key,
+        retries=a.retries, verify=a.verify, max_errors=a.max_errors, seed=a.seed,
+        api_key=a.api_key if a.api_key is not None else os.environ.get("ATTNSERVE_API_KEY"),
         metrics_urls=[u.rstrip("/") for u in a.metrics_url] or [a.url.rstrip("/")],
         json_out=a.json_out, plot=a.plot, progress=a.progress, allow_remote=a.allow_remote,
     )
