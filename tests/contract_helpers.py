@@ -37,6 +37,8 @@ def to_wire(obj: Any, enc: str) -> Any:
         return wire.encode_array(obj) if enc == "msgpack" else obj.tolist()
     if isinstance(obj, dict):
         return {k: to_wire(v, enc) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_wire(v, enc) for v in obj]
     return obj
 
 

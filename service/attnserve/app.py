@@ -59,7 +59,7 @@ from .gpu.device import DeviceError
 from .kvcache import KV_FORMATS
 from .metrics import Gauge
 from .persistence import SnapshotDir
-from .routes import kv, probes, sessions, snapshots
+from .routes import batch, kv, probes, sessions, snapshots
 from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
 from .routes.schemas import COMPONENTS
 
@@ -170,6 +170,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.state.runtime = rt
     app.include_router(sessions.router)
     app.include_router(kv.router)
+    app.include_router(batch.router)
     app.include_router(snapshots.router)
     app.include_router(probes.router)
     _install_error_handlers(app)

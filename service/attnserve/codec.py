@@ -287,6 +287,14 @@ class Fields:
             raise InvalidRequest(f"{name}: expected a finite number, got {value}")
         return f
 
+    def list(self, name: str, default: Any = _MISSING) -> Any:
+        value = self._get(name, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, list):
+            raise InvalidRequest(f"{name}: expected an array, got {_type_name(value)} {_short(value)}")
+        return value
+
     def array(self, name: str, default: Any = _MISSING, *, max_elements: int = wire.MAX_ELEMENTS) -> Any:
         value = self._get(name, default)
         if value is default and default is not _MISSING:

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     )
     max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
     max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
+    max_batch_items: int = Field(
+        1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."
+    )
     offload_bytes: int = Field(
         256 * 1024,
         ge=0,

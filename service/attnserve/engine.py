@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .gpu.device import GpuContext, GpuWorker, open_device
+from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .kvcache import LayerCache, SessionConfig, SessionKV
 
 __all__ = ["Engine", "AttendResult"]
@@ -72,6 +72,10 @@ class Engine:
 
     def append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> Future:
         """Append rows ``k, v [n, Hkv, d]``; the future gives the new length."""
+        return self.worker.submit_plan(self.plan_append(layer, k, v))
+
+    def plan_append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> PlanFn:
+        """The job of :meth:`append`, checked but not queued (see :meth:`submit_group`)."""
         k, v = _as_rows(k, "k"), _as_rows(v, "v")
         self._check_rows(layer, k, v)
 
@@ -80,7 +84,7 @@ class Engine:
             length = layer.plan_append(batch, k, v)
             return lambda out: length
 
-        return self.worker.submit_plan(plan)
+        return plan
 
     def attend(
         self,
@@ -98,6 +102,22 @@ class Engine:
         The future gives an :class:`AttendResult` ``(out [n, H, d] float32, length)``.
         ``start_pos`` defaults to ``length - n`` after the fused append.
         """
+        return self.worker.submit_plan(
+            self.plan_attend(layer, q, k=k, v=v, start_pos=start_pos, causal=causal, scale=scale)
+        )
+
+    def plan_attend(
+        self,
+        layer: LayerCache,
+        q: np.ndarray,
+        *,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> PlanFn:
+        """The job of :meth:`attend`, checked but not queued (see :meth:`submit_group`)."""
         q = _as_rows(q, "q")
         if (k is None) != (v is None):
             raise ValueError("k and v go together")
@@ -127,7 +147,12 @@ class Engine:
 
             return finish
 
-        return self.worker.submit_plan(plan)
+        return plan
+
+    def submit_group(self, plans: list[PlanFn]) -> list[Future]:
+        """Queue ``plans`` together: they run in order in one GPU submission with one
+        readback (a batched step). All or none are queued (Overloaded: none)."""
+        return self.worker.submit_plans(plans)
 
     def call(self, fn: Callable[[GpuContext], object]) -> Future:
         """Run ``fn(ctx)`` alone on the GPU thread (readbacks, restores, frees)."""

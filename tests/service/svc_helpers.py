@@ -65,6 +65,8 @@ def from_wire(obj: Any) -> Any:
         return wire.decode_array(obj, name="out")
     if isinstance(obj, dict):
         return {k: from_wire(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_wire(v) for v in obj]
     return obj
 
 

@@ -172,14 +172,15 @@ CallFn = Callable[[GpuContext], Any]
 
 
 class _Job:
-    __slots__ = ("kind", "fn", "future", "enqueued", "started")
+    __slots__ = ("kind", "fn", "future", "enqueued", "started", "group")
 
-    def __init__(self, kind: str, fn: Callable, future: Future):
+    def __init__(self, kind: str, fn: Callable, future: Future, group: object = None):
         self.kind = kind
         self.fn = fn
         self.future = future
         self.enqueued = time.perf_counter()
         self.started = False  # its future is RUNNING (a job pushed back keeps it)
+        self.group = group  # jobs of one submit_plans call share it: taken together
 
 
 class GpuWorker:
@@ -243,6 +244,18 @@ class GpuWorker:
     def submit_plan(self, plan: PlanFn) -> Future:
         return self._put(_Job("plan", plan, Future()))
 
+    def submit_plans(self, plans: list[PlanFn]) -> list[Future]:
+        """Queue ``plans`` as one group: all at once (or none: Overloaded), taken into
+        one batch together even past ``max_batch_jobs`` (a batched step is one
+        submission with one readback; only the binding limit can split it)."""
+        group = object()
+        jobs = [_Job("plan", plan, Future(), group) for plan in plans]
+        with self._cv:
+            self._check_room(len(jobs))
+            self._jobs.extend(jobs)
+            self._cv.notify()
+        return [j.future for j in jobs]
+
     def submit_call(self, fn: CallFn) -> Future:
         return self._put(_Job("call", fn, Future()))
 
@@ -255,14 +268,19 @@ class GpuWorker:
 
     # ── internals ───────────────────────────────────────────────────────────
 
+    def _check_room(self, n: int) -> None:
+        """Raise Overloaded unless ``n`` more jobs fit in the queue (holding the lock)."""
+        if self._stop:
+            raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
+        if len(self._jobs) + n > self.max_queue:
+            more = "" if n == 1 else f"; {len(self._jobs)} are, and this batch has {n}"
+            raise Overloaded(
+                f"the GPU queue is full ({self.max_queue} jobs waiting{more})", headers={"Retry-After": "1"}
+            )
+
     def _put(self, job: _Job) -> Future:
         with self._cv:
-            if self._stop:
-                raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
-            if len(self._jobs) >= self.max_queue:
-                raise Overloaded(
-                    f"the GPU queue is full ({self.max_queue} jobs waiting)", headers={"Retry-After": "1"}
-                )
+            self._check_room(1)
             self._jobs.append(job)
             self._cv.notify()
         return job.future
@@ -276,7 +294,10 @@ class GpuWorker:
             first = self._jobs.popleft()
             jobs = [first]
             if first.kind == "plan":
-                while self._jobs and self._jobs[0].kind == "plan" and len(jobs) < self.max_batch_jobs:
+                while self._jobs and self._jobs[0].kind == "plan" and (
+                    len(jobs) < self.max_batch_jobs
+                    or (jobs[-1].group is not None and self._jobs[0].group is jobs[-1].group)
+                ):
                     jobs.append(self._jobs.popleft())
             self._busy = True
             return jobs

@@ -181,6 +181,11 @@ class Runtime:
         always completes, and its request answers normally.
         """
         self.store.commit(res)
+        self.watch(fut, res)
+
+    def watch(self, fut: Future, res: Reservation) -> None:
+        """:meth:`track` for a reservation already committed (a batched step commits
+        each item as it is checked, so later items see it, and queues them together)."""
         loop = self.loop or asyncio.get_running_loop()
         cancelling = False
         timer: asyncio.TimerHandle | None = None

@@ -83,6 +83,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
             "max_binding_bytes": eng.ctx.max_binding if eng is not None else None,
             "max_queue": s.max_queue,
             "max_batch_jobs": s.max_batch_jobs,
+            "max_batch_items": s.max_batch_items,
             "quota_sessions_per_key": s.quota_sessions_per_key,
             "quota_bytes_per_key": s.quota_bytes_per_key,
             "request_timeout_s": s.request_timeout_s,

@@ -105,6 +105,48 @@ def _attend_out(array: str) -> dict[str, Any]:
     }
 
 
+def _batch_attend(array: str) -> dict[str, Any]:
+    item = _attend(array)
+    item = {
+        **item,
+        "required": ["session_id", "layer", "q"],
+        "properties": {
+            "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+            "layer": {"type": "integer", "minimum": 0},
+            **item["properties"],
+        },
+    }
+    return {
+        "type": "object",
+        "required": ["items"],
+        "additionalProperties": False,
+        "properties": {
+            "items": {"type": "array", "minItems": 1, "items": item,
+                      "description": "Attends, applied in order; at most limits.max_batch_items."},
+        },
+    }
+
+
+def _batch_out(array: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["results"],
+        "properties": {
+            "results": {
+                "type": "array",
+                "description": "One per item, in item order.",
+                "items": {"oneOf": [
+                    _attend_out(array),
+                    {"type": "object", "required": ["error"],
+                     "properties": {"error": {**ref("Problem"),
+                                              "description": "The item's problem (with `item`, its index); "
+                                              "the item changed nothing."}}},
+                ]},
+            },
+        },
+    }
+
+
 COMPONENTS: dict[str, Any] = {
     "ArrayJson": _ARRAY_JSON,
     "ArrayMsgpack": _ARRAY_MSGPACK,
@@ -167,6 +209,10 @@ COMPONENTS: dict[str, Any] = {
     "AttendMsgpack": _attend("ArrayMsgpack"),
     "AttendResultJson": _attend_out("ArrayJson"),
     "AttendResultMsgpack": _attend_out("ArrayMsgpack"),
+    "BatchAttendJson": _batch_attend("ArrayJson"),
+    "BatchAttendMsgpack": _batch_attend("ArrayMsgpack"),
+    "BatchAttendResultJson": _batch_out("ArrayJson"),
+    "BatchAttendResultMsgpack": _batch_out("ArrayMsgpack"),
     "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
     "ServerInfo": {
         "type": "object",
@@ -198,6 +244,7 @@ COMPONENTS: dict[str, Any] = {
                     "max_binding_bytes": {"type": "integer"},
                     "max_queue": {"type": "integer"},
                     "max_batch_jobs": {"type": "integer"},
+                    "max_batch_items": {"type": "integer", "description": "Most items in one batched step."},
                 },
                 "additionalProperties": True,
             },

@@ -1,0 +1,235 @@
+"""Append and attend, whatever carries them: the HTTP routes, the batched step and
+the WebSocket stream all parse, check and queue through these functions, so the
+three transports cannot drift apart (and answer bit-identically).
+
+Each operation is checked against the session's *reserved* state (see
+:mod:`attnserve.store`) and turned into a GPU job plan plus a reservation:
+
+* :func:`check_attend` / :func:`check_append` raise the request's problem
+  (:class:`~attnserve.errors.ApiError`) with nothing changed, or return a
+  :class:`Checked` operation;
+* the caller commits the reservation and queues the plan, alone
+  (:func:`queue_one`) or with others in one GPU submission
+  (:meth:`~attnserve.engine.Engine.submit_group`);
+* :func:`attend_result` / the append length turn the job's result into the
+  answer document.
+
+Everything between a check and its queueing runs without an ``await``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..codec import Fields, MediaKind, array_out, decode_document
+from ..engine import Engine
+from ..errors import InvalidRequest, LayerNotFound
+from ..gpu.device import PlanFn
+from ..gpu.kernels import rotated_q_bytes
+from ..store import Reservation, Session
+from .deps import Runtime
+
+__all__ = [
+    "AppendRequest",
+    "AttendRequest",
+    "Checked",
+    "APPEND_FIELDS",
+    "ATTEND_FIELDS",
+    "parse_append",
+    "parse_attend",
+    "append_fields",
+    "attend_fields",
+    "layer_index",
+    "check_append",
+    "check_attend",
+    "queue_one",
+    "attend_document",
+    "count_rows",
+]
+
+APPEND_FIELDS = ("k", "v", "offset")
+ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale")
+F32_MAX = float(np.finfo(np.float32).max)
+F16_MAX = 65504.0  # the largest finite float16
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    k: np.ndarray
+    v: np.ndarray
+    offset: int | None
+
+
+@dataclass(frozen=True)
+class AttendRequest:
+    q: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    offset: int | None
+    start_pos: int | None
+    causal: bool
+    scale: float | None
+
+
+def _max_elements(max_bytes: int) -> int:
+    return max(1, max_bytes // 4)
+
+
+def append_fields(f: Fields, max_bytes: int) -> AppendRequest:
+    me = _max_elements(max_bytes)
+    k = f.array("k", max_elements=me)
+    v = f.array("v", max_elements=me)
+    return AppendRequest(k, v, f.int("offset", None, lo=0))
+
+
+def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
+    me = _max_elements(max_bytes)
+    q = f.array("q", max_elements=me)
+    k = f.array("k", None, max_elements=me)
+    v = f.array("v", None, max_elements=me)
+    if (k is None) != (v is None):
+        raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
+    scale = f.number("scale", None)
+    if scale is not None:
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.float32(scale)):  # the kernels take it as float32
+                raise InvalidRequest(f"scale: expected a finite float32 (|scale| <= {F32_MAX:.7g}), got {scale!r}")
+    return AttendRequest(
+        q, k, v,
+        offset=f.int("offset", None, lo=0),
+        start_pos=f.int("start_pos", None, lo=0),
+        causal=f.bool("causal", True),
+        scale=scale,
+    )
+
+
+def parse_append(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AppendRequest:
+    return append_fields(Fields(decode_document(raw, kind, max_bytes), APPEND_FIELDS, "append"), max_bytes)
+
+
+def parse_attend(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AttendRequest:
+    return attend_fields(Fields(decode_document(raw, kind, max_bytes), ATTEND_FIELDS, "attend"), max_bytes)
+
+
+def layer_index(session: Session, layer: int) -> int:
+    if not 0 <= layer < session.config.num_layers:
+        raise LayerNotFound(
+            f"layer {layer} is outside 0..{session.config.num_layers - 1} of session {session.id!r}",
+            num_layers=session.config.num_layers,
+        )
+    return layer
+
+
+def _check_kv(session: Session, engine: Engine, k: np.ndarray, v: np.ndarray) -> int:
+    c = session.config
+    want = (c.num_kv_heads, c.head_dim)
+    if k.shape[0] < 1 or k.shape[1:] != want:
+        raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
+    if v.shape != k.shape:
+        raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    if c.kv_format == "turboquant":
+        # TurboQuant keeps each row's norm as float16: a larger one would be stored
+        # as inf and turn that layer's answers into NaN.
+        for name, a in (("k", k), ("v", v)):
+            # float32 is enough: rows under the limit cannot overflow it, and an
+            # overflow is inf, which the check refuses (no float64 copy of the body)
+            norms = np.sqrt(np.einsum("nhd,nhd->nh", a, a))
+            if norms.max() > F16_MAX:
+                i, h = np.unravel_index(int(norms.argmax()), norms.shape)
+                raise InvalidRequest(
+                    f"{name}[{i}, {h}]: norm {norms[i, h]:.6g} is over {F16_MAX:g}, the largest norm "
+                    "turboquant stores (float16); scale the rows down"
+                )
+    limit = engine.ctx.max_binding
+    if k.nbytes > limit:
+        rows = limit // (k.nbytes // k.shape[0])
+        raise InvalidRequest(
+            f"k, v: {k.shape[0]} rows are more than this adapter takes in one request (at most {rows}); "
+            "split the append"
+        )
+    return k.shape[0]
+
+
+def _check_q(session: Session, engine: Engine, q: np.ndarray) -> int:
+    c = session.config
+    want = (c.num_qo_heads, c.head_dim)
+    if q.shape[0] < 1 or q.shape[1:] != want:
+        raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
+    n = q.shape[0]
+    need = max(q.nbytes, rotated_q_bytes(n, *want) if c.kv_format == "turboquant" else 0)
+    limit = engine.ctx.max_binding
+    if need > limit:
+        rows = limit // (need // n)
+        raise InvalidRequest(
+            f"q: {n} rows are more than this adapter takes in one request (at most {rows}); split the attend"
+        )
+    return n
+
+
+@dataclass(eq=False)
+class Checked:
+    """One operation that passed every check: its GPU job (not queued yet), its
+    reservation (not committed yet), and what its answer and metrics need."""
+
+    plan: PlanFn
+    res: Reservation
+    kv_format: str
+    rows: int  # appended rows
+    queries: int  # query rows (0: an append)
+
+
+def check_append(rt: Runtime, engine: Engine, session: Session, li: int, req: AppendRequest) -> Checked:
+    rows = _check_kv(session, engine, req.k, req.v)
+    res = rt.store.plan_append(session, li, rows, req.offset)
+    rt.store.check_budget(res)
+    plan = engine.plan_append(session.kv.layers[li], req.k, req.v)
+    return Checked(plan, res, session.kv_format, rows, 0)
+
+
+def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: AttendRequest) -> Checked:
+    n = _check_q(session, engine, req.q)
+    rows = 0
+    if req.k is not None:
+        rows = _check_kv(session, engine, req.k, req.v)
+        res = rt.store.plan_append(session, li, rows, req.offset)
+    else:
+        res = rt.store.plan_read(session, li, req.offset)
+    length = res.new_length
+    start_pos = length - n if req.start_pos is None else req.start_pos
+    if start_pos < 0 or start_pos + n > length:
+        if req.start_pos is None:
+            detail = (f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
+                      f"start_pos, length - n, would be {start_pos}); give start_pos or fewer rows")
+        else:
+            detail = (f"start_pos: {n} query rows from start_pos {start_pos} pass the layer's length "
+                      f"{length} (start_pos + n <= length is required)")
+        raise InvalidRequest(detail, length=length)
+    rt.store.check_budget(res)
+    plan = engine.plan_attend(
+        session.kv.layers[li], req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
+    )
+    return Checked(plan, res, session.kv_format, rows, n)
+
+
+def queue_one(rt: Runtime, engine: Engine, op: Checked) -> Future:
+    """Queue one checked operation on its own: commit, submit, watch."""
+    fut = engine.worker.submit_plan(op.plan)
+    rt.track(fut, op.res)
+    return fut
+
+
+def count_rows(rt: Runtime, op: Checked) -> None:
+    """Metrics of a completed operation."""
+    if op.rows:
+        rt.metrics.rows.inc("append", op.kv_format, amount=op.rows)
+    if op.queries:
+        rt.metrics.rows.inc("query", op.kv_format, amount=op.queries)
+
+
+def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:
+    return {"out": array_out(out, kind), "length": length}
+
