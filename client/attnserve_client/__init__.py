@@ -12,6 +12,7 @@ See ``docs/client.md`` for the whole guide.
 
 from . import wire
 from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session
+from ._steps import AsyncStream, AttendItem, BatchError, Stream
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -51,6 +52,9 @@ __all__ = [
     "APITimeoutError",
     "AsyncClient",
     "AsyncSession",
+    "AsyncStream",
+    "AttendItem",
+    "BatchError",
     "AttnServeError",
     "CapacityExceeded",
     "Client",
@@ -71,6 +75,7 @@ __all__ = [
     "SessionExists",
     "SessionInfo",
     "SessionNotFound",
+    "Stream",
     "Unauthorized",
     "UnsupportedMediaType",
     "WireError",

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 
 from . import wire
+from ._steps import AsyncStream, AttendItem, Stream, batch_body, batch_idempotent, batch_results
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -309,6 +310,11 @@ class _BaseClient:
         if not isinstance(body, dict):
             raise InvalidResponse(f"server info: expected an object, got {type(body).__name__}")
         return body
+
+    def _batch_flow(self, items: Any) -> Flow[list[np.ndarray]]:
+        checked, body = batch_body(items)
+        doc = yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=batch_idempotent(checked))
+        return batch_results(checked, doc)
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -655,6 +661,20 @@ class Client(_BaseClient):
         """The server's info (``GET /v1/info``): adapter, backend, limits, kv formats, version."""
         return self._run(self._server_info_flow())
 
+    def attend_batch(self, items: list[AttendItem] | list[dict[str, Any]]) -> list[np.ndarray]:
+        """A batched step: the attends of many sessions (each an :class:`AttendItem`
+        or a dict of its fields) in one request and one GPU submission.
+
+        Returns each item's output, in order. Raises :class:`BatchError` when any item
+        failed: its ``results`` hold the outputs of the items that were applied and
+        the errors of those that changed nothing."""
+        return self._run(self._batch_flow(items))
+
+    def stream(self) -> Stream:
+        """Open a streaming connection (``/v1/stream``): the same operations over one
+        WebSocket, pipelined (see :class:`Stream`). Use it as a context manager."""
+        return Stream(self.base_url, self._headers, self.timeout.connect)
+
     def health(self) -> bool:
         """Whether the server process is up (``/livez`` answers 2xx); no retries.
 
@@ -802,6 +822,15 @@ class AsyncClient(_BaseClient):
     async def info(self) -> dict[str, Any]:
         """See :meth:`Client.info`."""
         return await self._run(self._server_info_flow())
+
+    async def attend_batch(self, items: list[AttendItem] | list[dict[str, Any]]) -> list[np.ndarray]:
+        """As :meth:`Client.attend_batch`."""
+        return await self._run(self._batch_flow(items))
+
+    async def stream(self) -> AsyncStream:
+        """Open a streaming connection (``/v1/stream``); concurrent awaits of its
+        methods pipeline on it. ``async with await client.stream() as s: ...``"""
+        return await AsyncStream.open(self.base_url, self._headers, self.timeout.connect)
 
     async def health(self) -> bool:
         """See :meth:`Client.health`."""

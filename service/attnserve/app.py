@@ -59,7 +59,7 @@ from .gpu.device import DeviceError
 from .kvcache import KV_FORMATS
 from .metrics import Gauge
 from .persistence import SnapshotDir
-from .routes import batch, kv, probes, sessions, snapshots
+from .routes import batch, kv, probes, sessions, snapshots, stream
 from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
 from .routes.schemas import COMPONENTS
 
@@ -171,6 +171,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(sessions.router)
     app.include_router(kv.router)
     app.include_router(batch.router)
+    app.include_router(stream.router)
     app.include_router(snapshots.router)
     app.include_router(probes.router)
     _install_error_handlers(app)

@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         server_header=False,
+        ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
     )
     server = _Server(config, rt, settings.drain_delay_s)
     log.info("starting", extra={"host": settings.host, "port": settings.port})

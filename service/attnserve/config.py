@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     )
     max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
     max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
+    stream_max_in_flight: int = Field(
+        256, ge=1, description="Most operations one /v1/stream connection may have in flight; past it the "
+        "server reads no further frame of that connection until one finishes (backpressure).",
+    )
     max_batch_items: int = Field(
         1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."
     )

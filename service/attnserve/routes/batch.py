@@ -37,8 +37,8 @@ from .operations import (
 )
 from .schemas import ok, problems, request_body
 
-__all__ = ["router", "BatchItem", "parse_batch", "parse_item", "run_batch", "results_document", "count_errors",
-           "BATCH_ITEM_FIELDS"]
+__all__ = ["router", "BatchItem", "QueuedBatch", "parse_batch", "parse_items", "queue_batch", "finish_batch",
+           "settled", "results_document", "count_errors", "BATCH_ITEM_FIELDS"]
 
 log = logging.getLogger("attnserve")
 
@@ -61,7 +61,10 @@ def parse_batch(raw: bytes, kind: MediaKind | None, max_bytes: int, max_items: i
     """The items of a batch body. A body that is malformed as a whole (not a map,
     no ``items`` list, too many items) raises; a malformed item is kept as an
     item with its problem."""
-    f = Fields(decode_document(raw, kind, max_bytes), ("items",), "batch")
+    return parse_items(Fields(decode_document(raw, kind, max_bytes), ("items",), "batch"), max_bytes, max_items)
+
+
+def parse_items(f: Fields, max_bytes: int, max_items: int) -> list[BatchItem]:
     items = f.list("items")
     if not items:
         raise InvalidRequest("items: expected a non-empty array of attend items")
@@ -91,13 +94,22 @@ def _check(rt: Runtime, engine: Engine, owner: Owner, item: BatchItem) -> Checke
     return check_attend(rt, engine, session, layer_index(session, item.layer), item.attend)
 
 
-async def run_batch(rt: Runtime, engine: Engine, owner: Owner, items: list[BatchItem]) -> list[Any]:
-    """Check every item in order, queue those that pass as one GPU group, and await
-    them. Returns per item ``AttendResult`` or the :class:`ApiError` that failed it."""
+@dataclass(eq=False)
+class QueuedBatch:
+    """A batch whose items are checked and queued: per item the :class:`ApiError`
+    that refused it, or its slot in ``futures``/``ops``."""
+
+    outcome: list[Any]
+    futures: list[Future]
+    ops: list[tuple[int, Checked]]
+
+
+def queue_batch(rt: Runtime, engine: Engine, owner: Owner, items: list[BatchItem]) -> QueuedBatch:
+    """Check every item in order and queue those that pass as one GPU group. No
+    ``await``: the checks see each other's reservations, and nothing else can come
+    between the first check and the queueing."""
     outcome: list[Any] = [None] * len(items)
     checked: list[tuple[int, Checked]] = []
-    # From the first check to the queueing: no await (the checks see each other's
-    # reservations, and nothing else can come between).
     for i, item in enumerate(items):
         try:
             op = _check(rt, engine, owner, item)
@@ -107,23 +119,33 @@ async def run_batch(rt: Runtime, engine: Engine, owner: Owner, items: list[Batch
         rt.store.commit(op.res)
         checked.append((i, op))
     if not checked:
-        return outcome
+        return QueuedBatch(outcome, [], [])
     try:
         futures = engine.submit_group([op.plan for _, op in checked])
     except ApiError as e:  # Overloaded: nothing was queued; give every reservation back
         for i, op in checked:
             rt.store.finish(op.res, e)
             outcome[i] = e
-        return outcome
+        return QueuedBatch(outcome, [], [])
     for fut, (_, op) in zip(futures, checked):
         rt.watch(fut, op.res)
-    done = await asyncio.shield(asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True))
-    for fut, (i, op), result in zip(futures, checked, done):
-        outcome[i] = _settled(rt, fut, op, result)
+    return QueuedBatch(outcome, futures, checked)
+
+
+async def finish_batch(rt: Runtime, queued: QueuedBatch) -> list[Any]:
+    """Await a queued batch. Returns per item ``AttendResult`` or the
+    :class:`ApiError` that failed it."""
+    outcome = queued.outcome
+    if queued.futures:
+        done = await asyncio.shield(
+            asyncio.gather(*(asyncio.wrap_future(f) for f in queued.futures), return_exceptions=True)
+        )
+        for fut, (i, op), result in zip(queued.futures, queued.ops, done):
+            outcome[i] = settled(rt, fut, op, result)
     return outcome
 
 
-def _settled(rt: Runtime, fut: Future, op: Checked, result: Any) -> Any:
+def settled(rt: Runtime, fut: Future, op: Checked, result: Any) -> Any:
     if fut.cancelled():  # the request timeout dropped it from the queue: nothing applied
         return RequestTimeout(
             f"the item waited more than {rt.settings.request_timeout_s:g} s for the GPU and was dropped; "
@@ -171,7 +193,7 @@ async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: 
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     items = await rt.offload(parse_batch, raw, wire.request, max_bytes, rt.settings.max_batch_items, size=len(raw))
-    outcome = await run_batch(rt, engine, owner, items)
+    outcome = await finish_batch(rt, queue_batch(rt, engine, owner, items))
     count_errors(rt, outcome)
     size = len(raw) * (1 if wire.response == "msgpack" else 6)
     body = await rt.offload(_encode_results, outcome, wire.response, request.url.path, size=size)

@@ -1,0 +1,227 @@
+"""The streaming transport (/v1/stream) and the client's batched step, through the
+client library against a real server: bit-identical to the same operations sent
+one by one over HTTP, right against the float64 oracle, per-frame problems that
+keep the connection, authentication, backpressure and a full GPU queue."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from attnserve.config import Settings
+from attnserve_client import (
+    AsyncClient,
+    AttendItem,
+    BatchError,
+    Client,
+    OffsetMismatch,
+    Overloaded,
+    SessionNotFound,
+    wire,
+)
+from attnserve_client.errors import APIConnectionError
+from svc_helpers import F32_TOL, LiveServer, Model, rel_err, rows
+
+SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "turboquant")]
+
+
+def _twins(client: Client, rng, layers: int = 2):
+    out = []
+    for h, hkv, d, fmt in SHAPES:
+        spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=layers, kv_format=fmt,
+                    seed=int(rng.integers(1 << 30)))
+        out.append((client.create_session(**spec), client.create_session(**spec), (h, hkv, d, fmt)))
+    return out
+
+
+def test_stream_and_batch_are_bit_identical_to_single_calls(server, rng):
+    with Client(server.url) as client, client.stream() as stream:
+        sessions = _twins(client, rng) + _twins(client, rng)  # a: stream, b: HTTP one by one
+        models = {}
+        for a, _, (h, hkv, d, _) in sessions:
+            models[a.session_id] = Model(h, hkv, d, layers=2)
+        for step, n in enumerate([11, 1, 1, 3, 1]):
+            for layer in (0, 1):
+                futures, singles = [], []
+                for idx, (a, b, (h, hkv, d, fmt)) in enumerate(sessions):
+                    q, k, v = rows(rng, n, h, d), rows(rng, n, hkv, d), rows(rng, n, hkv, d)
+                    models[a.session_id].add(layer, k, v)
+                    singles.append(b.attend(layer, q, k=k, v=v))
+                    if idx % 2 == 0:  # half pipelined one by one on the stream
+                        futures.append(stream.submit_attend(a, layer, q, k=k, v=v, offset=a.lengths[layer]))
+                    else:  # half in one batched step on the stream
+                        futures.append(AttendItem(a, layer, q, k, v))
+                batch = [f for f in futures if isinstance(f, AttendItem)]
+                batch_out = iter(stream.attend_batch(batch))
+                for f, want in zip(futures, singles):
+                    got = next(batch_out) if isinstance(f, AttendItem) else f.result(timeout=60)
+                    assert got.dtype == np.float32 and got.shape == want.shape
+                    assert got.tobytes() == want.tobytes()
+        # the HTTP batched step too, and the oracle
+        items = []
+        for a, b, (h, hkv, d, fmt) in sessions:
+            q = rows(rng, 2, h, d)
+            items.append(AttendItem(a.session_id, 1, q))
+            want = b.attend(1, q)
+            items[-1] = (items[-1], want)
+        outs = client.attend_batch([it for it, _ in items])
+        for out, (it, want) in zip(outs, items):
+            assert out.tobytes() == want.tobytes()
+        for (a, b, (h, hkv, d, fmt)), (it, _) in zip(sessions, items):
+            assert a.info().lengths == b.info().lengths == tuple(models[a.session_id].lengths)
+            if fmt == "f32":
+                assert rel_err(stream.attend(a, 1, it.q), models[a.session_id].attention(1, it.q)) <= F32_TOL
+            a.delete()
+            b.delete()
+
+
+def test_stream_errors_are_per_operation(server, rng):
+    with Client(server.url) as client, client.stream() as stream:
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        assert stream.append(s, 0, rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)) == 3
+        with pytest.raises(SessionNotFound):
+            stream.attend("nope", 0, rows(rng, 1, 2, 8))
+        with pytest.raises(OffsetMismatch) as e:
+            stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=7)
+        assert e.value.length == 3
+        with pytest.raises(BatchError) as be:
+            stream.attend_batch([AttendItem(s, 0, rows(rng, 1, 2, 8)), AttendItem("nope", 0, rows(rng, 1, 2, 8))])
+        assert isinstance(be.value.results[0], np.ndarray) and isinstance(be.value.errors[1], SessionNotFound)
+        stream.ping()
+        assert s.info().lengths == (3,)
+        s.delete()
+
+
+def test_malformed_frames_get_problems_and_the_connection_stays(server, rng):
+    with Client(server.url) as client:
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+    url = server.url.replace("http://", "ws://") + "/v1/stream"
+    with connect(url) as ws:
+        ws.send(b"\xc1\x00garbage")
+        r = wire.unpackb(ws.recv(timeout=30), max_bytes=1 << 20)
+        assert r["id"] is None and r["status"] == 400 and r["error"]["type"] == "/problems/malformed-body"
+        for frame, status, slug in [
+            ({"id": 1, "op": "fly"}, 422, "invalid-request"),
+            ({"id": 2, "op": "attend", "session_id": s.session_id, "layer": 0}, 422, "invalid-request"),
+            ({"id": 3, "op": "attend", "session_id": s.session_id, "layer": 9, "q": wire.encode_array(
+                rows(rng, 1, 2, 8))}, 404, "layer-not-found"),
+            ({"id": [1], "op": "ping"}, 422, "invalid-request"),
+            ({"id": 5, "op": "ping", "extra": 1}, 422, "invalid-request"),
+        ]:
+            ws.send(wire.packb(frame))
+            r = wire.unpackb(ws.recv(timeout=30), max_bytes=1 << 20)
+            assert r["status"] == status and r["error"]["type"] == f"/problems/{slug}", r
+            assert r["id"] == (frame["id"] if isinstance(frame["id"], int) else None)
+        # text frames are JSON, answered in JSON
+        k = rows(rng, 2, 1, 8)
+        ws.send(json.dumps({"id": "t1", "op": "append", "session_id": s.session_id, "layer": 0,
+                            "k": k.tolist(), "v": k.tolist()}))
+        r = json.loads(ws.recv(timeout=30))
+        assert r == {"id": "t1", "status": 200, "result": {"length": 2}}
+    with Client(server.url) as client:
+        assert client.get_session(s.session_id).info().lengths == (2,)
+        client.delete_session(s.session_id)
+
+
+def test_stream_needs_a_key_and_sees_only_the_tenants_sessions(engine, rng):
+    srv = LiveServer(Settings(api_keys="key-a,key-b"), engine=engine).start()
+    try:
+        with pytest.raises(APIConnectionError):
+            Client(srv.url).stream()
+        with pytest.raises(APIConnectionError):
+            Client(srv.url, api_key="wrong").stream()
+        with Client(srv.url, api_key="key-a") as a, Client(srv.url, api_key="key-b") as b:
+            sb = b.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+            with a.stream() as stream:
+                with pytest.raises(SessionNotFound):
+                    stream.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
+            assert sb.info().lengths == (0,)
+    finally:
+        srv.stop()
+
+
+def test_full_gpu_queue_is_an_overload_reply(server, engine, rng):
+    from test_quotas import _wait_depth, gpu_held
+
+    with Client(server.url) as client, client.stream() as stream:
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        saved = engine.worker.max_queue
+        engine.worker.max_queue = 2
+        try:
+            with gpu_held(engine):
+                futs = [stream.submit_append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) for _ in range(3)]
+                _wait_depth(engine, 3)
+                with pytest.raises(Overloaded):
+                    futs[2].result(timeout=30)
+        finally:
+            engine.worker.max_queue = saved
+        assert sorted(f.result(timeout=30) for f in futs[:2]) == [1, 2]
+        assert s.info().lengths == (2,)
+        s.delete()
+
+
+def test_backpressure_stops_reading_past_the_in_flight_limit(engine, rng):
+    """With stream_max_in_flight=2 and the GPU held, the third operation is not even
+    read: it is not queued until one of the first two finishes."""
+    from test_quotas import _wait_depth, gpu_held
+
+    srv = LiveServer(Settings(stream_max_in_flight=2), engine=engine).start()
+    try:
+        with Client(srv.url) as client, client.stream() as stream:
+            s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+            with gpu_held(engine):
+                futs = [stream.submit_append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) for _ in range(4)]
+                _wait_depth(engine, 3)  # the held job and two appends
+                time.sleep(0.3)
+                assert engine.worker.queue_depth == 3  # the others wait unread
+            assert [f.result(timeout=30) for f in futs] == [1, 2, 3, 4]
+            s.delete()
+    finally:
+        srv.stop()
+
+
+def test_async_stream_pipelines(server, rng):
+    async def main():
+        async with AsyncClient(server.url) as client:
+            s = await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+            ref = await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+            k, v = rows(rng, 20, 2, 16), rows(rng, 20, 2, 16)
+            await ref.append(0, k, v)
+            async with await client.stream() as stream:
+                await stream.append(s, 0, k, v)
+                qs = [rows(rng, 1, 4, 16) for _ in range(16)]
+                outs = await asyncio.gather(*(stream.attend(s, 0, q) for q in qs))
+                batch = await client.attend_batch([AttendItem(s, 0, q) for q in qs[:4]])
+            for q, out in zip(qs, outs):
+                assert out.tobytes() == (await ref.attend(0, q)).tobytes()
+            for q, out in zip(qs, batch):
+                assert out.tobytes() == (await ref.attend(0, q)).tobytes()
+            await s.delete()
+            await ref.delete()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_connection_loses_nothing_queued(server, engine, rng):
+    from test_quotas import _wait_depth, gpu_held
+
+    with Client(server.url) as client:
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        stream = client.stream()
+        with gpu_held(engine):
+            for i in range(3):
+                stream.submit_append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=i)
+            _wait_depth(engine, 4)
+            threading.Thread(target=stream.close, daemon=True).start()
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while s.info().lengths != (3,) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.info().lengths == (3,)
+        s.delete()
