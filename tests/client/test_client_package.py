@@ -20,7 +20,7 @@ CLIENT = Path(__file__).resolve().parents[2] / "client"
 PUBLIC = {
     "DEFAULT_MAX_RETRIES", "DEFAULT_TIMEOUT",
     "APIConnectionError", "APIError", "APIStatusError", "APITimeoutError",
-    "AsyncClient", "AsyncSession", "AttnServeError", "CapacityExceeded", "Client",
+    "AsyncClient", "AsyncSession", "AsyncStream", "AttendItem", "BatchError", "Stream", "AttnServeError", "CapacityExceeded", "Client",
     "InvalidInput", "InvalidRequest", "InvalidResponse", "InvalidSnapshot",
     "LayerNotFound", "MalformedBody", "NotReady", "OffsetMismatch", "OutOfMemory", "RequestTimeout", "BodyTimeout",
     "Overloaded", "PayloadTooLarge", "Session", "SessionExists", "SessionInfo",
@@ -40,19 +40,19 @@ def test_all_is_exactly_the_public_api_and_resolves():
 
 
 def test_submodule_all_resolves():
-    from attnserve_client import _client, _types, errors, wire
+    from attnserve_client import _client, _steps, _types, errors, wire
 
-    for module in (_client, _types, errors, wire):
+    for module in (_client, _steps, _types, errors, wire):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 
 
-def test_requirements_are_numpy_msgpack_httpx_only():
+def test_requirements_are_numpy_msgpack_httpx_websockets_only():
     project = tomllib.loads((CLIENT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "attnserve-client"
     assert project["requires-python"] == ">=3.10"
     names = {dep.split(">")[0].split("=")[0].split("<")[0].strip() for dep in project["dependencies"]}
-    assert names == {"numpy", "msgpack", "httpx"}
+    assert names == {"numpy", "msgpack", "httpx", "websockets"}
     assert (CLIENT / "attnserve_client" / "py.typed").exists()
 
 

@@ -380,7 +380,10 @@ def test_fuzz(case, fuzz_env):
     # generate as invalid (it re-validates it against another media type's schema), so
     # for those negative_data_rejection is not asked either.
     excluded = [checks.positive_data_acceptance]
-    if steered:
+    # The batched step answers a schema-violating *item* with that item's problem
+    # inside a 200 (items are independent, docs/api.md); a body malformed as a
+    # whole is still a 4xx, which test_batch.py checks.
+    if steered or case.operation.path == "/v1/batch/attend":
         excluded.append(checks.negative_data_rejection)
     case.validate_response(response, excluded_checks=excluded)
 
