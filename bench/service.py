@@ -12,9 +12,15 @@ child process, then for each kv format:
    GPU worker's time per submission from the server's own metrics
    (``attnserve_gpu_submission_seconds``: record + submit + readback), i.e.
    how much of a step is GPU work;
-2. ``--sessions`` sessions (64) stepping concurrently from as many client
+2. the same fused decode steps over the streaming transport (``/v1/stream``,
+   one WebSocket, one step in flight): p50 / p99;
+3. ``--sessions`` sessions (64) stepping concurrently from as many client
    threads, each prefilled to ``--concurrent-context``: attends per second, and
-   jobs per GPU submission (coalescing) from the metrics.
+   jobs per GPU submission (coalescing) from the metrics;
+4. the same sessions stepped as an engine does: one batched step
+   (``attend_batch``, one fused decode item per session) at a time, over HTTP and
+   over the stream, and over the stream with ``--pipeline`` batches in flight
+   (e.g. independent micro-batches): attends per second and batch p50 / p99.
 
 Traffic goes only to the loopback server it starts.
 """
@@ -37,7 +43,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "client"))
-from attnserve_client import Client  # noqa: E402
+from attnserve_client import AttendItem, Client  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 
@@ -69,29 +75,96 @@ def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
                     rng.standard_normal((m, HKV, D), dtype=np.float32))
 
 
-def one_session(c: Client, fmt: str, context: int, steps: int, rng) -> dict:
+def percentiles(lat: list[float]) -> dict:
+    lat_ms = sorted(1e3 * x for x in lat)
+    p = lambda f: lat_ms[min(len(lat_ms) - 1, int(f * len(lat_ms)))]  # noqa: E731
+    return {"p50_ms": round(p(0.5), 3), "p99_ms": round(p(0.99), 3), "mean_ms": round(statistics.mean(lat_ms), 3)}
+
+
+def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: str = "http") -> dict:
     sess = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
     prefill(sess, 0, context, rng)
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    stream = c.stream() if transport == "stream" else None
+    step = (lambda: stream.attend(sess, 0, q, k=k, v=k)) if stream else (lambda: sess.attend(0, q, k=k, v=k))
     for _ in range(10):  # warm-up
-        sess.attend(0, q, k=k, v=k)
+        step()
     before = scrape(c)
     lat = []
     for _ in range(steps):
         t = time.perf_counter()
-        sess.attend(0, q, k=k, v=k)
+        step()
         lat.append(time.perf_counter() - t)
     after = scrape(c)
+    if stream:
+        stream.close()
     n_sub = metric(after, "attnserve_gpu_submission_seconds_count") - metric(before, "attnserve_gpu_submission_seconds_count")
     s_sub = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(before, "attnserve_gpu_submission_seconds_sum")
     sess.delete()
-    lat_ms = sorted(1e3 * x for x in lat)
-    p = lambda f: lat_ms[min(len(lat_ms) - 1, int(f * len(lat_ms)))]  # noqa: E731
+    pc = percentiles(lat)
     gpu_ms = 1e3 * s_sub / max(n_sub, 1)
-    return {"kv_format": fmt, "context": context, "steps": steps, "p50_ms": round(p(0.5), 3),
-            "p99_ms": round(p(0.99), 3), "mean_ms": round(statistics.mean(lat_ms), 3),
-            "gpu_submission_ms": round(gpu_ms, 3), "gpu_fraction_of_p50": round(gpu_ms / p(0.5), 3)}
+    return {"kv_format": fmt, "transport": transport, "context": context, "steps": steps, **pc,
+            "gpu_submission_ms": round(gpu_ms, 3), "gpu_fraction_of_p50": round(gpu_ms / pc["p50_ms"], 3)}
+
+
+def batched(c: Client, fmt: str, n_sessions: int, context: int, seconds: float, rng, transport: str,
+            pipeline: int = 1) -> dict:
+    """Engine-shaped: every step is one batched request with one fused decode item
+    per session; ``pipeline`` batches in flight on the stream (each for its own
+    sessions, as independent micro-batches would be)."""
+    groups = []
+    for _ in range(pipeline):
+        sessions = []
+        for _ in range(n_sessions):
+            s = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
+            prefill(s, 0, context, rng)
+            sessions.append(s)
+        groups.append(sessions)
+    q = rng.standard_normal((1, H, D), dtype=np.float32)
+    k = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    items = [[AttendItem(s.session_id, 0, q, k, k) for s in g] for g in groups]
+    stream = c.stream() if transport == "stream" else None
+    send = (lambda i: stream.submit_attend_batch(items[i])) if stream else None
+    for _ in range(3):
+        (stream.attend_batch if stream else c.attend_batch)(items[0])
+    before = scrape(c)
+    lat, n = [], 0
+    t0 = time.perf_counter()
+    if stream:
+        inflight = [(send(i), time.perf_counter()) for i in range(pipeline)]
+        i = 0
+        while True:
+            fut, ts = inflight[i % pipeline]
+            fut.result()
+            now = time.perf_counter()
+            lat.append(now - ts)
+            n += n_sessions
+            if now - t0 >= seconds:
+                break
+            inflight[i % pipeline] = (send(i % pipeline), time.perf_counter())
+            i += 1
+        for fut, _ in inflight:
+            fut.result()
+    else:
+        while time.perf_counter() - t0 < seconds:
+            ts = time.perf_counter()
+            c.attend_batch(items[0])
+            lat.append(time.perf_counter() - ts)
+            n += n_sessions
+    dt = time.perf_counter() - t0
+    after = scrape(c)
+    if stream:
+        stream.close()
+    subs = metric(after, "attnserve_gpu_submission_seconds_count") - metric(before, "attnserve_gpu_submission_seconds_count")
+    gpu_s = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(before, "attnserve_gpu_submission_seconds_sum")
+    for g in groups:
+        for s in g:
+            s.delete()
+    return {"kv_format": fmt, "transport": transport, "sessions": n_sessions, "pipeline": pipeline,
+            "context": context, "seconds": round(dt, 2), "attends": n, "attends_per_s": round(n / dt, 1),
+            **{f"batch_{k}": v for k, v in percentiles(lat).items()},
+            "gpu_submission_ms": round(1e3 * gpu_s / max(subs, 1), 3), "submissions": int(subs)}
 
 
 def many_sessions(c: Client, url: str, fmt: str, n_sessions: int, context: int, seconds: float, rng) -> dict:
@@ -150,6 +223,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent-context", type=int, default=4096)
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--formats", default="f32,turboquant")
+    ap.add_argument("--pipeline", type=int, default=4, help="batches in flight in the pipelined stream run")
+    ap.add_argument("--skip-threads", action="store_true", help="leave out the thread-per-session run")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
 
@@ -175,13 +250,22 @@ def main(argv=None) -> int:
             info = c.info()
             rng = np.random.default_rng(0)
             result = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
-                      "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": []}
+                      "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": [],
+                      "batched": []}
             print(f"# adapter: {info.get('adapter')}", flush=True)
-            for fmt in args.formats.split(","):
-                r = one_session(c, fmt, args.context, args.steps, rng)
-                result["single"].append(r)
-                print(json.dumps(r), flush=True)
-            for fmt in args.formats.split(","):
+            formats = args.formats.split(",")
+            for fmt in formats:
+                for transport in ("http", "stream"):
+                    r = one_session(c, fmt, args.context, args.steps, rng, transport)
+                    result["single"].append(r)
+                    print(json.dumps(r), flush=True)
+            for fmt in formats:
+                for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
+                    r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport,
+                                pipeline)
+                    result["batched"].append(r)
+                    print(json.dumps(r), flush=True)
+            for fmt in formats if not args.skip_threads else ():
                 r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
                 result["concurrent"].append(r)
                 print(json.dumps(r), flush=True)
