@@ -158,6 +158,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        # operationIds are the route functions' names: attend, append_kv, create_session, ...
+        generate_unique_id_function=lambda route: route.name,
         # a trailing slash (or an id like %2F) is a 404 problem, not a redirect
         redirect_slashes=False,
         openapi_tags=[
