@@ -11,7 +11,7 @@ See ``docs/client.md`` for the whole guide.
 """
 
 from . import wire
-from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session
+from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session, new_session_id
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -75,6 +75,7 @@ __all__ = [
     "UnsupportedMediaType",
     "WireError",
     "__version__",
+    "new_session_id",
     "parse_problem",
     "wire",
 ]
