@@ -52,3 +52,16 @@ def test_unknown_variables_are_found_with_the_closest_setting():
            "PATH": "/bin", "attnserve_log_level": "debug"}
     assert unknown_env(env) == [("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"), ("ATTNSERVE_PORTT", "ATTNSERVE_PORT"),
                                 ("ATTNSERVE_ZZZ", None), ("attnserve_memory_budget", "ATTNSERVE_MEMORY_BUDGET_BYTES")]
+
+
+def test_the_docs_table_has_every_setting_and_nothing_else():
+    import re
+    from pathlib import Path
+
+    from attnserve.config import env_name
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    text = text.split("\n## Running the server\n", 1)[1].split("\n## ", 1)[0]  # its section only
+    table = re.findall(r"^\| `(ATTNSERVE_[A-Z_]+)` \|", text, re.MULTILINE)
+    assert sorted(table) == sorted(env_name(f) for f in Settings.model_fields)
+    assert len(table) == len(set(table))
