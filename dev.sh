@@ -2,23 +2,38 @@
 # Bootstrap and run attnserve on a fresh machine.
 #   ./dev.sh serve [--host 127.0.0.1 --port 8000 ...]   start the service
 #   ./dev.sh test  [pytest args]                         run the test suite
-# Both create .venv (once), install the project with its test extras, and, when
-# wgpu finds no adapter, install Mesa's software Vulkan driver through apt.
+# Both create .venv (once) and install the project into it: serve what serving
+# needs (pip install -e .), test that plus the test extras (-e ".[test]"); and,
+# when wgpu finds no adapter, both install Mesa's software Vulkan driver through apt.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ATTNSERVE_VENV:-.venv}"
 PY="${PYTHON:-python3}"
 
+# A stamp per kind of install, newer than the project metadata while it is current.
+SERVE_STAMP="$VENV/.attnserve-installed-serve"
+TEST_STAMP="$VENV/.attnserve-installed-test"
+
+current() {
+  [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! client/pyproject.toml -nt "$1" ]
+}
+
+# ensure_venv serve|test: install what that command needs, unless already there (a
+# test install serves too; a serve install lacks the test extras).
 ensure_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
   fi
-  # Reinstall only when the project metadata changed.
-  local stamp="$VENV/.attnserve-installed"
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ client/pyproject.toml -nt "$stamp" ]; then
-    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  if current "$TEST_STAMP" || { [ "$1" = serve ] && current "$SERVE_STAMP"; }; then
+    return
+  fi
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  if [ "$1" = test ]; then
     "$VENV/bin/python" -m pip install -q -e ".[test]"
-    touch "$stamp"
+    touch "$SERVE_STAMP" "$TEST_STAMP"
+  else
+    "$VENV/bin/python" -m pip install -q -e .
+    touch "$SERVE_STAMP"
   fi
 }
 
@@ -47,11 +62,11 @@ shift || true
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 case "$cmd" in
   serve)
-    ensure_venv; ensure_adapter
+    ensure_venv serve; ensure_adapter
     exec "$VENV/bin/attnserve" serve --host 127.0.0.1 "$@"
     ;;
   test)
-    ensure_venv; ensure_adapter
+    ensure_venv test; ensure_adapter
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)

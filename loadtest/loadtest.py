@@ -438,7 +438,7 @@ class LoadTest:
             lambda: client.create_session(
                 num_qo_heads=cfg.qo_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                 num_layers=cfg.layers, kv_format=cfg.kv_format, max_tokens=max_tokens,
-                session_id=sid if cfg.create == "put" else None,
+                session_id=sid if cfg.create == "put" else None, server_assigned_id=cfg.create == "post",
             ),
             sid,
         )

@@ -11,7 +11,7 @@ See ``docs/client.md`` for the whole guide.
 """
 
 from . import wire
-from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session
+from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session, new_session_id
 from ._steps import AsyncStream, AttendItem, BatchError, Stream
 from ._types import SessionInfo
 from ._version import __version__
@@ -80,6 +80,7 @@ __all__ = [
     "UnsupportedMediaType",
     "WireError",
     "__version__",
+    "new_session_id",
     "parse_problem",
     "wire",
 ]

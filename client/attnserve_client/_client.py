@@ -17,6 +17,7 @@ import operator
 import random
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -34,12 +35,15 @@ from .errors import (
     APIError,
     APITimeoutError,
     InvalidInput,
+    InvalidRequest,
     InvalidResponse,
+    LayerNotFound,
     OffsetMismatch,
     SessionExists,
     SessionNotFound,
     parse_problem,
     parse_retry_after,
+    refused,
 )
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "AsyncSession",
     "Client",
     "Session",
+    "new_session_id",
 ]
 
 #: Seconds every request may take (connect, each read and write, pool wait).
@@ -111,19 +116,27 @@ def _wrap_transport_error(exc: httpx.RequestError) -> APIConnectionError:
     return cls(f"{type(exc).__name__}: {exc or 'no details'}")
 
 
-def _check_session_id(session_id: Any) -> str:
+def new_session_id() -> str:
+    """A fresh session id: 32 random hex digits (a UUID4), which the server's
+    ``[A-Za-z0-9_-]{1,64}`` accepts."""
+    return uuid.uuid4().hex
+
+
+def _check_session_id(session_id: Any, cls: type[APIError] = SessionNotFound) -> str:
+    """``cls``: what the server answers for such an id (404 session-not-found where
+    it looks a session up, 422 invalid-request where it creates one)."""
     if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
-        raise InvalidInput(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+        raise refused(cls, f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
     return session_id
 
 
 def _int_arg(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise InvalidInput(f"{name}: expected an int, got {value!r}")
+        raise refused(InvalidRequest, f"{name}: expected an int, got {value!r}")
     try:
         return operator.index(value)
     except TypeError:
-        raise InvalidInput(f"{name}: expected an int, got {value!r}") from None
+        raise refused(InvalidRequest, f"{name}: expected an int, got {value!r}") from None
 
 
 def _int_member(body: Any, key: str, what: str) -> int:
@@ -253,6 +266,7 @@ class _BaseClient:
         max_tokens: int | None,
         seed: int | None,
         session_id: str | None,
+        server_assigned_id: bool,
     ) -> Flow[SessionInfo]:
         body: dict[str, Any] = {
             "num_layers": _int_arg("num_layers", num_layers),
@@ -261,17 +275,21 @@ class _BaseClient:
             "head_dim": _int_arg("head_dim", head_dim),
         }
         if not isinstance(kv_format, str):
-            raise InvalidInput(f"kv_format: expected a str, got {kv_format!r}")
+            raise refused(InvalidRequest, f"kv_format: expected a str, got {kv_format!r}")
         body["kv_format"] = kv_format
         if max_tokens is not None:
             body["max_tokens"] = _int_arg("max_tokens", max_tokens)
         if seed is not None:
             body["seed"] = _int_arg("seed", seed)
-        if session_id is None:
+        if server_assigned_id:
+            if session_id is not None:
+                raise InvalidInput("session_id, server_assigned_id: expected at most one, got both")
             # POST is not idempotent: retried only when the request surely did not arrive.
             info = yield from self._call_ok("POST", "/v1/sessions", body, idempotent=False)
             return SessionInfo.from_dict(info)
-        path = f"/v1/sessions/{_check_session_id(session_id)}"
+        if session_id is None:
+            session_id = new_session_id()
+        path = f"/v1/sessions/{_check_session_id(session_id, InvalidRequest)}"
         reply = yield from self._call("PUT", path, body)
         if reply.ok:
             return SessionInfo.from_dict(self._decode(reply))
@@ -353,29 +371,29 @@ class _SessionBase(Generic[_C]):
     def _check_layer(self, layer: Any) -> int:
         n = self._config.num_layers
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n:
-            raise InvalidInput(f"layer: expected an int in 0..{n - 1}, got {layer!r}")
+            raise refused(LayerNotFound, f"layer: expected an int in 0..{n - 1}, got {layer!r}")
         return int(layer)
 
     def _check_rows(self, a: Any, name: str, heads: int, rows: str) -> np.ndarray:
         try:
             arr = wire.as_float32(a, name=name)
         except wire.WireError as exc:
-            raise InvalidInput(str(exc)) from None
+            raise refused(InvalidRequest, str(exc)) from None
         d = self._config.head_dim
         if arr.ndim != 3 or arr.shape[1:] != (heads, d) or arr.shape[0] < 1:
-            raise InvalidInput(
-                f"{name}: expected shape ({rows}, {heads}, {d}) with {rows} >= 1, got {arr.shape}"
+            raise refused(
+                InvalidRequest, f"{name}: expected shape ({rows}, {heads}, {d}) with {rows} >= 1, got {arr.shape}"
             )
         try:
             return wire.check_finite(arr, name=name)
         except wire.WireError as exc:
-            raise InvalidInput(str(exc)) from None
+            raise refused(InvalidRequest, str(exc)) from None
 
     def _check_kv(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         k = self._check_rows(k, "k", self._config.num_kv_heads, "m")
         v = self._check_rows(v, "v", self._config.num_kv_heads, "m")
         if v.shape != k.shape:
-            raise InvalidInput(f"v: expected the shape of k {k.shape}, got {v.shape}")
+            raise refused(InvalidRequest, f"v: expected the shape of k {k.shape}, got {v.shape}")
         return k, v
 
     # -- flows -------------------------------------------------------------------
@@ -446,18 +464,19 @@ class _SessionBase(Generic[_C]):
         n = q.shape[0]
         fused = k is not None or v is not None
         if fused and (k is None or v is None):
-            raise InvalidInput("k, v: expected both or neither, got only " + ("k" if v is None else "v"))
+            only = "k" if v is None else "v"
+            raise refused(InvalidRequest, f"k, v: expected both or neither, got only {only}")
         if fused:
             k, v = self._check_kv(k, v)
         if start_pos is not None:
             start_pos = _int_arg("start_pos", start_pos)
             if start_pos < 0:
-                raise InvalidInput(f"start_pos: expected an int >= 0, got {start_pos}")
+                raise refused(InvalidRequest, f"start_pos: expected an int >= 0, got {start_pos}")
         if not isinstance(causal, (bool, np.bool_)):
-            raise InvalidInput(f"causal: expected a bool, got {causal!r}")
+            raise refused(InvalidRequest, f"causal: expected a bool, got {causal!r}")
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
-                raise InvalidInput(f"scale: expected a finite float, got {scale!r}")
+                raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
             scale = float(scale)
 
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": bool(causal)}
@@ -520,7 +539,8 @@ class Session(_SessionBase["Client"]):
             k, v: ``[m, num_kv_heads, head_dim]`` float arrays, ``m >= 1``, finite.
 
         Raises:
-            InvalidInput: a bad argument (nothing sent).
+            LayerNotFound, InvalidRequest: a bad layer or array, refused before sending
+                (also an ``InvalidInput``), or by the server: the same class either way.
             OffsetMismatch: the layer's length on the server is not the one tracked
                 (another writer); the tracked length is refreshed, nothing appended.
             CapacityExceeded, ...: see :mod:`attnserve_client.errors`.
@@ -623,20 +643,29 @@ class Client(_BaseClient):
         max_tokens: int | None = None,
         seed: int | None = None,
         session_id: str | None = None,
+        server_assigned_id: bool = False,
     ) -> Session:
-        """Create a session (``POST``, or ``PUT`` with ``session_id`` of ``[A-Za-z0-9_-]{1,64}``).
+        """Create a session with ``PUT /v1/sessions/{session_id}``.
 
+        ``session_id``: 1 to 64 of ``[A-Za-z0-9_-]``; by default a fresh random one
+        (:func:`new_session_id`). A ``PUT`` is safe to retry (a lost answer to an attempt
+        that did create the session is recognised), and a router that pins sessions to
+        replicas by their id sends every later call to the same replica.
+        ``server_assigned_id=True``: ``POST /v1/sessions`` instead, the server picks
+        the id; through a router such a session can land on any replica, and the
+        ``POST`` is retried only when it surely did not arrive.
         ``max_tokens`` and ``seed`` default to the server's choice.
 
         Raises:
             SessionExists: ``session_id`` is taken.
-            InvalidRequest: the server refused the configuration.
+            InvalidRequest: the configuration or ``session_id`` was refused (by the
+                server, or before sending: then it is also an ``InvalidInput``).
         """
         info = self._run(
             self._create_flow(
                 num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
-                seed=seed, session_id=session_id,
+                seed=seed, session_id=session_id, server_assigned_id=server_assigned_id,
             )
         )
         return Session(self, info)
@@ -796,13 +825,14 @@ class AsyncClient(_BaseClient):
         max_tokens: int | None = None,
         seed: int | None = None,
         session_id: str | None = None,
+        server_assigned_id: bool = False,
     ) -> AsyncSession:
         """See :meth:`Client.create_session`."""
         info = await self._run(
             self._create_flow(
                 num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                 num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
-                seed=seed, session_id=session_id,
+                seed=seed, session_id=session_id, server_assigned_id=server_assigned_id,
             )
         )
         return AsyncSession(self, info)

@@ -3,6 +3,10 @@
 Every exception the client raises on purpose derives from :class:`AttnServeError`:
 
 - :class:`InvalidInput` (also a ``ValueError``): refused before anything was sent.
+  A mistake the server would refuse too raises the class its answer maps to, as
+  an instance that is also an :class:`InvalidInput` (see :func:`refused`): a layer
+  out of range is a :class:`LayerNotFound` whether the client or the server
+  catches it.
 - :class:`APIConnectionError`, :class:`APITimeoutError`: no answer came.
 - :class:`InvalidResponse`: an answer came but is not what the contract says.
 - :class:`APIError`: the server answered with an error; one subclass per problem
@@ -41,6 +45,7 @@ __all__ = [
     "UnsupportedMediaType",
     "parse_problem",
     "parse_retry_after",
+    "refused",
 ]
 
 
@@ -265,6 +270,21 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 _MAX_SHOWN = 500
+
+_LOCAL: dict[type[APIError], type[APIError]] = {}
+
+
+def refused(cls: type[APIError], message: str) -> APIError:
+    """The error for a mistake caught before sending that the server would answer
+    with problem type ``cls``: an instance of ``cls`` that is also an
+    :class:`InvalidInput`, with ``status`` None (nothing was sent) and the problem's
+    ``type`` and ``detail``, so one ``except`` catches the mistake wherever it was found."""
+    local = _LOCAL.get(cls)
+    if local is None:
+        local = _LOCAL[cls] = type(cls.__name__, (cls, InvalidInput), {"__module__": cls.__module__,
+                                                                       "__qualname__": cls.__qualname__,
+                                                                       "__doc__": cls.__doc__})
+    return local(message, status=None, problem={"type": f"/problems/{cls.slug}", "detail": message})  # type: ignore[arg-type]
 
 
 def parse_retry_after(value: str | None) -> float | None:

@@ -63,7 +63,7 @@ from .routes import batch, kv, probes, sessions, snapshots, stream
 from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
 from .routes.schemas import COMPONENTS
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "open_engine"]
 
 log = logging.getLogger("attnserve")
 access_log = logging.getLogger("attnserve.access")
@@ -81,6 +81,12 @@ in MessagePack and nested lists in JSON. Errors are RFC 9457 problem details
 """
 
 
+def open_engine(settings: Settings, **kw: Any) -> Engine:
+    """The GPU engine the settings describe (adapter, batch and queue sizes).
+    Raises :class:`~attnserve.gpu.device.DeviceError` with the reason."""
+    return Engine.open(settings.adapter, max_batch_jobs=settings.max_batch_jobs, max_queue=settings.max_queue, **kw)
+
+
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:
     """Build the app. ``engine``: an engine opened by the caller (tests), which the
     app uses but does not close; by default the lifespan opens and closes one."""
@@ -93,13 +99,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         owned = engine is None
         if owned:
             try:
-                eng = await asyncio.to_thread(
-                    Engine.open,
-                    settings.adapter,
-                    max_batch_jobs=settings.max_batch_jobs,
-                    max_queue=settings.max_queue,
-                    on_batch=rt.metrics.on_batch,
-                )
+                eng = await asyncio.to_thread(open_engine, settings, on_batch=rt.metrics.on_batch)
             except DeviceError as e:
                 log.error("cannot open a GPU device", extra={"error": str(e)})
                 raise
@@ -158,6 +158,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         version=__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        # operationIds are the route functions' names: attend, append_kv, create_session, ...
+        generate_unique_id_function=lambda route: route.name,
         # a trailing slash (or an id like %2F) is a 404 problem, not a redirect
         redirect_slashes=False,
         openapi_tags=[

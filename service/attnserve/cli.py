@@ -1,19 +1,25 @@
 """``attnserve serve``: run the HTTP service; ``attnserve adapters``: list GPUs.
 
 Settings come from ``ATTNSERVE_*`` environment variables (see
-:class:`attnserve.config.Settings`); the options below override them.
+:class:`attnserve.config.Settings`); ``serve`` has one option per setting (API keys
+excepted: they stay out of ``ps``), generated from the settings' fields, that
+overrides its variable.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, get_args, get_origin
 
 import uvicorn
+from pydantic import SecretStr
 
 __all__ = ["main"]
 
@@ -21,45 +27,115 @@ log = logging.getLogger("attnserve")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .app import create_app
-    from .config import Settings
+    from pydantic import ValidationError
+
+    from .app import create_app, open_engine
+    from .config import Settings, unknown_env
+    from .gpu.device import DeviceError
     from .logging_setup import configure_logging
 
-    overrides = {
-        k: v
-        for k, v in {
-            "host": args.host,
-            "port": args.port,
-            "adapter": args.adapter,
-            "log_level": args.log_level,
-            "log_format": args.log_format,
-        }.items()
-        if v is not None
-    }
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
     try:
-        settings = Settings(**overrides)
-    except Exception as e:  # pydantic ValidationError: say which setting, then stop
-        print(f"attnserve: invalid settings: {e}", file=sys.stderr)
+        settings = Settings(**given)
+    except ValidationError as e:  # one line per mistake, naming the flag or variable the user set
+        for line in settings_errors(e, given, os.environ):
+            print(f"attnserve: {line}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    rt = app.state.runtime
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
-        server_header=False,
-        ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
-    )
-    server = _Server(config, rt, settings.drain_delay_s)
-    log.info("starting", extra={"host": settings.host, "port": settings.port})
-    server.run()
-    # uvicorn leaves started False when the lifespan failed (no device): exit non-zero.
+    for name, close in unknown_env(os.environ):
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning(f"{name} is not a setting and is ignored{hint}", extra={"variable": name, "did_you_mean": close})
+    try:
+        engine = open_engine(settings)
+    except DeviceError as e:
+        where = f" ({_source('adapter', given, os.environ)})" if settings.adapter else ""
+        print(f"attnserve: cannot open a GPU device{where}: {e}", file=sys.stderr)
+        return 3
+    try:
+        app = create_app(settings, engine=engine)
+        rt = app.state.runtime
+        if not rt.keys.enabled and not is_loopback(settings.host):
+            log.warning(
+                f"no API keys: anyone who can reach {settings.host}:{settings.port} can use this server; "
+                "set ATTNSERVE_API_KEYS or ATTNSERVE_API_KEYS_FILE (docs/deploy.md)",
+                extra={"host": settings.host, "port": settings.port},
+            )
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+            server_header=False,
+            ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
+        )
+        server = _Server(config, rt, settings.drain_delay_s)
+        log.info("starting", extra={"host": settings.host, "port": settings.port})
+        try:
+            server.run()
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
+            return 130
+    finally:
+        engine.close()
+    # uvicorn leaves started False when the start failed (port taken, restore failed): exit non-zero.
     return 0 if server.started else 3
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _source(name: str, given: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """Where a setting's value came from, as the user wrote it: ``--port=abc`` or
+    ``ATTNSERVE_PORT=abc`` (a secret's value left out)."""
+    from .config import Settings, env_name
+
+    secret = _is_secret(Settings.model_fields[name])
+    if name in given:
+        return _flag(name) if secret else f"{_flag(name)}={given[name]}"
+    var = env_name(name)
+    for key, value in environ.items():
+        if key.upper() == var:
+            return key if secret else f"{key}={value}"
+    return name
+
+
+_REASONS = {
+    "int_parsing": "not an integer",
+    "int_from_float": "not an integer",
+    "float_parsing": "not a number",
+    "bool_parsing": "not a boolean (true or false)",
+}
+
+
+def settings_errors(e: Any, given: Mapping[str, Any], environ: Mapping[str, str]) -> list[str]:
+    """A pydantic ValidationError of :class:`Settings` as lines such as
+    ``ATTNSERVE_PORT=abc: not an integer`` (never a secret's value)."""
+    from .config import Settings
+
+    lines = []
+    for err in e.errors(include_input=False):
+        loc = err.get("loc") or ()
+        msg = _REASONS.get(err.get("type", ""), str(err.get("msg", "invalid")).removeprefix("Value error, "))
+        if loc and loc[0] in Settings.model_fields:
+            lines.append(f"{_source(str(loc[0]), given, environ)}: {msg}")
+            continue
+        # a check of several settings: its message starts with the setting it is about
+        name, sep, rest = msg.partition(": ")
+        lines.append(f"{_source(name, given, environ)}: {rest}" if sep and name in Settings.model_fields else msg)
+    return lines
 
 
 class _Server(uvicorn.Server):
@@ -113,16 +189,77 @@ def _adapters(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+SERVE_EPILOG = """\
+Every option overrides its ATTNSERVE_* environment variable; the defaults shown are
+the built-in ones. Sizes take a plain integer or a unit: 64k, 512MiB, 8GiB (powers
+of 1024), 10MB (powers of 1000).
+
+API keys have no option: a key on a command line is visible to every user of the
+machine (ps). Set ATTNSERVE_API_KEYS, or put the keys in a file and name it with
+--api-keys-file (ATTNSERVE_API_KEYS_FILE). Without keys, anyone who can reach the
+server can use it: keep --host on 127.0.0.1 or turn keys on.
+"""
+
+
+def _is_secret(field: Any) -> bool:
+    return field.annotation is SecretStr or SecretStr in get_args(field.annotation)
+
+
+def _shown_default(field: Any) -> str:
+    from .config import format_size, parse_size
+
+    value = field.default
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+        return format_size(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _metavar(name: str, field: Any) -> str:
+    from .config import parse_size
+
+    if any(getattr(m, "func", None) is parse_size for m in field.metadata):
+        return "SIZE"
+    if field.annotation is float:
+        return "SECONDS"
+    return "N" if field.annotation is int else name.upper()
+
+
+def add_setting_options(parser: argparse.ArgumentParser) -> None:
+    """One option per setting (but secrets), each named after its field, its help the
+    field's description, its variable and its built-in default. Values go to
+    :class:`Settings` as given, so flags and variables are checked alike."""
+    from .config import Settings, env_name
+
+    for name, field in Settings.model_fields.items():
+        if _is_secret(field):
+            continue  # API keys: the environment or --api-keys-file only (SERVE_EPILOG)
+        text = f"{field.description} [{env_name(name)}; default: {_shown_default(field)}]".replace("%", "%%")
+        if field.annotation is bool:
+            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif get_origin(field.annotation) is Literal:
+            parser.add_argument(_flag(name), dest=name, choices=get_args(field.annotation), help=text)
+        else:
+            parser.add_argument(_flag(name), dest=name, metavar=_metavar(name, field), help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="attnserve", description="Attention served over HTTP on a wgpu device.")
+    p.add_argument("--version", action="version", version=f"attnserve {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the HTTP service (settings: ATTNSERVE_* environment variables)")
-    s.add_argument("--host", help="address to bind (ATTNSERVE_HOST, default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="port to bind (ATTNSERVE_PORT, default 8000)")
-    s.add_argument("--adapter", help="adapter: index, backend, type or part of its name (ATTNSERVE_ADAPTER)")
-    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
-                   help="log level (ATTNSERVE_LOG_LEVEL, default info)")
-    s.add_argument("--log-format", choices=["json", "text"], help="log format (ATTNSERVE_LOG_FORMAT, default json)")
+    s = sub.add_parser(
+        "serve",
+        help="run the HTTP service (settings: options or ATTNSERVE_* environment variables)",
+        description="Run the HTTP service.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_setting_options(s)
     s.set_defaults(func=_serve)
     a = sub.add_parser("adapters", help="list the wgpu adapters this machine offers")
     a.add_argument("--json", action="store_true", help="print JSON")

@@ -6,16 +6,60 @@
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "parse_api_keys", "MiB", "GiB"]
+__all__ = [
+    "Settings", "get_settings", "parse_api_keys", "parse_size", "format_size", "env_name", "unknown_env",
+    "ENV_PREFIX", "MiB", "GiB",
+]
 
+ENV_PREFIX = "ATTNSERVE_"
 MiB = 1 << 20
 GiB = 1 << 30
+
+# k, m, g, t and KiB..TiB: powers of 1024; kB, MB, GB, TB: powers of 1000; B or nothing: bytes
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1} | {
+    f"{u}{suffix}": (1000 if suffix == "b" else 1024) ** (i + 1)
+    for i, u in enumerate("kmgt")
+    for suffix in ("", "i", "ib", "b")
+}
+
+
+def parse_size(value: object) -> object:
+    """A byte count from ``8GiB``, ``512MiB``, ``64k``, ``1.5g``, ``10MB`` (decimal) or a
+    plain integer; anything else is handed on to pydantic as it is."""
+    if not isinstance(value, str):
+        return value
+    m = _SIZE.fullmatch(value)
+    if m is None:
+        raise ValueError("not a size: an integer, or a number with a unit such as 64k, 512MiB, 8GiB, 10MB")
+    number, unit = m.group(1), (m.group(2) or "").lower()
+    mult = _UNITS[unit]
+    if "." not in number:
+        return int(number) * mult
+    whole = float(number) * mult
+    if whole != int(whole):
+        raise ValueError(f"not a whole number of bytes: {value.strip()}")
+    return int(whole)
+
+
+def format_size(n: int) -> str:
+    """``8589934592`` -> ``8GiB`` (the largest binary unit that divides it), else the integer."""
+    for unit, mult in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
 
 
 class Settings(BaseSettings):
@@ -32,8 +76,8 @@ class Settings(BaseSettings):
         description="Which wgpu adapter: an index, a backend (vulkan, metal, dx12), an adapter "
         "type (cpu, discrete-gpu), or part of its name. Empty: the first one.",
     )
-    max_body_bytes: int = Field(64 * MiB, ge=1024, description="Largest request body (413 past it).")
-    memory_budget_bytes: int = Field(
+    max_body_bytes: Size = Field(64 * MiB, ge=1024, description="Largest request body (413 past it).")
+    memory_budget_bytes: Size = Field(
         8 * GiB, ge=0, description="GPU bytes all sessions may hold together (507 past it); 0: no budget."
     )
     max_sessions: int = Field(1024, ge=1, description="Most sessions at once (507 past it).")
@@ -49,7 +93,7 @@ class Settings(BaseSettings):
     max_batch_items: int = Field(
         1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."
     )
-    offload_bytes: int = Field(
+    offload_bytes: Size = Field(
         256 * 1024,
         ge=0,
         description="Bodies (and answers) larger than this are decoded (encoded) on a worker "
@@ -91,7 +135,7 @@ class Settings(BaseSettings):
     quota_sessions_per_key: int = Field(
         0, ge=0, description="Most sessions one tenant may hold at once (507 past it); 0: no quota."
     )
-    quota_bytes_per_key: int = Field(
+    quota_bytes_per_key: Size = Field(
         0, ge=0, description="GPU bytes one tenant's sessions may hold (507 past it); 0: no quota."
     )
     request_timeout_s: float = Field(
@@ -159,6 +203,33 @@ def parse_api_keys(text: str, where: str) -> list[str]:
             raise ValueError(f"{where}: key #{i + 1} is not 1 to 4096 visible ASCII characters without spaces")
         keys.append(key)
     return keys
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting: ``port`` -> ``ATTNSERVE_PORT``."""
+    return ENV_PREFIX + field.upper()
+
+
+# ATTNSERVE_* variables that are not settings but that the project's own tools read
+# where a server may run (the image's health check, the client tools, the tests).
+OTHER_VARIABLES = frozenset({"ATTNSERVE_HEALTHCHECK_TIMEOUT_S"})
+OTHER_PREFIXES = ("ATTNSERVE_TEST_",)
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """Each ``ATTNSERVE_*`` variable of ``environ`` that is no setting, with the closest
+    setting's variable (or None), sorted by name. Values are never looked at."""
+    known = {env_name(f) for f in Settings.model_fields}
+    found: list[tuple[str, str | None]] = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in OTHER_VARIABLES:
+            continue
+        if upper.startswith(OTHER_PREFIXES):
+            continue
+        close = difflib.get_close_matches(upper[len(ENV_PREFIX):].lower(), list(Settings.model_fields), n=1)
+        found.append((name, env_name(close[0]) if close else None))
+    return found
 
 
 @lru_cache(maxsize=1)

@@ -28,14 +28,14 @@ kept after a restore (a crash before the next clean shutdown restores the same
 state again) and deleted when their session is deleted or expires. At start a
 file that cannot be parsed is renamed ``<name>.bad`` (and logged); one that is
 valid but does not fit (memory budget, session limit) is kept for a later start.
-A lock file (``.lock``, ``flock``) keeps two servers off one directory.
+A lock file (``.lock``: ``flock`` on POSIX, ``msvcrt.locking`` on Windows) keeps
+two servers off one directory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +47,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+try:  # POSIX
+    import fcntl
+except ImportError:  # Windows: no flock; msvcrt locks a byte range instead
+    fcntl = None  # type: ignore[assignment]
+    import msvcrt
+
 from .errors import InvalidSnapshot, OutOfMemory, SessionExists
 from .kvcache import SessionKV
 from .routes.snapshots import _parse_blob, build_blob
@@ -57,6 +63,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .routes.deps import Runtime
 
 __all__ = ["SnapshotDir", "FILE_FORMAT", "FILE_VERSION", "SUFFIX", "encode_file", "decode_file"]
+
+
+def _lock(fd: int) -> None:
+    """Lock the open file ``fd`` for this process without waiting; OSError (EWOULDBLOCK,
+    EACCES or EDEADLK) when another process holds it. Closing ``fd`` releases it."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
 
 log = logging.getLogger("attnserve.persistence")
 
@@ -144,10 +159,10 @@ class SnapshotDir:
         except OSError as e:
             raise RuntimeError(f"snapshot_dir {str(self.path)!r} is not a writable directory: {e}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock(fd)
         except OSError as e:
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK):
                 raise RuntimeError(f"snapshot_dir {str(self.path)!r} is in use by another server") from None
             raise
         self._lock_fd = fd
@@ -160,7 +175,7 @@ class SnapshotDir:
 
     def close(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
+            os.close(self._lock_fd)  # releases the lock
             self._lock_fd = None
 
     def file_for(self, session: Session) -> Path:

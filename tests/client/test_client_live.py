@@ -155,3 +155,61 @@ def test_exceptions_from_real_answers(live_client, live_server_url):
         r = raw.post(path, content=body, headers={"content-type": wire.MSGPACK})
         assert type(ac.parse_problem(r.status_code, r.content, r.headers)) is ac.InvalidRequest
     s.delete()
+
+
+# One mistake, one exception: each mistake the client catches before sending is sent
+# raw to the real server too; the server's answer must map to the class the client raised.
+MISTAKES = [
+    # (client call on a one-layer session, the same mistake as a raw request)
+    (lambda s: s.append(3, rand(1, KV, D), rand(1, KV, D)),
+     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/3/kv", {"k": [[[0.0] * D] * KV], "v": [[[0.0] * D] * KV]})),
+    (lambda s: s.attend(1, rand(1, H, D)),
+     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/1/attend", {"q": [[[0.0] * D] * H]})),
+    (lambda s: s.append(0, rand(1, KV, D - 1), rand(1, KV, D - 1)),
+     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/kv",
+                  {"k": [[[0.0] * (D - 1)] * KV], "v": [[[0.0] * (D - 1)] * KV]})),
+    (lambda s: s.attend(0, rand(1, H, D), start_pos=-1),
+     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "start_pos": -1})),
+    (lambda s: s.attend(0, rand(1, H, D), k=rand(1, KV, D)),
+     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "k": [[[0.0] * D] * KV]})),
+]
+
+
+@pytest.mark.parametrize("i", range(len(MISTAKES)))
+def test_a_local_refusal_is_the_class_of_the_servers_answer(live_client, live_server_url, i):
+    local, raw = MISTAKES[i]
+    s = live_client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=1)
+    with pytest.raises(ac.InvalidInput) as caught:
+        local(s)
+    method, path, body = raw(s.session_id)
+    r = httpx.request(method, live_server_url + path, json=body)
+    server = ac.parse_problem(r.status_code, r.content, r.headers)
+    assert type(server) in type(caught.value).__mro__  # e.g. LayerNotFound both ways
+    assert caught.value.type == server.type
+    s.delete()
+
+
+def test_async_local_refusals_are_the_same_classes(live_server_url):
+    async def run():
+        async with ac.AsyncClient(live_server_url) as client:
+            s = await client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
+            with pytest.raises(ac.LayerNotFound):
+                await s.append(3, rand(1, KV, D), rand(1, KV, D))
+            with pytest.raises(ac.InvalidRequest):
+                await s.attend(0, rand(1, H, D), start_pos=-1)
+            with pytest.raises(ac.SessionNotFound):
+                await client.get_session("no such id")
+            assert len(s.session_id) == 32  # PUT under a fresh id
+            await s.delete()
+
+    asyncio.run(run())
+
+
+def test_default_create_is_a_put_the_server_accepts(live_client):
+    s = live_client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
+    t = live_client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True)
+    assert s.session_id != t.session_id and len(s.session_id) == 32
+    ids = {i.session_id for i in live_client.list_sessions()}
+    assert {s.session_id, t.session_id} <= ids
+    s.delete()
+    t.delete()

@@ -24,7 +24,7 @@ PUBLIC = {
     "InvalidInput", "InvalidRequest", "InvalidResponse", "InvalidSnapshot",
     "LayerNotFound", "MalformedBody", "NotReady", "OffsetMismatch", "OutOfMemory", "RequestTimeout", "BodyTimeout",
     "Overloaded", "PayloadTooLarge", "Session", "SessionExists", "SessionInfo",
-    "SessionNotFound", "Unauthorized", "UnsupportedMediaType", "WireError",
+    "SessionNotFound", "Unauthorized", "UnsupportedMediaType", "WireError", "new_session_id",
     "__version__", "parse_problem", "wire",
 }
 

@@ -38,7 +38,7 @@ def methods(fake, since=0):
 
 def test_post_create_is_retried_when_the_request_never_left(client, fake, sleeps):
     fake.fail("refuse")
-    s = new_session(client)
+    s = new_session(client, server_assigned_id=True)
     assert s.session_id == "s1" and len(fake.sessions) == 1
     assert len(fake.requests) == 2 and len(sleeps) == 1 and 0.375 <= sleeps[0] <= 0.5
 
@@ -47,10 +47,20 @@ def test_post_create_is_retried_when_the_request_never_left(client, fake, sleeps
 def test_post_create_is_not_retried_once_sent(client, fake, sleeps, kind, error):
     fake.fail(kind)
     with pytest.raises(error) as info:
-        new_session(client)
+        new_session(client, server_assigned_id=True)
     assert type(info.value) is error and isinstance(info.value.__cause__, httpx.TransportError)
     assert info.value.status is None
     assert len(fake.requests) == 1 and sleeps == []
+
+
+@pytest.mark.parametrize("kind", ["drop", "late", "refuse"])
+def test_default_create_is_retried_and_makes_one_session(client, fake, sleeps, kind):
+    # the default create is a PUT under a fresh id: a lost answer is retried, and the
+    # session the lost attempt made is adopted, not made twice
+    fake.fail(kind)
+    s = new_session(client)
+    assert list(fake.sessions) == [s.session_id] and fake.count("POST") == 0
+    assert fake.count("PUT", s.session_id) == 2 and len(sleeps) == 1
 
 
 @pytest.mark.parametrize("kind", ["drop", "late", "refuse"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import re
 
 import httpx
 import msgpack
@@ -39,22 +40,40 @@ def new_session(client, **kw):
 # -- sessions ------------------------------------------------------------------------------
 
 
-def test_create_session_posts_the_config_and_returns_info(client, fake):
+def test_create_session_puts_the_config_under_a_fresh_id_and_returns_info(client, fake):
     s = new_session(client, kv_format="turboquant", max_tokens=64, seed=7)
     (request,) = fake.requests
-    assert request.method == "POST" and request.url == f"{BASE_URL}/v1/sessions"
+    sid = s.session_id
+    assert re.fullmatch(r"[0-9a-f]{32}", sid)  # a UUID4: the server's [A-Za-z0-9_-]{1,64} takes it
+    assert request.method == "PUT" and request.url == f"{BASE_URL}/v1/sessions/{sid}"
     assert request.headers["content-type"] == "application/vnd.msgpack"
     assert request.headers["accept"] == "application/vnd.msgpack"
     assert request.headers["user-agent"] == f"attnserve-client/{ac.__version__}"
     assert "authorization" not in request.headers
     assert body_of(request) == {"num_layers": 2, "num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 16,
                                 "kv_format": "turboquant", "max_tokens": 64, "seed": 7}
-    assert s.session_id == "s1" and s.lengths == (0, 0)
+    assert s.lengths == (0, 0)
     info = s.info()
-    assert info == ac.SessionInfo("s1", 2, 8, 2, 16, "turboquant", 64, 7, (0, 0), 0)
+    assert info == ac.SessionInfo(sid, 2, 8, 2, 16, "turboquant", 64, 7, (0, 0), 0)
     assert dataclasses.is_dataclass(info)
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.head_dim = 3  # type: ignore[misc]
+
+
+def test_every_create_gets_its_own_id(client, fake):
+    ids = {new_session(client).session_id for _ in range(20)}
+    assert len(ids) == 20 and fake.count("PUT", "/v1/sessions/") == 20 and fake.count("POST", "") == 0
+    assert len({ac.new_session_id() for _ in range(1000)}) == 1000
+
+
+def test_server_assigned_id_posts(client, fake):
+    s = new_session(client, server_assigned_id=True)
+    (request,) = fake.requests
+    assert request.method == "POST" and request.url == f"{BASE_URL}/v1/sessions"
+    assert s.session_id == "s1"  # the fake server's choice
+    with pytest.raises(ac.InvalidInput, match=r"^session_id, server_assigned_id: expected at most one"):
+        new_session(client, server_assigned_id=True, session_id="mine")
+    assert len(fake.requests) == 1
 
 
 def test_create_session_leaves_server_defaults_out(client, fake):
@@ -75,18 +94,22 @@ def test_create_session_with_id_puts(client, fake):
 
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 65, "spa ce", 7, None])
 def test_session_ids_are_checked_before_sending(client, fake, bad):
-    for call in (lambda: new_session(client, session_id=bad) if bad is not None else new_session(client, session_id=1.5),
-                 lambda: client.get_session(bad), lambda: client.delete_session(bad)):
-        with pytest.raises(ac.InvalidInput, match=r"^session_id: expected 1 to 64 of \[A-Za-z0-9_-\], got"):
+    # as the server answers: 422 where it would create the session, 404 where it would look it up
+    for call, cls in ((lambda: new_session(client, session_id=bad if bad is not None else 1.5), ac.InvalidRequest),
+                      (lambda: client.get_session(bad), ac.SessionNotFound),
+                      (lambda: client.delete_session(bad), ac.SessionNotFound)):
+        with pytest.raises(ac.InvalidInput, match=r"^session_id: expected 1 to 64 of \[A-Za-z0-9_-\], got") as info:
             call()
+        assert isinstance(info.value, cls)
     assert fake.requests == []
 
 
 @pytest.mark.parametrize("kw, name", [({"num_qo_heads": 8.0}, "num_qo_heads"), ({"head_dim": True}, "head_dim"),
                                       ({"max_tokens": "9"}, "max_tokens"), ({"kv_format": 3}, "kv_format")])
 def test_create_arguments_are_checked_before_sending(client, fake, kw, name):
-    with pytest.raises(ac.InvalidInput, match=rf"^{name}: expected"):
+    with pytest.raises(ac.InvalidRequest, match=rf"^{name}: expected") as info:
         new_session(client, **kw)
+    assert isinstance(info.value, ac.InvalidInput)
     assert fake.requests == []
 
 
@@ -253,6 +276,10 @@ def test_bad_inputs_are_refused_before_anything_is_sent(client, fake, call, mess
         call(s)
     assert isinstance(info.value, ValueError) and info.value.status is None
     assert len(fake.requests) == sent
+    # one mistake, one exception: the class the server's answer to it maps to
+    expected = ac.LayerNotFound if message.startswith("^layer") else ac.InvalidRequest
+    assert isinstance(info.value, expected) and info.value.type == f"/problems/{expected.slug}"
+    assert info.value.detail == str(info.value) and type(info.value).__name__ == expected.__name__
 
 
 def test_another_writer_gives_offset_mismatch_and_refreshes_the_length(client, fake):

@@ -130,3 +130,26 @@ def test_healthcheck_exit_codes():
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     assert healthcheck.main(["hc", f"http://127.0.0.1:{closed}/readyz"]) == 1
+
+
+@pytest.mark.parametrize("create, expected", [("put", {"session_id": "sid-1", "server_assigned_id": False}),
+                                              ("post", {"session_id": None, "server_assigned_id": True})])
+def test_create_mode_picks_put_or_post(create, expected):
+    import asyncio
+
+    from attnserve_client import AttnServeError
+
+    seen = {}
+
+    class FakeClient:
+        async def create_session(self, **kw):
+            seen.update(kw)
+            raise AttnServeError("stop here")
+
+    cfg = loadtest.parse_args(["--create", create, "--duration", "1"])
+    lt = loadtest.LoadTest(cfg, run_id="r", seed=1, t0=time.perf_counter())
+    try:
+        asyncio.run(lt._session(FakeClient(), np.random.default_rng(0), "sid-1", 0.1))
+    except AttnServeError:
+        pass
+    assert {k: seen[k] for k in expected} == expected

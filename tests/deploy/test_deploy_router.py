@@ -192,7 +192,8 @@ def test_sessions_are_pinned_and_spread(topology, client):
 
 def test_requests_without_an_id_go_to_any_replica(topology, client):
     before = len(topology.access_lines())
-    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D) for _ in range(24)]
+    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True)
+            for _ in range(24)]
     owners = {info.session_id: owner(topology, info.session_id) for info in (s._config for s in made)}
     assert set(owners.values()) == {r.name for r in topology.replicas}, owners
     for _ in range(16):
@@ -212,6 +213,16 @@ def test_requests_without_an_id_go_to_any_replica(topology, client):
     assert not all(reachable), "every POST-created session happened to hash to its own replica"
     for sid, who in owners.items():
         httpx.delete(f"{topology.replica(who).url}/v1/sessions/{sid}", trust_env=False).raise_for_status()
+
+
+def test_the_clients_default_create_is_routable(topology, client):
+    # create_session() without an id PUTs under a fresh one: the router hashes it, so
+    # every later request reaches the replica that holds the session
+    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D) for _ in range(12)]
+    assert {owner(topology, s.session_id) for s in made} == {r.name for r in topology.replicas}
+    for s in made:
+        assert client.get_session(s.session_id).session_id == s.session_id
+        s.delete()
 
 
 def test_replicas_name_themselves_in_a_header(topology, recorder, client):

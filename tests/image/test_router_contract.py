@@ -146,7 +146,8 @@ def test_sessions_are_pinned_and_spread(client, rng):
 
 def test_requests_without_an_id_go_to_any_replica(client):
     before = len(access_lines())
-    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D) for _ in range(16)]
+    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True)
+            for _ in range(16)]
     for _ in range(16):
         client.list_sessions()
     lines = access_lines()[before:]

@@ -99,12 +99,94 @@ def test_serve_settings_logs_and_drain():
     assert missing["route"] == "unmatched" and missing["problem"] == "not-found"
     assert "s3cr3t" not in err and "0.123456789" not in err  # no auth headers, no bodies
     assert any(ln["msg"] == "ready" for ln in lines) and any(ln["msg"] == "stopped" for ln in lines)
+    assert not [ln for ln in lines if ln["level"] == "warning"]  # loopback, no stray variables: no warning
 
 
-def test_serve_refuses_bad_settings():
-    proc = subprocess.run([sys.executable, "-m", "attnserve", "serve"], cwd=ROOT, capture_output=True, text=True,
-                          env=_env(ATTNSERVE_MAX_BODY_BYTES="lots"), timeout=60)
-    assert proc.returncode == 2 and "max_body_bytes" in proc.stderr
+def _run(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnserve", *argv], cwd=ROOT, capture_output=True, text=True,
+                          env=_env(**env), timeout=120)
+
+
+def test_serve_refuses_bad_settings_naming_what_the_user_set():
+    proc = _run("serve", ATTNSERVE_MAX_BODY_BYTES="lots")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("attnserve: ATTNSERVE_MAX_BODY_BYTES=lots: not a size")
+    proc = _run("serve", "--port", "abc", ATTNSERVE_PORT="8001", ATTNSERVE_MAX_SESSIONS="many")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["attnserve: --port=abc: not an integer",
+                                        "attnserve: ATTNSERVE_MAX_SESSIONS=many: not an integer"]
+    proc = _run("serve", "--metrics-auth", ATTNSERVE_DRAIN_DELAY_S="soon")
+    assert proc.stderr == "attnserve: ATTNSERVE_DRAIN_DELAY_S=soon: not a number\n"
+
+
+def test_a_bad_key_is_named_by_its_variable_never_shown():
+    proc = _run("serve", ATTNSERVE_API_KEYS="fine-key,leaked key-9f2")
+    assert proc.returncode == 2
+    assert proc.stderr == ("attnserve: ATTNSERVE_API_KEYS: key #2 is not 1 to 4096 visible ASCII characters "
+                           "without spaces\n")
+    proc = _run("serve", "--api-keys-file", "/no/such/keys", ATTNSERVE_API_KEYS="fine-key-9f2")
+    assert proc.returncode == 2 and "fine-key-9f2" not in proc.stderr
+    assert proc.stderr.startswith("attnserve: --api-keys-file=/no/such/keys: cannot read")
+
+
+def test_version():
+    from attnserve import __version__
+
+    proc = _run("--version")
+    assert proc.returncode == 0 and proc.stdout == f"attnserve {__version__}\n"
+
+
+def test_every_setting_is_an_option_with_its_variable_and_built_in_default():
+    from attnserve.config import Settings, env_name
+
+    # a variable set in the environment must not show up as the default
+    proc = _run("serve", "--help", ATTNSERVE_MAX_SESSIONS="777", ATTNSERVE_MEMORY_BUDGET_BYTES="12345")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    for name, field in Settings.model_fields.items():
+        if name == "api_keys":  # a secret: no option (it would show in ps); its variable is named
+            assert "--api-keys " not in text and "ATTNSERVE_API_KEYS," in text
+            continue
+        flag = "--" + name.replace("_", "-")
+        assert f"{flag} " in text and f"[{env_name(name)}; default: " in text, name
+        assert " ".join(field.description.split()) in text, name
+    assert "[ATTNSERVE_MAX_SESSIONS; default: 1024]" in text and "777" not in text
+    assert "[ATTNSERVE_MEMORY_BUDGET_BYTES; default: 8GiB]" in text and "12345" not in text
+
+
+def test_options_reach_the_settings(monkeypatch):
+    from attnserve import cli
+
+    seen = {}
+
+    def fake_serve(args):
+        from attnserve.config import Settings
+
+        seen["settings"] = Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields
+                                       and v is not None})
+        return 0
+
+    monkeypatch.setenv("ATTNSERVE_MAX_QUEUE", "99")
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--memory-budget-bytes", "1GiB", "--max-body-bytes", "64k",
+                              "--metrics-auth", "--log-format", "text", "--session-ttl-seconds", "2.5",
+                              "--instance-name", "r1", "--quota-bytes-per-key", "1048576"])
+    fake_serve(args)
+    s = seen["settings"]
+    assert s.memory_budget_bytes == 1 << 30 and s.max_body_bytes == 65536 and s.quota_bytes_per_key == 1 << 20
+    assert s.metrics_auth is True and s.log_format == "text" and s.session_ttl_seconds == 2.5
+    assert s.instance_name == "r1" and s.max_queue == 99  # the variable still counts where no option is given
+    assert parser.parse_args(["serve", "--no-metrics-auth"]).metrics_auth is False
+    assert parser.parse_args(["serve"]).metrics_auth is None  # not given: the variable decides
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),
+                                            ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
+                                            ("::", False), ("10.0.0.5", False), ("example.org", False)])
+def test_loopback_hosts(host, loopback):
+    from attnserve.cli import is_loopback
+
+    assert is_loopback(host) is loopback
 
 
 @pytest.mark.usefixtures("engine")
@@ -112,8 +194,42 @@ def test_serve_without_a_matching_adapter_exits_with_the_reason():
     proc = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--port", str(free_port()),
                            "--adapter", "no-such-gpu-anywhere"], cwd=ROOT, capture_output=True, text=True,
                           env=_env(), timeout=60)
-    assert proc.returncode != 0
-    assert "no adapter matches" in proc.stderr and "no-such-gpu-anywhere" in proc.stderr
+    assert proc.returncode == 3
+    # one line that says why and names the option, no traceback
+    assert proc.stderr.startswith("attnserve: cannot open a GPU device (--adapter=no-such-gpu-anywhere): "
+                                  "no adapter matches 'no-such-gpu-anywhere'; available: [0] ")
+    assert len(proc.stderr.splitlines()) == 1
+    proc = _run("serve", "--port", str(free_port()), ATTNSERVE_ADAPTER="no-such-gpu-anywhere")
+    assert proc.returncode == 3 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("attnserve: cannot open a GPU device (ATTNSERVE_ADAPTER=no-such-gpu-anywhere)")
+
+
+@pytest.mark.usefixtures("engine")
+def test_serve_warns_of_misspelled_variables_and_of_serving_everyone():
+    port = free_port()
+    env = _env(ATTNSERVE_MAX_SESION="3", ATTNSERVE_NOT_A_THING="x", ATTNSERVE_TEST_WHATEVER="1",
+               ATTNSERVE_API_KEY="client-side-key-5e1")
+    proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "0.0.0.0", "--port", str(port)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", proc)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/info").json()["auth"] is False
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    warnings = [ln for ln in map(json.loads, err.splitlines()) if ln["level"] == "warning"]
+    assert [(w["variable"], w["did_you_mean"]) for w in warnings if "variable" in w] == [
+        ("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"), ("ATTNSERVE_MAX_SESION", "ATTNSERVE_MAX_SESSIONS"),
+        ("ATTNSERVE_NOT_A_THING", None)]
+    assert warnings[1]["msg"] == ("ATTNSERVE_MAX_SESION is not a setting and is ignored; "
+                                  "did you mean ATTNSERVE_MAX_SESSIONS?")
+    open_warning = [w for w in warnings if w["msg"].startswith("no API keys:")]
+    assert len(open_warning) == 1 and "0.0.0.0" in open_warning[0]["msg"]
+    assert "client-side-key-5e1" not in err
 
 
 @pytest.mark.usefixtures("engine")

@@ -39,6 +39,38 @@ def test_info(api, server, enc):
     assert limits["max_binding_bytes"] == ctx.max_binding
     assert (limits["max_layers"], limits["max_qo_heads"]) == (256, 256)
     assert info["ready"] is True
+    assert info["auth"] is False  # no API keys: anyone who reaches the server may use it
+
+
+def test_info_matches_its_schema(api):
+    spec = api.client.get("/openapi.json").json()
+    schema = spec["components"]["schemas"]["ServerInfo"]
+    info = api.call("GET", "/v1/info").body
+    assert set(schema["required"]) <= set(info)
+    assert schema["properties"]["auth"]["type"] == "boolean" and "auth" in schema["required"]
+    for name, prop in schema["properties"].items():
+        kind = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict}[prop["type"]]
+        assert name not in info or isinstance(info[name], kind), name
+
+
+def test_operation_ids_are_readable(api):
+    spec = api.client.get("/openapi.json").json()
+    ids = {(path, method): op["operationId"] for path, ops in spec["paths"].items() for method, op in ops.items()}
+    assert ids == {
+        ("/v1/sessions", "get"): "list_sessions",
+        ("/v1/sessions", "post"): "create_session",
+        ("/v1/sessions/{session_id}", "put"): "put_session",
+        ("/v1/sessions/{session_id}", "get"): "get_session_info",
+        ("/v1/sessions/{session_id}", "delete"): "delete_session",
+        ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"): "append_kv",
+        ("/v1/sessions/{session_id}/layers/{layer}/attend", "post"): "attend",
+        ("/v1/sessions/{session_id}/snapshot", "get"): "get_snapshot",
+        ("/v1/sessions/{session_id}/snapshot", "put"): "put_snapshot",
+        ("/livez", "get"): "livez",
+        ("/readyz", "get"): "readyz",
+        ("/metrics", "get"): "metrics",
+        ("/v1/info", "get"): "info",
+    }
 
 
 def _parse_metrics(text: str) -> dict[str, dict[str, float]]:

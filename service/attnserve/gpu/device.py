@@ -129,7 +129,7 @@ def _select(adapters: list[wgpu.GPUAdapter], selector: str | None) -> wgpu.GPUAd
         if sel in (backend, kind) or sel in names:
             return a
     avail = "; ".join(f"[{i}] {a.summary}" for i, a in enumerate(adapters))
-    raise DeviceError(f"no adapter matches ATTNSERVE_ADAPTER={selector!r}; available: {avail}")
+    raise DeviceError(f"no adapter matches {selector!r}; available: {avail}")
 
 
 def open_device(selector: str | None = None) -> GpuContext:

@@ -216,7 +216,7 @@ COMPONENTS: dict[str, Any] = {
     "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
     "ServerInfo": {
         "type": "object",
-        "required": ["version", "adapter", "backend", "kv_formats", "limits"],
+        "required": ["version", "adapter", "backend", "kv_formats", "limits", "auth"],
         "properties": {
             "name": {"type": "string"},
             "version": {"type": "string"},
@@ -249,6 +249,12 @@ COMPONENTS: dict[str, Any] = {
                 "additionalProperties": True,
             },
             "sessions": {"type": "integer"},
+            "auth": {
+                "type": "boolean",
+                "description": "Whether API keys are configured: true, every /v1 request needs "
+                "`Authorization: Bearer <key>`; false, the server serves anyone who reaches it.",
+            },
+            "persistence": {"type": "boolean", "description": "Whether sessions are snapshotted at shutdown."},
             "ready": {"type": "boolean"},
         },
     },

@@ -1,0 +1,68 @@
+"""dev.sh installs what each command needs: ``serve`` the project (``pip install -e .``),
+``test`` it with the test extras; each only when its install is missing or older than
+the project metadata. Run on a copy of dev.sh with a stand-in Python that records
+every command instead of running pip, the server or pytest."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PYTHON = r"""#!/bin/sh
+# python -m venv DIR: make DIR/bin with this script as its python, and an attnserve
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+  mkdir -p "$3/bin"; cp "$0" "$3/bin/python"
+  printf '#!/bin/sh\necho "attnserve $*" >> "$LOG"\n' > "$3/bin/attnserve"; chmod +x "$3/bin/attnserve"
+  exit 0
+fi
+if [ "$1" = - ]; then cat > /dev/null; exit 0; fi   # the adapter check: there is one
+echo "python $*" >> "$LOG"
+"""
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    for name in ("dev.sh", "pyproject.toml", "client/pyproject.toml"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return tmp_path
+
+
+def run(checkout: Path, *argv: str) -> list[str]:
+    log = checkout / "log"
+    log.write_text("")
+    env = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv")
+    r = subprocess.run(["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [ln for ln in log.read_text().splitlines() if "--upgrade pip" not in ln]
+
+
+def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
+    assert run(checkout, "serve", "--port", "9") == ["python -m pip install -q -e .",
+                                                     "attnserve serve --host 127.0.0.1 --port 9"]
+    assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # installed already
+    # a serve install has no test extras: test installs them
+    assert run(checkout, "test", "-q") == ['python -m pip install -q -e .[test]', "python -m pytest -q"]
+    assert run(checkout, "test") == ["python -m pytest"]
+    assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # the test install serves too
+
+
+def test_changed_metadata_reinstalls(checkout):
+    run(checkout, "test")
+    # the client's metadata changed after the installs
+    earlier = (checkout / "client" / "pyproject.toml").stat().st_mtime - 10
+    for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
+        os.utime(stamp, (earlier, earlier))
+    assert run(checkout, "serve")[0] == "python -m pip install -q -e ."
+    assert run(checkout, "test")[0] == "python -m pip install -q -e .[test]"
+    assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]
