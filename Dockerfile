@@ -77,7 +77,7 @@ USER 10001:10001
 WORKDIR /home/attnserve
 EXPOSE 8000
 
-HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+HEALTHCHECK --interval=10s --timeout=5s --start-period=720s --retries=3 \
     CMD ["/opt/attnserve/bin/python", "/usr/local/bin/attnserve-healthcheck"]
 
 STOPSIGNAL SIGTERM

@@ -9,7 +9,8 @@ Dockerfile
   - the runtime has libvulkan1, mesa-vulkan-drivers and the NVIDIA ICD file, and
     NVIDIA_DRIVER_CAPABILITIES includes graphics and compute;
   - it runs as a non-root user, EXPOSEs ATTNSERVE_PORT, and its HEALTHCHECK runs
-    deploy/healthcheck.py (which asks /readyz);
+    deploy/healthcheck.py (which asks /readyz), with a start period long enough to
+    restore compose's memory budget at the measured restore speed;
   - every file it COPYs from the context exists and passes .dockerignore.
 docker-compose.yml and deploy/nginx/
   - one replica per GPU: distinct device ids, capabilities gpu and graphics,
@@ -17,7 +18,8 @@ docker-compose.yml and deploy/nginx/
   - deploy/nginx/compose/upstreams.conf lists exactly those replicas, in order;
   - the router mounts deploy/nginx/attnserve.conf (the file the loopback test
     runs) and the compose include folder, and waits for every replica;
-  - the routing file hashes the session id with ``hash ... consistent``.
+  - the routing file hashes the session id with ``hash ... consistent``;
+  - every service's logs rotate (json-file with max-size and max-file).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def check_dockerfile() -> None:
     check(bool(users) and users[-1].split(":")[0] not in ("0", "root"), f"Dockerfile: must run as a non-root user, USER {users}")
     health = [rest for w, rest in runtime if w == "HEALTHCHECK"]
     check(len(health) == 1 and "attnserve-healthcheck" in health[0], f"Dockerfile: HEALTHCHECK {health}")
+    if health:
+        check_start_period(health[0])
     check("/readyz" in (ROOT / "deploy" / "healthcheck.py").read_text(), "deploy/healthcheck.py must ask /readyz")
     copies = [rest for w, rest in runtime if w == "COPY"]
     check(any("deploy/vulkan/nvidia_icd.json /etc/vulkan/icd.d/" in c for c in copies),
@@ -134,6 +138,31 @@ def check_dockerfile() -> None:
     icd = json.loads((ROOT / "deploy" / "vulkan" / "nvidia_icd.json").read_text())
     check(icd.get("ICD", {}).get("library_path") == "libGLX_nvidia.so.0" and "file_format_version" in icd,
           f"nvidia_icd.json: {icd}")
+
+
+# The restore speed measured with bench/snapshot_speed.py (1 GiB of f32 sessions,
+# 2 shared cores, lavapipe; docs/deploy.md, "Health check start period"), and
+# the time to ready with nothing to restore (device open, pipelines).
+RESTORE_BYTES_PER_S = 105_101_133
+READY_EMPTY_S = 3.2
+
+
+def compose_budget() -> int:
+    """The memory budget docker-compose.yml gives a replica by default."""
+    text = (ROOT / "docker-compose.yml").read_text()
+    m = re.search(r"ATTNSERVE_MEMORY_BUDGET_BYTES:\s*\$\{ATTNSERVE_MEMORY_BUDGET_BYTES:-(\d+)\}", text)
+    check(m is not None, "compose: ATTNSERVE_MEMORY_BUDGET_BYTES: ${ATTNSERVE_MEMORY_BUDGET_BYTES:-<bytes>}")
+    return int(m.group(1)) if m else 0
+
+
+def check_start_period(health: str) -> None:
+    """The HEALTHCHECK's start period covers a restore of compose's whole budget."""
+    m = re.search(r"--start-period=(\d+)s\b", health)
+    check(m is not None, f"Dockerfile: HEALTHCHECK needs --start-period=<seconds>s: {health}")
+    need = compose_budget() / RESTORE_BYTES_PER_S + READY_EMPTY_S
+    have = int(m.group(1)) if m else 0
+    check(have >= need, f"Dockerfile: HEALTHCHECK --start-period={have}s is shorter than a restore of the "
+          f"compose budget ({compose_budget()} bytes at {RESTORE_BYTES_PER_S} B/s + {READY_EMPTY_S} s = {need:.0f} s)")
 
 
 def check_compose() -> None:
@@ -163,6 +192,11 @@ def check_compose() -> None:
           "compose: the router mounts deploy/nginx/attnserve.conf as conf.d/default.conf")
     check("./deploy/nginx/compose:/etc/nginx/attnserve:ro" in volumes, "compose: the router mounts deploy/nginx/compose")
     check(set(router.get("depends_on", {})) == set(replicas), "compose: the router waits for every replica")
+    for name, svc in services.items():
+        logging = svc.get("logging", {})
+        options = logging.get("options", {})
+        check(logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(options),
+              f"compose: {name}: logs rotate (logging driver json-file with max-size and max-file)")
     routing = (ROOT / "deploy/nginx/attnserve.conf").read_text()
     check(re.search(r"^\s*hash \$attnserve_route_key consistent;", routing, re.M) is not None,
           "attnserve.conf: hash $attnserve_route_key consistent")

@@ -3,7 +3,8 @@
 # Docker engine and no container registry (docs/deploy.md, "The image, built and
 # run with podman"):
 #
-#   1. tools: podman, runc and debootstrap from Debian's packages (apt, once);
+#   1. tools: podman, runc, debootstrap and the dnsname CNI plugin (compose's service
+#      names) from Debian's packages (apt, once);
 #   2. base: debian:bookworm-slim made locally: `debootstrap --variant=minbase
 #      bookworm` from Debian's mirror, trimmed like the official slim image, kept
 #      as a tarball in $ATTNSERVE_IMAGE_CACHE and imported into podman under
@@ -19,9 +20,14 @@
 #      (SIGTERM) that must end in a clean exit, not a kill;
 #   5. the compose topology: two service containers and the router container
 #      running deploy/nginx/attnserve.conf, and tests/image/ through the router
-#      (the API checks, session pinning and spread, a stopped replica).
+#      (the API checks, session pinning and spread, a stopped replica);
+#   6. docker-compose.yml itself, run by podman-compose (installed with pip into
+#      the venv deploy/_python.sh picks, when missing) with deploy/compose/lavapipe.yml
+#      over it: the stack up, tests/image through its router, a replica stopped and
+#      started, and one restarted, keeping their sessions (deploy/image/test-compose.sh).
 #
-# Containers use the host's network (--network host) and listen on 127.0.0.1 only.
+# Containers of steps 4-5 use the host's network (--network host) and listen on
+# 127.0.0.1 only; compose's (6) a bridge network, with the router on 127.0.0.1.
 # Every container this run starts is removed at exit, failure or not. Idempotent;
 # runs as root (apt, podman). Prints the time of each step.
 #
@@ -86,6 +92,9 @@ cleanup() {
   local left
   left="$(podman ps -aq --filter "label=$LABEL=$RUN_ID" 2>/dev/null || true)"
   [ -z "$left" ] || podman rm -f -i -t 5 $left >/dev/null 2>&1 || true
+  if [ -n "${COMPOSE_UP:-}" ]; then
+    compose down -v -t 5 >/dev/null 2>&1 || true
+  fi
   [ -n "$WORK" ] && rm -rf "$WORK"
   if [ "$rc" != 0 ]; then
     echo "test-image: FAILED (exit $rc) after $(secs $(($(date +%s%3N) - START_MS))) s" >&2
@@ -100,13 +109,15 @@ WORK="$(mktemp -d /tmp/attnserve-image.XXXXXX)"
 chmod 0755 "$WORK"
 
 # ---------------------------------------------------------------------------
-step "tools (podman, runc, debootstrap)"
+step "tools (podman, runc, debootstrap, dnsname)"
 # `type -P` looks for the program on PATH only: `command -v podman` would find the
 # wrapper function above and never install podman.
 need=()
 for pair in podman:podman runc:runc debootstrap:debootstrap; do
   type -P "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
+# the CNI plugin that resolves compose's service names on its network (not on PATH)
+[ -x /usr/lib/cni/dnsname ] || need+=(golang-github-containernetworking-plugin-dnsname)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "installing ${need[*]} with apt-get"
   export DEBIAN_FRONTEND=noninteractive
@@ -135,6 +146,10 @@ if ! "$PY" -c 'import pytest, pytest_timeout, numpy, httpx, msgpack' 2>/dev/null
   pip_install -e ".[test]"
 fi
 "$PY" --version
+if ! type -P "$SCRIPTS/podman-compose" >/dev/null 2>&1; then
+  echo "installing podman-compose"
+  pip_install "podman-compose>=1.1"
+fi
 
 # ---------------------------------------------------------------------------
 step "base image ($BASE)"
@@ -392,9 +407,12 @@ for c in "$R0" "$R1"; do
 done
 podman stop -t 10 "$ROUTER" >/dev/null
 
+# ---------------------------------------------------------------------------
+. deploy/image/test-compose.sh
+
 step "done"
 echo
 echo "test-image: timings"
 printf '  %s\n' "${TIMINGS[@]}"
 printf '  %-54s %7s s\n' "total" "$(secs $(($(date +%s%3N) - START_MS)))"
-echo "test-image: image $IMAGE, $((IMAGE_BYTES / 1000000)) MB; built from the Dockerfile, API checks passed on one container and through the router"
+echo "test-image: image $IMAGE, $((IMAGE_BYTES / 1000000)) MB; built from the Dockerfile, API checks passed on one container, through the router, and through docker-compose.yml run by podman-compose"

@@ -99,15 +99,16 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         owned = engine is None
         if owned:
             try:
-                eng = await asyncio.to_thread(open_engine, settings, on_batch=rt.metrics.on_batch)
+                eng = await asyncio.to_thread(open_engine, settings, on_batch=rt.metrics.on_batch,
+                                              on_job_start=rt.metrics.on_job_start)
             except DeviceError as e:
                 log.error("cannot open a GPU device", extra={"error": str(e)})
                 raise
-            previous_hook = None
+            previous_hooks = None
         else:
             eng = engine
-            previous_hook = eng.worker.on_batch
-            eng.worker.on_batch = rt.metrics.on_batch
+            previous_hooks = (eng.worker.on_batch, eng.worker.on_job_start)
+            eng.worker.on_batch, eng.worker.on_job_start = rt.metrics.on_batch, rt.metrics.on_job_start
         rt.engine = eng
         expiry: asyncio.Task | None = None
         try:
@@ -150,7 +151,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             if owned:
                 await asyncio.to_thread(eng.close)
             else:
-                eng.worker.on_batch = previous_hook
+                eng.worker.on_batch, eng.worker.on_job_start = previous_hooks
             log.info("stopped")
 
     app = FastAPI(
@@ -305,13 +306,20 @@ def _install_gauges(rt: Runtime) -> None:
         "attnserve_gpu_queue_limit", "Most jobs that may wait for the GPU (503 overloaded past it).",
         fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
     ))
+    # The configured limits (0: none), one metric per unit.
     m.add_gauge(Gauge(
-        "attnserve_limit", "Configured limits (0: none), by name.", ("name",),
-        fn=lambda: [(("quota_sessions_per_key",), s.quota_sessions_per_key),
-                    (("quota_bytes_per_key",), s.quota_bytes_per_key),
-                    (("request_timeout_seconds",), s.request_timeout_s),
-                    (("session_ttl_seconds",), s.session_ttl_seconds),
-                    (("max_sessions",), s.max_sessions)],
+        "attnserve_limit_sessions", "Configured session limits (0: none), by name.", ("name",),
+        fn=lambda: [(("max_sessions",), s.max_sessions),
+                    (("quota_sessions_per_key",), s.quota_sessions_per_key)],
+    ))
+    m.add_gauge(Gauge(
+        "attnserve_limit_bytes", "Configured byte limits (0: none), by name.", ("name",),
+        fn=lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
+    ))
+    m.add_gauge(Gauge(
+        "attnserve_limit_seconds", "Configured time limits (0: none), by name.", ("name",),
+        fn=lambda: [(("request_timeout",), s.request_timeout_s),
+                    (("session_ttl",), s.session_ttl_seconds)],
     ))
 
     def tenants(i: int):

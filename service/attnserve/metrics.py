@@ -1,8 +1,10 @@
-"""Prometheus metrics, written in the text exposition format (version 0.0.4).
-
-A few small thread-safe primitives (counter, gauge, histogram with labels) and
-the :class:`Metrics` of one app. Gauges that describe state (sessions, bytes,
-queue depth) are computed when scraped, from the store and the GPU worker.
+"""Prometheus metrics: the values live in a few small thread-safe primitives
+(counter, gauge, histogram with labels) held by the :class:`Metrics` of one app;
+a ``prometheus_client`` collector reads them at scrape time, on a registry of
+the app's own (so several apps in one process do not clash), next to
+``prometheus_client``'s process and platform collectors (``process_*``,
+``python_info``). Gauges that describe state (sessions, bytes, queue depth) are
+computed when scraped, from the store and the GPU worker.
 """
 
 from __future__ import annotations
@@ -10,51 +12,33 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["Counter", "Gauge", "Histogram", "Metrics", "CONTENT_TYPE"]
 
+# What generate_latest writes: the text exposition format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _num(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
-    if isinstance(v, int) or float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
-
-
 class _Metric:
-    kind = ""
-
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
         self.name = name
         self.help = help
         self.labelnames = tuple(labelnames)
         self._lock = threading.Lock()
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+    def family(self) -> Metric:  # pragma: no cover - every kind overrides it
+        raise NotImplementedError
 
 
 class Counter(_Metric):
-    kind = "counter"
-
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = ()):
         super().__init__(name, help, labelnames)
         self._values: dict[tuple[str, ...], float] = {}
@@ -66,18 +50,19 @@ class Counter(_Metric):
     def value(self, *labels: str) -> float:
         return self._values.get(labels, 0)
 
-    def render(self) -> list[str]:
+    def family(self) -> Metric:
         with self._lock:
             items = sorted(self._values.items())
         if not items and not self.labelnames:
             items = [((), 0)]
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+        f = CounterMetricFamily(self.name, self.help, labels=self.labelnames)
+        for key, v in items:
+            f.add_metric(key, v)
+        return f
 
 
 class Gauge(_Metric):
     """A gauge whose samples a callback gives at scrape time (or set by hand)."""
-
-    kind = "gauge"
 
     def __init__(
         self,
@@ -94,18 +79,19 @@ class Gauge(_Metric):
         with self._lock:
             self._values[labels] = value
 
-    def render(self) -> list[str]:
+    def family(self) -> Metric:
         if self.fn is not None:
             items = sorted(self.fn())
         else:
             with self._lock:
                 items = sorted(self._values.items())
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in items]
+        f = GaugeMetricFamily(self.name, self.help, labels=self.labelnames)
+        for key, v in items:
+            f.add_metric(key, v)
+        return f
 
 
 class Histogram(_Metric):
-    kind = "histogram"
-
     def __init__(self, name: str, help: str, labelnames: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS):
         super().__init__(name, help, labelnames)
         self.buckets = tuple(sorted(buckets))
@@ -133,24 +119,39 @@ class Histogram(_Metric):
             cum.append(acc)
         return cum, total_sum
 
-    def render(self) -> list[str]:
+    def family(self) -> Metric:
         with self._lock:
             keys = sorted(self._series)
         if not keys and not self.labelnames:
             keys = [()]
-        lines = self.header()
+        f = HistogramMetricFamily(self.name, self.help, labels=self.labelnames)
+        bounds = [*self.buckets, math.inf]
         for key in keys:
             cum, total = self.snapshot(*key)
-            for b, c in zip(list(self.buckets) + [math.inf], cum):
-                le = 'le="' + _num(b) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {c}")
-            lines.append(f"{self.name}_sum{_labels(self.labelnames, key)} {_num(total)}")
-            lines.append(f"{self.name}_count{_labels(self.labelnames, key)} {cum[-1]}")
-        return lines
+            f.add_metric(list(key), [(_le(b), c) for b, c in zip(bounds, cum)], total)
+        return f
+
+
+def _le(bound: float) -> str:
+    if bound == math.inf:
+        return "+Inf"
+    return str(int(bound)) if float(bound).is_integer() else repr(float(bound))
+
+
+class _AppCollector(Collector):
+    """Reads the values of one app's :class:`Metrics` at scrape time."""
+
+    def __init__(self, metrics: "Metrics"):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self.metrics.all():
+            yield m.family()
 
 
 class Metrics:
-    """Every metric of one app. ``bind(store, engine_fn, ...)`` wires the scrape-time gauges."""
+    """Every metric of one app, and the registry ``render()`` exposes them from.
+    ``add_gauge`` adds the scrape-time gauges (app.py wires them to the store)."""
 
     def __init__(self) -> None:
         self.requests = Counter(
@@ -176,6 +177,12 @@ class Metrics:
         )
         self.gpu_seconds = Histogram(
             "attnserve_gpu_submission_seconds", "Time to plan, submit and read back one GPU submission."
+        )
+        self.queue_wait = Histogram(
+            "attnserve_queue_wait_seconds",
+            "Time a GPU job waited in the queue, from its submission (the request parsed) to the GPU "
+            "thread taking it, by kind (batch: appends and attends; call: whole-cache reads and writes).",
+            ("kind",),
         )
         self.rows = Counter(
             "attnserve_rows_total", "Rows processed: appended K/V timesteps and attended query rows.",
@@ -210,6 +217,10 @@ class Metrics:
             ("phase",),
         )
         self._gauges: list[Gauge] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_AppCollector(self))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     def on_batch(self, n_jobs: int, n_dispatches: int, seconds: float) -> None:
         """The GPU worker's hook (called on the GPU thread after each submission)."""
@@ -220,6 +231,10 @@ class Metrics:
         self.gpu_jobs_per.observe(n_jobs)
         self.gpu_seconds.observe(seconds)
 
+    def on_job_start(self, kind: str, waited: float) -> None:
+        """The GPU worker's hook (called on the GPU thread as it takes each job)."""
+        self.queue_wait.observe(waited, kind)
+
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.inc(route, method, str(status))
         self.latency.observe(seconds, route, method)
@@ -227,8 +242,8 @@ class Metrics:
     def add_gauge(self, gauge: Gauge) -> None:
         self._gauges.append(gauge)
 
-    def render(self) -> str:
-        metrics: list[_Metric] = [
+    def all(self) -> list[_Metric]:
+        return [
             *self._gauges,
             self.requests,
             self.latency,
@@ -240,6 +255,7 @@ class Metrics:
             self.gpu_dispatches_per,
             self.gpu_jobs_per,
             self.gpu_seconds,
+            self.queue_wait,
             self.auth_failures,
             self.quota_rejections,
             self.timeouts,
@@ -248,7 +264,7 @@ class Metrics:
             self.snapshot_restores,
             self.snapshot_seconds,
         ]
-        lines: list[str] = []
-        for m in metrics:
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+
+    def render(self) -> str:
+        """Every metric of the registry in the text exposition format (version 0.0.4)."""
+        return generate_latest(self.registry).decode("utf-8")

@@ -194,16 +194,18 @@ class SnapshotDir:
 
     async def restore_all(self, engine: "Engine") -> dict[str, int]:
         """Restore every ``*.snap`` file; returns counts by result (ok, invalid, skipped)."""
-        t0 = time.perf_counter()
         counts = {"ok": 0, "invalid": 0, "skipped": 0}
         files = sorted(p for p in self.path.glob("*" + SUFFIX) if p.is_file() and not p.name.startswith("."))
-        for path in files:
+        sizes = [_size(p) for p in files]
+        progress = _Progress("restore", len(files), sum(sizes))
+        for path, size in zip(files, sizes):
             result = await self._restore_one(path, engine)
             counts[result] += 1
             self.rt.metrics.snapshot_restores.inc(result)
-        dt = time.perf_counter() - t0
+            progress.step(size)
+        dt = progress.elapsed()
         self.rt.metrics.snapshot_seconds.observe(dt, "restore")
-        log.info("snapshots restored", extra={"dir": str(self.path), **counts, "seconds": round(dt, 3)})
+        log.info("snapshots restored", extra={"dir": str(self.path), **counts, **progress.fields()})
         return counts
 
     async def _restore_one(self, path: Path, engine: "Engine") -> str:
@@ -267,11 +269,13 @@ class SnapshotDir:
     async def save_all(self, engine: "Engine") -> dict[str, int]:
         """Write every session's snapshot (one at a time, so memory stays bounded by
         the largest session); returns counts by result (ok, error)."""
-        t0 = time.perf_counter()
         counts = {"ok": 0, "error": 0}
-        for session in list(self.rt.store.sessions.values()):
+        sessions = list(self.rt.store.sessions.values())
+        progress = _Progress("save", len(sessions), None, gpu_bytes=sum(s.nbytes for s in sessions))
+        for session in sessions:
+            written = 0
             try:
-                await self.save(session, engine)
+                written = _size(await self.save(session, engine))
             except Exception as e:
                 counts["error"] += 1
                 self.rt.metrics.snapshot_writes.inc("error")
@@ -280,9 +284,10 @@ class SnapshotDir:
             else:
                 counts["ok"] += 1
                 self.rt.metrics.snapshot_writes.inc("ok")
-        dt = time.perf_counter() - t0
+            progress.step(written)
+        dt = progress.elapsed()
         self.rt.metrics.snapshot_seconds.observe(dt, "save")
-        log.info("snapshots written", extra={"dir": str(self.path), **counts, "seconds": round(dt, 3)})
+        log.info("snapshots written", extra={"dir": str(self.path), **counts, **progress.fields()})
         return counts
 
     async def save(self, session: Session, engine: "Engine") -> Path:
@@ -319,6 +324,52 @@ class SnapshotDir:
                 pass
             raise
         _fsync_dir(self.path)
+
+
+# How often a save or restore in progress logs how far it is (seconds).
+PROGRESS_INTERVAL_S = 1.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class _Progress:
+    """How far a save or restore of every session is: a line when it starts, then
+    one every :data:`PROGRESS_INTERVAL_S` while it runs (sessions and file bytes
+    done, the rate, and for a restore the time left); the caller logs the last."""
+
+    def __init__(self, phase: str, sessions: int, nbytes: int | None, **start: int):
+        self.phase, self.sessions, self.nbytes = phase, sessions, nbytes
+        self.done = self.bytes_done = 0
+        self.t0 = self.last = time.perf_counter()
+        total = {} if nbytes is None else {"bytes": nbytes}
+        log.info(f"snapshot {phase} started", extra={"sessions": sessions, **total, **start})
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def step(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes_done += nbytes
+        now = time.perf_counter()
+        if self.done < self.sessions and now - self.last >= PROGRESS_INTERVAL_S:
+            self.last = now
+            log.info(f"snapshot {self.phase} progress", extra=self.fields())
+
+    def fields(self) -> dict[str, Any]:
+        dt = self.elapsed()
+        rate = self.bytes_done / dt if dt > 0 else 0.0
+        out: dict[str, Any] = {"sessions_done": self.done, "sessions": self.sessions, "bytes_done": self.bytes_done}
+        if self.nbytes is not None:
+            out["bytes"] = self.nbytes
+            if rate > 0 and self.done < self.sessions:
+                out["eta_seconds"] = round((self.nbytes - self.bytes_done) / rate, 1)
+        out.update(seconds=round(dt, 3), bytes_per_second=round(rate))
+        return out
 
 
 def _load(ctx: Any, kv: SessionKV, layers: list[tuple[int, int, bytes, bytes]]) -> None:

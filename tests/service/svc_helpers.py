@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve import reference as ref
 from attnserve.app import create_app
@@ -130,3 +131,26 @@ def oracle(q, k, v, **kw) -> np.ndarray:
 
 def default_scale(d: int) -> float:
     return 1.0 / math.sqrt(d)
+
+
+
+class Scrape:
+    """/metrics text parsed by prometheus_client's own parser, which raises on a
+    line the exposition format does not allow."""
+
+    def __init__(self, text: str):
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+        self.samples: dict[str, dict[frozenset, float]] = {}
+        for family in self.families.values():
+            for s in family.samples:
+                self.samples.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+
+    def __call__(self, name: str, **labels: str) -> float:
+        """One sample's value (KeyError when there is none)."""
+        return self.samples[name][frozenset(labels.items())]
+
+    def get(self, name: str, default: float = 0.0, **labels: str) -> float:
+        return self.samples.get(name, {}).get(frozenset(labels.items()), default)
+
+    def has(self, name: str, **labels: str) -> bool:
+        return frozenset(labels.items()) in self.samples.get(name, {})

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from attnserve import __version__
 from attnserve_client import wire
-from svc_helpers import TYPES, rows
-
-_SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="([^"\\]|\\.)*",?)*\})? '
-                     r'([-+]?[0-9.eE+-]+|\+Inf|-Inf|NaN)$')
+from svc_helpers import TYPES, Scrape, rows
 
 
 def test_livez_readyz(api, enc):
@@ -73,28 +68,6 @@ def test_operation_ids_are_readable(api):
     }
 
 
-def _parse_metrics(text: str) -> dict[str, dict[str, float]]:
-    """Check the exposition format line by line; returns {name: {labels: value}}."""
-    out: dict[str, dict[str, float]] = {}
-    typed: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            assert kind in ("counter", "gauge", "histogram"), line
-            assert name not in typed, f"TYPE twice for {name}"
-            typed.add(name)
-            continue
-        assert _SAMPLE.match(line), f"not a sample line: {line!r}"
-        name_labels, value = line.rsplit(" ", 1)
-        name, _, labels = name_labels.partition("{")
-        base = re.sub(r"_(bucket|sum|count)$", "", name)
-        assert base in typed or name in typed, f"sample before its TYPE: {line}"
-        out.setdefault(name, {})["{" + labels if labels else ""] = float(value)
-    return out
-
-
 def test_metrics(api, server, rng):
     sid = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=32, kv_format="turboquant")["session_id"]
     api.append(sid, 0, rows(rng, 3, 2, 32), rows(rng, 3, 2, 32))
@@ -102,27 +75,73 @@ def test_metrics(api, server, rng):
     api.call("GET", "/v1/sessions/not-there")
     r = api.client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    m = _parse_metrics(r.text)
+    m = Scrape(r.text)
     tq_bytes = api.info(sid)["bytes"]
-    assert m["attnserve_sessions"]['{kv_format="turboquant"}'] >= 1
-    assert m["attnserve_kv_bytes"]['{kv_format="turboquant"}'] >= tq_bytes > 0
-    assert "{kv_format=\"f32\"}" in m["attnserve_sessions"]
+    assert m("attnserve_sessions", kv_format="turboquant") >= 1
+    assert m("attnserve_kv_bytes", kv_format="turboquant") >= tq_bytes > 0
+    assert m.has("attnserve_sessions", kv_format="f32")
     route = "/v1/sessions/{session_id}/layers/{layer}/attend"
-    assert m["attnserve_requests_total"][f'{{route="{route}",method="POST",status="200"}}'] >= 1
-    assert m["attnserve_request_duration_seconds_count"][f'{{route="{route}",method="POST"}}'] >= 1
-    assert m["attnserve_request_duration_seconds_bucket"][f'{{route="{route}",method="POST",le="+Inf"}}'] >= 1
-    assert m["attnserve_errors_total"]['{type="session-not-found"}'] >= 1
-    assert m["attnserve_requests_total"][
-        '{route="/v1/sessions/{session_id}",method="GET",status="404"}'] >= 1
+    assert m("attnserve_requests_total", route=route, method="POST", status="200") >= 1
+    assert m("attnserve_request_duration_seconds_count", route=route, method="POST") >= 1
+    assert m("attnserve_request_duration_seconds_bucket", route=route, method="POST", le="+Inf") >= 1
+    assert m("attnserve_errors_total", type="session-not-found") >= 1
+    assert m("attnserve_requests_total", route="/v1/sessions/{session_id}", method="GET", status="404") >= 1
     for name in ("attnserve_gpu_queue_depth", "attnserve_gpu_batches_total", "attnserve_memory_used_bytes",
                  "attnserve_memory_budget_bytes", "attnserve_requests_in_flight", "attnserve_ready"):
-        assert "" in m[name], name
-    assert m["attnserve_gpu_batches_total"][""] >= 2
-    assert m["attnserve_gpu_dispatches_per_submission_count"][""] == m["attnserve_gpu_batches_total"][""]
-    assert m["attnserve_gpu_jobs_per_submission_sum"][""] >= m["attnserve_gpu_batches_total"][""]
-    assert m["attnserve_rows_total"]['{kind="append",kv_format="turboquant"}'] >= 4
-    assert m["attnserve_rows_total"]['{kind="query",kv_format="turboquant"}'] >= 1
+        assert m.has(name), name
+    assert m("attnserve_gpu_batches_total") >= 2
+    assert m("attnserve_gpu_dispatches_per_submission_count") == m("attnserve_gpu_batches_total")
+    assert m("attnserve_gpu_jobs_per_submission_sum") >= m("attnserve_gpu_batches_total")
+    assert m("attnserve_rows_total", kind="append", kv_format="turboquant") >= 4
+    assert m("attnserve_rows_total", kind="query", kv_format="turboquant") >= 1
+    # the process collector's metrics, from prometheus_client
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+                 "process_start_time_seconds"):
+        assert m(name) > 0, name
+    assert m.families["attnserve_requests"].type == "counter"
+    assert m.families["attnserve_request_duration_seconds"].type == "histogram"
     api.delete(sid)
+
+
+def test_queue_wait_histogram_counts_every_job(api, server, rng):
+    def scrape() -> Scrape:
+        return Scrape(api.client.get("/metrics").text)
+
+    before = scrape()
+    assert before.families["attnserve_queue_wait_seconds"].type == "histogram"
+    jobs0 = before("attnserve_gpu_jobs_total")
+    batched0 = before.get("attnserve_queue_wait_seconds_count", kind="batch")
+    calls0 = before.get("attnserve_queue_wait_seconds_count", kind="call")
+    sid = api.create(num_qo_heads=2, num_kv_heads=1, head_dim=16)["session_id"]
+    for _ in range(3):
+        assert api.append(sid, 0, rows(rng, 2, 1, 16), rows(rng, 2, 1, 16)).status == 200
+        assert api.attend(sid, 0, rows(rng, 1, 2, 16)).status == 200
+    assert api.call("GET", f"/v1/sessions/{sid}/snapshot").status == 200  # a whole-cache read: a call
+    after = scrape()
+    batched = after("attnserve_queue_wait_seconds_count", kind="batch") - batched0
+    # every append and attend is one job of a submission, and one queue wait
+    assert batched == after("attnserve_gpu_jobs_total") - jobs0 >= 6
+    assert after("attnserve_queue_wait_seconds_count", kind="call") > calls0
+    assert after("attnserve_queue_wait_seconds_bucket", kind="batch", le="+Inf") == after(
+        "attnserve_queue_wait_seconds_count", kind="batch")
+    assert 0 <= after("attnserve_queue_wait_seconds_sum", kind="batch") < 60
+    api.delete(sid)
+
+
+def test_limit_metrics_have_one_unit_each(api, server):
+    m = Scrape(api.client.get("/metrics").text)
+    s = server.runtime.settings
+    assert "attnserve_limit" not in m.families  # the old metric of mixed units
+    limits = {name: {dict(labels)["name"]: v for labels, v in m.samples[name].items()}
+              for name in m.samples if name.startswith("attnserve_limit")}
+    assert limits == {
+        "attnserve_limit_sessions": {"max_sessions": s.max_sessions,
+                                     "quota_sessions_per_key": s.quota_sessions_per_key},
+        "attnserve_limit_bytes": {"quota_bytes_per_key": s.quota_bytes_per_key},
+        "attnserve_limit_seconds": {"request_timeout": s.request_timeout_s, "session_ttl": s.session_ttl_seconds},
+    }
+    for name in limits:  # Prometheus naming: the unit is the name's suffix
+        assert m.families[name].type == "gauge" and name.rsplit("_", 1)[1] in ("sessions", "bytes", "seconds")
 
 
 def test_openapi_documents_both_encodings(api):

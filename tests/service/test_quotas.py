@@ -91,7 +91,7 @@ def test_session_quota_per_key(engine, rng):
         assert a.delete(s1).status == 204
         assert a.call("PUT", "/v1/sessions/three", SHAPE).status == 201
         assert _metric(srv, 'attnserve_quota_rejections_total{quota="sessions"}') == 3
-        assert _metric(srv, 'attnserve_limit{name="quota_sessions_per_key"}') == 2
+        assert _metric(srv, 'attnserve_limit_sessions{name="quota_sessions_per_key"}') == 2
 
 
 def test_byte_quota_per_key(engine, rng):
@@ -243,7 +243,7 @@ def test_idle_sessions_expire_and_free_their_memory(engine, rng):
         time.sleep(0.05)  # the release's bookkeeping lands on the next loop turn
         assert srv.runtime.store.used_bytes == 16384
         assert _metric(srv, "attnserve_sessions_expired_total") == 1
-        assert _metric(srv, 'attnserve_limit{name="session_ttl_seconds"}') == 0.6
+        assert _metric(srv, 'attnserve_limit_seconds{name="session_ttl"}') == 0.6
         assert api.call("GET", "/v1/info").body["limits"]["session_ttl_seconds"] == 0.6
 
 

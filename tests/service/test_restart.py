@@ -8,6 +8,7 @@ and that no request that failed during the drain was applied."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
+from attnserve import persistence
 from attnserve.auth import key_id
 from attnserve.config import Settings
 from attnserve.persistence import SnapshotDir, decode_file
@@ -48,7 +50,21 @@ def _metric(url: str, name: str) -> float:
 # ── in process: the files ────────────────────────────────────────────────────
 
 
-def test_shutdown_writes_and_start_restores(engine, tmp_path, rng):
+PROGRESS_FIELDS = ("sessions", "sessions_done", "bytes", "bytes_done", "bytes_per_second", "eta_seconds", "seconds")
+
+
+def _progress(caplog, phase: str) -> list[dict]:
+    """The save or restore's log lines: started, progress..., and the last one."""
+    last = {"save": "snapshots written", "restore": "snapshots restored"}[phase]
+    return [{"msg": r.getMessage(), **{k: v for k, v in r.__dict__.items() if k in PROGRESS_FIELDS}}
+            for r in caplog.records if r.name == "attnserve.persistence"
+            and r.getMessage() in (f"snapshot {phase} started", f"snapshot {phase} progress", last)]
+
+
+
+def test_shutdown_writes_and_start_restores(engine, tmp_path, rng, caplog, monkeypatch):
+    monkeypatch.setattr(persistence, "PROGRESS_INTERVAL_S", 0.0)  # a progress line after every session
+    caplog.set_level(logging.INFO, logger="attnserve.persistence")
     settings = Settings(api_keys=f"{KEY_A},{KEY_B}", snapshot_dir=str(tmp_path))
     srv = LiveServer(settings, engine=engine).start()
     a, b = _api(srv.url, KEY_A), _api(srv.url, KEY_B)
@@ -78,6 +94,16 @@ def test_shutdown_writes_and_start_restores(engine, tmp_path, rng):
 
     names = sorted(p.name for p in tmp_path.iterdir())
     ka, kb = key_id(KEY_A), key_id(KEY_B)
+    sizes = sorted(p.stat().st_size for p in tmp_path.glob("*.snap"))
+    # the save logged how far it was after each session: sessions and bytes done, the rate
+    lines = _progress(caplog, "save")
+    assert [x["msg"] for x in lines] == ["snapshot save started"] + ["snapshot save progress"] * 3 + [
+        "snapshots written"]
+    assert lines[0]["sessions"] == 4
+    assert [x["sessions_done"] for x in lines[1:]] == [1, 2, 3, 4]
+    done = [x["bytes_done"] for x in lines[1:]]
+    assert done == sorted(done) and done[-1] == sum(sizes) and all(x["bytes_per_second"] > 0 for x in lines[1:])
+    caplog.clear()
     assert names == sorted([".lock", f"{ka}.f32.snap", f"{ka}.tq.snap", f"{kb}.f32.snap", f"{kb}.empty.snap"])
     sid, owner, blob = decode_file((tmp_path / f"{ka}.tq.snap").read_bytes())
     assert (sid, owner) == ("tq", ka) and wire.unpackb(blob, max_bytes=1 << 30)["config"]["kv_format"] == "turboquant"
@@ -111,6 +137,15 @@ def test_shutdown_writes_and_start_restores(engine, tmp_path, rng):
         assert not [n for n in names if n.endswith(".tmp")]
         assert _metric(srv.url, 'attnserve_snapshot_restores_total{result="ok"}') == 4
         assert _metric(srv.url, 'attnserve_snapshot_restores_total{result="invalid"}') == 3
+        # the restore logged its progress over the 7 files: 4 good, 3 moved aside
+        lines = _progress(caplog, "restore")
+        assert [x["msg"] for x in lines] == ["snapshot restore started"] + ["snapshot restore progress"] * 6 + [
+            "snapshots restored"]
+        total = sum(sizes) + sum(len(x) for x in (b"not a snapshot", good[: len(good) // 2], good))
+        assert lines[0]["sessions"] == 7 and lines[0]["bytes"] == total
+        assert [x["sessions_done"] for x in lines[1:]] == list(range(1, 8))
+        assert lines[-1]["bytes_done"] == total and lines[-1]["bytes_per_second"] > 0
+        assert all(x["eta_seconds"] >= 0 for x in lines[1:-1]) and "eta_seconds" not in lines[-1]
         assert a.call("GET", "/v1/info").body["persistence"] is True
         # a second server cannot take the same directory
         with pytest.raises(RuntimeError, match="in use"):
@@ -275,6 +310,8 @@ def test_sigterm_mid_load_then_restart_loses_nothing(tmp_path, rng):
     text = log.read_text()
     assert '"msg":"stopped"' in text
     assert "snapshots written" in text and '"error":0' in text.split("snapshots written", 1)[1][:200]
+    assert f'"msg":"snapshot save started","sessions":{len(SESSIONS)}' in text
+    assert '"bytes_per_second":' in text.split("snapshots written", 1)[1].split("\n", 1)[0]
     files = sorted(p.name for p in snapdir.glob("*.snap"))
     assert len(files) == len(SESSIONS) and not list(snapdir.glob(".*.tmp"))
     for t in loads:

@@ -172,15 +172,16 @@ CallFn = Callable[[GpuContext], Any]
 
 
 class _Job:
-    __slots__ = ("kind", "fn", "future", "enqueued", "started", "group")
+    __slots__ = ("kind", "fn", "future", "enqueued", "started", "taken", "group")
 
     def __init__(self, kind: str, fn: Callable, future: Future, group: object = None):
         self.kind = kind
         self.fn = fn
         self.future = future
-        self.enqueued = time.perf_counter()
+        self.enqueued = time.perf_counter()  # submitted (the request parsed)
         self.started = False  # its future is RUNNING (a job pushed back keeps it)
         self.group = group  # jobs of one submit_plans call share it: taken together
+        self.taken = False  # the worker took it once (its queue wait is counted)
 
 
 class GpuWorker:
@@ -194,8 +195,10 @@ class GpuWorker:
       batch in progress), for readbacks of whole caches, restores and frees.
 
     ``max_queue`` bounds the backlog: past it, submits raise ``Overloaded``.
-    ``on_batch(n_jobs, n_dispatches, seconds)`` is called after each submit
-    (metrics).
+    ``on_batch(n_jobs, n_dispatches, seconds)`` is called after each submit, and
+    ``on_job_start(kind, waited)`` as the worker takes each job, with the seconds
+    it waited since it was submitted and its kind (``batch``: a plan coalesced into
+    a submission; ``call``) (metrics). Both run on the worker thread.
     """
 
     def __init__(
@@ -205,11 +208,13 @@ class GpuWorker:
         max_batch_jobs: int = 256,
         max_queue: int = 4096,
         on_batch: Callable[[int, int, float], None] | None = None,
+        on_job_start: Callable[[str, float], None] | None = None,
     ):
         self.ctx = ctx
         self.max_batch_jobs = max_batch_jobs
         self.max_queue = max_queue
         self.on_batch = on_batch
+        self.on_job_start = on_job_start
         self._arenas = Arenas(ctx.device)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
@@ -302,11 +307,26 @@ class GpuWorker:
             self._busy = True
             return jobs
 
+    def _count_waits(self, jobs: list[_Job]) -> None:
+        """Each job's queue wait, once (a job pushed back to the next batch is taken again)."""
+        now = time.perf_counter()
+        hook = self.on_job_start
+        for job in jobs:
+            if job.taken:
+                continue
+            job.taken = True
+            if hook is not None:
+                try:
+                    hook("batch" if job.kind == "plan" else "call", now - job.enqueued)
+                except Exception:  # pragma: no cover
+                    log.exception("on_job_start hook failed")
+
     def _run(self) -> None:
         while True:
             jobs = self._take()
             if jobs is None:
                 return
+            self._count_waits(jobs)
             try:
                 if jobs[0].kind == "call":
                     self._run_call(jobs[0])
