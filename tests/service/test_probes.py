@@ -59,6 +59,7 @@ def test_operation_ids_are_readable(api):
         ("/v1/sessions/{session_id}", "delete"): "delete_session",
         ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"): "append_kv",
         ("/v1/sessions/{session_id}/layers/{layer}/attend", "post"): "attend",
+        ("/v1/batch/attend", "post"): "batch_attend",
         ("/v1/sessions/{session_id}/snapshot", "get"): "get_snapshot",
         ("/v1/sessions/{session_id}/snapshot", "put"): "put_snapshot",
         ("/livez", "get"): "livez",
