@@ -4,7 +4,8 @@
 #   ./dev.sh test  [pytest args]                         run the test suite
 # Both create .venv (once) and install the project into it: serve what serving
 # needs (pip install -e .), test that plus the test extras (-e ".[test]"); and,
-# when wgpu finds no adapter, both install Mesa's software Vulkan driver through apt.
+# when wgpu finds no Vulkan (or Metal, D3D12) adapter, both install Mesa's software
+# Vulkan driver through apt (deploy/_adapter.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ATTNSERVE_VENV:-.venv}"
@@ -37,36 +38,18 @@ ensure_venv() {
   fi
 }
 
-has_adapter() {
-  XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" "$VENV/bin/python" - <<'PYEOF' 2>/dev/null
-import sys, wgpu
-sys.exit(0 if wgpu.gpu.enumerate_adapters_sync() else 1)
-PYEOF
-}
-
-ensure_adapter() {
-  if has_adapter; then return; fi
-  echo "dev.sh: no wgpu adapter found; installing Mesa's software Vulkan driver (mesa-vulkan-drivers)" >&2
-  local SUDO=""
-  if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers >/dev/null
-  if ! has_adapter; then
-    echo "dev.sh: still no wgpu adapter after installing mesa-vulkan-drivers" >&2
-    exit 1
-  fi
-}
+. deploy/_adapter.sh
 
 cmd="${1:-}"
 shift || true
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 case "$cmd" in
   serve)
-    ensure_venv serve; ensure_adapter
+    ensure_venv serve; ensure_adapter "$VENV/bin/python"
     exec "$VENV/bin/attnserve" serve --host 127.0.0.1 "$@"
     ;;
   test)
-    ensure_venv test; ensure_adapter
+    ensure_venv test; ensure_adapter "$VENV/bin/python"
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)

@@ -26,12 +26,8 @@ if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
   echo "smoke: installing matplotlib (the project's [bench] extra)"
   pip_install 'matplotlib>=3.7'
 fi
-if ! "$PY" -c 'import sys, wgpu; sys.exit(0 if wgpu.gpu.enumerate_adapters_sync() else 1)' 2>/dev/null; then
-  echo "smoke: no wgpu adapter; installing Mesa's software Vulkan driver (mesa-vulkan-drivers)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers >/dev/null
-fi
+. deploy/_adapter.sh
+ensure_adapter "$PY"
 
 PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 URL="http://127.0.0.1:$PORT"

@@ -18,12 +18,8 @@ if ! "$PY" -c 'import fastapi, uvicorn, wgpu, numpy, msgpack, httpx, pydantic_se
   echo "soak: installing the project's dependencies"
   pip_install -e .
 fi
-if ! "$PY" -c 'import sys, wgpu; sys.exit(0 if wgpu.gpu.enumerate_adapters_sync() else 1)' 2>/dev/null; then
-  echo "soak: no wgpu adapter; installing Mesa's software Vulkan driver (mesa-vulkan-drivers)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mesa-vulkan-drivers >/dev/null
-fi
+. deploy/_adapter.sh
+ensure_adapter "$PY"
 # Tenants when this server has API keys (ATTNSERVE_API_KEYS), else one tenant.
 TENANTS=1
 if "$PY" -c 'import sys; from attnserve.config import Settings; sys.exit(0 if "api_keys" in Settings.model_fields else 1)'; then

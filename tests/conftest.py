@@ -19,11 +19,9 @@ for p in (ROOT / "service", ROOT / "client", ROOT / "tests"):
         sys.path.insert(0, str(p))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
+from _core import no_adapter  # noqa: E402
 
-def no_adapter(reason: str):
-    if os.environ.get("CI"):
-        pytest.fail(f"CI needs a wgpu adapter (lavapipe): {reason}", pytrace=False)
-    pytest.skip(reason)
+
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
 def test_every_kernel_compiles(engine, kernel):
     missing = set(KERNELS[kernel].features) - set(engine.ctx.features)
     if missing:
-        from conftest import no_adapter
+        from _core import no_adapter
 
         no_adapter(f"{kernel} needs the device features {sorted(missing)}")
     pipe, layout = engine.call(lambda ctx: ctx.pipelines.get(kernel)).result()

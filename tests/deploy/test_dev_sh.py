@@ -28,7 +28,7 @@ echo "python $*" >> "$LOG"
 
 @pytest.fixture
 def checkout(tmp_path):
-    for name in ("dev.sh", "pyproject.toml", "client/pyproject.toml"):
+    for name in ("dev.sh", "deploy/_adapter.sh", "pyproject.toml", "client/pyproject.toml"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
     fake = tmp_path / "fake-python"

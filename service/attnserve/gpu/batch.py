@@ -20,6 +20,7 @@ append in the same batch never sees the appended rows.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Union
 
@@ -65,10 +66,39 @@ class Arenas:
     readback before the next one is planned.
     """
 
+    #: Bind groups kept for reuse (least recently used dropped past it).
+    BIND_GROUPS = 8192
+
     def __init__(self, device: wgpu.GPUDevice):
         self.device = device
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
         self.staging: wgpu.GPUBuffer | None = None
+        self._bind_groups: OrderedDict[tuple, wgpu.GPUBindGroup] = OrderedDict()
+        self.bind_group_hits = 0
+        self.bind_group_misses = 0
+
+    def bind_group(self, layout: wgpu.GPUBindGroupLayout,
+                   entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]) -> wgpu.GPUBindGroup:
+        """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
+        size), ...), made once and reused: a decode loop binds the same cache
+        buffers and arena offsets step after step, and making a bind group costs
+        more host time than the dispatch it serves. The key holds the buffer
+        objects themselves, so a released buffer's entries can never match a new
+        buffer (they age out of the cache)."""
+        key = (layout, entries)
+        bg = self._bind_groups.get(key)
+        if bg is not None:
+            self._bind_groups.move_to_end(key)
+            self.bind_group_hits += 1
+            return bg
+        self.bind_group_misses += 1
+        bg = self.device.create_bind_group(layout=layout, entries=[
+            {"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}} for b, buf, off, size in entries
+        ])
+        self._bind_groups[key] = bg
+        while len(self._bind_groups) > self.BIND_GROUPS:
+            self._bind_groups.popitem(last=False)
+        return bg
 
     def get(self, arena: str, size: int) -> wgpu.GPUBuffer:
         buf = self.buffers.get(arena)
@@ -194,11 +224,9 @@ class Batch:
             if op[0] == "dispatch":
                 _, kernel, bindings, grid, constants = op
                 pipe, bgl = self.pipelines.get(kernel, constants)
-                entries = []
-                for b, res in sorted(bindings.items()):
-                    buf, off, size = self._resolve(res, bufs)
-                    entries.append({"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}})
-                bg = self.device.create_bind_group(layout=bgl, entries=entries)
+                bg = self.arenas.bind_group(
+                    bgl, tuple((b, *self._resolve(res, bufs)) for b, res in sorted(bindings.items()))
+                )
                 if cpass is None:
                     cpass = enc.begin_compute_pass()
                 cpass.set_pipeline(pipe)

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Where a GPU submission's time goes: plan (the jobs' Python), encode (arenas,
+bind groups, command encoding), and submit + readback (the GPU and the driver),
+for a batched step of N fused decode items, with a cProfile summary of the
+planning and encoding.
+
+    python bench/worker_profile.py [--adapter nvidia] [--sessions 64] [--context 4096]
+        [--formats f32,turboquant] [--steps 30] [--profile-out FILE]
+
+It drives the engine directly (no HTTP): one :class:`~attnserve.gpu.batch.Batch`
+per step, on the calling thread while the GPU worker is idle, so the phases are
+timed separately. Prints one JSON line per format (times in ms per step and per
+item) and, with ``--top``, the functions that take the most planning/encoding time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client")]
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+
+from attnserve.engine import Engine  # noqa: E402
+from attnserve.gpu.batch import Batch  # noqa: E402
+from attnserve.kvcache import SessionConfig, SessionKV  # noqa: E402
+
+H, HKV, D = 32, 8, 128
+
+
+def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int) -> dict:
+    rng = np.random.default_rng(0)
+    ctx = engine.ctx
+    sessions = [SessionKV(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i)) for i in range(n)]
+    for s in sessions:
+        k = rng.standard_normal((context, HKV, D), dtype=np.float32)
+        engine.append(s.layers[0], k, k).result()
+    q = rng.standard_normal((1, H, D), dtype=np.float32)
+    k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    arenas = engine.worker._arenas  # noqa: SLF001 - a measurement of the worker's own path
+
+    def step(prof: cProfile.Profile | None) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        batch = Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align)
+        finishes = [engine.plan_attend(s.layers[0], q, k=k1, v=k1)(batch) for s in sessions]
+        t1 = time.perf_counter()
+        encoded = batch.encode()
+        if prof:
+            prof.disable()
+        t2 = time.perf_counter()
+        out = batch.submit(encoded)
+        t3 = time.perf_counter()
+        for f in finishes:
+            f(out)
+        return t1 - t0, t2 - t1, t3 - t2
+
+    # the worker must be idle while this thread drives the device
+    engine.worker.run(lambda c: None)
+    for _ in range(3):
+        step(None)
+    times = np.array([step(None) for _ in range(steps)]) * 1e3  # timed without the profiler
+    prof = cProfile.Profile()
+    for _ in range(steps if top else 0):
+        step(prof)
+    med = np.median(times, axis=0)
+    res = {"kv_format": fmt, "items": n, "context": context, "steps": steps,
+           "plan_ms": round(float(med[0]), 3), "encode_ms": round(float(med[1]), 3),
+           "submit_readback_ms": round(float(med[2]), 3),
+           "per_item_us": {"plan": round(1e3 * med[0] / n, 1), "encode": round(1e3 * med[1] / n, 1),
+                           "submit_readback": round(1e3 * med[2] / n, 1)}}
+    if top:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        res["profile_tottime"] = buf.getvalue().splitlines()
+    for s in sessions:
+        engine.release(s).result()
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--formats", default="f32,turboquant")
+    ap.add_argument("--top", type=int, default=25, help="cProfile rows to print (0: none)")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args(argv)
+    engine = Engine.open(args.adapter or None)
+    results = []
+    try:
+        print(f"# adapter: {engine.ctx.describe()}", flush=True)
+        for fmt in args.formats.split(","):
+            for n in sorted({1, args.sessions}):
+                r = run(engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0)
+                results.append(r)
+                prof = r.pop("profile_tottime", None)
+                print(json.dumps(r), flush=True)
+                if prof:
+                    print("\n".join(prof[:args.top + 12]), flush=True)
+                    r["profile_tottime"] = prof
+    finally:
+        engine.close()
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"adapter": engine.ctx.describe(), "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
