@@ -35,6 +35,7 @@ if [ "${#installed[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get autoremove -y -qq >/dev/null
 fi
 rm -rf /var/cache/attnserve-image /var/lib/containers /root/.cache/pip
+hash -r  # forget where bash found the purged programs
 for tool in podman runc debootstrap nginx; do
   if type -P "$tool" >/dev/null 2>&1; then echo "ci-fresh: $tool is still on PATH" >&2; exit 1; fi
 done
