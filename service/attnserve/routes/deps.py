@@ -35,6 +35,7 @@ __all__ = [
     "get_owner",
     "get_wire",
     "get_engine",
+    "ready_engine",
     "get_session",
     "RuntimeDep",
     "OwnerDep",
@@ -236,14 +237,18 @@ class Runtime:
 # ── dependencies ─────────────────────────────────────────────────────────────
 
 
-def get_runtime(request: Request) -> Runtime:
+# The dependencies are ``async def``: FastAPI runs a plain ``def`` dependency on a
+# worker thread, a thread hop per dependency per request for work of microseconds.
+
+
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-def get_owner(request: Request) -> str | None:
+async def get_owner(request: Request) -> str | None:
     """The tenant a request acts for: its API key's id (set by the middleware, which
     already refused the request with 401 if keys are configured and it has none
     valid), or ``None`` without keys. Sessions record it; list, get and every
@@ -254,7 +259,7 @@ def get_owner(request: Request) -> str | None:
 OwnerDep = Annotated[Optional[str], Depends(get_owner)]
 
 
-def get_wire(request: Request, rt: RuntimeDep) -> Wire:
+async def get_wire(request: Request, rt: RuntimeDep) -> Wire:
     """Encodings of the request and its answer; 415 and a declared-length 413 here,
     before anything else (and before any byte of the body is read)."""
     return negotiate(request, rt.settings.max_body_bytes)
@@ -263,13 +268,18 @@ def get_wire(request: Request, rt: RuntimeDep) -> Wire:
 WireDep = Annotated[Wire, Depends(get_wire)]
 
 
-def get_engine(rt: RuntimeDep) -> Engine:
+def ready_engine(rt: Runtime) -> Engine:
+    """The engine, if the server takes work now (else 503 not-ready)."""
     if rt.engine is None or not rt.ready or rt.draining:
         raise NotReady(
             "the server is draining" if rt.draining else "the GPU device is not ready",
             headers={"Retry-After": "1"},
         )
     return rt.engine
+
+
+async def get_engine(rt: RuntimeDep) -> Engine:
+    return ready_engine(rt)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
@@ -280,7 +290,7 @@ LayerPath = Annotated[
 ]
 
 
-def get_session(session_id: SessionIdPath, rt: RuntimeDep, owner: OwnerDep) -> Session:
+async def get_session(session_id: SessionIdPath, rt: RuntimeDep, owner: OwnerDep) -> Session:
     return rt.store.get(session_id, owner)
 
 

@@ -38,7 +38,7 @@ from ..codec import Fields, MediaKind, decode_document, encode
 from ..errors import ApiError, InternalError, InvalidRequest, Unauthorized
 from ..store import Owner
 from .batch import BATCH_ITEM_FIELDS, count_errors, finish_batch, parse_items, queue_batch, results_document, settled
-from .deps import OWNER_KEY, Runtime, get_engine
+from .deps import OWNER_KEY, Runtime, ready_engine
 from .operations import (
     APPEND_FIELDS,
     append_fields,
@@ -154,7 +154,7 @@ class _Connection:
         max_bytes = rt.settings.max_body_bytes
         if op == "ping":
             raise _Reply({"id": rid, "status": 200, "result": {}})
-        engine = get_engine(rt)
+        engine = ready_engine(rt)
         if op == "attend_batch":
             items = parse_items(Fields(doc, (*_HEAD, "items"), "attend_batch"), max_bytes, rt.settings.max_batch_items)
             queued = queue_batch(rt, engine, self.owner, items)
