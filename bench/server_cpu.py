@@ -22,26 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
+from _server import serving
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "client"))
-import httpx  # noqa: E402
-
-from attnserve_client import Client, wire  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from attnserve_client import Client, wire
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the process (all its threads)."""
@@ -75,56 +64,29 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     n = 200 if args.quick else args.requests
 
-    port = free_port()
-    env = dict(os.environ, ATTNSERVE_ADAPTER=args.adapter, ATTNSERVE_LOG_LEVEL="warning",
-               XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    server = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with Client(url, timeout=120) as client:
-            deadline = time.monotonic() + 120
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"server exited: {server.stderr.read().decode()[-2000:]}")
-                try:
-                    if client.ready():
-                        break
-                except Exception:  # not listening yet
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("the server was not ready within 120 s")
-                time.sleep(0.1)
-            info = client.info()
-            rng = np.random.default_rng(0)
-            s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            s.append(0, rng.standard_normal((16, 1, 8)), rng.standard_normal((16, 1, 8)))
-            q = rng.standard_normal((1, 2, 8)).astype(np.float32)
-            body = wire.packb({"q": wire.encode_array(q)})
-            headers = {"Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK}
-            path = f"/v1/sessions/{s.session_id}"
-            results = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
-                       "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "cores": os.cpu_count()}
-            with httpx.Client(base_url=url, timeout=120) as http:
-                def get_info():
-                    assert http.get(path, headers={"Accept": wire.MSGPACK}).status_code == 200
+    with serving(args.adapter) as (server, url), Client(url, timeout=120) as client:
+        info = client.info()
+        rng = np.random.default_rng(0)
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        s.append(0, rng.standard_normal((16, 1, 8)), rng.standard_normal((16, 1, 8)))
+        q = rng.standard_normal((1, 2, 8)).astype(np.float32)
+        body = wire.packb({"q": wire.encode_array(q)})
+        headers = {"Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK}
+        path = f"/v1/sessions/{s.session_id}"
+        results = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
+                   "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "cores": os.cpu_count()}
+        with httpx.Client(base_url=url, timeout=120) as http:
+            def get_info():
+                assert http.get(path, headers={"Accept": wire.MSGPACK}).status_code == 200
 
-                def attend():
-                    assert http.post(path + "/layers/0/attend", content=body, headers=headers).status_code == 200
+            def attend():
+                assert http.post(path + "/layers/0/attend", content=body, headers=headers).status_code == 200
 
-                results["get_session"] = measure(server.pid, n, get_info)
-                results["attend_tiny"] = measure(server.pid, n, attend)
-            with client.stream() as stream:
-                results["attend_tiny_stream"] = measure(server.pid, n, lambda: stream.attend(s, 0, q))
-            s.delete()
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            results["get_session"] = measure(server.pid, n, get_info)
+            results["attend_tiny"] = measure(server.pid, n, attend)
+        with client.stream() as stream:
+            results["attend_tiny_stream"] = measure(server.pid, n, lambda: stream.attend(s, 0, q))
+        s.delete()
     print(json.dumps(results, indent=1))
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

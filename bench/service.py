@@ -30,28 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from _server import serving
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "client"))
-from attnserve_client import AttendItem, Client  # noqa: E402
+from attnserve_client import AttendItem, Client
 
 H, HKV, D = 32, 8, 128
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(text: str, name: str) -> float:
@@ -228,53 +218,30 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
 
-    port = free_port()
-    env = dict(os.environ, ATTNSERVE_ADAPTER=args.adapter, ATTNSERVE_LOG_LEVEL="warning",
-               ATTNSERVE_MEMORY_BUDGET_BYTES=str(64 << 30), ATTNSERVE_DEFAULT_MAX_TOKENS="200000",
-               XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
-    server = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with Client(url, timeout=300) as c:
-            for _ in range(600):
-                if server.poll() is not None:
-                    raise SystemExit(f"server exited: {server.stderr.read().decode()[-2000:]}")
-                try:
-                    if c.ready():
-                        break
-                except Exception:  # not listening yet
-                    pass
-                time.sleep(0.2)
-            info = c.info()
-            rng = np.random.default_rng(0)
-            result = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
-                      "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": [],
-                      "batched": []}
-            print(f"# adapter: {info.get('adapter')}", flush=True)
-            formats = args.formats.split(",")
-            for fmt in formats:
-                for transport in ("http", "stream"):
-                    r = one_session(c, fmt, args.context, args.steps, rng, transport)
-                    result["single"].append(r)
-                    print(json.dumps(r), flush=True)
-            for fmt in formats:
-                for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
-                    r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport,
-                                pipeline)
-                    result["batched"].append(r)
-                    print(json.dumps(r), flush=True)
-            for fmt in formats if not args.skip_threads else ():
-                r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
-                result["concurrent"].append(r)
+    budget = {"ATTNSERVE_MEMORY_BUDGET_BYTES": str(64 << 30), "ATTNSERVE_DEFAULT_MAX_TOKENS": "200000"}
+    with serving(args.adapter, **budget) as (_, url), Client(url, timeout=300) as c:
+        info = c.info()
+        rng = np.random.default_rng(0)
+        result = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
+                  "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": [],
+                  "batched": []}
+        print(f"# adapter: {info.get('adapter')}", flush=True)
+        formats = args.formats.split(",")
+        for fmt in formats:
+            for transport in ("http", "stream"):
+                r = one_session(c, fmt, args.context, args.steps, rng, transport)
+                result["single"].append(r)
                 print(json.dumps(r), flush=True)
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for fmt in formats:
+            for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
+                r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport,
+                            pipeline)
+                result["batched"].append(r)
+                print(json.dumps(r), flush=True)
+        for fmt in formats if not args.skip_threads else ():
+            r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
+            result["concurrent"].append(r)
+            print(json.dumps(r), flush=True)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")

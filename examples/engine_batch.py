@@ -25,23 +25,16 @@ import os
 import sys
 import time
 
+from pathlib import Path
+
 import numpy as np
 
 from attnserve_client import AttendItem, AttnServeError, Client
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import reference_attention  # noqa: E402  (the float64 reference, one copy)
+
 F32_TOLERANCE = 1e-4
-
-
-def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
-    """Causal GQA attention in float64: q [n, H, D], k/v [L, KV, D]; row i at start_pos + i."""
-    group = q.shape[1] // k.shape[1]
-    kk = np.repeat(k.astype(np.float64), group, axis=1)
-    vv = np.repeat(v.astype(np.float64), group, axis=1)
-    scores = np.einsum("nhd,lhd->nhl", q.astype(np.float64), kk) / math.sqrt(q.shape[2])
-    visible = np.arange(k.shape[0])[None, None, :] <= start_pos + np.arange(q.shape[0])[:, None, None]
-    scores = np.where(visible, scores, -np.inf)
-    w = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return np.einsum("nhl,lhd->nhd", w / w.sum(axis=-1, keepdims=True), vv)
 
 
 class TinyModel:

@@ -222,6 +222,18 @@ def _append_result(item: AttendItem, doc: Any) -> int:
     return length
 
 
+def _settle(fut: Any, finish: Any, result: Any) -> None:
+    """Resolve a call's future (concurrent or asyncio) from its reply: the problem
+    it raised, or ``finish(result)`` (the decoded answer)."""
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+        return
+    try:
+        fut.set_result(finish(result))
+    except Exception as exc:
+        fut.set_exception(exc)
+
+
 class Stream:
     """A synchronous streaming connection (``Client.stream()``). Thread-safe: calls
     from several threads pipeline on the one connection.
@@ -252,15 +264,8 @@ class Stream:
                 rid, result = _Frames.reply(raw)
                 with self._lock:
                     fut, finish = self._pending.pop(rid, (None, None))
-                if fut is None:
-                    continue
-                if isinstance(result, BaseException):
-                    fut.set_exception(result)
-                else:
-                    try:
-                        fut.set_result(finish(result))
-                    except BaseException as exc:
-                        fut.set_exception(exc)
+                if fut is not None:
+                    _settle(fut, finish, result)
         except Exception as exc:
             self._fail(exc)
         else:
@@ -367,15 +372,8 @@ class AsyncStream:
             async for raw in self._ws:
                 rid, result = _Frames.reply(raw)
                 fut, finish = self._pending.pop(rid, (None, None))
-                if fut is None or fut.done():
-                    continue
-                if isinstance(result, BaseException):
-                    fut.set_exception(result)
-                else:
-                    try:
-                        fut.set_result(finish(result))
-                    except Exception as exc:
-                        fut.set_exception(exc)
+                if fut is not None and not fut.done():
+                    _settle(fut, finish, result)
         except Exception as exc:
             err = exc
         self._closed = APIConnectionError(

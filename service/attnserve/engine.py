@@ -88,25 +88,15 @@ class Engine:
 
         return plan
 
-    def attend(
-        self,
-        layer: LayerCache,
-        q: np.ndarray,
-        *,
-        k: np.ndarray | None = None,
-        v: np.ndarray | None = None,
-        start_pos: int | None = None,
-        causal: bool = True,
-        scale: float | None = None,
-    ) -> Future:
-        """Optionally append ``k, v`` first (fused step), then attend ``q [n, H, d]``.
+    def attend(self, layer: LayerCache, q: np.ndarray, **options: object) -> Future:
+        """Optionally append ``k, v`` first (fused step), then attend ``q [n, H, d]``;
+        ``options`` are those of :meth:`plan_attend` (``k``, ``v``, ``start_pos``,
+        ``causal``, ``scale``).
 
         The future gives an :class:`AttendResult` ``(out [n, H, d] float32, length)``.
         ``start_pos`` defaults to ``length - n`` after the fused append.
         """
-        return self.worker.submit_plan(
-            self.plan_attend(layer, q, k=k, v=v, start_pos=start_pos, causal=causal, scale=scale)
-        )
+        return self.worker.submit_plan(self.plan_attend(layer, q, **options))  # type: ignore[arg-type]
 
     def plan_attend(
         self,
