@@ -65,13 +65,13 @@ except ImportError:  # a plain checkout: use the client from the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
     import attnserve_client
 
-from attnserve_client import APIError, AsyncClient, AttnServeError
+from attnserve_client import APIError, AsyncClient, AttendItem, AttnServeError
 
 __all__ = ["main", "parse_args", "run", "summarize"]
 
 #: The operations measured, in report order. decode_step is one token through all
 #: layers (its latency counts from when it was due in open loop).
-OPERATIONS = ("create", "prefill_chunk", "decode", "decode_step", "delete")
+OPERATIONS = ("create", "prefill_chunk", "prefill_batch", "decode", "decode_batch", "decode_step", "delete")
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
@@ -92,6 +92,7 @@ class Config:
     duration: float = 30.0
     mode: str = "closed"
     rate: float = 0.0
+    batched: bool = False
     prefill: int = 256
     chunk: int = 64
     decode_steps: int = 64
@@ -134,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops")
     p.add_argument("--mode", choices=("closed", "open"), default="closed", help="closed or open loop")
     p.add_argument("--rate", type=float, default=0.0, help="open loop: decode steps per second over all users")
+    p.add_argument("--batched", action="store_true",
+                   help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
+                   "(POST /v1/batch/attend) per layer for all of them, prefill chunks and decode tokens alike")
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps per session (0: until the end)")
@@ -163,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     a = p.parse_args(argv)
     cfg = Config(
         url=a.url.rstrip("/"), sessions=a.sessions, concurrency=a.concurrency or a.sessions, workers=a.workers,
-        duration=a.duration, mode=a.mode, rate=a.rate, prefill=a.prefill, chunk=a.chunk,
+        duration=a.duration, mode=a.mode, rate=a.rate, batched=a.batched, prefill=a.prefill, chunk=a.chunk,
         decode_steps=a.decode_steps, layers=a.layers, qo_heads=a.qo_heads, kv_heads=a.kv_heads,
         head_dim=a.head_dim, kv_format=a.kv_format, create=a.create, timeout=a.timeout,
         retries=a.retries, verify=a.verify, max_errors=a.max_errors, seed=a.seed,
@@ -188,6 +192,7 @@ def check_config(cfg: Config) -> None:
     need(1 <= cfg.workers <= 64, "--workers must be in 1..64")
     need(0 < cfg.duration <= 24 * 3600, "--duration must be in (0, 86400] seconds")
     need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
+    need(not (cfg.batched and cfg.mode == "open"), "--batched runs a closed loop (an engine steps when it can)")
     need(cfg.prefill >= 0 and cfg.chunk >= 1, "--prefill must be >= 0 and --chunk >= 1")
     need(cfg.decode_steps >= 0, "--decode-steps must be >= 0")
     need(cfg.layers >= 1 and cfg.qo_heads >= 1 and cfg.kv_heads >= 1 and cfg.head_dim >= 1, "sizes must be >= 1")
@@ -431,9 +436,46 @@ class LoadTest:
 
     async def _session(self, client: AsyncClient, rng: np.random.Generator, sid: str, step_interval: float) -> None:
         """One session's life: create, prefill, decode, delete (also after a failure)."""
+        session = await self._create(client, sid)
+        self.rec.sessions_started += 1
+        self.rec.live_sessions += 1
+        try:
+            await self._run_session(session, rng, step_interval)
+        finally:
+            self.rec.live_sessions -= 1
+            await self._delete(session)
+
+    async def engine(self, client: AsyncClient) -> None:
+        """--batched: this process's sessions as one engine's batch. A cohort of
+        ``--sessions`` sessions is created, prefilled and decoded in lockstep, every
+        layer of every chunk or token one batched step for all of them (ops
+        ``prefill_batch``, ``decode_batch``; ``decode_step`` = one token through all
+        layers), then deleted; then the next cohort. A failed step ends its cohort."""
+        cfg = self.cfg
+        rng = np.random.default_rng(self.seeds.spawn(1)[0])
+        cohort = 0
+        while not self.stop.is_set():
+            ids = [f"lt-{self.run_id}-c{self.user_offset}-{cohort}-{i}" for i in range(cfg.sessions)]
+            cohort += 1
+            created = await asyncio.gather(*(self._create(client, sid) for sid in ids), return_exceptions=True)
+            sessions = [c for c in created if not isinstance(c, BaseException)]
+            self.rec.sessions_started += len(sessions)
+            self.rec.live_sessions += len(sessions)
+            try:
+                if len(sessions) == len(ids):
+                    await self._run_cohort(client, sessions, rng)
+                else:
+                    await self._sleep_until(time.perf_counter() + 0.2)
+            except AttnServeError:
+                await self._sleep_until(time.perf_counter() + 0.2)
+            finally:
+                self.rec.live_sessions -= len(sessions)
+                await asyncio.gather(*(self._delete(s) for s in sessions))
+
+    async def _create(self, client: AsyncClient, sid: str):
         cfg = self.cfg
         max_tokens = cfg.prefill + cfg.decode_steps if cfg.decode_steps else None
-        session = await self._timed(
+        return await self._timed(
             "create",
             lambda: client.create_session(
                 num_qo_heads=cfg.qo_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
@@ -442,13 +484,46 @@ class LoadTest:
             ),
             sid,
         )
-        self.rec.sessions_started += 1
-        self.rec.live_sessions += 1
-        try:
-            await self._run_session(session, rng, step_interval)
-        finally:
-            self.rec.live_sessions -= 1
-            await self._delete(session)
+
+    async def _run_cohort(self, client: AsyncClient, sessions: list, rng: np.random.Generator) -> None:
+        cfg = self.cfg
+        history = [[([], []) for _ in range(cfg.layers)] for _ in sessions] if cfg.verify else None
+
+        async def step(op: str, layer: int, rows: int) -> None:
+            items, qs = [], []
+            for i, s in enumerate(sessions):
+                q = self._rows(rng, rows, cfg.qo_heads)
+                k, v = self._rows(rng, rows, cfg.kv_heads), self._rows(rng, rows, cfg.kv_heads)
+                items.append(AttendItem(s, layer, q, k, v, offset=s.lengths[layer]))
+                qs.append(q)
+                if history is not None:
+                    history[i][layer][0].append(k)
+                    history[i][layer][1].append(v)
+            outs = await self._timed(op, lambda: client.attend_batch(items), None)
+            self.rec.attends += len(items)
+            self.rec.kv_rows += rows * len(items)
+            if history is not None and rows == 1:
+                for i, (s, q, out) in enumerate(zip(sessions, qs, outs)):
+                    if rng.random() < cfg.verify:
+                        self._verify(s.session_id, layer, q, out, history[i][layer])
+
+        for start in range(0, cfg.prefill, cfg.chunk):
+            rows = min(cfg.chunk, cfg.prefill - start)
+            for layer in range(cfg.layers):
+                if self.stop.is_set():
+                    return
+                await step("prefill_batch", layer, rows)
+            self.rec.prefill_tokens += rows * len(sessions)
+        n = 0
+        while (cfg.decode_steps == 0 or n < cfg.decode_steps) and not self.stop.is_set():
+            t = time.perf_counter()
+            for layer in range(cfg.layers):
+                await step("decode_batch", layer, 1)
+            self.rec.ok("decode_step", t, time.perf_counter() - t)
+            self.rec.decode_tokens += len(sessions)
+            n += 1
+        if cfg.decode_steps and n >= cfg.decode_steps:
+            self.rec.sessions_completed += len(sessions)
 
     def _rows(self, rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
         return rng.standard_normal((n, heads, self.cfg.head_dim), dtype=np.float32)
@@ -612,7 +687,10 @@ async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outco
     async with _http(cfg, cfg.concurrency + 4) as http:
         client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout),
                              max_retries=cfg.retries, http_client=http)
-        users.extend(asyncio.create_task(lt.user(client, i), name=f"user-{i}") for i in range(cfg.sessions))
+        if cfg.batched:
+            users.append(asyncio.create_task(lt.engine(client), name="engine"))
+        else:
+            users.extend(asyncio.create_task(lt.user(client, i), name=f"user-{i}") for i in range(cfg.sessions))
         helpers = [asyncio.create_task(lt.progress(mode))]
         if slot is not None:
             helpers.append(asyncio.create_task(lt.share(slot)))

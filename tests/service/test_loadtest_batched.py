@@ -1,0 +1,43 @@
+"""loadtest.py --batched against the real server: an engine-shaped closed loop (one
+batched step per layer for all sessions), verified against float64, no errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(server, tmp_path, *extra: str) -> dict:
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--url", server.url, "--duration", "3",
+         "--sessions", "3", "--layers", "2", "--prefill", "20", "--chunk", "8", "--decode-steps", "5",
+         "--qo-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--progress", "off", "--seed", "7",
+         "--json-out", str(out), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_batched_mode_runs_cohorts_verified(server, tmp_path):
+    report = _run(server, tmp_path, "--batched", "--verify", "0.5")
+    ops = report["operations"]
+    assert report["error_count"] == 0, report["errors"]
+    # each cohort: 3 prefill chunks x 2 layers, then 5 tokens x 2 layers, 3 sessions per batch
+    assert ops["prefill_batch"]["count"] >= 6 and ops["decode_batch"]["count"] >= 10
+    assert ops["decode_step"]["count"] == ops["decode_batch"]["count"] // 2
+    assert ops["decode"]["count"] == 0 and ops["prefill_chunk"]["count"] == 0
+    assert report["totals"]["sessions_started"] % 3 == 0
+    assert report["verify"]["checked"] > 0 and report["verify"]["failed"] == 0
+
+
+def test_batched_mode_refuses_open_loop(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--batched", "--mode", "open",
+                        "--rate", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--batched runs a closed loop" in r.stderr
