@@ -74,6 +74,8 @@ __all__ = ["main", "parse_args", "run", "summarize"]
 OPERATIONS = ("create", "prefill_chunk", "prefill_batch", "decode", "decode_batch", "decode_step", "delete")
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+#: --batched: array bytes of one batched request at most (a larger step is split).
+BATCH_BYTES = 24 << 20
 
 
 class UsageError(Exception):
@@ -499,7 +501,7 @@ class LoadTest:
                 if history is not None:
                     history[i][layer][0].append(k)
                     history[i][layer][1].append(v)
-            outs = await self._timed(op, lambda: client.attend_batch(items), None)
+            outs = await self._timed(op, lambda: self._attend_batch(client, items), None)
             self.rec.attends += len(items)
             self.rec.kv_rows += rows * len(items)
             if history is not None and rows == 1:
@@ -524,6 +526,16 @@ class LoadTest:
             n += 1
         if cfg.decode_steps and n >= cfg.decode_steps:
             self.rec.sessions_completed += len(sessions)
+
+    async def _attend_batch(self, client: AsyncClient, items: list) -> list:
+        """One batched step, sent as several requests of at most BATCH_BYTES of
+        arrays each when it is larger (a 32-session prefill chunk of 256 rows at
+        32/8 heads of 128 is ~200 MB, past any body limit), concurrently."""
+        per_item = max(1, sum(a.nbytes for a in (items[0].q, items[0].k, items[0].v) if a is not None))
+        size = max(1, BATCH_BYTES // per_item)
+        parts = [items[i:i + size] for i in range(0, len(items), size)]
+        outs = await asyncio.gather(*(client.attend_batch(p) for p in parts))
+        return [o for part in outs for o in part]
 
     def _rows(self, rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
         return rng.standard_normal((n, heads, self.cfg.head_dim), dtype=np.float32)

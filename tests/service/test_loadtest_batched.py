@@ -41,3 +41,37 @@ def test_batched_mode_refuses_open_loop(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--batched", "--mode", "open",
                         "--rate", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--batched runs a closed loop" in r.stderr
+
+
+def test_a_large_step_is_split_and_keeps_item_order(server, rng):
+    import asyncio
+    import importlib.util
+
+    import numpy as np
+
+    from attnserve_client import AsyncClient, AttendItem
+
+    spec = importlib.util.spec_from_file_location("lt_split", ROOT / "loadtest" / "loadtest.py")
+    lt = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = lt
+    spec.loader.exec_module(lt)
+    lt.BATCH_BYTES = 2 * 4 * 4 * 8 * 3  # two items' arrays per request
+
+    async def main():
+        async with AsyncClient(server.url) as client:
+            sessions = [await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=8) for _ in range(5)]
+            items = [AttendItem(s, 0, rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 2, 8)),
+                                rng.standard_normal((1, 2, 8))) for s in sessions]
+            test = lt.LoadTest.__new__(lt.LoadTest)
+            outs = await test._attend_batch(client, items)
+            singles = []
+            for s, it in zip(sessions, items):
+                singles.append(await s.attend(0, it.q))
+                await s.delete()
+            return outs, singles
+
+    outs, singles = asyncio.run(main())
+    assert len(outs) == 5
+    for out, single in zip(outs, singles):
+        # the same query over the same single timestep: the same value row
+        assert np.allclose(out, single, atol=1e-6)
