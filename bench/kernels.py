@@ -76,7 +76,7 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
         def job(ctx):
             import wgpu
 
-            batch = Batch(ctx.device, ctx.pipelines, engine.worker._arenas, ctx.offset_align)
+            batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align)
             q_seg = batch.upload(q)
             # a buffer of its own: no readback of the whole output per timing
             out = ctx.device.create_buffer(size=q.nbytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)

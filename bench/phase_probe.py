@@ -80,7 +80,7 @@ for fmt in ("f32", "turboquant"):
             Batch.dispatch = dispatch
 
             def job(ctx, iters=200):
-                batch = Batch(ctx.device, ctx.pipelines, eng.worker._arenas, ctx.offset_align)
+                batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align)
                 qs = batch.upload(q)
                 for _ in range(iters):
                     layer.plan_attend_rows(batch, qs, q.shape, out=batch.scratch(q.nbytes), length=CTX,

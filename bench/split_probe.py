@@ -60,7 +60,7 @@ H, HKV, D = 32, 8, 128
 
 def time_plan(plan_fn, iters=200):
     def job(ctx):
-        batch = Batch(ctx.device, ctx.pipelines, eng.worker._arenas, ctx.offset_align)
+        batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align)
         for _ in range(iters):
             plan_fn(batch)
         sync = batch.output(4)

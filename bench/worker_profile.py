@@ -47,7 +47,7 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int) ->
         engine.append(s.layers[0], k, k).result()
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
-    arenas = engine.worker._arenas  # noqa: SLF001 - a measurement of the worker's own path
+    arenas = engine.worker.arenas
 
     def step(prof: cProfile.Profile | None) -> tuple[float, float, float]:
         t0 = time.perf_counter()

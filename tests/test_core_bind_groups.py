@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("fmt", ["f32", "turboquant"])
 def test_decode_loop_reuses_bind_groups_and_stays_exact(engine, rng, fmt):
-    arenas = engine.worker._arenas  # noqa: SLF001 - the worker's own cache is what is checked
+    arenas = engine.worker.arenas
     h, hkv, d = 4, 2, 32
     kv = session(fmt, h, hkv, d, max_tokens=4096)
     layer = kv.layers[0]
@@ -55,11 +55,11 @@ def test_decode_loop_reuses_bind_groups_and_stays_exact(engine, rng, fmt):
 
 
 def test_the_cache_is_bounded(engine, rng, monkeypatch):
-    arenas = engine.worker._arenas  # noqa: SLF001
+    arenas = engine.worker.arenas
     monkeypatch.setattr(type(arenas), "BIND_GROUPS", 4)
     kv = session("f32", 2, 1, 8)
     engine.append(kv.layers[0], rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)).result()
     for n in range(1, 4):  # different query row counts: different arena offsets
         engine.attend(kv.layers[0], rows(rng, n, 2, 8)).result()
-    assert len(arenas._bind_groups) <= 4  # noqa: SLF001
+    assert arenas.cached_bind_groups <= 4
     engine.release(kv).result()

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -33,9 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.routing import Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from attnserve_client.wire import PROBLEM_JSON
 
@@ -46,30 +41,22 @@ from .config import Settings, get_settings
 from .engine import Engine
 from .errors import (
     ApiError,
-    InternalError,
     InvalidRequest,
     LayerNotFound,
     MethodNotAllowed,
-    NotReady,
-    RequestTimeout,
     RouteNotFound,
-    Unauthorized,
 )
 from .gpu.device import DeviceError
-from .kvcache import KV_FORMATS
-from .metrics import Gauge
 from .persistence import SnapshotDir
 from .routes import batch, kv, probes, sessions, snapshots, stream
-from .routes.deps import OWNER_KEY, RequestState, Runtime, current_request
+from .middleware import PROBLEM_KEY, RequestMiddleware
+from .runtime import Runtime, install_gauges
 from .routes.schemas import COMPONENTS
 
 __all__ = ["create_app", "open_engine"]
 
 log = logging.getLogger("attnserve")
-access_log = logging.getLogger("attnserve.access")
 
-_PROBLEM_KEY = "attnserve.problem"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 DESCRIPTION = """\
 Attention served over HTTP: per-session KV caches (float32 or TurboQuant) on a
@@ -126,7 +113,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 await asyncio.to_thread(eng.close)
             raise
         rt.ready = True
-        log.info("ready", extra={"adapter": eng.ctx.describe(), "version": __version__,
+        log.info("ready", extra={"adapter": eng.describe(), "version": __version__,
                                  "api_keys": len(rt.keys), "sessions": len(rt.store)})
         try:
             yield
@@ -178,7 +165,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(snapshots.router)
     app.include_router(probes.router)
     _install_error_handlers(app)
-    _install_gauges(rt)
+    install_gauges(rt)
     app.add_middleware(RequestMiddleware, runtime=rt)
     # outermost: names the replica on every answer, problems included
     app.add_middleware(InstanceHeaderMiddleware, name=settings.instance_name)
@@ -217,7 +204,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
 
 def _problem(request: Request, err: ApiError):
-    request.scope[_PROBLEM_KEY] = err.slug
+    request.scope[PROBLEM_KEY] = err.slug
     return problem_response(err, request.url.path)
 
 
@@ -265,204 +252,3 @@ def _allowed_methods(request: Request) -> list[str]:
         if any(route.matches(scope)[0] == Match.FULL for route in request.app.routes):
             methods.append(method)
     return methods
-
-
-# ── metrics that describe state (computed when scraped) ─────────────────────
-
-
-def _install_gauges(rt: Runtime) -> None:
-    m = rt.metrics
-
-    def by_format(i: int):
-        counts = rt.store.by_format()
-        return [((fmt,), counts.get(fmt, (0, 0))[i]) for fmt in KV_FORMATS]
-
-    m.add_gauge(Gauge("attnserve_sessions", "Sessions held, by kv format.", ("kv_format",), lambda: by_format(0)))
-    m.add_gauge(Gauge(
-        "attnserve_kv_bytes", "GPU bytes the sessions' caches hold, by kv format.", ("kv_format",),
-        lambda: by_format(1),
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_memory_used_bytes", "GPU bytes held or reserved by queued work (what the budget counts).",
-        fn=lambda: [((), rt.store.used_bytes)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_memory_budget_bytes", "The GPU memory budget (0: none).",
-        fn=lambda: [((), rt.settings.memory_budget_bytes)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_gpu_queue_depth", "Jobs waiting for or running on the GPU thread.",
-        fn=lambda: [((), rt.engine.worker.queue_depth if rt.engine is not None else 0)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_requests_in_flight", "HTTP requests being handled now.", fn=lambda: [((), rt.in_flight)]
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_ready", "1 when the device is open and the server is not draining.",
-        fn=lambda: [((), int(rt.ready and not rt.draining))],
-    ))
-    s = rt.settings
-    m.add_gauge(Gauge(
-        "attnserve_gpu_queue_limit", "Most jobs that may wait for the GPU (503 overloaded past it).",
-        fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
-    ))
-    # The configured limits (0: none), one metric per unit.
-    m.add_gauge(Gauge(
-        "attnserve_limit_sessions", "Configured session limits (0: none), by name.", ("name",),
-        fn=lambda: [(("max_sessions",), s.max_sessions),
-                    (("quota_sessions_per_key",), s.quota_sessions_per_key)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_limit_bytes", "Configured byte limits (0: none), by name.", ("name",),
-        fn=lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_limit_seconds", "Configured time limits (0: none), by name.", ("name",),
-        fn=lambda: [(("request_timeout",), s.request_timeout_s),
-                    (("session_ttl",), s.session_ttl_seconds)],
-    ))
-
-    def tenants(i: int):
-        return [((owner or "",), v[i]) for owner, v in rt.store.by_tenant().items()]
-
-    m.add_gauge(Gauge(
-        "attnserve_tenant_sessions", "Sessions each tenant holds (tenant: its API key id; empty without keys).",
-        ("tenant",), lambda: tenants(0),
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_tenant_bytes", "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
-        ("tenant",), lambda: tenants(1),
-    ))
-
-    def info():
-        d = rt.engine.ctx.describe() if rt.engine is not None else {}
-        return [((__version__, d.get("name", ""), d.get("backend", "")), 1)]
-
-    m.add_gauge(Gauge("attnserve_build_info", "Version and GPU adapter.", ("version", "adapter", "backend"), info))
-
-
-# ── per-request middleware: access log, metrics, drain, last-resort 500 ─────
-
-
-class RequestMiddleware:
-    """Pure ASGI middleware (no body buffering): times every request, logs one
-    structured line, counts it, refuses new /v1 work while draining, checks the
-    API key, answers a request whose GPU job timed out in the queue with 503
-    timeout, and turns an unexpected exception into a 500 problem."""
-
-    def __init__(self, app: ASGIApp, runtime: Runtime):
-        self.app = app
-        self.rt = runtime
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rt = self.rt
-        t0 = time.perf_counter()
-        path: str = scope.get("path", "")
-        method: str = scope.get("method", "")
-        rid = _request_id(scope)
-        state = {"status": 0, "started": False, "bytes": 0}
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-                state["started"] = True
-                message = dict(message)
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-            elif message["type"] == "http.response.body":
-                state["bytes"] += len(message.get("body", b""))
-            await send(message)
-
-        async def answer(err: ApiError) -> None:
-            scope[_PROBLEM_KEY] = err.slug
-            await problem_response(err, path)(scope, receive, send_wrapper)
-
-        req = RequestState()
-        token = current_request.set(req)
-        rt.request_started()
-        try:
-            v1 = path == "/v1" or path.startswith("/v1/")
-            if rt.draining and v1:
-                await answer(NotReady("the server is draining", headers={"Retry-After": "1"}))
-            elif rt.keys.enabled and (v1 or (path == "/metrics" and rt.settings.metrics_auth)):
-                try:
-                    scope[OWNER_KEY] = rt.keys.authenticate(_header(scope, b"authorization"))
-                except Unauthorized as e:
-                    rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
-                    await answer(e)
-                else:
-                    await self.app(scope, receive, send_wrapper)
-            else:
-                await self.app(scope, receive, send_wrapper)
-        except asyncio.CancelledError:
-            if not req.timed_out or state["started"]:
-                raise
-            # our request timeout cancelled the queued GPU job: nothing was applied
-            await answer(RequestTimeout(
-                f"the request waited more than {rt.settings.request_timeout_s:g} s for the GPU and was "
-                "dropped; nothing was applied, so it is safe to retry",
-                headers={"Retry-After": "1"},
-            ))
-        except ClientDisconnect:
-            if not state["started"]:
-                state["status"] = 499
-        except Exception:
-            log.exception("unhandled error", extra={"request_id": rid, "method": method, "path": path})
-            if not state["started"]:
-                scope[_PROBLEM_KEY] = InternalError.slug
-                resp = problem_response(
-                    InternalError(f"an internal error occurred (request id {rid}); it was logged"), path
-                )
-                await resp(scope, receive, send_wrapper)
-        finally:
-            current_request.reset(token)
-            rt.request_finished()
-            dt = time.perf_counter() - t0
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            status = state["status"] or 500
-            rt.metrics.observe_request(template, method, status, dt)
-            slug = scope.get(_PROBLEM_KEY)
-            if slug:
-                rt.metrics.errors.inc(slug)
-            params = scope.get("path_params") or {}
-            fields: dict[str, Any] = {
-                "method": method,
-                "route": template,
-                "path": path,
-                "status": status,
-                "latency_ms": round(dt * 1000, 3),
-                "request_id": rid,
-                "bytes_out": state["bytes"],
-            }
-            if "session_id" in params:
-                fields["session_id"] = params["session_id"]
-            if "layer" in params:
-                fields["layer"] = params["layer"]
-            if scope.get(OWNER_KEY):
-                fields["tenant"] = scope[OWNER_KEY]
-            if slug:
-                fields["problem"] = slug
-            access_log.info("request", extra=fields)
-
-
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    for k, v in scope.get("headers", ()):
-        if k == name:
-            return v
-    return None
-
-
-def _request_id(scope: Scope) -> str:
-    for k, v in scope.get("headers", ()):
-        if k == b"x-request-id":
-            try:
-                s = v.decode("ascii")
-            except UnicodeDecodeError:
-                break
-            if _REQUEST_ID.fullmatch(s):
-                return s
-            break
-    return uuid.uuid4().hex[:16]

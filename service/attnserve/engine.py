@@ -18,8 +18,11 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
+from .gpu.kernels import rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
+from .turboquant import MAX_NORM, largest_norm
 
 __all__ = ["Engine", "AttendResult"]
 
@@ -61,6 +64,17 @@ class Engine:
     def close(self) -> None:
         self.worker.stop()
 
+    # ── the device ──────────────────────────────────────────────────────────
+
+    def describe(self) -> dict:
+        """The adapter: name, backend, type, vendor, binding limits."""
+        return self.ctx.describe()
+
+    @property
+    def max_binding(self) -> int:
+        """Largest buffer binding the adapter allows (bytes)."""
+        return self.ctx.max_binding
+
     # ── limits ──────────────────────────────────────────────────────────────
 
     def max_tokens_limit(self, kv_format: str, num_kv_heads: int, head_dim: int) -> int:
@@ -69,6 +83,48 @@ class Engine:
         per_token = max(probe.layers[0].buffer_bytes(1))
         limit = min(self.ctx.max_binding, int(self.ctx.limits.get("max-buffer-size", self.ctx.max_binding)))
         return limit // per_token
+
+    # ── request checks (InvalidRequest, before anything is queued) ───────────
+
+    def check_kv_rows(self, config: SessionConfig, k: np.ndarray, v: np.ndarray) -> int:
+        """``k, v`` fit a session of ``config`` and this adapter; returns their rows."""
+        want = (config.num_kv_heads, config.head_dim)
+        if k.shape[0] < 1 or k.shape[1:] != want:
+            raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
+        if v.shape != k.shape:
+            raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+        if config.kv_format == "turboquant":
+            # a norm past float16's range would be stored as inf and turn the layer's answers into NaN
+            for name, a in (("k", k), ("v", v)):
+                norm, (i, h) = largest_norm(a)
+                if not norm <= MAX_NORM:
+                    raise InvalidRequest(
+                        f"{name}[{i}, {h}]: norm {norm:.6g} is over {MAX_NORM:g}, the largest norm "
+                        "turboquant stores (float16); scale the rows down"
+                    )
+        limit = self.ctx.max_binding
+        if k.nbytes > limit:
+            rows = limit // (k.nbytes // k.shape[0])
+            raise InvalidRequest(
+                f"k, v: {k.shape[0]} rows are more than this adapter takes in one request (at most {rows}); "
+                "split the append"
+            )
+        return k.shape[0]
+
+    def check_query_rows(self, config: SessionConfig, q: np.ndarray) -> int:
+        """``q`` fits a session of ``config`` and this adapter; returns its rows."""
+        want = (config.num_qo_heads, config.head_dim)
+        if q.shape[0] < 1 or q.shape[1:] != want:
+            raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
+        n = q.shape[0]
+        need = max(q.nbytes, rotated_q_bytes(n, *want) if config.kv_format == "turboquant" else 0)
+        limit = self.ctx.max_binding
+        if need > limit:
+            rows = limit // (need // n)
+            raise InvalidRequest(
+                f"q: {n} rows are more than this adapter takes in one request (at most {rows}); split the attend"
+            )
+        return n
 
     # ── jobs ────────────────────────────────────────────────────────────────
 

@@ -55,12 +55,12 @@ except ImportError:  # Windows: no flock; msvcrt locks a byte range instead
 
 from .errors import InvalidSnapshot, OutOfMemory, SessionExists
 from .kvcache import SessionKV
-from .routes.snapshots import _parse_blob, build_blob
+from .snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from .store import SESSION_ID_RE, Session
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
-    from .routes.deps import Runtime
+    from .runtime import Runtime
 
 __all__ = ["SnapshotDir", "FILE_FORMAT", "FILE_VERSION", "SUFFIX", "encode_file", "decode_file"]
 
@@ -214,7 +214,7 @@ class SnapshotDir:
             data = await asyncio.to_thread(path.read_bytes)
             sid, owner, blob = await asyncio.to_thread(decode_file, data)
             del data
-            config, layers = await asyncio.to_thread(_parse_blob, blob, max(blob.nbytes, 1), engine.max_tokens_limit)
+            config, layers = await asyncio.to_thread(parse_blob, blob, max(blob.nbytes, 1), engine.max_tokens_limit)
             del blob
         except InvalidSnapshot as e:
             self._move_aside(path, e.detail)
@@ -223,9 +223,7 @@ class SnapshotDir:
             log.error("cannot read a snapshot file; kept", extra={"file": path.name, "error": str(e)})
             return "skipped"
         kv = SessionKV(config)
-        need = sum(kv.layers[i].bytes_for(cap) for i, (_, cap, _, _) in enumerate(layers) if cap)
-        if any(n for n, _, _, _ in layers):
-            need += kv.signs_bytes()
+        need = restore_bytes(kv, layers)
         try:
             # a session that lived here may exceed a quota lowered since: it is kept (no data is lost)
             hold = store.hold(sid, need, owner, quotas=False)
@@ -234,7 +232,7 @@ class SnapshotDir:
                       extra={"file": path.name, "session_id": sid, "error": e.detail})
             return "skipped"
         try:
-            await asyncio.wrap_future(engine.call(lambda ctx: _load(ctx, kv, layers)))
+            await asyncio.wrap_future(engine.call(lambda ctx: load(ctx, kv, layers)))
         except Exception:
             log.exception("cannot load a snapshot onto the GPU; kept", extra={"file": path.name, "session_id": sid})
             return "skipped"
@@ -291,16 +289,7 @@ class SnapshotDir:
         return counts
 
     async def save(self, session: Session, engine: "Engine") -> Path:
-        kv = session.kv
-
-        def read(ctx) -> list[tuple[int, int, bytes, bytes]]:
-            out = []
-            for layer in kv.layers:
-                kb, vb = layer.read_words(ctx.device)
-                out.append((layer.length, layer.capacity, kb, vb))
-            return out
-
-        layers = await asyncio.wrap_future(engine.call(read))  # after every job queued for it
+        layers = await asyncio.wrap_future(engine.call(read_layers(session.kv)))  # after every job queued for it
         blob = await asyncio.to_thread(build_blob, session.config, layers)
         del layers
         path = self.file_for(session)
@@ -370,15 +359,3 @@ class _Progress:
                 out["eta_seconds"] = round((self.nbytes - self.bytes_done) / rate, 1)
         out.update(seconds=round(dt, 3), bytes_per_second=round(rate))
         return out
-
-
-def _load(ctx: Any, kv: SessionKV, layers: list[tuple[int, int, bytes, bytes]]) -> None:
-    """On the GPU thread: upload a parsed snapshot's caches (as PUT snapshot does)."""
-    try:
-        for layer, (n, cap, kb, vb) in zip(kv.layers, layers):
-            layer.load_words(ctx.device, n, cap, kb, vb)
-        if kv.signs_bytes() and any(n for n, _, _, _ in layers):
-            kv.signs_buffer(ctx.device)
-    except BaseException:
-        kv.release()
-        raise

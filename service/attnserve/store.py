@@ -84,6 +84,10 @@ class Session:
     def touch(self) -> None:
         self.last_used = time.monotonic()
 
+    def cache(self, layer: int) -> LayerCache:
+        """The GPU cache of ``layer`` (what a job plans on)."""
+        return self.kv.layers[layer]
+
     @property
     def kv_format(self) -> str:
         return self.config.kv_format

@@ -155,3 +155,16 @@ def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:
         value_words = head_dim // 16 + 1
         return num_kv_heads * (key_words + value_words) * 4
     raise ValueError(f"unknown kv_format {kv_format!r}")
+
+
+#: The largest row norm turboquant stores: norms are kept as float16.
+MAX_NORM = 65504.0
+
+
+def largest_norm(rows: np.ndarray) -> tuple[float, tuple[int, int]]:
+    """The largest L2 norm of ``rows [n, heads, d]`` (float32 arithmetic: rows under
+    :data:`MAX_NORM` cannot overflow it, and an overflow is inf, which is refused too)
+    and its ``(row, head)``."""
+    norms = np.sqrt(np.einsum("nhd,nhd->nh", rows, rows))
+    i, h = np.unravel_index(int(norms.argmax()), norms.shape)
+    return float(norms[i, h]), (int(i), int(h))

@@ -43,7 +43,7 @@ from schemathesis.specs.openapi import checks
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.transport.serialization import Binary
 
-from attnserve.routes.snapshots import digest
+from attnserve.snapshot_format import digest
 from attnserve_client import wire
 from hard_helpers import OracleSession, ServerProcess
 from svc_helpers import Api, rows

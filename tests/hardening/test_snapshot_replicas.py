@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from attnserve.routes.snapshots import FORMAT, VERSION, digest
+from attnserve.snapshot_format import FORMAT, VERSION, digest
 from attnserve_client import wire
 from hard_helpers import OracleSession, metric_sum
 from svc_helpers import Api, rows

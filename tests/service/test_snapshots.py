@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnserve.routes.snapshots import FORMAT, VERSION, digest
+from attnserve.snapshot_format import FORMAT, VERSION, digest
 from attnserve_client import wire
 from svc_helpers import rows
 

@@ -121,7 +121,7 @@ def test_turboquant_refuses_rows_whose_norm_float16_cannot_hold(server):
             off = 4 * (vecs * (d // 16 + d // 32))  # first norm word: head 0, timestep 0
             kb[off:off + 2] = np.array([np.nan], np.float16).tobytes()
             layer["k"] = bytes(kb)
-            from attnserve.routes.snapshots import digest
+            from attnserve.snapshot_format import digest
             blob["checksum"] = digest(blob["format"], blob["version"], blob["config"], blob["layers"])
             r = httpx.put(f"{server.url}/v1/sessions/nan-norms/snapshot", content=wire.packb(blob),
                           headers={"content-type": wire.MSGPACK})

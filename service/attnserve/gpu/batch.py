@@ -77,6 +77,10 @@ class Arenas:
         self.bind_group_hits = 0
         self.bind_group_misses = 0
 
+    @property
+    def cached_bind_groups(self) -> int:
+        return len(self._bind_groups)
+
     def bind_group(self, layout: wgpu.GPUBindGroupLayout,
                    entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]) -> wgpu.GPUBindGroup:
         """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,

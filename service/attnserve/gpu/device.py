@@ -215,7 +215,7 @@ class GpuWorker:
         self.max_queue = max_queue
         self.on_batch = on_batch
         self.on_job_start = on_job_start
-        self._arenas = Arenas(ctx.device)
+        self.arenas = Arenas(ctx.device)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -351,7 +351,7 @@ class GpuWorker:
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         t0 = time.perf_counter()
-        batch = Batch(self.ctx.device, self.ctx.pipelines, self._arenas, self.ctx.offset_align)
+        batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align)
         planned: list[tuple[_Job, Callable]] = []
         # An arena is bound whole-or-in-part, so a coalesced batch must keep each
         # arena within the binding limit: a job that would pass it goes back to

@@ -1,33 +1,22 @@
-"""The app's runtime state and the typed dependencies every router shares.
+"""The typed dependencies every router shares.
 
-``Runtime`` holds what lives as long as the app: settings, the session store,
-metrics, the engine once the device is open, and the ready/draining flags.
-Routes get it, and everything derived from it, through ``Annotated`` dependencies
-(``RuntimeDep``, ``WireDep``, ``EngineDep``, ``OwnerDep``, ``SessionDep``), so a
-test swaps one function to change behaviour everywhere.
-
-The owner (tenant) of a request is the key id the app's middleware found for its
-bearer token (``None`` without API keys). Request timeouts are armed in
-:meth:`Runtime.track`: see there.
+Routes get the app's :class:`~attnserve.runtime.Runtime`, and everything derived
+from it, through ``Annotated`` dependencies (``RuntimeDep``, ``WireDep``,
+``EngineDep``, ``OwnerDep``, ``SessionDep``), so a test swaps one function to
+change behaviour everywhere.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import logging
-from concurrent.futures import Future
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Optional
 
 from fastapi import Depends, Path, Request
 
-from ..auth import KeyRing
-from ..codec import Wire, negotiate, offload
-from ..config import Settings
+from ..codec import Wire, negotiate
 from ..engine import Engine
 from ..errors import NotReady
-from ..metrics import Metrics
-from ..store import Reservation, Session, Store
+from ..runtime import OWNER_KEY, Runtime
+from ..store import Session
 
 __all__ = [
     "Runtime",
@@ -44,194 +33,7 @@ __all__ = [
     "SessionDep",
     "SessionIdPath",
     "LayerPath",
-    "RequestState",
-    "OWNER_KEY",
-    "current_request",
 ]
-
-log = logging.getLogger("attnserve")
-
-OWNER_KEY = "attnserve.owner"  # the request's owner (key id), in the ASGI scope
-
-
-class RequestState:
-    """Per-request facts the middleware needs back from deeper code."""
-
-    __slots__ = ("timed_out",)
-
-    def __init__(self) -> None:
-        self.timed_out = False
-
-
-current_request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
-    "attnserve_request", default=None
-)
-
-
-class Runtime:
-    def __init__(self, settings: Settings, engine: Engine | None = None):
-        self.settings = settings
-        self.metrics = Metrics()
-        self.keys = KeyRing(settings.api_key_list())
-        self.store = Store(
-            max_sessions=settings.max_sessions,
-            memory_budget_bytes=settings.memory_budget_bytes,
-            quota_sessions_per_key=settings.quota_sessions_per_key,
-            quota_bytes_per_key=settings.quota_bytes_per_key,
-            on_quota=self.metrics.quota_rejections.inc,
-        )
-        for reason in ("missing", "invalid"):
-            self.metrics.auth_failures.inc(reason, amount=0)
-        for quota in ("sessions", "bytes"):
-            self.metrics.quota_rejections.inc(quota, amount=0)
-        self.persistence: Any = None  # a persistence.SnapshotDir when snapshot_dir is set
-        self.engine: Engine | None = engine
-        self.ready = False
-        self.draining = False
-        self.in_flight = 0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._idle: asyncio.Event | None = None
-
-    # ── lifecycle ───────────────────────────────────────────────────────────
-
-    def begin_drain(self) -> None:
-        """Stop being ready: /readyz answers 503 and new /v1 requests are refused."""
-        if not self.draining:
-            log.info("draining", extra={"in_flight": self.in_flight})
-        self.draining = True
-
-    def request_started(self) -> None:
-        self.in_flight += 1
-
-    def request_finished(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0 and self._idle is not None:
-            self._idle.set()
-
-    async def wait_idle(self, timeout: float, *, leave: int = 0) -> bool:
-        """Wait until at most ``leave`` requests are in flight; False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.in_flight > leave:
-            self._idle = asyncio.Event()
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._idle.wait(), min(left, 0.05))
-            except asyncio.TimeoutError:
-                pass
-        return True
-
-    # ── sessions ────────────────────────────────────────────────────────────
-
-    def drop_session(self, session: Session, engine: Engine) -> Future:
-        """Delete a session: queue the release of its GPU memory (after its jobs),
-        drop it from the store and its snapshot file from the snapshot directory.
-        Returns the release's future. Raises Overloaded (queue full): nothing changed."""
-        fut = engine.release(session.kv)
-        freed = self.store.remove(session)
-        loop = self.loop or asyncio.get_running_loop()
-
-        def released(_f: Future) -> None:
-            try:
-                loop.call_soon_threadsafe(self.store.released, freed)
-            except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
-                pass
-
-        fut.add_done_callback(released)
-        if self.persistence is not None:
-            self.persistence.forget(session)
-        return fut
-
-    async def expire_idle(self) -> None:
-        """Background task: delete sessions idle for ``session_ttl_seconds``."""
-        ttl = self.settings.session_ttl_seconds
-        interval = min(max(ttl / 4, 0.05), 5.0)
-        while True:
-            await asyncio.sleep(interval)
-            engine = self.engine
-            if engine is None or self.draining:
-                continue
-            for session in self.store.idle(ttl):
-                try:
-                    self.drop_session(session, engine)
-                except Exception as e:  # Overloaded: the queue is full; try again next round
-                    log.warning("cannot expire a session yet", extra={"session_id": session.id, "error": str(e)})
-                    continue
-                self.metrics.expired.inc()
-                log.info("session expired", extra={"session_id": session.id, "tenant": session.owner,
-                                                   "idle_s": ttl})
-
-    # ── work ────────────────────────────────────────────────────────────────
-
-    async def offload(self, fn: Callable[..., Any], *args: Any, size: int) -> Any:
-        return await offload(fn, *args, size=size, threshold=self.settings.offload_bytes)
-
-    def track(self, fut: Future, res: Reservation) -> None:
-        """Settle ``res`` in the store on the event loop as soon as ``fut`` is done
-        (independently of the request that queued it), and arm the request timeout.
-
-        Timeout (``request_timeout_s``): it bounds the wait in the GPU queue. When it
-        passes and the job has not started, the job is cancelled (the GPU thread
-        skips it: nothing is applied) if that changes nothing another queued job was
-        checked against: an attend without an append always, an append only when it
-        is the last job queued for its layer; otherwise the check repeats shortly
-        (jobs queued after it time out first, from the tail). A cancelled job's
-        request answers ``503 timeout`` with ``Retry-After``; a job that has started
-        always completes, and its request answers normally.
-        """
-        self.store.commit(res)
-        self.watch(fut, res)
-
-    def watch(self, fut: Future, res: Reservation) -> None:
-        """:meth:`track` for a reservation already committed (a batched step commits
-        each item as it is checked, so later items see it, and queues them together)."""
-        loop = self.loop or asyncio.get_running_loop()
-        cancelling = False
-        timer: asyncio.TimerHandle | None = None
-
-        def settle(err: BaseException | None) -> None:  # on the event loop
-            if timer is not None:
-                timer.cancel()  # drops the closure (and the job's result) at once, not after the timeout
-            self.store.finish(res, err)
-
-        def done(f: Future) -> None:
-            err: BaseException | None
-            err = asyncio.CancelledError() if f.cancelled() else f.exception()
-            if cancelling and f.cancelled():  # our cancel, on the event loop: settle now, before any other check
-                settle(err)
-                return
-            try:
-                loop.call_soon_threadsafe(settle, err)
-            except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
-                pass
-
-        timeout = self.settings.request_timeout_s
-        if timeout > 0:
-            state = current_request.get()
-
-            def expire() -> None:
-                nonlocal cancelling, timer
-                timer = None
-                if fut.done() or fut.running():
-                    return
-                if not self.store.cancellable(res):
-                    timer = loop.call_later(min(0.05, timeout), expire)
-                    return
-                cancelling = True
-                try:
-                    cancelled = fut.cancel()  # False once the GPU thread has started it
-                finally:
-                    cancelling = False
-                if cancelled:
-                    if state is not None:
-                        state.timed_out = True
-                    self.metrics.timeouts.inc()
-
-            timer = loop.call_later(timeout, expire)
-
-        fut.add_done_callback(done)
 
 
 # ── dependencies ─────────────────────────────────────────────────────────────

@@ -29,7 +29,6 @@ from ..codec import Fields, MediaKind, array_out, decode_document
 from ..engine import Engine
 from ..errors import InvalidRequest, LayerNotFound
 from ..gpu.device import PlanFn
-from ..gpu.kernels import rotated_q_bytes
 from ..store import Reservation, Session
 from .deps import Runtime
 
@@ -54,7 +53,6 @@ __all__ = [
 APPEND_FIELDS = ("k", "v", "offset")
 ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale")
 F32_MAX = float(np.finfo(np.float32).max)
-F16_MAX = 65504.0  # the largest finite float16
 
 
 @dataclass(frozen=True)
@@ -124,52 +122,6 @@ def layer_index(session: Session, layer: int) -> int:
     return layer
 
 
-def _check_kv(session: Session, engine: Engine, k: np.ndarray, v: np.ndarray) -> int:
-    c = session.config
-    want = (c.num_kv_heads, c.head_dim)
-    if k.shape[0] < 1 or k.shape[1:] != want:
-        raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
-    if v.shape != k.shape:
-        raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
-    if c.kv_format == "turboquant":
-        # TurboQuant keeps each row's norm as float16: a larger one would be stored
-        # as inf and turn that layer's answers into NaN.
-        for name, a in (("k", k), ("v", v)):
-            # float32 is enough: rows under the limit cannot overflow it, and an
-            # overflow is inf, which the check refuses (no float64 copy of the body)
-            norms = np.sqrt(np.einsum("nhd,nhd->nh", a, a))
-            if norms.max() > F16_MAX:
-                i, h = np.unravel_index(int(norms.argmax()), norms.shape)
-                raise InvalidRequest(
-                    f"{name}[{i}, {h}]: norm {norms[i, h]:.6g} is over {F16_MAX:g}, the largest norm "
-                    "turboquant stores (float16); scale the rows down"
-                )
-    limit = engine.ctx.max_binding
-    if k.nbytes > limit:
-        rows = limit // (k.nbytes // k.shape[0])
-        raise InvalidRequest(
-            f"k, v: {k.shape[0]} rows are more than this adapter takes in one request (at most {rows}); "
-            "split the append"
-        )
-    return k.shape[0]
-
-
-def _check_q(session: Session, engine: Engine, q: np.ndarray) -> int:
-    c = session.config
-    want = (c.num_qo_heads, c.head_dim)
-    if q.shape[0] < 1 or q.shape[1:] != want:
-        raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
-    n = q.shape[0]
-    need = max(q.nbytes, rotated_q_bytes(n, *want) if c.kv_format == "turboquant" else 0)
-    limit = engine.ctx.max_binding
-    if need > limit:
-        rows = limit // (need // n)
-        raise InvalidRequest(
-            f"q: {n} rows are more than this adapter takes in one request (at most {rows}); split the attend"
-        )
-    return n
-
-
 @dataclass(eq=False)
 class Checked:
     """One operation that passed every check: its GPU job (not queued yet), its
@@ -183,18 +135,18 @@ class Checked:
 
 
 def check_append(rt: Runtime, engine: Engine, session: Session, li: int, req: AppendRequest) -> Checked:
-    rows = _check_kv(session, engine, req.k, req.v)
+    rows = engine.check_kv_rows(session.config, req.k, req.v)
     res = rt.store.plan_append(session, li, rows, req.offset)
     rt.store.check_budget(res)
-    plan = engine.plan_append(session.kv.layers[li], req.k, req.v)
+    plan = engine.plan_append(session.cache(li), req.k, req.v)
     return Checked(plan, res, session.kv_format, rows, 0)
 
 
 def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: AttendRequest) -> Checked:
-    n = _check_q(session, engine, req.q)
+    n = engine.check_query_rows(session.config, req.q)
     rows = 0
     if req.k is not None:
-        rows = _check_kv(session, engine, req.k, req.v)
+        rows = engine.check_kv_rows(session.config, req.k, req.v)
         res = rt.store.plan_append(session, li, rows, req.offset)
     else:
         res = rt.store.plan_read(session, li, req.offset)
@@ -210,7 +162,7 @@ def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: At
         raise InvalidRequest(detail, length=length)
     rt.store.check_budget(res)
     plan = engine.plan_attend(
-        session.kv.layers[li], req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
+        session.cache(li), req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
     )
     return Checked(plan, res, session.kv_format, rows, n)
 

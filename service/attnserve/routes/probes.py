@@ -14,10 +14,10 @@ from ..codec import respond
 from ..errors import NotReady
 from ..kvcache import KV_FORMATS
 from ..metrics import CONTENT_TYPE
+from ..session_spec import MAX_LAYERS, MAX_QO_HEADS
 from ..turboquant import SUPPORTED_HEAD_DIMS
 from .deps import OwnerDep, Runtime, RuntimeDep, WireDep
 from .schemas import ok, problems
-from .sessions import MAX_LAYERS, MAX_QO_HEADS
 
 __all__ = ["router", "API_VERSION"]
 
@@ -63,7 +63,7 @@ async def metrics(rt: RuntimeDep) -> Response:
 def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
     s = rt.settings
     eng = rt.engine
-    adapter = eng.ctx.describe() if eng is not None else None
+    adapter = eng.describe() if eng is not None else None
     return {
         "name": "attnserve",
         "version": __version__,
@@ -80,7 +80,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
             "default_max_tokens": s.default_max_tokens,
             "max_layers": MAX_LAYERS,
             "max_qo_heads": MAX_QO_HEADS,
-            "max_binding_bytes": eng.ctx.max_binding if eng is not None else None,
+            "max_binding_bytes": eng.max_binding if eng is not None else None,
             "max_queue": s.max_queue,
             "max_batch_jobs": s.max_batch_jobs,
             "max_batch_items": s.max_batch_items,

@@ -38,7 +38,8 @@ from ..codec import Fields, MediaKind, decode_document, encode
 from ..errors import ApiError, InternalError, InvalidRequest, Unauthorized
 from ..store import Owner
 from .batch import BATCH_ITEM_FIELDS, count_errors, finish_batch, parse_items, queue_batch, results_document, settled
-from .deps import OWNER_KEY, Runtime, ready_engine
+from ..runtime import OWNER_KEY, Runtime
+from .deps import ready_engine
 from .operations import (
     APPEND_FIELDS,
     append_fields,
