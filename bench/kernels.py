@@ -76,7 +76,7 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
         def job(ctx):
             import wgpu
 
-            batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align)
+            batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align, engine.policy)
             q_seg = batch.upload(q)
             # a buffer of its own: no readback of the whole output per timing
             out = ctx.device.create_buffer(size=q.nbytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
@@ -212,18 +212,20 @@ def main(argv=None) -> int:
     ap.add_argument("--subgroups", choices=["auto", "on", "off"], default="auto",
                     help="split-KV kernel variant (auto: the policy's default for this device)")
     ap.add_argument("--target-workgroups", type=int, help="split sizing (default: the policy's)")
-    ap.add_argument("--prefill-f32", choices=["tiled", "rb"], default=K.POLICY.prefill_f32,
+    ap.add_argument("--prefill-f32", choices=["tiled", "rb"], default=K.KernelPolicy.prefill_f32,
                     help="f32 query-block prefill kernel: attention_prefill_tiled or attention_prefill_rb")
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
     prefill = ((64, 64), (16, 256)) if args.quick else PREFILL_SHAPES
-    K.POLICY.force = None if args.path == "auto" else args.path
-    K.POLICY.subgroups = {"auto": K.POLICY.subgroups, "on": True, "off": False}[args.subgroups]
-    if args.target_workgroups:
-        K.POLICY.target_workgroups = args.target_workgroups
-    K.POLICY.prefill_f32 = args.prefill_f32
-    engine = Engine.open(args.adapter)
+    default = K.KernelPolicy()
+    policy = K.KernelPolicy(
+        force=None if args.path == "auto" else args.path,
+        subgroups={"auto": default.subgroups, "on": True, "off": False}[args.subgroups],
+        target_workgroups=args.target_workgroups or default.target_workgroups,
+        prefill_f32=args.prefill_f32,
+    )
+    engine = Engine.open(args.adapter, policy=policy)
     rng = np.random.default_rng(0)
     gpu, driver = gpu_description(engine)
     cgbps, cmethod = copy_gbps(engine)
@@ -250,10 +252,10 @@ def main(argv=None) -> int:
             tf32, tbf16 = torch_cache[key]
             nbytes = ctx_len * bytes_per_token(fmt, HKV, D) + n * H * D * 4
             gbps = nbytes / (ms / 1e3) / 1e9
-            path = K.POLICY.path(fmt, n, H, HKV, D)
-            if path == "split" and K.POLICY.use_subgroups(engine.ctx):
+            path = policy.path(fmt, n, H, HKV, D)
+            if path == "split" and policy.use_subgroups(engine.ctx):
                 path = "split-sg"
-            if path == "tiled" and fmt == "f32" and K.POLICY.prefill_f32 == "rb":
+            if path == "tiled" and fmt == "f32" and policy.prefill_f32 == "rb":
                 path = "tiled-rb"
             row = {
                 "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n, "path": path,

@@ -53,7 +53,7 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int) ->
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        batch = Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align)
+        batch = Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align, engine.policy)
         finishes = [engine.plan_attend(s.layers[0], q, k=k1, v=k1)(batch) for s in sessions]
         t1 = time.perf_counter()
         encoded = batch.encode()

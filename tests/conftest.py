@@ -57,23 +57,22 @@ def kernel_path(request, engine):
     default, register-prefetch and generic-pipeline variants), and the
     single-pass seed-derived kernels. The subgroup
     variants need the device feature, which lavapipe has: in CI they never skip."""
-    from attnserve.gpu import kernels
+    import dataclasses
 
     p = request.param
     if "sg" in p and "subgroup" not in engine.ctx.features:
         no_adapter(f"the adapter has no subgroup feature for {p}")
-    fields = ("force", "target_workgroups", "subgroups", "prefill_f32", "prefill_rb_prefetch",
-              "prefill_rb_specialize")
-    saved = {f: getattr(kernels.POLICY, f) for f in fields}
-    kernels.POLICY.force = "tiled" if p.startswith("tiled") else p if p == "single" else "split"
-    kernels.POLICY.subgroups = "sg" in p
-    kernels.POLICY.prefill_f32 = "rb" if p.startswith("tiled-rb") else "tiled"
-    # the register-blocked kernel's variants: register prefetch of the next
-    # chunk, and the generic pipeline (shape from params, no override constants)
-    kernels.POLICY.prefill_rb_prefetch = p == "tiled-rb-prefetch"
-    kernels.POLICY.prefill_rb_specialize = p != "tiled-rb-generic"
-    if p.endswith("long"):
-        kernels.POLICY.target_workgroups = 1
+    saved = engine.policy
+    engine.policy = dataclasses.replace(
+        saved,
+        force="tiled" if p.startswith("tiled") else p if p == "single" else "split",
+        subgroups="sg" in p,
+        prefill_f32="rb" if p.startswith("tiled-rb") else "tiled",
+        # the register-blocked kernel's variants: register prefetch of the next
+        # chunk, and the generic pipeline (shape from params, no override constants)
+        prefill_rb_prefetch=p == "tiled-rb-prefetch",
+        prefill_rb_specialize=p != "tiled-rb-generic",
+        target_workgroups=1 if p.endswith("long") else saved.target_workgroups,
+    )
     yield p
-    for f, v in saved.items():
-        setattr(kernels.POLICY, f, v)
+    engine.policy = saved

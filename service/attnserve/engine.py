@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
-from .gpu.kernels import rotated_q_bytes
+from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .turboquant import MAX_NORM, largest_norm
 
@@ -50,12 +50,23 @@ class AttendResult(tuple):
 
 class Engine:
     def __init__(self, ctx: GpuContext, *, max_batch_jobs: int = 256, max_queue: int = 4096,
+                 policy: KernelPolicy | None = None,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  on_job_start: Callable[[str, float], None] | None = None):
         self.ctx = ctx
         self.worker = GpuWorker(ctx, max_batch_jobs=max_batch_jobs, max_queue=max_queue, on_batch=on_batch,
-                                on_job_start=on_job_start)
+                                on_job_start=on_job_start, policy=policy)
         self.worker.start()
+
+    @property
+    def policy(self) -> KernelPolicy:
+        """Which attention kernels this engine's jobs use (a value; set a new one to
+        change it: every batch planned after that uses it)."""
+        return self.worker.policy
+
+    @policy.setter
+    def policy(self, policy: KernelPolicy) -> None:
+        self.worker.policy = policy
 
     @classmethod
     def open(cls, adapter: str | None = None, **kw) -> "Engine":

@@ -23,13 +23,7 @@ import wgpu
 
 from .gpu.batch import Batch, Seg
 from .gpu import kernels as K
-from .gpu.kernels import (
-    plan_attention_f32,
-    plan_attention_tq,
-    plan_rotate_q,
-    plan_tq_encode,
-    rotated_q_bytes,
-)
+from .gpu.kernels import plan_rotate_q, plan_tq_encode, rotated_q_bytes
 from .turboquant import SUPPORTED_HEAD_DIMS, codebook, session_signs
 
 __all__ = [
@@ -175,7 +169,7 @@ class LayerCache:
                          start_pos: int, causal: bool, scale: float) -> None:
         """Attention for uploaded queries ``q`` of ``shape = (n, H, d)`` over the
         first ``length`` timesteps, into ``out`` (a segment or a buffer); the
-        kernel family is chosen by ``gpu.kernels.POLICY``."""
+        kernel family is chosen by the batch's ``policy`` (``gpu.kernels.KernelPolicy``)."""
         raise NotImplementedError
 
     def read_words(self, device: wgpu.GPUDevice) -> tuple[bytes, bytes]:
@@ -235,12 +229,7 @@ class F32LayerCache(LayerCache):
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         n, h, d = shape
-        plan = {
-            "split": K.plan_attention_split_f32,
-            "tiled": K.plan_attention_prefill_tiled,
-            "single": plan_attention_f32,
-        }[K.POLICY.path(self.kv_format, n, h, self.n_kv_heads, d)]
-        plan(
+        K.plan_attend_f32(
             batch, q=q, k_cache=self.k, v_cache=self.v, out=out, n_queries=n, n_heads=h,
             n_kv_heads=self.n_kv_heads, head_dim=d, length=length, start_pos=start_pos,
             causal=causal, scale=scale,
@@ -313,12 +302,7 @@ class TurboQuantLayerCache(LayerCache):
         signs = self.session.signs_buffer(batch.device)
         qrot = batch.scratch(rotated_q_bytes(n, h, d))
         plan_rotate_q(batch, q=q, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
-        plan = {
-            "split": K.plan_attention_split_tq,
-            "tiled": K.plan_attention_tq_tiled,
-            "single": plan_attention_tq,
-        }[K.POLICY.path(self.kv_format, n, h, self.n_kv_heads, d)]
-        plan(
+        K.plan_attend_turboquant(
             batch, q_rot=qrot, k_cache=self.k, v_cache=self.v, out=out, signs=signs,
             codebook=self.codebook, n_queries=n, n_heads=h, n_kv_heads=self.n_kv_heads, head_dim=d,
             length=length, cache_cap=self.capacity, start_pos=start_pos, causal=causal,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import wgpu
@@ -30,6 +30,10 @@ import wgpu
 from .shaders import PipelineCache
 
 __all__ = ["Seg", "Batch", "Arenas"]
+
+if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other way round
+    from .kernels import KernelPolicy
+
 
 
 @dataclass(frozen=True)
@@ -127,8 +131,10 @@ class Arenas:
 class Batch:
     """Commands of several jobs, planned on the GPU owner thread."""
 
-    def __init__(self, device: wgpu.GPUDevice, pipelines: PipelineCache, arenas: Arenas, align: int):
+    def __init__(self, device: wgpu.GPUDevice, pipelines: PipelineCache, arenas: Arenas, align: int,
+                 policy: "KernelPolicy"):
         self.device = device
+        self.policy = policy  # which kernels the jobs' plans pick (the engine's)
         self.pipelines = pipelines
         self.arenas = arenas
         self.align = max(int(align), 16)

@@ -25,6 +25,7 @@ import wgpu
 
 from ..errors import GpuError, Overloaded
 from .batch import Arenas, Batch
+from .kernels import KernelPolicy
 from .shaders import PipelineCache
 
 __all__ = ["GpuContext", "open_device", "list_adapters", "GpuWorker", "DeviceError"]
@@ -209,6 +210,7 @@ class GpuWorker:
         max_queue: int = 4096,
         on_batch: Callable[[int, int, float], None] | None = None,
         on_job_start: Callable[[str, float], None] | None = None,
+        policy: KernelPolicy | None = None,
     ):
         self.ctx = ctx
         self.max_batch_jobs = max_batch_jobs
@@ -216,6 +218,7 @@ class GpuWorker:
         self.on_batch = on_batch
         self.on_job_start = on_job_start
         self.arenas = Arenas(ctx.device)
+        self.policy = policy if policy is not None else KernelPolicy()  # the engine's; read per batch
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -351,7 +354,7 @@ class GpuWorker:
 
     def _run_batch(self, jobs: list[_Job]) -> None:
         t0 = time.perf_counter()
-        batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align)
+        batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align, self.policy)
         planned: list[tuple[_Job, Callable]] = []
         # An arena is bound whole-or-in-part, so a coalesced batch must keep each
         # arena within the binding limit: a job that would pass it goes back to

@@ -30,7 +30,8 @@ __all__ = [
     "plan_tq_encode",
     "rotated_q_bytes",
     "KernelPolicy",
-    "POLICY",
+    "plan_attend_f32",
+    "plan_attend_turboquant",
     "split_eligible",
     "choose_split",
     "plan_attention_split_f32",
@@ -230,7 +231,7 @@ SPLIT_MAX_SCORES = 2048  # MAX_SCORES: group * split_len
 TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
 
 
-@dataclass
+@dataclass(frozen=True)
 class KernelPolicy:
     """Which attention kernel an attend uses.
 
@@ -276,11 +277,6 @@ class KernelPolicy:
             return self.force
         return "split" if n_queries <= self.split_max_queries else "tiled"
 
-    def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-        return self.path(kv_format, n_queries, n_heads, n_kv_heads, head_dim) == "split"
-
-
-POLICY = KernelPolicy()
 
 
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -292,10 +288,10 @@ def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int)
 
 
 def choose_split(kv_format: str, max_seq: int, n_kv_heads: int, n_queries: int, group: int,
-                 target_workgroups: int | None = None) -> tuple[int, int]:
+                 target_workgroups: int = KernelPolicy.target_workgroups) -> tuple[int, int]:
     """(split_len, n_splits): a power-of-two split so that about
     ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
-    target = target_workgroups or POLICY.target_workgroups
+    target = target_workgroups
     cap = SPLIT_MAX_SCORES // group
     if kv_format == "turboquant":
         cap = min(cap, TQ_MAX_SPLIT)
@@ -337,7 +333,7 @@ def plan_attention_split_f32(
     if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
         raise ValueError("shape not eligible for the split kernel")
     group = n_heads // n_kv_heads
-    split_len, n_splits = choose_split("f32", length, n_kv_heads, n_queries, group)
+    split_len, n_splits = choose_split("f32", length, n_kv_heads, n_queries, group, batch.policy.target_workgroups)
     if n_splits > _limit(batch):
         raise ValueError(f"{n_splits} splits pass the dispatch limit")
     part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
@@ -350,7 +346,7 @@ def plan_attention_split_f32(
                 flags=0 if causal else P.FLAG_NON_CAUSAL, q_total=n_queries,
             )
         )
-        kernel = "attention_split_f32_sg" if POLICY.use_subgroups(batch.device) else "attention_split_f32"
+        kernel = "attention_split_f32_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_f32"
         batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
 
@@ -364,7 +360,8 @@ def plan_attention_split_tq(
     if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
         raise ValueError("shape not eligible for the split kernel")
     group = n_heads // n_kv_heads
-    split_len, n_splits = choose_split("turboquant", length, n_kv_heads, n_queries, group)
+    split_len, n_splits = choose_split("turboquant", length, n_kv_heads, n_queries, group,
+                                       batch.policy.target_workgroups)
     if n_splits > _limit(batch):
         raise ValueError(f"{n_splits} splits pass the dispatch limit")
     part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
@@ -378,7 +375,7 @@ def plan_attention_split_tq(
                 q_base=q_base, cache_cap=cache_cap, flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        kernel = "attention_split_tq_sg" if POLICY.use_subgroups(batch.device) else "attention_split_tq"
+        kernel = "attention_split_tq_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_tq"
         batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
                        constants={"GROUP": group, "HEAD_DIM": head_dim})
     _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
@@ -399,14 +396,14 @@ def plan_attention_prefill_tiled(
     """The f32 query-block prefill: blocks of R / G query rows x the G heads of a
     KV head, with ``attention_prefill_rb`` (64-key tiles, outer-product register
     blocks; its pipeline specialized on G and head_dim unless the policy says
-    otherwise) or ``attention_prefill_tiled``, as ``POLICY.prefill_f32`` says."""
+    otherwise) or ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says."""
     if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
         raise ValueError("shape not eligible for the tiled prefill kernel")
     group = n_heads // n_kv_heads
-    if POLICY.prefill_f32 == "rb":
+    if batch.policy.prefill_f32 == "rb":
         kernel, bq = "attention_prefill_rb", RB_ROWS // group
-        constants = {"PREFETCH": int(bool(POLICY.prefill_rb_prefetch))}
-        if POLICY.prefill_rb_specialize:
+        constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
+        if batch.policy.prefill_rb_specialize:
             constants.update(GROUP=group, HEAD_DIM=head_dim)
     else:
         kernel, bq, constants = "attention_prefill_tiled", TILED_ROWS // group, None
@@ -449,3 +446,29 @@ def plan_attention_tq_tiled(
         )
         batch.dispatch("attention_tq_tiled", {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
                        (-(-rows // bq), n_kv_heads, 1))
+
+
+# ── one planning entry point per kv format ──────────────────────────────────
+
+
+def plan_attend_f32(batch: Batch, **kw) -> None:
+    """f32 attention with the kernel family ``batch.policy`` picks for the shape:
+    split-KV, the query-block tiled prefill, or the single-pass kernel. ``kw``:
+    the arguments of :func:`plan_attention_split_f32`."""
+    plan = {
+        "split": plan_attention_split_f32,
+        "tiled": plan_attention_prefill_tiled,
+        "single": plan_attention_f32,
+    }[batch.policy.path("f32", kw["n_queries"], kw["n_heads"], kw["n_kv_heads"], kw["head_dim"])]
+    plan(batch, **kw)
+
+
+def plan_attend_turboquant(batch: Batch, **kw) -> None:
+    """TurboQuant attention from rotated queries with the kernel family
+    ``batch.policy`` picks. ``kw``: the arguments of :func:`plan_attention_split_tq`."""
+    plan = {
+        "split": plan_attention_split_tq,
+        "tiled": plan_attention_tq_tiled,
+        "single": plan_attention_tq,
+    }[batch.policy.path("turboquant", kw["n_queries"], kw["n_heads"], kw["n_kv_heads"], kw["head_dim"])]
+    plan(batch, **kw)
