@@ -14,7 +14,6 @@ Array layouts (all float32, row-major):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import wgpu
@@ -219,10 +218,6 @@ def plan_tq_encode(
         batch.dispatch(kernel, {0: src, 1: cache, 2: prm, 3: signs}, (n_kv_heads, rows, 1))
 
 
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
-
-
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
 SPLIT_TILE = 32  # the shortest split choose_split makes
@@ -275,9 +270,6 @@ class KernelPolicy:
         if self.force in ("split", "tiled"):
             return self.force
         return "split" if n_queries <= self.split_max_queries else "tiled"
-
-    def use_split(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-        return self.path(kv_format, n_queries, n_heads, n_kv_heads, head_dim) == "split"
 
 
 POLICY = KernelPolicy()
