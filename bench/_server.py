@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "client"))
+sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 from attnserve_client import Client  # noqa: E402
 
+from tools.common import free_port  # noqa: E402
+
 __all__ = ["ROOT", "free_port", "serving"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

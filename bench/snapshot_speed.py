@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,14 +27,10 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client")]
+sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "client")]
 from attnserve_client import Client  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.common import free_port  # noqa: E402
 
 
 def start(env: dict[str, str], log: Path, url: str) -> tuple[subprocess.Popen, float]:

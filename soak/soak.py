@@ -41,7 +41,6 @@ import json
 import math
 import os
 import random
-import re
 import secrets
 import signal
 import socket
@@ -57,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "service", ROOT / "client"):
+for _p in (ROOT, ROOT / "service", ROOT / "client"):
     if _p.is_dir() and str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
@@ -68,22 +67,17 @@ from attnserve import reference as ref  # noqa: E402
 from attnserve.turboquant import codebook, layer_signs  # noqa: E402
 from attnserve_client import wire  # noqa: E402
 
+from tools.common import free_port, metric_sum, parse_prometheus, rel_err  # noqa: E402
+
 F32_TOL = 1e-5  # GPU f32 attention vs the float64 oracle (max abs error / max abs value)
 TQ_TOL = 1e-4  # GPU TurboQuant attention vs its float64 oracle over the same codes
 TQ_MAX_REL, TQ_MIN_CORR = 0.6, 0.8  # TurboQuant vs exact attention (tests/service/test_turboquant.py)
 SHAPES = {"f32": [(4, 2, 32), (8, 8, 64), (2, 1, 16), (8, 2, 128)],
           "turboquant": [(4, 2, 32), (8, 2, 64), (4, 4, 128)]}
 MAX_TOKENS = 256
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 
 
 # ── the server ───────────────────────────────────────────────────────────────
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_loopback(url: str) -> None:
@@ -163,25 +157,7 @@ def process_rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line) if line and not line.startswith("#") else None
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def metric_sum(m: dict[str, float], name: str) -> float:
-    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
-
-
 # ── bookkeeping ──────────────────────────────────────────────────────────────
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    want = np.asarray(want, np.float64)
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 @dataclass
@@ -634,7 +610,7 @@ def run(url: str, pid: int | None, server: Spawned | None, keys: list[str | None
                          headers={"Authorization": f"Bearer {keys[0]}"} if keys[0] else {})
 
     def metrics() -> dict[str, float]:
-        return parse_metrics(probe.get("/metrics").text)
+        return parse_prometheus(probe.get("/metrics").text)
 
     def gpu() -> tuple[float, float, float]:
         m = metrics()

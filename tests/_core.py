@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 
 from attnserve.kvcache import SessionConfig, SessionKV
+from tools.common import rel_err  # noqa: F401  (the tests import it from here)
 
 # Relative error of a result against its float64 oracle: max abs error over the
 # oracle's max abs value (a norm-wise bound; per-element relative error is
 # meaningless for outputs near zero).
-
-
-def rel_err(got: np.ndarray, want: np.ndarray) -> float:
-    want = np.asarray(want, np.float64)
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def session(fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> SessionKV:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT / "service", ROOT / "client", ROOT / "tests"):
+for p in (ROOT, ROOT / "service", ROOT / "client", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")

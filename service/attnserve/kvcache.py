@@ -15,7 +15,6 @@ copied over in the same command stream, region by region so that TurboQuant's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -366,7 +365,3 @@ class SessionKV:
         if self._signs is not None:
             self._signs.destroy()
             self._signs = None
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ except ImportError:  # a plain checkout: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
 
 from attnserve_client import AsyncClient, AsyncSession, Client, wire
+from tools.common import free_port
 
 BASE_URL = "http://attnserve.test"
 MAX_BODY = 1 << 20
@@ -369,12 +369,6 @@ def attention() -> Callable[..., np.ndarray]:
 # -- the real server --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def live_server_url() -> Iterator[str]:
     """Base URL of the real attnserve server, run in-process on a free port.
@@ -391,7 +385,7 @@ def live_server_url() -> Iterator[str]:
             pytest.fail(f"live server tests need the attnserve server package: {exc}")
         pytest.skip(f"attnserve server not importable yet ({exc}); live tests skipped")
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(Settings()), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )

@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tools.common import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ROUTING_CONF = ROOT / "deploy" / "nginx" / "attnserve.conf"
 COMPOSE_UPSTREAMS = ROOT / "deploy" / "nginx" / "compose" / "upstreams.conf"
@@ -40,12 +42,6 @@ def unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI needs this: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_nginx() -> str | None:

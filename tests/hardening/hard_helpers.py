@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,9 +18,9 @@ import numpy as np
 
 from attnserve_client import wire
 from svc_helpers import F32_TOL, Api, Model, rel_err, rows
+from tools.common import free_port, metric_sum, parse_prometheus  # noqa: F401  (metric_sum: the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 
 
 def no_adapter(reason: str) -> None:
@@ -32,12 +30,6 @@ def no_adapter(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI needs a wgpu adapter (lavapipe): {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -130,7 +122,7 @@ class ServerProcess:
         return process_rss(self.pid)
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+        return parse_prometheus(httpx.get(self.url + "/metrics", timeout=30).text)
 
 
 def process_rss(pid: int) -> int:
@@ -140,22 +132,6 @@ def process_rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{'name{labels}': value}`` (labels as written)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def metric_sum(metrics: dict[str, float], name: str) -> float:
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
 
 
 class OracleSession:

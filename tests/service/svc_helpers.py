@@ -3,8 +3,6 @@ a small HTTP helper speaking both encodings, and the oracle bookkeeping."""
 
 from __future__ import annotations
 
-import math
-import socket
 import threading
 import time
 from typing import Any
@@ -18,6 +16,7 @@ from attnserve import reference as ref
 from attnserve.app import create_app
 from attnserve.config import Settings
 from attnserve_client import wire
+from tools.common import free_port  # noqa: F401  (the tests import it from here)
 from contract_helpers import Model, Resp, decode, rel_err, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
@@ -25,12 +24,6 @@ TYPES = {"json": wire.JSON, "msgpack": wire.MSGPACK}
 # Relative error of the GPU's float32 attention against the float64 oracle
 # (max abs error over max abs value), as in the core tests.
 F32_TOL = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
@@ -127,10 +120,6 @@ def httpx_json(payload: Any) -> bytes:
 
 def oracle(q, k, v, **kw) -> np.ndarray:
     return ref.attention(q, k, v, **kw)
-
-
-def default_scale(d: int) -> float:
-    return 1.0 / math.sqrt(d)
 
 
 

@@ -43,7 +43,7 @@ def test_batched_mode_refuses_open_loop(tmp_path):
     assert r.returncode == 2 and "--batched runs a closed loop" in r.stderr
 
 
-def test_a_large_step_is_split_and_keeps_item_order(server, rng):
+def test_a_large_step_is_split_and_keeps_item_order(server, rng, monkeypatch):
     import asyncio
     import importlib.util
 
@@ -55,7 +55,7 @@ def test_a_large_step_is_split_and_keeps_item_order(server, rng):
     lt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = lt
     spec.loader.exec_module(lt)
-    lt.BATCH_BYTES = 2 * 4 * 4 * 8 * 3  # two items' arrays per request
+    monkeypatch.setattr(lt.driver, "BATCH_BYTES", 2 * 4 * 4 * 8 * 3)  # two items' arrays per request
 
     async def main():
         async with AsyncClient(server.url) as client:

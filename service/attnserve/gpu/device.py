@@ -85,10 +85,6 @@ class GpuContext:
         return int(self.limits["max-storage-buffer-binding-size"])
 
     @property
-    def max_workgroups(self) -> int:
-        return int(self.limits["max-compute-workgroups-per-dimension"])
-
-    @property
     def offset_align(self) -> int:
         return int(self.limits.get("min-storage-buffer-offset-alignment", 256))
 

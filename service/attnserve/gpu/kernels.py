@@ -14,7 +14,6 @@ Array layouts (all float32, row-major):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import wgpu
@@ -218,10 +217,6 @@ def plan_tq_encode(
             )
         )
         batch.dispatch(kernel, {0: src, 1: cache, 2: prm, 3: signs}, (n_kv_heads, rows, 1))
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
 
 
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────

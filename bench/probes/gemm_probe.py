@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast can a WGSL kernel multiply f32 matrices on this stack? (diagnostic)
 
-    python bench/gemm_probe.py [--n 4096] [--check 256]
+    python bench/probes/gemm_probe.py [--n 4096] [--check 256]
 
 The f32 prefill is two matrix products per tile plus a softmax. This probe times
 a plain f32 GEMM (C = A B, n x n x n) written with the register blocking of
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import wgpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "service"))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 GEMM = """
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         "max-storage-buffer-binding-size": adapter.limits["max-storage-buffer-binding-size"],
         "max-buffer-size": adapter.limits["max-buffer-size"]})
     if args.trusted:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probes/: trusted_probe.py
         from trusted_probe import trusted_module
 
         module = trusted_module(dev, GEMM, "gemm")

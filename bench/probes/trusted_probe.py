@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What do naga's injected bounds checks cost? (diagnostic)
 
-    python bench/trusted_probe.py [--trusted]
+    python bench/probes/trusted_probe.py [--trusted]
 
 Times the default decode (32k, 128k) and prefill (2048 x 2048) attends of both
 formats, as bench/kernels.py does. With --trusted every shader module is
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
 from attnserve import reference as ref  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import wgpu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode kernel variants side by side (diagnostic for choosing the policy).
 
-    python bench/decode_sweep.py [--contexts 4096,32768,131072] [--targets 256,512,1024,2048]
+    python bench/probes/decode_sweep.py [--contexts 4096,32768,131072] [--targets 256,512,1024,2048]
                                  [--json-out bench/results/h200-decode-sweep.json]
 
 For each format and context, times one decode attend (as bench/kernels.py does:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 

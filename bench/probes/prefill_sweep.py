@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prefill kernel variants side by side (diagnostic for choosing the policy).
 
-    python bench/prefill_sweep.py [--json-out FILE]
+    python bench/probes/prefill_sweep.py [--json-out FILE]
 
 Times the f32 prefill (2048 causal queries over 2048 keys, and 512 over 8192;
 32 query heads, 8 KV heads, d = 128) with the query-block tiled kernel and the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 

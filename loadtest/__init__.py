@@ -1,0 +1,1 @@
+"""The load test: ``python loadtest/loadtest.py --help`` (config, driver, report)."""

@@ -1,0 +1,174 @@
+"""loadtest.py's configuration: the command line, its checks, and the loopback rule
+(see loadtest.py for what the load test does)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import socket
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+#: The operations measured, in report order. decode_step is one token through all
+#: layers (its latency counts from when it was due in open loop).
+OPERATIONS = ("create", "prefill_chunk", "prefill_batch", "decode", "decode_batch", "decode_step", "delete")
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A setup problem (bad argument, unreachable server): exit 2."""
+
+
+# ── configuration ────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Config:
+    url: str
+    sessions: int = 8
+    concurrency: int = 0  # 0: = sessions
+    workers: int = 1
+    duration: float = 30.0
+    mode: str = "closed"
+    rate: float = 0.0
+    batched: bool = False
+    prefill: int = 256
+    chunk: int = 64
+    decode_steps: int = 64
+    layers: int = 4
+    qo_heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    kv_format: str = "f32"
+    create: str = "put"
+    timeout: float = 60.0
+    retries: int = 0
+    verify: float = 0.0
+    max_errors: int = 100
+    seed: int | None = None
+    api_key: str | None = field(default=None, repr=False)
+    metrics_urls: list[str] = field(default_factory=list)
+    json_out: str | None = None
+    plot: str | None = None
+    progress: str = "auto"
+    allow_remote: bool = False
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["api_key"] = "***" if self.api_key else None
+        return d
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(
+        prog="loadtest.py",
+        description="Load test of an attnserve server: sessions that prefill a prompt in chunks, "
+        "then run fused decode steps over several layers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)")
+    p.add_argument("--sessions", type=int, default=8, help="virtual users; each holds one session at a time")
+    p.add_argument("--concurrency", type=int, default=0, help="most requests in flight over all users (0: --sessions)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="load-generating processes (the users are split over them; use a few on a many-core host)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops")
+    p.add_argument("--mode", choices=("closed", "open"), default="closed", help="closed or open loop")
+    p.add_argument("--rate", type=float, default=0.0, help="open loop: decode steps per second over all users")
+    p.add_argument("--batched", action="store_true",
+                   help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
+                   "(POST /v1/batch/attend) per layer for all of them, prefill chunks and decode tokens alike")
+    p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps per session (0: until the end)")
+    p.add_argument("--layers", type=int, default=4, help="layers per session")
+    p.add_argument("--qo-heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=64, help="head size (turboquant: 32, 64, 128)")
+    p.add_argument("--kv-format", default="f32", help="f32 or turboquant (what the server offers)")
+    p.add_argument("--create", choices=("put", "post"), default="put", help="PUT with own ids (router-safe) or POST")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    p.add_argument("--retries", type=int, default=0,
+                   help="client retries of 503/429 and lost connections (0: every failure counts)")
+    p.add_argument("--verify", type=float, default=0.0, metavar="FRACTION",
+                   help="f32: check this fraction of decode outputs against a float64 reference")
+    p.add_argument("--max-errors", type=int, default=100, help="stop early after this many errors")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
+    # The key's value never becomes an argparse default: --help would print it.
+    p.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
+    p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
+                   help="scrape /metrics here (repeat: e.g. each replica behind a router); default: --url")
+    p.add_argument("--json-out", help="write the report as JSON to this file")
+    p.add_argument("--plot", help="write a PNG latency plot to this file (needs matplotlib)")
+    p.add_argument("--progress", choices=("auto", "line", "log", "off"), default="auto",
+                   help="live progress: one rewritten line (tty), a log line every 5 s, or none")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback target (only hosts you run yourself)")
+    a = p.parse_args(argv)
+    cfg = Config(
+        url=a.url.rstrip("/"), sessions=a.sessions, concurrency=a.concurrency or a.sessions, workers=a.workers,
+        duration=a.duration, mode=a.mode, rate=a.rate, batched=a.batched, prefill=a.prefill, chunk=a.chunk,
+        decode_steps=a.decode_steps, layers=a.layers, qo_heads=a.qo_heads, kv_heads=a.kv_heads,
+        head_dim=a.head_dim, kv_format=a.kv_format, create=a.create, timeout=a.timeout,
+        retries=a.retries, verify=a.verify, max_errors=a.max_errors, seed=a.seed,
+        api_key=a.api_key if a.api_key is not None else os.environ.get("ATTNSERVE_API_KEY"),
+        metrics_urls=[u.rstrip("/") for u in a.metrics_url] or [a.url.rstrip("/")],
+        json_out=a.json_out, plot=a.plot, progress=a.progress, allow_remote=a.allow_remote,
+    )
+    try:
+        check_config(cfg)
+    except UsageError as exc:
+        p.error(str(exc))
+    return cfg
+
+
+def check_config(cfg: Config) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise UsageError(what)
+
+    need(cfg.sessions >= 1, "--sessions must be >= 1")
+    need(cfg.concurrency >= 1, "--concurrency must be >= 1")
+    need(1 <= cfg.workers <= 64, "--workers must be in 1..64")
+    need(0 < cfg.duration <= 24 * 3600, "--duration must be in (0, 86400] seconds")
+    need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
+    need(not (cfg.batched and cfg.mode == "open"), "--batched runs a closed loop (an engine steps when it can)")
+    need(cfg.prefill >= 0 and cfg.chunk >= 1, "--prefill must be >= 0 and --chunk >= 1")
+    need(cfg.decode_steps >= 0, "--decode-steps must be >= 0")
+    need(cfg.layers >= 1 and cfg.qo_heads >= 1 and cfg.kv_heads >= 1 and cfg.head_dim >= 1, "sizes must be >= 1")
+    need(cfg.qo_heads % cfg.kv_heads == 0, "--kv-heads must divide --qo-heads")
+    need(cfg.timeout > 0 and cfg.retries >= 0 and cfg.max_errors >= 1, "--timeout > 0, --retries >= 0, --max-errors >= 1")
+    need(0.0 <= cfg.verify <= 1.0, "--verify is a fraction in [0, 1]")
+    need(not (cfg.verify and cfg.kv_format != "f32"), "--verify checks f32 sessions only (TurboQuant is lossy)")
+    for url in [cfg.url, *cfg.metrics_urls]:
+        parts = urllib.parse.urlsplit(url)
+        need(parts.scheme in ("http", "https") and bool(parts.hostname), f"not an http(s) URL: {url!r}")
+    if cfg.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--plot needs matplotlib: pip install matplotlib (or the project's extra: pip install -e '.[bench]')"
+            ) from None
+
+
+def check_loopback(urls: list[str]) -> None:
+    """Refuse any URL whose host resolves to an address outside 127.0.0.0/8 and ::1."""
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+        except socket.gaierror as exc:
+            raise UsageError(f"{url}: cannot resolve {host!r}: {exc}") from None
+        bad = sorted({info[4][0] for info in infos if not ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback})
+        if bad:
+            raise UsageError(
+                f"{url}: {host} is not a loopback address ({', '.join(bad)}); "
+                "pass --allow-remote only for a host you run yourself"
+            )
+

@@ -1,0 +1,607 @@
+"""loadtest.py's driver: the virtual users (one session each, created, prefilled,
+decoded, deleted), their measurements, the worker processes, and the server's
+/metrics before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from attnserve_client import APIError, AsyncClient, AttendItem, AttnServeError
+
+from loadtest.config import OPERATIONS, Config
+from tools.common import parse_prometheus
+
+#: --batched: array bytes of one batched request at most (a larger step is split).
+BATCH_BYTES = 24 << 20
+
+
+# ── measurements ─────────────────────────────────────────────────────────────
+
+
+class Recorder:
+    """Every completed operation as (start time, latency), per operation; errors by type."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.samples: dict[str, list[tuple[float, float]]] = {op: [] for op in OPERATIONS}
+        self.errors: Counter[str] = Counter()
+        self.errors_by_op: Counter[str] = Counter()
+        self.error_examples: list[dict[str, Any]] = []
+        self.error_times: list[float] = []
+        self.verified = 0
+        self.verify_failed = 0
+        self.sessions_started = 0
+        self.sessions_completed = 0
+        self.live_sessions = 0
+        self.prefill_tokens = 0  # prompt tokens through all layers
+        self.decode_tokens = 0  # decode steps through all layers
+        self.kv_rows = 0  # rows appended, summed over layers
+        self.attends = 0
+
+    def ok(self, op: str, start: float, latency: float) -> None:
+        self.samples[op].append((start - self.t0, latency))
+
+    def error(self, op: str, exc: BaseException, session_id: str | None) -> str:
+        kind = error_kind(exc)
+        self.errors[kind] += 1
+        self.errors_by_op[op] += 1
+        self.error_times.append(time.perf_counter() - self.t0)
+        if len(self.error_examples) < 20:
+            self.error_examples.append(
+                {"t": round(time.perf_counter() - self.t0, 3), "op": op, "type": kind,
+                 "session_id": session_id, "message": str(exc)[:300]}
+            )
+        return kind
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+
+def error_kind(exc: BaseException) -> str:
+    """An error's type for the report: the problem slug of an error answer
+    (``session-not-found``), else the exception's class name."""
+    if isinstance(exc, APIError):
+        if exc.type:
+            return exc.type.rstrip("/").rsplit("/", 1)[-1]
+        return f"http-{exc.status}"
+    if isinstance(exc, WrongResult):
+        return "wrong-result"
+    return type(exc).__name__
+
+
+class WrongResult(AttnServeError):
+    """A decode output that differs from the float64 reference (``--verify``)."""
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of sorted values, by linear interpolation."""
+    if not sorted_values:
+        return math.nan
+    k = (len(sorted_values) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def op_stats(latencies: list[float]) -> dict[str, Any]:
+    xs = sorted(latencies)
+    ms = lambda v: None if math.isnan(v) else round(v * 1000.0, 3)  # noqa: E731
+    return {
+        "count": len(xs),
+        "p50_ms": ms(percentile(xs, 50)),
+        "p90_ms": ms(percentile(xs, 90)),
+        "p99_ms": ms(percentile(xs, 99)),
+        "max_ms": ms(xs[-1] if xs else math.nan),
+        "mean_ms": ms(sum(xs) / len(xs) if xs else math.nan),
+    }
+
+
+# ── server metrics ──────────────────────────────────────────────────────────
+
+
+async def scrape(http: httpx.AsyncClient, urls: list[str], headers: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for base in urls:
+        try:
+            r = await http.get(base + "/metrics", headers=headers)
+            if r.status_code != 200:
+                out[base] = {"error": f"GET /metrics answered {r.status_code}"}
+            else:
+                out[base] = {"samples": parse_prometheus(r.text), "instance": r.headers.get("x-attnserve-instance")}
+        except httpx.HTTPError as exc:
+            out[base] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+# ── the virtual users ───────────────────────────────────────────────────────
+
+
+def reference_decode(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """float64 attention of one query row over all of k, v: q [H, D], k/v [L, KV, D] -> [H, D]."""
+    heads, d = q.shape
+    group = heads // k.shape[1]
+    kk = np.repeat(k.astype(np.float64), group, axis=1)  # [L, H, D]
+    vv = np.repeat(v.astype(np.float64), group, axis=1)
+    scores = np.einsum("lhd,hd->hl", kk, q.astype(np.float64)) / math.sqrt(d)
+    scores -= scores.max(axis=1, keepdims=True)
+    w = np.exp(scores)
+    w /= w.sum(axis=1, keepdims=True)
+    return np.einsum("hl,lhd->hd", w, vv)
+
+
+class LoadTest:
+    """The virtual users of one process (``cfg`` is this process's share of the run).
+
+    ``t0`` is a ``time.perf_counter()`` instant (CLOCK_MONOTONIC, the same in every
+    process of the host), so worker processes' samples share one time axis.
+    """
+
+    def __init__(self, cfg: Config, *, run_id: str, seed: int, t0: float, user_offset: int = 0) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.user_offset = user_offset
+        self.stop = asyncio.Event()
+        self.stop_reason = "duration"
+        self.sem = asyncio.Semaphore(cfg.concurrency)
+        self.t0 = t0
+        self.rec = Recorder(t0)
+        self.load_end_requested: float | None = None
+        self.seed = seed
+        self.seeds = np.random.SeedSequence(seed)
+
+    # Each request takes a concurrency slot only while it is in flight.
+    async def _timed(self, op: str, coro_fn, session_id: str | None) -> Any:
+        async with self.sem:
+            start = time.perf_counter()
+            try:
+                result = await coro_fn()
+            except AttnServeError as exc:
+                self._failed(op, exc, session_id)
+                raise
+            self.rec.ok(op, start, time.perf_counter() - start)
+            return result
+
+    def _failed(self, op: str, exc: BaseException, session_id: str | None) -> None:
+        self.rec.error(op, exc, session_id)
+        if self.rec.error_count >= self.cfg.max_errors and not self.stop.is_set():
+            self.stop_reason = f"{self.rec.error_count} errors (--max-errors)"
+            self.stop.set()
+
+    async def _sleep_until(self, when: float) -> None:
+        delay = when - time.perf_counter()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(self.stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def user(self, client: AsyncClient, index: int) -> None:
+        cfg = self.cfg
+        rng = np.random.default_rng(self.seeds.spawn(1)[0])
+        step_interval = cfg.sessions / cfg.rate if cfg.mode == "open" else 0.0
+        # Spread the users' starts over a moment so they don't all create at once.
+        await self._sleep_until(self.t0 + min(0.5, cfg.duration / 10) * index / cfg.sessions)
+        n = 0
+        while not self.stop.is_set():
+            sid = f"lt-{self.run_id}-u{self.user_offset + index}-{n}"
+            n += 1
+            try:
+                await self._session(client, rng, sid, step_interval)
+            except AttnServeError:
+                await self._sleep_until(time.perf_counter() + 0.2)  # no hot loop on a failing server
+
+    async def _session(self, client: AsyncClient, rng: np.random.Generator, sid: str, step_interval: float) -> None:
+        """One session's life: create, prefill, decode, delete (also after a failure)."""
+        session = await self._create(client, sid)
+        self.rec.sessions_started += 1
+        self.rec.live_sessions += 1
+        try:
+            await self._run_session(session, rng, step_interval)
+        finally:
+            self.rec.live_sessions -= 1
+            await self._delete(session)
+
+    async def engine(self, client: AsyncClient) -> None:
+        """--batched: this process's sessions as one engine's batch. A cohort of
+        ``--sessions`` sessions is created, prefilled and decoded in lockstep, every
+        layer of every chunk or token one batched step for all of them (ops
+        ``prefill_batch``, ``decode_batch``; ``decode_step`` = one token through all
+        layers), then deleted; then the next cohort. A failed step ends its cohort."""
+        cfg = self.cfg
+        rng = np.random.default_rng(self.seeds.spawn(1)[0])
+        cohort = 0
+        while not self.stop.is_set():
+            ids = [f"lt-{self.run_id}-c{self.user_offset}-{cohort}-{i}" for i in range(cfg.sessions)]
+            cohort += 1
+            created = await asyncio.gather(*(self._create(client, sid) for sid in ids), return_exceptions=True)
+            sessions = [c for c in created if not isinstance(c, BaseException)]
+            self.rec.sessions_started += len(sessions)
+            self.rec.live_sessions += len(sessions)
+            try:
+                if len(sessions) == len(ids):
+                    await self._run_cohort(client, sessions, rng)
+                else:
+                    await self._sleep_until(time.perf_counter() + 0.2)
+            except AttnServeError:
+                await self._sleep_until(time.perf_counter() + 0.2)
+            finally:
+                self.rec.live_sessions -= len(sessions)
+                await asyncio.gather(*(self._delete(s) for s in sessions))
+
+    async def _create(self, client: AsyncClient, sid: str):
+        cfg = self.cfg
+        max_tokens = cfg.prefill + cfg.decode_steps if cfg.decode_steps else None
+        return await self._timed(
+            "create",
+            lambda: client.create_session(
+                num_qo_heads=cfg.qo_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                num_layers=cfg.layers, kv_format=cfg.kv_format, max_tokens=max_tokens,
+                session_id=sid if cfg.create == "put" else None, server_assigned_id=cfg.create == "post",
+            ),
+            sid,
+        )
+
+    async def _run_cohort(self, client: AsyncClient, sessions: list, rng: np.random.Generator) -> None:
+        cfg = self.cfg
+        history = [[([], []) for _ in range(cfg.layers)] for _ in sessions] if cfg.verify else None
+
+        async def step(op: str, layer: int, rows: int) -> None:
+            items, qs = [], []
+            for i, s in enumerate(sessions):
+                q = self._rows(rng, rows, cfg.qo_heads)
+                k, v = self._rows(rng, rows, cfg.kv_heads), self._rows(rng, rows, cfg.kv_heads)
+                items.append(AttendItem(s, layer, q, k, v, offset=s.lengths[layer]))
+                qs.append(q)
+                if history is not None:
+                    history[i][layer][0].append(k)
+                    history[i][layer][1].append(v)
+            outs = await self._timed(op, lambda: self._attend_batch(client, items), None)
+            self.rec.attends += len(items)
+            self.rec.kv_rows += rows * len(items)
+            if history is not None and rows == 1:
+                for i, (s, q, out) in enumerate(zip(sessions, qs, outs)):
+                    if rng.random() < cfg.verify:
+                        self._verify(s.session_id, layer, q, out, history[i][layer])
+
+        for start in range(0, cfg.prefill, cfg.chunk):
+            rows = min(cfg.chunk, cfg.prefill - start)
+            for layer in range(cfg.layers):
+                if self.stop.is_set():
+                    return
+                await step("prefill_batch", layer, rows)
+            self.rec.prefill_tokens += rows * len(sessions)
+        n = 0
+        while (cfg.decode_steps == 0 or n < cfg.decode_steps) and not self.stop.is_set():
+            t = time.perf_counter()
+            for layer in range(cfg.layers):
+                await step("decode_batch", layer, 1)
+            self.rec.ok("decode_step", t, time.perf_counter() - t)
+            self.rec.decode_tokens += len(sessions)
+            n += 1
+        if cfg.decode_steps and n >= cfg.decode_steps:
+            self.rec.sessions_completed += len(sessions)
+
+    async def _attend_batch(self, client: AsyncClient, items: list) -> list:
+        """One batched step, sent as several requests of at most BATCH_BYTES of
+        arrays each when it is larger (a 32-session prefill chunk of 256 rows at
+        32/8 heads of 128 is ~200 MB, past any body limit), concurrently."""
+        per_item = max(1, sum(a.nbytes for a in (items[0].q, items[0].k, items[0].v) if a is not None))
+        size = max(1, BATCH_BYTES // per_item)
+        parts = [items[i:i + size] for i in range(0, len(items), size)]
+        outs = await asyncio.gather(*(client.attend_batch(p) for p in parts))
+        return [o for part in outs for o in part]
+
+    def _rows(self, rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
+        return rng.standard_normal((n, heads, self.cfg.head_dim), dtype=np.float32)
+
+    async def _run_session(self, session, rng: np.random.Generator, step_interval: float) -> None:
+        cfg = self.cfg
+        sid = session.session_id
+        history: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = (
+            [([], []) for _ in range(cfg.layers)] if cfg.verify else None
+        )
+        # Prefill: chunk by chunk, each chunk through every layer.
+        for start in range(0, cfg.prefill, cfg.chunk):
+            rows = min(cfg.chunk, cfg.prefill - start)
+            for layer in range(cfg.layers):
+                if self.stop.is_set():
+                    return
+                q = self._rows(rng, rows, cfg.qo_heads)
+                k = self._rows(rng, rows, cfg.kv_heads)
+                v = self._rows(rng, rows, cfg.kv_heads)
+                await self._timed("prefill_chunk", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid)
+                self.rec.attends += 1
+                self.rec.kv_rows += rows
+                if history is not None:
+                    history[layer][0].append(k)
+                    history[layer][1].append(v)
+            self.rec.prefill_tokens += rows
+        # Decode: one row per layer per step; in open loop each step is due at a
+        # Poisson arrival and its latency counts from then.
+        due = time.perf_counter()
+        step = 0
+        while (cfg.decode_steps == 0 or step < cfg.decode_steps) and not self.stop.is_set():
+            if step_interval:
+                due += rng.exponential(step_interval)
+                await self._sleep_until(due)
+                if self.stop.is_set():
+                    return
+            step_start = due if step_interval else time.perf_counter()
+            for layer in range(cfg.layers):
+                q = self._rows(rng, 1, cfg.qo_heads)
+                k = self._rows(rng, 1, cfg.kv_heads)
+                v = self._rows(rng, 1, cfg.kv_heads)
+                out = await self._timed("decode", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid)
+                self.rec.attends += 1
+                self.rec.kv_rows += 1
+                if history is not None:
+                    history[layer][0].append(k)
+                    history[layer][1].append(v)
+                    if rng.random() < cfg.verify:
+                        self._verify(sid, layer, q, out, history[layer])
+            self.rec.ok("decode_step", step_start, time.perf_counter() - step_start)
+            self.rec.decode_tokens += 1
+            step += 1
+        if cfg.decode_steps and step >= cfg.decode_steps:
+            self.rec.sessions_completed += 1
+
+    def _verify(self, sid: str, layer: int, q: np.ndarray, out: np.ndarray, hist) -> None:
+        k = np.concatenate(hist[0])
+        v = np.concatenate(hist[1])
+        ref = reference_decode(q[0], k, v)
+        self.rec.verified += 1
+        err = float(np.max(np.abs(out[0].astype(np.float64) - ref)))
+        if not np.all(np.isfinite(out)) or err > 2e-3 + 2e-3 * float(np.max(np.abs(ref))):
+            self.rec.verify_failed += 1
+            self._failed("decode", WrongResult(f"layer {layer} at length {len(k)}: max |out - ref| = {err:.3g}"), sid)
+
+    async def _delete(self, session) -> None:
+        try:
+            await self._timed("delete", session.delete, session.session_id)
+        except AttnServeError:
+            pass
+
+    # ── progress ──────────────────────────────────────────────────────────────
+
+    async def share(self, slot: Any) -> None:
+        """Worker processes: publish running totals to the parent's progress line."""
+        while True:
+            slot[0], slot[1] = self.rec.attends, self.rec.decode_tokens
+            slot[2], slot[3] = self.rec.error_count, self.rec.live_sessions
+            slot[4] = self.rec.sessions_started
+            await asyncio.sleep(0.25)
+
+    async def progress(self, mode: str) -> None:
+        if mode == "off":
+            return
+        every = 1.0 if mode == "line" else 5.0
+        seen = {op: 0 for op in OPERATIONS}
+        last_t = 0.0
+        while True:
+            await asyncio.sleep(every)
+            now = time.perf_counter() - self.t0
+            window = max(now - last_t, 1e-9)
+            recent = {op: self.rec.samples[op][seen[op]:] for op in OPERATIONS}
+            seen = {op: len(self.rec.samples[op]) for op in OPERATIONS}
+            last_t = now
+            steps = sorted(lat for _, lat in recent["decode_step"])
+            attends = len(recent["decode"]) + len(recent["prefill_chunk"])
+            line = (
+                f"[{now:6.1f}s/{self.cfg.duration:.0f}s] sessions {self.rec.live_sessions} live "
+                f"{self.rec.sessions_started} started | attends {attends / window:7.1f}/s "
+                f"| tokens {len(steps) / window:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
+                f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
+            )
+            write_progress(mode, line)
+
+
+def write_progress(mode: str, line: str) -> None:
+    if mode == "line":
+        sys.stderr.write("\r" + line.ljust(118)[:160])
+    else:
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def fmt_ms(seconds: float) -> str:
+    return "    -  " if math.isnan(seconds) else f"{seconds * 1000:6.1f}ms"
+
+
+# ── the run ──────────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Outcome:
+    """What the users of one process did (picklable, for worker processes)."""
+
+    rec: Recorder
+    stop_reason: str
+    interrupted: bool
+    load_end: float
+    end: float
+
+
+def _http(cfg: Config, connections: int) -> httpx.AsyncClient:
+    # trust_env=False: no proxy from the environment; traffic goes to --url only.
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        timeout=httpx.Timeout(cfg.timeout), trust_env=False, follow_redirects=False,
+    )
+
+
+async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outcome:
+    """Run ``lt``'s users until the duration is over (or the error limit, or a
+    signal), then let them finish and delete their sessions."""
+    loop = asyncio.get_running_loop()
+    interrupted = False
+    users: list[asyncio.Task[None]] = []
+
+    def on_signal() -> None:
+        nonlocal interrupted
+        if lt.stop.is_set():
+            for task in users:
+                task.cancel()
+        interrupted = True
+        lt.stop_reason = "interrupted"
+        lt.stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, on_signal)
+        except (NotImplementedError, RuntimeError):
+            pass
+    async with _http(cfg, cfg.concurrency + 4) as http:
+        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout),
+                             max_retries=cfg.retries, http_client=http)
+        if cfg.batched:
+            users.append(asyncio.create_task(lt.engine(client), name="engine"))
+        else:
+            users.extend(asyncio.create_task(lt.user(client, i), name=f"user-{i}") for i in range(cfg.sessions))
+        helpers = [asyncio.create_task(lt.progress(mode))]
+        if slot is not None:
+            helpers.append(asyncio.create_task(lt.share(slot)))
+        try:
+            try:
+                remaining = lt.t0 + cfg.duration - time.perf_counter()
+                await asyncio.wait_for(lt.stop.wait(), timeout=max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                lt.stop.set()
+            lt.load_end_requested = time.perf_counter()
+            # Requests in flight finish (each within --timeout, plus retries), then
+            # every user deletes its session; past that deadline, stop regardless.
+            grace = cfg.timeout * (cfg.retries + 1) * 2 + 10
+            done, pending = await asyncio.wait(users, timeout=grace)
+            for task in pending:
+                task.cancel()
+                lt.rec.errors["deadline"] += 1
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    exc = task.exception()
+                    lt.rec.errors[f"crash-{type(exc).__name__}"] += 1
+                    lt.rec.error_examples.append({"op": "user", "type": "crash", "message": repr(exc)[:300]})
+        finally:
+            for task in helpers:
+                task.cancel()
+            if slot is not None:
+                slot[0], slot[1], slot[2], slot[3] = lt.rec.attends, lt.rec.decode_tokens, lt.rec.error_count, 0
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.remove_signal_handler(sig)
+                except (NotImplementedError, RuntimeError):
+                    pass
+            if mode == "line":
+                sys.stderr.write("\n")
+    return Outcome(lt.rec, lt.stop_reason, interrupted, lt.load_end_requested or time.perf_counter(), time.perf_counter())
+
+
+def _split(total: int, parts: int, i: int) -> int:
+    return total // parts + (1 if i < total % parts else 0)
+
+
+# The workers' shared counters: set before the pool forks, so inherited (a shared
+# array cannot travel through the pool's pickling queue).
+_WORKER_SLOTS: Any = None
+
+
+def _worker(cfg: Config, i: int, run_id: str, seed: int, t0: float, offset: int) -> Outcome:
+    """One load-generating process of ``--workers``: its share of the users."""
+    lt = LoadTest(cfg, run_id=run_id, seed=seed, t0=t0, user_offset=offset)
+    return asyncio.run(drive(cfg, lt, "off", _Slot(_WORKER_SLOTS, i)))
+
+
+class _Slot:
+    """Five shared doubles of one worker: attends, decode tokens, errors, live, started."""
+
+    def __init__(self, array: Any, i: int) -> None:
+        self.array, self.base = array, i * 5
+
+    def __setitem__(self, k: int, v: float) -> None:
+        self.array[self.base + k] = v
+
+    def __getitem__(self, k: int) -> float:
+        return self.array[self.base + k]
+
+
+async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome:
+    """Split the users over ``cfg.workers`` processes (forked: the load generator
+    is Python, and one process saturates a core before a fast server does)."""
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    n = min(cfg.workers, cfg.sessions)
+    global _WORKER_SLOTS
+    slots = _WORKER_SLOTS = ctx.Array("d", n * 5, lock=False)
+    t0 = time.perf_counter() + 0.5  # every worker starts its users at the same instant
+    seeds = np.random.SeedSequence(seed).generate_state(n)
+    futures = []
+    offset = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
+        for i in range(n):
+            sessions = _split(cfg.sessions, n, i)
+            share = Config(**{
+                **asdict(cfg), "sessions": sessions, "workers": 1,
+                "concurrency": max(1, _split(cfg.concurrency, n, i)),
+                "rate": cfg.rate * sessions / cfg.sessions,
+                "max_errors": max(1, cfg.max_errors // n),
+            })
+            futures.append(asyncio.wrap_future(pool.submit(_worker, share, i, run_id, int(seeds[i]), t0, offset)))
+            offset += sessions
+        progress = asyncio.create_task(_progress_workers(cfg, slots, n, t0, mode))
+        try:
+            outcomes = await asyncio.gather(*futures)
+        finally:
+            progress.cancel()
+            if mode == "line":
+                sys.stderr.write("\n")
+    rec = Recorder(t0)
+    for o in outcomes:
+        for op in OPERATIONS:
+            rec.samples[op].extend(o.rec.samples[op])
+        rec.errors.update(o.rec.errors)
+        rec.errors_by_op.update(o.rec.errors_by_op)
+        rec.error_examples.extend(o.rec.error_examples)
+        rec.error_times.extend(o.rec.error_times)
+        for name in ("verified", "verify_failed", "sessions_started", "sessions_completed", "prefill_tokens",
+                     "decode_tokens", "kv_rows", "attends"):
+            setattr(rec, name, getattr(rec, name) + getattr(o.rec, name))
+    for op in OPERATIONS:
+        rec.samples[op].sort()
+    rec.error_examples = sorted(rec.error_examples, key=lambda e: e.get("t", 0))[:20]
+    reasons = [o.stop_reason for o in outcomes if o.stop_reason != "duration"]
+    return Outcome(rec, reasons[0] if reasons else "duration", any(o.interrupted for o in outcomes),
+                   max(o.load_end for o in outcomes), max(o.end for o in outcomes))
+
+
+async def _progress_workers(cfg: Config, slots: Any, n: int, t0: float, mode: str) -> None:
+    if mode == "off":
+        return
+    every = 1.0 if mode == "line" else 5.0
+    last = (0.0, 0.0, time.perf_counter())
+    while True:
+        await asyncio.sleep(every)
+        now = time.perf_counter()
+        attends = sum(slots[i * 5] for i in range(n))
+        tokens = sum(slots[i * 5 + 1] for i in range(n))
+        window = max(now - last[2], 1e-9)
+        line = (
+            f"[{now - t0:6.1f}s/{cfg.duration:.0f}s] {n} workers, sessions {sum(slots[i * 5 + 3] for i in range(n)):.0f} live "
+            f"{sum(slots[i * 5 + 4] for i in range(n)):.0f} started | attends {(attends - last[0]) / window:7.1f}/s "
+            f"| tokens {(tokens - last[1]) / window:6.1f}/s | errors {sum(slots[i * 5 + 2] for i in range(n)):.0f}"
+        )
+        last = (attends, tokens, now)
+        write_progress(mode, line)
+
+

@@ -1,0 +1,244 @@
+"""loadtest.py's report: the summary of a run (JSON), its text form, the PNG plot
+and the exit code."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import platform
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import attnserve_client
+
+from loadtest.config import EXIT_ERRORS, EXIT_OK, OPERATIONS, Config
+from loadtest.driver import Outcome, op_stats, percentile
+from tools.common import metric_delta
+
+
+def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[str, Any],
+              before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    rec = outcome.rec
+    end = outcome.end
+    stop_at = outcome.load_end - rec.t0
+    # Throughput over the load phase: from the start until the stop (the requests
+    # that finish after it count too; the final deletes are not load).
+    window = max(stop_at, 1e-9)
+    ops = {op: op_stats([lat for _, lat in rec.samples[op]]) for op in OPERATIONS}
+    for op in OPERATIONS:
+        ops[op]["errors"] = rec.errors_by_op.get(op, 0)
+    metrics: dict[str, Any] = {}
+    for base in cfg.metrics_urls:
+        b, a = before.get(base, {}), after.get(base, {})
+        entry: dict[str, Any] = {"instance_before": b.get("instance"), "instance_after": a.get("instance")}
+        if "samples" in b and "samples" in a:
+            entry["before"] = b["samples"]
+            entry["after"] = a["samples"]
+            entry["delta"] = metric_delta(b["samples"], a["samples"])
+        else:
+            entry["error"] = b.get("error") or a.get("error")
+        metrics[base] = entry
+    timeline = []
+    seconds = int(math.ceil(end - rec.t0))
+    by_second: dict[int, list[float]] = defaultdict(list)
+    for t, lat in rec.samples["decode_step"]:
+        by_second[int(t + lat)].append(lat)
+    attends_by_second: Counter[int] = Counter(int(t + lat) for op in ("decode", "prefill_chunk") for t, lat in rec.samples[op])
+    errors_by_second: Counter[int] = Counter(int(t) for t in rec.error_times)
+    for s in range(seconds):
+        lats = sorted(by_second.get(s, []))
+        timeline.append({
+            "t": s, "decode_steps": len(lats), "attends": attends_by_second.get(s, 0),
+            "step_p50_ms": None if not lats else round(percentile(lats, 50) * 1000, 3),
+            "step_p99_ms": None if not lats else round(percentile(lats, 99) * 1000, 3),
+            "errors": errors_by_second.get(s, 0),
+        })
+    errors = dict(rec.errors)
+    return {
+        "tool": "attnserve-loadtest",
+        "report_version": 1,
+        "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.public(),
+        "seed": seed,
+        "run_id": run_id,
+        "client": {"python": platform.python_version(), "host": platform.node(),
+                   "attnserve_client": getattr(attnserve_client, "__version__", None)},
+        "server": info,
+        "stop_reason": outcome.stop_reason,
+        "interrupted": outcome.interrupted,
+        "load_seconds": round(stop_at, 3),
+        "total_seconds": round(end - rec.t0, 3),
+        "operations": ops,
+        "throughput": {
+            "attends_per_s": round(rec.attends / window, 2),
+            "decode_tokens_per_s": round(rec.decode_tokens / window, 2),
+            "prefill_tokens_per_s": round(rec.prefill_tokens / window, 2),
+            "kv_rows_per_s": round(rec.kv_rows / window, 2),
+            "requests_per_s": round(sum(len(rec.samples[op]) for op in OPERATIONS if op != "decode_step") / window, 2),
+        },
+        "totals": {
+            "attends": rec.attends, "decode_tokens": rec.decode_tokens, "prefill_tokens": rec.prefill_tokens,
+            "kv_rows": rec.kv_rows, "sessions_started": rec.sessions_started,
+            "sessions_completed": rec.sessions_completed,
+        },
+        "errors": errors,
+        "error_count": sum(errors.values()),
+        "error_examples": rec.error_examples,
+        "verify": {"fraction": cfg.verify, "checked": rec.verified, "failed": rec.verify_failed},
+        "server_metrics": metrics,
+        "timeline": timeline,
+        "_samples": rec.samples,  # for the plot; dropped from the JSON
+    }
+
+
+# ── output ──────────────────────────────────────────────────────────────────
+
+# Server metrics worth a line in the text report (deltas of counters; gauges after).
+_METRIC_LINES = re.compile(
+    r"^attnserve_(requests_total|errors_total|gpu_|batch|sessions|kv_bytes|memory_used_bytes|"
+    r"request_duration_seconds_(sum|count))"
+)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = []
+    server = report.get("server") or {}
+    adapter = (server.get("adapter") or {}).get("name", "?")
+    lines.append(
+        f"attnserve load test: {cfg['url']} ({adapter}, {server.get('backend', '?')}), "
+        f"{cfg['mode']} loop{' at %.1f steps/s' % cfg['rate'] if cfg['mode'] == 'open' else ''}, "
+        f"{cfg['sessions']} sessions, concurrency {cfg['concurrency']}"
+        f"{', %d load processes' % cfg['workers'] if cfg.get('workers', 1) > 1 else ''}"
+    )
+    lines.append(
+        f"  {cfg['layers']} layers, {cfg['qo_heads']}/{cfg['kv_heads']} heads x {cfg['head_dim']}, "
+        f"{cfg['kv_format']}, prefill {cfg['prefill']} in chunks of {cfg['chunk']}, "
+        f"{cfg['decode_steps'] or 'unbounded'} decode steps; {report['load_seconds']:.1f} s of load "
+        f"(stopped by {report['stop_reason']})"
+    )
+    lines.append("")
+    lines.append(f"  {'operation':<14}{'count':>9}{'errors':>8}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'max ms':>10}")
+    for op, st in report["operations"].items():
+        cell = lambda v: f"{v:10.2f}" if v is not None else f"{'-':>10}"  # noqa: E731
+        lines.append(
+            f"  {op:<14}{st['count']:>9}{st['errors']:>8}{cell(st['p50_ms'])}{cell(st['p90_ms'])}"
+            f"{cell(st['p99_ms'])}{cell(st['max_ms'])}"
+        )
+    th = report["throughput"]
+    lines.append("")
+    lines.append(
+        f"  attends/s {th['attends_per_s']:.1f} | decode tokens/s {th['decode_tokens_per_s']:.1f} | "
+        f"prefill tokens/s {th['prefill_tokens_per_s']:.1f} | KV rows/s {th['kv_rows_per_s']:.1f} | "
+        f"requests/s {th['requests_per_s']:.1f}"
+    )
+    tot = report["totals"]
+    lines.append(f"  sessions: {tot['sessions_started']} started, {tot['sessions_completed']} ran all their decode steps")
+    if report["verify"]["fraction"]:
+        v = report["verify"]
+        lines.append(f"  verified {v['checked']} decode outputs against float64: {v['failed']} wrong")
+    if report["errors"]:
+        lines.append("  errors: " + ", ".join(f"{k} {n}" for k, n in sorted(report["errors"].items(), key=lambda x: -x[1])))
+        for ex in report["error_examples"][:5]:
+            lines.append(f"    e.g. {ex.get('op')}: {ex.get('message')}")
+    else:
+        lines.append("  errors: none")
+    for base, m in report["server_metrics"].items():
+        lines.append("")
+        who = m.get("instance_after") or m.get("instance_before")
+        lines.append(f"  server metrics {base}/metrics{' (instance ' + who + ')' if who else ''}:")
+        if "error" in m:
+            lines.append(f"    unavailable: {m['error']}")
+            continue
+        shown = 0
+        keys = [k for k in sorted(m["delta"]) if _METRIC_LINES.match(k) and "_bucket" not in k]
+        width = min(max((len(k) for k in keys), default=0), 100)
+        for key in keys:
+            before = m["before"].get(key, 0.0)
+            lines.append(f"    {key:<{width}} {before:>12.6g} -> {m['after'][key]:<12.6g} (+{m['delta'][key]:.6g})")
+            shown += 1
+            if shown >= 40:
+                lines.append("    ...")
+                break
+        if not shown:
+            lines.append("    (no attnserve_* series changed)")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report["_samples"]
+    colors = {"create": "tab:green", "prefill_chunk": "tab:orange", "decode": "tab:blue",
+              "decode_step": "tab:purple", "delete": "tab:gray"}
+    fig, (ax_h, ax_t) = plt.subplots(2, 1, figsize=(11, 8.5))
+    all_lat = [lat for op in OPERATIONS for _, lat in samples[op]]
+    if all_lat:
+        lo = max(min(all_lat) * 1000, 1e-3)
+        hi = max(max(all_lat) * 1000, lo * 1.01)
+        bins = np.logspace(math.log10(lo), math.log10(hi), 60)
+        for op in OPERATIONS:
+            lats = [lat * 1000 for _, lat in samples[op]]
+            if lats:
+                st = report["operations"][op]
+                ax_h.hist(lats, bins=bins, histtype="step", linewidth=1.5, color=colors[op],
+                          label=f"{op} (n={len(lats)}, p50 {st['p50_ms']:.1f}, p99 {st['p99_ms']:.1f} ms)")
+        ax_h.set_xscale("log")
+        ax_h.set_yscale("log")
+        ax_h.legend(fontsize=8)
+    ax_h.set_xlabel("latency (ms)")
+    ax_h.set_ylabel("requests")
+    ax_h.set_title("latency histogram")
+    rng = np.random.default_rng(0)
+    for op in OPERATIONS:
+        pts = samples[op]
+        if not pts:
+            continue
+        if len(pts) > 20000:  # keep the PNG light
+            idx = rng.choice(len(pts), 20000, replace=False)
+            pts = [pts[i] for i in sorted(idx)]
+        ax_t.scatter([t + lat for t, lat in pts], [lat * 1000 for _, lat in pts], s=2, alpha=0.35,
+                     color=colors[op], label=op, rasterized=True)
+    tl = [row for row in report["timeline"] if row["step_p99_ms"] is not None]
+    if tl:
+        xs = [r["t"] + 0.5 for r in tl]
+        ax_t.plot(xs, [r["step_p50_ms"] for r in tl], color="black", linewidth=1.2, label="decode_step p50 (1 s)")
+        ax_t.plot(xs, [r["step_p99_ms"] for r in tl], color="red", linewidth=1.2, label="decode_step p99 (1 s)")
+    err_t = [row["t"] + 0.5 for row in report["timeline"] if row["errors"]]
+    for t in err_t:
+        ax_t.axvline(t, color="red", alpha=0.15, linewidth=3)
+    ax_t.axvline(report["load_seconds"], color="gray", linestyle="--", linewidth=1)
+    if any(samples[op] for op in OPERATIONS):
+        ax_t.set_yscale("log")
+    ax_t.set_xlabel("time since start (s); dashed: end of load, red bands: seconds with errors")
+    ax_t.set_ylabel("latency (ms)")
+    ax_t.set_title("latency over time")
+    ax_t.legend(fontsize=8, markerscale=4, loc="upper right")
+    cfg = report["config"]
+    th = report["throughput"]
+    fig.suptitle(
+        f"attnserve load test, {cfg['mode']} loop, {cfg['sessions']} sessions x {cfg['layers']} layers, "
+        f"{cfg['kv_format']}, prefill {cfg['prefill']}: {th['decode_tokens_per_s']:.0f} tokens/s, "
+        f"{th['attends_per_s']:.0f} attends/s, errors {report['error_count']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    if report["error_count"] or report["interrupted"]:
+        return EXIT_ERRORS
+    if report["totals"]["attends"] == 0:
+        return EXIT_ERRORS  # nothing was measured: not a pass
+    return EXIT_OK
+
