@@ -9,11 +9,11 @@ in the background to see the clocks during each part.
 import sys, time
 from pathlib import Path
 import numpy as np
+import dataclasses
 import wgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
-from attnserve.gpu import kernels as K  # noqa: E402
 
 FMA = """
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;
@@ -70,7 +70,7 @@ for fmt in ("f32", "turboquant"):
     s = B.SessionKV(B.SessionConfig(1, 32, 8, 128, fmt, 32768, 1))
     B.fill_layer(eng, s.layers[0], 32768, rng)
     for tw in (512, 2048):
-        K.POLICY.target_workgroups = tw
+        eng.policy = dataclasses.replace(eng.policy, target_workgroups=tw)
         ms = B.time_wgpu(eng, s.layers[0], 1, 32768, rng, 1.0)
         print(f"{fmt} decode 32k target {tw}: {ms:.4f} ms", flush=True)
     eng.release(s).result()

@@ -13,6 +13,7 @@ the step must read; the copy bandwidth is measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,8 +44,7 @@ def main(argv=None) -> int:
     print(f"# {eng.ctx.name}; copy bandwidth {cgbps:.0f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    saved = (K.POLICY.subgroups, K.POLICY.target_workgroups, K.POLICY.force)
-    K.POLICY.force = "split"
+    default = eng.policy
     for fmt in args.formats.split(","):
         s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(contexts), 1))
         filled = 0
@@ -53,10 +53,9 @@ def main(argv=None) -> int:
             filled = ctx_len
             nbytes = ctx_len * B.bytes_per_token(fmt, B.HKV, B.D) + B.H * B.D * 4
             for v in variants:
-                K.POLICY.subgroups = v == "sg"
                 for tw in targets:
-                    K.POLICY.target_workgroups = tw
-                    split_len, n_splits = K.choose_split(fmt, ctx_len, B.HKV, 1, B.H // B.HKV)
+                    eng.policy = dataclasses.replace(default, force="split", subgroups=v == "sg", target_workgroups=tw)
+                    split_len, n_splits = K.choose_split(fmt, ctx_len, B.HKV, 1, B.H // B.HKV, tw)
                     ms = B.time_wgpu(eng, s.layers[0], 1, ctx_len, rng, args.budget)
                     gbps = nbytes / ms / 1e6
                     rows.append({"kv_format": fmt, "context": ctx_len, "variant": v, "target_workgroups": tw,
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
                           f"{n_splits * B.HKV:5d} wg): {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / cgbps:5.1f}%",
                           flush=True)
         eng.release(s).result()
-    K.POLICY.subgroups, K.POLICY.target_workgroups, K.POLICY.force = saved
+    eng.policy = default
     if args.json_out:
         args.json_out.write_text(json.dumps({"gpu": eng.ctx.name, "commit": B.git_commit(), "copy_gbps": round(cgbps, 1),
                                              "rows": rows}, indent=2) + "\n")

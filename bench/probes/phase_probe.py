@@ -9,6 +9,7 @@ after the softmax, and in full; and the step without its merge pass (and, for
 TurboQuant, without the query rotation), so the differences give each phase's
 share. GPU time only, many attends per submission (as bench/kernels.py).
 """
+import dataclasses
 import math
 import sys
 import time
@@ -18,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
-from attnserve.gpu import kernels as K, shaders as S  # noqa: E402
+from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 
 CTX = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
@@ -54,14 +55,13 @@ eng = B.Engine.open(None)
 rng = np.random.default_rng(0)
 q = rng.standard_normal((1, B.H, B.D), dtype=np.float32)
 orig_dispatch = Batch.dispatch
-K.POLICY.force = "split"
 variants = [v for v in (False, True) if not v or "subgroup" in eng.ctx.features]
 for fmt in ("f32", "turboquant"):
     s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, CTX, 1))
     layer = s.layers[0]
     B.fill_layer(eng, layer, CTX, rng)
     for sg in variants:
-        K.POLICY.subgroups = sg
+        eng.policy = dataclasses.replace(eng.policy, force="split", subgroups=sg)
         kern = KERNEL[(fmt, sg)]
         cases = {
             "full step": {},
@@ -85,7 +85,7 @@ for fmt in ("f32", "turboquant"):
             Batch.dispatch = dispatch
 
             def job(ctx, iters=200):
-                batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align)
+                batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align, eng.policy)
                 qs = batch.upload(q)
                 for _ in range(iters):
                     layer.plan_attend_rows(batch, qs, q.shape, out=batch.scratch(q.nbytes), length=CTX,

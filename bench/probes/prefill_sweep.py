@@ -12,6 +12,7 @@ bench/kernels.py times them (GPU time only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
-from attnserve.gpu import kernels as K  # noqa: E402
 
 VARIANTS = {
     "tiled": dict(prefill_f32="tiled"),
@@ -42,8 +42,7 @@ def main(argv=None) -> int:
     shapes = ((256, 256),) if args.quick else SHAPES
     eng = B.Engine.open(args.adapter)
     rng = np.random.default_rng(0)
-    K.POLICY.force = "tiled"
-    saved = {k: getattr(K.POLICY, k) for v in VARIANTS.values() for k in v}
+    default = dataclasses.replace(eng.policy, force="tiled")
     rows = []
     for fmt in ("f32", "turboquant"):
         s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(k for _, k in shapes), 1))
@@ -52,11 +51,8 @@ def main(argv=None) -> int:
             B.fill_layer(eng, s.layers[0], ctx_len - filled, rng)
             filled = max(filled, ctx_len)
             for name, knobs in (VARIANTS.items() if fmt == "f32" else [("tiled", {})]):
-                for k, v in knobs.items():
-                    setattr(K.POLICY, k, v)
+                eng.policy = dataclasses.replace(default, **knobs)
                 ms = B.time_wgpu(eng, s.layers[0], n, ctx_len, rng, args.budget)
-                for k, v in saved.items():
-                    setattr(K.POLICY, k, v)
                 rows.append({"kv_format": fmt, "queries": n, "context": ctx_len, "variant": name, "wgpu_ms": round(ms, 4)})
                 print(f"{fmt:10} {n:5d} x {ctx_len:5d} {name:24s} {ms:8.3f} ms", flush=True)
         eng.release(s).result()
