@@ -246,7 +246,7 @@ class Stream:
         from websockets.sync.client import connect
 
         self._frames = _Frames()
-        self._pending: dict[int, tuple[Future, Any]] = {}
+        self._pending: dict[int, tuple[Future[Any], Any]] = {}
         self._lock = threading.Lock()
         self._closed: BaseException | None = None
         try:
@@ -280,8 +280,8 @@ class Stream:
         for fut, _ in pending.values():
             fut.set_exception(err)
 
-    def _submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future:
-        fut: Future = Future()
+    def _submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
         with self._lock:
             if self._closed is not None:
                 raise self._closed
@@ -296,29 +296,32 @@ class Stream:
 
     def submit_attend(self, session: Any, layer: int, q: Any, *, k: Any = None, v: Any = None,
                       offset: int | None = None, start_pos: int | None = None, causal: bool = True,
-                      scale: float | None = None) -> Future:
+                      scale: float | None = None) -> Future[Any]:
         item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
         return self._submit("attend", attend_members(item), lambda doc: _attend_result(item, doc))
 
     def attend(self, session: Any, layer: int, q: Any, **kw: Any) -> np.ndarray:
         """As ``Session.attend``, for ``session`` (a session or its id)."""
-        return self.submit_attend(session, layer, q, **kw).result()
+        out: np.ndarray = self.submit_attend(session, layer, q, **kw).result()
+        return out
 
-    def submit_append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> Future:
+    def submit_append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> Future[Any]:
         item = AttendItem(session, layer, None)
         return self._submit("append", _append_members(session, layer, k, v, offset),
                             lambda doc: _append_result(item, doc))
 
     def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
-        return self.submit_append(session, layer, k, v, offset=offset).result()
+        length: int = self.submit_append(session, layer, k, v, offset=offset).result()
+        return length
 
-    def submit_attend_batch(self, items: Sequence[ItemLike]) -> Future:
+    def submit_attend_batch(self, items: Sequence[ItemLike]) -> Future[Any]:
         checked, body = batch_body(items)
         return self._submit("attend_batch", body, lambda doc: batch_results(checked, doc))
 
     def attend_batch(self, items: Sequence[ItemLike]) -> list[np.ndarray]:
         """As ``Client.attend_batch``, over the stream."""
-        return self.submit_attend_batch(items).result()
+        outs: list[np.ndarray] = self.submit_attend_batch(items).result()
+        return outs
 
     def ping(self) -> None:
         self._submit("ping", {}, lambda doc: None).result()
@@ -348,10 +351,10 @@ class AsyncStream:
 
     def __init__(self) -> None:
         self._frames = _Frames()
-        self._pending: dict[int, tuple[asyncio.Future, Any]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
         self._closed: BaseException | None = None
         self._ws: Any = None
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, base_url: str, headers: Mapping[str, str], open_timeout: float | None) -> AsyncStream:
@@ -401,16 +404,19 @@ class AsyncStream:
                      offset: int | None = None, start_pos: int | None = None, causal: bool = True,
                      scale: float | None = None) -> np.ndarray:
         item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
-        return await self._call("attend", attend_members(item), lambda doc: _attend_result(item, doc))
+        out: np.ndarray = await self._call("attend", attend_members(item), lambda doc: _attend_result(item, doc))
+        return out
 
     async def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
         item = AttendItem(session, layer, None)
-        return await self._call("append", _append_members(session, layer, k, v, offset),
-                                lambda doc: _append_result(item, doc))
+        length: int = await self._call("append", _append_members(session, layer, k, v, offset),
+                                       lambda doc: _append_result(item, doc))
+        return length
 
     async def attend_batch(self, items: Sequence[ItemLike]) -> list[np.ndarray]:
         checked, body = batch_body(items)
-        return await self._call("attend_batch", body, lambda doc: batch_results(checked, doc))
+        outs: list[np.ndarray] = await self._call("attend_batch", body, lambda doc: batch_results(checked, doc))
+        return outs
 
     async def ping(self) -> None:
         await self._call("ping", {}, lambda doc: None)
