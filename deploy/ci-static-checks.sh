@@ -67,7 +67,7 @@ if "attnserve = attnserve.cli:main" not in text:
 shipped = sorted(n for n in names if n.startswith("attnserve_client"))
 if shipped:
     sys.exit(f"the server wheel ships the client package's files: {shipped[:5]}")
-client_need = ["attnserve_client/__init__.py", "attnserve_client/wire.py",
+client_need = ["attnserve_client/__init__.py", "attnserve_client/wire.py", "attnserve_client/problems.py",
                "attnserve_client/py.typed"]
 missing = [n for n in client_need if n not in client_names]
 if missing:
