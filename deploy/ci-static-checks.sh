@@ -10,7 +10,8 @@
 #      builder stage makes (`pip wheel ./client .`), the server's checked for its
 #      package, the shaders and the entry point and for NOT holding attnserve_client
 #      (the client wheel's alone, which the server requires), then both installed
-#      together into a folder of their own and imported from there, not the checkout.
+#      together into a folder of their own and imported from there, not the checkout,
+#      their files exactly the checkout's (deploy/image/image_matches_checkout.py).
 # Idempotent; installs what it needs (into $VIRTUAL_ENV or .venv, else with --user).
 # Runs in about 15 s on 2 cores once the tools are installed.
 set -euo pipefail
@@ -40,6 +41,9 @@ step "deployment files agree"
 step "wheels as the image builds them"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+# setuptools builds in build/ and keeps what an earlier build put there (a module
+# since moved would ship again): start from none, as the image's clean copy does
+rm -rf build client/build
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" ./client . >/dev/null
 WHEEL="$(ls "$WORK"/wheels/attnserve-0*.whl)"
 CLIENT_WHEEL="$(ls "$WORK"/wheels/attnserve_client-*.whl)"
@@ -115,4 +119,7 @@ for optional in ("attnserve.cli", "attnserve.app"):
 print(f"ok -- imported from the installed wheel; shaders: {', '.join(names)}")
 PYEOF
 )
+# the installed files are exactly this checkout's (what deploy/test-image.sh checks in the image)
+"$PY" -c "$("$PY" deploy/image/image_matches_checkout.py --print-lister)" "$WORK/site" \
+  | "$PY" deploy/image/image_matches_checkout.py
 printf '\nci-static-checks: all passed\n'

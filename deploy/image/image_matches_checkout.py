@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LISTER = """
 import hashlib, os, sys, sysconfig
-site = sysconfig.get_paths()["purelib"]
+site = sys.argv[1] if len(sys.argv) > 1 else sysconfig.get_paths()["purelib"]
 for top in ("attnserve", "attnserve_client"):
     for folder, dirs, files in os.walk(os.path.join(site, top)):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
