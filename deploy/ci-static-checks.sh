@@ -6,9 +6,12 @@
 #      debian:bookworm-slim, non-root user, HEALTHCHECK on /readyz, Vulkan packages and
 #      the NVIDIA ICD, COPY sources pass .dockerignore, one compose replica per GPU
 #      and the same list in the nginx upstreams, the router mounting the routing file;
-#   4. the image's build path without the image: the wheel that the Dockerfile's
-#      builder stage makes (`pip wheel .`), checked for the packages, the shaders and
-#      the entry point, then imported from a folder of its own, not from the checkout.
+#   4. the image's build path without the image: the wheels that the Dockerfile's
+#      builder stage makes (`pip wheel ./client .`), the server's checked for its
+#      package, the shaders and the entry point and for NOT holding attnserve_client
+#      (the client wheel's alone, which the server requires), then both installed
+#      together into a folder of their own and imported from there, not the checkout,
+#      their files exactly the checkout's (deploy/image/image_matches_checkout.py).
 # Idempotent; installs what it needs (into $VIRTUAL_ENV or .venv, else with --user).
 # Runs in about 15 s on 2 cores once the tools are installed.
 set -euo pipefail
@@ -35,37 +38,65 @@ step "deployment files agree"
 "$PY" -m py_compile deploy/healthcheck.py
 "$PY" deploy/check_deploy_files.py
 
-step "wheel as the image builds it"
+step "wheels as the image builds them"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" . >/dev/null
-WHEEL="$(ls "$WORK"/wheels/attnserve-*.whl)"
-echo "built $(basename "$WHEEL")"
-"$PY" - "$WHEEL" <<'PYEOF'
-import sys, zipfile
-names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+# setuptools builds in build/ and keeps what an earlier build put there (a module
+# since moved would ship again): start from none, as the image's clean copy does
+rm -rf build client/build
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" ./client . >/dev/null
+WHEEL="$(ls "$WORK"/wheels/attnserve-0*.whl)"
+CLIENT_WHEEL="$(ls "$WORK"/wheels/attnserve_client-*.whl)"
+echo "built $(basename "$WHEEL") and $(basename "$CLIENT_WHEEL")"
+"$PY" - "$WHEEL" "$CLIENT_WHEEL" <<'PYEOF'
+import email, sys, zipfile
+try:
+    from packaging.requirements import Requirement
+except ModuleNotFoundError:
+    from pip._vendor.packaging.requirements import Requirement
+server, client = (zipfile.ZipFile(path) for path in sys.argv[1:3])
+names, client_names = set(server.namelist()), set(client.namelist())
 need = [
-    "attnserve/__init__.py", "attnserve/instance.py", "attnserve_client/__init__.py",
-    "attnserve_client/wire.py", "attnserve/shaders/attention_prefill.wgsl",
+    "attnserve/__init__.py", "attnserve/instance.py", "attnserve/shaders/attention_prefill.wgsl",
     "attnserve/shaders/flash_attention_tq.wgsl", "attnserve/shaders/turboquant.wgsl",
 ]
 missing = [n for n in need if n not in names]
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
 if missing or not entry:
     sys.exit(f"wheel lacks {missing or 'entry_points.txt'}")
-text = zipfile.ZipFile(sys.argv[1]).read(entry[0]).decode()
+text = server.read(entry[0]).decode()
 if "attnserve = attnserve.cli:main" not in text:
     sys.exit(f"wheel has no attnserve console script: {text!r}")
-print(f"ok -- {len(names)} files, shaders and both packages inside, console script attnserve")
+# one owner of each file: attnserve_client is the client wheel's alone
+shipped = sorted(n for n in names if n.startswith("attnserve_client"))
+if shipped:
+    sys.exit(f"the server wheel ships the client package's files: {shipped[:5]}")
+client_need = ["attnserve_client/__init__.py", "attnserve_client/wire.py", "attnserve_client/problems.py",
+               "attnserve_client/py.typed"]
+missing = [n for n in client_need if n not in client_names]
+if missing:
+    sys.exit(f"client wheel lacks {missing}")
+if any(not n.startswith("attnserve_client") for n in client_names):
+    sys.exit(f"the client wheel ships files outside attnserve_client: {sorted(client_names)[:5]}")
+def metadata(wheel):
+    meta = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return email.message_from_bytes(wheel.read(meta[0]))
+client_meta = metadata(client)
+wants = [Requirement(r) for r in metadata(server).get_all("Requires-Dist") or []]
+wants = [r for r in wants if r.name == client_meta["Name"]]
+if len(wants) != 1 or client_meta["Version"] not in wants[0].specifier:
+    sys.exit(f"the server wheel does not require this client ({client_meta['Name']} {client_meta['Version']}): {wants}")
+print(f"ok -- server wheel {len(names)} files, shaders inside, console script attnserve, no attnserve_client; "
+      f"client wheel {len(client_names)} files; the server requires {wants[0]}, met by the client wheel")
 PYEOF
-# Install it alone (its dependencies come from $PY's environment) into a folder,
-# and import it from there, from a folder outside the checkout.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$WORK/site" "$WHEEL" >/dev/null
+# Install the two together (their other dependencies come from $PY's environment)
+# into a folder, and import them from there, from a folder outside the checkout.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$WORK/site" "$WHEEL" "$CLIENT_WHEEL" >/dev/null
 (cd "$WORK" && PYTHONPATH="$WORK/site" XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" "$PY" - "$WORK/site" <<'PYEOF'
 import importlib, importlib.resources, os, sys
 site = os.path.realpath(sys.argv[1])
-import attnserve, attnserve_client, attnserve.instance
-for mod in (attnserve, attnserve_client, attnserve.instance):
+import attnserve, attnserve_client, attnserve.instance, attnserve.codec
+for mod in (attnserve, attnserve_client, attnserve.instance, attnserve.codec.wire):
     where = os.path.realpath(mod.__file__)
     assert where.startswith(site + os.sep), f"{mod.__name__} imported from {where}, not from the wheel"
 shaders = importlib.resources.files("attnserve.shaders")
@@ -88,4 +119,7 @@ for optional in ("attnserve.cli", "attnserve.app"):
 print(f"ok -- imported from the installed wheel; shaders: {', '.join(names)}")
 PYEOF
 )
+# the installed files are exactly this checkout's (what deploy/test-image.sh checks in the image)
+"$PY" -c "$("$PY" deploy/image/image_matches_checkout.py --print-lister)" "$WORK/site" \
+  | "$PY" deploy/image/image_matches_checkout.py
 printf '\nci-static-checks: all passed\n'

@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
 from _core import read_words, rel_err, reserve, rows, session

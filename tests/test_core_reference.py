@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
 
@@ -112,3 +112,23 @@ def test_tq_attention_with_exact_codes_is_exact_attention_limit(rng):
     k_hat = ref.rht_inv(np.array(cb.centroids)[enc.idx], ps) * enc.norm[..., None]  # [L, hkv, d]
     want = np.einsum("nhd,lhd->hnl", q, np.repeat(k_hat, h // hkv, axis=1))
     np.testing.assert_allclose(polar, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_oracles_are_test_only():
+    """attnserve.testing is no part of the server's run time: importing the app and
+    its modules loads none of it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pathlib, sys, attnserve\n"
+        "root = pathlib.Path(attnserve.__file__).parent\n"
+        "for path in sorted(root.rglob('*.py')):\n"
+        "    parts = path.relative_to(root).with_suffix('').parts\n"
+        "    if parts[0] in ('testing', '__main__'):\n"
+        "        continue\n"
+        "    importlib.import_module('.'.join(('attnserve',) + parts).removesuffix('.__init__'))\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('attnserve.testing'))\n"
+        "assert 'attnserve.app' in sys.modules and not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

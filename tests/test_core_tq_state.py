@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.turboquant import (
     CODEBOOK,
     bytes_per_token,

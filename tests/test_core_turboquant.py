@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.gpu.kernels import plan_rotate_q, rotated_q_bytes
 from attnserve.turboquant import codebook, layer_signs
 

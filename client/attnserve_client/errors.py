@@ -10,7 +10,9 @@ Every exception the client raises on purpose derives from :class:`AttnServeError
 - :class:`APIConnectionError`, :class:`APITimeoutError`: no answer came.
 - :class:`InvalidResponse`: an answer came but is not what the contract says.
 - :class:`APIError`: the server answered with an error; one subclass per problem
-  type of the contract (``"/problems/<slug>"``), :class:`APIStatusError` for any other.
+  type of the contract (``"/problems/<slug>"``, the slugs from
+  :mod:`attnserve_client.problems`) that a client handles, :class:`APIStatusError`
+  for any other.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar
+
+from . import problems
 
 __all__ = [
     "APIConnectionError",
@@ -135,25 +139,25 @@ class APIStatusError(APIError):
 class MalformedBody(APIError):
     """400: the body could not be decoded as its declared content type."""
 
-    slug = "malformed-body"
+    slug = problems.MALFORMED_BODY.slug
 
 
 class Unauthorized(APIError):
     """401: API keys are configured and the bearer token is missing or wrong."""
 
-    slug = "unauthorized"
+    slug = problems.UNAUTHORIZED.slug
 
 
 class SessionNotFound(APIError):
     """404: unknown session id (or one that belongs to another API key)."""
 
-    slug = "session-not-found"
+    slug = problems.SESSION_NOT_FOUND.slug
 
 
 class LayerNotFound(APIError):
     """404: the layer index is outside ``0..num_layers-1``."""
 
-    slug = "layer-not-found"
+    slug = problems.LAYER_NOT_FOUND.slug
 
 
 class OffsetMismatch(APIError):
@@ -162,7 +166,7 @@ class OffsetMismatch(APIError):
     ``length`` is the layer's actual length, as the server reported it.
     """
 
-    slug = "offset-mismatch"
+    slug = problems.OFFSET_MISMATCH.slug
 
     @property
     def length(self) -> int | None:
@@ -173,68 +177,68 @@ class OffsetMismatch(APIError):
 class SessionExists(APIError):
     """409: a session with this id exists already."""
 
-    slug = "session-exists"
+    slug = problems.SESSION_EXISTS.slug
 
 
 class CapacityExceeded(APIError):
     """409: the append would take the layer past the session's ``max_tokens``."""
 
-    slug = "capacity-exceeded"
+    slug = problems.CAPACITY_EXCEEDED.slug
 
 
 class PayloadTooLarge(APIError):
     """413: the body is larger than the server accepts."""
 
-    slug = "payload-too-large"
+    slug = problems.PAYLOAD_TOO_LARGE.slug
 
 
 class UnsupportedMediaType(APIError):
     """415: the request's content type is not MessagePack or JSON."""
 
-    slug = "unsupported-media-type"
+    slug = problems.UNSUPPORTED_MEDIA_TYPE.slug
 
 
 class InvalidSnapshot(APIError):
     """422: a snapshot blob is truncated, corrupted, of another version or too large."""
 
-    slug = "invalid-snapshot"
+    slug = problems.INVALID_SNAPSHOT.slug
 
 
 class InvalidRequest(APIError):
     """422: a field, shape, dtype, byte count or value is not allowed (see ``detail``)."""
 
-    slug = "invalid-request"
+    slug = problems.INVALID_REQUEST.slug
 
 
 class Overloaded(APIError):
     """503: the server's queue is full; ``retry_after`` says when to come back."""
 
-    slug = "overloaded"
+    slug = problems.OVERLOADED.slug
 
 
 class NotReady(APIError):
     """503: the device is not ready, or the server is draining."""
 
-    slug = "not-ready"
+    slug = problems.NOT_READY.slug
 
 
 class BodyTimeout(APIError):
     """408: the server stopped waiting for the rest of the request body; nothing changed."""
 
-    slug = "body-timeout"
+    slug = problems.BODY_TIMEOUT.slug
 
 
 class RequestTimeout(APIError):
     """503: the request waited too long for the GPU and was dropped unapplied
     (server setting ``ATTNSERVE_REQUEST_TIMEOUT_S``); safe to retry."""
 
-    slug = "timeout"
+    slug = problems.TIMEOUT.slug
 
 
 class OutOfMemory(APIError):
     """507: the GPU memory budget (or the key's quota) cannot hold the request."""
 
-    slug = "out-of-memory"
+    slug = problems.OUT_OF_MEMORY.slug
 
 
 _BY_SLUG: dict[str, type[APIError]] = {

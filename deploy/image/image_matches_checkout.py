@@ -6,8 +6,10 @@
 
 stdin: one ``<sha256> <path>`` line per file of the installed packages, the path
 relative to site-packages (what ``--print-lister`` prints is a program that lists
-them inside the image). The checkout's side comes from pyproject.toml: each
-package's folder (``package-dir``), its ``*.py`` files and its ``package-data``.
+them inside the image). The checkout's side comes from the pyproject.toml of each
+distribution the image installs from this checkout (the server's, ``attnserve``,
+and the client's, ``client/``, ``attnserve-client``): each package's folder
+(``package-dir``), its ``*.py`` files and its ``package-data``.
 Exit 0 when both sides hold the same files with the same contents, else 1 with
 the differences.
 
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LISTER = """
 import hashlib, os, sys, sysconfig
-site = sysconfig.get_paths()["purelib"]
+site = sys.argv[1] if len(sys.argv) > 1 else sysconfig.get_paths()["purelib"]
 for top in ("attnserve", "attnserve_client"):
     for folder, dirs, files in os.walk(os.path.join(site, top)):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
@@ -43,9 +45,24 @@ for top in ("attnserve", "attnserve_client"):
 """
 
 
+# the folders of this checkout's distributions, each with its own pyproject.toml
+PROJECTS = (ROOT, ROOT / "client")
+
+
 def checkout_files() -> dict[str, str]:
-    """{path in site-packages: sha256} of what the wheel should install."""
-    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    """{path in site-packages: sha256} of what the wheels should install."""
+    out: dict[str, str] = {}
+    for project in PROJECTS:
+        for rel, digest in project_files(project).items():
+            if rel in out:
+                raise SystemExit(f"{rel}: shipped by two distributions")
+            out[rel] = digest
+    return out
+
+
+def project_files(project: Path) -> dict[str, str]:
+    """{path in site-packages: sha256} of what the wheel built from ``project`` installs."""
+    setup = tomllib.loads((project / "pyproject.toml").read_text())["tool"]["setuptools"]
     package_dir: dict[str, str] = setup.get("package-dir", {})
     data: dict[str, list[str]] = setup.get("package-data", {})
     out: dict[str, str] = {}
@@ -55,10 +72,10 @@ def checkout_files() -> dict[str, str]:
         for i in range(len(parts), 0, -1):
             base = ".".join(parts[:i])
             if base in package_dir:
-                folder = ROOT / package_dir[base] / Path(*parts[i:])
+                folder = project / package_dir[base] / Path(*parts[i:])
                 break
         else:
-            folder = ROOT / Path(*parts)
+            folder = project / Path(*parts)
         target = Path(*parts)
         patterns = ["*.py", *data.get(package, [])]
         for pattern in patterns:

@@ -28,19 +28,11 @@ from typing import Any, Literal
 import anyio
 import anyio.to_thread
 import numpy as np
+from attnserve_client import wire  # the attnserve-client distribution, a dependency
 from starlette.requests import Request
 from starlette.responses import Response
 
 from .errors import ApiError, BodyTimeout, InvalidRequest, MalformedBody, PayloadTooLarge, UnsupportedMediaType
-
-try:
-    from attnserve_client import wire
-except ImportError:  # pragma: no cover - a checkout without the client on sys.path
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
-    from attnserve_client import wire
 
 __all__ = [
     "wire",

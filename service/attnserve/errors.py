@@ -3,12 +3,16 @@
 Every error a client can cause is an :class:`ApiError` with an HTTP status, a
 problem ``slug`` (``type`` is ``/problems/<slug>``), a title and a detail, plus
 optional extra members for the problem body (``length`` for offset-mismatch, ...)
-and headers (``Retry-After``, ``WWW-Authenticate``).
+and headers (``Retry-After``, ``WWW-Authenticate``). The slugs, statuses and titles
+come from the one list of the contract's problem types,
+:mod:`attnserve_client.problems`, which the client's exception classes share.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from attnserve_client import problems
 
 __all__ = [
     "ApiError",
@@ -36,9 +40,12 @@ __all__ = [
 
 
 class ApiError(Exception):
-    status: int = 500
-    slug: str = "internal-error"
-    title: str = "Internal server error"
+    """Base of every error a client can cause; answered as ``internal-error`` unless a
+    subclass (or, for an HTTP error of the framework, ``app.py``) says otherwise."""
+
+    status: int = problems.INTERNAL_ERROR.status
+    slug: str = problems.INTERNAL_ERROR.slug
+    title: str = problems.INTERNAL_ERROR.title
 
     def __init__(self, detail: str, *, headers: dict[str, str] | None = None, **extra: Any):
         super().__init__(detail)
@@ -59,30 +66,121 @@ class ApiError(Exception):
         return body
 
 
-def _error(name: str, status: int, slug: str, title: str) -> type[ApiError]:
-    return type(name, (ApiError,), {"status": status, "slug": slug, "title": title, "__doc__": title})
+class MalformedBody(ApiError):
+    """400: the body is not decodable as its declared content type."""
+
+    status, slug, title = problems.MALFORMED_BODY
 
 
-MalformedBody = _error("MalformedBody", 400, "malformed-body", "Malformed body")
-# the client stopped sending its body (codec.BODY_IDLE_TIMEOUT_S without a byte)
-BodyTimeout = _error("BodyTimeout", 408, "body-timeout", "Body timeout")
-SessionNotFound = _error("SessionNotFound", 404, "session-not-found", "Session not found")
-LayerNotFound = _error("LayerNotFound", 404, "layer-not-found", "Layer not found")
-OffsetMismatch = _error("OffsetMismatch", 409, "offset-mismatch", "Offset mismatch")
-SessionExists = _error("SessionExists", 409, "session-exists", "Session exists")
-CapacityExceeded = _error("CapacityExceeded", 409, "capacity-exceeded", "Capacity exceeded")
-PayloadTooLarge = _error("PayloadTooLarge", 413, "payload-too-large", "Payload too large")
-UnsupportedMediaType = _error(
-    "UnsupportedMediaType", 415, "unsupported-media-type", "Unsupported media type"
-)
-InvalidSnapshot = _error("InvalidSnapshot", 422, "invalid-snapshot", "Invalid snapshot")
-InvalidRequest = _error("InvalidRequest", 422, "invalid-request", "Invalid request")
-Unauthorized = _error("Unauthorized", 401, "unauthorized", "Unauthorized")
-Overloaded = _error("Overloaded", 503, "overloaded", "Overloaded")
-NotReady = _error("NotReady", 503, "not-ready", "Not ready")
-RequestTimeout = _error("RequestTimeout", 503, "timeout", "Request timed out")
-OutOfMemory = _error("OutOfMemory", 507, "out-of-memory", "Out of GPU memory")
-GpuError = _error("GpuError", 500, "gpu-error", "GPU error")
-RouteNotFound = _error("RouteNotFound", 404, "not-found", "Not found")
-MethodNotAllowed = _error("MethodNotAllowed", 405, "method-not-allowed", "Method not allowed")
-InternalError = _error("InternalError", 500, "internal-error", "Internal server error")
+class BodyTimeout(ApiError):
+    """408: the client stopped sending its body (``codec.BODY_IDLE_TIMEOUT_S`` without a byte)."""
+
+    status, slug, title = problems.BODY_TIMEOUT
+
+
+class SessionNotFound(ApiError):
+    """404: unknown session id, or another tenant's session."""
+
+    status, slug, title = problems.SESSION_NOT_FOUND
+
+
+class LayerNotFound(ApiError):
+    """404: the layer index is not an integer in ``0..num_layers-1``."""
+
+    status, slug, title = problems.LAYER_NOT_FOUND
+
+
+class OffsetMismatch(ApiError):
+    """409: the ``offset`` sent is not the layer's length (extra member ``length``)."""
+
+    status, slug, title = problems.OFFSET_MISMATCH
+
+
+class SessionExists(ApiError):
+    """409: a session with this id exists already."""
+
+    status, slug, title = problems.SESSION_EXISTS
+
+
+class CapacityExceeded(ApiError):
+    """409: the append would take the layer past the session's ``max_tokens``."""
+
+    status, slug, title = problems.CAPACITY_EXCEEDED
+
+
+class PayloadTooLarge(ApiError):
+    """413: the body is over ``max_body_bytes``."""
+
+    status, slug, title = problems.PAYLOAD_TOO_LARGE
+
+
+class UnsupportedMediaType(ApiError):
+    """415: a body of another content type than MessagePack or JSON, or of none."""
+
+    status, slug, title = problems.UNSUPPORTED_MEDIA_TYPE
+
+
+class InvalidSnapshot(ApiError):
+    """422: a snapshot blob is truncated, corrupted, of another version or too large."""
+
+    status, slug, title = problems.INVALID_SNAPSHOT
+
+
+class InvalidRequest(ApiError):
+    """422: a field, shape, dtype, byte count or value is not allowed."""
+
+    status, slug, title = problems.INVALID_REQUEST
+
+
+class Unauthorized(ApiError):
+    """401: API keys are configured and the bearer token is missing or wrong."""
+
+    status, slug, title = problems.UNAUTHORIZED
+
+
+class Overloaded(ApiError):
+    """503: the GPU queue is full."""
+
+    status, slug, title = problems.OVERLOADED
+
+
+class NotReady(ApiError):
+    """503: the device is not open, or the server is draining."""
+
+    status, slug, title = problems.NOT_READY
+
+
+class RequestTimeout(ApiError):
+    """503: the request waited in the GPU queue too long and was dropped unapplied."""
+
+    status, slug, title = problems.TIMEOUT
+
+
+class OutOfMemory(ApiError):
+    """507: the GPU memory budget, the session limit or the key's quota cannot hold the request."""
+
+    status, slug, title = problems.OUT_OF_MEMORY
+
+
+class GpuError(ApiError):
+    """500: the device failed."""
+
+    status, slug, title = problems.GPU_ERROR
+
+
+class RouteNotFound(ApiError):
+    """404: no such route."""
+
+    status, slug, title = problems.NOT_FOUND
+
+
+class MethodNotAllowed(ApiError):
+    """405: the route exists, the method does not."""
+
+    status, slug, title = problems.METHOD_NOT_ALLOWED
+
+
+class InternalError(ApiError):
+    """500: a bug; the detail names a request id found in the log."""
+
+    status, slug, title = problems.INTERNAL_ERROR

@@ -11,25 +11,13 @@ import pytest
 import attnserve_client as ac
 from attnserve_client import wire
 from attnserve_client.errors import parse_retry_after
+from attnserve_client.problems import PROBLEM_TYPES
 
-SLUGS = [
-    (400, "malformed-body", ac.MalformedBody),
-    (401, "unauthorized", ac.Unauthorized),
-    (404, "session-not-found", ac.SessionNotFound),
-    (404, "layer-not-found", ac.LayerNotFound),
-    (409, "offset-mismatch", ac.OffsetMismatch),
-    (409, "session-exists", ac.SessionExists),
-    (409, "capacity-exceeded", ac.CapacityExceeded),
-    (413, "payload-too-large", ac.PayloadTooLarge),
-    (415, "unsupported-media-type", ac.UnsupportedMediaType),
-    (422, "invalid-snapshot", ac.InvalidSnapshot),
-    (422, "invalid-request", ac.InvalidRequest),
-    (503, "overloaded", ac.Overloaded),
-    (503, "not-ready", ac.NotReady),
-    (503, "timeout", ac.RequestTimeout),
-    (408, "body-timeout", ac.BodyTimeout),
-    (507, "out-of-memory", ac.OutOfMemory),
-]
+# (status, slug, class) of every problem type with a client class of its own; the
+# slugs and statuses from the one list, attnserve_client.problems
+SLUGS = [(PROBLEM_TYPES[cls.slug].status, cls.slug, cls)
+         for cls in ac.APIError.__subclasses__() if cls is not ac.APIStatusError]
+assert len(SLUGS) == 16, SLUGS
 
 
 def problem(status, slug, **extra):

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 from attnserve_client import Client, SessionExists, SessionNotFound, wire
 from image_helpers import (

@@ -12,7 +12,7 @@ import numpy as np
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from attnserve import reference as ref
+from attnserve.testing import reference as ref
 from attnserve.app import create_app
 from attnserve.config import Settings
 from attnserve_client import wire

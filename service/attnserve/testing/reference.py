@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .turboquant import Codebook, qjl_scale
+from ..turboquant import Codebook, qjl_scale
 
 __all__ = [
     "attention",
