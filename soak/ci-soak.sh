@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/service:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c 'import fastapi, uvicorn, wgpu, numpy, msgpack, httpx, pydantic_settings' 2>/dev/null; then
   echo "soak: installing the project's dependencies"
-  pip_install -e .
+  pip_install -e ./client -e .
 fi
 . deploy/_adapter.sh
 ensure_adapter "$PY"
