@@ -32,7 +32,8 @@
 
 @group(0) @binding(0) var<storage, read> partial: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(2) var<storage, read> mparams: array<u32, 8>;
+// #struct MergeParams
+@group(0) @binding(2) var<storage, read> mparams: MergeParams;
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
@@ -58,14 +59,14 @@ fn attention_merge(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = mparams[0];
-    let head_dim = mparams[1];
-    let n_splits = mparams[2];
-    let q_total = mparams[3];
-    let q_base = mparams[4];
-    let out_stride = mparams[5];
-    let sign_off = mparams[6];
-    let flags = mparams[7];
+    let n_heads = mparams.n_heads;
+    let head_dim = mparams.head_dim;
+    let n_splits = mparams.n_splits;
+    let q_total = mparams.q_total;
+    let q_base = mparams.q_base;
+    let out_stride = mparams.out_stride;
+    let sign_off = mparams.sign_off;
+    let flags = mparams.flags;
     let head = wid.x;
     let q_idx = q_base + wid.y;
     let n_part = q_total * n_heads * n_splits;

@@ -59,7 +59,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<f32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 12>;
+// #struct PrefillParams
+@group(0) @binding(4) var<storage, read> params: PrefillParams;
 const TILE: u32 = 256u;
 const MAX_HEAD_DIM: u32 = 128u;
 const NEG_INF: f32 = -3.402823e+38;
@@ -79,18 +80,18 @@ fn attention_prefill(
 let head = wid.x;
 let q_idx = wid.y;
 let tid = lid.x;
-let n_heads = params[0];
-let n_kv_heads = params[1];
-let head_dim = params[2];
-let kv_dim = params[3];
-let max_seq = params[4];
-let scale = bitcast<f32>(params[5]);
-let start_pos = params[6];
+let n_heads = params.n_heads;
+let n_kv_heads = params.n_kv_heads;
+let head_dim = params.head_dim;
+let kv_dim = params.kv_dim;
+let max_seq = params.max_seq;
+let scale = params.scale;
+let start_pos = params.start_pos;
 // params[7] is unused: the query count is the dispatch Y dimension (wid.y).
-let q_stride = params[8];
-let out_stride = params[9];
-let q_base = params[10];
-let flags = params[11];
+let q_stride = params.q_stride;
+let out_stride = params.out_stride;
+let q_base = params.q_base;
+let flags = params.flags;
 // Global query index into q_batch / out_batch (q_base + local q_idx).
 let q_global = q_base + q_idx;
 // Per-query causal window: attend over [0..pos_q]. Clamp against max_seq so a

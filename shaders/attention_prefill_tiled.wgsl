@@ -74,7 +74,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 12>;
+// #struct PrefillParams
+@group(0) @binding(4) var<storage, read> params: PrefillParams;
 
 const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup

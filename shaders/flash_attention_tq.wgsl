@@ -79,7 +79,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+// #struct TqAttentionParams
+@group(0) @binding(4) var<storage, read> params: TqAttentionParams;
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
 const TILE: u32 = 256u;
 const MAX_HEAD_DIM: u32 = 128u;
@@ -105,25 +106,25 @@ fn flash_attention_tq(
 let head = wid.x;
 let q_idx = wid.y;
 let tid = lid.x;
-let n_heads = params[0];
-let n_kv_heads = params[1];
-let head_dim = params[2];
-let max_seq = params[3];
-let start_pos = params[4];
-let scale = bitcast<f32>(params[5]);
-let q_cap = params[6];
-let out_stride = params[7];
-let qjl_scale = bitcast<f32>(params[8]);
-let sign_off = params[9];
+let n_heads = params.n_heads;
+let n_kv_heads = params.n_kv_heads;
+let head_dim = params.head_dim;
+let max_seq = params.max_seq;
+let start_pos = params.start_pos;
+let scale = params.scale;
+let q_cap = params.q_cap;
+let out_stride = params.out_stride;
+let qjl_scale = params.qjl_scale;
+let sign_off = params.sign_off;
 var centroids: array<f32, 4> = array<f32, 4>(
-bitcast<f32>(params[10]),
-bitcast<f32>(params[11]),
-bitcast<f32>(params[12]),
-bitcast<f32>(params[13]),
+params.c0,
+params.c1,
+params.c2,
+params.c3,
 );
-let q_base = params[14];
-let cache_cap = params[15];
-let flags = params[16];
+let q_base = params.q_base;
+let cache_cap = params.cache_cap;
+let flags = params.flags;
 let q_global = q_base + q_idx;
 // Per-query causal window: attend over [0..pos_q]. Clamped against max_seq so
 // inconsistent params can only truncate the window, never read OOB.

@@ -47,7 +47,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+// #struct TqAttentionParams
+@group(0) @binding(4) var<storage, read> params: TqAttentionParams;
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
@@ -92,23 +93,23 @@ fn attention_tq_tiled(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let max_seq = params[3];
-    let start_pos = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let q_cap = params[6];
-    let out_stride = params[7];
-    let qjl_scale = bitcast<f32>(params[8]);
-    let sign_off = params[9];
-    let c0 = bitcast<f32>(params[10]);
-    let c1 = bitcast<f32>(params[11]);
-    let c2 = bitcast<f32>(params[12]);
-    let c3 = bitcast<f32>(params[13]);
-    let q_base = params[14];
-    let cache_cap = params[15];
-    let flags = params[16];
+    let n_heads = params.n_heads;
+    let n_kv_heads = params.n_kv_heads;
+    let head_dim = params.head_dim;
+    let max_seq = params.max_seq;
+    let start_pos = params.start_pos;
+    let scale = params.scale;
+    let q_cap = params.q_cap;
+    let out_stride = params.out_stride;
+    let qjl_scale = params.qjl_scale;
+    let sign_off = params.sign_off;
+    let c0 = params.c0;
+    let c1 = params.c1;
+    let c2 = params.c2;
+    let c3 = params.c3;
+    let q_base = params.q_base;
+    let cache_cap = params.cache_cap;
+    let flags = params.flags;
 
     let kv_head = wid.y;
     let group = n_heads / n_kv_heads;

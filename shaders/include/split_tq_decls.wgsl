@@ -6,7 +6,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+// #struct TqSplitParams
+@group(0) @binding(4) var<storage, read> params: TqSplitParams;
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;
