@@ -74,146 +74,108 @@ var<workgroup> red: array<f32, TILE>; // reduction scratch
 var<workgroup> st: array<f32, 4>;
 @compute @workgroup_size(256, 1, 1)
 fn attention_prefill(
-@builtin(local_invocation_id) lid: vec3<u32>,
-@builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-let head = wid.x;
-let q_idx = wid.y;
-let tid = lid.x;
-let n_heads = params.n_heads;
-let n_kv_heads = params.n_kv_heads;
-let head_dim = params.head_dim;
-let kv_dim = params.kv_dim;
-let max_seq = params.max_seq;
-let scale = params.scale;
-let start_pos = params.start_pos;
-// params[7] is unused: the query count is the dispatch Y dimension (wid.y).
-let q_stride = params.q_stride;
-let out_stride = params.out_stride;
-let q_base = params.q_base;
-let flags = params.flags;
-// Global query index into q_batch / out_batch (q_base + local q_idx).
-let q_global = q_base + q_idx;
-// Per-query causal window: attend over [0..pos_q]. Clamp against max_seq so a
-// caller passing inconsistent params can only cause silent window truncation,
-// never an OOB read of k_cache / v_cache.
-let pos_q = start_pos + q_global;
-var seq_len = min(pos_q + 1u, max_seq);
-if (flags & FLAG_NON_CAUSAL) != 0u {
-seq_len = max_seq;
-}
-let group_size = n_heads / n_kv_heads;
-let kv_head = head / group_size;
-let kv_h_offset = kv_head * head_dim;
-let q_offset = q_global * q_stride + head * head_dim;
-let out_offset = q_global * out_stride + head * head_dim;
-// seq_len == 0 would divide by st[1] == 0 → NaN. Write zeros and bail.
-if seq_len == 0u {
-if tid < head_dim {
-out_batch[out_offset + tid] = 0.0;
-}
-return;
-}
-// Load Q into workgroup memory and zero the output accumulator.
-if tid < head_dim {
-q_shared[tid] = q_batch[q_offset + tid];
-acc[tid] = 0.0;
-}
-if tid == 0u {
-st[0] = NEG_INF; // running max
-st[1] = 0.0; // running sum
-}
-workgroupBarrier();
-var base = 0u;
-while base < seq_len {
-// ── score for timestep t = base + tid (one per thread) ──
-let t = base + tid;
-var score = NEG_INF;
-if t < seq_len {
-var dot = 0.0;
-let k_base = t * kv_dim + kv_h_offset;
-for (var d = 0u; d < head_dim; d += 1u) {
-dot += q_shared[d] * k_cache[k_base + d];
-}
-score = dot * scale;
-}
-tile_scores[tid] = score;
-// ── tile max (inlined tree reduction over `red`) ──
-red[tid] = score;
-workgroupBarrier();
-if tid < 128u { red[tid] = max(red[tid], red[tid + 128u]); }
-workgroupBarrier();
-if tid < 64u { red[tid] = max(red[tid], red[tid + 64u]); }
-workgroupBarrier();
-if tid < 32u { red[tid] = max(red[tid], red[tid + 32u]); }
-workgroupBarrier();
-if tid < 16u { red[tid] = max(red[tid], red[tid + 16u]); }
-workgroupBarrier();
-if tid < 8u { red[tid] = max(red[tid], red[tid + 8u]); }
-workgroupBarrier();
-if tid < 4u { red[tid] = max(red[tid], red[tid + 4u]); }
-workgroupBarrier();
-if tid < 2u { red[tid] = max(red[tid], red[tid + 2u]); }
-workgroupBarrier();
-if tid < 1u { red[tid] = max(red[tid], red[tid + 1u]); }
-workgroupBarrier();
-let tmax = red[0];
-// new running max + correction factor (published by thread 0)
-if tid == 0u {
-let nm = max(st[0], tmax);
-st[2] = nm;
-st[3] = exp(st[0] - nm); // first tile: exp(-inf) = 0
-}
-workgroupBarrier();
-let nm = st[2];
-let corr = st[3];
-// p = exp(score - nm); reuse tile_scores to hold the exponentials.
-var p = 0.0;
-if t < seq_len {
-p = exp(tile_scores[tid] - nm);
-}
-tile_scores[tid] = p;
-// ── tile sum (inlined tree reduction over `red`) ──
-red[tid] = p;
-workgroupBarrier();
-if tid < 128u { red[tid] += red[tid + 128u]; }
-workgroupBarrier();
-if tid < 64u { red[tid] += red[tid + 64u]; }
-workgroupBarrier();
-if tid < 32u { red[tid] += red[tid + 32u]; }
-workgroupBarrier();
-if tid < 16u { red[tid] += red[tid + 16u]; }
-workgroupBarrier();
-if tid < 8u { red[tid] += red[tid + 8u]; }
-workgroupBarrier();
-if tid < 4u { red[tid] += red[tid + 4u]; }
-workgroupBarrier();
-if tid < 2u { red[tid] += red[tid + 2u]; }
-workgroupBarrier();
-if tid < 1u { red[tid] += red[tid + 1u]; }
-workgroupBarrier();
-let tsum = red[0];
-// rescale the accumulator by the correction and add this tile's V.
-if tid < head_dim {
-var a = acc[tid] * corr;
-let vd = kv_h_offset + tid;
-for (var jj = 0u; jj < TILE; jj += 1u) {
-let tt = base + jj;
-if tt < seq_len {
-a += tile_scores[jj] * v_cache[tt * kv_dim + vd];
-}
-}
-acc[tid] = a;
-}
-if tid == 0u {
-st[1] = st[1] * corr + tsum;
-st[0] = nm;
-}
-// Barrier before the next tile reuses tile_scores/red and reads acc/st.
-workgroupBarrier();
-base += TILE;
-}
-if tid < head_dim {
-out_batch[out_offset + tid] = acc[tid] / st[1];
-}
+    let head = wid.x;
+    let q_idx = wid.y;
+    let tid = lid.x;
+    // n_queries is not used: the query count is the dispatch Y dimension.
+    // #include "prefill_params.wgsl"
+    // Global query index into q_batch / out_batch (q_base + local q_idx).
+    let q_global = q_base + q_idx;
+    // Per-query causal window: attend over [0..pos_q]. Clamp against max_seq so a
+    // caller passing inconsistent params can only cause silent window truncation,
+    // never an OOB read of k_cache / v_cache.
+    let pos_q = start_pos + q_global;
+    var seq_len = min(pos_q + 1u, max_seq);
+    if (flags & FLAG_NON_CAUSAL) != 0u {
+        seq_len = max_seq;
+    }
+    let group_size = n_heads / n_kv_heads;
+    let kv_head = head / group_size;
+    let kv_h_offset = kv_head * head_dim;
+    let q_offset = q_global * q_stride + head * head_dim;
+    let out_offset = q_global * out_stride + head * head_dim;
+    // seq_len == 0 would divide by st[1] == 0 → NaN. Write zeros and bail.
+    if seq_len == 0u {
+        if tid < head_dim {
+            out_batch[out_offset + tid] = 0.0;
+        }
+        return;
+    }
+    // Load Q into workgroup memory and zero the output accumulator.
+    if tid < head_dim {
+        q_shared[tid] = q_batch[q_offset + tid];
+        acc[tid] = 0.0;
+    }
+    if tid == 0u {
+        st[0] = NEG_INF; // running max
+        st[1] = 0.0; // running sum
+    }
+    workgroupBarrier();
+    var base = 0u;
+    while base < seq_len {
+        // ── score for timestep t = base + tid (one per thread) ──
+        let t = base + tid;
+        var score = NEG_INF;
+        if t < seq_len {
+            var dot = 0.0;
+            let k_base = t * kv_dim + kv_h_offset;
+            for (var d = 0u; d < head_dim; d += 1u) {
+                dot += q_shared[d] * k_cache[k_base + d];
+            }
+            score = dot * scale;
+        }
+        tile_scores[tid] = score;
+        // ── tile max over `red`, 256 wide: the first halving, then the shared tree ──
+        red[tid] = score;
+        workgroupBarrier();
+        if tid < 128u { red[tid] = max(red[tid], red[tid + 128u]); }
+        // #include "tree_max_128.wgsl"
+        let tmax = red[0];
+        // new running max + correction factor (published by thread 0)
+        if tid == 0u {
+            let nm = max(st[0], tmax);
+            st[2] = nm;
+            st[3] = exp(st[0] - nm); // first tile: exp(-inf) = 0
+        }
+        workgroupBarrier();
+        let nm = st[2];
+        let corr = st[3];
+        // p = exp(score - nm); reuse tile_scores to hold the exponentials.
+        var p = 0.0;
+        if t < seq_len {
+            p = exp(tile_scores[tid] - nm);
+        }
+        tile_scores[tid] = p;
+        // ── tile sum over `red`, 256 wide: the first halving, then the shared tree ──
+        red[tid] = p;
+        workgroupBarrier();
+        if tid < 128u { red[tid] += red[tid + 128u]; }
+        // #include "tree_sum_128.wgsl"
+        let tsum = red[0];
+        // rescale the accumulator by the correction and add this tile's V.
+        if tid < head_dim {
+            var a = acc[tid] * corr;
+            let vd = kv_h_offset + tid;
+            for (var jj = 0u; jj < TILE; jj += 1u) {
+                let tt = base + jj;
+                if tt < seq_len {
+                    a += tile_scores[jj] * v_cache[tt * kv_dim + vd];
+                }
+            }
+            acc[tid] = a;
+        }
+        if tid == 0u {
+            st[1] = st[1] * corr + tsum;
+            st[0] = nm;
+        }
+        // Barrier before the next tile reuses tile_scores/red and reads acc/st.
+        workgroupBarrier();
+        base += TILE;
+    }
+    if tid < head_dim {
+        out_batch[out_offset + tid] = acc[tid] / st[1];
+    }
 }
