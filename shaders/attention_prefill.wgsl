@@ -127,34 +127,7 @@ fn attention_prefill(
             }
             score = dot * scale;
         }
-        tile_scores[tid] = score;
-        // ── tile max over `red`, 256 wide: the first halving, then the shared tree ──
-        red[tid] = score;
-        workgroupBarrier();
-        if tid < 128u { red[tid] = max(red[tid], red[tid + 128u]); }
-        // #include "tree_max_128.wgsl"
-        let tmax = red[0];
-        // new running max + correction factor (published by thread 0)
-        if tid == 0u {
-            let nm = max(st[0], tmax);
-            st[2] = nm;
-            st[3] = exp(st[0] - nm); // first tile: exp(-inf) = 0
-        }
-        workgroupBarrier();
-        let nm = st[2];
-        let corr = st[3];
-        // p = exp(score - nm); reuse tile_scores to hold the exponentials.
-        var p = 0.0;
-        if t < seq_len {
-            p = exp(tile_scores[tid] - nm);
-        }
-        tile_scores[tid] = p;
-        // ── tile sum over `red`, 256 wide: the first halving, then the shared tree ──
-        red[tid] = p;
-        workgroupBarrier();
-        if tid < 128u { red[tid] += red[tid + 128u]; }
-        // #include "tree_sum_128.wgsl"
-        let tsum = red[0];
+        // #include "single_tile_softmax.wgsl"
         // rescale the accumulator by the correction and add this tile's V.
         if tid < head_dim {
             var a = acc[tid] * corr;
