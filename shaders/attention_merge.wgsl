@@ -24,8 +24,7 @@
 //                                  floats, n_part = q_total * n_heads * n_splits,
 //                                  bound rounded up to whole vec4s
 // @binding(1) out_batch: array<f32> n_queries x out_stride floats (rw)
-// @binding(2) mparams: array<u32, 8>
-//   ( n_heads, head_dim, n_splits, q_total, q_base, out_stride, sign_off, flags )
+// @binding(2) mparams: MergeParams (gpu/params.py MERGE_PARAMS)
 // @binding(3) signs: array<f32>
 //
 // Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.

@@ -1,60 +1,46 @@
-// Batched FlashAttention prefill: N queries × n_heads in one dispatch.
+// f32 attention, single pass: N queries x n_heads in one dispatch
+// (`attention_prefill`, planned by `kernels.plan_attention_f32`; the
+// KernelPolicy's force="single" kernel, and the reference the query-block and
+// split kernels are measured against).
 //
-// Online-softmax (Dao 2022), single tiled pass over the KV cache with bounded
-// workgroup memory (TILE scores, not seq_len) and NO external scores scratch
-// buffer — 5 bindings, each K/V row read once per (query, head). This is the
-// decode `flash_attention.wgsl` kernel extended along the query dimension: one
-// workgroup per (head, query), a per-query causal window, and batched Q/out
-// strides. Matches a plain batched-softmax reference up to floating-point
-// roundoff (online vs batched accumulation order); the wgpu-side test asserts it
-// against a CPU ground truth.
+// Online softmax (Dao 2022), one tiled pass over the KV cache with bounded
+// workgroup memory (TILE scores, not seq_len) and no scores scratch buffer: one
+// workgroup per (head, query), a per-query causal window, batched Q/out strides,
+// each K/V row read once per (query, head). It matches the float64 oracle
+// (`attnserve.reference.attention`) up to the roundoff of the online
+// accumulation order; tests/test_core_attention.py checks it.
 //
-// Because the scores are never materialized (only a TILE-sized tile lives in
-// workgroup memory), the storage bindings do not scale with seq_len — this
-// removes the `[n_queries, n_heads, max_seq]` scores slab that previously forced
-// host-side query-tiling to stay under the adapter storage-binding limit, and it
-// gives K/V reuse across the tiled pass. Contexts long enough that the *KV*
-// binding itself (`max_seq × kv_dim`) overflows the limit remain future
-// paged-KV work, guarded host-side.
+// The tree reductions and the tile step are included, not called, so every
+// barrier sits in the entry point: naga's SPIR-V path (lavapipe/Vulkan)
+// miscompiles `workgroupBarrier()` reached through a function call inside a
+// loop.
 //
-// The tree reductions are inlined (not helper functions) and all barriers sit at
-// kernel scope — naga's SPIR-V path (lavapipe/Vulkan) miscompiles
-// `workgroupBarrier()` reached through a function call inside a loop, so every
-// barrier stays in the entry point.
-//
-// Constraints (asserted host-side in encode_attention_prefill):
-// - head_dim <= 128 (bounds `q_shared` and `acc`).
-// - caller MUST pass `max_seq >= start_pos + n_queries`; K/V must hold valid
-// entries for positions `[0, start_pos + n_queries)`. As a defensive belt the
-// shader clamps `seq_len = min(pos_q + 1, max_seq)` — an under-sized `max_seq`
-// yields truncated (incorrect) attention rather than an OOB read.
+// Constraints:
+// - head_dim <= 128 (bounds `q_shared` and `acc`; `kvcache.check_head_dim`).
+// - `max_seq` (the host's `length`) >= start_pos + the queries attended, and
+//   K/V hold valid rows `[0, max_seq)`. The shader also clamps
+//   `seq_len = min(pos_q + 1, max_seq)`, so an under-sized `max_seq` truncates
+//   the window rather than reading out of bounds.
 // GQA: kv_head = head / (n_heads / n_kv_heads).
 //
 // Bind group 0:
-// @binding(0) q_batch: array<f32> n_queries × q_stride floats
-// @binding(1) k_cache: array<f32> seq_len × kv_dim floats
-// @binding(2) v_cache: array<f32> seq_len × kv_dim floats
-// @binding(3) out_batch: array<f32> n_queries × out_stride floats (rw)
-// @binding(4) params: array<u32, 12>
-// ( n_heads, n_kv_heads, head_dim, kv_dim, max_seq, scale_bits,
-// start_pos, <unused>, q_stride, out_stride, q_base, flags )
+// @binding(0) q_batch: array<f32> n_queries x q_stride floats
+// @binding(1) k_cache: array<f32> seq_len x kv_dim floats
+// @binding(2) v_cache: array<f32> seq_len x kv_dim floats
+// @binding(3) out_batch: array<f32> n_queries x out_stride floats (rw)
+// @binding(4) params: PrefillParams (gpu/params.py PREFILL_PARAMS)
 //
 // `flags` bit 0 (FLAG_NON_CAUSAL): when set, every query row attends to all
 // `max_seq` timesteps (encoder / cross-attention); when clear, row q attends to
-// `[0, min(start_pos + q_global + 1, max_seq))` as before. Other bits are zero.
+// `[0, min(start_pos + q_global + 1, max_seq))`. Other bits are zero.
 //
-// params[7] is NOT read by the shader — the per-dispatch query count comes from
-// the dispatch Y dimension (`wid.y`), so callers may leave it as any value (the
-// host passes the whole batch size, a sub-batched/tiled dispatch passes its
-// sub-batch size). Do not treat it as authoritative.
+// `n_queries` is not used: the per-dispatch query count is the dispatch Y
+// dimension (`wid.y`). `q_base` is the index, within `q_batch` / `out_batch`,
+// of the first query of this dispatch (the host splits large batches into
+// several dispatches); `q_global = q_base + wid.y` addresses both and sets the
+// causal position.
 //
-// `q_base` is the index, within `q_batch` / `out_batch`, of the first query in
-// this dispatch, so a caller may still split the query batch across dispatches;
-// `q_global = q_base + q_idx` addresses `q_batch` / `out_batch` and sets the
-// causal position. `q_base = 0` is the single-dispatch case (the default now that
-// the scores slab is gone).
-//
-// Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
+// Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 256 threads.
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
 @group(0) @binding(1) var<storage, read> k_cache: array<f32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<f32>;

@@ -1,9 +1,11 @@
-// FlashAttention over a TurboQuant-compressed KV cache — GPU port of
-// `turboquant::attn_scores_turboquant_gqa` + `attn_values_turboquant_gqa`.
+// FlashAttention over a TurboQuant-compressed KV cache, single pass
+// (`flash_attention_tq`, planned by `kernels.plan_attention_tq`; the
+// KernelPolicy's force="single" kernel). Its float64 oracle is
+// `attnserve.reference.tq_attention`.
 //
 // Structurally this is `attention_prefill.wgsl` with the two f32 KV reads
 // replaced by the compressed estimators, so one kernel serves both paths:
-// decode dispatches a single query row (`n_queries = 1`, `start_pos = pos`),
+// decode dispatches a single query row (`start_pos = pos`),
 // chunked prefill dispatches the whole chunk. Online softmax (Dao 2022), one
 // workgroup per (head, query), TILE-sized score tiles in workgroup memory, no
 // materialized scores slab.
@@ -18,7 +20,7 @@
 // signed_sum = 2 * Σ_{d : jl_bit(d)=1} q_jl[d] - Σ_d q_jl[d]
 // correction = norm * residual_norm * qjl_scale * signed_sum
 //
-// `qjl_scale` is a host parameter (params[8]). With the ORTHONORMAL rotation
+// `qjl_scale` is a host parameter (`params.qjl_scale`, `turboquant.qjl_scale`). With the ORTHONORMAL rotation
 // `rht(x, s) = H (s * x) / sqrt(d)` used for `q_jl` (see turboquant.wgsl), the
 // unbiased constant is sqrt(pi/2)/sqrt(head_dim). (An earlier version of this
 // comment said sqrt(pi/2)/head_dim, which is right only for an UNNORMALIZED
@@ -34,9 +36,9 @@
 // not once per timestep. Online-softmax rescaling commutes with it (both are
 // linear), which is what makes the flash formulation work here at all.
 //
-// ── Constraints (asserted host-side in encode_attention_tq) ────────────────
-// - head_dim <= 128 (bounds q_rot_shared / q_jl_shared / acc), a power of two
-// (Walsh-Hadamard), and a multiple of 32 (whole JL sign words).
+// ── Constraints (host-side: `kvcache.check_head_dim`) ───────────────────────
+// - head_dim 32, 64 or 128: <= 128 bounds q_rot_shared / q_jl_shared / acc, a
+// power of two for the Walsh-Hadamard, a multiple of 32 for whole JL sign words.
 // - caller MUST pass `max_seq >= start_pos + n_queries`; the compressed cache
 // must hold valid entries for positions `[0, start_pos + n_queries)`. As a
 // defensive belt the shader clamps `seq_len = min(pos_q + 1, max_seq)`, so an
@@ -45,7 +47,8 @@
 // - keys AND values must both be compressed (the GPU path has no mixed mode).
 // GQA: kv_head = head / (n_heads / n_kv_heads).
 //
-// All barriers sit at entry-point scope and the tree reductions are inlined —
+// All barriers sit at entry-point scope and the tree reductions and the tile
+// step are included (shaders/include/single_tile_softmax.wgsl), not called —
 // naga's SPIR-V path miscompiles `workgroupBarrier()` reached through a function
 // call inside a loop. Workgroup memory is not zero-initialized, so every slot is
 // written before it is read.
@@ -58,14 +61,10 @@
 // @binding(1) k_cache: array<u32> [polar | jl | norms]
 // @binding(2) v_cache: array<u32> [polar | norms]
 // @binding(3) out_batch: array<f32> n_queries × out_stride floats (rw)
-// @binding(4) params: array<u32, 20>
-// ( n_heads, n_kv_heads, head_dim, max_seq, start_pos, scale_bits,
-// q_cap, out_stride, qjl_scale_bits, sign_off,
-// c0_bits, c1_bits, c2_bits, c3_bits, q_base, cache_cap,
-// flags, _pad, _pad, _pad )
+// @binding(4) params: TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS)
 //
 // `flags` bit 0 (FLAG_NON_CAUSAL): every query row attends to all `max_seq`
-// timesteps instead of its causal window. Words 17..19 pad the block to a
+// timesteps instead of its causal window. `_pad0..2` pad the block to a
 // multiple of 16 bytes and are not read.
 //
 // `max_seq` is the causal clamp (`start_pos + n_queries`); `cache_cap` is the
@@ -216,8 +215,8 @@ fn flash_attention_tq(
         base += TILE;
     }
     // ── Epilogue: normalize, then one inverse RHT back to the original basis ──
-    // `rht_inverse` is: scale by 1/sqrt(head_dim), Walsh-Hadamard (self-inverse),
-    // undo the sign flip. Folding the softmax denominator in here is free.
+    // The inverse RHT (`reference.rht_inv`): scale by 1/sqrt(head_dim), Walsh-Hadamard
+    // (self-inverse), undo the sign flip. Folding the softmax denominator in here is free.
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     if tid < head_dim {
         acc[tid] = acc[tid] / st[1] * inv_sqrt_d;

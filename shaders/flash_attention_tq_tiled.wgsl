@@ -35,8 +35,8 @@
 // @binding(1) k_cache: array<u32>  [polar | jl | norms]
 // @binding(2) v_cache: array<u32>  [polar | norms]
 // @binding(3) out_batch: array<f32> q_cap x out_stride floats (rw)
-// @binding(4) params:  array<u32, 20>  (flash_attention_tq.wgsl's layout; q_cap is
-//   the number of query rows)
+// @binding(4) params:  TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS, as
+//   flash_attention_tq.wgsl; q_cap is the number of query rows)
 // @binding(5) signs:   array<f32>
 //
 // Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the

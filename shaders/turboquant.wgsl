@@ -29,18 +29,16 @@
 //
 // Every workgroupBarrier() sits in uniform control flow at entry-point scope and
 // the reductions / butterflies are inlined: naga's SPIR-V path miscompiles a
-// barrier reached through a function call inside a loop (see the seed kernels).
+// barrier reached through a function call inside a loop (see attention_prefill.wgsl).
 // Loop bounds come from `params` (read-only storage), which is uniform.
 // Workgroup memory is not zero-initialized: every slot read is written first.
 //
 // ── tq_encode_keys / tq_encode_values ───────────────────────────────────────
 // @binding(0) src:    array<f32>  rows x n_kv_heads x head_dim (row-major)
 // @binding(1) cache:  array<u32>  the layer's key (or value) cache (rw)
-// @binding(2) eparams: array<u32, 16>
-//   ( n_kv_heads, head_dim, cache_cap, t0, row_base, sign_off, n_rows, _pad0,
-//     c0_bits, c1_bits, c2_bits, c3_bits, b0_bits, b1_bits, b2_bits, _pad1 )
+// @binding(2) eparams: TqEncodeParams (gpu/params.py TQ_ENCODE_PARAMS)
 //   Source row i (= row_base + workgroup_id.y) goes to timestep t0 + i.
-//   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 bits so the host's
+//   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 so the host's
 //   oracle compares against the very same thresholds.
 // @binding(3) signs:  array<f32>
 // Dispatch: (n_kv_heads, rows in this dispatch, 1) workgroups of 128 threads.
@@ -49,8 +47,7 @@
 // @binding(3) signs:  array<f32>
 // @binding(4) q_in:   array<f32>  query rows, row stride q_stride floats
 // @binding(5) q_out:  array<f32>  [q_rot | q_jl | sums] (rw)
-// @binding(6) rparams: array<u32, 8>
-//   ( n_heads, head_dim, q_cap, sign_off, q_base, q_stride, _pad, _pad )
+// @binding(6) rparams: TqRotateParams (gpu/params.py TQ_ROTATE_PARAMS)
 // Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 128 threads;
 // query row q_base + workgroup_id.y.
 

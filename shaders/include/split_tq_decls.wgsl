@@ -17,7 +17,7 @@ const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
 // Pipeline-overridable constants, set by the host for each (GQA group size,
-// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params[2]):
+// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params.head_dim):
 // the compiler then drops the branches and registers of other group sizes and
 // knows the loop bounds over head_dim.
 override GROUP: u32 = 4u;

@@ -1,6 +1,7 @@
-    // (shaders/include/split_tq_prologue.wgsl: the prologue shared by flash_attention_tq_split.wgsl and flash_attention_tq_split_sg.wgsl:
-    // params, this workgroup's split window, and the GQA group's queries
-    // in workgroup memory; inlined by the loader, barrier included.)
+    // (shaders/include/split_tq_prologue.wgsl: the prologue shared by
+    // flash_attention_tq_split.wgsl and flash_attention_tq_split_sg.wgsl: params,
+    // this workgroup's split window, and the GQA group's queries in workgroup
+    // memory; inlined by the loader, barrier included.)
     let tid = lid.x;
     let n_heads = params.n_heads;
     let n_kv_heads = params.n_kv_heads;
