@@ -24,15 +24,15 @@
 //                                  floats, n_part = q_total * n_heads * n_splits,
 //                                  bound rounded up to whole vec4s
 // @binding(1) out_batch: array<f32> n_queries x out_stride floats (rw)
-// @binding(2) mparams: array<u32, 8>
-//   ( n_heads, head_dim, n_splits, q_total, q_base, out_stride, sign_off, flags )
+// @binding(2) mparams: MergeParams (gpu/params.py MERGE_PARAMS)
 // @binding(3) signs: array<f32>
 //
 // Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
 
 @group(0) @binding(0) var<storage, read> partial: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(2) var<storage, read> mparams: array<u32, 8>;
+// #struct MergeParams
+@group(0) @binding(2) var<storage, read> mparams: MergeParams;
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
@@ -58,14 +58,14 @@ fn attention_merge(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = mparams[0];
-    let head_dim = mparams[1];
-    let n_splits = mparams[2];
-    let q_total = mparams[3];
-    let q_base = mparams[4];
-    let out_stride = mparams[5];
-    let sign_off = mparams[6];
-    let flags = mparams[7];
+    let n_heads = mparams.n_heads;
+    let head_dim = mparams.head_dim;
+    let n_splits = mparams.n_splits;
+    let q_total = mparams.q_total;
+    let q_base = mparams.q_base;
+    let out_stride = mparams.out_stride;
+    let sign_off = mparams.sign_off;
+    let flags = mparams.flags;
     let head = wid.x;
     let q_idx = q_base + wid.y;
     let n_part = q_total * n_heads * n_splits;

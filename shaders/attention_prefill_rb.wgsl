@@ -61,7 +61,7 @@
 //
 // Pipeline overrides (set by kernels.plan_attention_prefill_rb from
 // KernelPolicy.prefill_rb_specialize / prefill_rb_prefetch): GROUP
-// (= n_heads / n_kv_heads) and HEAD_DIM (= params[2]) let the compiler drop
+// (= n_heads / n_kv_heads) and HEAD_DIM (= params.head_dim) let the compiler drop
 // the other shapes' branches (0, the default: read from params, the generic
 // path); PREFETCH (default on) holds the next Q/K chunk in registers during
 // the scores (off: loaded just before it is stored).
@@ -74,9 +74,7 @@
 // @binding(1) k_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
-// @binding(4) params:    array<u32, 12>
-//   ( n_heads, n_kv_heads, head_dim, kv_dim, max_seq, scale_bits, start_pos,
-//     n_queries, q_stride, out_stride, q_base, flags )
+// @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
 //   flags bit 0: non-causal.
 //
 // Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 128 threads; the
@@ -86,7 +84,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 12>;
+// #struct PrefillParams
+@group(0) @binding(4) var<storage, read> params: PrefillParams;
 
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
 const TK: u32 = 64u;                 // keys per tile
@@ -96,7 +95,7 @@ const FLAG_NON_CAUSAL: u32 = 1u;
 const LOG2E: f32 = 1.4426950408889634;
 
 override GROUP: u32 = 0u;            // 0: n_heads / n_kv_heads from params
-override HEAD_DIM: u32 = 0u;         // 0: params[2]
+override HEAD_DIM: u32 = 0u;         // 0: params.head_dim
 override PREFETCH: bool = true;
 
 var<workgroup> qk: array<array<array<vec4<f32>, 8>, 2>, 64>;   // Q + K^T chunk, then P^T

@@ -61,9 +61,7 @@
 // @binding(1) k_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
-// @binding(4) params:    array<u32, 12>
-//   ( n_heads, n_kv_heads, head_dim, kv_dim, max_seq, scale_bits, start_pos,
-//     n_queries, q_stride, out_stride, q_base, flags )
+// @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
 //   n_queries: query rows in q_batch (rows q_base + ... past it are skipped);
 //   flags bit 0: non-causal.
 //
@@ -74,7 +72,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 12>;
+// #struct PrefillParams
+@group(0) @binding(4) var<storage, read> params: PrefillParams;
 
 const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup

@@ -40,9 +40,7 @@
 // @binding(1) k_cache:  array<vec4<f32>>  [cap, kv_dim] (row t at t * kv_dim floats)
 // @binding(2) v_cache:  array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) partial:  array<f32>        [acc: n_q*H*n_splits*d | m: n_q*H*n_splits | l: same] (rw)
-// @binding(4) params:   array<u32, 16>
-//   ( n_heads, n_kv_heads, head_dim, kv_dim, max_seq, scale_bits, start_pos,
-//     split_len, q_stride, n_splits, q_base, flags, q_total, _pad0, _pad1, _pad2 )
+// @binding(4) params:   SplitParams (gpu/params.py SPLIT_PARAMS)
 //   flags bit 0: non-causal (every row attends to all max_seq timesteps).
 //   q_total: query rows in the partial buffer (its row stride); query row
 //   q_base + workgroup_id.z is processed.
@@ -53,7 +51,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 16>;
+// #struct SplitParams
+@group(0) @binding(4) var<storage, read> params: SplitParams;
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;

@@ -29,7 +29,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 16>;
+// #struct SplitParams
+@group(0) @binding(4) var<storage, read> params: SplitParams;
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;

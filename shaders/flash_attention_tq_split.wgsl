@@ -31,10 +31,7 @@
 // @binding(1) k_cache: array<u32>  [polar | jl | norms]
 // @binding(2) v_cache: array<u32>  [polar | norms]
 // @binding(3) partial: array<f32>  [acc | m | l], see attention_merge.wgsl (q_total = q_cap)
-// @binding(4) params:  array<u32, 20>
-//   ( n_heads, n_kv_heads, head_dim, max_seq, start_pos, scale_bits, q_cap,
-//     split_len, qjl_scale_bits, n_splits, c0_bits, c1_bits, c2_bits, c3_bits,
-//     q_base, cache_cap, flags, _pad0, _pad1, _pad2 )
+// @binding(4) params:  TqSplitParams (gpu/params.py TQ_SPLIT_PARAMS)
 //   flags bit 0: non-causal.
 //
 // Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
@@ -212,9 +209,11 @@ fn attention_split_tq(
             let o = h * split_len;
             let lo = h < 4u;
             let hh = h % 4u;
-            scores[o + t] = tq_score(select(pb[hh], pa[hh], lo), select(jb[hh], ja[hh], lo), qsum_sh[h], ka.nr, qjl_scale, scale);
+            scores[o + t] = tq_score(select(pb[hh], pa[hh], lo), select(jb[hh], ja[hh], lo),
+                                     qsum_sh[h], ka.nr, qjl_scale, scale);
             if has_b {
-                scores[o + tb] = tq_score(select(qb[hh], qa[hh], lo), select(rb[hh], ra[hh], lo), qsum_sh[h], kb.nr, qjl_scale, scale);
+                scores[o + tb] = tq_score(select(qb[hh], qa[hh], lo), select(rb[hh], ra[hh], lo),
+                                          qsum_sh[h], kb.nr, qjl_scale, scale);
             }
         }
     }

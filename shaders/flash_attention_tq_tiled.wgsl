@@ -35,8 +35,8 @@
 // @binding(1) k_cache: array<u32>  [polar | jl | norms]
 // @binding(2) v_cache: array<u32>  [polar | norms]
 // @binding(3) out_batch: array<f32> q_cap x out_stride floats (rw)
-// @binding(4) params:  array<u32, 20>  (flash_attention_tq.wgsl's layout; q_cap is
-//   the number of query rows)
+// @binding(4) params:  TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS, as
+//   flash_attention_tq.wgsl; q_cap is the number of query rows)
 // @binding(5) signs:   array<f32>
 //
 // Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
@@ -47,7 +47,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+// #struct TqAttentionParams
+@group(0) @binding(4) var<storage, read> params: TqAttentionParams;
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
@@ -92,23 +93,7 @@ fn attention_tq_tiled(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let max_seq = params[3];
-    let start_pos = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let q_cap = params[6];
-    let out_stride = params[7];
-    let qjl_scale = bitcast<f32>(params[8]);
-    let sign_off = params[9];
-    let c0 = bitcast<f32>(params[10]);
-    let c1 = bitcast<f32>(params[11]);
-    let c2 = bitcast<f32>(params[12]);
-    let c3 = bitcast<f32>(params[13]);
-    let q_base = params[14];
-    let cache_cap = params[15];
-    let flags = params[16];
+    // #include "tq_attention_params.wgsl"
 
     let kv_head = wid.y;
     let group = n_heads / n_kv_heads;

@@ -29,18 +29,16 @@
 //
 // Every workgroupBarrier() sits in uniform control flow at entry-point scope and
 // the reductions / butterflies are inlined: naga's SPIR-V path miscompiles a
-// barrier reached through a function call inside a loop (see the seed kernels).
+// barrier reached through a function call inside a loop (see attention_prefill.wgsl).
 // Loop bounds come from `params` (read-only storage), which is uniform.
 // Workgroup memory is not zero-initialized: every slot read is written first.
 //
 // ── tq_encode_keys / tq_encode_values ───────────────────────────────────────
 // @binding(0) src:    array<f32>  rows x n_kv_heads x head_dim (row-major)
 // @binding(1) cache:  array<u32>  the layer's key (or value) cache (rw)
-// @binding(2) eparams: array<u32, 16>
-//   ( n_kv_heads, head_dim, cache_cap, t0, row_base, sign_off, n_rows, _pad0,
-//     c0_bits, c1_bits, c2_bits, c3_bits, b0_bits, b1_bits, b2_bits, _pad1 )
+// @binding(2) eparams: TqEncodeParams (gpu/params.py TQ_ENCODE_PARAMS)
 //   Source row i (= row_base + workgroup_id.y) goes to timestep t0 + i.
-//   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 bits so the host's
+//   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 so the host's
 //   oracle compares against the very same thresholds.
 // @binding(3) signs:  array<f32>
 // Dispatch: (n_kv_heads, rows in this dispatch, 1) workgroups of 128 threads.
@@ -49,18 +47,19 @@
 // @binding(3) signs:  array<f32>
 // @binding(4) q_in:   array<f32>  query rows, row stride q_stride floats
 // @binding(5) q_out:  array<f32>  [q_rot | q_jl | sums] (rw)
-// @binding(6) rparams: array<u32, 8>
-//   ( n_heads, head_dim, q_cap, sign_off, q_base, q_stride, _pad, _pad )
+// @binding(6) rparams: TqRotateParams (gpu/params.py TQ_ROTATE_PARAMS)
 // Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 128 threads;
 // query row q_base + workgroup_id.y.
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cache: array<u32>;
-@group(0) @binding(2) var<storage, read> eparams: array<u32, 16>;
+// #struct TqEncodeParams
+@group(0) @binding(2) var<storage, read> eparams: TqEncodeParams;
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 @group(0) @binding(4) var<storage, read> q_in: array<f32>;
 @group(0) @binding(5) var<storage, read_write> q_out: array<f32>;
-@group(0) @binding(6) var<storage, read> rparams: array<u32, 8>;
+// #struct TqRotateParams
+@group(0) @binding(6) var<storage, read> rparams: TqRotateParams;
 
 const WG: u32 = 128u;
 const MAX_HEAD_DIM: u32 = 128u;
@@ -90,20 +89,20 @@ fn tq_encode_keys(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_kv_heads = eparams[0];
-    let head_dim = eparams[1];
-    let cache_cap = eparams[2];
-    let t0 = eparams[3];
-    let row_base = eparams[4];
+    let n_kv_heads = eparams.n_kv_heads;
+    let head_dim = eparams.head_dim;
+    let cache_cap = eparams.cache_cap;
+    let t0 = eparams.t0;
+    let row_base = eparams.row_base;
     let row = row_base + wid.y;
-    let sign_off = eparams[5];
-    let c0 = bitcast<f32>(eparams[8]);
-    let c1 = bitcast<f32>(eparams[9]);
-    let c2 = bitcast<f32>(eparams[10]);
-    let c3 = bitcast<f32>(eparams[11]);
-    let b0 = bitcast<f32>(eparams[12]);
-    let b1 = bitcast<f32>(eparams[13]);
-    let b2 = bitcast<f32>(eparams[14]);
+    let sign_off = eparams.sign_off;
+    let c0 = eparams.c0;
+    let c1 = eparams.c1;
+    let c2 = eparams.c2;
+    let c3 = eparams.c3;
+    let b0 = eparams.b0;
+    let b1 = eparams.b1;
+    let b2 = eparams.b2;
     let head = wid.x;
     let in_dim = tid < head_dim;
 
@@ -185,16 +184,16 @@ fn tq_encode_values(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_kv_heads = eparams[0];
-    let head_dim = eparams[1];
-    let cache_cap = eparams[2];
-    let t0 = eparams[3];
-    let row_base = eparams[4];
+    let n_kv_heads = eparams.n_kv_heads;
+    let head_dim = eparams.head_dim;
+    let cache_cap = eparams.cache_cap;
+    let t0 = eparams.t0;
+    let row_base = eparams.row_base;
     let row = row_base + wid.y;
-    let sign_off = eparams[5];
-    let b0 = bitcast<f32>(eparams[12]);
-    let b1 = bitcast<f32>(eparams[13]);
-    let b2 = bitcast<f32>(eparams[14]);
+    let sign_off = eparams.sign_off;
+    let b0 = eparams.b0;
+    let b1 = eparams.b1;
+    let b2 = eparams.b2;
     let head = wid.x;
     let in_dim = tid < head_dim;
 
@@ -247,13 +246,13 @@ fn tq_rotate_q(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = rparams[0];
-    let head_dim = rparams[1];
-    let q_cap = rparams[2];
-    let sign_off = rparams[3];
-    let q_base = rparams[4];
+    let n_heads = rparams.n_heads;
+    let head_dim = rparams.head_dim;
+    let q_cap = rparams.q_cap;
+    let sign_off = rparams.sign_off;
+    let q_base = rparams.q_base;
     let q_global = q_base + wid.y;
-    let q_stride = rparams[5];
+    let q_stride = rparams.q_stride;
     let head = wid.x;
     let in_dim = tid < head_dim;
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));

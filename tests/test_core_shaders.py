@@ -1,4 +1,4 @@
-"""Every shader compiles; every params mirror has the sizes and offsets the WGSL reads."""
+"""Every shader compiles; every params struct the WGSL reads is the host block, field by field."""
 
 from __future__ import annotations
 
@@ -63,31 +63,31 @@ def test_params_layout_matches_wgsl(key):
     file, var = key
     dtype = P.PARAMS_OF[key]
     src = load_wgsl(file)
-    decl = re.search(rf"var<storage, read> {var}: array<u32, (\d+)>;", src)
+    decl = re.search(rf"var<storage, read> {var}: (\w+);", src)
     assert decl, f"{var} not declared in {file}"
-    assert dtype.itemsize == 4 * int(decl.group(1)), (dtype.itemsize, decl.group(1))
-    # every `let NAME = [bitcast<f32>(]var[i]` read sits at the field's offset
-    reads = re.findall(rf"let (\w+) = (bitcast<f32>\()?{var}\[(\d+)\]", src)
+    struct = decl.group(1)
+    assert P.STRUCTS.get(struct) is dtype, f"{file}: {var} is a {struct}, not the host block"
+    # the struct the shader compiles is the host's, field by field: same names,
+    # same order, one 4-byte word each (so the same offsets), f32 where the host
+    # packs f4
+    body = re.search(rf"struct {struct} {{([^}}]*)}}", src)
+    assert body, f"{file}: struct {struct} not declared"
+    fields = re.findall(r"(\w+): (u32|f32),", body.group(1))
+    assert [n for n, _ in fields] == list(dtype.names), (file, fields)
+    assert len(fields) * 4 == dtype.itemsize
+    for name, ty in fields:
+        assert dtype.fields[name][0].itemsize == 4
+        assert dtype.fields[name][0].kind == ("f" if ty == "f32" else "u"), f"{file}: {name} kind"
+    # every `let NAME = var.FIELD` binds the field under its own name
+    reads = re.findall(rf"let (\w+) = {var}\.(\w+);", src)
     assert reads, f"no reads of {var} in {file}"
-    seen = set()
-    for name, bitcast, idx in reads:
-        assert name in dtype.names, f"{file}: {name} is read but has no host field"
-        off = dtype.fields[name][1]
-        assert off == 4 * int(idx), f"{file}: {name} at word {idx}, host offset {off}"
-        want_kind = "f" if bitcast else "u"
-        assert dtype.fields[name][0].kind == want_kind, f"{file}: {name} kind"
-        seen.add(name)
-    # fields a kernel takes from a pipeline override constant instead, marked
-    # `let NAME = CONSTANT;  // = var[i]` (the host sets both from one value)
-    for name, idx in re.findall(rf"let (\w+) = [A-Z_]+;\s*// = {var}\[(\d+)\]", src):
-        assert name in dtype.names, f"{file}: {name} has no host field"
-        assert dtype.fields[name][1] == 4 * int(idx), f"{file}: {name} at word {idx}"
-        seen.add(name)
-    # centroids read in an array literal in flash_attention_tq: c0..c3 at words 10..13
-    for i, word in enumerate(re.findall(rf"bitcast<f32>\({var}\[(\d+)\]\),", src)):
-        name = f"c{i}"
-        assert dtype.fields[name][1] == 4 * int(word)
-        seen.add(name)
+    for name, field in reads:
+        assert name == field, f"{file}: {field} read as {name}"
+    # fields read anywhere (a let, an array literal), or taken from a pipeline
+    # override constant instead, marked `let NAME = CONSTANT;  // = var.FIELD`
+    code = re.sub(r"//(?! = ).*", "", src)
+    seen = set(re.findall(rf"\b{var}\.(\w+)", code))
+    assert seen <= set(dtype.names), f"{file}: reads fields the host does not pack"
     unread = [n for n in dtype.names if n not in seen and not n.startswith("_") and n != "n_queries" and n != "n_rows"]
     assert not unread, f"{file}: host fields never read by the shader: {unread}"
 

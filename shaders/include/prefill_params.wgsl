@@ -1,14 +1,14 @@
     // (shaders/include/prefill_params.wgsl: the PREFILL_PARAMS words, read by the
     // two f32 query-block prefill kernels; inlined by the loader.)
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let kv_dim = params[3];
-    let max_seq = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let start_pos = params[6];
-    let n_queries = params[7];
-    let q_stride = params[8];
-    let out_stride = params[9];
-    let q_base = params[10];
-    let flags = params[11];
+    let n_heads = params.n_heads;
+    let n_kv_heads = params.n_kv_heads;
+    let head_dim = params.head_dim;
+    let kv_dim = params.kv_dim;
+    let max_seq = params.max_seq;
+    let scale = params.scale;
+    let start_pos = params.start_pos;
+    let n_queries = params.n_queries;
+    let q_stride = params.q_stride;
+    let out_stride = params.out_stride;
+    let q_base = params.q_base;
+    let flags = params.flags;

@@ -3,19 +3,19 @@
     // split window, and the GQA group's queries in workgroup memory; inlined by
     // the loader, barrier included.)
     let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = params[2];
-    let kv_dim = params[3];
-    let max_seq = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let start_pos = params[6];
-    let split_len = params[7];
-    let q_stride = params[8];
-    let n_splits = params[9];
-    let q_base = params[10];
-    let flags = params[11];
-    let q_total = params[12];
+    let n_heads = params.n_heads;
+    let n_kv_heads = params.n_kv_heads;
+    let head_dim = params.head_dim;
+    let kv_dim = params.kv_dim;
+    let max_seq = params.max_seq;
+    let scale = params.scale;
+    let start_pos = params.start_pos;
+    let split_len = params.split_len;
+    let q_stride = params.q_stride;
+    let n_splits = params.n_splits;
+    let q_base = params.q_base;
+    let flags = params.flags;
+    let q_total = params.q_total;
 
     let split = wid.x;
     let kv_head = wid.y;

@@ -6,7 +6,8 @@
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
-@group(0) @binding(4) var<storage, read> params: array<u32, 20>;
+// #struct TqSplitParams
+@group(0) @binding(4) var<storage, read> params: TqSplitParams;
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;
@@ -16,7 +17,7 @@ const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
 // Pipeline-overridable constants, set by the host for each (GQA group size,
-// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params[2]):
+// head_dim) it dispatches (they must equal n_heads / n_kv_heads and params.head_dim):
 // the compiler then drops the branches and registers of other group sizes and
 // knows the loop bounds over head_dim.
 override GROUP: u32 = 4u;

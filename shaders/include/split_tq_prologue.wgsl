@@ -1,24 +1,25 @@
-    // (shaders/include/split_tq_prologue.wgsl: the prologue shared by flash_attention_tq_split.wgsl and flash_attention_tq_split_sg.wgsl:
-    // params, this workgroup's split window, and the GQA group's queries
-    // in workgroup memory; inlined by the loader, barrier included.)
+    // (shaders/include/split_tq_prologue.wgsl: the prologue shared by
+    // flash_attention_tq_split.wgsl and flash_attention_tq_split_sg.wgsl: params,
+    // this workgroup's split window, and the GQA group's queries in workgroup
+    // memory; inlined by the loader, barrier included.)
     let tid = lid.x;
-    let n_heads = params[0];
-    let n_kv_heads = params[1];
-    let head_dim = HEAD_DIM;                   // = params[2], fixed per pipeline
-    let max_seq = params[3];
-    let start_pos = params[4];
-    let scale = bitcast<f32>(params[5]);
-    let q_cap = params[6];
-    let split_len = params[7];
-    let qjl_scale = bitcast<f32>(params[8]);
-    let n_splits = params[9];
-    let c0 = bitcast<f32>(params[10]);
-    let c1 = bitcast<f32>(params[11]);
-    let c2 = bitcast<f32>(params[12]);
-    let c3 = bitcast<f32>(params[13]);
-    let q_base = params[14];
-    let cache_cap = params[15];
-    let flags = params[16];
+    let n_heads = params.n_heads;
+    let n_kv_heads = params.n_kv_heads;
+    let head_dim = HEAD_DIM;                   // = params.head_dim, fixed per pipeline
+    let max_seq = params.max_seq;
+    let start_pos = params.start_pos;
+    let scale = params.scale;
+    let q_cap = params.q_cap;
+    let split_len = params.split_len;
+    let qjl_scale = params.qjl_scale;
+    let n_splits = params.n_splits;
+    let c0 = params.c0;
+    let c1 = params.c1;
+    let c2 = params.c2;
+    let c3 = params.c3;
+    let q_base = params.q_base;
+    let cache_cap = params.cache_cap;
+    let flags = params.flags;
 
     let split = wid.x;
     let kv_head = wid.y;

@@ -1,6 +1,6 @@
     // ── red[0] = sum of red[0..128) ──
     // (shaders/include/tree_sum_128.wgsl: inlined by the loader, so its barriers
-    // stay at entry-point scope; needs `tid` and a 128-wide `red` in scope)
+    // stay at entry-point scope; needs `tid` and a `red` of at least 128 in scope)
     workgroupBarrier();
     if tid < 64u { red[tid] += red[tid + 64u]; }
     workgroupBarrier();

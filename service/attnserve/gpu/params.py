@@ -1,9 +1,11 @@
-"""Host mirrors of every shader's params block, in one place.
+"""Every shader's params block, in one place: the host packing and the WGSL struct.
 
-Each block is a numpy structured dtype whose field names are the names the WGSL
-gives the words (``let NAME = params[i]``), so a test can check sizes and offsets
-against the shader source. ``f4`` fields are read in WGSL through
-``bitcast<f32>(...)``; everything else is ``u32``.
+Each block is a numpy structured dtype of 4-byte fields (``f4`` is ``f32``,
+everything else ``u32``). The host packs it with ``pack``; the shaders get the
+same fields, in the same order, as a WGSL struct generated from it
+(``wgsl_struct``, named in ``STRUCTS``), which a shader declares with a line
+``// #struct NAME`` that the loader (``shaders.py``) expands. The binding is the
+same buffer of words either way, so the two sides cannot disagree on a layout.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ __all__ = [
     "TQ_SPLIT_PARAMS",
     "MERGE_PARAMS",
     "PARAMS_OF",
+    "STRUCTS",
     "pack",
+    "wgsl_struct",
 ]
 
 FLAG_NON_CAUSAL = 1  # bit 0 of `flags` in both attention kernels
@@ -30,13 +34,13 @@ def _block(*fields: str) -> np.dtype:
     return np.dtype([(f[1:], "<f4") if f.startswith("~") else (f, "<u4") for f in fields])
 
 
-# attention_prefill.wgsl, params: array<u32, 12>
+# struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params`
 PREFILL_PARAMS = _block(
     "n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale",
     "start_pos", "n_queries", "q_stride", "out_stride", "q_base", "flags",
 )
 
-# flash_attention_tq.wgsl, params: array<u32, 20>
+# struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params`
 TQ_ATTENTION_PARAMS = _block(
     "n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale",
     "q_cap", "out_stride", "~qjl_scale", "sign_off",
@@ -44,38 +48,49 @@ TQ_ATTENTION_PARAMS = _block(
     "flags", "_pad0", "_pad1", "_pad2",
 )
 
-# turboquant.wgsl tq_encode_keys / tq_encode_values, eparams: array<u32, 16>
+# struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`
 TQ_ENCODE_PARAMS = _block(
     "n_kv_heads", "head_dim", "cache_cap", "t0", "row_base", "sign_off", "n_rows", "_pad0",
     "~c0", "~c1", "~c2", "~c3", "~b0", "~b1", "~b2", "_pad1",
 )
 
-# turboquant.wgsl tq_rotate_q, rparams: array<u32, 8>
+# struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`
 TQ_ROTATE_PARAMS = _block(
     "n_heads", "head_dim", "q_cap", "sign_off", "q_base", "q_stride", "_pad0", "_pad1",
 )
 
-# attention_split.wgsl, params: array<u32, 16>
+# struct SplitParams: attention_split{,_sg}.wgsl `params`
 SPLIT_PARAMS = _block(
     "n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale", "start_pos",
     "split_len", "q_stride", "n_splits", "q_base", "flags", "q_total", "_pad0", "_pad1", "_pad2",
 )
 
-# flash_attention_tq_split.wgsl, params: array<u32, 20>
+# struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`
 TQ_SPLIT_PARAMS = _block(
     "n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap",
     "split_len", "~qjl_scale", "n_splits", "~c0", "~c1", "~c2", "~c3",
     "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2",
 )
 
-# attention_merge.wgsl, mparams: array<u32, 8>
+# struct MergeParams: attention_merge.wgsl `mparams`
 MERGE_PARAMS = _block(
     "n_heads", "head_dim", "n_splits", "q_total", "q_base", "out_stride", "sign_off", "flags",
 )
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 
-# (shader file, the params variable) -> dtype, for the layout test
+# WGSL struct name -> block, for `// #struct NAME` in the shaders
+STRUCTS = {
+    "PrefillParams": PREFILL_PARAMS,
+    "TqAttentionParams": TQ_ATTENTION_PARAMS,
+    "TqEncodeParams": TQ_ENCODE_PARAMS,
+    "TqRotateParams": TQ_ROTATE_PARAMS,
+    "SplitParams": SPLIT_PARAMS,
+    "TqSplitParams": TQ_SPLIT_PARAMS,
+    "MergeParams": MERGE_PARAMS,
+}
+
+# (shader file, the params variable) -> block, for the layout test
 PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
     ("attention_prefill_tiled.wgsl", "params"): PREFILL_PARAMS,
@@ -85,7 +100,9 @@ PARAMS_OF = {
     ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,
     ("turboquant.wgsl", "rparams"): TQ_ROTATE_PARAMS,
     ("attention_split.wgsl", "params"): SPLIT_PARAMS,
+    ("attention_split_sg.wgsl", "params"): SPLIT_PARAMS,
     ("flash_attention_tq_split.wgsl", "params"): TQ_SPLIT_PARAMS,
+    ("flash_attention_tq_split_sg.wgsl", "params"): TQ_SPLIT_PARAMS,
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
 }
 
@@ -98,3 +115,18 @@ def pack(dtype: np.dtype, **values) -> bytes:
             raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
         rec[name] = value
     return rec.tobytes()
+
+
+def wgsl_struct(name: str) -> str:
+    """The WGSL declaration of the block ``STRUCTS[name]``: one field a word, in
+    the host's order, so its offsets are the dtype's (checked here)."""
+    dtype = STRUCTS[name]
+    lines = [f"// {name}: generated from attnserve/gpu/params.py, one 4-byte word a field",
+             f"struct {name} {{"]
+    for i, field in enumerate(dtype.names):
+        kind, offset = dtype.fields[field][0], dtype.fields[field][1]
+        if offset != 4 * i or kind.itemsize != 4:
+            raise ValueError(f"{name}.{field}: not word {i} of the block")
+        lines.append(f"    {field}: {'f32' if kind.kind == 'f' else 'u32'},")
+    lines.append("}")
+    return "\n".join(lines)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import wgpu
 
+from . import params as P
+
 __all__ = ["KERNELS", "KernelSpec", "load_wgsl", "shader_dir", "PipelineCache"]
 
 R, RW = "read", "rw"
@@ -99,6 +101,9 @@ def shader_dir() -> Path:
 _INCLUDE = re.compile(r'^[ \t]*//[ \t]*#include[ \t]+"([\w.-]+)"(.*)$', re.M)
 _ARG = re.compile(r'(\w+)=(?:"([^"]*)"|(\S+))')
 _PLACEHOLDER = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
+# `// #struct NAME` on a line of its own declares the params struct NAME,
+# generated from its host definition in params.py (`P.STRUCTS`).
+_STRUCT = re.compile(r"^[ \t]*//[ \t]*#struct[ \t]+(\w+)[ \t]*$", re.M)
 
 
 def _expand(text: str, depth: int = 0) -> str:
@@ -115,7 +120,7 @@ def _expand(text: str, depth: int = 0) -> str:
             snippet = snippet.replace("{" + k + "}", v)
         return _expand(snippet.rstrip("\n"), depth + 1)
 
-    return _INCLUDE.sub(one, text)
+    return _STRUCT.sub(lambda m: P.wgsl_struct(m.group(1)), _INCLUDE.sub(one, text))
 
 
 @functools.lru_cache(maxsize=None)

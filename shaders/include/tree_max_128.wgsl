@@ -1,0 +1,18 @@
+    // ── red[0] = max of red[0..128) ──
+    // (shaders/include/tree_max_128.wgsl: inlined by the loader, so its barriers
+    // stay at entry-point scope; needs `tid` and a `red` of at least 128 in scope)
+    workgroupBarrier();
+    if tid < 64u { red[tid] = max(red[tid], red[tid + 64u]); }
+    workgroupBarrier();
+    if tid < 32u { red[tid] = max(red[tid], red[tid + 32u]); }
+    workgroupBarrier();
+    if tid < 16u { red[tid] = max(red[tid], red[tid + 16u]); }
+    workgroupBarrier();
+    if tid < 8u { red[tid] = max(red[tid], red[tid + 8u]); }
+    workgroupBarrier();
+    if tid < 4u { red[tid] = max(red[tid], red[tid + 4u]); }
+    workgroupBarrier();
+    if tid < 2u { red[tid] = max(red[tid], red[tid + 2u]); }
+    workgroupBarrier();
+    if tid < 1u { red[tid] = max(red[tid], red[tid + 1u]); }
+    workgroupBarrier();
