@@ -54,10 +54,7 @@ const FLAG_NON_CAUSAL: u32 = 1u;
 var<workgroup> q_shared: array<f32, MAX_HEAD_DIM>;
 var<workgroup> acc: array<f32, MAX_HEAD_DIM>; // per-dim output accumulator
 var<workgroup> tile_scores: array<f32, TILE>;
-var<workgroup> red: array<f32, TILE>; // reduction scratch
-// Running online-softmax state, broadcast to all threads via workgroup memory.
-// [0]=running max, [1]=running sum, [2]=this tile's new max, [3]=correction.
-var<workgroup> st: array<f32, 4>;
+// #include "single_pass_state.wgsl"
 @compute @workgroup_size(256, 1, 1)
 fn attention_prefill(
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -95,11 +92,7 @@ fn attention_prefill(
         q_shared[tid] = q_batch[q_offset + tid];
         acc[tid] = 0.0;
     }
-    if tid == 0u {
-        st[0] = NEG_INF; // running max
-        st[1] = 0.0; // running sum
-    }
-    workgroupBarrier();
+    // #include "single_pass_start.wgsl"
     var base = 0u;
     while base < seq_len {
         // ── score for timestep t = base + tid (one per thread) ──

@@ -144,14 +144,7 @@ fn attention_prefill_tiled(
     var pv3 = vec4<f32>(0.0);
 
     for (var tb = 0u; tb < t_end; tb += TK) {
-        var a00 = vec4<f32>(0.0);
-        var a01 = vec4<f32>(0.0);
-        var a10 = vec4<f32>(0.0);
-        var a11 = vec4<f32>(0.0);
-        var a20 = vec4<f32>(0.0);
-        var a21 = vec4<f32>(0.0);
-        var a30 = vec4<f32>(0.0);
-        var a31 = vec4<f32>(0.0);
+        // #include "tiled_scores_zero.wgsl"
         for (var ch = 0u; ch < nch; ch += 1u) {
             workgroupBarrier();
             stage[3u * sc][sq] = pqa;

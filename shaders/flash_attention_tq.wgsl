@@ -93,10 +93,7 @@ var<workgroup> tile_scores: array<f32, TILE>;
 // timestep. Without it every one of the `head_dim` accumulator threads would
 // re-read the same norm word for every timestep in the tile.
 var<workgroup> tile_vnorm: array<f32, TILE>;
-var<workgroup> red: array<f32, TILE>; // reduction scratch
-// Running online-softmax state, broadcast to all threads via workgroup memory.
-// [0]=running max, [1]=running sum, [2]=this tile's new max, [3]=correction.
-var<workgroup> st: array<f32, 4>;
+// #include "single_pass_state.wgsl"
 @compute @workgroup_size(256, 1, 1)
 fn flash_attention_tq(
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -143,11 +140,7 @@ fn flash_attention_tq(
         q_jl_shared[tid] = qrot[q_region + q_offset + tid];
         acc[tid] = 0.0;
     }
-    if tid == 0u {
-        st[0] = NEG_INF; // running max
-        st[1] = 0.0; // running sum
-    }
-    workgroupBarrier();
+    // #include "single_pass_start.wgsl"
     var base = 0u;
     while base < seq_len {
         // ── score for timestep t = base + tid (one per thread) ──

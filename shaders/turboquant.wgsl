@@ -88,43 +88,11 @@ fn tq_encode_keys(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    let tid = lid.x;
-    let n_kv_heads = eparams.n_kv_heads;
-    let head_dim = eparams.head_dim;
-    let cache_cap = eparams.cache_cap;
-    let t0 = eparams.t0;
-    let row_base = eparams.row_base;
-    let row = row_base + wid.y;
-    let sign_off = eparams.sign_off;
+    // #include "tq_encode_rotate.wgsl"
     let c0 = eparams.c0;
     let c1 = eparams.c1;
     let c2 = eparams.c2;
     let c3 = eparams.c3;
-    let b0 = eparams.b0;
-    let b1 = eparams.b1;
-    let b2 = eparams.b2;
-    let head = wid.x;
-    let in_dim = tid < head_dim;
-
-    var x = 0.0;
-    if in_dim {
-        x = src[(row * n_kv_heads + head) * head_dim + tid];
-    }
-
-    // ── norm = ||k|| (inlined tree reduction) ──
-    red[tid] = x * x;
-    // #include "tree_sum_128.wgsl"
-    let norm = sqrt(red[0]);
-    let live = norm >= NORM_EPS;
-    var inv_norm = 0.0;
-    if live { inv_norm = 1.0 / norm; }
-
-    // ── y = rht(k / norm, polar_signs) ──
-    if in_dim {
-        buf[tid] = x * inv_norm * signs[sign_off + tid];
-    }
-    // #include "butterfly.wgsl" ARR=buf
-    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     var r = 0.0;
     if in_dim {
         let y = buf[tid] * inv_sqrt_d;
@@ -183,39 +151,8 @@ fn tq_encode_values(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    let tid = lid.x;
-    let n_kv_heads = eparams.n_kv_heads;
-    let head_dim = eparams.head_dim;
-    let cache_cap = eparams.cache_cap;
-    let t0 = eparams.t0;
-    let row_base = eparams.row_base;
-    let row = row_base + wid.y;
-    let sign_off = eparams.sign_off;
-    let b0 = eparams.b0;
-    let b1 = eparams.b1;
-    let b2 = eparams.b2;
-    let head = wid.x;
-    let in_dim = tid < head_dim;
-
-    var x = 0.0;
-    if in_dim {
-        x = src[(row * n_kv_heads + head) * head_dim + tid];
-    }
-
-    // ── norm = ||v|| ──
-    red[tid] = x * x;
-    // #include "tree_sum_128.wgsl"
-    let norm = sqrt(red[0]);
-    let live = norm >= NORM_EPS;
-    var inv_norm = 0.0;
-    if live { inv_norm = 1.0 / norm; }
-
-    // ── y = rht(v / norm, polar_signs); idx = quantize(y) ──
-    if in_dim {
-        buf[tid] = x * inv_norm * signs[sign_off + tid];
-    }
-    // #include "butterfly.wgsl" ARR=buf
-    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    // #include "tq_encode_rotate.wgsl"
+    // idx = quantize(y)
     if in_dim {
         code[tid] = quantize(buf[tid] * inv_sqrt_d, b0, b1, b2);
     }

@@ -180,6 +180,14 @@ class _BaseClient:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
 
+    def _pool(self, http_client: Any, transport: Any, make: Callable[..., Any]) -> Any:
+        """The connection pool: ``http_client`` (not ours to close), or a new one of
+        ``make`` on ``transport``."""
+        if http_client is not None and transport is not None:
+            raise InvalidInput("transport, http_client: expected at most one, got both")
+        self._owns_http = http_client is None
+        return http_client if http_client is not None else make(transport=transport, timeout=self.timeout)
+
     # -- the request loop -------------------------------------------------------
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
@@ -606,10 +614,7 @@ class Client(_BaseClient):
         http_client: httpx.Client | None = None,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
-        if http_client is not None and transport is not None:
-            raise InvalidInput("transport, http_client: expected at most one, got both")
-        self._owns_http = http_client is None
-        self._http = http_client if http_client is not None else httpx.Client(transport=transport, timeout=self.timeout)
+        self._http: httpx.Client = self._pool(http_client, transport, httpx.Client)
         self._sleep: Callable[[float], None] = time.sleep
 
     def _run(self, flow: Flow[T]) -> T:
@@ -786,12 +791,7 @@ class AsyncClient(_BaseClient):
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
         super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
-        if http_client is not None and transport is not None:
-            raise InvalidInput("transport, http_client: expected at most one, got both")
-        self._owns_http = http_client is None
-        self._http = (
-            http_client if http_client is not None else httpx.AsyncClient(transport=transport, timeout=self.timeout)
-        )
+        self._http: httpx.AsyncClient = self._pool(http_client, transport, httpx.AsyncClient)
         self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     async def _run(self, flow: Flow[T]) -> T:

@@ -1,0 +1,23 @@
+// Module-scope declarations of the f32 split kernels (attention_split.wgsl and
+// attention_split_sg.wgsl): bindings, constants and workgroup memory.
+@group(0) @binding(0) var<storage, read> q_batch: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> partial: array<f32>;
+// #struct SplitParams
+@group(0) @binding(4) var<storage, read> params: SplitParams;
+
+const WG: u32 = 256u;
+const MAX_GROUP: u32 = 8u;
+const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group sums
+const NEG_INF: f32 = -3.402823e+38;
+const FLAG_NON_CAUSAL: u32 = 1u;
+
+// Not specialized per pipeline (unlike the TurboQuant split kernels): with
+// GROUP and HEAD_DIM override constants the 32k decode step measured 15-20%
+// slower on the H200 (docs/benchmarks.md).
+
+var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
+var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
+var<workgroup> red: array<f32, WG>;
+var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
