@@ -26,12 +26,20 @@ def serving(adapter: str, **env: str) -> Iterator[tuple[subprocess.Popen, str]]:
     and the ``ATTNSERVE_*`` settings in ``env``; yields ``(process, url)`` once it is
     ready, and stops it (SIGTERM, then SIGKILL after 30 s) at the end."""
     port = free_port()
-    child_env = dict(os.environ, ATTNSERVE_ADAPTER=adapter, ATTNSERVE_LOG_LEVEL="warning",
-                     XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
-                     PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"),
-                                                 os.environ.get("PYTHONPATH", "")]), **env)
-    server = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child_env = dict(
+        os.environ,
+        ATTNSERVE_ADAPTER=adapter,
+        ATTNSERVE_LOG_LEVEL="warning",
+        XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]),
+        **env,
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=child_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         with Client(url, timeout=30) as client:

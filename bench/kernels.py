@@ -81,8 +81,16 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
             # a buffer of its own: no readback of the whole output per timing
             out = ctx.device.create_buffer(size=q.nbytes, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
             for _ in range(iters):
-                layer.plan_attend_rows(batch, q_seg, q.shape, out=out, length=length,
-                                       start_pos=length - n, causal=True, scale=1 / math.sqrt(D))
+                layer.plan_attend_rows(
+                    batch,
+                    q_seg,
+                    q.shape,
+                    out=out,
+                    length=length,
+                    start_pos=length - n,
+                    causal=True,
+                    scale=1 / math.sqrt(D),
+                )
             sync = batch.output(4)
             batch.copy(out, 0, sync, 0, 4)
             encoded = batch.encode()  # CPU work: bind groups, command recording
@@ -122,7 +130,7 @@ def torch_sdpa_ms(n: int, length: int, dtype_name: str):
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs["attn_mask"] = causal_lower_right(n, length)
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: F821 (q, k, v are deleted at the end, after every call)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -190,9 +198,13 @@ def copy_gbps(engine: Engine) -> tuple[float, str]:
 def gpu_description(engine: Engine) -> tuple[str, str]:
     gpu, driver = engine.ctx.name, str(engine.ctx.info.get("description", ""))
     try:
-        out = subprocess.check_output(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], text=True
-        ).strip().splitlines()[0]
+        out = (
+            subprocess.check_output(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], text=True
+            )
+            .strip()
+            .splitlines()[0]
+        )
         gpu, driver = [s.strip() for s in out.split(",")]
     except Exception:
         pass
@@ -207,13 +219,25 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
     ap.add_argument("--only", choices=["decode", "prefill"], help="time only one kernel kind")
-    ap.add_argument("--path", choices=["auto", "split", "tiled", "single"], default="auto",
-                    help="attention kernel family (auto: split-KV for decode, query-block tiled for prefill)")
-    ap.add_argument("--subgroups", choices=["auto", "on", "off"], default="auto",
-                    help="split-KV kernel variant (auto: the policy's default for this device)")
+    ap.add_argument(
+        "--path",
+        choices=["auto", "split", "tiled", "single"],
+        default="auto",
+        help="attention kernel family (auto: split-KV for decode, query-block tiled for prefill)",
+    )
+    ap.add_argument(
+        "--subgroups",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="split-KV kernel variant (auto: the policy's default for this device)",
+    )
     ap.add_argument("--target-workgroups", type=int, help="split sizing (default: the policy's)")
-    ap.add_argument("--prefill-f32", choices=["tiled", "rb"], default=K.KernelPolicy.prefill_f32,
-                    help="f32 query-block prefill kernel: attention_prefill_tiled or attention_prefill_rb")
+    ap.add_argument(
+        "--prefill-f32",
+        choices=["tiled", "rb"],
+        default=K.KernelPolicy.prefill_f32,
+        help="f32 query-block prefill kernel: attention_prefill_tiled or attention_prefill_rb",
+    )
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
@@ -258,11 +282,16 @@ def main(argv=None) -> int:
             if path == "tiled" and fmt == "f32" and policy.prefill_f32 == "rb":
                 path = "tiled-rb"
             row = {
-                "kernel": kernel, "kv_format": fmt, "context": ctx_len, "queries": n, "path": path,
+                "kernel": kernel,
+                "kv_format": fmt,
+                "context": ctx_len,
+                "queries": n,
+                "path": path,
                 "wgpu_ms": round(ms, 4),
                 "torch_f32_ms": None if tf32 is None else round(tf32, 4),
                 "torch_bf16_ms": None if tbf16 is None else round(tbf16, 4),
-                "bytes_read": nbytes, "gbps": round(gbps, 1),
+                "bytes_read": nbytes,
+                "gbps": round(gbps, 1),
                 "bandwidth_fraction": round(gbps / cgbps, 4),
                 "speedup_vs_torch_f32": None if tf32 is None else round(tf32 / ms, 3),
                 "speedup_vs_torch_bf16": None if tbf16 is None else round(tbf16 / ms, 3),
@@ -277,9 +306,13 @@ def main(argv=None) -> int:
             )
         engine.release(s).result()
     result = {
-        "gpu": gpu, "driver": driver, "backend": engine.ctx.backend, "commit": git_commit(),
+        "gpu": gpu,
+        "driver": driver,
+        "backend": engine.ctx.backend,
+        "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
-        "copy_gbps": round(cgbps, 1), "copy_method": cmethod,
+        "copy_gbps": round(cgbps, 1),
+        "copy_method": cmethod,
         "shape": {"num_qo_heads": H, "num_kv_heads": HKV, "head_dim": D},
         "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in ("f32", "turboquant")},
         "rows": rows,

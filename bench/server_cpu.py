@@ -32,6 +32,7 @@ from _server import serving
 
 from attnserve_client import Client, wire
 
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the process (all its threads)."""
     try:
@@ -51,8 +52,11 @@ def measure(pid: int, n: int, call) -> dict:
     for _ in range(n):
         call()
     c1, t1 = cpu_seconds(pid), time.perf_counter()
-    return {"requests": n, "cpu_ms_per_request": round(1e3 * (c1 - c0) / n, 4),
-            "wall_ms_per_request": round(1e3 * (t1 - t0) / n, 4)}
+    return {
+        "requests": n,
+        "cpu_ms_per_request": round(1e3 * (c1 - c0) / n, 4),
+        "wall_ms_per_request": round(1e3 * (t1 - t0) / n, 4),
+    }
 
 
 def main(argv=None) -> int:
@@ -73,9 +77,14 @@ def main(argv=None) -> int:
         body = wire.packb({"q": wire.encode_array(q)})
         headers = {"Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK}
         path = f"/v1/sessions/{s.session_id}"
-        results = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
-                   "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "cores": os.cpu_count()}
+        results = {
+            "adapter": info.get("adapter"),
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
+            "cores": os.cpu_count(),
+        }
         with httpx.Client(base_url=url, timeout=120) as http:
+
             def get_info():
                 assert http.get(path, headers={"Accept": wire.MSGPACK}).status_code == 200
 

@@ -61,8 +61,11 @@ def scrape(c: Client) -> str:
 def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        sess.append(layer, rng.standard_normal((m, HKV, D), dtype=np.float32),
-                    rng.standard_normal((m, HKV, D), dtype=np.float32))
+        sess.append(
+            layer,
+            rng.standard_normal((m, HKV, D), dtype=np.float32),
+            rng.standard_normal((m, HKV, D), dtype=np.float32),
+        )
 
 
 def percentiles(lat: list[float]) -> dict:
@@ -89,17 +92,29 @@ def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: s
     after = scrape(c)
     if stream:
         stream.close()
-    n_sub = metric(after, "attnserve_gpu_submission_seconds_count") - metric(before, "attnserve_gpu_submission_seconds_count")
-    s_sub = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(before, "attnserve_gpu_submission_seconds_sum")
+    n_sub = metric(after, "attnserve_gpu_submission_seconds_count") - metric(
+        before, "attnserve_gpu_submission_seconds_count"
+    )
+    s_sub = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(
+        before, "attnserve_gpu_submission_seconds_sum"
+    )
     sess.delete()
     pc = percentiles(lat)
     gpu_ms = 1e3 * s_sub / max(n_sub, 1)
-    return {"kv_format": fmt, "transport": transport, "context": context, "steps": steps, **pc,
-            "gpu_submission_ms": round(gpu_ms, 3), "gpu_fraction_of_p50": round(gpu_ms / pc["p50_ms"], 3)}
+    return {
+        "kv_format": fmt,
+        "transport": transport,
+        "context": context,
+        "steps": steps,
+        **pc,
+        "gpu_submission_ms": round(gpu_ms, 3),
+        "gpu_fraction_of_p50": round(gpu_ms / pc["p50_ms"], 3),
+    }
 
 
-def batched(c: Client, fmt: str, n_sessions: int, context: int, seconds: float, rng, transport: str,
-            pipeline: int = 1) -> dict:
+def batched(
+    c: Client, fmt: str, n_sessions: int, context: int, seconds: float, rng, transport: str, pipeline: int = 1
+) -> dict:
     """Engine-shaped: every step is one batched request with one fused decode item
     per session; ``pipeline`` batches in flight on the stream (each for its own
     sessions, as independent micro-batches would be)."""
@@ -146,15 +161,28 @@ def batched(c: Client, fmt: str, n_sessions: int, context: int, seconds: float, 
     after = scrape(c)
     if stream:
         stream.close()
-    subs = metric(after, "attnserve_gpu_submission_seconds_count") - metric(before, "attnserve_gpu_submission_seconds_count")
-    gpu_s = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(before, "attnserve_gpu_submission_seconds_sum")
+    subs = metric(after, "attnserve_gpu_submission_seconds_count") - metric(
+        before, "attnserve_gpu_submission_seconds_count"
+    )
+    gpu_s = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(
+        before, "attnserve_gpu_submission_seconds_sum"
+    )
     for g in groups:
         for s in g:
             s.delete()
-    return {"kv_format": fmt, "transport": transport, "sessions": n_sessions, "pipeline": pipeline,
-            "context": context, "seconds": round(dt, 2), "attends": n, "attends_per_s": round(n / dt, 1),
-            **{f"batch_{k}": v for k, v in percentiles(lat).items()},
-            "gpu_submission_ms": round(1e3 * gpu_s / max(subs, 1), 3), "submissions": int(subs)}
+    return {
+        "kv_format": fmt,
+        "transport": transport,
+        "sessions": n_sessions,
+        "pipeline": pipeline,
+        "context": context,
+        "seconds": round(dt, 2),
+        "attends": n,
+        "attends_per_s": round(n / dt, 1),
+        **{f"batch_{k}": v for k, v in percentiles(lat).items()},
+        "gpu_submission_ms": round(1e3 * gpu_s / max(subs, 1), 3),
+        "submissions": int(subs),
+    }
 
 
 def many_sessions(c: Client, url: str, fmt: str, n_sessions: int, context: int, seconds: float, rng) -> dict:
@@ -195,13 +223,24 @@ def many_sessions(c: Client, url: str, fmt: str, n_sessions: int, context: int, 
         t.join()
     dt = time.perf_counter() - t0
     after = scrape(c)
-    jobs = metric(after, "attnserve_gpu_jobs_per_submission_sum") - metric(before, "attnserve_gpu_jobs_per_submission_sum")
-    subs = metric(after, "attnserve_gpu_jobs_per_submission_count") - metric(before, "attnserve_gpu_jobs_per_submission_count")
+    jobs = metric(after, "attnserve_gpu_jobs_per_submission_sum") - metric(
+        before, "attnserve_gpu_jobs_per_submission_sum"
+    )
+    subs = metric(after, "attnserve_gpu_jobs_per_submission_count") - metric(
+        before, "attnserve_gpu_jobs_per_submission_count"
+    )
     for sid in sessions:
         c.delete_session(sid)
-    return {"kv_format": fmt, "sessions": n_sessions, "context": context, "seconds": round(dt, 2),
-            "attends": sum(counts), "attends_per_s": round(sum(counts) / dt, 1),
-            "jobs_per_submission": round(jobs / max(subs, 1), 2), "errors": errors[:5]}
+    return {
+        "kv_format": fmt,
+        "sessions": n_sessions,
+        "context": context,
+        "seconds": round(dt, 2),
+        "attends": sum(counts),
+        "attends_per_s": round(sum(counts) / dt, 1),
+        "jobs_per_submission": round(jobs / max(subs, 1), 2),
+        "errors": errors[:5],
+    }
 
 
 def main(argv=None) -> int:
@@ -222,9 +261,14 @@ def main(argv=None) -> int:
     with serving(args.adapter, **budget) as (_, url), Client(url, timeout=300) as c:
         info = c.info()
         rng = np.random.default_rng(0)
-        result = {"adapter": info.get("adapter"), "date": time.strftime("%Y-%m-%d"),
-                  "commit": os.environ.get("ATTNSERVE_COMMIT", ""), "single": [], "concurrent": [],
-                  "batched": []}
+        result = {
+            "adapter": info.get("adapter"),
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
+            "single": [],
+            "concurrent": [],
+            "batched": [],
+        }
         print(f"# adapter: {info.get('adapter')}", flush=True)
         formats = args.formats.split(",")
         for fmt in formats:
@@ -234,8 +278,7 @@ def main(argv=None) -> int:
                 print(json.dumps(r), flush=True)
         for fmt in formats:
             for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
-                r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport,
-                            pipeline)
+                r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline)
                 result["batched"].append(r)
                 print(json.dumps(r), flush=True)
         for fmt in formats if not args.skip_threads else ():

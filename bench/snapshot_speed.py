@@ -67,16 +67,28 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="attnserve-snapshot-speed."))
     log = work / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_") or k == "ATTNSERVE_ADAPTER"}
-    env.update(ATTNSERVE_PORT=str(port), ATTNSERVE_HOST="127.0.0.1", ATTNSERVE_SNAPSHOT_DIR=str(work / "snapshots"),
-               ATTNSERVE_MEMORY_BUDGET_BYTES="0", ATTNSERVE_LOG_FORMAT="json", XDG_RUNTIME_DIR="/tmp",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client")]))
+    env.update(
+        ATTNSERVE_PORT=str(port),
+        ATTNSERVE_HOST="127.0.0.1",
+        ATTNSERVE_SNAPSHOT_DIR=str(work / "snapshots"),
+        ATTNSERVE_MEMORY_BUDGET_BYTES="0",
+        ATTNSERVE_LOG_FORMAT="json",
+        XDG_RUNTIME_DIR="/tmp",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "service"), str(ROOT / "client")]),
+    )
     rng = np.random.default_rng(0)
     proc, ready_empty = start(env, log, url)
     try:
         with Client(url) as c:
             for i in range(args.sessions):
-                s = c.create_session(num_qo_heads=args.kv_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                                     num_layers=args.layers, max_tokens=args.tokens, session_id=f"speed-{i}")
+                s = c.create_session(
+                    num_qo_heads=args.kv_heads,
+                    num_kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    num_layers=args.layers,
+                    max_tokens=args.tokens,
+                    session_id=f"speed-{i}",
+                )
                 for layer in range(args.layers):
                     k = rng.standard_normal((args.tokens, args.kv_heads, args.head_dim), dtype=np.float32)
                     s.append(layer, k, k)
@@ -85,8 +97,11 @@ def main() -> int:
         saved = last_line(log, "snapshots written")
         proc, ready_full = start(env, log, url)
         restored = last_line(log, "snapshots restored")
-        kv = sum(float(x.rsplit(" ", 1)[1]) for x in httpx.get(url + "/metrics").text.splitlines()
-                 if x.startswith("attnserve_kv_bytes{"))
+        kv = sum(
+            float(x.rsplit(" ", 1)[1])
+            for x in httpx.get(url + "/metrics").text.splitlines()
+            if x.startswith("attnserve_kv_bytes{")
+        )
         info = httpx.get(url + "/v1/info").json()
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -75,11 +75,20 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int) ->
     for _ in range(steps if top else 0):
         step(prof)
     med = np.median(times, axis=0)
-    res = {"kv_format": fmt, "items": n, "context": context, "steps": steps,
-           "plan_ms": round(float(med[0]), 3), "encode_ms": round(float(med[1]), 3),
-           "submit_readback_ms": round(float(med[2]), 3),
-           "per_item_us": {"plan": round(1e3 * med[0] / n, 1), "encode": round(1e3 * med[1] / n, 1),
-                           "submit_readback": round(1e3 * med[2] / n, 1)}}
+    res = {
+        "kv_format": fmt,
+        "items": n,
+        "context": context,
+        "steps": steps,
+        "plan_ms": round(float(med[0]), 3),
+        "encode_ms": round(float(med[1]), 3),
+        "submit_readback_ms": round(float(med[2]), 3),
+        "per_item_us": {
+            "plan": round(1e3 * med[0] / n, 1),
+            "encode": round(1e3 * med[1] / n, 1),
+            "submit_readback": round(1e3 * med[2] / n, 1),
+        },
+    }
     if top:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
@@ -110,7 +119,7 @@ def main(argv=None) -> int:
                 prof = r.pop("profile_tottime", None)
                 print(json.dumps(r), flush=True)
                 if prof:
-                    print("\n".join(prof[:args.top + 12]), flush=True)
+                    print("\n".join(prof[: args.top + 12]), flush=True)
                     r["profile_tottime"] = prof
     finally:
         engine.close()

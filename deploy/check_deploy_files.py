@@ -87,7 +87,10 @@ def check_dockerfile() -> None:
     froms = [rest for word, rest in ins if word == "FROM"]
     check(len(froms) >= 2, f"Dockerfile: expected a builder and a runtime stage, got {froms}")
     for rest in froms:
-        check(rest.split()[0] == "debian:bookworm-slim", f"Dockerfile: every stage must start FROM debian:bookworm-slim: {rest}")
+        check(
+            rest.split()[0] == "debian:bookworm-slim",
+            f"Dockerfile: every stage must start FROM debian:bookworm-slim: {rest}",
+        )
     stages: list[list[tuple[str, str]]] = []
     for word, rest in ins:
         if word == "FROM":
@@ -98,34 +101,51 @@ def check_dockerfile() -> None:
     b_run = " ".join(rest for w, rest in builder if w == "RUN")
     r_run = " ".join(rest for w, rest in runtime if w == "RUN")
     check("python3 -m pip wheel" in b_run, "Dockerfile: the builder stage builds wheels with python3 -m pip wheel")
-    check("python3 -m venv" in r_run and "--no-index" in r_run, "Dockerfile: the runtime installs the wheels offline into a venv")
-    check(not any(w == "COPY" and ("service" in rest or "client" in rest) for w, rest in runtime),
-          "Dockerfile: the runtime stage must not copy the checkout (it installs the wheel)")
+    check(
+        "python3 -m venv" in r_run and "--no-index" in r_run,
+        "Dockerfile: the runtime installs the wheels offline into a venv",
+    )
+    check(
+        not any(w == "COPY" and ("service" in rest or "client" in rest) for w, rest in runtime),
+        "Dockerfile: the runtime stage must not copy the checkout (it installs the wheel)",
+    )
     for pkg in ("python3", "libvulkan1", "mesa-vulkan-drivers"):
         check(re.search(rf"\b{re.escape(pkg)}\b", r_run) is not None, f"Dockerfile: the runtime installs {pkg}")
     for pkg in ("python3-pip", "build-essential", "gcc"):
         check(re.search(rf"\b{re.escape(pkg)}\b", r_run) is None, f"Dockerfile: the runtime should not install {pkg}")
     env = " ".join(rest for w, rest in runtime if w == "ENV")
     caps = re.search(r"NVIDIA_DRIVER_CAPABILITIES=(\S+)", env)
-    check(bool(caps) and {"graphics", "compute"} <= set(caps.group(1).split(",")) if caps else False,
-          "Dockerfile: NVIDIA_DRIVER_CAPABILITIES must include graphics and compute")
+    check(
+        bool(caps) and {"graphics", "compute"} <= set(caps.group(1).split(",")) if caps else False,
+        "Dockerfile: NVIDIA_DRIVER_CAPABILITIES must include graphics and compute",
+    )
     port = re.search(r"ATTNSERVE_PORT=(\d+)", env)
     exposed = [rest for w, rest in runtime if w == "EXPOSE"]
-    check(bool(port) and exposed == [port.group(1)] if port else False, f"Dockerfile: EXPOSE {exposed} vs ATTNSERVE_PORT")
+    check(
+        bool(port) and exposed == [port.group(1)] if port else False, f"Dockerfile: EXPOSE {exposed} vs ATTNSERVE_PORT"
+    )
     users = [rest for w, rest in runtime if w == "USER"]
-    check(bool(users) and users[-1].split(":")[0] not in ("0", "root"), f"Dockerfile: must run as a non-root user, USER {users}")
+    check(
+        bool(users) and users[-1].split(":")[0] not in ("0", "root"),
+        f"Dockerfile: must run as a non-root user, USER {users}",
+    )
     health = [rest for w, rest in runtime if w == "HEALTHCHECK"]
     check(len(health) == 1 and "attnserve-healthcheck" in health[0], f"Dockerfile: HEALTHCHECK {health}")
     if health:
         check_start_period(health[0])
     check("/readyz" in (ROOT / "deploy" / "healthcheck.py").read_text(), "deploy/healthcheck.py must ask /readyz")
     copies = [rest for w, rest in runtime if w == "COPY"]
-    check(any("deploy/vulkan/nvidia_icd.json /etc/vulkan/icd.d/" in c for c in copies),
-          "Dockerfile: the NVIDIA ICD file goes to /etc/vulkan/icd.d/")
-    check(any("deploy/healthcheck.py /usr/local/bin/attnserve-healthcheck" in c for c in copies),
-          "Dockerfile: the health check script is installed")
+    check(
+        any("deploy/vulkan/nvidia_icd.json /etc/vulkan/icd.d/" in c for c in copies),
+        "Dockerfile: the NVIDIA ICD file goes to /etc/vulkan/icd.d/",
+    )
+    check(
+        any("deploy/healthcheck.py /usr/local/bin/attnserve-healthcheck" in c for c in copies),
+        "Dockerfile: the health check script is installed",
+    )
     patterns = [
-        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.strip().startswith("#")
     ]
     for w, rest in ins:
@@ -136,8 +156,10 @@ def check_dockerfile() -> None:
             check((ROOT / src).exists(), f"Dockerfile: COPY {src}: no such file in the repository")
             check(dockerignore_allows(src, patterns), f"Dockerfile: COPY {src}: excluded by .dockerignore")
     icd = json.loads((ROOT / "deploy" / "vulkan" / "nvidia_icd.json").read_text())
-    check(icd.get("ICD", {}).get("library_path") == "libGLX_nvidia.so.0" and "file_format_version" in icd,
-          f"nvidia_icd.json: {icd}")
+    check(
+        icd.get("ICD", {}).get("library_path") == "libGLX_nvidia.so.0" and "file_format_version" in icd,
+        f"nvidia_icd.json: {icd}",
+    )
 
 
 # The restore speed measured with bench/snapshot_speed.py (1 GiB of f32 sessions,
@@ -161,8 +183,11 @@ def check_start_period(health: str) -> None:
     check(m is not None, f"Dockerfile: HEALTHCHECK needs --start-period=<seconds>s: {health}")
     need = compose_budget() / RESTORE_BYTES_PER_S + READY_EMPTY_S
     have = int(m.group(1)) if m else 0
-    check(have >= need, f"Dockerfile: HEALTHCHECK --start-period={have}s is shorter than a restore of the "
-          f"compose budget ({compose_budget()} bytes at {RESTORE_BYTES_PER_S} B/s + {READY_EMPTY_S} s = {need:.0f} s)")
+    check(
+        have >= need,
+        f"Dockerfile: HEALTHCHECK --start-period={have}s is shorter than a restore of the "
+        f"compose budget ({compose_budget()} bytes at {RESTORE_BYTES_PER_S} B/s + {READY_EMPTY_S} s = {need:.0f} s)",
+    )
 
 
 def check_compose() -> None:
@@ -177,32 +202,49 @@ def check_compose() -> None:
         dev = devices[0]
         check(dev.get("driver") == "nvidia", f"compose: {name} device driver nvidia")
         check(len(dev.get("device_ids", [])) == 1, f"compose: {name} reserves exactly one GPU")
-        check({"gpu", "graphics"} <= set(dev.get("capabilities", [])), f"compose: {name} needs capabilities gpu and graphics")
+        check(
+            {"gpu", "graphics"} <= set(dev.get("capabilities", [])),
+            f"compose: {name} needs capabilities gpu and graphics",
+        )
         device_ids += dev.get("device_ids", [])
         env = svc.get("environment", {})
-        check(env.get("ATTNSERVE_INSTANCE_NAME") == name == svc.get("hostname"),
-              f"compose: {name}: ATTNSERVE_INSTANCE_NAME and hostname must be the service name")
+        check(
+            env.get("ATTNSERVE_INSTANCE_NAME") == name == svc.get("hostname"),
+            f"compose: {name}: ATTNSERVE_INSTANCE_NAME and hostname must be the service name",
+        )
     check(len(device_ids) == len(set(device_ids)), f"compose: replicas share a GPU: {device_ids}")
     upstreams = re.findall(r"^\s*server\s+(\S+)", (ROOT / "deploy/nginx/compose/upstreams.conf").read_text(), re.M)
-    check(upstreams == [f"{name}:8000" for name in replicas],
-          f"upstreams.conf {upstreams} must list the compose replicas {list(replicas)} on port 8000, in order")
+    check(
+        upstreams == [f"{name}:8000" for name in replicas],
+        f"upstreams.conf {upstreams} must list the compose replicas {list(replicas)} on port 8000, in order",
+    )
     router = services.get("router", {})
     volumes = router.get("volumes", [])
-    check("./deploy/nginx/attnserve.conf:/etc/nginx/conf.d/default.conf:ro" in volumes,
-          "compose: the router mounts deploy/nginx/attnserve.conf as conf.d/default.conf")
-    check("./deploy/nginx/compose:/etc/nginx/attnserve:ro" in volumes, "compose: the router mounts deploy/nginx/compose")
+    check(
+        "./deploy/nginx/attnserve.conf:/etc/nginx/conf.d/default.conf:ro" in volumes,
+        "compose: the router mounts deploy/nginx/attnserve.conf as conf.d/default.conf",
+    )
+    check(
+        "./deploy/nginx/compose:/etc/nginx/attnserve:ro" in volumes, "compose: the router mounts deploy/nginx/compose"
+    )
     check(set(router.get("depends_on", {})) == set(replicas), "compose: the router waits for every replica")
     for name, svc in services.items():
         logging = svc.get("logging", {})
         options = logging.get("options", {})
-        check(logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(options),
-              f"compose: {name}: logs rotate (logging driver json-file with max-size and max-file)")
+        check(
+            logging.get("driver") == "json-file" and {"max-size", "max-file"} <= set(options),
+            f"compose: {name}: logs rotate (logging driver json-file with max-size and max-file)",
+        )
     routing = (ROOT / "deploy/nginx/attnserve.conf").read_text()
-    check(re.search(r"^\s*hash \$attnserve_route_key consistent;", routing, re.M) is not None,
-          "attnserve.conf: hash $attnserve_route_key consistent")
+    check(
+        re.search(r"^\s*hash \$attnserve_route_key consistent;", routing, re.M) is not None,
+        "attnserve.conf: hash $attnserve_route_key consistent",
+    )
     check("/v1/sessions/([A-Za-z0-9_-]{1,64})" in routing, "attnserve.conf: the key is the session id from the path")
-    check("include attnserve/upstreams.conf;" in routing and "include attnserve/server.conf;" in routing,
-          "attnserve.conf: includes attnserve/upstreams.conf and attnserve/server.conf")
+    check(
+        "include attnserve/upstreams.conf;" in routing and "include attnserve/server.conf;" in routing,
+        "attnserve.conf: includes attnserve/upstreams.conf and attnserve/server.conf",
+    )
 
 
 def main() -> int:

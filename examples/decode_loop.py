@@ -58,8 +58,14 @@ class TinyModel:
             return (rng.standard_normal((rows, cols)) / math.sqrt(rows)).astype(np.float32)
 
         self.layers = [
-            {"wq": w(d, heads * head_dim), "wk": w(d, kv_heads * head_dim), "wv": w(d, kv_heads * head_dim),
-             "wo": w(heads * head_dim, d), "w1": w(d, 2 * d), "w2": w(2 * d, d)}
+            {
+                "wq": w(d, heads * head_dim),
+                "wk": w(d, kv_heads * head_dim),
+                "wv": w(d, kv_heads * head_dim),
+                "wo": w(heads * head_dim, d),
+                "w1": w(d, 2 * d),
+                "w2": w(2 * d, d),
+            }
             for _ in range(layers)
         ]
         self.unembed = w(d, vocab)
@@ -76,9 +82,11 @@ class TinyModel:
         """x: [n, d] -> q [n, H, D], k [n, KV, D], v [n, KV, D] (float32)."""
         p, h = self.layers[layer], self.norm(x)
         n = x.shape[0]
-        return ((h @ p["wq"]).reshape(n, self.heads, self.head_dim),
-                (h @ p["wk"]).reshape(n, self.kv_heads, self.head_dim),
-                (h @ p["wv"]).reshape(n, self.kv_heads, self.head_dim))
+        return (
+            (h @ p["wq"]).reshape(n, self.heads, self.head_dim),
+            (h @ p["wk"]).reshape(n, self.kv_heads, self.head_dim),
+            (h @ p["wv"]).reshape(n, self.kv_heads, self.head_dim),
+        )
 
     def finish(self, layer: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
         """Residual attention output and MLP: x [n, d], attn [n, H, D] -> [n, d]."""
@@ -126,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
         with Client(args.url, api_key=api_key) as client:
             session = client.create_session(
-                num_qo_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                num_layers=args.layers, kv_format=args.kv_format,
+                num_qo_heads=args.heads,
+                num_kv_heads=args.kv_heads,
+                head_dim=args.head_dim,
+                num_layers=args.layers,
+                kv_format=args.kv_format,
             )
             try:
                 # Prefill, chunk by chunk, each chunk through every layer.
                 for begin in range(0, args.prompt, args.chunk):
-                    x = model.embed[prompt[begin:begin + args.chunk]]
+                    x = model.embed[prompt[begin : begin + args.chunk]]
                     for layer in range(args.layers):
                         x = model.finish(layer, x, attend(session, layer, x))
                 prefill_calls = len(errors)
@@ -155,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = args.prompt + args.steps
     worst = max(errors, default=0.0)
-    print(f"{args.kv_format}: {args.layers} layers, {args.heads} q heads / {args.kv_heads} kv heads,"
-          f" head_dim {args.head_dim}")
-    print(f"prefill {args.prompt} tokens in {prefill_calls} calls, decoded {args.steps} tokens in"
-          f" {len(errors) - prefill_calls} calls, {elapsed:.2f} s in all")
+    print(
+        f"{args.kv_format}: {args.layers} layers, {args.heads} q heads / {args.kv_heads} kv heads,"
+        f" head_dim {args.head_dim}"
+    )
+    print(
+        f"prefill {args.prompt} tokens in {prefill_calls} calls, decoded {args.steps} tokens in"
+        f" {len(errors) - prefill_calls} calls, {elapsed:.2f} s in all"
+    )
     print(f"tokens: {tokens}")
     print(f"cache lengths {list(lengths)} (expected {expected} each)")
     print(f"max relative error vs float64 reference: {worst:.3g}")

@@ -49,15 +49,17 @@ class TinyModel:
         def w(rows: int, cols: int) -> np.ndarray:
             return (rng.standard_normal((rows, cols)) / math.sqrt(rows)).astype(np.float32)
 
-        self.layers = [(w(d, d), w(d, kv_heads * head_dim), w(d, kv_heads * head_dim), w(d, d))
-                       for _ in range(layers)]
+        self.layers = [(w(d, d), w(d, kv_heads * head_dim), w(d, kv_heads * head_dim), w(d, d)) for _ in range(layers)]
 
     def qkv(self, layer: int, x: np.ndarray):
         wq, wk, wv, _ = self.layers[layer]
         h = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-6)
         n = x.shape[0]
-        return ((h @ wq).reshape(n, self.heads, self.head_dim), (h @ wk).reshape(n, self.kv_heads, self.head_dim),
-                (h @ wv).reshape(n, self.kv_heads, self.head_dim))
+        return (
+            (h @ wq).reshape(n, self.heads, self.head_dim),
+            (h @ wk).reshape(n, self.kv_heads, self.head_dim),
+            (h @ wv).reshape(n, self.kv_heads, self.head_dim),
+        )
 
     def residual(self, layer: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
         return (x + attn.reshape(x.shape[0], -1) @ self.layers[layer][3]).astype(np.float32)
@@ -107,9 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
     try:
         with Client(args.url, api_key=api_key) as client:
-            sessions = [client.create_session(num_qo_heads=args.heads, num_kv_heads=args.kv_heads,
-                                              head_dim=args.head_dim, num_layers=args.layers,
-                                              kv_format=args.kv_format) for _ in prompts]
+            sessions = [
+                client.create_session(
+                    num_qo_heads=args.heads,
+                    num_kv_heads=args.kv_heads,
+                    head_dim=args.head_dim,
+                    num_layers=args.layers,
+                    kv_format=args.kv_format,
+                )
+                for _ in prompts
+            ]
             stream = client.stream() if args.transport == "stream" else None
             step = stream.attend_batch if stream else client.attend_batch
             try:
@@ -137,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     took = time.perf_counter() - started
     calls = args.layers * (1 + args.steps)
     want = [[n + args.steps] * args.layers for n in prompts]
-    print(f"{len(prompts)} sequences x {args.layers} layers, {args.kv_format} over {args.transport}: "
-          f"{calls} batched steps, {calls * len(prompts)} attends in {took:.2f} s")
+    print(
+        f"{len(prompts)} sequences x {args.layers} layers, {args.kv_format} over {args.transport}: "
+        f"{calls} batched steps, {calls * len(prompts)} attends in {took:.2f} s"
+    )
     print(f"cache lengths {[ln[0] for ln in lengths]} (expected {[w[0] for w in want]})")
     print(f"max relative error against float64: {max(errors):.2e}")
     if lengths != want:

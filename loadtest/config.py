@@ -70,17 +70,28 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "then run fused decode steps over several layers.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)")
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)"
+    )
     p.add_argument("--sessions", type=int, default=8, help="virtual users; each holds one session at a time")
     p.add_argument("--concurrency", type=int, default=0, help="most requests in flight over all users (0: --sessions)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="load-generating processes (the users are split over them; use a few on a many-core host)")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="load-generating processes (the users are split over them; use a few on a many-core host)",
+    )
+    p.add_argument(
+        "--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops"
+    )
     p.add_argument("--mode", choices=("closed", "open"), default="closed", help="closed or open loop")
     p.add_argument("--rate", type=float, default=0.0, help="open loop: decode steps per second over all users")
-    p.add_argument("--batched", action="store_true",
-                   help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
-                   "(POST /v1/batch/attend) per layer for all of them, prefill chunks and decode tokens alike")
+    p.add_argument(
+        "--batched",
+        action="store_true",
+        help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
+        "(POST /v1/batch/attend) per layer for all of them, prefill chunks and decode tokens alike",
+    )
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps per session (0: until the end)")
@@ -91,32 +102,71 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--kv-format", default="f32", help="f32 or turboquant (what the server offers)")
     p.add_argument("--create", choices=("put", "post"), default="put", help="PUT with own ids (router-safe) or POST")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
-    p.add_argument("--retries", type=int, default=0,
-                   help="client retries of 503/429 and lost connections (0: every failure counts)")
-    p.add_argument("--verify", type=float, default=0.0, metavar="FRACTION",
-                   help="f32: check this fraction of decode outputs against a float64 reference")
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="client retries of 503/429 and lost connections (0: every failure counts)",
+    )
+    p.add_argument(
+        "--verify",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="f32: check this fraction of decode outputs against a float64 reference",
+    )
     p.add_argument("--max-errors", type=int, default=100, help="stop early after this many errors")
     p.add_argument("--seed", type=int, default=None, help="seed of the random inputs")
     # The key's value never becomes an argparse default: --help would print it.
     p.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
-    p.add_argument("--metrics-url", action="append", default=[], metavar="URL",
-                   help="scrape /metrics here (repeat: e.g. each replica behind a router); default: --url")
+    p.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="scrape /metrics here (repeat: e.g. each replica behind a router); default: --url",
+    )
     p.add_argument("--json-out", help="write the report as JSON to this file")
     p.add_argument("--plot", help="write a PNG latency plot to this file (needs matplotlib)")
-    p.add_argument("--progress", choices=("auto", "line", "log", "off"), default="auto",
-                   help="live progress: one rewritten line (tty), a log line every 5 s, or none")
-    p.add_argument("--allow-remote", action="store_true",
-                   help="allow a non-loopback target (only hosts you run yourself)")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "line", "log", "off"),
+        default="auto",
+        help="live progress: one rewritten line (tty), a log line every 5 s, or none",
+    )
+    p.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback target (only hosts you run yourself)"
+    )
     a = p.parse_args(argv)
     cfg = Config(
-        url=a.url.rstrip("/"), sessions=a.sessions, concurrency=a.concurrency or a.sessions, workers=a.workers,
-        duration=a.duration, mode=a.mode, rate=a.rate, batched=a.batched, prefill=a.prefill, chunk=a.chunk,
-        decode_steps=a.decode_steps, layers=a.layers, qo_heads=a.qo_heads, kv_heads=a.kv_heads,
-        head_dim=a.head_dim, kv_format=a.kv_format, create=a.create, timeout=a.timeout,
-        retries=a.retries, verify=a.verify, max_errors=a.max_errors, seed=a.seed,
+        url=a.url.rstrip("/"),
+        sessions=a.sessions,
+        concurrency=a.concurrency or a.sessions,
+        workers=a.workers,
+        duration=a.duration,
+        mode=a.mode,
+        rate=a.rate,
+        batched=a.batched,
+        prefill=a.prefill,
+        chunk=a.chunk,
+        decode_steps=a.decode_steps,
+        layers=a.layers,
+        qo_heads=a.qo_heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        kv_format=a.kv_format,
+        create=a.create,
+        timeout=a.timeout,
+        retries=a.retries,
+        verify=a.verify,
+        max_errors=a.max_errors,
+        seed=a.seed,
         api_key=a.api_key if a.api_key is not None else os.environ.get("ATTNSERVE_API_KEY"),
         metrics_urls=[u.rstrip("/") for u in a.metrics_url] or [a.url.rstrip("/")],
-        json_out=a.json_out, plot=a.plot, progress=a.progress, allow_remote=a.allow_remote,
+        json_out=a.json_out,
+        plot=a.plot,
+        progress=a.progress,
+        allow_remote=a.allow_remote,
     )
     try:
         check_config(cfg)
@@ -140,7 +190,9 @@ def check_config(cfg: Config) -> None:
     need(cfg.decode_steps >= 0, "--decode-steps must be >= 0")
     need(cfg.layers >= 1 and cfg.qo_heads >= 1 and cfg.kv_heads >= 1 and cfg.head_dim >= 1, "sizes must be >= 1")
     need(cfg.qo_heads % cfg.kv_heads == 0, "--kv-heads must divide --qo-heads")
-    need(cfg.timeout > 0 and cfg.retries >= 0 and cfg.max_errors >= 1, "--timeout > 0, --retries >= 0, --max-errors >= 1")
+    need(
+        cfg.timeout > 0 and cfg.retries >= 0 and cfg.max_errors >= 1, "--timeout > 0, --retries >= 0, --max-errors >= 1"
+    )
     need(0.0 <= cfg.verify <= 1.0, "--verify is a fraction in [0, 1]")
     need(not (cfg.verify and cfg.kv_format != "f32"), "--verify checks f32 sessions only (TurboQuant is lossy)")
     for url in [cfg.url, *cfg.metrics_urls]:
@@ -171,4 +223,3 @@ def check_loopback(urls: list[str]) -> None:
                 f"{url}: {host} is not a loopback address ({', '.join(bad)}); "
                 "pass --allow-remote only for a host you run yourself"
             )
-

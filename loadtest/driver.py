@@ -58,8 +58,13 @@ class Recorder:
         self.error_times.append(time.perf_counter() - self.t0)
         if len(self.error_examples) < 20:
             self.error_examples.append(
-                {"t": round(time.perf_counter() - self.t0, 3), "op": op, "type": kind,
-                 "session_id": session_id, "message": str(exc)[:300]}
+                {
+                    "t": round(time.perf_counter() - self.t0, 3),
+                    "op": op,
+                    "type": kind,
+                    "session_id": session_id,
+                    "message": str(exc)[:300],
+                }
             )
         return kind
 
@@ -244,9 +249,14 @@ class LoadTest:
         return await self._timed(
             "create",
             lambda: client.create_session(
-                num_qo_heads=cfg.qo_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                num_layers=cfg.layers, kv_format=cfg.kv_format, max_tokens=max_tokens,
-                session_id=sid if cfg.create == "put" else None, server_assigned_id=cfg.create == "post",
+                num_qo_heads=cfg.qo_heads,
+                num_kv_heads=cfg.kv_heads,
+                head_dim=cfg.head_dim,
+                num_layers=cfg.layers,
+                kv_format=cfg.kv_format,
+                max_tokens=max_tokens,
+                session_id=sid if cfg.create == "put" else None,
+                server_assigned_id=cfg.create == "post",
             ),
             sid,
         )
@@ -297,7 +307,7 @@ class LoadTest:
         32/8 heads of 128 is ~200 MB, past any body limit), concurrently."""
         per_item = max(1, sum(a.nbytes for a in (items[0].q, items[0].k, items[0].v) if a is not None))
         size = max(1, BATCH_BYTES // per_item)
-        parts = [items[i:i + size] for i in range(0, len(items), size)]
+        parts = [items[i : i + size] for i in range(0, len(items), size)]
         outs = await asyncio.gather(*(client.attend_batch(p) for p in parts))
         return [o for part in outs for o in part]
 
@@ -391,7 +401,7 @@ class LoadTest:
             await asyncio.sleep(every)
             now = time.perf_counter() - self.t0
             window = max(now - last_t, 1e-9)
-            recent = {op: self.rec.samples[op][seen[op]:] for op in OPERATIONS}
+            recent = {op: self.rec.samples[op][seen[op] :] for op in OPERATIONS}
             seen = {op: len(self.rec.samples[op]) for op in OPERATIONS}
             last_t = now
             steps = sorted(lat for _, lat in recent["decode_step"])
@@ -435,7 +445,9 @@ def _http(cfg: Config, connections: int) -> httpx.AsyncClient:
     # trust_env=False: no proxy from the environment; traffic goes to --url only.
     return httpx.AsyncClient(
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-        timeout=httpx.Timeout(cfg.timeout), trust_env=False, follow_redirects=False,
+        timeout=httpx.Timeout(cfg.timeout),
+        trust_env=False,
+        follow_redirects=False,
     )
 
 
@@ -461,8 +473,9 @@ async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outco
         except (NotImplementedError, RuntimeError):
             pass
     async with _http(cfg, cfg.concurrency + 4) as http:
-        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout),
-                             max_retries=cfg.retries, http_client=http)
+        client = AsyncClient(
+            cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=cfg.retries, http_client=http
+        )
         if cfg.batched:
             users.append(asyncio.create_task(lt.engine(client), name="engine"))
         else:
@@ -503,7 +516,9 @@ async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outco
                     pass
             if mode == "line":
                 sys.stderr.write("\n")
-    return Outcome(lt.rec, lt.stop_reason, interrupted, lt.load_end_requested or time.perf_counter(), time.perf_counter())
+    return Outcome(
+        lt.rec, lt.stop_reason, interrupted, lt.load_end_requested or time.perf_counter(), time.perf_counter()
+    )
 
 
 def _split(total: int, parts: int, i: int) -> int:
@@ -551,12 +566,16 @@ async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome
     with concurrent.futures.ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
         for i in range(n):
             sessions = _split(cfg.sessions, n, i)
-            share = Config(**{
-                **asdict(cfg), "sessions": sessions, "workers": 1,
-                "concurrency": max(1, _split(cfg.concurrency, n, i)),
-                "rate": cfg.rate * sessions / cfg.sessions,
-                "max_errors": max(1, cfg.max_errors // n),
-            })
+            share = Config(
+                **{
+                    **asdict(cfg),
+                    "sessions": sessions,
+                    "workers": 1,
+                    "concurrency": max(1, _split(cfg.concurrency, n, i)),
+                    "rate": cfg.rate * sessions / cfg.sessions,
+                    "max_errors": max(1, cfg.max_errors // n),
+                }
+            )
             futures.append(asyncio.wrap_future(pool.submit(_worker, share, i, run_id, int(seeds[i]), t0, offset)))
             offset += sessions
         progress = asyncio.create_task(_progress_workers(cfg, slots, n, t0, mode))
@@ -574,15 +593,28 @@ async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome
         rec.errors_by_op.update(o.rec.errors_by_op)
         rec.error_examples.extend(o.rec.error_examples)
         rec.error_times.extend(o.rec.error_times)
-        for name in ("verified", "verify_failed", "sessions_started", "sessions_completed", "prefill_tokens",
-                     "decode_tokens", "kv_rows", "attends"):
+        for name in (
+            "verified",
+            "verify_failed",
+            "sessions_started",
+            "sessions_completed",
+            "prefill_tokens",
+            "decode_tokens",
+            "kv_rows",
+            "attends",
+        ):
             setattr(rec, name, getattr(rec, name) + getattr(o.rec, name))
     for op in OPERATIONS:
         rec.samples[op].sort()
     rec.error_examples = sorted(rec.error_examples, key=lambda e: e.get("t", 0))[:20]
     reasons = [o.stop_reason for o in outcomes if o.stop_reason != "duration"]
-    return Outcome(rec, reasons[0] if reasons else "duration", any(o.interrupted for o in outcomes),
-                   max(o.load_end for o in outcomes), max(o.end for o in outcomes))
+    return Outcome(
+        rec,
+        reasons[0] if reasons else "duration",
+        any(o.interrupted for o in outcomes),
+        max(o.load_end for o in outcomes),
+        max(o.end for o in outcomes),
+    )
 
 
 async def _progress_workers(cfg: Config, slots: Any, n: int, t0: float, mode: str) -> None:
@@ -597,11 +629,10 @@ async def _progress_workers(cfg: Config, slots: Any, n: int, t0: float, mode: st
         tokens = sum(slots[i * 5 + 1] for i in range(n))
         window = max(now - last[2], 1e-9)
         line = (
-            f"[{now - t0:6.1f}s/{cfg.duration:.0f}s] {n} workers, sessions {sum(slots[i * 5 + 3] for i in range(n)):.0f} live "
+            f"[{now - t0:6.1f}s/{cfg.duration:.0f}s] {n} workers, "
+            f"sessions {sum(slots[i * 5 + 3] for i in range(n)):.0f} live "
             f"{sum(slots[i * 5 + 4] for i in range(n)):.0f} started | attends {(attends - last[0]) / window:7.1f}/s "
             f"| tokens {(tokens - last[1]) / window:6.1f}/s | errors {sum(slots[i * 5 + 2] for i in range(n)):.0f}"
         )
         last = (attends, tokens, now)
         write_progress(mode, line)
-
-

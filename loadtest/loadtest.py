@@ -62,7 +62,16 @@ from attnserve_client import AsyncClient, AttnServeError  # noqa: E402
 from loadtest.config import EXIT_USAGE, Config, UsageError, check_loopback, parse_args  # noqa: E402
 from loadtest import driver  # noqa: E402,F401  (tests patch driver.BATCH_BYTES)
 from loadtest.driver import (  # noqa: E402,F401
-    LoadTest, WrongResult, _http, drive, error_kind, op_stats, percentile, reference_decode, run_workers, scrape,
+    LoadTest,
+    WrongResult,
+    _http,
+    drive,
+    error_kind,
+    op_stats,
+    percentile,
+    reference_decode,
+    run_workers,
+    scrape,
 )
 from loadtest.report import exit_code, format_report, summarize, write_plot  # noqa: E402
 from tools.common import metric_delta, parse_prometheus  # noqa: E402,F401
@@ -76,8 +85,9 @@ async def run(cfg: Config) -> dict[str, Any]:
         check_loopback([cfg.url, *cfg.metrics_urls])
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with _http(cfg, 4) as http:
-        client = AsyncClient(cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=0,
-                             http_client=http)
+        client = AsyncClient(
+            cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=0, http_client=http
+        )
         try:
             info = await client.info()
         except AttnServeError as exc:
@@ -103,7 +113,6 @@ async def run(cfg: Config) -> dict[str, Any]:
     return summarize(cfg, outcome, run_id, seed, info, before, after)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
@@ -122,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  plot: {cfg.plot}")
     code = exit_code(report)
     if code:
-        why = "interrupted" if report["interrupted"] and not report["error_count"] else (
-            f"{report['error_count']} errors" if report["error_count"] else "no attend completed")
+        why = (
+            "interrupted"
+            if report["interrupted"] and not report["error_count"]
+            else (f"{report['error_count']} errors" if report["error_count"] else "no attend completed")
+        )
         print(f"\nloadtest: FAILED ({why})", file=sys.stderr)
     return code
 

@@ -20,8 +20,15 @@ from loadtest.driver import Outcome, op_stats, percentile
 from tools.common import metric_delta
 
 
-def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[str, Any],
-              before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    cfg: Config,
+    outcome: Outcome,
+    run_id: str,
+    seed: int,
+    info: dict[str, Any],
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> dict[str, Any]:
     rec = outcome.rec
     end = outcome.end
     stop_at = outcome.load_end - rec.t0
@@ -47,16 +54,22 @@ def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[
     by_second: dict[int, list[float]] = defaultdict(list)
     for t, lat in rec.samples["decode_step"]:
         by_second[int(t + lat)].append(lat)
-    attends_by_second: Counter[int] = Counter(int(t + lat) for op in ("decode", "prefill_chunk") for t, lat in rec.samples[op])
+    attends_by_second: Counter[int] = Counter(
+        int(t + lat) for op in ("decode", "prefill_chunk") for t, lat in rec.samples[op]
+    )
     errors_by_second: Counter[int] = Counter(int(t) for t in rec.error_times)
     for s in range(seconds):
         lats = sorted(by_second.get(s, []))
-        timeline.append({
-            "t": s, "decode_steps": len(lats), "attends": attends_by_second.get(s, 0),
-            "step_p50_ms": None if not lats else round(percentile(lats, 50) * 1000, 3),
-            "step_p99_ms": None if not lats else round(percentile(lats, 99) * 1000, 3),
-            "errors": errors_by_second.get(s, 0),
-        })
+        timeline.append(
+            {
+                "t": s,
+                "decode_steps": len(lats),
+                "attends": attends_by_second.get(s, 0),
+                "step_p50_ms": None if not lats else round(percentile(lats, 50) * 1000, 3),
+                "step_p99_ms": None if not lats else round(percentile(lats, 99) * 1000, 3),
+                "errors": errors_by_second.get(s, 0),
+            }
+        )
     errors = dict(rec.errors)
     return {
         "tool": "attnserve-loadtest",
@@ -65,8 +78,11 @@ def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[
         "config": cfg.public(),
         "seed": seed,
         "run_id": run_id,
-        "client": {"python": platform.python_version(), "host": platform.node(),
-                   "attnserve_client": getattr(attnserve_client, "__version__", None)},
+        "client": {
+            "python": platform.python_version(),
+            "host": platform.node(),
+            "attnserve_client": getattr(attnserve_client, "__version__", None),
+        },
         "server": info,
         "stop_reason": outcome.stop_reason,
         "interrupted": outcome.interrupted,
@@ -81,8 +97,11 @@ def summarize(cfg: Config, outcome: Outcome, run_id: str, seed: int, info: dict[
             "requests_per_s": round(sum(len(rec.samples[op]) for op in OPERATIONS if op != "decode_step") / window, 2),
         },
         "totals": {
-            "attends": rec.attends, "decode_tokens": rec.decode_tokens, "prefill_tokens": rec.prefill_tokens,
-            "kv_rows": rec.kv_rows, "sessions_started": rec.sessions_started,
+            "attends": rec.attends,
+            "decode_tokens": rec.decode_tokens,
+            "prefill_tokens": rec.prefill_tokens,
+            "kv_rows": rec.kv_rows,
+            "sessions_started": rec.sessions_started,
             "sessions_completed": rec.sessions_completed,
         },
         "errors": errors,
@@ -122,7 +141,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"(stopped by {report['stop_reason']})"
     )
     lines.append("")
-    lines.append(f"  {'operation':<14}{'count':>9}{'errors':>8}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'max ms':>10}")
+    lines.append(
+        f"  {'operation':<14}{'count':>9}{'errors':>8}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'max ms':>10}"
+    )
     for op, st in report["operations"].items():
         cell = lambda v: f"{v:10.2f}" if v is not None else f"{'-':>10}"  # noqa: E731
         lines.append(
@@ -137,12 +158,16 @@ def format_report(report: dict[str, Any]) -> str:
         f"requests/s {th['requests_per_s']:.1f}"
     )
     tot = report["totals"]
-    lines.append(f"  sessions: {tot['sessions_started']} started, {tot['sessions_completed']} ran all their decode steps")
+    lines.append(
+        f"  sessions: {tot['sessions_started']} started, {tot['sessions_completed']} ran all their decode steps"
+    )
     if report["verify"]["fraction"]:
         v = report["verify"]
         lines.append(f"  verified {v['checked']} decode outputs against float64: {v['failed']} wrong")
     if report["errors"]:
-        lines.append("  errors: " + ", ".join(f"{k} {n}" for k, n in sorted(report["errors"].items(), key=lambda x: -x[1])))
+        lines.append(
+            "  errors: " + ", ".join(f"{k} {n}" for k, n in sorted(report["errors"].items(), key=lambda x: -x[1]))
+        )
         for ex in report["error_examples"][:5]:
             lines.append(f"    e.g. {ex.get('op')}: {ex.get('message')}")
     else:
@@ -176,8 +201,13 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     samples = report["_samples"]
-    colors = {"create": "tab:green", "prefill_chunk": "tab:orange", "decode": "tab:blue",
-              "decode_step": "tab:purple", "delete": "tab:gray"}
+    colors = {
+        "create": "tab:green",
+        "prefill_chunk": "tab:orange",
+        "decode": "tab:blue",
+        "decode_step": "tab:purple",
+        "delete": "tab:gray",
+    }
     fig, (ax_h, ax_t) = plt.subplots(2, 1, figsize=(11, 8.5))
     all_lat = [lat for op in OPERATIONS for _, lat in samples[op]]
     if all_lat:
@@ -188,8 +218,14 @@ def write_plot(report: dict[str, Any], path: str) -> None:
             lats = [lat * 1000 for _, lat in samples[op]]
             if lats:
                 st = report["operations"][op]
-                ax_h.hist(lats, bins=bins, histtype="step", linewidth=1.5, color=colors[op],
-                          label=f"{op} (n={len(lats)}, p50 {st['p50_ms']:.1f}, p99 {st['p99_ms']:.1f} ms)")
+                ax_h.hist(
+                    lats,
+                    bins=bins,
+                    histtype="step",
+                    linewidth=1.5,
+                    color=colors[op],
+                    label=f"{op} (n={len(lats)}, p50 {st['p50_ms']:.1f}, p99 {st['p99_ms']:.1f} ms)",
+                )
         ax_h.set_xscale("log")
         ax_h.set_yscale("log")
         ax_h.legend(fontsize=8)
@@ -204,8 +240,15 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         if len(pts) > 20000:  # keep the PNG light
             idx = rng.choice(len(pts), 20000, replace=False)
             pts = [pts[i] for i in sorted(idx)]
-        ax_t.scatter([t + lat for t, lat in pts], [lat * 1000 for _, lat in pts], s=2, alpha=0.35,
-                     color=colors[op], label=op, rasterized=True)
+        ax_t.scatter(
+            [t + lat for t, lat in pts],
+            [lat * 1000 for _, lat in pts],
+            s=2,
+            alpha=0.35,
+            color=colors[op],
+            label=op,
+            rasterized=True,
+        )
     tl = [row for row in report["timeline"] if row["step_p99_ms"] is not None]
     if tl:
         xs = [r["t"] + 0.5 for r in tl]
@@ -241,4 +284,3 @@ def exit_code(report: dict[str, Any]) -> int:
     if report["totals"]["attends"] == 0:
         return EXIT_ERRORS  # nothing was measured: not a pass
     return EXIT_OK
-

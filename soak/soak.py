@@ -72,8 +72,7 @@ from tools.common import free_port, metric_sum, parse_prometheus, rel_err  # noq
 F32_TOL = 1e-5  # GPU f32 attention vs the float64 oracle (max abs error / max abs value)
 TQ_TOL = 1e-4  # GPU TurboQuant attention vs its float64 oracle over the same codes
 TQ_MAX_REL, TQ_MIN_CORR = 0.6, 0.8  # TurboQuant vs exact attention (tests/service/test_turboquant.py)
-SHAPES = {"f32": [(4, 2, 32), (8, 8, 64), (2, 1, 16), (8, 2, 128)],
-          "turboquant": [(4, 2, 32), (8, 2, 64), (4, 4, 128)]}
+SHAPES = {"f32": [(4, 2, 32), (8, 8, 64), (2, 1, 16), (8, 2, 128)], "turboquant": [(4, 2, 32), (8, 2, 64), (4, 4, 128)]}
 MAX_TOKENS = 256
 
 
@@ -98,15 +97,26 @@ class Spawned:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        pythonpath = os.pathsep.join(p for p in (str(ROOT / "service"), str(ROOT / "client"),
-                                                 os.environ.get("PYTHONPATH", "")) if p)
-        self.env = {**os.environ, "PYTHONPATH": pythonpath, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
-                    "ATTNSERVE_LOG_LEVEL": "warning", "ATTNSERVE_LOG_FORMAT": "json",
-                    "ATTNSERVE_INSTANCE_NAME": "soak", **env}
+        pythonpath = os.pathsep.join(
+            p for p in (str(ROOT / "service"), str(ROOT / "client"), os.environ.get("PYTHONPATH", "")) if p
+        )
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": pythonpath,
+            "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
+            "ATTNSERVE_LOG_LEVEL": "warning",
+            "ATTNSERVE_LOG_FORMAT": "json",
+            "ATTNSERVE_INSTANCE_NAME": "soak",
+            **env,
+        }
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -240,8 +250,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 class Worker:
-    def __init__(self, n: int, url: str, keys: list[str | None], stats: Stats, seed: int, max_live: int,
-                 registry: "Registry"):
+    def __init__(
+        self, n: int, url: str, keys: list[str | None], stats: Stats, seed: int, max_live: int, registry: "Registry"
+    ):
         self.n = n
         self.rng = np.random.default_rng(seed)
         self.rnd = random.Random(seed)
@@ -249,15 +260,34 @@ class Worker:
         self.stats = stats
         self.max_live = max_live
         self.registry = registry
-        self.clients = [httpx.Client(base_url=url, timeout=120, trust_env=False, follow_redirects=False,
-                                     headers={"Authorization": f"Bearer {k}"} if k else {}) for k in keys]
+        self.clients = [
+            httpx.Client(
+                base_url=url,
+                timeout=120,
+                trust_env=False,
+                follow_redirects=False,
+                headers={"Authorization": f"Bearer {k}"} if k else {},
+            )
+            for k in keys
+        ]
         self.live: list[Sess] = []
         self.counter = 0
 
     # ── HTTP ────────────────────────────────────────────────────────────────
 
-    def call(self, op: str, tenant: int, method: str, path: str, body: Any = None, *, enc: str = "msgpack",
-             expect: tuple[int, ...] = (200,), content: bytes | None = None, ctype: str | None = None) -> Any:
+    def call(
+        self,
+        op: str,
+        tenant: int,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        enc: str = "msgpack",
+        expect: tuple[int, ...] = (200,),
+        content: bytes | None = None,
+        ctype: str | None = None,
+    ) -> Any:
         headers = {"Accept": wire.MSGPACK if enc == "msgpack" else wire.JSON}
         if body is not None:
             content = wire.packb(body) if enc == "msgpack" else json.dumps(body).encode()
@@ -303,8 +333,14 @@ class Worker:
         h, hkv, d = self.rnd.choice(SHAPES[fmt])
         layers = self.rnd.randint(1, 3)
         tenant = self.rnd.randrange(len(self.keys))
-        body = {"num_qo_heads": h, "num_kv_heads": hkv, "head_dim": d, "num_layers": layers, "kv_format": fmt,
-                "max_tokens": MAX_TOKENS}
+        body = {
+            "num_qo_heads": h,
+            "num_kv_heads": hkv,
+            "head_dim": d,
+            "num_layers": layers,
+            "kv_format": fmt,
+            "max_tokens": MAX_TOKENS,
+        }
         enc = self.rnd.choice(["msgpack", "json"])
         if self.rnd.random() < 0.5:
             self.counter += 1
@@ -383,13 +419,19 @@ class Worker:
         if not s.lengths[layer]:
             return self.append(s)
         q = self.rows(1, s.h, s.d)
-        before = self.out(self.call("attend", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend",
-                                    {"q": self.arr(q, "msgpack")}))
+        before = self.out(
+            self.call(
+                "attend", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend", {"q": self.arr(q, "msgpack")}
+            )
+        )
         blob = self.call("snapshot", s.tenant, "GET", f"/v1/sessions/{s.sid}/snapshot")
         self.call("delete", s.tenant, "DELETE", f"/v1/sessions/{s.sid}", expect=(204,))
         self.call("restore", s.tenant, "PUT", f"/v1/sessions/{s.sid}/snapshot", content=blob, expect=(201,))
-        after = self.out(self.call("attend", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend",
-                                   {"q": self.arr(q, "msgpack")}))
+        after = self.out(
+            self.call(
+                "attend", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend", {"q": self.arr(q, "msgpack")}
+            )
+        )
         self.stats.check("bit-identical")
         if before.tobytes() != after.tobytes():
             raise Failure(f"restore over delete: {s.sid} answers differently")
@@ -436,8 +478,10 @@ class Worker:
         if len(self.live) < 2 or (len(self.live) < self.max_live and self.rnd.random() < 0.08):
             return self.create()
         s = self.rnd.choice(self.live)
-        op = self.rnd.choices(["append", "attend", "snapshot", "restore-over-delete", "delete", "refused", "info"],
-                              weights=[25, 40, 6, 3, 5, 5, 3])[0]
+        op = self.rnd.choices(
+            ["append", "attend", "snapshot", "restore-over-delete", "delete", "refused", "info"],
+            weights=[25, 40, 6, 3, 5, 5, 3],
+        )[0]
         if op == "append":
             self.append(s)
         elif op == "attend":
@@ -473,8 +517,9 @@ class Worker:
             raise Failure(f"verify: {s.sid} lengths {info['lengths']} != {s.lengths}")
         snap = None
         if s.fmt == "turboquant":
-            snap = wire.unpackb(self.call("snapshot", s.tenant, "GET", f"/v1/sessions/{s.sid}/snapshot"),
-                                max_bytes=1 << 31)
+            snap = wire.unpackb(
+                self.call("snapshot", s.tenant, "GET", f"/v1/sessions/{s.sid}/snapshot"), max_bytes=1 << 31
+            )
         got_all, exact_all = [], []
         for layer in range(s.layers):
             n = s.lengths[layer]
@@ -483,8 +528,9 @@ class Worker:
             q = self.rows(min(4, n), s.h, s.d)
             for causal in (True, False):
                 body = {"q": self.arr(q, "msgpack"), "causal": causal}
-                out = self.out(self.call("verify", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend",
-                                         body))
+                out = self.out(
+                    self.call("verify", s.tenant, "POST", f"/v1/sessions/{s.sid}/layers/{layer}/attend", body)
+                )
                 exact = ref.attention(q, s.k[layer], s.v[layer], causal=causal)
                 if s.fmt == "f32":
                     err = rel_err(out, exact)
@@ -495,9 +541,17 @@ class Worker:
                     st = snap["layers"][layer]
                     polar, jl = layer_signs(snap["config"]["seed"], layer, s.d)
                     want = ref.tq_attention(
-                        q, np.frombuffer(st["k"], np.uint32), np.frombuffer(st["v"], np.uint32),
-                        n_kv_heads=s.hkv, cap=st["capacity"], length=st["length"], polar_signs=polar,
-                        jl_signs=jl, cb=codebook(s.d), causal=causal)
+                        q,
+                        np.frombuffer(st["k"], np.uint32),
+                        np.frombuffer(st["v"], np.uint32),
+                        n_kv_heads=s.hkv,
+                        cap=st["capacity"],
+                        length=st["length"],
+                        polar_signs=polar,
+                        jl_signs=jl,
+                        cb=codebook(s.d),
+                        causal=causal,
+                    )
                     err = rel_err(out, want)
                     self.stats.check("final-oracle", "turboquant", err)
                     if err > TQ_TOL:
@@ -510,7 +564,9 @@ class Worker:
             corr = float(np.corrcoef(got, exact)[0, 1])
             self.stats.check("turboquant-band")
             if rel > TQ_MAX_REL or corr < TQ_MIN_CORR:
-                raise Failure(f"verify: {s.sid}: TurboQuant outside the band of exact attention ({rel:.2f}, {corr:.2f})")
+                raise Failure(
+                    f"verify: {s.sid}: TurboQuant outside the band of exact attention ({rel:.2f}, {corr:.2f})"
+                )
 
     def delete_all(self) -> None:
         for s in list(self.live):
@@ -542,23 +598,38 @@ class Registry:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", help="the server to soak (loopback only)")
     p.add_argument("--spawn", action="store_true", help="start a server of this checkout on a free loopback port")
     p.add_argument("--pid", type=int, help="the server's process id, to watch its memory (with --url)")
-    p.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                   help="an ATTNSERVE_* setting for the spawned server (repeatable)")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an ATTNSERVE_* setting for the spawned server (repeatable)",
+    )
     p.add_argument("--duration", type=float, default=60, help="seconds of churn after the warm-up (default 60)")
-    p.add_argument("--warmup", type=float, help="seconds of churn before the baseline (default: 20%% of the "
-                   "duration, 5 to 60 s)")
-    p.add_argument("--tenants", default="", help="API keys (comma-separated), or a number N: with --spawn, N keys "
-                   "are made up and given to the server; without: one tenant, no key")
+    p.add_argument(
+        "--warmup", type=float, help="seconds of churn before the baseline (default: 20%% of the duration, 5 to 60 s)"
+    )
+    p.add_argument(
+        "--tenants",
+        default="",
+        help="API keys (comma-separated), or a number N: with --spawn, N keys "
+        "are made up and given to the server; without: one tenant, no key",
+    )
     p.add_argument("--workers", type=int, default=4, help="concurrent workers (default 4)")
     p.add_argument("--max-live", type=int, default=6, help="sessions each worker keeps at most (default 6)")
-    p.add_argument("--rss-tolerance-mb", type=float, default=64.0,
-                   help="how far above its level after the warm-up the server's memory may end (default 64: the "
-                   "allocator settles 21 to 35 MiB above it, docs/reliability.md)")
+    p.add_argument(
+        "--rss-tolerance-mb",
+        type=float,
+        default=64.0,
+        help="how far above its level after the warm-up the server's memory may end (default 64: the "
+        "allocator settles 21 to 35 MiB above it, docs/reliability.md)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json-out", help="write the figures here as JSON")
     p.add_argument("--log-dir", help="where the spawned server logs (default: a temporary folder)")
@@ -593,8 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         url, pid = args.url.rstrip("/"), args.pid
     check_loopback(url)
-    print(f"soak: {url}, {len(keys)} tenant(s), {args.workers} workers, warm-up {warmup:g} s, "
-          f"run {args.duration:g} s, seed {seed}", flush=True)
+    print(
+        f"soak: {url}, {len(keys)} tenant(s), {args.workers} workers, warm-up {warmup:g} s, "
+        f"run {args.duration:g} s, seed {seed}",
+        flush=True,
+    )
 
     try:
         return run(url, pid, server, keys, args, warmup, seed)
@@ -604,18 +678,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: server stopped ({rc}); its log: {server.log_path}")
 
 
-def run(url: str, pid: int | None, server: Spawned | None, keys: list[str | None], args, warmup: float,
-        seed: int) -> int:
-    probe = httpx.Client(base_url=url, timeout=30, trust_env=False,
-                         headers={"Authorization": f"Bearer {keys[0]}"} if keys[0] else {})
+def run(
+    url: str, pid: int | None, server: Spawned | None, keys: list[str | None], args, warmup: float, seed: int
+) -> int:
+    probe = httpx.Client(
+        base_url=url, timeout=30, trust_env=False, headers={"Authorization": f"Bearer {keys[0]}"} if keys[0] else {}
+    )
 
     def metrics() -> dict[str, float]:
         return parse_prometheus(probe.get("/metrics").text)
 
     def gpu() -> tuple[float, float, float]:
         m = metrics()
-        return (metric_sum(m, "attnserve_kv_bytes"), m.get("attnserve_memory_used_bytes", float("nan")),
-                metric_sum(m, "attnserve_sessions"))
+        return (
+            metric_sum(m, "attnserve_kv_bytes"),
+            m.get("attnserve_memory_used_bytes", float("nan")),
+            metric_sum(m, "attnserve_sessions"),
+        )
 
     def rss() -> int | None:
         return process_rss(pid) if pid else None
@@ -670,8 +749,11 @@ def run(url: str, pid: int | None, server: Spawned | None, keys: list[str | None
     gpu_base = settle((gpu_start[0], gpu_start[1]))
     rss_base = rss()
     warm_requests = sum(stats.requests.values())
-    print(f"soak: warm-up done ({warm_requests} requests); baseline RSS "
-          f"{(rss_base or 0) / 2**20:.1f} MiB, GPU bytes {gpu_base[0]:.0f}", flush=True)
+    print(
+        f"soak: warm-up done ({warm_requests} requests); baseline RSS "
+        f"{(rss_base or 0) / 2**20:.1f} MiB, GPU bytes {gpu_base[0]:.0f}",
+        flush=True,
+    )
 
     # the run
     t1 = time.monotonic()
@@ -692,12 +774,17 @@ def run(url: str, pid: int | None, server: Spawned | None, keys: list[str | None
     if registry.keys_enforced:
         for t, key in enumerate(keys):
             c = workers[0].clients[t]
-            listed = {x["session_id"] for x in wire.unpackb(
-                c.get("/v1/sessions", headers={"Accept": wire.MSGPACK}).content, max_bytes=1 << 31)["sessions"]}
+            listed = {
+                x["session_id"]
+                for x in wire.unpackb(
+                    c.get("/v1/sessions", headers={"Accept": wire.MSGPACK}).content, max_bytes=1 << 31
+                )["sessions"]
+            }
             mine = registry.by_tenant[t]
             stats.check("tenant-listing")
-            if not mine <= listed or any(sid in listed for u, sids in registry.by_tenant.items() if u != t
-                                         for sid in sids):
+            if not mine <= listed or any(
+                sid in listed for u, sids in registry.by_tenant.items() if u != t for sid in sids
+            ):
                 stats.fail(f"tenant {t} lists {len(listed)} sessions, holds {len(mine)}, or sees another's")
     clear()
     gpu_end = settle((gpu_start[0], gpu_start[1]))
@@ -711,49 +798,78 @@ def run(url: str, pid: int | None, server: Spawned | None, keys: list[str | None
         by_op[op][str(status)] = n
     problems = list(stats.failures)
     if (gpu_end[0], gpu_end[1]) != (gpu_start[0], gpu_start[1]):
-        problems.append(f"GPU bytes did not return: kv {gpu_start[0]:.0f} -> {gpu_end[0]:.0f}, "
-                        f"used {gpu_start[1]:.0f} -> {gpu_end[1]:.0f}")
+        problems.append(
+            f"GPU bytes did not return: kv {gpu_start[0]:.0f} -> {gpu_end[0]:.0f}, "
+            f"used {gpu_start[1]:.0f} -> {gpu_end[1]:.0f}"
+        )
     if gpu_end[2] != gpu_start[2]:
         problems.append(f"sessions did not return: {gpu_start[2]:.0f} -> {gpu_end[2]:.0f}")
     rss_growth = None
     if rss_base is not None and rss_end is not None:
         rss_growth = (rss_end - rss_base) / 2**20
         if rss_growth > args.rss_tolerance_mb:
-            problems.append(f"server memory grew {rss_growth:.1f} MiB past the warm-up level "
-                            f"(tolerance {args.rss_tolerance_mb:g} MiB)")
+            problems.append(
+                f"server memory grew {rss_growth:.1f} MiB past the warm-up level "
+                f"(tolerance {args.rss_tolerance_mb:g} MiB)"
+            )
     log_errors = server.log_errors() if server is not None else []
     if log_errors:
         problems.append(f"{len(log_errors)} error line(s) in the server log: {log_errors[0][:500]}")
-    mib = (lambda b: None if b is None else round(b / 2**20, 1))
+    mib = lambda b: None if b is None else round(b / 2**20, 1)
     report = {
-        "url": url, "seed": seed, "workers": args.workers, "tenants": len(keys),
+        "url": url,
+        "seed": seed,
+        "workers": args.workers,
+        "tenants": len(keys),
         "tenants_enforced": registry.keys_enforced,
-        "warmup_seconds": round(t1 - t0, 1), "run_seconds": round(run_seconds, 1),
-        "requests": requests, "requests_in_run": requests - warm_requests,
+        "warmup_seconds": round(t1 - t0, 1),
+        "run_seconds": round(run_seconds, 1),
+        "requests": requests,
+        "requests_in_run": requests - warm_requests,
         "requests_per_second": round((requests - warm_requests) / max(run_seconds, 1e-9), 1),
         "failed_requests": stats.failed_requests,
         "failures": problems,
         "by_operation": by_op,
-        "latency_ms": {op: {"p50": round(pct(xs, 50) * 1e3, 2), "p99": round(pct(xs, 99) * 1e3, 2),
-                            "max": round(max(xs) * 1e3, 2)} for op, xs in sorted(stats.latency.items())},
+        "latency_ms": {
+            op: {"p50": round(pct(xs, 50) * 1e3, 2), "p99": round(pct(xs, 99) * 1e3, 2), "max": round(max(xs) * 1e3, 2)}
+            for op, xs in sorted(stats.latency.items())
+        },
         "checks": dict(stats.checks),
         "worst_relative_error": stats.worst,
         "sessions_live_at_end": live,
         "memory": {
-            "rss_start_mib": mib(rss_start), "rss_after_warmup_mib": mib(rss_base),
+            "rss_start_mib": mib(rss_start),
+            "rss_after_warmup_mib": mib(rss_base),
             "rss_peak_mib": mib(max(peak_warm or 0, peak_run or 0)) if pid else None,
-            "rss_end_mib": mib(rss_end), "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
+            "rss_end_mib": mib(rss_end),
+            "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
             "rss_tolerance_mib": args.rss_tolerance_mb,
-            "gpu_kv_bytes_start": gpu_start[0], "gpu_kv_bytes_with_live_sessions": gpu_live[0],
-            "gpu_kv_bytes_end": gpu_end[0], "memory_used_bytes_start": gpu_start[1],
+            "gpu_kv_bytes_start": gpu_start[0],
+            "gpu_kv_bytes_with_live_sessions": gpu_live[0],
+            "gpu_kv_bytes_end": gpu_end[0],
+            "memory_used_bytes_start": gpu_start[1],
             "memory_used_bytes_end": gpu_end[1],
             "rss_every_10s_mib": stats.rss_samples,
         },
         "ok": not problems,
     }
     stop.set()
-    print(json.dumps({k: report[k] for k in ("requests", "requests_per_second", "failed_requests", "checks",
-                                             "worst_relative_error", "memory")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "requests",
+                    "requests_per_second",
+                    "failed_requests",
+                    "checks",
+                    "worst_relative_error",
+                    "memory",
+                )
+            },
+            indent=1,
+        )
+    )
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
@@ -771,8 +887,11 @@ def _progress(stats: Stats, t0: float, duration: float, stop: threading.Event, r
             return
         r = rss()
         stats.rss_samples.append((round(done), None if r is None else round(r / 2**20, 1)))
-        print(f"soak: {done:5.0f}/{duration:g} s, {sum(stats.requests.values())} requests, "
-              f"{len(stats.failures)} failures" + (f", RSS {r / 2**20:.0f} MiB" if r else ""), flush=True)
+        print(
+            f"soak: {done:5.0f}/{duration:g} s, {sum(stats.requests.values())} requests, "
+            f"{len(stats.failures)} failures" + (f", RSS {r / 2**20:.0f} MiB" if r else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from _core import no_adapter  # noqa: E402
 
 
-
-
 @pytest.fixture(scope="session")
 def engine():
     from attnserve.engine import Engine
@@ -46,8 +44,19 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
-@pytest.fixture(params=["split", "split-long", "split-sg", "split-sg-long", "tiled", "tiled-rb", "tiled-rb-prefetch",
-                        "tiled-rb-generic", "single"])
+@pytest.fixture(
+    params=[
+        "split",
+        "split-long",
+        "split-sg",
+        "split-sg-long",
+        "tiled",
+        "tiled-rb",
+        "tiled-rb-prefetch",
+        "tiled-rb-generic",
+        "single",
+    ]
+)
 def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
     (split + merge) without and with subgroup operations, each with short

@@ -75,8 +75,18 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
         kw, vw = read_words(engine, layer)
         ps, js = layer_signs(s.config.seed, layer.layer, d)
         want = ref.tq_attention(
-            q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
-            polar_signs=ps, jl_signs=js, cb=codebook(d), start_pos=sp, causal=causal, scale=scale,
+            q,
+            kw,
+            vw,
+            n_kv_heads=layer.n_kv_heads,
+            cap=layer.capacity,
+            length=length,
+            polar_signs=ps,
+            jl_signs=js,
+            cb=codebook(d),
+            start_pos=sp,
+            causal=causal,
+            scale=scale,
         )
         err = rel_err(out, want)
         worst = max(worst, err)
@@ -98,7 +108,9 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
     many = session(fmt, h, hkv, d, seed=77)
     parts, start = [], 0
     for size in (1, 63, 64, 100, 73):  # chunks that cross growth boundaries
-        out, length = engine.attend(many.layers[0], q[start:start + size], k=k[start:start + size], v=v[start:start + size]).result()
+        out, length = engine.attend(
+            many.layers[0], q[start : start + size], k=k[start : start + size], v=v[start : start + size]
+        ).result()
         assert length == start + size
         parts.append(np.array(out))
         start += size
@@ -120,7 +132,7 @@ def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
     grown = session(fmt, h, hkv, d, seed=5)
     caps = []
     for i in range(0, L, 50):
-        engine.append(grown.layers[0], k[i:i + 50], v[i:i + 50]).result()
+        engine.append(grown.layers[0], k[i : i + 50], v[i : i + 50]).result()
         caps.append(grown.layers[0].capacity)
     assert len(set(caps)) >= 3, caps  # it really grew several times
     big = session(fmt, h, hkv, d, seed=5)
@@ -137,8 +149,8 @@ def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
             og = ob = 0
             for w in regions:
                 cg, cb_ = grown.layers[0].capacity, 2048
-                rg = words_g[og:og + hkv * cg * w].reshape(hkv, cg, w)[:, :L]
-                rb = words_b[ob:ob + hkv * cb_ * w].reshape(hkv, cb_, w)[:, :L]
+                rg = words_g[og : og + hkv * cg * w].reshape(hkv, cg, w)[:, :L]
+                rb = words_b[ob : ob + hkv * cb_ * w].reshape(hkv, cb_, w)[:, :L]
                 np.testing.assert_array_equal(rg, rb)
                 og += hkv * cg * w
                 ob += hkv * cb_ * w
@@ -229,7 +241,9 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         limits["max-storage-buffer-binding-size"] = 40 * h * d * 4  # ~2 jobs' queries
         before = engine.worker.batches
         qs = [rows(rng, 30, h, d) for _ in sessions]
-        futs = [engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)]
+        futs = [
+            engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)
+        ]
         outs = [f.result() for f in futs]
     finally:
         limits["max-storage-buffer-binding-size"] = saved
@@ -279,8 +293,18 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
             kw, vw = read_words(engine, layer)
             ps, js = layer_signs(s.config.seed, layer.layer, case[0])
             want = ref.tq_attention(
-                q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
-                polar_signs=ps, jl_signs=js, cb=codebook(case[0]), start_pos=sp, causal=causal, scale=scale,
+                q,
+                kw,
+                vw,
+                n_kv_heads=layer.n_kv_heads,
+                cap=layer.capacity,
+                length=length,
+                polar_signs=ps,
+                jl_signs=js,
+                cb=codebook(case[0]),
+                start_pos=sp,
+                causal=causal,
+                scale=scale,
             )
             tol = TQ_TOL
         err = rel_err(out, want)

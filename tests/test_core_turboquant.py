@@ -54,7 +54,7 @@ def check_key_words(gpu_words, k, ps, js, cb, cap):
     g_idx = ref._unpack_polar(g_polar, d)
     justified = 0
     # 1. polar indices: a mismatch only where y is within rounding of a boundary
-    diff = (g_idx != np.where(enc.live[..., None], enc.idx, 0))
+    diff = g_idx != np.where(enc.live[..., None], enc.idx, 0)
     if diff.any():
         b = np.asarray(cb.boundaries)
         dist = np.abs(enc.y[..., None] - b).min(axis=-1)
@@ -136,11 +136,11 @@ def test_encoded_words_match_oracle(engine, rng, d, length):
     # the zero vectors' slots are all-zero words
     pw, jw, vecs, cap = d // 16, d // 32, hkv * layer.capacity, layer.capacity
     slot_k = 1 * cap + length // 2
-    assert not kw[slot_k * pw:(slot_k + 1) * pw].any()
-    assert not kw[vecs * pw + slot_k * jw: vecs * pw + (slot_k + 1) * jw].any()
+    assert not kw[slot_k * pw : (slot_k + 1) * pw].any()
+    assert not kw[vecs * pw + slot_k * jw : vecs * pw + (slot_k + 1) * jw].any()
     assert kw[vecs * (pw + jw) + slot_k] == 0
     slot_v = 0 * cap + length // 2
-    assert not vw[slot_v * pw:(slot_v + 1) * pw].any() and vw[vecs * pw + slot_v] == 0
+    assert not vw[slot_v * pw : (slot_v + 1) * pw].any() and vw[vecs * pw + slot_v] == 0
 
 
 def test_the_word_check_can_fail(rng):
@@ -168,7 +168,9 @@ def test_rotate_q_matches_oracle(engine, rng, d):
     def plan(batch):
         signs = s.signs_buffer(batch.device)
         out = batch.output(rotated_q_bytes(n, h, d))
-        plan_rotate_q(batch, q=batch.upload(q), q_out=out, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=2 * d)
+        plan_rotate_q(
+            batch, q=batch.upload(q), q_out=out, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=2 * d
+        )
         return lambda data: np.frombuffer(data, np.float32, count=out.size // 4, offset=out.offset).copy()
 
     got = engine.worker.execute(plan)
@@ -177,8 +179,8 @@ def test_rotate_q_matches_oracle(engine, rng, d):
     region = n * h * d
     tol = 1e-5 * np.abs(q).max() * np.sqrt(d)
     np.testing.assert_allclose(got[:region].reshape(n, h, d), q_rot, atol=tol)
-    np.testing.assert_allclose(got[region:2 * region].reshape(n, h, d), q_jl, atol=tol)
-    np.testing.assert_allclose(got[2 * region:].reshape(n, h), sums, atol=tol * np.sqrt(d))
+    np.testing.assert_allclose(got[region : 2 * region].reshape(n, h, d), q_jl, atol=tol)
+    np.testing.assert_allclose(got[2 * region :].reshape(n, h), sums, atol=tol * np.sqrt(d))
 
 
 def test_gpu_codes_give_an_unbiased_estimator(engine, rng):

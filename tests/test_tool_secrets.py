@@ -44,8 +44,9 @@ def test_every_tool_is_found():
 
 @pytest.mark.parametrize("tool", TOOLS)
 def test_tool_help_hides_planted_key(tool):
-    r = subprocess.run([sys.executable, tool, "--help"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, tool, "--help"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage" in r.stdout.lower()
     assert PLANTED not in r.stdout + r.stderr
@@ -53,8 +54,9 @@ def test_tool_help_hides_planted_key(tool):
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["adapters", "--help"]])
 def test_server_cli_help_hides_planted_key(argv):
-    r = subprocess.run([sys.executable, "-m", "attnserve", *argv], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "attnserve", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert PLANTED not in r.stdout + r.stderr
 

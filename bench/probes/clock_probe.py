@@ -6,7 +6,9 @@ and prints its FLOP rate, then the 32k decode step for a few split sizes; run it
 with `nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw --format=csv -lms 200`
 in the background to see the clocks during each part.
 """
-import sys, time
+
+import sys
+import time
 from pathlib import Path
 import numpy as np
 import dataclasses
@@ -40,8 +42,12 @@ def fma_rate():
         dev = ctx.device
         n_wg = 132 * 64
         buf = dev.create_buffer(size=n_wg * 256 * 4, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
-        pipe = dev.create_compute_pipeline(layout="auto", compute={"module": dev.create_shader_module(code=FMA), "entry_point": "main"})
-        bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": buf}}])
+        pipe = dev.create_compute_pipeline(
+            layout="auto", compute={"module": dev.create_shader_module(code=FMA), "entry_point": "main"}
+        )
+        bg = dev.create_bind_group(
+            layout=pipe.get_bind_group_layout(0), entries=[{"binding": 0, "resource": {"buffer": buf}}]
+        )
         best = 1e9
         for _ in range(5):
             enc = dev.create_command_encoder()

@@ -10,6 +10,7 @@ both variants (plain: one thread per key; subgroup: one subgroup per key) and
 several split sizes (``target_workgroups``). Prints ms and GB/s of the bytes
 the step must read; the copy bandwidth is measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,17 +59,33 @@ def main(argv=None) -> int:
                     split_len, n_splits = K.choose_split(fmt, ctx_len, B.HKV, 1, B.H // B.HKV, tw)
                     ms = B.time_wgpu(eng, s.layers[0], 1, ctx_len, rng, args.budget)
                     gbps = nbytes / ms / 1e6
-                    rows.append({"kv_format": fmt, "context": ctx_len, "variant": v, "target_workgroups": tw,
-                                 "split_len": split_len, "workgroups": n_splits * B.HKV, "wgpu_ms": round(ms, 4),
-                                 "gbps": round(gbps, 1), "bandwidth_fraction": round(gbps / cgbps, 4)})
-                    print(f"{fmt:10} ctx {ctx_len:6d} {v:5} target {tw:5d} (split {split_len:4d}, "
-                          f"{n_splits * B.HKV:5d} wg): {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / cgbps:5.1f}%",
-                          flush=True)
+                    rows.append(
+                        {
+                            "kv_format": fmt,
+                            "context": ctx_len,
+                            "variant": v,
+                            "target_workgroups": tw,
+                            "split_len": split_len,
+                            "workgroups": n_splits * B.HKV,
+                            "wgpu_ms": round(ms, 4),
+                            "gbps": round(gbps, 1),
+                            "bandwidth_fraction": round(gbps / cgbps, 4),
+                        }
+                    )
+                    print(
+                        f"{fmt:10} ctx {ctx_len:6d} {v:5} target {tw:5d} (split {split_len:4d}, "
+                        f"{n_splits * B.HKV:5d} wg): {ms:7.4f} ms {gbps:7.1f} GB/s {100 * gbps / cgbps:5.1f}%",
+                        flush=True,
+                    )
         eng.release(s).result()
     eng.policy = default
     if args.json_out:
-        args.json_out.write_text(json.dumps({"gpu": eng.ctx.name, "commit": B.git_commit(), "copy_gbps": round(cgbps, 1),
-                                             "rows": rows}, indent=2) + "\n")
+        args.json_out.write_text(
+            json.dumps(
+                {"gpu": eng.ctx.name, "commit": B.git_commit(), "copy_gbps": round(cgbps, 1), "rows": rows}, indent=2
+            )
+            + "\n"
+        )
     eng.close()
     return 0
 

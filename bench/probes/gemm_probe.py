@@ -15,6 +15,7 @@ what tile size buys on this stack. torch's f32 matmul (TF32 off) on the same
 GPU is printed beside them when CUDA is there. Each is checked against numpy
 (float64) at a small size first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -135,8 +136,10 @@ def run(dev, pipe, a: np.ndarray, b: np.ndarray, reps: int, tile: int = 64):
     bb = dev.create_buffer_with_data(data=b.astype(np.float32), usage=S.STORAGE)
     bc = dev.create_buffer(size=n * n * 4, usage=S.STORAGE | S.COPY_SRC)
     bd = dev.create_buffer_with_data(data=np.array([n, 0, 0, 0], np.uint32), usage=S.STORAGE)
-    bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
-        {"binding": i, "resource": {"buffer": x}} for i, x in enumerate((ba, bb, bc, bd))])
+    bg = dev.create_bind_group(
+        layout=pipe.get_bind_group_layout(0),
+        entries=[{"binding": i, "resource": {"buffer": x}} for i, x in enumerate((ba, bb, bc, bd))],
+    )
     best = 1e9
     for _ in range(3):
         enc = dev.create_command_encoder()
@@ -162,9 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trusted", action="store_true", help="no naga bounds checks (see trusted_probe.py)")
     args = ap.parse_args(argv)
     adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
-    dev = adapter.request_device_sync(required_limits={
-        "max-storage-buffer-binding-size": adapter.limits["max-storage-buffer-binding-size"],
-        "max-buffer-size": adapter.limits["max-buffer-size"]})
+    dev = adapter.request_device_sync(
+        required_limits={
+            "max-storage-buffer-binding-size": adapter.limits["max-storage-buffer-binding-size"],
+            "max-buffer-size": adapter.limits["max-buffer-size"],
+        }
+    )
     if args.trusted:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probes/: trusted_probe.py
         from trusted_probe import trusted_module
@@ -187,8 +193,10 @@ def main(argv=None) -> int:
         n = args.n
         a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
         _, sec = run(dev, pipe, a, b, args.reps, tile)
-        print(f"WGSL {entry} ({tile} x {tile} tile{', trusted' if args.trusted else ''}) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s",
-              flush=True)
+        print(
+            f"WGSL {entry} ({tile} x {tile} tile{', trusted' if args.trusted else ''}) n={n}: {sec * 1e3:.3f} ms, {2 * n**3 / sec / 1e12:.1f} TFLOP/s",
+            flush=True,
+        )
     try:
         import torch
 

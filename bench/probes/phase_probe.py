@@ -9,6 +9,7 @@ after the softmax, and in full; and the step without its merge pass (and, for
 TurboQuant, without the query rotation), so the differences give each phase's
 share. GPU time only, many attends per submission (as bench/kernels.py).
 """
+
 import dataclasses
 import math
 import sys
@@ -26,8 +27,12 @@ CTX = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 SOFTMAX = "    // ── 2. per-head max and sum of exp over this split ──"
 VALUES = "    // ── 3."
 RETURN = "    if wid.x < 1000000u { return; }\n"
-KERNEL = {("f32", False): "attention_split_f32", ("f32", True): "attention_split_f32_sg",
-          ("turboquant", False): "attention_split_tq", ("turboquant", True): "attention_split_tq_sg"}
+KERNEL = {
+    ("f32", False): "attention_split_f32",
+    ("f32", True): "attention_split_f32_sg",
+    ("turboquant", False): "attention_split_tq",
+    ("turboquant", True): "attention_split_tq_sg",
+}
 
 orig_load = S.load_wgsl
 texts = {}
@@ -40,8 +45,10 @@ def variant(kernel: str, cut: str) -> str:
         src = orig_load(spec.file)
         marker = SOFTMAX if cut == "scores" else VALUES
         if src.count(marker) != 1:  # not assert: a probe must not measure the unpatched kernel
-            sys.exit(f"phase_probe: patch anchor {marker.strip()!r} found {src.count(marker)} times in "
-                     f"{spec.file} (kernel {kernel}), not once: the shader changed; update the anchors")
+            sys.exit(
+                f"phase_probe: patch anchor {marker.strip()!r} found {src.count(marker)} times in "
+                f"{spec.file} (kernel {kernel}), not once: the shader changed; update the anchors"
+            )
         texts[name] = src.replace(marker, RETURN + marker, 1)
         S.KERNELS[name] = S.KernelSpec(name, spec.entry_point, spec.bindings)
     return name
@@ -67,10 +74,16 @@ for fmt in ("f32", "turboquant"):
             "full step": {},
             "no merge": {"attention_merge": None},
             "no merge, no rotation": {"attention_merge": None, "tq_rotate_q": None},
-            "split kernel cut after softmax": {"attention_merge": None, "tq_rotate_q": None,
-                                               kern: variant(kern, "softmax")},
-            "split kernel cut after scores": {"attention_merge": None, "tq_rotate_q": None,
-                                              kern: variant(kern, "scores")},
+            "split kernel cut after softmax": {
+                "attention_merge": None,
+                "tq_rotate_q": None,
+                kern: variant(kern, "softmax"),
+            },
+            "split kernel cut after scores": {
+                "attention_merge": None,
+                "tq_rotate_q": None,
+                kern: variant(kern, "scores"),
+            },
         }
         for label, swap in cases.items():
             if fmt == "f32" and "rotation" in label:
@@ -88,8 +101,16 @@ for fmt in ("f32", "turboquant"):
                 batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align, eng.policy)
                 qs = batch.upload(q)
                 for _ in range(iters):
-                    layer.plan_attend_rows(batch, qs, q.shape, out=batch.scratch(q.nbytes), length=CTX,
-                                           start_pos=CTX - 1, causal=True, scale=1 / math.sqrt(B.D))
+                    layer.plan_attend_rows(
+                        batch,
+                        qs,
+                        q.shape,
+                        out=batch.scratch(q.nbytes),
+                        length=CTX,
+                        start_pos=CTX - 1,
+                        causal=True,
+                        scale=1 / math.sqrt(B.D),
+                    )
                 enc = batch.encode()
                 t = time.perf_counter()
                 batch.submit(enc)

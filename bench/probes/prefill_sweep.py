@@ -9,6 +9,7 @@ register-blocked one in its variants (register prefetch on/off, pipelines
 specialized on the shape or generic), and the TurboQuant tiled prefill, as
 bench/kernels.py times them (GPU time only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,18 @@ def main(argv=None) -> int:
         for n, ctx_len in shapes:
             B.fill_layer(eng, s.layers[0], ctx_len - filled, rng)
             filled = max(filled, ctx_len)
-            for name, knobs in (VARIANTS.items() if fmt == "f32" else [("tiled", {})]):
+            for name, knobs in VARIANTS.items() if fmt == "f32" else [("tiled", {})]:
                 eng.policy = dataclasses.replace(default, **knobs)
                 ms = B.time_wgpu(eng, s.layers[0], n, ctx_len, rng, args.budget)
-                rows.append({"kv_format": fmt, "queries": n, "context": ctx_len, "variant": name, "wgpu_ms": round(ms, 4)})
+                rows.append(
+                    {"kv_format": fmt, "queries": n, "context": ctx_len, "variant": name, "wgpu_ms": round(ms, 4)}
+                )
                 print(f"{fmt:10} {n:5d} x {ctx_len:5d} {name:24s} {ms:8.3f} ms", flush=True)
         eng.release(s).result()
     if args.json_out:
-        args.json_out.write_text(json.dumps({"gpu": eng.ctx.name, "commit": B.git_commit(), "rows": rows}, indent=2) + "\n")
+        args.json_out.write_text(
+            json.dumps({"gpu": eng.ctx.name, "commit": B.git_commit(), "rows": rows}, indent=2) + "\n"
+        )
     eng.close()
     return 0
 

@@ -13,6 +13,7 @@ into its cffi layer: a measurement, not something the service does. Run it
 twice (with and without the flag) and compare; each run first checks one decode
 and one prefill output against the float64 oracle.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,11 @@ def trusted_module(device, code: str, label: str):
     src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
     src[0].chain.next = ffi.NULL
     src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
-    desc = _api.new_struct_p("WGPUShaderModuleDescriptor *", nextInChain=ffi.cast("WGPUChainedStruct *", src),
-                             label=_api.to_c_string_view(label))
+    desc = _api.new_struct_p(
+        "WGPUShaderModuleDescriptor *",
+        nextInChain=ffi.cast("WGPUChainedStruct *", src),
+        label=_api.to_c_string_view(label),
+    )
     mid = lib.wgpuDeviceCreateShaderModuleTrusted(device._internal, desc, lib.WGPUShaderRuntimeChecks_None)
     if mid == ffi.NULL:
         raise RuntimeError("trusted shader module creation failed")
@@ -49,10 +53,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.15)
     args = ap.parse_args(argv)
     if args.trusted:
+
         def _module(self, file):
             if file not in self._modules:
                 self._modules[file] = trusted_module(self._device, S.load_wgsl(file), file)
             return self._modules[file]
+
         S.PipelineCache._module = _module
     eng = B.Engine.open(None)
     rng = np.random.default_rng(0)

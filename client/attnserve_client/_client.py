@@ -483,7 +483,11 @@ class _SessionBase(Generic[_C]):
         if not isinstance(causal, (bool, np.bool_)):
             raise refused(InvalidRequest, f"causal: expected a bool, got {causal!r}")
         if scale is not None:
-            if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or not np.isfinite(scale):
+            if (
+                isinstance(scale, bool)
+                or not isinstance(scale, (int, float, np.floating, np.integer))
+                or not np.isfinite(scale)
+            ):
                 raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
             scale = float(scale)
 
@@ -668,9 +672,15 @@ class Client(_BaseClient):
         """
         info = self._run(
             self._create_flow(
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
-                seed=seed, session_id=session_id, server_assigned_id=server_assigned_id,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+                kv_format=kv_format,
+                max_tokens=max_tokens,
+                seed=seed,
+                session_id=session_id,
+                server_assigned_id=server_assigned_id,
             )
         )
         return Session(self, info)
@@ -830,9 +840,15 @@ class AsyncClient(_BaseClient):
         """See :meth:`Client.create_session`."""
         info = await self._run(
             self._create_flow(
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                num_layers=num_layers, kv_format=kv_format, max_tokens=max_tokens,
-                seed=seed, session_id=session_id, server_assigned_id=server_assigned_id,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+                kv_format=kv_format,
+                max_tokens=max_tokens,
+                seed=seed,
+                session_id=session_id,
+                server_assigned_id=server_assigned_id,
             )
         )
         return AsyncSession(self, info)

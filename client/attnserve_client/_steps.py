@@ -93,8 +93,12 @@ def attend_members(item: AttendItem) -> dict[str, Any]:
     """The wire members of one attend (arrays encoded once)."""
     if isinstance(item.layer, bool) or not isinstance(item.layer, (int, np.integer)) or item.layer < 0:
         raise InvalidInput(f"layer: expected an int >= 0, got {item.layer!r}")
-    doc: dict[str, Any] = {"session_id": item.session_id, "layer": int(item.layer), "q": _array(item.q, "q"),
-                           "causal": bool(item.causal)}
+    doc: dict[str, Any] = {
+        "session_id": item.session_id,
+        "layer": int(item.layer),
+        "q": _array(item.q, "q"),
+        "causal": bool(item.causal),
+    }
     if (item.k is None) != (item.v is None):
         raise InvalidInput("k, v: expected both or neither")
     if item.k is not None:
@@ -162,9 +166,9 @@ def batch_results(items: list[AttendItem], doc: Any) -> list[np.ndarray]:
 
 def _ws_url(base_url: str) -> str:
     if base_url.startswith("https://"):
-        return "wss://" + base_url[len("https://"):] + STREAM_PATH
+        return "wss://" + base_url[len("https://") :] + STREAM_PATH
     if base_url.startswith("http://"):
-        return "ws://" + base_url[len("http://"):] + STREAM_PATH
+        return "ws://" + base_url[len("http://") :] + STREAM_PATH
     raise InvalidInput(f"base_url: expected http:// or https://, got {base_url!r}")
 
 
@@ -194,8 +198,9 @@ class _Frames:
         return doc.get("id"), doc.get("result")
 
 
-def _attend_item(session: Any, layer: int, q: Any, k: Any, v: Any, offset: Any, start_pos: Any, causal: bool,
-                 scale: Any) -> AttendItem:
+def _attend_item(
+    session: Any, layer: int, q: Any, k: Any, v: Any, offset: Any, start_pos: Any, causal: bool, scale: Any
+) -> AttendItem:
     return AttendItem(session, layer, q, k, v, offset, start_pos, causal, scale)
 
 
@@ -251,8 +256,13 @@ class Stream:
         self._closed: BaseException | None = None
         try:
             # entered as a context manager: what every websockets release from 13 on accepts
-            self._ws = connect(_ws_url(base_url), additional_headers=dict(headers), max_size=None,
-                               open_timeout=open_timeout, compression=None).__enter__()
+            self._ws = connect(
+                _ws_url(base_url),
+                additional_headers=dict(headers),
+                max_size=None,
+                open_timeout=open_timeout,
+                compression=None,
+            ).__enter__()
         except Exception as exc:
             raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
         self._reader = threading.Thread(target=self._read, name="attnserve-stream", daemon=True)
@@ -272,8 +282,10 @@ class Stream:
             self._fail(None)
 
     def _fail(self, exc: BaseException | None) -> None:
-        err = APIConnectionError(f"stream: the connection closed{f' ({exc})' if exc else ''}; operations whose "
-                                 "reply did not arrive may or may not have been applied")
+        err = APIConnectionError(
+            f"stream: the connection closed{f' ({exc})' if exc else ''}; operations whose "
+            "reply did not arrive may or may not have been applied"
+        )
         with self._lock:
             self._closed = self._closed or err
             pending, self._pending = self._pending, {}
@@ -294,9 +306,19 @@ class Stream:
                 raise APIConnectionError(f"stream: send failed: {exc}") from exc
         return fut
 
-    def submit_attend(self, session: Any, layer: int, q: Any, *, k: Any = None, v: Any = None,
-                      offset: int | None = None, start_pos: int | None = None, causal: bool = True,
-                      scale: float | None = None) -> Future[Any]:
+    def submit_attend(
+        self,
+        session: Any,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        offset: int | None = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> Future[Any]:
         item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
         return self._submit("attend", attend_members(item), lambda doc: _attend_result(item, doc))
 
@@ -307,8 +329,9 @@ class Stream:
 
     def submit_append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> Future[Any]:
         item = AttendItem(session, layer, None)
-        return self._submit("append", _append_members(session, layer, k, v, offset),
-                            lambda doc: _append_result(item, doc))
+        return self._submit(
+            "append", _append_members(session, layer, k, v, offset), lambda doc: _append_result(item, doc)
+        )
 
     def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
         length: int = self.submit_append(session, layer, k, v, offset=offset).result()
@@ -362,8 +385,13 @@ class AsyncStream:
 
         self = cls()
         try:
-            self._ws = await connect(_ws_url(base_url), additional_headers=dict(headers), max_size=None,
-                                     open_timeout=open_timeout, compression=None)
+            self._ws = await connect(
+                _ws_url(base_url),
+                additional_headers=dict(headers),
+                max_size=None,
+                open_timeout=open_timeout,
+                compression=None,
+            )
         except Exception as exc:
             raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
         self._reader = asyncio.create_task(self._read())
@@ -381,7 +409,8 @@ class AsyncStream:
             err = exc
         self._closed = APIConnectionError(
             f"stream: the connection closed{f' ({err})' if err else ''}; operations whose reply did not "
-            "arrive may or may not have been applied")
+            "arrive may or may not have been applied"
+        )
         pending, self._pending = self._pending, {}
         for fut, _ in pending.values():
             if not fut.done():
@@ -400,17 +429,28 @@ class AsyncStream:
             raise APIConnectionError(f"stream: send failed: {exc}") from exc
         return await fut
 
-    async def attend(self, session: Any, layer: int, q: Any, *, k: Any = None, v: Any = None,
-                     offset: int | None = None, start_pos: int | None = None, causal: bool = True,
-                     scale: float | None = None) -> np.ndarray:
+    async def attend(
+        self,
+        session: Any,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        offset: int | None = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> np.ndarray:
         item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
         out: np.ndarray = await self._call("attend", attend_members(item), lambda doc: _attend_result(item, doc))
         return out
 
     async def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
         item = AttendItem(session, layer, None)
-        length: int = await self._call("append", _append_members(session, layer, k, v, offset),
-                                       lambda doc: _append_result(item, doc))
+        length: int = await self._call(
+            "append", _append_members(session, layer, k, v, offset), lambda doc: _append_result(item, doc)
+        )
         return length
 
     async def attend_batch(self, items: Sequence[ItemLike]) -> list[np.ndarray]:

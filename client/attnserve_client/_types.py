@@ -57,9 +57,7 @@ class SessionInfo:
             if value is None and optional:
                 return None
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise InvalidResponse(
-                    f"session info: expected {key!r} as {kind.__name__}, got {value!r}"
-                )
+                raise InvalidResponse(f"session info: expected {key!r} as {kind.__name__}, got {value!r}")
             return value
 
         def get_lengths() -> tuple[int, ...]:

@@ -285,9 +285,11 @@ def refused(cls: type[APIError], message: str) -> APIError:
     ``type`` and ``detail``, so one ``except`` catches the mistake wherever it was found."""
     local = _LOCAL.get(cls)
     if local is None:
-        local = _LOCAL[cls] = type(cls.__name__, (cls, InvalidInput), {"__module__": cls.__module__,
-                                                                       "__qualname__": cls.__qualname__,
-                                                                       "__doc__": cls.__doc__})
+        local = _LOCAL[cls] = type(
+            cls.__name__,
+            (cls, InvalidInput),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+        )
     return local(message, status=None, problem={"type": f"/problems/{cls.slug}", "detail": message})  # type: ignore[arg-type]
 
 

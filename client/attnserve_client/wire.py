@@ -105,9 +105,7 @@ def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
     """
     if arr.size and not np.isfinite(arr).all():
         where = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
-        raise WireError(
-            f"{name}: expected finite values, got {float(arr[where])} at index {where}"
-        )
+        raise WireError(f"{name}: expected finite values, got {float(arr[where])} at index {where}")
     return arr
 
 
@@ -162,8 +160,7 @@ def decode_array(
         arr = _decode_lists(obj, name, ndim, max_elements)
     else:
         raise WireError(
-            f"{name}: expected an array (a map with dtype, shape and data, or nested lists),"
-            f" got {type(obj).__name__}"
+            f"{name}: expected an array (a map with dtype, shape and data, or nested lists), got {type(obj).__name__}"
         )
     if finite:
         check_finite(arr, name=name)
@@ -180,39 +177,32 @@ def _check_shape(shape: Sequence[int], name: str, ndim: int | None, max_elements
     for dim in shape:
         count *= dim
         if dim > max_elements or count > max_elements:
-            raise WireError(
-                f"{name}: expected at most {max_elements} elements, got shape {tuple(shape)}"
-            )
+            raise WireError(f"{name}: expected at most {max_elements} elements, got shape {tuple(shape)}")
     return count
 
 
 def _decode_map(obj: dict[Any, Any], name: str, ndim: int | None, max_elements: int) -> np.ndarray:
     keys = set(obj)
     if keys != _ARRAY_KEYS:
-        raise WireError(
-            f"{name}: expected exactly the keys ['data', 'dtype', 'shape'],"
-            f" got {sorted(map(str, keys))}"
-        )
+        raise WireError(f"{name}: expected exactly the keys ['data', 'dtype', 'shape'], got {sorted(map(str, keys))}")
     dtype = obj["dtype"]
     if not isinstance(dtype, str) or dtype != DTYPE:
         raise WireError(f"{name}: expected dtype {DTYPE!r}, got {dtype!r}")
     shape = obj["shape"]
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
-        type(d) is int and d >= 0 for d in shape
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) > MAX_NDIM
+        or not all(type(d) is int and d >= 0 for d in shape)
     ):
         shown = shape if isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM else type(shape).__name__
-        raise WireError(
-            f"{name}: expected shape as a list of at most {MAX_NDIM} ints >= 0, got {shown!r}"
-        )
+        raise WireError(f"{name}: expected shape as a list of at most {MAX_NDIM} ints >= 0, got {shown!r}")
     count = _check_shape(shape, name, ndim, max_elements)
     data = obj["data"]
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{name}: expected data as bytes, got {type(data).__name__}")
     nbytes = memoryview(data).nbytes
     if nbytes != count * 4:
-        raise WireError(
-            f"{name}: expected {count * 4} data bytes for shape {tuple(shape)}, got {nbytes}"
-        )
+        raise WireError(f"{name}: expected {count * 4} data bytes for shape {tuple(shape)}, got {nbytes}")
     return np.frombuffer(data, dtype=_F32).reshape(shape)
 
 
@@ -236,8 +226,7 @@ def _decode_lists(obj: list[Any], name: str, ndim: int | None, max_elements: int
             if not isinstance(item, list) or len(item) != size:
                 got = f"a list of {len(item)}" if isinstance(item, list) else type(item).__name__
                 raise WireError(
-                    f"{name}: expected rectangular nested lists of shape {tuple(shape)},"
-                    f" got {got} at depth {depth}"
+                    f"{name}: expected rectangular nested lists of shape {tuple(shape)}, got {got} at depth {depth}"
                 )
             below.extend(item)
         level = below

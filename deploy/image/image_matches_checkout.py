@@ -101,8 +101,11 @@ def main() -> int:
     extra = sorted(p for p in set(image) - set(want) if not p.endswith((".pyc",)))
     changed = sorted(p for p in set(want) & set(image) if want[p] != image[p])
     if missing or extra or changed:
-        for what, paths in (("missing from the image", missing), ("only in the image", extra),
-                            ("different in the image", changed)):
+        for what, paths in (
+            ("missing from the image", missing),
+            ("only in the image", extra),
+            ("different in the image", changed),
+        ):
             if paths:
                 print(f"{what}: {', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}")
         return 1

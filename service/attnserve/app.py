@@ -86,8 +86,9 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         owned = engine is None
         if owned:
             try:
-                eng = await asyncio.to_thread(open_engine, settings, on_batch=rt.metrics.on_batch,
-                                              on_job_start=rt.metrics.on_job_start)
+                eng = await asyncio.to_thread(
+                    open_engine, settings, on_batch=rt.metrics.on_batch, on_job_start=rt.metrics.on_job_start
+                )
             except DeviceError as e:
                 log.error("cannot open a GPU device", extra={"error": str(e)})
                 raise
@@ -113,8 +114,15 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 await asyncio.to_thread(eng.close)
             raise
         rt.ready = True
-        log.info("ready", extra={"adapter": eng.describe(), "version": __version__,
-                                 "api_keys": len(rt.keys), "sessions": len(rt.store)})
+        log.info(
+            "ready",
+            extra={
+                "adapter": eng.describe(),
+                "version": __version__,
+                "api_keys": len(rt.keys),
+                "sessions": len(rt.store),
+            },
+        )
         try:
             yield
         finally:
@@ -191,8 +199,12 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                             op["security"] = [{"apiKey": []}]
                             # a missing or wrong key answers 401 on every protected route
                             op.setdefault("responses", {}).setdefault(
-                                "401", {"description": "Problem: unauthorized",
-                                        "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}})
+                                "401",
+                                {
+                                    "description": "Problem: unauthorized",
+                                    "content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+                                },
+                            )
             app.openapi_schema = schema
         return app.openapi_schema
 

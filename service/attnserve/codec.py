@@ -226,8 +226,7 @@ class Fields:
         unknown = [k for k in doc if k not in allowed]
         if unknown:
             raise InvalidRequest(
-                f"{what}: unknown field(s) {', '.join(map(repr, unknown))}; expected some of "
-                f"{', '.join(allowed)}",
+                f"{what}: unknown field(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(allowed)}",
                 fields=[str(u) for u in unknown],
             )
         self.doc = doc

@@ -16,8 +16,16 @@ from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = [
-    "Settings", "get_settings", "parse_api_keys", "parse_size", "format_size", "env_name", "unknown_env",
-    "ENV_PREFIX", "MiB", "GiB",
+    "Settings",
+    "get_settings",
+    "parse_api_keys",
+    "parse_size",
+    "format_size",
+    "env_name",
+    "unknown_env",
+    "ENV_PREFIX",
+    "MiB",
+    "GiB",
 ]
 
 ENV_PREFIX = "ATTNSERVE_"
@@ -66,7 +74,10 @@ class Settings(BaseSettings):
     """Every knob of the server. Environment: ``ATTNSERVE_<NAME>`` (case-insensitive)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ATTNSERVE_", extra="ignore", frozen=True, hide_input_in_errors=True  # keys never printed
+        env_prefix="ATTNSERVE_",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,  # keys never printed
     )
 
     host: str = Field("127.0.0.1", description="Address `attnserve serve` binds.")
@@ -87,7 +98,9 @@ class Settings(BaseSettings):
     max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
     max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
     stream_max_in_flight: int = Field(
-        256, ge=1, description="Most operations one /v1/stream connection may have in flight; past it the "
+        256,
+        ge=1,
+        description="Most operations one /v1/stream connection may have in flight; past it the "
         "server reads no further frame of that connection until one finishes (backpressure).",
     )
     max_batch_items: int = Field(
@@ -99,23 +112,18 @@ class Settings(BaseSettings):
         description="Bodies (and answers) larger than this are decoded (encoded) on a worker "
         "thread, so the event loop never stalls on a large body.",
     )
-    drain_timeout_s: float = Field(
-        30.0, ge=0, description="On shutdown, how long to wait for requests in flight."
-    )
+    drain_timeout_s: float = Field(30.0, ge=0, description="On shutdown, how long to wait for requests in flight.")
     drain_delay_s: float = Field(
         0.0,
         ge=0,
         description="On SIGTERM, how long to keep serving with /readyz at 503 before shutting "
         "down (so a load balancer can take the replica out first).",
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="Log level."
-    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="Log lines as JSON or as text.")
     instance_name: str | None = Field(
         None,
-        description="This replica's name, sent on every response as X-Attnserve-Instance "
-        "(default: the host name).",
+        description="This replica's name, sent on every response as X-Attnserve-Instance (default: the host name).",
     )
     # ── tenants, quotas, overload, persistence ───────────────────────────────
     api_keys: SecretStr | None = Field(
@@ -129,9 +137,7 @@ class Settings(BaseSettings):
         description="A file of API keys: one per line (or comma-separated); blank lines and "
         "lines starting with # are ignored. Read once at start.",
     )
-    metrics_auth: bool = Field(
-        False, description="With API keys configured, /metrics needs a valid key too."
-    )
+    metrics_auth: bool = Field(False, description="With API keys configured, /metrics needs a valid key too.")
     quota_sessions_per_key: int = Field(
         0, ge=0, description="Most sessions one tenant may hold at once (507 past it); 0: no quota."
     )
@@ -147,8 +153,7 @@ class Settings(BaseSettings):
     session_ttl_seconds: float = Field(
         0.0,
         ge=0,
-        description="A session not used for this long is deleted (its GPU memory freed); "
-        "0: sessions never expire.",
+        description="A session not used for this long is deleted (its GPU memory freed); 0: sessions never expire.",
     )
     snapshot_dir: str | None = Field(
         None,
@@ -227,7 +232,7 @@ def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
             continue
         if upper.startswith(OTHER_PREFIXES):
             continue
-        close = difflib.get_close_matches(upper[len(ENV_PREFIX):].lower(), list(Settings.model_fields), n=1)
+        close = difflib.get_close_matches(upper[len(ENV_PREFIX) :].lower(), list(Settings.model_fields), n=1)
         found.append((name, env_name(close[0]) if close else None))
     return found
 

@@ -49,13 +49,25 @@ class AttendResult(tuple):
 
 
 class Engine:
-    def __init__(self, ctx: GpuContext, *, max_batch_jobs: int = 256, max_queue: int = 4096,
-                 policy: KernelPolicy | None = None,
-                 on_batch: Callable[[int, int, float], None] | None = None,
-                 on_job_start: Callable[[str, float], None] | None = None):
+    def __init__(
+        self,
+        ctx: GpuContext,
+        *,
+        max_batch_jobs: int = 256,
+        max_queue: int = 4096,
+        policy: KernelPolicy | None = None,
+        on_batch: Callable[[int, int, float], None] | None = None,
+        on_job_start: Callable[[str, float], None] | None = None,
+    ):
         self.ctx = ctx
-        self.worker = GpuWorker(ctx, max_batch_jobs=max_batch_jobs, max_queue=max_queue, on_batch=on_batch,
-                                on_job_start=on_job_start, policy=policy)
+        self.worker = GpuWorker(
+            ctx,
+            max_batch_jobs=max_batch_jobs,
+            max_queue=max_queue,
+            on_batch=on_batch,
+            on_job_start=on_job_start,
+            policy=policy,
+        )
         self.worker.start()
 
     @property

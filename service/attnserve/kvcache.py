@@ -153,19 +153,24 @@ class LayerCache:
         """Record the append of rows ``[n, Hkv, d]``; returns the new length."""
         raise NotImplementedError
 
-    def plan_attend(
-        self, batch: Batch, q: np.ndarray, *, start_pos: int, causal: bool, scale: float
-    ) -> Seg:
+    def plan_attend(self, batch: Batch, q: np.ndarray, *, start_pos: int, causal: bool, scale: float) -> Seg:
         """Record attention for ``q[n, H, d]``; returns the output segment ``[n, H, d]``."""
         out = batch.output(q.nbytes)
         self.plan_attend_rows(
-            batch, batch.upload(q), q.shape, out=out, length=self.length,
-            start_pos=start_pos, causal=causal, scale=scale,
+            batch,
+            batch.upload(q),
+            q.shape,
+            out=out,
+            length=self.length,
+            start_pos=start_pos,
+            causal=causal,
+            scale=scale,
         )
         return out
 
-    def plan_attend_rows(self, batch: Batch, q: Seg, shape: tuple, *, out, length: int,
-                         start_pos: int, causal: bool, scale: float) -> None:
+    def plan_attend_rows(
+        self, batch: Batch, q: Seg, shape: tuple, *, out, length: int, start_pos: int, causal: bool, scale: float
+    ) -> None:
         """Attention for uploaded queries ``q`` of ``shape = (n, H, d)`` over the
         first ``length`` timesteps, into ``out`` (a segment or a buffer); the
         kernel family is chosen by the batch's ``policy`` (``gpu.kernels.KernelPolicy``)."""
@@ -229,9 +234,19 @@ class F32LayerCache(LayerCache):
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         n, h, d = shape
         K.plan_attend_f32(
-            batch, q=q, k_cache=self.k, v_cache=self.v, out=out, n_queries=n, n_heads=h,
-            n_kv_heads=self.n_kv_heads, head_dim=d, length=length, start_pos=start_pos,
-            causal=causal, scale=scale,
+            batch,
+            q=q,
+            k_cache=self.k,
+            v_cache=self.v,
+            out=out,
+            n_queries=n,
+            n_heads=h,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=d,
+            length=length,
+            start_pos=start_pos,
+            causal=causal,
+            scale=scale,
         )
 
 
@@ -270,9 +285,7 @@ class TurboQuantLayerCache(LayerCache):
         old_base = new_base = 0
         for w in regions:
             for h in range(self.n_kv_heads):
-                out.append(
-                    ((old_base + h * old_cap * w) * 4, (new_base + h * new_cap * w) * 4, self.length * w * 4)
-                )
+                out.append(((old_base + h * old_cap * w) * 4, (new_base + h * new_cap * w) * 4, self.length * w * 4))
             old_base += self.n_kv_heads * old_cap * w
             new_base += self.n_kv_heads * new_cap * w
         return out
@@ -288,8 +301,14 @@ class TurboQuantLayerCache(LayerCache):
         signs = self.session.signs_buffer(batch.device)
         self._ensure_capacity(batch, self.length + n)
         common = dict(
-            signs=signs, codebook=self.codebook, n_rows=n, n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim, cache_cap=self.capacity, t0=self.length, sign_off=self.sign_off,
+            signs=signs,
+            codebook=self.codebook,
+            n_rows=n,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            cache_cap=self.capacity,
+            t0=self.length,
+            sign_off=self.sign_off,
         )
         plan_tq_encode(batch, "tq_encode_keys", src=batch.upload(k), cache=self.k, **common)
         plan_tq_encode(batch, "tq_encode_values", src=batch.upload(v), cache=self.v, **common)
@@ -302,10 +321,23 @@ class TurboQuantLayerCache(LayerCache):
         qrot = batch.scratch(rotated_q_bytes(n, h, d))
         plan_rotate_q(batch, q=q, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
         K.plan_attend_turboquant(
-            batch, q_rot=qrot, k_cache=self.k, v_cache=self.v, out=out, signs=signs,
-            codebook=self.codebook, n_queries=n, n_heads=h, n_kv_heads=self.n_kv_heads, head_dim=d,
-            length=length, cache_cap=self.capacity, start_pos=start_pos, causal=causal,
-            scale=scale, sign_off=self.sign_off,
+            batch,
+            q_rot=qrot,
+            k_cache=self.k,
+            v_cache=self.v,
+            out=out,
+            signs=signs,
+            codebook=self.codebook,
+            n_queries=n,
+            n_heads=h,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=d,
+            length=length,
+            cache_cap=self.capacity,
+            start_pos=start_pos,
+            causal=causal,
+            scale=scale,
+            sign_off=self.sign_off,
         )
 
 

@@ -19,7 +19,11 @@ __all__ = ["JsonFormatter", "configure_logging"]
 
 # Attributes every LogRecord has; anything else came from ``extra=``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()) | {
-    "message", "asctime", "taskName", "color_message"}
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):

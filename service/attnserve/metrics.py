@@ -92,7 +92,9 @@ class Gauge(_Metric):
 
 
 class Histogram(_Metric):
-    def __init__(self, name: str, help: str, labelnames: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS):
+    def __init__(
+        self, name: str, help: str, labelnames: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS
+    ):
         super().__init__(name, help, labelnames)
         self.buckets = tuple(sorted(buckets))
         # labels -> [bucket counts (non-cumulative) ..., +Inf count], sum
@@ -155,21 +157,22 @@ class Metrics:
 
     def __init__(self) -> None:
         self.requests = Counter(
-            "attnserve_requests_total", "HTTP requests answered, by route template, method and status.",
+            "attnserve_requests_total",
+            "HTTP requests answered, by route template, method and status.",
             ("route", "method", "status"),
         )
         self.latency = Histogram(
-            "attnserve_request_duration_seconds", "HTTP request latency in seconds, by route template and method.",
+            "attnserve_request_duration_seconds",
+            "HTTP request latency in seconds, by route template and method.",
             ("route", "method"),
         )
-        self.errors = Counter(
-            "attnserve_errors_total", "Problem answers, by problem type slug.", ("type",)
-        )
+        self.errors = Counter("attnserve_errors_total", "Problem answers, by problem type slug.", ("type",))
         self.gpu_batches = Counter("attnserve_gpu_batches_total", "GPU submissions (one readback each).")
         self.gpu_dispatches = Counter("attnserve_gpu_dispatches_total", "Compute dispatches submitted.")
         self.gpu_jobs = Counter("attnserve_gpu_jobs_total", "Jobs (appends and attends) run in submissions.")
         self.gpu_dispatches_per = Histogram(
-            "attnserve_gpu_dispatches_per_submission", "Compute dispatches in one GPU submission.",
+            "attnserve_gpu_dispatches_per_submission",
+            "Compute dispatches in one GPU submission.",
             buckets=COUNT_BUCKETS,
         )
         self.gpu_jobs_per = Histogram(
@@ -185,7 +188,8 @@ class Metrics:
             ("kind",),
         )
         self.rows = Counter(
-            "attnserve_rows_total", "Rows processed: appended K/V timesteps and attended query rows.",
+            "attnserve_rows_total",
+            "Rows processed: appended K/V timesteps and attended query rows.",
             ("kind", "kv_format"),
         )
         # tenants, quotas, overload, expiry, persistence
@@ -193,7 +197,8 @@ class Metrics:
             "attnserve_auth_failures_total", "Requests refused with 401, by reason (missing, invalid).", ("reason",)
         )
         self.quota_rejections = Counter(
-            "attnserve_quota_rejections_total", "Requests refused by a per-key quota, by quota (sessions, bytes).",
+            "attnserve_quota_rejections_total",
+            "Requests refused by a per-key quota, by quota (sessions, bytes).",
             ("quota",),
         )
         self.timeouts = Counter(
@@ -204,7 +209,8 @@ class Metrics:
             "attnserve_sessions_expired_total", "Sessions deleted after being idle for the session TTL."
         )
         self.snapshot_writes = Counter(
-            "attnserve_snapshot_writes_total", "Session snapshots written to the snapshot directory, by result.",
+            "attnserve_snapshot_writes_total",
+            "Session snapshots written to the snapshot directory, by result.",
             ("result",),
         )
         self.snapshot_restores = Counter(
@@ -213,7 +219,8 @@ class Metrics:
             ("result",),
         )
         self.snapshot_seconds = Histogram(
-            "attnserve_snapshot_seconds", "Time to save (at shutdown) or restore (at start) every session.",
+            "attnserve_snapshot_seconds",
+            "Time to save (at shutdown) or restore (at start) every session.",
             ("phase",),
         )
         self._gauges: list[Gauge] = []

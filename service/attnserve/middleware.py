@@ -86,11 +86,13 @@ class RequestMiddleware:
             if not req.timed_out or state["started"]:
                 raise
             # our request timeout cancelled the queued GPU job: nothing was applied
-            await answer(RequestTimeout(
-                f"the request waited more than {rt.settings.request_timeout_s:g} s for the GPU and was "
-                "dropped; nothing was applied, so it is safe to retry",
-                headers={"Retry-After": "1"},
-            ))
+            await answer(
+                RequestTimeout(
+                    f"the request waited more than {rt.settings.request_timeout_s:g} s for the GPU and was "
+                    "dropped; nothing was applied, so it is safe to retry",
+                    headers={"Retry-After": "1"},
+                )
+            )
         except ClientDisconnect:
             if not state["started"]:
                 state["status"] = 499

@@ -73,6 +73,7 @@ def _lock(fd: int) -> None:
     else:
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
 
+
 log = logging.getLogger("attnserve.persistence")
 
 FILE_FORMAT = "attnserve-session-file"
@@ -95,17 +96,30 @@ def file_name(owner: str | None, session_id: str) -> str:
 def encode_file(session_id: str, owner: str | None, blob: bytes) -> list[bytes]:
     """The file's bytes in two pieces, header and blob (the blob is not copied)."""
     n = len(blob)
-    header = {"format": FILE_FORMAT, "version": FILE_VERSION, "session_id": session_id, "owner": owner,
-              "snapshot_bytes": n, "header_checksum": _header_checksum(session_id, owner, n)}
+    header = {
+        "format": FILE_FORMAT,
+        "version": FILE_VERSION,
+        "session_id": session_id,
+        "owner": owner,
+        "snapshot_bytes": n,
+        "header_checksum": _header_checksum(session_id, owner, n),
+    }
     return [msgpack.packb(header, use_bin_type=True), blob]
 
 
 def decode_file(data: bytes | memoryview) -> tuple[str, str | None, memoryview]:
     """``(session_id, owner, snapshot blob)`` of a file's bytes. Raises InvalidSnapshot."""
     data = memoryview(data)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=_MAX_HEADER,
-                                max_str_len=_MAX_HEADER, max_bin_len=0, max_array_len=16, max_map_len=16,
-                                max_ext_len=0)
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=_MAX_HEADER,
+        max_str_len=_MAX_HEADER,
+        max_bin_len=0,
+        max_array_len=16,
+        max_map_len=16,
+        max_ext_len=0,
+    )
     unpacker.feed(data[:_MAX_HEADER])
     try:
         doc = unpacker.unpack()
@@ -124,8 +138,9 @@ def decode_file(data: bytes | memoryview) -> tuple[str, str | None, memoryview]:
     if type(n) is not int or doc["header_checksum"] != _header_checksum(sid, owner, n):
         raise InvalidSnapshot("header_checksum: the file's header does not match its checksum")
     if data.nbytes - offset != n:
-        raise InvalidSnapshot(f"expected {n} snapshot bytes after the header, got {data.nbytes - offset} "
-                              "(truncated or extended)")
+        raise InvalidSnapshot(
+            f"expected {n} snapshot bytes after the header, got {data.nbytes - offset} (truncated or extended)"
+        )
     return sid, owner, data[offset:]
 
 
@@ -228,8 +243,10 @@ class SnapshotDir:
             # a session that lived here may exceed a quota lowered since: it is kept (no data is lost)
             hold = store.hold(sid, need, owner, quotas=False)
         except (SessionExists, OutOfMemory) as e:
-            log.error("a snapshot does not fit; kept for a later start",
-                      extra={"file": path.name, "session_id": sid, "error": e.detail})
+            log.error(
+                "a snapshot does not fit; kept for a later start",
+                extra={"file": path.name, "session_id": sid, "error": e.detail},
+            )
             return "skipped"
         try:
             await asyncio.wrap_future(engine.call(lambda ctx: load(ctx, kv, layers)))
@@ -241,9 +258,11 @@ class SnapshotDir:
         session = store.adopt(kv, owner=owner, session_id=sid)
         keys = self.rt.keys
         if (owner is None) == keys.enabled or (owner is not None and owner not in keys.key_ids):
-            log.warning("restored a session whose API key is not configured: no request can reach it "
-                        "(it expires with the session TTL, or delete its file)",
-                        extra={"file": path.name, "session_id": sid, "tenant": owner})
+            log.warning(
+                "restored a session whose API key is not configured: no request can reach it "
+                "(it expires with the session TTL, or delete its file)",
+                extra={"file": path.name, "session_id": sid, "tenant": owner},
+            )
         canonical = self.file_for(session)
         if path != canonical:  # renamed by hand: keep one file per session
             os.replace(path, canonical)
@@ -277,8 +296,10 @@ class SnapshotDir:
             except Exception as e:
                 counts["error"] += 1
                 self.rt.metrics.snapshot_writes.inc("error")
-                log.error("cannot write a session's snapshot",
-                          extra={"session_id": session.id, "error": f"{type(e).__name__}: {e}"})
+                log.error(
+                    "cannot write a session's snapshot",
+                    extra={"session_id": session.id, "error": f"{type(e).__name__}: {e}"},
+                )
             else:
                 counts["ok"] += 1
                 self.rt.metrics.snapshot_writes.inc("ok")

@@ -44,9 +44,7 @@ class RequestState:
         self.timed_out = False
 
 
-current_request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar(
-    "attnserve_request", default=None
-)
+current_request: contextvars.ContextVar[RequestState | None] = contextvars.ContextVar("attnserve_request", default=None)
 
 
 class Runtime:
@@ -141,8 +139,7 @@ class Runtime:
                     log.warning("cannot expire a session yet", extra={"session_id": session.id, "error": str(e)})
                     continue
                 self.metrics.expired.inc()
-                log.info("session expired", extra={"session_id": session.id, "tenant": session.owner,
-                                                   "idle_s": ttl})
+                log.info("session expired", extra={"session_id": session.id, "tenant": session.owner, "idle_s": ttl})
 
     # ── work ────────────────────────────────────────────────────────────────
 
@@ -227,61 +224,98 @@ def install_gauges(rt: Runtime) -> None:
         return [((fmt,), counts.get(fmt, (0, 0))[i]) for fmt in KV_FORMATS]
 
     m.add_gauge(Gauge("attnserve_sessions", "Sessions held, by kv format.", ("kv_format",), lambda: by_format(0)))
-    m.add_gauge(Gauge(
-        "attnserve_kv_bytes", "GPU bytes the sessions' caches hold, by kv format.", ("kv_format",),
-        lambda: by_format(1),
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_memory_used_bytes", "GPU bytes held or reserved by queued work (what the budget counts).",
-        fn=lambda: [((), rt.store.used_bytes)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_memory_budget_bytes", "The GPU memory budget (0: none).",
-        fn=lambda: [((), rt.settings.memory_budget_bytes)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_gpu_queue_depth", "Jobs waiting for or running on the GPU thread.",
-        fn=lambda: [((), rt.engine.worker.queue_depth if rt.engine is not None else 0)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_requests_in_flight", "HTTP requests being handled now.", fn=lambda: [((), rt.in_flight)]
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_ready", "1 when the device is open and the server is not draining.",
-        fn=lambda: [((), int(rt.ready and not rt.draining))],
-    ))
+    m.add_gauge(
+        Gauge(
+            "attnserve_kv_bytes",
+            "GPU bytes the sessions' caches hold, by kv format.",
+            ("kv_format",),
+            lambda: by_format(1),
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_memory_used_bytes",
+            "GPU bytes held or reserved by queued work (what the budget counts).",
+            fn=lambda: [((), rt.store.used_bytes)],
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_memory_budget_bytes",
+            "The GPU memory budget (0: none).",
+            fn=lambda: [((), rt.settings.memory_budget_bytes)],
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_gpu_queue_depth",
+            "Jobs waiting for or running on the GPU thread.",
+            fn=lambda: [((), rt.engine.worker.queue_depth if rt.engine is not None else 0)],
+        )
+    )
+    m.add_gauge(
+        Gauge("attnserve_requests_in_flight", "HTTP requests being handled now.", fn=lambda: [((), rt.in_flight)])
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_ready",
+            "1 when the device is open and the server is not draining.",
+            fn=lambda: [((), int(rt.ready and not rt.draining))],
+        )
+    )
     s = rt.settings
-    m.add_gauge(Gauge(
-        "attnserve_gpu_queue_limit", "Most jobs that may wait for the GPU (503 overloaded past it).",
-        fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
-    ))
+    m.add_gauge(
+        Gauge(
+            "attnserve_gpu_queue_limit",
+            "Most jobs that may wait for the GPU (503 overloaded past it).",
+            fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
+        )
+    )
     # The configured limits (0: none), one metric per unit.
-    m.add_gauge(Gauge(
-        "attnserve_limit_sessions", "Configured session limits (0: none), by name.", ("name",),
-        fn=lambda: [(("max_sessions",), s.max_sessions),
-                    (("quota_sessions_per_key",), s.quota_sessions_per_key)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_limit_bytes", "Configured byte limits (0: none), by name.", ("name",),
-        fn=lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_limit_seconds", "Configured time limits (0: none), by name.", ("name",),
-        fn=lambda: [(("request_timeout",), s.request_timeout_s),
-                    (("session_ttl",), s.session_ttl_seconds)],
-    ))
+    m.add_gauge(
+        Gauge(
+            "attnserve_limit_sessions",
+            "Configured session limits (0: none), by name.",
+            ("name",),
+            fn=lambda: [(("max_sessions",), s.max_sessions), (("quota_sessions_per_key",), s.quota_sessions_per_key)],
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_limit_bytes",
+            "Configured byte limits (0: none), by name.",
+            ("name",),
+            fn=lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_limit_seconds",
+            "Configured time limits (0: none), by name.",
+            ("name",),
+            fn=lambda: [(("request_timeout",), s.request_timeout_s), (("session_ttl",), s.session_ttl_seconds)],
+        )
+    )
 
     def tenants(i: int):
         return [((owner or "",), v[i]) for owner, v in rt.store.by_tenant().items()]
 
-    m.add_gauge(Gauge(
-        "attnserve_tenant_sessions", "Sessions each tenant holds (tenant: its API key id; empty without keys).",
-        ("tenant",), lambda: tenants(0),
-    ))
-    m.add_gauge(Gauge(
-        "attnserve_tenant_bytes", "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
-        ("tenant",), lambda: tenants(1),
-    ))
+    m.add_gauge(
+        Gauge(
+            "attnserve_tenant_sessions",
+            "Sessions each tenant holds (tenant: its API key id; empty without keys).",
+            ("tenant",),
+            lambda: tenants(0),
+        )
+    )
+    m.add_gauge(
+        Gauge(
+            "attnserve_tenant_bytes",
+            "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
+            ("tenant",),
+            lambda: tenants(1),
+        )
+    )
 
     def info():
         d = rt.engine.describe() if rt.engine is not None else {}

@@ -29,8 +29,7 @@ from .errors import ApiError, InvalidSnapshot
 from .kvcache import SessionConfig, SessionKV
 from .session_spec import parse_create
 
-__all__ = ["FORMAT", "VERSION", "Layers", "digest", "build_blob", "parse_blob", "read_layers", "restore_bytes",
-           "load"]
+__all__ = ["FORMAT", "VERSION", "Layers", "digest", "build_blob", "parse_blob", "read_layers", "restore_bytes", "load"]
 
 #: Per layer: (length, capacity, K bytes, V bytes).
 Layers = list[tuple[int, int, bytes, bytes]]
@@ -59,8 +58,13 @@ def build_blob(config: SessionConfig, layers: Layers) -> bytes:
     cfg = {k: getattr(config, k) for k in _CONFIG_KEYS}
     ls = [{"length": n, "capacity": c, "k": kb, "v": vb} for n, c, kb, vb in layers]
     return wire.packb(
-        {"format": FORMAT, "version": VERSION, "config": cfg, "layers": ls,
-         "checksum": digest(FORMAT, VERSION, cfg, ls)}
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "config": cfg,
+            "layers": ls,
+            "checksum": digest(FORMAT, VERSION, cfg, ls),
+        }
     )
 
 
@@ -101,8 +105,9 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
     limit = limit_for(req.kv_format, req.num_kv_heads, req.head_dim)
     if req.max_tokens > limit:
         raise InvalidSnapshot(f"config: max_tokens {req.max_tokens} passes this adapter's limit {limit}")
-    config = SessionConfig(req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format,
-                           req.max_tokens, req.seed)
+    config = SessionConfig(
+        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed
+    )
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")

@@ -130,8 +130,15 @@ class Reservation:
 class Store:
     """All sessions of this replica, with the global limits."""
 
-    def __init__(self, *, max_sessions: int, memory_budget_bytes: int, quota_sessions_per_key: int = 0,
-                 quota_bytes_per_key: int = 0, on_quota: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        memory_budget_bytes: int,
+        quota_sessions_per_key: int = 0,
+        quota_bytes_per_key: int = 0,
+        on_quota: Callable[[str], None] | None = None,
+    ):
         self.max_sessions = max_sessions
         self.memory_budget_bytes = memory_budget_bytes
         self.quota_sessions_per_key = quota_sessions_per_key  # 0: none
@@ -163,7 +170,9 @@ class Store:
             self._refused("sessions")
             raise OutOfMemory(
                 f"this API key may hold at most {quota} sessions at once (its quota); delete one first",
-                quota="sessions", quota_limit=quota, max_sessions=quota,
+                quota="sessions",
+                quota_limit=quota,
+                max_sessions=quota,
             )
 
     def create(self, config: SessionConfig, *, owner: Owner, session_id: str | None = None) -> Session:
@@ -287,7 +296,11 @@ class Store:
                 raise OutOfMemory(
                     f"the request needs {nbytes} more GPU bytes; this API key's sessions hold {used} of "
                     f"its quota of {quota} bytes",
-                    quota="bytes", quota_limit=quota, budget_bytes=quota, used_bytes=used, requested_bytes=nbytes,
+                    quota="bytes",
+                    quota_limit=quota,
+                    budget_bytes=quota,
+                    used_bytes=used,
+                    requested_bytes=nbytes,
                 )
 
     # ── reservations ────────────────────────────────────────────────────────

@@ -76,9 +76,7 @@ def codebook(head_dim: int) -> Codebook:
     try:
         return CODEBOOK[head_dim]
     except KeyError:
-        raise ValueError(
-            f"turboquant supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
-        ) from None
+        raise ValueError(f"turboquant supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}") from None
 
 
 def lloyd_max_codebook(d: int, iters: int = 200) -> np.ndarray:
@@ -95,12 +93,7 @@ def lloyd_max_codebook(d: int, iters: int = 200) -> np.ndarray:
     c = np.array([-1.5104, -0.4528, 0.4528, 1.5104]) / math.sqrt(d)  # Gaussian start
     for _ in range(iters):
         b = np.concatenate([[-1.0], (c[:-1] + c[1:]) / 2, [1.0]])
-        c = np.array(
-            [
-                integ(lambda x: x * dens(x), b[i], b[i + 1]) / integ(dens, b[i], b[i + 1])
-                for i in range(4)
-            ]
-        )
+        c = np.array([integ(lambda x: x * dens(x), b[i], b[i + 1]) / integ(dens, b[i], b[i + 1]) for i in range(4)])
     return (c - c[::-1]) / 2  # exactly symmetric
 
 

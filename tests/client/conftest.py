@@ -132,8 +132,13 @@ class FakeServer:
         return response
 
     def _problem(self, p: Problem, headers: dict[str, str] | None = None) -> httpx.Response:
-        body = {"type": f"/problems/{p.slug}", "title": p.slug.replace("-", " "), "status": p.status,
-                "detail": p.detail, **p.extra}
+        body = {
+            "type": f"/problems/{p.slug}",
+            "title": p.slug.replace("-", " "),
+            "status": p.status,
+            "detail": p.detail,
+            **p.extra,
+        }
         return httpx.Response(p.status, json=body, headers={"content-type": wire.PROBLEM_JSON, **(headers or {})})
 
     def _answer(self, status: int, body: Any) -> httpx.Response:
@@ -222,11 +227,17 @@ class FakeServer:
 
     def _info(self, sid: str) -> dict[str, Any]:
         s = self.sessions[sid]
-        info = {key: s[key] for key in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
-                                        "kv_format", "max_tokens", "seed")}
+        info = {
+            key: s[key]
+            for key in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+        }
         lengths = [k.shape[0] for k in s["k"]]
-        return {"session_id": sid, **info, "lengths": lengths,
-                "bytes": 2 * 4 * sum(lengths) * s["num_kv_heads"] * s["head_dim"]}
+        return {
+            "session_id": sid,
+            **info,
+            "lengths": lengths,
+            "bytes": 2 * 4 * sum(lengths) * s["num_kv_heads"] * s["head_dim"],
+        }
 
     def _array(self, body: dict[str, Any], key: str, heads: int, s: dict[str, Any]) -> np.ndarray:
         try:

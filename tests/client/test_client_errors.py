@@ -15,14 +15,22 @@ from attnserve_client.problems import PROBLEM_TYPES
 
 # (status, slug, class) of every problem type with a client class of its own; the
 # slugs and statuses from the one list, attnserve_client.problems
-SLUGS = [(PROBLEM_TYPES[cls.slug].status, cls.slug, cls)
-         for cls in ac.APIError.__subclasses__() if cls is not ac.APIStatusError]
+SLUGS = [
+    (PROBLEM_TYPES[cls.slug].status, cls.slug, cls)
+    for cls in ac.APIError.__subclasses__()
+    if cls is not ac.APIStatusError
+]
 assert len(SLUGS) == 16, SLUGS
 
 
 def problem(status, slug, **extra):
-    return {"type": f"/problems/{slug}", "title": slug.replace("-", " "), "status": status,
-            "detail": f"detail of {slug}", **extra}
+    return {
+        "type": f"/problems/{slug}",
+        "title": slug.replace("-", " "),
+        "status": status,
+        "detail": f"detail of {slug}",
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("status, slug, cls", SLUGS)

@@ -19,12 +19,28 @@ def example(fake, monkeypatch):
     spec = importlib.util.spec_from_file_location("decode_loop", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "Client", lambda url, **kw: ac.Client(url, transport=httpx.MockTransport(fake.handler), **kw))
+    monkeypatch.setattr(
+        module, "Client", lambda url, **kw: ac.Client(url, transport=httpx.MockTransport(fake.handler), **kw)
+    )
     return module
 
 
-ARGS = ["--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--prompt", "11",
-        "--chunk", "4", "--steps", "3"]
+ARGS = [
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--prompt",
+    "11",
+    "--chunk",
+    "4",
+    "--steps",
+    "3",
+]
 
 
 def test_decode_loop_passes(example, fake, capsys):
@@ -59,5 +75,6 @@ def test_decode_loop_reports_an_unusable_server(example, fake, capsys):
 def test_reference_attention_matches_a_plain_loop(example, attention):
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((3, 4, 8)), rng.standard_normal((9, 2, 8)), rng.standard_normal((9, 2, 8))
-    np.testing.assert_allclose(example.reference_attention(q, k, v, 6), attention(q, k, v, 6, True, 8**-0.5),
-                               rtol=1e-12)
+    np.testing.assert_allclose(
+        example.reference_attention(q, k, v, 6), attention(q, k, v, 6, True, 8**-0.5), rtol=1e-12
+    )

@@ -113,8 +113,9 @@ def test_exceptions_from_real_answers(live_client, live_server_url):
     with pytest.raises(ac.SessionNotFound) as e:
         live_client.get_session("no-such-session")
     assert e.value.status == 404
-    s = live_client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, max_tokens=4,
-                                   session_id=f"live-{rng.integers(1 << 30)}")
+    s = live_client.create_session(
+        num_qo_heads=H, num_kv_heads=KV, head_dim=D, max_tokens=4, session_id=f"live-{rng.integers(1 << 30)}"
+    )
     with pytest.raises(ac.SessionExists) as e:
         live_client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, session_id=s.session_id)
     assert e.value.status == 409
@@ -147,11 +148,15 @@ def test_exceptions_from_real_answers(live_client, live_server_url):
         assert type(ac.parse_problem(r.status_code, r.content, r.headers)) is ac.MalformedBody
         r = raw.post(path, content=b"k=1", headers={"content-type": "text/plain"})
         assert type(ac.parse_problem(r.status_code, r.content, r.headers)) is ac.UnsupportedMediaType
-        r = raw.put(f"{live_server_url}/v1/sessions/restored-x/snapshot", content=b"\x80",
-                    headers={"content-type": wire.MSGPACK})
+        r = raw.put(
+            f"{live_server_url}/v1/sessions/restored-x/snapshot",
+            content=b"\x80",
+            headers={"content-type": wire.MSGPACK},
+        )
         assert type(ac.parse_problem(r.status_code, r.content, r.headers)) is ac.InvalidSnapshot
-        body = wire.packb({"k": wire.encode_array(rand(1, KV, D)), "v": {"dtype": "<f4", "shape": [1, KV, D],
-                                                                         "data": b"\0" * 7}})
+        body = wire.packb(
+            {"k": wire.encode_array(rand(1, KV, D)), "v": {"dtype": "<f4", "shape": [1, KV, D], "data": b"\0" * 7}}
+        )
         r = raw.post(path, content=body, headers={"content-type": wire.MSGPACK})
         assert type(ac.parse_problem(r.status_code, r.content, r.headers)) is ac.InvalidRequest
     s.delete()
@@ -161,17 +166,30 @@ def test_exceptions_from_real_answers(live_client, live_server_url):
 # raw to the real server too; the server's answer must map to the class the client raised.
 MISTAKES = [
     # (client call on a one-layer session, the same mistake as a raw request)
-    (lambda s: s.append(3, rand(1, KV, D), rand(1, KV, D)),
-     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/3/kv", {"k": [[[0.0] * D] * KV], "v": [[[0.0] * D] * KV]})),
-    (lambda s: s.attend(1, rand(1, H, D)),
-     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/1/attend", {"q": [[[0.0] * D] * H]})),
-    (lambda s: s.append(0, rand(1, KV, D - 1), rand(1, KV, D - 1)),
-     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/kv",
-                  {"k": [[[0.0] * (D - 1)] * KV], "v": [[[0.0] * (D - 1)] * KV]})),
-    (lambda s: s.attend(0, rand(1, H, D), start_pos=-1),
-     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "start_pos": -1})),
-    (lambda s: s.attend(0, rand(1, H, D), k=rand(1, KV, D)),
-     lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "k": [[[0.0] * D] * KV]})),
+    (
+        lambda s: s.append(3, rand(1, KV, D), rand(1, KV, D)),
+        lambda sid: ("POST", f"/v1/sessions/{sid}/layers/3/kv", {"k": [[[0.0] * D] * KV], "v": [[[0.0] * D] * KV]}),
+    ),
+    (
+        lambda s: s.attend(1, rand(1, H, D)),
+        lambda sid: ("POST", f"/v1/sessions/{sid}/layers/1/attend", {"q": [[[0.0] * D] * H]}),
+    ),
+    (
+        lambda s: s.append(0, rand(1, KV, D - 1), rand(1, KV, D - 1)),
+        lambda sid: (
+            "POST",
+            f"/v1/sessions/{sid}/layers/0/kv",
+            {"k": [[[0.0] * (D - 1)] * KV], "v": [[[0.0] * (D - 1)] * KV]},
+        ),
+    ),
+    (
+        lambda s: s.attend(0, rand(1, H, D), start_pos=-1),
+        lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "start_pos": -1}),
+    ),
+    (
+        lambda s: s.attend(0, rand(1, H, D), k=rand(1, KV, D)),
+        lambda sid: ("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": [[[0.0] * D] * H], "k": [[[0.0] * D] * KV]}),
+    ),
 ]
 
 

@@ -61,4 +61,5 @@ def test_the_one_list_is_consistent():
     constants = [v for k, v in vars(problems).items() if k.isupper() and isinstance(v, problems.ProblemType)]
     assert sorted(constants) == sorted(problems.PROBLEM_TYPES.values())
     assert set(problems.__all__) == {"ProblemType", "PROBLEM_TYPES"} | {
-        k for k, v in vars(problems).items() if isinstance(v, problems.ProblemType)}
+        k for k, v in vars(problems).items() if isinstance(v, problems.ProblemType)
+    }

@@ -150,9 +150,7 @@ def test_append_whose_answer_was_lost_is_not_appended_twice(client, fake, sleeps
 
 @pytest.mark.parametrize("start_pos", [None, 1])
 @pytest.mark.parametrize("kind", ["drop", "late"])
-def test_fused_attend_whose_answer_was_lost_returns_the_output_it_would_have(
-    client, fake, attention, kind, start_pos
-):
+def test_fused_attend_whose_answer_was_lost_returns_the_output_it_would_have(client, fake, attention, kind, start_pos):
     s = new_session(client)
     s.append(1, rand(4, 2, 8), rand(4, 2, 8))
     q, k, v = rand(2, 4, 8), rand(2, 2, 8), rand(2, 2, 8)
@@ -287,8 +285,10 @@ def test_connection_refused_is_wrapped_after_retries(mode):
         if cls is ac.Client:
             client._sleep = sleeps.append
         else:
+
             async def record(s):
                 sleeps.append(s)
+
             client._sleep = record
         return client
 
@@ -323,8 +323,10 @@ def test_a_server_that_never_answers_times_out(mode):
         if cls is ac.Client:
             client._sleep = lambda s: None
         else:
+
             async def no_sleep(s):
                 return None
+
             client._sleep = no_sleep
         return client
 

@@ -50,8 +50,15 @@ def test_create_session_puts_the_config_under_a_fresh_id_and_returns_info(client
     assert request.headers["accept"] == "application/vnd.msgpack"
     assert request.headers["user-agent"] == f"attnserve-client/{ac.__version__}"
     assert "authorization" not in request.headers
-    assert body_of(request) == {"num_layers": 2, "num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 16,
-                                "kv_format": "turboquant", "max_tokens": 64, "seed": 7}
+    assert body_of(request) == {
+        "num_layers": 2,
+        "num_qo_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "kv_format": "turboquant",
+        "max_tokens": 64,
+        "seed": 7,
+    }
     assert s.lengths == (0, 0)
     info = s.info()
     assert info == ac.SessionInfo(sid, 2, 8, 2, 16, "turboquant", 64, 7, (0, 0), 0)
@@ -78,8 +85,13 @@ def test_server_assigned_id_posts(client, fake):
 
 def test_create_session_leaves_server_defaults_out(client, fake):
     new_session(client, num_layers=1)
-    assert body_of(fake.requests[0]) == {"num_layers": 1, "num_qo_heads": 8, "num_kv_heads": 2,
-                                         "head_dim": 16, "kv_format": "f32"}
+    assert body_of(fake.requests[0]) == {
+        "num_layers": 1,
+        "num_qo_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "kv_format": "f32",
+    }
 
 
 def test_create_session_with_id_puts(client, fake):
@@ -95,17 +107,26 @@ def test_create_session_with_id_puts(client, fake):
 @pytest.mark.parametrize("bad", ["", "a/b", "../x", "x" * 65, "spa ce", 7, None])
 def test_session_ids_are_checked_before_sending(client, fake, bad):
     # as the server answers: 422 where it would create the session, 404 where it would look it up
-    for call, cls in ((lambda: new_session(client, session_id=bad if bad is not None else 1.5), ac.InvalidRequest),
-                      (lambda: client.get_session(bad), ac.SessionNotFound),
-                      (lambda: client.delete_session(bad), ac.SessionNotFound)):
+    for call, cls in (
+        (lambda: new_session(client, session_id=bad if bad is not None else 1.5), ac.InvalidRequest),
+        (lambda: client.get_session(bad), ac.SessionNotFound),
+        (lambda: client.delete_session(bad), ac.SessionNotFound),
+    ):
         with pytest.raises(ac.InvalidInput, match=r"^session_id: expected 1 to 64 of \[A-Za-z0-9_-\], got") as info:
             call()
         assert isinstance(info.value, cls)
     assert fake.requests == []
 
 
-@pytest.mark.parametrize("kw, name", [({"num_qo_heads": 8.0}, "num_qo_heads"), ({"head_dim": True}, "head_dim"),
-                                      ({"max_tokens": "9"}, "max_tokens"), ({"kv_format": 3}, "kv_format")])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        ({"num_qo_heads": 8.0}, "num_qo_heads"),
+        ({"head_dim": True}, "head_dim"),
+        ({"max_tokens": "9"}, "max_tokens"),
+        ({"kv_format": 3}, "kv_format"),
+    ],
+)
 def test_create_arguments_are_checked_before_sending(client, fake, kw, name):
     with pytest.raises(ac.InvalidRequest, match=rf"^{name}: expected") as info:
         new_session(client, **kw)
@@ -166,10 +187,13 @@ def test_base_url_may_carry_a_prefix_and_extra_headers(mode):
         with ac.Client("http://h/prefix/", transport=httpx.MockTransport(handler), headers={"X-T": "1"}) as c:
             c.info()
     else:
+
         async def run():
-            async with ac.AsyncClient("http://h/prefix/", transport=httpx.MockTransport(handler),
-                                      headers={"X-T": "1"}) as c:
+            async with ac.AsyncClient(
+                "http://h/prefix/", transport=httpx.MockTransport(handler), headers={"X-T": "1"}
+            ) as c:
                 await c.info()
+
         asyncio.run(run())
     assert seen[0].url == "http://h/prefix/v1/info" and seen[0].headers["x-t"] == "1"
 
@@ -245,18 +269,36 @@ def test_inputs_are_converted_once_to_little_endian_float32(client, fake):
         (lambda s: s.attend(0, rand(3, 4, 16)), r"^q: expected shape \(n, 8, 16\) with n >= 1, got \(3, 4, 16\)$"),
         (lambda s: s.attend(0, rand(8, 16)), r"^q: expected shape \(n, 8, 16\) with n >= 1, got \(8, 16\)$"),
         (lambda s: s.attend(0, rand(0, 8, 16)), r"^q: expected shape \(n, 8, 16\) with n >= 1, got \(0, 8, 16\)$"),
-        (lambda s: s.append(0, rand(2, 8, 16), rand(2, 8, 16)), r"^k: expected shape \(m, 2, 16\) with m >= 1, got \(2, 8, 16\)$"),
-        (lambda s: s.append(0, rand(2, 2, 16), rand(3, 2, 16)), r"^v: expected the shape of k \(2, 2, 16\), got \(3, 2, 16\)$"),
-        (lambda s: s.append(0, rand(2, 2, 16), rand(2, 2, 15)), r"^v: expected shape \(m, 2, 16\) with m >= 1, got \(2, 2, 15\)$"),
+        (
+            lambda s: s.append(0, rand(2, 8, 16), rand(2, 8, 16)),
+            r"^k: expected shape \(m, 2, 16\) with m >= 1, got \(2, 8, 16\)$",
+        ),
+        (
+            lambda s: s.append(0, rand(2, 2, 16), rand(3, 2, 16)),
+            r"^v: expected the shape of k \(2, 2, 16\), got \(3, 2, 16\)$",
+        ),
+        (
+            lambda s: s.append(0, rand(2, 2, 16), rand(2, 2, 15)),
+            r"^v: expected shape \(m, 2, 16\) with m >= 1, got \(2, 2, 15\)$",
+        ),
         (lambda s: s.attend(0, rand(1, 8, 16), k=rand(1, 2, 16)), r"^k, v: expected both or neither, got only k$"),
         (lambda s: s.attend(0, rand(1, 8, 16), v=rand(1, 2, 16)), r"^k, v: expected both or neither, got only v$"),
         (lambda s: s.attend(0, rand(1, 8, 16), k=rand(1, 2, 16), v=rand(2, 2, 16)), r"^v: expected the shape of k"),
-        (lambda s: s.append(0, np.ones((1, 2, 16), int), rand(1, 2, 16)), r"^k: expected a float array, got dtype int64$"),
+        (
+            lambda s: s.append(0, np.ones((1, 2, 16), int), rand(1, 2, 16)),
+            r"^k: expected a float array, got dtype int64$",
+        ),
         (lambda s: s.attend(0, np.ones((1, 8, 16), complex)), r"^q: expected a float array, got dtype complex128$"),
         (lambda s: s.attend(0, np.ones((1, 8, 16), bool)), r"^q: expected a float array, got dtype bool$"),
         (lambda s: s.attend(0, [[1.0], [1.0, 2.0]]), r"^q: expected a float array"),
-        (lambda s: s.attend(0, np.full((1, 8, 16), np.nan)), r"^q: expected finite values, got nan at index \(0, 0, 0\)$"),
-        (lambda s: s.append(0, rand(1, 2, 16), np.full((1, 2, 16), 1e300)), r"^v: expected finite values, got inf at index"),
+        (
+            lambda s: s.attend(0, np.full((1, 8, 16), np.nan)),
+            r"^q: expected finite values, got nan at index \(0, 0, 0\)$",
+        ),
+        (
+            lambda s: s.append(0, rand(1, 2, 16), np.full((1, 2, 16), 1e300)),
+            r"^v: expected finite values, got inf at index",
+        ),
         (lambda s: s.attend(2, rand(1, 8, 16)), r"^layer: expected an int in 0\.\.1, got 2$"),
         (lambda s: s.attend(-1, rand(1, 8, 16)), r"^layer: expected an int in 0\.\.1, got -1$"),
         (lambda s: s.append(True, rand(1, 2, 16), rand(1, 2, 16)), r"^layer: expected an int in 0\.\.1, got True$"),
@@ -361,13 +403,23 @@ def test_contract_errors_from_the_emulated_server(make_client, fake):
 
 @pytest.mark.parametrize(
     "status, slug, cls",
-    [(400, "malformed-body", ac.MalformedBody), (401, "unauthorized", ac.Unauthorized),
-     (404, "session-not-found", ac.SessionNotFound), (404, "layer-not-found", ac.LayerNotFound),
-     (409, "offset-mismatch", ac.OffsetMismatch), (409, "session-exists", ac.SessionExists),
-     (409, "capacity-exceeded", ac.CapacityExceeded), (413, "payload-too-large", ac.PayloadTooLarge),
-     (415, "unsupported-media-type", ac.UnsupportedMediaType), (422, "invalid-snapshot", ac.InvalidSnapshot),
-     (422, "invalid-request", ac.InvalidRequest), (503, "overloaded", ac.Overloaded),
-     (503, "not-ready", ac.NotReady), (507, "out-of-memory", ac.OutOfMemory), (500, "internal", ac.APIStatusError)],
+    [
+        (400, "malformed-body", ac.MalformedBody),
+        (401, "unauthorized", ac.Unauthorized),
+        (404, "session-not-found", ac.SessionNotFound),
+        (404, "layer-not-found", ac.LayerNotFound),
+        (409, "offset-mismatch", ac.OffsetMismatch),
+        (409, "session-exists", ac.SessionExists),
+        (409, "capacity-exceeded", ac.CapacityExceeded),
+        (413, "payload-too-large", ac.PayloadTooLarge),
+        (415, "unsupported-media-type", ac.UnsupportedMediaType),
+        (422, "invalid-snapshot", ac.InvalidSnapshot),
+        (422, "invalid-request", ac.InvalidRequest),
+        (503, "overloaded", ac.Overloaded),
+        (503, "not-ready", ac.NotReady),
+        (507, "out-of-memory", ac.OutOfMemory),
+        (500, "internal", ac.APIStatusError),
+    ],
 )
 def test_every_problem_answer_raises_its_exception(make_client, fake, status, slug, cls):
     client = make_client(max_retries=0)
@@ -377,8 +429,13 @@ def test_every_problem_answer_raises_its_exception(make_client, fake, status, sl
         s.attend(0, rand(1, 8, 16), k=rand(1, 2, 16), v=rand(1, 2, 16))
     err = e.value
     assert type(err) is cls and err.status == status
-    assert err.problem == {"type": f"/problems/{slug}", "title": slug.replace("-", " "), "status": status,
-                           "detail": "injected", "length": 0}
+    assert err.problem == {
+        "type": f"/problems/{slug}",
+        "title": slug.replace("-", " "),
+        "status": status,
+        "detail": "injected",
+        "length": 0,
+    }
     assert err.retry_after == 1.0
 
 
@@ -389,18 +446,29 @@ def test_malformed_success_answers_raise_invalid_response(make_client, fake):
         (b"\xc1", {"content-type": wire.MSGPACK}, r"undecodable answer"),
         (b"{not json", {"content-type": "application/json"}, r"undecodable answer"),
         (wire.packb({"length": 1}), {"content-type": wire.MSGPACK}, r"attend: out: expected an array"),
-        (wire.packb({"out": wire.encode_array(np.zeros((1, 8, 16))), "length": "1"}), {"content-type": wire.MSGPACK},
-         r"attend: expected 'length' as an int in the answer, got '1'"),
-        (wire.packb({"out": wire.encode_array(np.zeros((2, 8, 16))), "length": 1}), {"content-type": wire.MSGPACK},
-         r"attend: expected out of shape \(1, 8, 16\), got \(2, 8, 16\)"),
-        (wire.packb({"out": {"dtype": "<f8", "shape": [1], "data": b"\0" * 8}, "length": 1}), {"content-type": wire.MSGPACK},
-         r"attend: out: expected dtype '<f4'"),
+        (
+            wire.packb({"out": wire.encode_array(np.zeros((1, 8, 16))), "length": "1"}),
+            {"content-type": wire.MSGPACK},
+            r"attend: expected 'length' as an int in the answer, got '1'",
+        ),
+        (
+            wire.packb({"out": wire.encode_array(np.zeros((2, 8, 16))), "length": 1}),
+            {"content-type": wire.MSGPACK},
+            r"attend: expected out of shape \(1, 8, 16\), got \(2, 8, 16\)",
+        ),
+        (
+            wire.packb({"out": {"dtype": "<f8", "shape": [1], "data": b"\0" * 8}, "length": 1}),
+            {"content-type": wire.MSGPACK},
+            r"attend: out: expected dtype '<f4'",
+        ),
     ]
     for content, headers, message in cases:
         fake.fail("raw", status=200, content=content, headers=headers)
         with pytest.raises(ac.InvalidResponse, match=message):
             s.attend(0, rand(1, 8, 16), k=rand(1, 2, 16), v=rand(1, 2, 16))
-    fake.fail("raw", status=200, content=b'{"session_id": 3, "lengths": []}', headers={"content-type": "application/json"})
+    fake.fail(
+        "raw", status=200, content=b'{"session_id": 3, "lengths": []}', headers={"content-type": "application/json"}
+    )
     with pytest.raises(ac.InvalidResponse, match=r"session info: expected 'session_id' as str, got 3"):
         s.info()
     fake.fail("raw", status=200, content=b'"nope"', headers={"content-type": "application/json"})
@@ -409,9 +477,21 @@ def test_malformed_success_answers_raise_invalid_response(make_client, fake):
 
 
 def test_session_info_tolerates_extra_members():
-    info = ac.SessionInfo.from_dict({"session_id": "a", "num_layers": 1, "num_qo_heads": 2, "num_kv_heads": 1,
-                                     "head_dim": 4, "kv_format": "f32", "max_tokens": None, "seed": 3,
-                                     "lengths": [0], "bytes": 0, "pages": 9})
+    info = ac.SessionInfo.from_dict(
+        {
+            "session_id": "a",
+            "num_layers": 1,
+            "num_qo_heads": 2,
+            "num_kv_heads": 1,
+            "head_dim": 4,
+            "kv_format": "f32",
+            "max_tokens": None,
+            "seed": 3,
+            "lengths": [0],
+            "bytes": 0,
+            "pages": 9,
+        }
+    )
     assert info.extra == {"pages": 9} and info.max_tokens is None
     with pytest.raises(ac.InvalidResponse, match=r"expected 2 lengths"):
         ac.SessionInfo.from_dict({**dataclasses.asdict(info), "num_layers": 2})

@@ -43,7 +43,11 @@ def test_msgpack_round_trip_gives_float32_of_same_values(a, transpose):
 
 
 @settings(max_examples=100, deadline=None)
-@given(FLOAT_DTYPES.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5), elements=FINITE)))
+@given(
+    FLOAT_DTYPES.flatmap(
+        lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=5), elements=FINITE)
+    )
+)
 def test_json_nested_lists_round_trip(a):
     as_json = json.loads(json.dumps(a.astype(np.float32).tolist()))
     out = decode_array(as_json, name="x")
@@ -85,8 +89,10 @@ def test_decode_map_is_zero_copy_and_read_only():
     assert not frozen.flags.writeable
 
 
-@pytest.mark.parametrize("bad", [np.arange(3), np.array([True]), np.array([1 + 2j]), np.array(["a"]),
-                                 np.array([None]), [[1.0], [2.0, 3.0]], "1.0"])
+@pytest.mark.parametrize(
+    "bad",
+    [np.arange(3), np.array([True]), np.array([1 + 2j]), np.array(["a"]), np.array([None]), [[1.0], [2.0, 3.0]], "1.0"],
+)
 def test_encode_refuses_non_float(bad):
     with pytest.raises(WireError, match=r"^k: expected a float array"):
         encode_array(bad, name="k")
@@ -104,8 +110,11 @@ def test_as_float32_overflow_becomes_inf_and_check_finite_names_the_index():
 
 def arr_map(shape=(2, 3), data=None, dtype="<f4", **extra):
     n = int(np.prod(shape)) if isinstance(shape, (list, tuple)) else 0
-    obj = {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape,
-           "data": bytes(4 * n) if data is None else data}
+    obj = {
+        "dtype": dtype,
+        "shape": list(shape) if isinstance(shape, tuple) else shape,
+        "data": bytes(4 * n) if data is None else data,
+    }
     obj.update(extra)
     return obj
 
@@ -113,7 +122,10 @@ def arr_map(shape=(2, 3), data=None, dtype="<f4", **extra):
 @pytest.mark.parametrize(
     "obj, message",
     [
-        ({"dtype": "<f4", "shape": [1]}, r"expected exactly the keys \['data', 'dtype', 'shape'\], got \['dtype', 'shape'\]"),
+        (
+            {"dtype": "<f4", "shape": [1]},
+            r"expected exactly the keys \['data', 'dtype', 'shape'\], got \['dtype', 'shape'\]",
+        ),
         (arr_map(extra=1), r"expected exactly the keys .* got \['data', 'dtype', 'extra', 'shape'\]"),
         (arr_map(dtype="<f8"), r"expected dtype '<f4', got '<f8'"),
         (arr_map(dtype=">f4"), r"expected dtype '<f4', got '>f4'"),
@@ -239,6 +251,8 @@ def test_wire_imports_only_numpy_and_msgpack():
     import inspect
 
     tree = ast.parse(inspect.getsource(wire))
-    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert roots <= {"__future__", "collections", "math", "typing", "msgpack", "numpy"}

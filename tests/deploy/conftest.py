@@ -60,7 +60,10 @@ def ensure_nginx() -> str:
     for package in ("nginx", "nginx-light"):
         result = subprocess.run(
             ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
-            env=env, capture_output=True, text=True, timeout=600,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         if result.returncode == 0 and find_nginx():
             return find_nginx()  # type: ignore[return-value]
@@ -101,7 +104,10 @@ class Replica:
         )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=ROOT, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
         )
 
     def wait_ready(self, timeout: float = 90.0) -> None:
@@ -229,8 +235,11 @@ def topology() -> Iterator[Topology]:
     router_port = free_port()
     access_log = workdir / "access.log"
     conf, upstreams = write_nginx_conf(workdir, replicas, router_port, access_log)
-    check = subprocess.run([nginx_bin, "-t", "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")],
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [nginx_bin, "-t", "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")],
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, f"nginx -t refused the routing configuration:\n{check.stderr}"
     topo = Topology(f"http://127.0.0.1:{router_port}", replicas, access_log, workdir, upstreams_conf=upstreams)
     try:
@@ -240,12 +249,15 @@ def topology() -> Iterator[Topology]:
             r.wait_ready()
         topo.nginx = subprocess.Popen(
             [nginx_bin, "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log"), "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL, stderr=(workdir / "nginx.stderr").open("wb"),
+            stdout=subprocess.DEVNULL,
+            stderr=(workdir / "nginx.stderr").open("wb"),
         )
         try:
             wait_port(router_port, topo.nginx)
         except RuntimeError as exc:
-            err = (workdir / "error.log").read_text(errors="replace")[-2000:] if (workdir / "error.log").exists() else ""
+            err = (
+                (workdir / "error.log").read_text(errors="replace")[-2000:] if (workdir / "error.log").exists() else ""
+            )
             pytest.fail(f"{exc}:\n{err}", pytrace=False)
         yield topo
     finally:

@@ -13,7 +13,9 @@ from attnserve.instance import ENV_VAR, HEADER, InstanceHeaderMiddleware, instan
 def _run(app, scope, body_chunks=(b"",)):
     """Drive an ASGI app with one request; return the messages it sent."""
     sent = []
-    incoming = [{"type": "http.request", "body": c, "more_body": i < len(body_chunks) - 1} for i, c in enumerate(body_chunks)]
+    incoming = [
+        {"type": "http.request", "body": c, "more_body": i < len(body_chunks) - 1} for i, c in enumerate(body_chunks)
+    ]
 
     async def receive():
         return incoming.pop(0) if incoming else {"type": "http.disconnect"}
@@ -131,7 +133,9 @@ def test_wrapping_the_app_marks_unhandled_errors_too():
     # wrapping the whole app also marks the 500 of an unhandled exception.
     from fastapi.testclient import TestClient
 
-    with TestClient(InstanceHeaderMiddleware(_fastapi_app(), name="replica-c"), raise_server_exceptions=False) as client:
+    with TestClient(
+        InstanceHeaderMiddleware(_fastapi_app(), name="replica-c"), raise_server_exceptions=False
+    ) as client:
         for path, status in (("/ok", 200), ("/missing", 404), ("/boom", 500)):
             response = client.get(path)
             assert response.status_code == status

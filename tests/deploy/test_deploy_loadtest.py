@@ -50,7 +50,9 @@ garbage line
 """
     parsed = loadtest.parse_prometheus(text)
     assert parsed['attnserve_requests_total{route="/v1/sessions/{session_id}",method="PUT",status="201"}'] == 20
-    assert parsed['attnserve_build_info{version="0.1.0",adapter="llvmpipe (LLVM 15.0.6, 256 bits)",backend="Vulkan"}'] == 1
+    assert (
+        parsed['attnserve_build_info{version="0.1.0",adapter="llvmpipe (LLVM 15.0.6, 256 bits)",backend="Vulkan"}'] == 1
+    )
     assert parsed["attnserve_gpu_jobs_total"] == 7
     assert len(parsed) == 4
     after = dict(parsed, attnserve_gpu_jobs_total=10.0, attnserve_new_total=2.0)
@@ -62,7 +64,9 @@ def test_loopback_targets_are_accepted(url):
     loadtest.check_loopback([url])
 
 
-@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://192.168.0.10:80", "https://8.8.8.8", "http://[2001:db8::1]:80"])
+@pytest.mark.parametrize(
+    "url", ["http://10.1.2.3:8000", "http://192.168.0.10:80", "https://8.8.8.8", "http://[2001:db8::1]:80"]
+)
 def test_other_targets_are_refused_before_any_traffic(url):
     with pytest.raises(loadtest.UsageError, match="not a loopback address"):
         loadtest.check_loopback([url])
@@ -76,7 +80,12 @@ def test_main_refuses_a_remote_url_with_exit_2(capsys):
 
 
 def test_usage_errors_exit_2():
-    for argv in (["--mode", "open"], ["--kv-heads", "3"], ["--verify", "0.5", "--kv-format", "turboquant"], ["--sessions", "0"]):
+    for argv in (
+        ["--mode", "open"],
+        ["--kv-heads", "3"],
+        ["--verify", "0.5", "--kv-format", "turboquant"],
+        ["--sessions", "0"],
+    ):
         with pytest.raises(SystemExit) as info:
             loadtest.parse_args(argv)
         assert info.value.code == 2, argv
@@ -132,8 +141,13 @@ def test_healthcheck_exit_codes():
     assert healthcheck.main(["hc", f"http://127.0.0.1:{closed}/readyz"]) == 1
 
 
-@pytest.mark.parametrize("create, expected", [("put", {"session_id": "sid-1", "server_assigned_id": False}),
-                                              ("post", {"session_id": None, "server_assigned_id": True})])
+@pytest.mark.parametrize(
+    "create, expected",
+    [
+        ("put", {"session_id": "sid-1", "server_assigned_id": False}),
+        ("post", {"session_id": None, "server_assigned_id": True}),
+    ],
+)
 def test_create_mode_picks_put_or_post(create, expected):
     import asyncio
 

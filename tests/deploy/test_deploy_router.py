@@ -170,8 +170,9 @@ def test_sessions_are_pinned_and_spread(topology, client):
             # append went there (a stray one would have failed with 404 elsewhere).
             via_router = client.get_session(seq.sid)
             assert list(via_router.lengths) == seq.lengths() == [10] * LAYERS
-            direct = httpx.get(f"{replica.url}/v1/sessions/{seq.sid}", headers={"Accept": "application/json"},
-                               trust_env=False)
+            direct = httpx.get(
+                f"{replica.url}/v1/sessions/{seq.sid}", headers={"Accept": "application/json"}, trust_env=False
+            )
             assert direct.status_code == 200 and direct.json()["lengths"] == seq.lengths()
     # The router's own log: every request naming a session went to one upstream,
     # the owner's.
@@ -192,8 +193,9 @@ def test_sessions_are_pinned_and_spread(topology, client):
 
 def test_requests_without_an_id_go_to_any_replica(topology, client):
     before = len(topology.access_lines())
-    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True)
-            for _ in range(24)]
+    made = [
+        client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True) for _ in range(24)
+    ]
     owners = {info.session_id: owner(topology, info.session_id) for info in (s._config for s in made)}
     assert set(owners.values()) == {r.name for r in topology.replicas}, owners
     for _ in range(16):
@@ -260,12 +262,37 @@ def test_load_test_through_the_router(topology):
     loadtest = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = loadtest
     spec.loader.exec_module(loadtest)
-    cfg = loadtest.parse_args([
-        "--url", topology.router_url, "--sessions", "4", "--duration", "3", "--layers", "2",
-        "--prefill", "24", "--chunk", "12", "--decode-steps", "6", "--qo-heads", str(H),
-        "--kv-heads", str(KV), "--head-dim", str(D), "--verify", "0.5", "--seed", "3", "--progress", "off",
-        *[arg for r in topology.replicas for arg in ("--metrics-url", r.url)],
-    ])
+    cfg = loadtest.parse_args(
+        [
+            "--url",
+            topology.router_url,
+            "--sessions",
+            "4",
+            "--duration",
+            "3",
+            "--layers",
+            "2",
+            "--prefill",
+            "24",
+            "--chunk",
+            "12",
+            "--decode-steps",
+            "6",
+            "--qo-heads",
+            str(H),
+            "--kv-heads",
+            str(KV),
+            "--head-dim",
+            str(D),
+            "--verify",
+            "0.5",
+            "--seed",
+            "3",
+            "--progress",
+            "off",
+            *[arg for r in topology.replicas for arg in ("--metrics-url", r.url)],
+        ]
+    )
     before = len(topology.access_lines())
     report = asyncio.run(loadtest.run(cfg))
     assert report["error_count"] == 0, (report["errors"], report["error_examples"])
@@ -315,8 +342,9 @@ def test_a_stopped_replica_loses_only_its_own_sessions(topology, client):
     # What a client does on session-not-found: recreate the session (PUT, same id;
     # it now lands on the survivor) and replay its K/V, then carry on.
     for seq in by_owner[victim.name]:
-        session = client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS,
-                                        session_id=seq.sid)
+        session = client.create_session(
+            num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS, session_id=seq.sid
+        )
         recovered = seq.replay_onto(session)
         assert list(client.get_session(seq.sid).lengths) == recovered.lengths()
         recovered.decode()

@@ -41,18 +41,21 @@ def run(checkout: Path, *argv: str) -> list[str]:
     log = checkout / "log"
     log.write_text("")
     env = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv")
-    r = subprocess.run(["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     return [ln for ln in log.read_text().splitlines() if "--upgrade pip" not in ln]
 
 
 def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
-    assert run(checkout, "serve", "--port", "9") == ["python -m pip install -q -e ./client -e .",
-                                                     "attnserve serve --host 127.0.0.1 --port 9"]
+    assert run(checkout, "serve", "--port", "9") == [
+        "python -m pip install -q -e ./client -e .",
+        "attnserve serve --host 127.0.0.1 --port 9",
+    ]
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # installed already
     # a serve install has no test extras: test installs them
-    assert run(checkout, "test", "-q") == ['python -m pip install -q -e ./client -e .[test]', "python -m pytest -q"]
+    assert run(checkout, "test", "-q") == ["python -m pip install -q -e ./client -e .[test]", "python -m pytest -q"]
     assert run(checkout, "test") == ["python -m pytest"]
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # the test install serves too
 

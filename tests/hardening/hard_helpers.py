@@ -57,7 +57,10 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -115,8 +118,11 @@ class ServerProcess:
     def server_errors(self) -> list[dict[str, Any]]:
         """Log records at error level or above, and tracebacks (an unhandled error
         is logged with its traceback, and answered 500)."""
-        return [r for r in self.log_records()
-                if r.get("level") in ("error", "critical") or "exc" in r or "Traceback" in str(r.get("msg"))]
+        return [
+            r
+            for r in self.log_records()
+            if r.get("level") in ("error", "critical") or "exc" in r or "Traceback" in str(r.get("msg"))
+        ]
 
     def rss_bytes(self) -> int:
         return process_rss(self.pid)
@@ -137,15 +143,35 @@ def process_rss(pid: int) -> int:
 class OracleSession:
     """A session with random rows in every layer, and what each layer must answer."""
 
-    def __init__(self, api: Api, rng: np.random.Generator, *, h: int, hkv: int, d: int, layers: int,
-                 fill: tuple[int, ...], kv_format: str = "f32", session_id: str | None = None,
-                 max_tokens: int = 512, enc: str = "msgpack"):
+    def __init__(
+        self,
+        api: Api,
+        rng: np.random.Generator,
+        *,
+        h: int,
+        hkv: int,
+        d: int,
+        layers: int,
+        fill: tuple[int, ...],
+        kv_format: str = "f32",
+        session_id: str | None = None,
+        max_tokens: int = 512,
+        enc: str = "msgpack",
+    ):
         self.api, self.rng = api, rng
         self.h, self.hkv, self.d, self.layers = h, hkv, d, layers
         self.kv_format = kv_format
         self.model = Model(h, hkv, d, layers)
-        info = api.create(enc, session_id, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=layers,
-                          kv_format=kv_format, max_tokens=max_tokens)
+        info = api.create(
+            enc,
+            session_id,
+            num_qo_heads=h,
+            num_kv_heads=hkv,
+            head_dim=d,
+            num_layers=layers,
+            kv_format=kv_format,
+            max_tokens=max_tokens,
+        )
         self.sid = info["session_id"]
         for layer, n in enumerate(fill):
             if n:

@@ -37,8 +37,10 @@ def target(spawn):
     srv: ServerProcess = spawn("abuse", ATTNSERVE_MAX_BODY_BYTES=LIMIT)
     api = Api(srv.url)
     rng = np.random.default_rng(11)
-    oracles = [OracleSession(api, rng, h=H, hkv=KV, d=D, layers=2, fill=(20, 3)),
-               OracleSession(api, rng, h=4, hkv=1, d=32, layers=1, fill=(9,), kv_format="turboquant")]
+    oracles = [
+        OracleSession(api, rng, h=H, hkv=KV, d=D, layers=2, fill=(20, 3)),
+        OracleSession(api, rng, h=4, hkv=1, d=32, layers=1, fill=(9,), kv_format="turboquant"),
+    ]
     victim = OracleSession(api, rng, h=H, hkv=KV, d=D, layers=2, fill=(10, 0), session_id="victim")
     time.sleep(0.5)
     rss0 = srv.rss_bytes()
@@ -60,8 +62,15 @@ def unchanged(api: Api, victim: OracleSession) -> None:
     assert all(len(s) <= 64 and s.replace("-", "").replace("_", "").isalnum() for s in sessions), sessions
 
 
-def raw_http(url: str, head: bytes, parts: list[bytes] = (), *, pause: float = 0.0,
-             timeout: float = 10.0, wait_close: float = 0.0) -> tuple[int, dict[str, str], bytes, float, bool]:
+def raw_http(
+    url: str,
+    head: bytes,
+    parts: list[bytes] = (),
+    *,
+    pause: float = 0.0,
+    timeout: float = 10.0,
+    wait_close: float = 0.0,
+) -> tuple[int, dict[str, str], bytes, float, bool]:
     """Send a request's head and parts over a plain socket (never finishing a body
     that is declared longer), then read the answer: (status, headers, body,
     seconds until the answer's first byte, whether the server closed the
@@ -95,7 +104,7 @@ def raw_http(url: str, head: bytes, parts: list[bytes] = (), *, pause: float = 0
             if not chunk:
                 break
             data += chunk
-        body = data[head_end:head_end + length]
+        body = data[head_end : head_end + length]
         closed = False
         if wait_close:
             s.settimeout(wait_close)
@@ -133,8 +142,9 @@ BODY_ROUTES = [
 def test_bodies_over_the_limit_are_refused_before_they_are_read(target, method, path):
     srv, api, victim, _, _ = target
     # a declared length far past the limit: answered with only 100 bytes of it sent
-    status, headers, body, first, closed = raw_http(srv.url, head(method, path, length=10**12), [b"\x80" * 100],
-                                                    wait_close=3)
+    status, headers, body, first, closed = raw_http(
+        srv.url, head(method, path, length=10**12), [b"\x80" * 100], wait_close=3
+    )
     assert status == 413 and json.loads(body)["type"] == "/problems/payload-too-large"
     assert json.loads(body)["max_body_bytes"] == LIMIT and first < 5
     assert closed and headers.get("connection") == "close"  # and the rest is not read either
@@ -183,8 +193,12 @@ BOMBS = {
 }
 
 
-BOMB_CASES = [(name, route) for name in BOMBS for route in ("kv", "attend", "create", "snapshot")
-              if not (route == "snapshot" and name.startswith("json"))]  # a snapshot is MessagePack only
+BOMB_CASES = [
+    (name, route)
+    for name in BOMBS
+    for route in ("kv", "attend", "create", "snapshot")
+    if not (route == "snapshot" and name.startswith("json"))
+]  # a snapshot is MessagePack only
 
 
 @pytest.mark.parametrize("name, route", BOMB_CASES, ids=[f"{n}-{r}" for n, r in BOMB_CASES])
@@ -192,8 +206,12 @@ def test_bombs_are_refused_fast_and_change_nothing(target, name, route):
     srv, api, victim, _, _ = target
     body = BOMBS[name]
     ctype = wire.JSON if name.startswith("json") else wire.MSGPACK
-    path = {"kv": "/v1/sessions/victim/layers/0/kv", "attend": "/v1/sessions/victim/layers/0/attend",
-            "create": "/v1/sessions", "snapshot": "/v1/sessions/bomb/snapshot"}[route]
+    path = {
+        "kv": "/v1/sessions/victim/layers/0/kv",
+        "attend": "/v1/sessions/victim/layers/0/attend",
+        "create": "/v1/sessions",
+        "snapshot": "/v1/sessions/bomb/snapshot",
+    }[route]
     method = "PUT" if route == "snapshot" else "POST"
     t0 = time.monotonic()
     r = api.client.request(method, path, content=body, headers={"Content-Type": ctype})
@@ -202,8 +220,10 @@ def test_bombs_are_refused_fast_and_change_nothing(target, name, route):
     if route == "snapshot":
         assert (r.status_code, problem["type"]) == (422, "/problems/invalid-snapshot"), problem
     else:
-        assert (r.status_code, problem["type"]) in {(400, "/problems/malformed-body"),
-                                                    (422, "/problems/invalid-request")}, problem
+        assert (r.status_code, problem["type"]) in {
+            (400, "/problems/malformed-body"),
+            (422, "/problems/invalid-request"),
+        }, problem
         if "1M-empty" in name or "deep" in name or "4G" in name or "declared" in name:
             assert r.status_code == 400, problem  # refused by the parser itself
     assert elapsed < 3, elapsed
@@ -230,7 +250,9 @@ def test_a_64mib_container_bomb_costs_little(spawn):
     t0 = time.monotonic()
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            sid = c.post("/v1/sessions", json={"num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 4}).json()["session_id"]
+            sid = c.post("/v1/sessions", json={"num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 4}).json()[
+                "session_id"
+            ]
             r = c.post(f"/v1/sessions/{sid}/layers/0/kv", content=body, headers={"Content-Type": wire.MSGPACK})
     finally:
         done.set()
@@ -244,8 +266,19 @@ def test_a_64mib_container_bomb_costs_little(spawn):
 
 BIG = 2**64 - 1
 SHAPES = [
-    [2**32, 2**32, 2**32], [BIG, BIG, 1], [0, BIG, BIG], [1, KV, 2**62], [2**63, 0, D], [3, 2**61, 2**61],
-    [1, KV, D * 2**32], [-1, KV, D], [1.0, KV, D], [True, KV, D], [1, KV], [1, KV, D, 1], [],
+    [2**32, 2**32, 2**32],
+    [BIG, BIG, 1],
+    [0, BIG, BIG],
+    [1, KV, 2**62],
+    [2**63, 0, D],
+    [3, 2**61, 2**61],
+    [1, KV, D * 2**32],
+    [-1, KV, D],
+    [1.0, KV, D],
+    [True, KV, D],
+    [1, KV],
+    [1, KV, D, 1],
+    [],
     [1] * 9,
 ]
 
@@ -256,18 +289,34 @@ def test_shapes_whose_product_overflows(target, shape):
     data = b"\0" * (KV * D * 4)
     bad = {"dtype": "<f4", "shape": shape, "data": data}
     good = wire.encode_array(rows(np.random.default_rng(0), 1, KV, D))
-    for path, doc in [("kv", {"k": bad, "v": good}), ("kv", {"k": good, "v": bad}),
-                      ("attend", {"q": {**bad, "shape": shape}}), ("attend", {"q": good, "k": bad, "v": good})]:
-        r = api.client.post(f"/v1/sessions/victim/layers/0/{path}", content=wire.packb(doc),
-                            headers={"Content-Type": wire.MSGPACK})
+    for path, doc in [
+        ("kv", {"k": bad, "v": good}),
+        ("kv", {"k": good, "v": bad}),
+        ("attend", {"q": {**bad, "shape": shape}}),
+        ("attend", {"q": good, "k": bad, "v": good}),
+    ]:
+        r = api.client.post(
+            f"/v1/sessions/victim/layers/0/{path}", content=wire.packb(doc), headers={"Content-Type": wire.MSGPACK}
+        )
         expect(r, 422, "invalid-request")
     unchanged(api, victim)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 2**63), ("max_tokens", BIG), ("num_layers", BIG), ("num_layers", 2**31), ("head_dim", 2**32),
-    ("num_qo_heads", 2**63), ("num_kv_heads", 2**63), ("seed", 2**64), ("seed", -1), ("max_tokens", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 2**63),
+        ("max_tokens", BIG),
+        ("num_layers", BIG),
+        ("num_layers", 2**31),
+        ("head_dim", 2**32),
+        ("num_qo_heads", 2**63),
+        ("num_kv_heads", 2**63),
+        ("seed", 2**64),
+        ("seed", -1),
+        ("max_tokens", 0),
+    ],
+)
 def test_session_sizes_that_overflow(target, field, value):
     srv, api, victim, _, _ = target
     doc = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 16, field: value}
@@ -282,8 +331,29 @@ def test_session_sizes_that_overflow(target, field, value):
 
 # ── ids with path characters ────────────────────────────────────────────────
 
-BAD_IDS = ["a%2Fb", "%2F", "..", "%2E%2E", "%2e", "a%5Cb", "a%00b", "a%20b", "%C3%A9t%C3%A9", "a.b", "a:b", "a;b",
-           "a%3Fb", "a%23b", "%25", "*", "~", "x" * 65, "a%0D%0AX-Injected:%201", "%FF", "..%2F..%2Fetc%2Fpasswd"]
+BAD_IDS = [
+    "a%2Fb",
+    "%2F",
+    "..",
+    "%2E%2E",
+    "%2e",
+    "a%5Cb",
+    "a%00b",
+    "a%20b",
+    "%C3%A9t%C3%A9",
+    "a.b",
+    "a:b",
+    "a;b",
+    "a%3Fb",
+    "a%23b",
+    "%25",
+    "*",
+    "~",
+    "x" * 65,
+    "a%0D%0AX-Injected:%201",
+    "%FF",
+    "..%2F..%2Fetc%2Fpasswd",
+]
 
 
 @pytest.mark.parametrize("sid", BAD_IDS)
@@ -293,13 +363,20 @@ def test_ids_with_path_characters_create_nothing(target, sid):
     create = json.dumps({"num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 4}).encode()
     blob = api.client.get("/v1/sessions/victim/snapshot").content
     for method, suffix, content, ctype in [
-        ("PUT", "", create, wire.JSON), ("PUT", "/snapshot", blob, wire.MSGPACK), ("GET", "", None, None),
-        ("GET", "/snapshot", None, None), ("DELETE", "", None, None),
-        ("POST", "/layers/0/kv", create, wire.JSON), ("POST", "/layers/0/attend", create, wire.JSON),
+        ("PUT", "", create, wire.JSON),
+        ("PUT", "/snapshot", blob, wire.MSGPACK),
+        ("GET", "", None, None),
+        ("GET", "/snapshot", None, None),
+        ("DELETE", "", None, None),
+        ("POST", "/layers/0/kv", create, wire.JSON),
+        ("POST", "/layers/0/attend", create, wire.JSON),
     ]:
         path = f"/v1/sessions/{sid}{suffix}"
-        h = head(method, path, ctype, len(content)) if content is not None else \
-            f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        h = (
+            head(method, path, ctype, len(content))
+            if content is not None
+            else f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        )
         status, headers, body, _, _ = raw_http(srv.url, h, [content] if content else [])
         assert "x-injected" not in headers
         if status == 307:  # "/v1/sessions/%2F" is "/v1/sessions/": Starlette redirects the trailing slash
@@ -307,8 +384,12 @@ def test_ids_with_path_characters_create_nothing(target, sid):
             continue
         assert status in (404, 405, 422), (method, path, status, body)
         problem = json.loads(body)
-        assert problem["type"] in ("/problems/not-found", "/problems/session-not-found",
-                                   "/problems/invalid-request", "/problems/method-not-allowed"), problem
+        assert problem["type"] in (
+            "/problems/not-found",
+            "/problems/session-not-found",
+            "/problems/invalid-request",
+            "/problems/method-not-allowed",
+        ), problem
     after = sorted(s["session_id"] for s in api.call("GET", "/v1/sessions").body["sessions"])
     assert after == before
     unchanged(api, victim)
@@ -333,11 +414,16 @@ def test_a_stalled_body_is_408_and_appends_nothing(quick_timeout):
     srv, api, victim = quick_timeout
     k = rows(np.random.default_rng(1), 2, KV, D)
     body = wire.packb({"k": wire.encode_array(k), "v": wire.encode_array(k)})
-    for path in ("/v1/sessions/slow/layers/0/kv", "/v1/sessions/slow/layers/0/attend", "/v1/sessions",
-                 "/v1/sessions/slow2/snapshot"):
+    for path in (
+        "/v1/sessions/slow/layers/0/kv",
+        "/v1/sessions/slow/layers/0/attend",
+        "/v1/sessions",
+        "/v1/sessions/slow2/snapshot",
+    ):
         method = "PUT" if path.endswith("snapshot") else "POST"
-        status, headers, answer, first, closed = raw_http(srv.url, head(method, path, length=len(body)),
-                                                          [body[:10]], timeout=10, wait_close=3)
+        status, headers, answer, first, closed = raw_http(
+            srv.url, head(method, path, length=len(body)), [body[:10]], timeout=10, wait_close=3
+        )
         assert status == 408 and json.loads(answer)["type"] == "/problems/body-timeout", answer
         assert 0.4 < first < 5 and closed and headers.get("connection") == "close"
     unchanged(api, victim)
@@ -348,9 +434,10 @@ def test_a_slow_but_steady_body_is_taken(quick_timeout):
     srv, api, victim = quick_timeout
     k = rows(np.random.default_rng(2), 3, KV, D)
     body = wire.packb({"k": wire.encode_array(k), "v": wire.encode_array(k), "offset": 5})
-    parts = [body[i:i + 40] for i in range(0, len(body), 40)]
-    status, _, answer, first, _ = raw_http(srv.url, head("POST", "/v1/sessions/slow/layers/0/kv", length=len(body)),
-                                           parts, pause=0.1)
+    parts = [body[i : i + 40] for i in range(0, len(body), 40)]
+    status, _, answer, first, _ = raw_http(
+        srv.url, head("POST", "/v1/sessions/slow/layers/0/kv", length=len(body)), parts, pause=0.1
+    )
     assert status == 200 and wire.unpackb(answer, max_bytes=1 << 20) == {"length": 8}
     assert first > 0.1 * (len(parts) - 1) - 0.05  # it really took its time
     victim.model.add(0, k, k)
@@ -410,14 +497,19 @@ def test_non_finite_values_are_refused_everywhere(target, value):
     srv, api, victim, _, _ = target
     good_k, good_q = rows(np.random.default_rng(6), 2, KV, D), rows(np.random.default_rng(7), 2, H, D)
     for enc in ("msgpack", "json"):
-        cases = [("kv", {"k": _with(value), "v": good_k}), ("kv", {"k": good_k, "v": _with(value)}),
-                 ("attend", {"q": _with(value, H)}), ("attend", {"q": good_q, "k": _with(value), "v": good_k}),
-                 ("attend", {"q": good_q, "scale": value})]
+        cases = [
+            ("kv", {"k": _with(value), "v": good_k}),
+            ("kv", {"k": good_k, "v": _with(value)}),
+            ("attend", {"q": _with(value, H)}),
+            ("attend", {"q": good_q, "k": _with(value), "v": good_k}),
+            ("attend", {"q": good_q, "scale": value}),
+        ]
         for path, doc in cases:
             if enc == "json":
                 text = json.dumps({k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in doc.items()})
-                r = api.client.post(f"/v1/sessions/victim/layers/0/{path}", content=text.encode(),
-                                    headers={"Content-Type": wire.JSON})
+                r = api.client.post(
+                    f"/v1/sessions/victim/layers/0/{path}", content=text.encode(), headers={"Content-Type": wire.JSON}
+                )
             else:
                 r = api.call("POST", f"/v1/sessions/victim/layers/0/{path}", doc, enc="msgpack")
             problem = expect(r, 422, "invalid-request")
@@ -442,14 +534,21 @@ def test_huge_finite_inputs_do_not_poison_the_session(target):
     srv, api, victim, _, _ = target
     sess = OracleSession(api, np.random.default_rng(8), h=H, hkv=KV, d=D, layers=2, fill=(4, 4))
     big = np.full((1, KV, D), 3e38, np.float32)
-    r = api.call("POST", f"/v1/sessions/{sess.sid}/layers/1/attend",
-                 {"q": np.full((1, H, D), 3e38, np.float32), "k": big, "v": big}, enc="msgpack")
+    r = api.call(
+        "POST",
+        f"/v1/sessions/{sess.sid}/layers/1/attend",
+        {"q": np.full((1, H, D), 3e38, np.float32), "k": big, "v": big},
+        enc="msgpack",
+    )
     assert r.status == 200 and r.body["length"] == 5
     out = wire.decode_array(r.body["out"], name="out", finite=False)
     assert not np.isfinite(out).all()
     sess.model.add(1, big, big)
-    r = api.client.post(f"/v1/sessions/{sess.sid}/layers/1/attend", content=json.dumps({"q": np.ones((1, H, D)).tolist()}),
-                        headers={"Content-Type": wire.JSON})
+    r = api.client.post(
+        f"/v1/sessions/{sess.sid}/layers/1/attend",
+        content=json.dumps({"q": np.ones((1, H, D)).tolist()}),
+        headers={"Content-Type": wire.JSON},
+    )
     assert r.status_code == 200 and b"NaN" in r.content  # JSON answers write NaN as NaN (docs/api.md)
     q = rows(np.random.default_rng(9), 2, H, D)
     got = api.attend(sess.sid, 0, q)  # layer 0 is untouched
@@ -470,8 +569,9 @@ def test_after_the_abuse_everything_is_as_it_was(target):
     errors = srv.server_errors()
     assert errors == [], errors[:3]
     m = srv.metrics()
-    assert not any(k.startswith("attnserve_requests_total") and 'status="5' in k for k in m), \
-        [k for k in m if 'status="5' in k]
+    assert not any(k.startswith("attnserve_requests_total") and 'status="5' in k for k in m), [
+        k for k in m if 'status="5' in k
+    ]
     time.sleep(0.5)
     grown = srv.rss_bytes() - rss0
     print(f"abuse server RSS: {rss0 >> 20} MiB at the start, {srv.rss_bytes() >> 20} MiB at the end")

@@ -43,7 +43,6 @@ from schemathesis.specs.openapi import checks
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.transport.serialization import Binary
 
-from attnserve.snapshot_format import digest
 from attnserve_client import wire
 from hard_helpers import OracleSession, ServerProcess
 from svc_helpers import Api, rows
@@ -57,8 +56,7 @@ BODY_LIMIT = 1 << 20
 POOL = {
     "fz-f32": dict(num_qo_heads=2, num_kv_heads=1, head_dim=2, num_layers=2, kv_format="f32", max_tokens=4096),
     "fz-gqa": dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, num_layers=1, kv_format="f32", max_tokens=4096),
-    "fz-tq": dict(num_qo_heads=2, num_kv_heads=1, head_dim=32, num_layers=2, kv_format="turboquant",
-                  max_tokens=4096),
+    "fz-tq": dict(num_qo_heads=2, num_kv_heads=1, head_dim=32, num_layers=2, kv_format="turboquant", max_tokens=4096),
 }
 
 # api.md: which problem types each status may carry
@@ -210,8 +208,9 @@ class FuzzEnv:
 
 @pytest.fixture(scope="module")
 def fuzz_env(spawn):
-    srv = spawn("fuzz", ATTNSERVE_MAX_BODY_BYTES=BODY_LIMIT, ATTNSERVE_MAX_SESSIONS=1_000_000,
-                ATTNSERVE_DEFAULT_MAX_TOKENS=4096)
+    srv = spawn(
+        "fuzz", ATTNSERVE_MAX_BODY_BYTES=BODY_LIMIT, ATTNSERVE_MAX_SESSIONS=1_000_000, ATTNSERVE_DEFAULT_MAX_TOKENS=4096
+    )
     api = Api(srv.url)
     rng = np.random.default_rng(7)
     oracles = [
@@ -233,8 +232,9 @@ def fuzz_env(spawn):
 
 
 def _array(draw, heads: int, d: int, as_map: bool, n: int):
-    a = np.asarray(draw(st.lists(st.floats(-4, 4, width=32), min_size=n * heads * d, max_size=n * heads * d)),
-                   dtype="<f4").reshape(n, heads, d)
+    a = np.asarray(
+        draw(st.lists(st.floats(-4, 4, width=32), min_size=n * heads * d, max_size=n * heads * d)), dtype="<f4"
+    ).reshape(n, heads, d)
     return {"dtype": "<f4", "shape": [n, heads, d], "data": Binary(a.tobytes())} if as_map else a.tolist()
 
 
@@ -248,8 +248,11 @@ def _components(case) -> tuple[bool, bool, bool]:
         info = meta.components.get(loc)
         return info is None or info.mode == GenerationMode.POSITIVE
 
-    return (meta.generation.mode == GenerationMode.NEGATIVE, positive(ParameterLocation.PATH),
-            positive(ParameterLocation.BODY))
+    return (
+        meta.generation.mode == GenerationMode.NEGATIVE,
+        positive(ParameterLocation.PATH),
+        positive(ParameterLocation.BODY),
+    )
 
 
 def _steer_path(case, sid: str, layer: str) -> None:
@@ -318,10 +321,12 @@ def _steer(pool: Pool):
                 blob = blob[: draw(st.integers(0, len(blob) - 1))]
             elif how == "flipped":
                 i = draw(st.integers(0, len(blob) - 1))
-                blob = blob[:i] + bytes([blob[i] ^ draw(st.integers(1, 255))]) + blob[i + 1:]
+                blob = blob[:i] + bytes([blob[i] ^ draw(st.integers(1, 255))]) + blob[i + 1 :]
             case.body = Binary(blob)
             if path_ok:
-                case.path_parameters["session_id"] = draw(st.sampled_from([sid, f"restored-{draw(st.integers(0, 10**9))}"]))
+                case.path_parameters["session_id"] = draw(
+                    st.sampled_from([sid, f"restored-{draw(st.integers(0, 10**9))}"])
+                )
         STATS.steered += 1
         STEERED.add(id(case))
         return case
@@ -335,8 +340,7 @@ def _steer(pool: Pool):
 @pytest.fixture(scope="module")
 def fuzz_schema(fuzz_env):
     schema = schemathesis.openapi.from_url(fuzz_env.server.url + "/openapi.json")
-    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-                                    max_examples=EXAMPLES)
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=EXAMPLES)
     schema.hook("flatmap_case")(_steer(fuzz_env.pool))
     return schema
 
@@ -409,9 +413,11 @@ def test_after_the_fuzz_sessions_made_before_are_intact(fuzz_env):
         method, path = op.split(" ", 1)
         by[(f"{method} {path.rsplit('/', 1)[-1]}", ctype, status // 100)] += n
         detail[(f"{method} {path.rsplit('/', 1)[-1]}", ctype, status)] += n
-    print(f"\nfuzz: {sum(calls.values())} requests, {STATS.steered} steered; request bodies by type: "
-          f"{dict(Counter(c for (_, c, _), n in calls.items() for _ in range(n)))}; answers by type: "
-          f"{dict(STATS.answers)}; statuses: {dict(Counter(s for (_, _, s), n in calls.items() for _ in range(n)))}")
+    print(
+        f"\nfuzz: {sum(calls.values())} requests, {STATS.steered} steered; request bodies by type: "
+        f"{dict(Counter(c for (_, c, _), n in calls.items() for _ in range(n)))}; answers by type: "
+        f"{dict(STATS.answers)}; statuses: {dict(Counter(s for (_, _, s), n in calls.items() for _ in range(n)))}"
+    )
     for key in sorted(detail):
         print("  ", key, detail[key])
     assert min(STATS.custom_checks.values()) > 100 and len(STATS.custom_checks) == 2, STATS.custom_checks

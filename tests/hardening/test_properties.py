@@ -31,25 +31,56 @@ MAX = 1 << 20
 
 # ── documents ────────────────────────────────────────────────────────────────
 
-KEYS = st.sampled_from(["k", "v", "q", "offset", "start_pos", "causal", "scale", "dtype", "shape", "data",
-                        "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens",
-                        "seed", "x", ""])
-SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=True),
-    st.text(max_size=8), st.binary(max_size=64), st.sampled_from(["<f4", "<f8", ">f4", "f32", "turboquant"]),
+KEYS = st.sampled_from(
+    [
+        "k",
+        "v",
+        "q",
+        "offset",
+        "start_pos",
+        "causal",
+        "scale",
+        "dtype",
+        "shape",
+        "data",
+        "num_layers",
+        "num_qo_heads",
+        "num_kv_heads",
+        "head_dim",
+        "kv_format",
+        "max_tokens",
+        "seed",
+        "x",
+        "",
+    ]
 )
-DOCS = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                     st.dictionaries(KEYS, inner, max_size=6)), max_leaves=30)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.binary(max_size=64),
+    st.sampled_from(["<f4", "<f8", ">f4", "f32", "turboquant"]),
+)
+DOCS = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(KEYS, inner, max_size=6)),
+    max_leaves=30,
+)
 
 
 def array_maps():
     """Maps that look like wire arrays, valid or slightly not."""
-    return st.fixed_dictionaries({
-        "dtype": st.sampled_from(["<f4", "<f4", "<f4", "<f8", ">f4", "f4", ""]),
-        "shape": st.lists(st.one_of(st.integers(0, 6), st.integers(-3, 1 << 65), st.booleans(), st.floats(0, 4)),
-                          max_size=9),
-        "data": st.binary(max_size=600),
-    })
+    return st.fixed_dictionaries(
+        {
+            "dtype": st.sampled_from(["<f4", "<f4", "<f4", "<f8", ">f4", "f4", ""]),
+            "shape": st.lists(
+                st.one_of(st.integers(0, 6), st.integers(-3, 1 << 65), st.booleans(), st.floats(0, 4)), max_size=9
+            ),
+            "data": st.binary(max_size=600),
+        }
+    )
 
 
 FLOATS = st.floats(-(2.0**100), 2.0**100, width=32)
@@ -157,7 +188,7 @@ def test_damaged_msgpack_arrays_never_decode_to_something_else(a, pos, byte, how
     if how == "truncate":
         bad = packed[:pos]
     elif how == "flip":
-        bad = packed[:pos] + bytes([packed[pos] ^ byte]) + packed[pos + 1:]
+        bad = packed[:pos] + bytes([packed[pos] ^ byte]) + packed[pos + 1 :]
     else:
         bad = packed[:pos] + bytes([byte]) + packed[pos:]
     try:
@@ -170,8 +201,13 @@ def test_damaged_msgpack_arrays_never_decode_to_something_else(a, pos, byte, how
 
 
 @SETTINGS
-@given(st.recursive(st.one_of(st.floats(allow_nan=True), st.integers(), st.booleans(), st.none(), st.text(max_size=2)),
-                    lambda inner: st.lists(inner, max_size=4), max_leaves=40))
+@given(
+    st.recursive(
+        st.one_of(st.floats(allow_nan=True), st.integers(), st.booleans(), st.none(), st.text(max_size=2)),
+        lambda inner: st.lists(inner, max_size=4),
+        max_leaves=40,
+    )
+)
 def test_json_nested_lists_decode_or_are_refused(doc):
     try:
         arr = wire.decode_array(doc, name="q", finite=True)
@@ -202,9 +238,15 @@ def _jsonable(doc) -> bool:
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from(["k", "v", "q", "offset", "start_pos", "causal", "scale", "z"]),
-                       st.one_of(DOCS, array_maps(), arrays3().map(wire.encode_array)), max_size=6),
-       st.sampled_from(["append", "attend"]), st.sampled_from(["msgpack", "json"]))
+@given(
+    st.dictionaries(
+        st.sampled_from(["k", "v", "q", "offset", "start_pos", "causal", "scale", "z"]),
+        st.one_of(DOCS, array_maps(), arrays3().map(wire.encode_array)),
+        max_size=6,
+    ),
+    st.sampled_from(["append", "attend"]),
+    st.sampled_from(["msgpack", "json"]),
+)
 def test_parsers_give_a_checked_request_or_a_client_error(doc, what, kind):
     if kind == "json" and not _jsonable(doc):
         kind = "msgpack"
@@ -232,8 +274,10 @@ def test_parsers_give_a_checked_request_or_a_client_error(doc, what, kind):
 @given(arrays3(), arrays3(), st.one_of(st.none(), st.integers(0, 1 << 40)), st.sampled_from(["msgpack", "json"]))
 def test_valid_appends_are_taken_exactly(k, v, offset, kind):
     doc = {"k": k, "v": v, "offset": offset}
-    wire_doc = {n: (wire.encode_array(x) if kind == "msgpack" else x.tolist()) if isinstance(x, np.ndarray) else x
-                for n, x in doc.items()}
+    wire_doc = {
+        n: (wire.encode_array(x) if kind == "msgpack" else x.tolist()) if isinstance(x, np.ndarray) else x
+        for n, x in doc.items()
+    }
     req = parse_append(_encode(wire_doc, kind), kind, MAX)
     assert req.k.tobytes() == k.tobytes() and req.v.tobytes() == v.tobytes() and req.offset == offset
 
@@ -257,11 +301,16 @@ def test_a_scale_past_float32_is_refused(scale):
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from(["num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format",
-                                        "max_tokens", "seed", "owner"]),
-                       st.one_of(st.integers(-5, 300), st.integers(-(1 << 63), (1 << 64) - 1), SCALARS),
-                       max_size=8),
-       st.sampled_from(["msgpack", "json"]))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed", "owner"]
+        ),
+        st.one_of(st.integers(-5, 300), st.integers(-(1 << 63), (1 << 64) - 1), SCALARS),
+        max_size=8,
+    ),
+    st.sampled_from(["msgpack", "json"]),
+)
 def test_create_gives_a_checked_config_or_a_client_error(doc, kind):
     if kind == "json" and not _jsonable(doc):
         kind = "msgpack"

@@ -54,10 +54,16 @@ def restore(api: Api, sid: str, blob: bytes):
 def state(srv, api: Api) -> tuple:
     """What a refused restore must leave exactly as it was on a replica."""
     m = srv.metrics()
-    sessions = sorted((s["session_id"], tuple(s["lengths"]), s["bytes"])
-                      for s in api.call("GET", "/v1/sessions").body["sessions"])
-    return (sessions, metric_sum(m, "attnserve_sessions"), metric_sum(m, "attnserve_kv_bytes"),
-            m["attnserve_memory_used_bytes"], api.call("GET", "/v1/info").body["limits"]["memory_used_bytes"])
+    sessions = sorted(
+        (s["session_id"], tuple(s["lengths"]), s["bytes"]) for s in api.call("GET", "/v1/sessions").body["sessions"]
+    )
+    return (
+        sessions,
+        metric_sum(m, "attnserve_sessions"),
+        metric_sum(m, "attnserve_kv_bytes"),
+        m["attnserve_memory_used_bytes"],
+        api.call("GET", "/v1/info").body["limits"]["memory_used_bytes"],
+    )
 
 
 def same_attends(a: Api, b: Api, sid_a: str, sid_b: str, sess: OracleSession, rng, fused: bool = False) -> None:
@@ -114,13 +120,22 @@ def test_restore_on_another_replica_is_bit_identical(replicas, rng, fmt):
     # The seed travels with the snapshot: replaying the same rows into a new session
     # with that seed on replica b gives the restored session's bytes and answers.
     replay = f"replay-{sid}"
-    api_b.create("msgpack", replay, num_qo_heads=sess.h, num_kv_heads=sess.hkv, head_dim=sess.d,
-                 num_layers=sess.layers, kv_format=fmt, max_tokens=info["max_tokens"], seed=info["seed"])
+    api_b.create(
+        "msgpack",
+        replay,
+        num_qo_heads=sess.h,
+        num_kv_heads=sess.hkv,
+        head_dim=sess.d,
+        num_layers=sess.layers,
+        kv_format=fmt,
+        max_tokens=info["max_tokens"],
+        seed=info["seed"],
+    )
     for layer, fill in enumerate(CONFIGS[fmt]["fill"]):
         chunks = ([fill] if fill else []) + [1, 1, 1]
         t = 0
         for n in chunks:
-            k, v = sess.model.k[layer][t:t + n], sess.model.v[layer][t:t + n]
+            k, v = sess.model.k[layer][t : t + n], sess.model.v[layer][t : t + n]
             assert api_b.append(replay, layer, k, v, offset=t).status == 200
             t += n
     doc_restored = wire.unpackb(snapshot(api_b, sid), max_bytes=1 << 30)
@@ -139,8 +154,7 @@ def test_restore_on_another_replica_is_bit_identical(replicas, rng, fmt):
 def test_empty_session_restores_elsewhere(replicas, rng):
     (_, _, _), (api_a, api_b, _) = replicas
     sid = f"empty-{rng.integers(1 << 40)}"
-    info = api_a.create("json", sid, num_qo_heads=4, num_kv_heads=4, head_dim=32, num_layers=2,
-                        kv_format="turboquant")
+    info = api_a.create("json", sid, num_qo_heads=4, num_kv_heads=4, head_dim=32, num_layers=2, kv_format="turboquant")
     r = restore(api_b, sid, snapshot(api_a, sid))
     assert r.status == 201 and r.body == info and info["bytes"] == 0
     k, v, q = rows(rng, 3, 4, 32), rows(rng, 3, 4, 32), rows(rng, 3, 4, 32)
@@ -200,7 +214,9 @@ def refusal_cases(blob: bytes, doc: dict, limit: int) -> dict[str, bytes]:
     # oversized: more than the adapter can bind, capacities past max_tokens, more bytes than declared
     cases["max-tokens-past-adapter"] = _reseal(_mutate(doc, ("config", "max_tokens"), limit + 1))
     cases["max-tokens-2**64"] = _reseal(_mutate(doc, ("config", "max_tokens"), 2**64 - 1))
-    cases["capacity-past-max-tokens"] = _reseal(_mutate(doc, ("layers", 0, "capacity"), doc["config"]["max_tokens"] + 1))
+    cases["capacity-past-max-tokens"] = _reseal(
+        _mutate(doc, ("layers", 0, "capacity"), doc["config"]["max_tokens"] + 1)
+    )
     cases["length-past-capacity"] = _reseal(_mutate(doc, ("layers", 1, "length"), doc["layers"][1]["capacity"] + 1))
     cases["length-2**63"] = _reseal(_mutate(doc, ("layers", 1, "length"), 2**63))
     cases["k-longer"] = _reseal(_mutate(doc, ("layers", 0, "k"), doc["layers"][0]["k"] + b"\0" * 4))
@@ -276,7 +292,7 @@ def test_blob_over_the_body_limit_is_413_and_creates_nothing(replicas, rng):
     r = restore(api_c, sid, blob)
     assert r.status == 413 and r.body["type"] == "/problems/payload-too-large"
     # streamed without Content-Length: refused as soon as the bytes pass the limit
-    chunks = iter([blob[i:i + 8192] for i in range(0, len(blob), 8192)])
+    chunks = iter([blob[i : i + 8192] for i in range(0, len(blob), 8192)])
     r = api_c.client.put(f"/v1/sessions/{sid}/snapshot", content=chunks, headers={"Content-Type": wire.MSGPACK})
     assert r.status_code == 413
     assert api_c.call("GET", f"/v1/sessions/{sid}").status == 404

@@ -38,8 +38,10 @@ def test_usage_and_loopback_only(capsys):
 
 
 def test_metrics_and_percentiles():
-    text = ('# HELP x\nattnserve_kv_bytes{kv_format="f32"} 4096\nattnserve_kv_bytes{kv_format="turboquant"} 5e2\n'
-            "attnserve_memory_used_bytes 4596\nattnserve_sessionsX 3\n")
+    text = (
+        '# HELP x\nattnserve_kv_bytes{kv_format="f32"} 4096\nattnserve_kv_bytes{kv_format="turboquant"} 5e2\n'
+        "attnserve_memory_used_bytes 4596\nattnserve_sessionsX 3\n"
+    )
     m = soak.parse_prometheus(text)
     assert soak.metric_sum(m, "attnserve_kv_bytes") == 4596 and m["attnserve_memory_used_bytes"] == 4596
     assert soak.metric_sum(m, "attnserve_sessions") == 0

@@ -51,4 +51,3 @@ def api(target) -> Iterator[Api]:
     a = Api(target.url, expect_instance=expect)
     yield a
     a.close()
-

@@ -105,8 +105,17 @@ class Api:
     def close(self) -> None:
         self.client.close()
 
-    def call(self, method: str, path: str, body: Any = None, *, enc: str = "json", accept: str | None = None,
-             content: bytes | None = None, headers: dict[str, str] | None = None) -> Resp:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        enc: str = "json",
+        accept: str | None = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Resp:
         h = dict(headers or {})
         if body is not None:
             payload = to_wire(body, enc)
@@ -153,5 +162,3 @@ def band(out: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
     rel = float(np.linalg.norm(out - exact) / np.linalg.norm(exact))
     corr = float(np.corrcoef(out.ravel(), exact.ravel())[0, 1])
     return rel, corr
-
-

@@ -144,8 +144,7 @@ def test_request_id_is_echoed(api, target):
 @pytest.mark.parametrize("enc", ENCODINGS)
 def test_session_life_cycle(api, target, enc, fmt):
     sid = new_id(f"life-{enc}-{fmt}")
-    fields = dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, num_layers=3, kv_format=fmt, max_tokens=200,
-                  seed=12345)
+    fields = dict(num_qo_heads=4, num_kv_heads=2, head_dim=32, num_layers=3, kv_format=fmt, max_tokens=200, seed=12345)
     r = api.call("PUT", f"/v1/sessions/{sid}", fields, enc=enc)
     assert r.status == 201, r.body
     answer_type(r, enc)
@@ -241,9 +240,16 @@ def _tq_oracle(snapshot: dict, layer: int, q: np.ndarray, **kw) -> np.ndarray:
     d = cfg["head_dim"]
     polar, jl = layer_signs(cfg["seed"], layer, d)
     return ref.tq_attention(
-        q, np.frombuffer(state["k"], np.uint32), np.frombuffer(state["v"], np.uint32),
-        n_kv_heads=cfg["num_kv_heads"], cap=state["capacity"], length=state["length"],
-        polar_signs=polar, jl_signs=jl, cb=codebook(d), **kw,
+        q,
+        np.frombuffer(state["k"], np.uint32),
+        np.frombuffer(state["v"], np.uint32),
+        n_kv_heads=cfg["num_kv_heads"],
+        cap=state["capacity"],
+        length=state["length"],
+        polar_signs=polar,
+        jl_signs=jl,
+        cb=codebook(d),
+        **kw,
     )
 
 
@@ -259,8 +265,7 @@ def test_turboquant_matches_its_oracle_and_the_band(api, rng, enc):
     h, hkv, d = 8, 2, 64
     seed = int(rng.integers(2**53))
     sid = new_id(f"tq-{enc}")
-    api.create(sid, enc, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format="turboquant",
-               seed=seed)
+    api.create(sid, enc, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format="turboquant", seed=seed)
     m = Model(h, hkv, d, 2)
     for layer in (0, 1):
         k, v = rows(rng, 70, hkv, d), rows(rng, 70, hkv, d)
@@ -305,8 +310,9 @@ def test_turboquant_identical_seeds_give_identical_bits(api, enc):
     results = []
     for seed in (4321, 4321, 99):
         sid = new_id(f"seed{seed}-{enc}")
-        api.create(sid, enc, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=1, kv_format="turboquant",
-                   seed=seed)
+        api.create(
+            sid, enc, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=1, kv_format="turboquant", seed=seed
+        )
         gen = np.random.default_rng(7)  # the same inputs for every session
         outs = []
         q, k, v = rows(gen, 40, h, d), rows(gen, 40, hkv, d), rows(gen, 40, hkv, d)
@@ -332,15 +338,16 @@ def test_turboquant_identical_seeds_give_identical_bits(api, enc):
 def test_snapshot_round_trip(api, rng, fmt):
     h, hkv, d = 4, 2, 32
     sid, copy = new_id(f"snap-{fmt}"), new_id(f"copy-{fmt}")
-    info = api.create(sid, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt,
-                      max_tokens=256)
+    info = api.create(sid, num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt, max_tokens=256)
     for layer, n in ((0, 66), (1, 3)):
         assert api.append(sid, layer, rows(rng, n, hkv, d), rows(rng, n, hkv, d)).status == 200
     info = api.info(sid)
     blob, doc = _snapshot(api, sid)
     assert doc["format"] == "attnserve-snapshot" and doc["version"] == 1 and doc["checksum"].startswith("sha256:")
-    assert doc["config"] == {k: info[k] for k in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
-                                                  "kv_format", "max_tokens", "seed")}
+    assert doc["config"] == {
+        k: info[k]
+        for k in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+    }
     # restore under another id: the same session, and attends agree bit for bit
     r = api.call("PUT", f"/v1/sessions/{copy}/snapshot", content=blob, headers={"Content-Type": wire.MSGPACK})
     assert r.status == 201 and r.body == {**info, "session_id": copy}, r.body
@@ -377,8 +384,11 @@ def test_errors_are_problems(api, rng, enc):
     base = f"/v1/sessions/{sid}/layers"
     kv = {"k": rows(rng, 2, hkv, d), "v": rows(rng, 2, hkv, d)}
     accept = TYPES[enc]  # errors are problem+json whatever Accept says
-    assert_problem(api.call("POST", f"/v1/sessions/{new_id('none')}/layers/0/kv", kv, enc=enc, accept=accept),
-                   404, "session-not-found")
+    assert_problem(
+        api.call("POST", f"/v1/sessions/{new_id('none')}/layers/0/kv", kv, enc=enc, accept=accept),
+        404,
+        "session-not-found",
+    )
     body = assert_problem(api.call("POST", f"{base}/2/kv", kv, enc=enc, accept=accept), 404, "layer-not-found")
     assert body["num_layers"] == 2
     assert_problem(api.call("GET", "/v1/nowhere", accept=accept), 404, "not-found")
@@ -387,8 +397,12 @@ def test_errors_are_problems(api, rng, enc):
     assert "GET" in r.headers["allow"] and "DELETE" in r.headers["allow"]
     r = api.call("POST", f"{base}/0/kv", content=b"\x00\x01", headers={"Content-Type": "text/plain"})
     assert_problem(r, 415, "unsupported-media-type")
-    r = api.call("POST", f"{base}/0/kv", content=b"{\"k\": [" if enc == "json" else b"\xc1\xc1",
-                 headers={"Content-Type": TYPES[enc]})
+    r = api.call(
+        "POST",
+        f"{base}/0/kv",
+        content=b'{"k": [' if enc == "json" else b"\xc1\xc1",
+        headers={"Content-Type": TYPES[enc]},
+    )
     assert_problem(r, 400, "malformed-body")
     wrong = {"k": rows(rng, 2, hkv + 1, d), "v": rows(rng, 2, hkv + 1, d)}
     assert_problem(api.call("POST", f"{base}/0/kv", wrong, enc=enc), 422, "invalid-request")
@@ -397,18 +411,30 @@ def test_errors_are_problems(api, rng, enc):
     nan = rows(rng, 2, hkv, d)
     nan[0, 0, 0] = np.nan
     if enc == "msgpack":
-        r = api.call("POST", f"{base}/0/kv", content=wire.packb({"k": {"dtype": "<f4", "shape": list(nan.shape),
-                                                                       "data": nan.tobytes()},
-                                                                 "v": wire.encode_array(kv["v"])}),
-                     headers={"Content-Type": wire.MSGPACK})
+        r = api.call(
+            "POST",
+            f"{base}/0/kv",
+            content=wire.packb(
+                {
+                    "k": {"dtype": "<f4", "shape": list(nan.shape), "data": nan.tobytes()},
+                    "v": wire.encode_array(kv["v"]),
+                }
+            ),
+            headers={"Content-Type": wire.MSGPACK},
+        )
     else:
-        r = api.call("POST", f"{base}/0/kv", content=f'{{"k": {nan.tolist()}, "v": {kv["v"].tolist()}}}'.replace(
-            "nan", "NaN").encode(), headers={"Content-Type": wire.JSON})
+        r = api.call(
+            "POST",
+            f"{base}/0/kv",
+            content=f'{{"k": {nan.tolist()}, "v": {kv["v"].tolist()}}}'.replace("nan", "NaN").encode(),
+            headers={"Content-Type": wire.JSON},
+        )
     assert_problem(r, 422, "invalid-request")
     # capacity: max_tokens 8
     assert api.append(sid, 0, rows(rng, 6, hkv, d), rows(rng, 6, hkv, d), enc=enc).status == 200
-    body = assert_problem(api.append(sid, 0, rows(rng, 3, hkv, d), rows(rng, 3, hkv, d), enc=enc),
-                          409, "capacity-exceeded")
+    body = assert_problem(
+        api.append(sid, 0, rows(rng, 3, hkv, d), rows(rng, 3, hkv, d), enc=enc), 409, "capacity-exceeded"
+    )
     assert body["length"] == 6 and body["max_tokens"] == 8
     # start_pos out of range, and a fused attend that fails appends nothing
     body = assert_problem(api.attend(sid, 0, rows(rng, 2, h, d), start_pos=5, enc=enc), 422, "invalid-request")
@@ -419,11 +445,16 @@ def test_errors_are_problems(api, rng, enc):
     r = api.call("POST", f"{base}/0/attend", content=b"", headers={"Content-Type": TYPES[enc]})
     assert_problem(r, 400, "malformed-body")
     # a session config the server refuses
-    r = api.call("PUT", f"/v1/sessions/{new_id('cfg')}", {"num_qo_heads": 3, "num_kv_heads": 2, "head_dim": 16},
-                 enc=enc)
+    r = api.call(
+        "PUT", f"/v1/sessions/{new_id('cfg')}", {"num_qo_heads": 3, "num_kv_heads": 2, "head_dim": 16}, enc=enc
+    )
     assert_problem(r, 422, "invalid-request")
-    r = api.call("PUT", f"/v1/sessions/{new_id('cfg')}", {"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 48,
-                                                          "kv_format": "turboquant"}, enc=enc)
+    r = api.call(
+        "PUT",
+        f"/v1/sessions/{new_id('cfg')}",
+        {"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 48, "kv_format": "turboquant"},
+        enc=enc,
+    )
     assert_problem(r, 422, "invalid-request")
     r = api.call("PUT", "/v1/sessions/bad%20id", {"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 8}, enc=enc)
     assert_problem(r, 422, "invalid-request")
@@ -441,8 +472,9 @@ def test_client_package(target, rng, fmt):
         assert client.health() and client.ready()
         assert fmt in client.info()["kv_formats"]
         sid = new_id(f"client-{fmt}")
-        session = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt,
-                                        seed=2024, session_id=sid)
+        session = client.create_session(
+            num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt, seed=2024, session_id=sid
+        )
         with pytest.raises(SessionExists):
             client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, session_id=sid)
         m = Model(h, hkv, d, 2)
@@ -496,13 +528,22 @@ def test_metrics(api, target):
     urls = list(target.replicas.values()) if target.routed else [target.url]
     texts = [_metrics(url) for url in urls]
     for text in texts:
-        for name in ("attnserve_sessions", "attnserve_kv_bytes", "attnserve_memory_used_bytes",
-                     "attnserve_request_duration_seconds_bucket", "attnserve_gpu_batches_total",
-                     "attnserve_rows_total", "attnserve_build_info", "attnserve_errors_total"):
+        for name in (
+            "attnserve_sessions",
+            "attnserve_kv_bytes",
+            "attnserve_memory_used_bytes",
+            "attnserve_request_duration_seconds_bucket",
+            "attnserve_gpu_batches_total",
+            "attnserve_rows_total",
+            "attnserve_build_info",
+            "attnserve_errors_total",
+        ):
             assert re.search(rf"^{name}[{{ ]", text, re.MULTILINE), name
         assert _sample(text, "attnserve_ready") == 1
         if target.adapter:
-            assert re.search(rf'attnserve_build_info{{[^}}]*adapter="[^"]*{re.escape(target.adapter)}', text, re.IGNORECASE)
+            assert re.search(
+                rf'attnserve_build_info{{[^}}]*adapter="[^"]*{re.escape(target.adapter)}', text, re.IGNORECASE
+            )
     attend = "/v1/sessions/{session_id}/layers/{layer}/attend"
     served = sum(_sample(t, "attnserve_requests_total", route=attend, method="POST", status="200") for t in texts)
     assert served >= 10, served

@@ -107,8 +107,7 @@ def new_sequences(client, rng, per_replica: int, prefix: str) -> dict[str, list[
         if all(len(s) >= per_replica for s in by_owner.values()):
             break
         sid = new_id(prefix)
-        session = client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS,
-                                        session_id=sid)
+        session = client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS, session_id=sid)
         who = owner(sid)
         assert who is not None, f"{sid} was created through the router but no replica holds it"
         by_owner[who].append(Sequence(session, rng))
@@ -146,8 +145,9 @@ def test_sessions_are_pinned_and_spread(client, rng):
 
 def test_requests_without_an_id_go_to_any_replica(client):
     before = len(access_lines())
-    made = [client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True)
-            for _ in range(16)]
+    made = [
+        client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, server_assigned_id=True) for _ in range(16)
+    ]
     for _ in range(16):
         client.list_sessions()
     lines = access_lines()[before:]
@@ -188,8 +188,9 @@ def test_a_stopped_replica_loses_only_its_own_sessions(client, rng):
             seq.decode()
     # recreate (PUT, same id: now routed to the survivor) and replay, then carry on
     for seq in by_owner[victim]:
-        session = client.create_session(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS,
-                                        session_id=seq.sid)
+        session = client.create_session(
+            num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS, session_id=seq.sid
+        )
         for layer in range(LAYERS):
             session.append(layer, seq.model.k[layer], seq.model.v[layer])
         seq.session = session

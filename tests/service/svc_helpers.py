@@ -35,8 +35,9 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
-                           access_log=False)
+            uvicorn.Config(
+                self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", access_log=False
+            )
         )
         self.thread = threading.Thread(target=self.server.run, name=f"attnserve-{self.port}", daemon=True)
 
@@ -72,8 +73,17 @@ class Api:
     def close(self) -> None:
         self.client.close()
 
-    def call(self, method: str, path: str, body: Any = None, *, enc: str = "json", accept: str | None = None,
-             content: bytes | None = None, headers: dict[str, str] | None = None) -> Resp:
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        enc: str = "json",
+        accept: str | None = None,
+        content: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Resp:
         h = dict(headers or {})
         if body is not None:
             payload = to_wire(body, enc)
@@ -88,8 +98,11 @@ class Api:
     # shortcuts ---------------------------------------------------------------
 
     def create(self, enc: str = "json", session_id: str | None = None, **fields: Any) -> dict:
-        r = (self.call("PUT", f"/v1/sessions/{session_id}", fields, enc=enc) if session_id
-             else self.call("POST", "/v1/sessions", fields, enc=enc))
+        r = (
+            self.call("PUT", f"/v1/sessions/{session_id}", fields, enc=enc)
+            if session_id
+            else self.call("POST", "/v1/sessions", fields, enc=enc)
+        )
         assert r.status == 201, r.body
         return r.body
 
@@ -120,7 +133,6 @@ def httpx_json(payload: Any) -> bytes:
 
 def oracle(q, k, v, **kw) -> np.ndarray:
     return ref.attention(q, k, v, **kw)
-
 
 
 class Scrape:

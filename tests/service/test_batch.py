@@ -49,8 +49,7 @@ def test_batch_is_bit_identical_to_single_calls(api, rng, enc):
         items, singles = [], []
         for (a, b, (h, hkv, d, fmt)), n in zip(pairs, ns):
             q, k, v = rows(rng, n, h, d), rows(rng, n, hkv, d), rows(rng, n, hkv, d)
-            items.append({"session_id": a, "layer": layer, "q": q, "k": k, "v": v,
-                          "offset": models[a].lengths[layer]})
+            items.append({"session_id": a, "layer": layer, "q": q, "k": k, "v": v, "offset": models[a].lengths[layer]})
             singles.append((b, q, k, v))
             models[a].add(layer, k, v)
         if layer == 0 and ns[0] == 1:  # a second item for the first session, same layer
@@ -84,8 +83,10 @@ def test_batch_is_bit_identical_to_single_calls(api, rng, enc):
 def test_batch_is_one_gpu_submission(api, server, rng):
     worker = server.runtime.engine.worker
     sids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"] for _ in range(6)]
-    items = [{"session_id": s, "layer": 0, "q": rows(rng, 1, 4, 16), "k": rows(rng, 9, 2, 16),
-              "v": rows(rng, 9, 2, 16)} for s in sids]
+    items = [
+        {"session_id": s, "layer": 0, "q": rows(rng, 1, 4, 16), "k": rows(rng, 9, 2, 16), "v": rows(rng, 9, 2, 16)}
+        for s in sids
+    ]
     before = worker.batches
     r = _batch(api, items)
     assert r.status == 200 and all("out" in res for res in r.body["results"])
@@ -104,29 +105,43 @@ def test_failed_items_get_their_problem_and_change_nothing(api, rng, enc):
     before = api.info(other)
 
     def item(sid, layer=0, n=1, **kw):
-        it = {"session_id": sid, "layer": layer, "q": rows(rng, n, h, d), "k": rows(rng, n, hkv, d),
-              "v": rows(rng, n, hkv, d)}
+        it = {
+            "session_id": sid,
+            "layer": layer,
+            "q": rows(rng, n, h, d),
+            "k": rows(rng, n, hkv, d),
+            "v": rows(rng, n, hkv, d),
+        }
         it.update(kw)
         return it
 
     items = [
-        item(good),                                            # ok
-        item("no-such-session"),                               # 404 session-not-found
-        item(other, offset=99),                                # 409 offset-mismatch
-        item(other, layer=5),                                  # 404 layer-not-found
-        item(other, k=rows(rng, 1, hkv + 1, d)),               # 422 bad shape
+        item(good),  # ok
+        item("no-such-session"),  # 404 session-not-found
+        item(other, offset=99),  # 409 offset-mismatch
+        item(other, layer=5),  # 404 layer-not-found
+        item(other, k=rows(rng, 1, hkv + 1, d)),  # 422 bad shape
         {"session_id": other, "layer": 0, "q": rows(rng, 1, h, d), "bogus": 1},  # 422 unknown field
-        {"layer": 0, "q": rows(rng, 1, h, d)},                 # 422 session_id required
-        item(other, n=1, start_pos=50, k=None, v=None),        # 422 start_pos past the length
-        item(good, layer=1),                                   # ok
+        {"layer": 0, "q": rows(rng, 1, h, d)},  # 422 session_id required
+        item(other, n=1, start_pos=50, k=None, v=None),  # 422 start_pos past the length
+        item(good, layer=1),  # ok
     ]
     for it in items[:1] + items[8:]:
         m.add(it["layer"], it["k"], it["v"])
     r = _batch(api, items, enc)
     assert r.status == 200, r.body
     res = r.body["results"]
-    want = [None, "session-not-found", "offset-mismatch", "layer-not-found", "invalid-request",
-            "invalid-request", "invalid-request", "invalid-request", None]
+    want = [
+        None,
+        "session-not-found",
+        "offset-mismatch",
+        "layer-not-found",
+        "invalid-request",
+        "invalid-request",
+        "invalid-request",
+        "invalid-request",
+        None,
+    ]
     for i, (got, slug) in enumerate(zip(res, want)):
         if slug is None:
             assert "out" in got, got
@@ -143,13 +158,16 @@ def test_failed_items_get_their_problem_and_change_nothing(api, rng, enc):
     api.delete(other)
 
 
-@pytest.mark.parametrize("body, status, slug", [
-    ({"items": []}, 422, "invalid-request"),
-    ({"items": "x"}, 422, "invalid-request"),
-    ({}, 422, "invalid-request"),
-    ({"items": [], "extra": 1}, 422, "invalid-request"),
-    ([1, 2], 422, "invalid-request"),
-])
+@pytest.mark.parametrize(
+    "body, status, slug",
+    [
+        ({"items": []}, 422, "invalid-request"),
+        ({"items": "x"}, 422, "invalid-request"),
+        ({}, 422, "invalid-request"),
+        ({"items": [], "extra": 1}, 422, "invalid-request"),
+        ([1, 2], 422, "invalid-request"),
+    ],
+)
 def test_malformed_body_is_one_problem(api, enc, body, status, slug):
     r = api.call("POST", BATCH, body, enc=enc)
     assert r.status == status and r.problem_type == f"/problems/{slug}", r.body
@@ -166,8 +184,10 @@ def test_item_limit_in_info_and_enforced(engine, rng):
         api = Api(srv.url)
         assert api.call("GET", "/v1/info").body["limits"]["max_batch_items"] == 3
         sid = api.create(num_qo_heads=2, num_kv_heads=1, head_dim=8)["session_id"]
-        items = [{"session_id": sid, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8),
-                  "v": rows(rng, 1, 1, 8)} for _ in range(4)]
+        items = [
+            {"session_id": sid, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8), "v": rows(rng, 1, 1, 8)}
+            for _ in range(4)
+        ]
         r = _batch(api, items)
         assert r.status == 422 and r.body["max_batch_items"] == 3
         assert api.info(sid)["lengths"] == [0]
@@ -187,8 +207,10 @@ def test_tenants_see_only_their_sessions_per_item(engine, rng):
         spec = {"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 8}
         sa = api.call("POST", "/v1/sessions", spec, headers=auth_a).body["session_id"]
         sb = api.call("POST", "/v1/sessions", spec, headers=auth_b).body["session_id"]
-        items = [{"session_id": s, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8),
-                  "v": rows(rng, 1, 1, 8)} for s in (sa, sb)]
+        items = [
+            {"session_id": s, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8), "v": rows(rng, 1, 1, 8)}
+            for s in (sa, sb)
+        ]
         r = _batch(api, items, headers=auth_a)
         assert r.status == 200
         assert "out" in r.body["results"][0]
@@ -204,8 +226,10 @@ def test_queue_full_fails_every_item_and_changes_nothing(api, engine, rng):
     """A group is queued whole or not at all: past max_queue every item is 503
     overloaded and no reservation stays behind."""
     sid = api.create(num_qo_heads=2, num_kv_heads=1, head_dim=8)["session_id"]
-    items = [{"session_id": sid, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8),
-              "v": rows(rng, 1, 1, 8)} for _ in range(3)]
+    items = [
+        {"session_id": sid, "layer": 0, "q": rows(rng, 1, 2, 8), "k": rows(rng, 1, 1, 8), "v": rows(rng, 1, 1, 8)}
+        for _ in range(3)
+    ]
     saved = engine.worker.max_queue
     engine.worker.max_queue = 2
     try:

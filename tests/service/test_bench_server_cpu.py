@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_server_cpu_quick_reports_every_kind(engine, tmp_path):
     out = tmp_path / "cpu.json"
     env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "server_cpu.py"), "--quick", "--json-out", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "server_cpu.py"), "--quick", "--json-out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "adapter"}, indent=1))

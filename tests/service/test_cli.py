@@ -44,11 +44,22 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
 @pytest.mark.usefixtures("engine")  # needs an adapter: skips without one, fails under CI
 def test_serve_settings_logs_and_drain():
     port = free_port()
-    env = _env(ATTNSERVE_MAX_BODY_BYTES="123456", ATTNSERVE_MEMORY_BUDGET_BYTES="1000000",
-               ATTNSERVE_MAX_SESSIONS="7", ATTNSERVE_DEFAULT_MAX_TOKENS="500", ATTNSERVE_DRAIN_DELAY_S="1.5",
-               ATTNSERVE_LOG_LEVEL="INFO")
-    proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = _env(
+        ATTNSERVE_MAX_BODY_BYTES="123456",
+        ATTNSERVE_MEMORY_BUDGET_BYTES="1000000",
+        ATTNSERVE_MAX_SESSIONS="7",
+        ATTNSERVE_DEFAULT_MAX_TOKENS="500",
+        ATTNSERVE_DRAIN_DELAY_S="1.5",
+        ATTNSERVE_LOG_LEVEL="INFO",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc)
@@ -56,12 +67,16 @@ def test_serve_settings_logs_and_drain():
         assert limits["max_body_bytes"] == 123456 and limits["memory_budget_bytes"] == 1000000
         assert limits["max_sessions"] == 7 and limits["default_max_tokens"] == 500
         headers = {"Authorization": "Bearer s3cr3t-token", "X-Request-ID": "req-cli-1"}
-        r = httpx.put(url + "/v1/sessions/cli-1", json={"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 4},
-                      headers=headers)
+        r = httpx.put(
+            url + "/v1/sessions/cli-1", json={"num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 4}, headers=headers
+        )
         assert r.status_code == 201 and r.json()["max_tokens"] == 500
         assert r.headers["x-request-id"] == "req-cli-1"
-        r = httpx.post(url + "/v1/sessions/cli-1/layers/0/kv", headers=headers,
-                       json={"k": [[[0.123456789, 1, 2, 3]]], "v": [[[4, 5, 6, 7]]]})
+        r = httpx.post(
+            url + "/v1/sessions/cli-1/layers/0/kv",
+            headers=headers,
+            json={"k": [[[0.123456789, 1, 2, 3]]], "v": [[[4, 5, 6, 7]]]},
+        )
         assert r.status_code == 200 and r.json() == {"length": 1}
         assert httpx.get(url + "/v1/sessions/cli-1/layers").status_code == 404
         proc.send_signal(signal.SIGTERM)
@@ -103,8 +118,14 @@ def test_serve_settings_logs_and_drain():
 
 
 def _run(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnserve", *argv], cwd=ROOT, capture_output=True, text=True,
-                          env=_env(**env), timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "attnserve", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        timeout=120,
+    )
 
 
 def test_serve_refuses_bad_settings_naming_what_the_user_set():
@@ -113,8 +134,10 @@ def test_serve_refuses_bad_settings_naming_what_the_user_set():
     assert proc.stderr.startswith("attnserve: ATTNSERVE_MAX_BODY_BYTES=lots: not a size")
     proc = _run("serve", "--port", "abc", ATTNSERVE_PORT="8001", ATTNSERVE_MAX_SESSIONS="many")
     assert proc.returncode == 2
-    assert proc.stderr.splitlines() == ["attnserve: --port=abc: not an integer",
-                                        "attnserve: ATTNSERVE_MAX_SESSIONS=many: not an integer"]
+    assert proc.stderr.splitlines() == [
+        "attnserve: --port=abc: not an integer",
+        "attnserve: ATTNSERVE_MAX_SESSIONS=many: not an integer",
+    ]
     proc = _run("serve", "--metrics-auth", ATTNSERVE_DRAIN_DELAY_S="soon")
     assert proc.stderr == "attnserve: ATTNSERVE_DRAIN_DELAY_S=soon: not a number\n"
 
@@ -122,8 +145,9 @@ def test_serve_refuses_bad_settings_naming_what_the_user_set():
 def test_a_bad_key_is_named_by_its_variable_never_shown():
     proc = _run("serve", ATTNSERVE_API_KEYS="fine-key,leaked key-9f2")
     assert proc.returncode == 2
-    assert proc.stderr == ("attnserve: ATTNSERVE_API_KEYS: key #2 is not 1 to 4096 visible ASCII characters "
-                           "without spaces\n")
+    assert proc.stderr == (
+        "attnserve: ATTNSERVE_API_KEYS: key #2 is not 1 to 4096 visible ASCII characters without spaces\n"
+    )
     proc = _run("serve", "--api-keys-file", "/no/such/keys", ATTNSERVE_API_KEYS="fine-key-9f2")
     assert proc.returncode == 2 and "fine-key-9f2" not in proc.stderr
     assert proc.stderr.startswith("attnserve: --api-keys-file=/no/such/keys: cannot read")
@@ -162,15 +186,31 @@ def test_options_reach_the_settings(monkeypatch):
     def fake_serve(args):
         from attnserve.config import Settings
 
-        seen["settings"] = Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields
-                                       and v is not None})
+        seen["settings"] = Settings(
+            **{k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+        )
         return 0
 
     monkeypatch.setenv("ATTNSERVE_MAX_QUEUE", "99")
     parser = cli.build_parser()
-    args = parser.parse_args(["serve", "--memory-budget-bytes", "1GiB", "--max-body-bytes", "64k",
-                              "--metrics-auth", "--log-format", "text", "--session-ttl-seconds", "2.5",
-                              "--instance-name", "r1", "--quota-bytes-per-key", "1048576"])
+    args = parser.parse_args(
+        [
+            "serve",
+            "--memory-budget-bytes",
+            "1GiB",
+            "--max-body-bytes",
+            "64k",
+            "--metrics-auth",
+            "--log-format",
+            "text",
+            "--session-ttl-seconds",
+            "2.5",
+            "--instance-name",
+            "r1",
+            "--quota-bytes-per-key",
+            "1048576",
+        ]
+    )
     fake_serve(args)
     s = seen["settings"]
     assert s.memory_budget_bytes == 1 << 30 and s.max_body_bytes == 65536 and s.quota_bytes_per_key == 1 << 20
@@ -180,9 +220,20 @@ def test_options_reach_the_settings(monkeypatch):
     assert parser.parse_args(["serve"]).metrics_auth is None  # not given: the variable decides
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.8.0.1", True), ("::1", True),
-                                            ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
-                                            ("::", False), ("10.0.0.5", False), ("example.org", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("example.org", False),
+    ],
+)
 def test_loopback_hosts(host, loopback):
     from attnserve.cli import is_loopback
 
@@ -191,13 +242,20 @@ def test_loopback_hosts(host, loopback):
 
 @pytest.mark.usefixtures("engine")
 def test_serve_without_a_matching_adapter_exits_with_the_reason():
-    proc = subprocess.run([sys.executable, "-m", "attnserve", "serve", "--port", str(free_port()),
-                           "--adapter", "no-such-gpu-anywhere"], cwd=ROOT, capture_output=True, text=True,
-                          env=_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnserve", "serve", "--port", str(free_port()), "--adapter", "no-such-gpu-anywhere"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert proc.returncode == 3
     # one line that says why and names the option, no traceback
-    assert proc.stderr.startswith("attnserve: cannot open a GPU device (--adapter=no-such-gpu-anywhere): "
-                                  "no adapter matches 'no-such-gpu-anywhere'; available: [0] ")
+    assert proc.stderr.startswith(
+        "attnserve: cannot open a GPU device (--adapter=no-such-gpu-anywhere): "
+        "no adapter matches 'no-such-gpu-anywhere'; available: [0] "
+    )
     assert len(proc.stderr.splitlines()) == 1
     proc = _run("serve", "--port", str(free_port()), ATTNSERVE_ADAPTER="no-such-gpu-anywhere")
     assert proc.returncode == 3 and len(proc.stderr.splitlines()) == 1
@@ -207,10 +265,20 @@ def test_serve_without_a_matching_adapter_exits_with_the_reason():
 @pytest.mark.usefixtures("engine")
 def test_serve_warns_of_misspelled_variables_and_of_serving_everyone():
     port = free_port()
-    env = _env(ATTNSERVE_MAX_SESION="3", ATTNSERVE_NOT_A_THING="x", ATTNSERVE_TEST_WHATEVER="1",
-               ATTNSERVE_API_KEY="client-side-key-5e1")
-    proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "0.0.0.0", "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = _env(
+        ATTNSERVE_MAX_SESION="3",
+        ATTNSERVE_NOT_A_THING="x",
+        ATTNSERVE_TEST_WHATEVER="1",
+        ATTNSERVE_API_KEY="client-side-key-5e1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnserve", "serve", "--host", "0.0.0.0", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_ready(f"http://127.0.0.1:{port}", proc)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/info").json()["auth"] is False
@@ -223,10 +291,13 @@ def test_serve_warns_of_misspelled_variables_and_of_serving_everyone():
     err = proc.stderr.read()
     warnings = [ln for ln in map(json.loads, err.splitlines()) if ln["level"] == "warning"]
     assert [(w["variable"], w["did_you_mean"]) for w in warnings if "variable" in w] == [
-        ("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"), ("ATTNSERVE_MAX_SESION", "ATTNSERVE_MAX_SESSIONS"),
-        ("ATTNSERVE_NOT_A_THING", None)]
-    assert warnings[1]["msg"] == ("ATTNSERVE_MAX_SESION is not a setting and is ignored; "
-                                  "did you mean ATTNSERVE_MAX_SESSIONS?")
+        ("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"),
+        ("ATTNSERVE_MAX_SESION", "ATTNSERVE_MAX_SESSIONS"),
+        ("ATTNSERVE_NOT_A_THING", None),
+    ]
+    assert warnings[1]["msg"] == (
+        "ATTNSERVE_MAX_SESION is not a setting and is ignored; did you mean ATTNSERVE_MAX_SESSIONS?"
+    )
     open_warning = [w for w in warnings if w["msg"].startswith("no API keys:")]
     assert len(open_warning) == 1 and "0.0.0.0" in open_warning[0]["msg"]
     assert "client-side-key-5e1" not in err
@@ -234,8 +305,14 @@ def test_serve_warns_of_misspelled_variables_and_of_serving_everyone():
 
 @pytest.mark.usefixtures("engine")
 def test_adapters_lists_them():
-    proc = subprocess.run([sys.executable, "-m", "attnserve", "adapters", "--json"], cwd=ROOT, capture_output=True,
-                          text=True, env=_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnserve", "adapters", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     adapters = json.loads(proc.stdout)
     assert adapters and {"index", "name", "backend", "adapter_type"} <= set(adapters[0])

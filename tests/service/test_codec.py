@@ -14,23 +14,39 @@ from attnserve.routes.kv import parse_append, parse_attend
 from attnserve_client import wire
 
 
-@pytest.mark.parametrize("value, kind", [
-    ("application/vnd.msgpack", "msgpack"), ("application/x-msgpack", "msgpack"), ("application/msgpack", "msgpack"),
-    ("application/json", "json"), ("application/json; charset=utf-8", "json"), (" APPLICATION/JSON ", "json"),
-    ("application/problem+json", None), ("text/plain", None), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        ("application/vnd.msgpack", "msgpack"),
+        ("application/x-msgpack", "msgpack"),
+        ("application/msgpack", "msgpack"),
+        ("application/json", "json"),
+        ("application/json; charset=utf-8", "json"),
+        (" APPLICATION/JSON ", "json"),
+        ("application/problem+json", None),
+        ("text/plain", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_media_kind(value, kind):
     assert media_kind(value) == kind
 
 
-@pytest.mark.parametrize("accept, kind", [
-    (None, None), ("*/*", None), ("text/html", None),
-    ("application/json", "json"), ("application/vnd.msgpack", "msgpack"),
-    ("application/json;q=0.2, application/msgpack;q=0.9", "msgpack"),
-    ("application/msgpack;q=0, application/json", "json"),
-    ("application/json, application/vnd.msgpack", "json"),  # equal q: the first named
-    ("application/json;q=bad, application/x-msgpack;q=0.1", "msgpack"),
-])
+@pytest.mark.parametrize(
+    "accept, kind",
+    [
+        (None, None),
+        ("*/*", None),
+        ("text/html", None),
+        ("application/json", "json"),
+        ("application/vnd.msgpack", "msgpack"),
+        ("application/json;q=0.2, application/msgpack;q=0.9", "msgpack"),
+        ("application/msgpack;q=0, application/json", "json"),
+        ("application/json, application/vnd.msgpack", "json"),  # equal q: the first named
+        ("application/json;q=bad, application/x-msgpack;q=0.1", "msgpack"),
+    ],
+)
 def test_accept_kind(accept, kind):
     assert accept_kind(accept) == kind
 

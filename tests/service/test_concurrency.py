@@ -22,8 +22,9 @@ def _drive_one_session(url: str, seed: int, steps: int) -> list[float]:
     api = Api(url)
     enc = "msgpack" if seed % 3 else "json"
     try:
-        sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2,
-                         session_id=f"conc-{seed}")["session_id"]
+        sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, session_id=f"conc-{seed}")[
+            "session_id"
+        ]
         m = Model(h, hkv, d, 2)
         errs = []
         n0 = 3 + seed % 5

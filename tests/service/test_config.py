@@ -10,10 +10,25 @@ from attnserve.config import GiB, MiB, Settings, format_size, parse_size, unknow
 SIZE_FIELDS = ["memory_budget_bytes", "max_body_bytes", "offload_bytes", "quota_bytes_per_key"]
 
 
-@pytest.mark.parametrize("text, n", [("8GiB", 8 * GiB), ("512MiB", 512 * MiB), ("64k", 65536), ("64K", 65536),
-                                     ("64KiB", 65536), ("1.5g", 3 * GiB // 2), ("2 TiB", 2 << 40),
-                                     ("10MB", 10_000_000), ("3kb", 3000), ("123", 123), ("0", 0),
-                                     (" 4096 ", 4096), ("7b", 7), ("1m", MiB)])
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("8GiB", 8 * GiB),
+        ("512MiB", 512 * MiB),
+        ("64k", 65536),
+        ("64K", 65536),
+        ("64KiB", 65536),
+        ("1.5g", 3 * GiB // 2),
+        ("2 TiB", 2 << 40),
+        ("10MB", 10_000_000),
+        ("3kb", 3000),
+        ("123", 123),
+        ("0", 0),
+        (" 4096 ", 4096),
+        ("7b", 7),
+        ("1m", MiB),
+    ],
+)
 def test_sizes(text, n):
     assert parse_size(text) == n
 
@@ -37,8 +52,11 @@ def test_every_size_setting_takes_units_as_a_variable_or_an_argument(field, monk
 
 
 def test_every_bytes_field_is_a_size():
-    sizes = [f for f, info in Settings.model_fields.items() if any(getattr(m, "func", None) is parse_size
-                                                                      for m in info.metadata)]
+    sizes = [
+        f
+        for f, info in Settings.model_fields.items()
+        if any(getattr(m, "func", None) is parse_size for m in info.metadata)
+    ]
     assert sorted(f for f in Settings.model_fields if "bytes" in f) == sorted(sizes) == sorted(SIZE_FIELDS)
 
 
@@ -47,11 +65,23 @@ def test_format_size():
 
 
 def test_unknown_variables_are_found_with_the_closest_setting():
-    env = {"ATTNSERVE_PORT": "1", "ATTNSERVE_PORTT": "1", "attnserve_memory_budget": "x", "ATTNSERVE_API_KEY": "k",
-           "ATTNSERVE_ZZZ": "1", "ATTNSERVE_TEST_URL": "u", "ATTNSERVE_HEALTHCHECK_TIMEOUT_S": "3",
-           "PATH": "/bin", "attnserve_log_level": "debug"}
-    assert unknown_env(env) == [("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"), ("ATTNSERVE_PORTT", "ATTNSERVE_PORT"),
-                                ("ATTNSERVE_ZZZ", None), ("attnserve_memory_budget", "ATTNSERVE_MEMORY_BUDGET_BYTES")]
+    env = {
+        "ATTNSERVE_PORT": "1",
+        "ATTNSERVE_PORTT": "1",
+        "attnserve_memory_budget": "x",
+        "ATTNSERVE_API_KEY": "k",
+        "ATTNSERVE_ZZZ": "1",
+        "ATTNSERVE_TEST_URL": "u",
+        "ATTNSERVE_HEALTHCHECK_TIMEOUT_S": "3",
+        "PATH": "/bin",
+        "attnserve_log_level": "debug",
+    }
+    assert unknown_env(env) == [
+        ("ATTNSERVE_API_KEY", "ATTNSERVE_API_KEYS"),
+        ("ATTNSERVE_PORTT", "ATTNSERVE_PORT"),
+        ("ATTNSERVE_ZZZ", None),
+        ("attnserve_memory_budget", "ATTNSERVE_MEMORY_BUDGET_BYTES"),
+    ]
 
 
 def test_the_docs_table_has_every_setting_and_nothing_else():

@@ -11,8 +11,9 @@ STEPS = 200
 
 @pytest.mark.parametrize("h, hkv, d, layers", [(8, 2, 64, 2), (4, 4, 128, 1)])
 def test_fused_decode_loop_equals_the_oracle_at_every_step(api, rng, enc, h, hkv, d, layers):
-    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=layers,
-                     max_tokens=STEPS + 16)["session_id"]
+    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=layers, max_tokens=STEPS + 16)[
+        "session_id"
+    ]
     m = Model(h, hkv, d, layers)
     # prefill: one fused call per layer with 16 rows of q, k and v
     for layer in range(layers):

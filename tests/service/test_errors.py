@@ -58,8 +58,9 @@ class Seeded:
 
 def seed_session(api: Api, rng: np.random.Generator) -> Seeded:
     """Layer 0: 10 rows, layer 1: 3 rows, layer 2: empty (so an append there needs new GPU memory)."""
-    sid = api.create(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS,
-                     max_tokens=MAX_TOKENS)["session_id"]
+    sid = api.create(num_qo_heads=H, num_kv_heads=KV, head_dim=D, num_layers=LAYERS, max_tokens=MAX_TOKENS)[
+        "session_id"
+    ]
     m = Model(H, KV, D, LAYERS)
     for layer, n in ((0, 10), (1, 3)):
         k, v = rows(rng, n, KV, D), rows(rng, n, KV, D)
@@ -93,10 +94,18 @@ def raw(api: Api, method: str, path: str, content: bytes, ctype: str | None = wi
 
 MALFORMED: list[tuple[str, Callable[[Seeded], tuple[str, bytes, str]]]] = [
     ("msgpack-garbage", lambda s: (s.kv, b"\xc1\xc1", wire.MSGPACK)),
-    ("msgpack-truncated", lambda s: (s.kv, wire.packb({"k": wire.encode_array(s.k()),
-                                                       "v": wire.encode_array(s.k())})[:-9], wire.MSGPACK)),
-    ("msgpack-trailing", lambda s: (s.kv, wire.packb({"k": wire.encode_array(s.k()),
-                                                      "v": wire.encode_array(s.k())}) + b"\x00", wire.MSGPACK)),
+    (
+        "msgpack-truncated",
+        lambda s: (s.kv, wire.packb({"k": wire.encode_array(s.k()), "v": wire.encode_array(s.k())})[:-9], wire.MSGPACK),
+    ),
+    (
+        "msgpack-trailing",
+        lambda s: (
+            s.kv,
+            wire.packb({"k": wire.encode_array(s.k()), "v": wire.encode_array(s.k())}) + b"\x00",
+            wire.MSGPACK,
+        ),
+    ),
     ("msgpack-empty", lambda s: (s.at, b"", wire.MSGPACK)),
     ("msgpack-ext", lambda s: (s.at, b"\xd4\x01\x00", wire.MSGPACK)),
     ("json-garbage", lambda s: (s.kv, b"{not json", wire.JSON)),
@@ -136,8 +145,9 @@ def test_404_session_not_found(st, enc):
 def test_404_layer_not_found(st, enc, layer):
     base = f"/v1/sessions/{st.sid}/layers/{layer}"
     expect(st.api.call("POST", base + "/kv", {"k": st.k(), "v": st.k()}, enc=enc), 404, "layer-not-found")
-    expect(st.api.call("POST", base + "/attend", {"q": st.q(), "k": st.k(), "v": st.k()}, enc=enc),
-           404, "layer-not-found")
+    expect(
+        st.api.call("POST", base + "/attend", {"q": st.q(), "k": st.k(), "v": st.k()}, enc=enc), 404, "layer-not-found"
+    )
     st.assert_unchanged()
 
 
@@ -214,8 +224,17 @@ def test_409_capacity_exceeded(st, enc):
 # ── 415 ─────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("ctype", ["text/plain", "application/xml", "application/problem+json",
-                                   "application/octet-stream", "multipart/form-data; boundary=x", None])
+@pytest.mark.parametrize(
+    "ctype",
+    [
+        "text/plain",
+        "application/xml",
+        "application/problem+json",
+        "application/octet-stream",
+        "multipart/form-data; boundary=x",
+        None,
+    ],
+)
 def test_415_unsupported_media_type(st, ctype):
     content = json.dumps({"k": st.k().tolist(), "v": st.k().tolist()}).encode()
     for path in (st.kv, st.at, "/v1/sessions"):
@@ -262,8 +281,13 @@ INVALID: list[tuple[str, str, Callable[[Seeded], Any], tuple[str, ...], str]] = 
     ("dtype-f2", "kv", lambda s: {"k": _bad_map(s.k(), dtype="<f2"), "v": s.k()}, ("msgpack",), "dtype"),
     ("dtype-big-endian", "kv", lambda s: {"k": _bad_map(s.k(), dtype=">f4"), "v": s.k()}, ("msgpack",), "dtype"),
     ("bytes-short", "kv", lambda s: {"k": s.k(), "v": _bad_map(s.k(), data=b"\0" * 7)}, ("msgpack",), "bytes"),
-    ("bytes-long", "kv", lambda s: {"k": _bad_map(s.k(), data=b"\0" * (KV * D * 4 + 4)), "v": s.k()},
-     ("msgpack",), "bytes"),
+    (
+        "bytes-long",
+        "kv",
+        lambda s: {"k": _bad_map(s.k(), data=b"\0" * (KV * D * 4 + 4)), "v": s.k()},
+        ("msgpack",),
+        "bytes",
+    ),
     ("shape-vs-bytes", "kv", lambda s: {"k": _bad_map(s.k(2), shape=[1, KV, D]), "v": s.k()}, ("msgpack",), "bytes"),
     ("array-extra-key", "kv", lambda s: {"k": _bad_map(s.k(), order="C"), "v": s.k()}, ("msgpack",), "keys"),
     ("nan", "kv", lambda s: {"k": _nan(s), "v": s.k()}, ("msgpack",), "finite"),
@@ -288,8 +312,13 @@ INVALID: list[tuple[str, str, Callable[[Seeded], Any], tuple[str, ...], str]] = 
     ("start-pos-negative", "at", lambda s: {"q": s.q(), "start_pos": -1}, ("json", "msgpack"), "start_pos"),
     ("start-pos-huge", "at", lambda s: {"q": s.q(), "start_pos": 2**62}, ("json", "msgpack"), "start_pos"),
     ("too-many-queries", "at", lambda s: {"q": s.q(11)}, ("json", "msgpack"), "start_pos"),
-    ("fused-start-pos-past", "at", lambda s: {"q": s.q(), "k": s.k(), "v": s.k(), "start_pos": 11},
-     ("json", "msgpack"), "start_pos"),
+    (
+        "fused-start-pos-past",
+        "at",
+        lambda s: {"q": s.q(), "k": s.k(), "v": s.k(), "start_pos": 11},
+        ("json", "msgpack"),
+        "start_pos",
+    ),
     ("causal-string", "at", lambda s: {"q": s.q(), "causal": "yes"}, ("json", "msgpack"), "causal"),
     ("causal-int", "at", lambda s: {"q": s.q(), "causal": 1}, ("json", "msgpack"), "causal"),
     ("scale-nan", "at", lambda s: {"q": s.q(), "scale": math.nan}, ("msgpack",), "scale"),
@@ -303,8 +332,7 @@ INVALID: list[tuple[str, str, Callable[[Seeded], Any], tuple[str, ...], str]] = 
 INVALID_CASES = [(enc, name, kind, make, needle) for name, kind, make, encs, needle in INVALID for enc in encs]
 
 
-@pytest.mark.parametrize("enc, name, kind, make, needle", INVALID_CASES,
-                         ids=[f"{c[1]}-{c[0]}" for c in INVALID_CASES])
+@pytest.mark.parametrize("enc, name, kind, make, needle", INVALID_CASES, ids=[f"{c[1]}-{c[0]}" for c in INVALID_CASES])
 def test_422_invalid_request(st, enc, name, kind, make, needle):
     path = st.kv if kind == "kv" else st.at
     body = make(st)
@@ -340,10 +368,12 @@ def test_503_overloaded_when_the_gpu_queue_is_full(st, server, enc):
     old = worker.max_queue
     worker.max_queue = 0  # every submit finds the queue full
     try:
-        for r in (st.api.append(st.sid, 0, st.k(), st.k(), enc=enc),
-                  st.api.append(st.sid, 2, st.k(), st.k(), enc=enc, offset=0),
-                  st.api.attend(st.sid, 0, st.q(), k=st.k(), v=st.k(), enc=enc),
-                  st.api.attend(st.sid, 1, st.q(), enc=enc)):
+        for r in (
+            st.api.append(st.sid, 0, st.k(), st.k(), enc=enc),
+            st.api.append(st.sid, 2, st.k(), st.k(), enc=enc, offset=0),
+            st.api.attend(st.sid, 0, st.q(), k=st.k(), v=st.k(), enc=enc),
+            st.api.attend(st.sid, 1, st.q(), enc=enc),
+        ):
             expect(r, 503, "overloaded")
             assert int(r.headers["retry-after"]) >= 1
     finally:
@@ -358,11 +388,12 @@ def test_503_not_ready_while_draining(st, server, enc):
         r = st.api.call("GET", "/readyz")
         expect(r, 503, "not-ready")
         assert st.api.call("GET", "/livez").status == 200
-        for r in (st.api.append(st.sid, 0, st.k(), st.k(), enc=enc),
-                  st.api.attend(st.sid, 0, st.q(), k=st.k(), v=st.k(), enc=enc),
-                  st.api.call("POST", "/v1/sessions", {"num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 4},
-                              enc=enc),
-                  st.api.call("GET", f"/v1/sessions/{st.sid}")):
+        for r in (
+            st.api.append(st.sid, 0, st.k(), st.k(), enc=enc),
+            st.api.attend(st.sid, 0, st.q(), k=st.k(), v=st.k(), enc=enc),
+            st.api.call("POST", "/v1/sessions", {"num_qo_heads": 1, "num_kv_heads": 1, "head_dim": 4}, enc=enc),
+            st.api.call("GET", f"/v1/sessions/{st.sid}"),
+        ):
             expect(r, 503, "not-ready")
             assert "retry-after" in r.headers
     finally:
@@ -376,8 +407,10 @@ def test_507_out_of_memory_past_the_budget(st, server, enc):
     old = store.memory_budget_bytes
     store.memory_budget_bytes = store.used_bytes + 1000  # less than a new layer's first buffers
     try:
-        for r in (st.api.append(st.sid, 2, st.k(), st.k(), enc=enc),
-                  st.api.attend(st.sid, 2, st.q(), k=st.k(), v=st.k(), enc=enc)):
+        for r in (
+            st.api.append(st.sid, 2, st.k(), st.k(), enc=enc),
+            st.api.attend(st.sid, 2, st.q(), k=st.k(), v=st.k(), enc=enc),
+        ):
             problem = expect(r, 507, "out-of-memory")
             assert problem["budget_bytes"] == store.memory_budget_bytes
             assert problem["requested_bytes"] == 2 * MAX_TOKENS * KV * D * 4
@@ -469,8 +502,9 @@ def _http_raw(url: str, head: bytes, parts: list[bytes]) -> bytes:
                 break
             data += chunk
         head_end = data.index(b"\r\n\r\n") + 4
-        length = int([ln.split(b":")[1] for ln in data[:head_end].split(b"\r\n")
-                      if ln.lower().startswith(b"content-length")][0])
+        length = int(
+            [ln.split(b":")[1] for ln in data[:head_end].split(b"\r\n") if ln.lower().startswith(b"content-length")][0]
+        )
         while len(data) < head_end + length:
             data += s.recv(65536)
         return data
@@ -491,8 +525,11 @@ def test_413_payload_too_large(small, rng):
         st.assert_unchanged()
     # streamed without a Content-Length (chunked): refused once the bytes pass the limit
     payload = wire.packb({"k": wire.encode_array(big["k"]), "v": wire.encode_array(big["v"])})
-    r = a.client.post(st.kv, content=iter([payload[i:i + 1000] for i in range(0, len(payload), 1000)]),
-                      headers={"Content-Type": wire.MSGPACK})
+    r = a.client.post(
+        st.kv,
+        content=iter([payload[i : i + 1000] for i in range(0, len(payload), 1000)]),
+        headers={"Content-Type": wire.MSGPACK},
+    )
     assert r.status_code == 413 and r.json()["type"] == "/problems/payload-too-large"
     st.assert_unchanged()
     # a body of exactly the limit is read (then judged on its content)
@@ -514,13 +551,17 @@ def test_413_comes_before_the_body_is_read(small, rng):
     st = seed_session(a, rng)
     path = st.kv.encode()
     # a Content-Length far past the limit, and only a few bytes of the body sent
-    head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/vnd.msgpack\r\n"
-            b"Content-Length: 10000000000\r\n\r\n")
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/vnd.msgpack\r\n"
+        b"Content-Length: 10000000000\r\n\r\n"
+    )
     answer = _http_raw(srv.url, head, [b"\x82" + b"\0" * 100])
     assert answer.startswith(b"HTTP/1.1 413") and b"/problems/payload-too-large" in answer
     # chunked, never finished: refused as soon as the streamed bytes pass the limit
-    head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/vnd.msgpack\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/vnd.msgpack\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
     chunks = [b"%x\r\n" % 1024 + b"\0" * 1024 + b"\r\n" for _ in range(6)]  # 6 KiB, no final chunk
     answer = _http_raw(srv.url, head, chunks)
     assert answer.startswith(b"HTTP/1.1 413") and b"/problems/payload-too-large" in answer

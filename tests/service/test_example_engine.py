@@ -19,8 +19,22 @@ def example():
     return module
 
 
-ARGS = ["--sequences", "5", "--layers", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-        "--prompt", "13", "--steps", "4"]
+ARGS = [
+    "--sequences",
+    "5",
+    "--layers",
+    "3",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--prompt",
+    "13",
+    "--steps",
+    "4",
+]
 
 
 @pytest.mark.parametrize("transport", ["stream", "http"])

@@ -16,11 +16,43 @@ def _run(server, tmp_path, *extra: str) -> dict:
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(
-        [sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--url", server.url, "--duration", "3",
-         "--sessions", "3", "--layers", "2", "--prefill", "20", "--chunk", "8", "--decode-steps", "5",
-         "--qo-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--progress", "off", "--seed", "7",
-         "--json-out", str(out), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "loadtest" / "loadtest.py"),
+            "--url",
+            server.url,
+            "--duration",
+            "3",
+            "--sessions",
+            "3",
+            "--layers",
+            "2",
+            "--prefill",
+            "20",
+            "--chunk",
+            "8",
+            "--decode-steps",
+            "5",
+            "--qo-heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--progress",
+            "off",
+            "--seed",
+            "7",
+            "--json-out",
+            str(out),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return json.loads(out.read_text())
 
@@ -38,8 +70,13 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path):
 
 
 def test_batched_mode_refuses_open_loop(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--batched", "--mode", "open",
-                        "--rate", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--batched", "--mode", "open", "--rate", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--batched runs a closed loop" in r.stderr
 
 
@@ -60,8 +97,12 @@ def test_a_large_step_is_split_and_keeps_item_order(server, rng, monkeypatch):
     async def main():
         async with AsyncClient(server.url) as client:
             sessions = [await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=8) for _ in range(5)]
-            items = [AttendItem(s, 0, rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 2, 8)),
-                                rng.standard_normal((1, 2, 8))) for s in sessions]
+            items = [
+                AttendItem(
+                    s, 0, rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 2, 8)), rng.standard_normal((1, 2, 8))
+                )
+                for s in sessions
+            ]
             test = lt.LoadTest.__new__(lt.LoadTest)
             outs = await test._attend_batch(client, items)
             singles = []

@@ -44,8 +44,9 @@ SCRIPT = textwrap.dedent("""
 
 def test_the_server_imports_and_locks_without_fcntl(tmp_path):
     env = {"PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'client'}", "XDG_RUNTIME_DIR": "/tmp", "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "snaps")], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "snaps")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "second: snapshot_dir" in r.stdout and "is in use by another server" in r.stdout
     assert "locks: 1" in r.stdout

@@ -87,8 +87,14 @@ def test_metrics(api, server, rng):
     assert m("attnserve_request_duration_seconds_bucket", route=route, method="POST", le="+Inf") >= 1
     assert m("attnserve_errors_total", type="session-not-found") >= 1
     assert m("attnserve_requests_total", route="/v1/sessions/{session_id}", method="GET", status="404") >= 1
-    for name in ("attnserve_gpu_queue_depth", "attnserve_gpu_batches_total", "attnserve_memory_used_bytes",
-                 "attnserve_memory_budget_bytes", "attnserve_requests_in_flight", "attnserve_ready"):
+    for name in (
+        "attnserve_gpu_queue_depth",
+        "attnserve_gpu_batches_total",
+        "attnserve_memory_used_bytes",
+        "attnserve_memory_budget_bytes",
+        "attnserve_requests_in_flight",
+        "attnserve_ready",
+    ):
         assert m.has(name), name
     assert m("attnserve_gpu_batches_total") >= 2
     assert m("attnserve_gpu_dispatches_per_submission_count") == m("attnserve_gpu_batches_total")
@@ -96,8 +102,12 @@ def test_metrics(api, server, rng):
     assert m("attnserve_rows_total", kind="append", kv_format="turboquant") >= 4
     assert m("attnserve_rows_total", kind="query", kv_format="turboquant") >= 1
     # the process collector's metrics, from prometheus_client
-    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
-                 "process_start_time_seconds"):
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+    ):
         assert m(name) > 0, name
     assert m.families["attnserve_requests"].type == "counter"
     assert m.families["attnserve_request_duration_seconds"].type == "histogram"
@@ -124,7 +134,8 @@ def test_queue_wait_histogram_counts_every_job(api, server, rng):
     assert batched == after("attnserve_gpu_jobs_total") - jobs0 >= 6
     assert after("attnserve_queue_wait_seconds_count", kind="call") > calls0
     assert after("attnserve_queue_wait_seconds_bucket", kind="batch", le="+Inf") == after(
-        "attnserve_queue_wait_seconds_count", kind="batch")
+        "attnserve_queue_wait_seconds_count", kind="batch"
+    )
     assert 0 <= after("attnserve_queue_wait_seconds_sum", kind="batch") < 60
     api.delete(sid)
 
@@ -133,11 +144,16 @@ def test_limit_metrics_have_one_unit_each(api, server):
     m = Scrape(api.client.get("/metrics").text)
     s = server.runtime.settings
     assert "attnserve_limit" not in m.families  # the old metric of mixed units
-    limits = {name: {dict(labels)["name"]: v for labels, v in m.samples[name].items()}
-              for name in m.samples if name.startswith("attnserve_limit")}
+    limits = {
+        name: {dict(labels)["name"]: v for labels, v in m.samples[name].items()}
+        for name in m.samples
+        if name.startswith("attnserve_limit")
+    }
     assert limits == {
-        "attnserve_limit_sessions": {"max_sessions": s.max_sessions,
-                                     "quota_sessions_per_key": s.quota_sessions_per_key},
+        "attnserve_limit_sessions": {
+            "max_sessions": s.max_sessions,
+            "quota_sessions_per_key": s.quota_sessions_per_key,
+        },
         "attnserve_limit_bytes": {"quota_bytes_per_key": s.quota_bytes_per_key},
         "attnserve_limit_seconds": {"request_timeout": s.request_timeout_s, "session_ttl": s.session_ttl_seconds},
     }
@@ -159,12 +175,18 @@ def test_openapi_documents_both_encodings(api):
         "/v1/sessions/{session_id}/layers/{layer}/kv": {"post"},
         "/v1/sessions/{session_id}/layers/{layer}/attend": {"post"},
         "/v1/sessions/{session_id}/snapshot": {"get", "put"},
-        "/livez": {"get"}, "/readyz": {"get"}, "/metrics": {"get"}, "/v1/info": {"get"},
+        "/livez": {"get"},
+        "/readyz": {"get"},
+        "/metrics": {"get"},
+        "/v1/info": {"get"},
     }
     for path, methods in expected.items():
         assert methods <= set(paths[path]), path
-    for path, method in [("/v1/sessions", "post"), ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"),
-                         ("/v1/sessions/{session_id}/layers/{layer}/attend", "post")]:
+    for path, method in [
+        ("/v1/sessions", "post"),
+        ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"),
+        ("/v1/sessions/{session_id}/layers/{layer}/attend", "post"),
+    ]:
         op = paths[path][method]
         assert set(op["requestBody"]["content"]) == {wire.JSON, wire.MSGPACK}
         ok = op["responses"]["201" if path == "/v1/sessions" else "200"]["content"]

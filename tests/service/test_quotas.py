@@ -130,8 +130,9 @@ def test_a_full_gpu_queue_is_503_with_retry_after(engine, rng):
         engine.worker.max_queue = 2
         try:
             with ThreadPoolExecutor(2) as pool, gpu_held(engine):
-                futs = [pool.submit(_api(srv).append, sid, 0, rows(rng, 1, 1, 32), rows(rng, 1, 1, 32))
-                        for _ in range(2)]
+                futs = [
+                    pool.submit(_api(srv).append, sid, 0, rows(rng, 1, 1, 32), rows(rng, 1, 1, 32)) for _ in range(2)
+                ]
                 _wait_depth(engine, 3)  # the held job, and two appends queued
                 t0 = time.perf_counter()
                 r = api.append(sid, 0, rows(rng, 1, 1, 32), rows(rng, 1, 1, 32))
@@ -163,8 +164,9 @@ def test_a_job_queued_past_the_timeout_is_dropped_unapplied(engine, rng, caplog)
             # two appends, the second checked against the first: they time out from the tail
             first = pool.submit(_api(srv).append, sid, 0, rows(rng, 2, 1, 32), rows(rng, 2, 1, 32), offset=3)
             _wait_depth(engine, 3)
-            second = pool.submit(_api(srv).attend, sid, 0, rows(rng, 1, 2, 32),
-                                 k=rows(rng, 1, 1, 32), v=rows(rng, 1, 1, 32), offset=5)
+            second = pool.submit(
+                _api(srv).attend, sid, 0, rows(rng, 1, 2, 32), k=rows(rng, 1, 1, 32), v=rows(rng, 1, 1, 32), offset=5
+            )
             _wait_depth(engine, 4)
             answers = [f.result() for f in (read, first, second)]
             waited = time.monotonic() - t0
@@ -247,8 +249,15 @@ def test_idle_sessions_expire_and_free_their_memory(engine, rng):
         assert api.call("GET", "/v1/info").body["limits"]["session_ttl_seconds"] == 0.6
 
 
-@pytest.mark.parametrize("name, value", [("quota_sessions_per_key", -1), ("session_ttl_seconds", -1),
-                                         ("request_timeout_s", -0.5), ("quota_bytes_per_key", "lots")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("quota_sessions_per_key", -1),
+        ("session_ttl_seconds", -1),
+        ("request_timeout_s", -0.5),
+        ("quota_bytes_per_key", "lots"),
+    ],
+)
 def test_settings_are_checked(name, value):
     with pytest.raises(ValueError, match=name):
         Settings(**{name: value})

@@ -56,10 +56,12 @@ PROGRESS_FIELDS = ("sessions", "sessions_done", "bytes", "bytes_done", "bytes_pe
 def _progress(caplog, phase: str) -> list[dict]:
     """The save or restore's log lines: started, progress..., and the last one."""
     last = {"save": "snapshots written", "restore": "snapshots restored"}[phase]
-    return [{"msg": r.getMessage(), **{k: v for k, v in r.__dict__.items() if k in PROGRESS_FIELDS}}
-            for r in caplog.records if r.name == "attnserve.persistence"
-            and r.getMessage() in (f"snapshot {phase} started", f"snapshot {phase} progress", last)]
-
+    return [
+        {"msg": r.getMessage(), **{k: v for k, v in r.__dict__.items() if k in PROGRESS_FIELDS}}
+        for r in caplog.records
+        if r.name == "attnserve.persistence"
+        and r.getMessage() in (f"snapshot {phase} started", f"snapshot {phase} progress", last)
+    ]
 
 
 def test_shutdown_writes_and_start_restores(engine, tmp_path, rng, caplog, monkeypatch):
@@ -98,7 +100,8 @@ def test_shutdown_writes_and_start_restores(engine, tmp_path, rng, caplog, monke
     # the save logged how far it was after each session: sessions and bytes done, the rate
     lines = _progress(caplog, "save")
     assert [x["msg"] for x in lines] == ["snapshot save started"] + ["snapshot save progress"] * 3 + [
-        "snapshots written"]
+        "snapshots written"
+    ]
     assert lines[0]["sessions"] == 4
     assert [x["sessions_done"] for x in lines[1:]] == [1, 2, 3, 4]
     done = [x["bytes_done"] for x in lines[1:]]
@@ -140,7 +143,8 @@ def test_shutdown_writes_and_start_restores(engine, tmp_path, rng, caplog, monke
         # the restore logged its progress over the 7 files: 4 good, 3 moved aside
         lines = _progress(caplog, "restore")
         assert [x["msg"] for x in lines] == ["snapshot restore started"] + ["snapshot restore progress"] * 6 + [
-            "snapshots restored"]
+            "snapshots restored"
+        ]
         total = sum(sizes) + sum(len(x) for x in (b"not a snapshot", good[: len(good) // 2], good))
         assert lines[0]["sessions"] == 7 and lines[0]["bytes"] == total
         assert [x["sessions_done"] for x in lines[1:]] == list(range(1, 8))
@@ -157,8 +161,9 @@ def test_shutdown_writes_and_start_restores(engine, tmp_path, rng, caplog, monke
         srv.stop()
 
     # expiry removes the files too
-    srv = LiveServer(Settings(api_keys=f"{KEY_A},{KEY_B}", snapshot_dir=str(tmp_path), session_ttl_seconds=0.3),
-                     engine=engine).start()
+    srv = LiveServer(
+        Settings(api_keys=f"{KEY_A},{KEY_B}", snapshot_dir=str(tmp_path), session_ttl_seconds=0.3), engine=engine
+    ).start()
     try:
         deadline = time.monotonic() + 10
         while list(tmp_path.glob("*.snap")):
@@ -183,8 +188,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _start(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--port", str(port)], cwd=ROOT,
-                                env=env, stdout=f, stderr=f)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "attnserve", "serve", "--port", str(port)], cwd=ROOT, env=env, stdout=f, stderr=f
+        )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the server exited with {proc.returncode}: {log.read_text()[-3000:]}"
@@ -214,14 +220,19 @@ class Load(threading.Thread):
 
     def run(self) -> None:
         h, hkv, d, layers = (self.shape[k] for k in ("num_qo_heads", "num_kv_heads", "head_dim", "num_layers"))
-        client = httpx.Client(base_url=self.url, timeout=60,
-                              headers={"Authorization": f"Bearer {self.key}", "Content-Type": wire.MSGPACK})
+        client = httpx.Client(
+            base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {self.key}", "Content-Type": wire.MSGPACK}
+        )
         step = 0
         while True:
             layer = step % layers
             q, k, v = rows(self.rng, 1, h, d), rows(self.rng, 1, hkv, d), rows(self.rng, 1, hkv, d)
-            body = {"q": wire.encode_array(q), "k": wire.encode_array(k), "v": wire.encode_array(v),
-                    "offset": self.model.lengths[layer]}
+            body = {
+                "q": wire.encode_array(q),
+                "k": wire.encode_array(k),
+                "v": wire.encode_array(v),
+                "offset": self.model.lengths[layer],
+            }
             try:
                 r = client.post(f"/v1/sessions/{self.sid}/layers/{layer}/attend", content=wire.packb(body))
             except httpx.ConnectError:
@@ -262,8 +273,12 @@ def test_sigterm_mid_load_then_restart_loses_nothing(tmp_path, rng):
     snapdir, log = tmp_path / "snapshots", tmp_path / "server.log"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = _env(ATTNSERVE_SNAPSHOT_DIR=str(snapdir), ATTNSERVE_API_KEYS=f"{KEY_A},{KEY_B}",
-               ATTNSERVE_DRAIN_DELAY_S="1.0", ATTNSERVE_MAX_BATCH_JOBS="8")
+    env = _env(
+        ATTNSERVE_SNAPSHOT_DIR=str(snapdir),
+        ATTNSERVE_API_KEYS=f"{KEY_A},{KEY_B}",
+        ATTNSERVE_DRAIN_DELAY_S="1.0",
+        ATTNSERVE_MAX_BATCH_JOBS="8",
+    )
     proc = _start(port, env, log)
     loads = []
     try:
@@ -359,6 +374,8 @@ def test_sigterm_mid_load_then_restart_loses_nothing(tmp_path, rng):
             proc.wait()
     steps = sum(t.acked for t in loads)
     refused = sum(len(t.statuses) for t in loads)
-    print(f"\nrestart: {steps} steps acknowledged before SIGTERM, {refused} refused with 503 while draining, "
-          f"{sum(t.transport_errors for t in loads)} transport errors; SIGTERM to exit "
-          f"{t_exit - t_term:.2f} s (1.0 s drain delay); start with restore {restart_s:.2f} s")
+    print(
+        f"\nrestart: {steps} steps acknowledged before SIGTERM, {refused} refused with 503 while draining, "
+        f"{sum(t.transport_errors for t in loads)} transport errors; SIGTERM to exit "
+        f"{t_exit - t_term:.2f} s (1.0 s drain delay); start with restore {restart_s:.2f} s"
+    )

@@ -12,8 +12,18 @@ from attnserve_client import wire
 from svc_helpers import TYPES, rows
 
 H, KV, D = 4, 2, 16
-INFO_KEYS = {"session_id", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens",
-             "seed", "lengths", "bytes"}
+INFO_KEYS = {
+    "session_id",
+    "num_layers",
+    "num_qo_heads",
+    "num_kv_heads",
+    "head_dim",
+    "kv_format",
+    "max_tokens",
+    "seed",
+    "lengths",
+    "bytes",
+}
 
 
 def uid(prefix: str = "t") -> str:
@@ -42,8 +52,15 @@ def test_post_creates_with_defaults(api, server, enc):
 
 def test_put_creates_with_chosen_id_and_all_fields(api, enc):
     sid = uid("put")
-    body = {"num_layers": 3, "num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64, "kv_format": "turboquant",
-            "max_tokens": 100, "seed": 2**64 - 1}
+    body = {
+        "num_layers": 3,
+        "num_qo_heads": 8,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "kv_format": "turboquant",
+        "max_tokens": 100,
+        "seed": 2**64 - 1,
+    }
     r = api.call("PUT", f"/v1/sessions/{sid}", body, enc=enc)
     assert r.status == 201, r.body
     assert r.body == {**body, "session_id": sid, "lengths": [0, 0, 0], "bytes": 0}
@@ -64,8 +81,9 @@ def test_ids_distinct_and_seeds_echoed(api):
 
 
 def test_list_get_delete(api, enc):
-    ids = [api.create(num_qo_heads=H, num_kv_heads=KV, head_dim=D, session_id=uid("ls"))["session_id"]
-           for _ in range(3)]
+    ids = [
+        api.create(num_qo_heads=H, num_kv_heads=KV, head_dim=D, session_id=uid("ls"))["session_id"] for _ in range(3)
+    ]
     r = api.call("GET", "/v1/sessions", accept=TYPES[enc])
     assert r.status == 200 and r.content_type == TYPES[enc]
     listed = {s["session_id"]: s for s in r.body["sessions"]}
@@ -136,12 +154,14 @@ def test_create_rules(api, enc, fields, needle):
 
 def test_max_tokens_past_the_adapter_limit_is_refused(api, server, enc):
     limit = server.runtime.engine.max_tokens_limit("f32", KV, D)
-    ok = api.call("POST", "/v1/sessions", {"num_qo_heads": H, "num_kv_heads": KV, "head_dim": D,
-                                           "max_tokens": limit}, enc=enc)
+    ok = api.call(
+        "POST", "/v1/sessions", {"num_qo_heads": H, "num_kv_heads": KV, "head_dim": D, "max_tokens": limit}, enc=enc
+    )
     assert ok.status == 201 and ok.body["max_tokens"] == limit
     api.delete(ok.body["session_id"])
-    r = api.call("POST", "/v1/sessions", {"num_qo_heads": H, "num_kv_heads": KV, "head_dim": D,
-                                          "max_tokens": limit + 1}, enc=enc)
+    r = api.call(
+        "POST", "/v1/sessions", {"num_qo_heads": H, "num_kv_heads": KV, "head_dim": D, "max_tokens": limit + 1}, enc=enc
+    )
     assert r.status == 422 and r.problem_type == "/problems/invalid-request"
     assert str(limit) in r.body["detail"] and r.body["max_tokens_limit"] == limit
 

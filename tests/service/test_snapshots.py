@@ -14,8 +14,9 @@ FORMATS = [("f32", 8, 2, 32), ("turboquant", 8, 2, 64)]
 
 
 def _session(api, rng, fmt, h, hkv, d, layers=3):
-    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=fmt, num_layers=layers,
-                     max_tokens=300)["session_id"]
+    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=fmt, num_layers=layers, max_tokens=300)[
+        "session_id"
+    ]
     for layer, n in enumerate((70, 5, 0)[:layers]):
         if n:
             assert api.append(sid, layer, rows(rng, n, hkv, d), rows(rng, n, hkv, d)).status == 200
@@ -39,8 +40,10 @@ def test_snapshot_round_trip_is_bit_identical(api, rng, fmt, h, hkv, d):
     doc = wire.unpackb(blob, max_bytes=1 << 30)
     assert doc["format"] == FORMAT and doc["version"] == VERSION and doc["checksum"].startswith("sha256:")
     info = api.info(sid)
-    assert doc["config"] == {k: info[k] for k in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim",
-                                                  "kv_format", "max_tokens", "seed")}
+    assert doc["config"] == {
+        k: info[k]
+        for k in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+    }
     assert [layer["length"] for layer in doc["layers"]] == info["lengths"] == [70, 5, 0]
     copy = f"restored-{fmt}-{rng.integers(1 << 30)}"
     r = _restore(api, copy, blob)

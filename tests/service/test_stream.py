@@ -34,8 +34,14 @@ SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2,
 def _twins(client: Client, rng, layers: int = 2):
     out = []
     for h, hkv, d, fmt in SHAPES:
-        spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=layers, kv_format=fmt,
-                    seed=int(rng.integers(1 << 30)))
+        spec = dict(
+            num_qo_heads=h,
+            num_kv_heads=hkv,
+            head_dim=d,
+            num_layers=layers,
+            kv_format=fmt,
+            seed=int(rng.integers(1 << 30)),
+        )
         out.append((client.create_session(**spec), client.create_session(**spec), (h, hkv, d, fmt)))
     return out
 
@@ -109,8 +115,17 @@ def test_malformed_frames_get_problems_and_the_connection_stays(server, rng):
         for frame, status, slug in [
             ({"id": 1, "op": "fly"}, 422, "invalid-request"),
             ({"id": 2, "op": "attend", "session_id": s.session_id, "layer": 0}, 422, "invalid-request"),
-            ({"id": 3, "op": "attend", "session_id": s.session_id, "layer": 9, "q": wire.encode_array(
-                rows(rng, 1, 2, 8))}, 404, "layer-not-found"),
+            (
+                {
+                    "id": 3,
+                    "op": "attend",
+                    "session_id": s.session_id,
+                    "layer": 9,
+                    "q": wire.encode_array(rows(rng, 1, 2, 8)),
+                },
+                404,
+                "layer-not-found",
+            ),
             ({"id": [1], "op": "ping"}, 422, "invalid-request"),
             ({"id": 5, "op": "ping", "extra": 1}, 422, "invalid-request"),
         ]:
@@ -120,8 +135,11 @@ def test_malformed_frames_get_problems_and_the_connection_stays(server, rng):
             assert r["id"] == (frame["id"] if isinstance(frame["id"], int) else None)
         # text frames are JSON, answered in JSON
         k = rows(rng, 2, 1, 8)
-        ws.send(json.dumps({"id": "t1", "op": "append", "session_id": s.session_id, "layer": 0,
-                            "k": k.tolist(), "v": k.tolist()}))
+        ws.send(
+            json.dumps(
+                {"id": "t1", "op": "append", "session_id": s.session_id, "layer": 0, "k": k.tolist(), "v": k.tolist()}
+            )
+        )
         r = json.loads(ws.recv(timeout=30))
         assert r == {"id": "t1", "status": 200, "result": {"length": 2}}
     with Client(server.url) as client:

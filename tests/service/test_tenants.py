@@ -45,8 +45,13 @@ def test_every_v1_request_needs_a_valid_key(keyed, apis):
     a, _, anon = apis
     m0 = keyed.runtime.metrics.auth_failures
     missing0, invalid0 = m0.value("missing"), m0.value("invalid")
-    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/v1/info"),
-                         ("GET", "/v1/sessions/x/snapshot"), ("GET", "/v1/no-such-route")):
+    for method, path in (
+        ("GET", "/v1/sessions"),
+        ("POST", "/v1/sessions"),
+        ("GET", "/v1/info"),
+        ("GET", "/v1/sessions/x/snapshot"),
+        ("GET", "/v1/no-such-route"),
+    ):
         r = anon.call(method, path)
         assert r.status == 401 and r.problem_type == "/problems/unauthorized", (path, r.body)
         assert r.headers["www-authenticate"] == 'Bearer realm="attnserve"'
@@ -74,10 +79,14 @@ def test_sessions_are_invisible_to_other_keys(keyed, apis, rng):
     k, v = rows(rng, 5, 2, 16), rows(rng, 5, 2, 16)
     assert a.append(sid, 0, k, v).status == 200
     q = rows(rng, 2, 4, 16)
-    for r in (b.call("GET", f"/v1/sessions/{sid}"), b.call("DELETE", f"/v1/sessions/{sid}"),
-              b.append(sid, 0, k, v), b.attend(sid, 0, q), b.call("GET", f"/v1/sessions/{sid}/snapshot"),
-              b.call("PUT", f"/v1/sessions/{sid}/snapshot", content=b"\x80",
-                     headers={"Content-Type": wire.MSGPACK})):
+    for r in (
+        b.call("GET", f"/v1/sessions/{sid}"),
+        b.call("DELETE", f"/v1/sessions/{sid}"),
+        b.append(sid, 0, k, v),
+        b.attend(sid, 0, q),
+        b.call("GET", f"/v1/sessions/{sid}/snapshot"),
+        b.call("PUT", f"/v1/sessions/{sid}/snapshot", content=b"\x80", headers={"Content-Type": wire.MSGPACK}),
+    ):
         if r.status != 422:  # the PUT of an invalid blob under a fresh id: 422, nothing about A
             assert r.status == 404 and r.problem_type == "/problems/session-not-found", r.body
     assert sid not in [s["session_id"] for s in b.call("GET", "/v1/sessions").body["sessions"]]

@@ -47,8 +47,14 @@ def _workload(api: Api, sid: str, rng: np.random.Generator, h: int, hkv: int, d:
 
 @pytest.mark.parametrize("h, hkv, d", [(8, 2, 32), (4, 4, 64), (8, 1, 128)])
 def test_turboquant_within_the_band_of_exact_attention(api, rng, enc, h, hkv, d):
-    sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format="turboquant",
-                     seed=int(rng.integers(2**53)))["session_id"]
+    sid = api.create(
+        num_qo_heads=h,
+        num_kv_heads=hkv,
+        head_dim=d,
+        num_layers=2,
+        kv_format="turboquant",
+        seed=int(rng.integers(2**53)),
+    )["session_id"]
     outs, m = _workload(api, sid, rng, h, hkv, d, enc)
     got = np.concatenate([o.reshape(-1) for o, _ in outs])
     want = np.concatenate([w.reshape(-1) for _, w in outs])
@@ -71,8 +77,9 @@ def test_identical_seeds_and_inputs_give_identical_bits(api, server):
     h, hkv, d = 8, 2, 64
     results = []
     for seed in (1234, 1234, 99):
-        sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format="turboquant",
-                         seed=seed)["session_id"]
+        sid = api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format="turboquant", seed=seed)[
+            "session_id"
+        ]
         outs, _ = _workload(api, sid, np.random.default_rng(5), h, hkv, d)
         results.append([o for o, _ in outs])
         info = api.info(sid)
@@ -113,18 +120,24 @@ def test_turboquant_refuses_rows_whose_norm_float16_cannot_hold(server):
             assert np.isfinite(out).all()
             # a snapshot whose norm word says NaN is refused and creates nothing
             import httpx
-            blob = wire.unpackb(httpx.get(f"{server.url}/v1/sessions/{s.session_id}/snapshot").content,
-                                max_bytes=1 << 26)
+
+            blob = wire.unpackb(
+                httpx.get(f"{server.url}/v1/sessions/{s.session_id}/snapshot").content, max_bytes=1 << 26
+            )
             layer = blob["layers"][0]
-            cap, vecs = layer["capacity"], hkv * layer["capacity"]
+            vecs = hkv * layer["capacity"]
             kb = bytearray(layer["k"])
             off = 4 * (vecs * (d // 16 + d // 32))  # first norm word: head 0, timestep 0
-            kb[off:off + 2] = np.array([np.nan], np.float16).tobytes()
+            kb[off : off + 2] = np.array([np.nan], np.float16).tobytes()
             layer["k"] = bytes(kb)
             from attnserve.snapshot_format import digest
+
             blob["checksum"] = digest(blob["format"], blob["version"], blob["config"], blob["layers"])
-            r = httpx.put(f"{server.url}/v1/sessions/nan-norms/snapshot", content=wire.packb(blob),
-                          headers={"content-type": wire.MSGPACK})
+            r = httpx.put(
+                f"{server.url}/v1/sessions/nan-norms/snapshot",
+                content=wire.packb(blob),
+                headers={"content-type": wire.MSGPACK},
+            )
             assert r.status_code == 422 and r.json()["type"] == "/problems/invalid-snapshot", r.text
             assert "norm" in r.json()["detail"]
             assert httpx.get(f"{server.url}/v1/sessions/nan-norms").status_code == 404

@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other
     from .kernels import KernelPolicy
 
 
-
 @dataclass(frozen=True)
 class Seg:
     """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out")."""
@@ -85,8 +84,9 @@ class Arenas:
     def cached_bind_groups(self) -> int:
         return len(self._bind_groups)
 
-    def bind_group(self, layout: wgpu.GPUBindGroupLayout,
-                   entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]) -> wgpu.GPUBindGroup:
+    def bind_group(
+        self, layout: wgpu.GPUBindGroupLayout, entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
+    ) -> wgpu.GPUBindGroup:
         """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
         size), ...), made once and reused: a decode loop binds the same cache
         buffers and arena offsets step after step, and making a bind group costs
@@ -100,9 +100,13 @@ class Arenas:
             self.bind_group_hits += 1
             return bg
         self.bind_group_misses += 1
-        bg = self.device.create_bind_group(layout=layout, entries=[
-            {"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}} for b, buf, off, size in entries
-        ])
+        bg = self.device.create_bind_group(
+            layout=layout,
+            entries=[
+                {"binding": b, "resource": {"buffer": buf, "offset": off, "size": size}}
+                for b, buf, off, size in entries
+            ],
+        )
         self._bind_groups[key] = bg
         while len(self._bind_groups) > self.BIND_GROUPS:
             self._bind_groups.popitem(last=False)
@@ -131,8 +135,9 @@ class Arenas:
 class Batch:
     """Commands of several jobs, planned on the GPU owner thread."""
 
-    def __init__(self, device: wgpu.GPUDevice, pipelines: PipelineCache, arenas: Arenas, align: int,
-                 policy: "KernelPolicy"):
+    def __init__(
+        self, device: wgpu.GPUDevice, pipelines: PipelineCache, arenas: Arenas, align: int, policy: "KernelPolicy"
+    ):
         self.device = device
         self.policy = policy  # which kernels the jobs' plans pick (the engine's)
         self.pipelines = pipelines
@@ -170,8 +175,13 @@ class Batch:
     def output(self, nbytes: int) -> Seg:
         return self._reserve("out", nbytes)
 
-    def dispatch(self, kernel: str, bindings: dict[int, Resource], grid: tuple[int, int, int],
-                 constants: dict[str, int] | None = None) -> None:
+    def dispatch(
+        self,
+        kernel: str,
+        bindings: dict[int, Resource],
+        grid: tuple[int, int, int],
+        constants: dict[str, int] | None = None,
+    ) -> None:
         """Record one dispatch of ``kernel``; ``constants`` set its WGSL overrides."""
         self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid), dict(constants or {})))
         self.n_dispatches += 1

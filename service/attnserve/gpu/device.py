@@ -135,18 +135,14 @@ def open_device(selector: str | None = None) -> GpuContext:
     request the limits the kernels need from it. Raises :class:`DeviceError`."""
     adapter = _select(list_adapters(), selector)
     alimits = {k: int(v) for k, v in adapter.limits.items() if isinstance(v, int)}
-    short = [
-        f"{k} = {alimits.get(k)} (need >= {v})" for k, v in MIN_LIMITS.items() if alimits.get(k, 0) < v
-    ]
+    short = [f"{k} = {alimits.get(k)} (need >= {v})" for k, v in MIN_LIMITS.items() if alimits.get(k, 0) < v]
     if short:
         raise DeviceError(f"adapter {adapter.summary} is too small for attnserve: " + ", ".join(short))
     required = {k: alimits[k] for k in REQUESTED_FROM_ADAPTER if k in alimits}
     # Optional features the kernels use when present (subgroup reductions).
     features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
     try:
-        device = adapter.request_device_sync(
-            label="attnserve", required_limits=required, required_features=features
-        )
+        device = adapter.request_device_sync(label="attnserve", required_limits=required, required_features=features)
     except Exception as e:  # pragma: no cover - depends on the driver
         raise DeviceError(f"cannot open a device on {adapter.summary}: {e}") from e
     dlimits = {k: int(v) for k, v in device.limits.items() if isinstance(v, int)}
@@ -298,9 +294,13 @@ class GpuWorker:
             first = self._jobs.popleft()
             jobs = [first]
             if first.kind == "plan":
-                while self._jobs and self._jobs[0].kind == "plan" and (
-                    len(jobs) < self.max_batch_jobs
-                    or (jobs[-1].group is not None and self._jobs[0].group is jobs[-1].group)
+                while (
+                    self._jobs
+                    and self._jobs[0].kind == "plan"
+                    and (
+                        len(jobs) < self.max_batch_jobs
+                        or (jobs[-1].group is not None and self._jobs[0].group is jobs[-1].group)
+                    )
                 ):
                     jobs.append(self._jobs.popleft())
             self._busy = True

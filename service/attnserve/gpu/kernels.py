@@ -88,9 +88,7 @@ def plan_attention_f32(
                 flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        batch.dispatch(
-            "attention_prefill", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm}, (n_heads, rows, 1)
-        )
+        batch.dispatch("attention_prefill", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm}, (n_heads, rows, 1))
 
 
 def rotated_q_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
@@ -264,14 +262,13 @@ class KernelPolicy:
         return bool(self.subgroups) and "subgroup" in device.features
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
-        """"split", "tiled" or "single" for this attend."""
+        """ "split", "tiled" or "single" for this attend."""
         ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
         if self.force == "single" or not ok:
             return "single"
         if self.force in ("split", "tiled"):
             return self.force
         return "split" if n_queries <= self.split_max_queries else "tiled"
-
 
 
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -282,8 +279,14 @@ def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int)
     return head_dim in (32, 64, 128)
 
 
-def choose_split(kv_format: str, max_seq: int, n_kv_heads: int, n_queries: int, group: int,
-                 target_workgroups: int = KernelPolicy.target_workgroups) -> tuple[int, int]:
+def choose_split(
+    kv_format: str,
+    max_seq: int,
+    n_kv_heads: int,
+    n_queries: int,
+    group: int,
+    target_workgroups: int = KernelPolicy.target_workgroups,
+) -> tuple[int, int]:
     """(split_len, n_splits): a power-of-two split so that about
     ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
     target = target_workgroups
@@ -305,24 +308,56 @@ def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) ->
     return -(-n // 16) * 16
 
 
-def _plan_merge(batch: Batch, *, partial: Seg, out: Seg, n_queries: int, n_heads: int, head_dim: int,
-                n_splits: int, signs: wgpu.GPUBuffer | None = None, sign_off: int = 0) -> None:
+def _plan_merge(
+    batch: Batch,
+    *,
+    partial: Seg,
+    out: Seg,
+    n_queries: int,
+    n_heads: int,
+    head_dim: int,
+    n_splits: int,
+    signs: wgpu.GPUBuffer | None = None,
+    sign_off: int = 0,
+) -> None:
     """``attention_merge``; with ``signs`` it also applies TurboQuant's inverse rotation."""
     for q_base, rows in _chunks(n_queries, _limit(batch)):
         prm = batch.upload(
-            P.pack(P.MERGE_PARAMS, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits,
-                   q_total=n_queries, q_base=q_base, out_stride=n_heads * head_dim, sign_off=sign_off,
-                   flags=0 if signs is None else P.FLAG_ROTATE)
+            P.pack(
+                P.MERGE_PARAMS,
+                n_heads=n_heads,
+                head_dim=head_dim,
+                n_splits=n_splits,
+                q_total=n_queries,
+                q_base=q_base,
+                out_stride=n_heads * head_dim,
+                sign_off=sign_off,
+                flags=0 if signs is None else P.FLAG_ROTATE,
+            )
         )
         # f32 merges bind the partials again as the (unread) signs: both read-only
-        batch.dispatch("attention_merge", {0: partial, 1: out, 2: prm, 3: signs if signs is not None else partial},
-                       (n_heads, rows, 1))
+        batch.dispatch(
+            "attention_merge",
+            {0: partial, 1: out, 2: prm, 3: signs if signs is not None else partial},
+            (n_heads, rows, 1),
+        )
 
 
 def plan_attention_split_f32(
-    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
-    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
-    start_pos: int, causal: bool, scale: float,
+    batch: Batch,
+    *,
+    q: Seg,
+    k_cache: wgpu.GPUBuffer,
+    v_cache: wgpu.GPUBuffer,
+    out: Seg,
+    n_queries: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    length: int,
+    start_pos: int,
+    causal: bool,
+    scale: float,
 ) -> None:
     """Split-KV f32 attention: split kernel, then merge, into ``out[n, H, d]``."""
     if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
@@ -335,28 +370,56 @@ def plan_attention_split_f32(
     for q_base, rows in _chunks(n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(
-                P.SPLIT_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
-                split_len=split_len, q_stride=n_heads * head_dim, n_splits=n_splits, q_base=q_base,
-                flags=0 if causal else P.FLAG_NON_CAUSAL, q_total=n_queries,
+                P.SPLIT_PARAMS,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                kv_dim=n_kv_heads * head_dim,
+                max_seq=length,
+                scale=scale,
+                start_pos=start_pos,
+                split_len=split_len,
+                q_stride=n_heads * head_dim,
+                n_splits=n_splits,
+                q_base=q_base,
+                flags=0 if causal else P.FLAG_NON_CAUSAL,
+                q_total=n_queries,
             )
         )
         kernel = "attention_split_f32_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_f32"
         batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
-    _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits)
+    _plan_merge(
+        batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits
+    )
 
 
 def plan_attention_split_tq(
-    batch: Batch, *, q_rot: Resource, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
-    signs: wgpu.GPUBuffer, codebook: Codebook, n_queries: int, n_heads: int, n_kv_heads: int,
-    head_dim: int, length: int, cache_cap: int, start_pos: int, causal: bool, scale: float, sign_off: int,
+    batch: Batch,
+    *,
+    q_rot: Resource,
+    k_cache: wgpu.GPUBuffer,
+    v_cache: wgpu.GPUBuffer,
+    out: Seg,
+    signs: wgpu.GPUBuffer,
+    codebook: Codebook,
+    n_queries: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    length: int,
+    cache_cap: int,
+    start_pos: int,
+    causal: bool,
+    scale: float,
+    sign_off: int,
 ) -> None:
     """Split-KV TurboQuant attention from rotated queries: split kernel, then merge + inverse RHT."""
     if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
         raise ValueError("shape not eligible for the split kernel")
     group = n_heads // n_kv_heads
-    split_len, n_splits = choose_split("turboquant", length, n_kv_heads, n_queries, group,
-                                       batch.policy.target_workgroups)
+    split_len, n_splits = choose_split(
+        "turboquant", length, n_kv_heads, n_queries, group, batch.policy.target_workgroups
+    )
     if n_splits > _limit(batch):
         raise ValueError(f"{n_splits} splits pass the dispatch limit")
     part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
@@ -364,17 +427,44 @@ def plan_attention_split_tq(
     for q_base, rows in _chunks(n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(
-                P.TQ_SPLIT_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                max_seq=length, start_pos=start_pos, scale=scale, q_cap=n_queries, split_len=split_len,
-                qjl_scale=qjl_scale(head_dim), n_splits=n_splits, c0=c[0], c1=c[1], c2=c[2], c3=c[3],
-                q_base=q_base, cache_cap=cache_cap, flags=0 if causal else P.FLAG_NON_CAUSAL,
+                P.TQ_SPLIT_PARAMS,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                max_seq=length,
+                start_pos=start_pos,
+                scale=scale,
+                q_cap=n_queries,
+                split_len=split_len,
+                qjl_scale=qjl_scale(head_dim),
+                n_splits=n_splits,
+                c0=c[0],
+                c1=c[1],
+                c2=c[2],
+                c3=c[3],
+                q_base=q_base,
+                cache_cap=cache_cap,
+                flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
         kernel = "attention_split_tq_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_tq"
-        batch.dispatch(kernel, {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows),
-                       constants={"GROUP": group, "HEAD_DIM": head_dim})
-    _plan_merge(batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim,
-                n_splits=n_splits, signs=signs, sign_off=sign_off)
+        batch.dispatch(
+            kernel,
+            {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm},
+            (n_splits, n_kv_heads, rows),
+            constants={"GROUP": group, "HEAD_DIM": head_dim},
+        )
+    _plan_merge(
+        batch,
+        partial=part,
+        out=out,
+        n_queries=n_queries,
+        n_heads=n_heads,
+        head_dim=head_dim,
+        n_splits=n_splits,
+        signs=signs,
+        sign_off=sign_off,
+    )
 
 
 # ── query-block tiled prefill (f32) ─────────────────────────────────────────
@@ -384,9 +474,20 @@ RB_ROWS = 64  # R in attention_prefill_rb.wgsl
 
 
 def plan_attention_prefill_tiled(
-    batch: Batch, *, q: Seg, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
-    n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, length: int,
-    start_pos: int, causal: bool, scale: float,
+    batch: Batch,
+    *,
+    q: Seg,
+    k_cache: wgpu.GPUBuffer,
+    v_cache: wgpu.GPUBuffer,
+    out: Seg,
+    n_queries: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    length: int,
+    start_pos: int,
+    causal: bool,
+    scale: float,
 ) -> None:
     """The f32 query-block prefill: blocks of R / G query rows x the G heads of a
     KV head, with ``attention_prefill_rb`` (64-key tiles, outer-product register
@@ -406,23 +507,48 @@ def plan_attention_prefill_tiled(
     for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
         prm = batch.upload(
             P.pack(
-                P.PREFILL_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim, max_seq=length, scale=scale, start_pos=start_pos,
-                n_queries=q_base + rows, q_stride=stride, out_stride=stride, q_base=q_base,
+                P.PREFILL_PARAMS,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                kv_dim=n_kv_heads * head_dim,
+                max_seq=length,
+                scale=scale,
+                start_pos=start_pos,
+                n_queries=q_base + rows,
+                q_stride=stride,
+                out_stride=stride,
+                q_base=q_base,
                 flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm},
-                       (-(-rows // bq), n_kv_heads, 1), constants=constants)
+        batch.dispatch(
+            kernel, {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm}, (-(-rows // bq), n_kv_heads, 1), constants=constants
+        )
 
 
 TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl
 
 
 def plan_attention_tq_tiled(
-    batch: Batch, *, q_rot: Resource, k_cache: wgpu.GPUBuffer, v_cache: wgpu.GPUBuffer, out: Seg,
-    signs: wgpu.GPUBuffer, codebook: Codebook, n_queries: int, n_heads: int, n_kv_heads: int,
-    head_dim: int, length: int, cache_cap: int, start_pos: int, causal: bool, scale: float, sign_off: int,
+    batch: Batch,
+    *,
+    q_rot: Resource,
+    k_cache: wgpu.GPUBuffer,
+    v_cache: wgpu.GPUBuffer,
+    out: Seg,
+    signs: wgpu.GPUBuffer,
+    codebook: Codebook,
+    n_queries: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    length: int,
+    cache_cap: int,
+    start_pos: int,
+    causal: bool,
+    scale: float,
+    sign_off: int,
 ) -> None:
     """``attention_tq_tiled``: blocks of R / G query rows x the G heads of a KV head, from rotated queries."""
     if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
@@ -432,15 +558,31 @@ def plan_attention_tq_tiled(
     for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
         prm = batch.upload(
             P.pack(
-                P.TQ_ATTENTION_PARAMS, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                max_seq=length, start_pos=start_pos, scale=scale, q_cap=n_queries,
-                out_stride=n_heads * head_dim, qjl_scale=qjl_scale(head_dim), sign_off=sign_off,
-                c0=c[0], c1=c[1], c2=c[2], c3=c[3], q_base=q_base, cache_cap=cache_cap,
+                P.TQ_ATTENTION_PARAMS,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                max_seq=length,
+                start_pos=start_pos,
+                scale=scale,
+                q_cap=n_queries,
+                out_stride=n_heads * head_dim,
+                qjl_scale=qjl_scale(head_dim),
+                sign_off=sign_off,
+                c0=c[0],
+                c1=c[1],
+                c2=c[2],
+                c3=c[3],
+                q_base=q_base,
+                cache_cap=cache_cap,
                 flags=0 if causal else P.FLAG_NON_CAUSAL,
             )
         )
-        batch.dispatch("attention_tq_tiled", {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
-                       (-(-rows // bq), n_kv_heads, 1))
+        batch.dispatch(
+            "attention_tq_tiled",
+            {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
+            (-(-rows // bq), n_kv_heads, 1),
+        )
 
 
 # ── one planning entry point per kv format ──────────────────────────────────

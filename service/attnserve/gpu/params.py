@@ -36,45 +36,130 @@ def _block(*fields: str) -> np.dtype:
 
 # struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params`
 PREFILL_PARAMS = _block(
-    "n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale",
-    "start_pos", "n_queries", "q_stride", "out_stride", "q_base", "flags",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "kv_dim",
+    "max_seq",
+    "~scale",
+    "start_pos",
+    "n_queries",
+    "q_stride",
+    "out_stride",
+    "q_base",
+    "flags",
 )
 
 # struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params`
 TQ_ATTENTION_PARAMS = _block(
-    "n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale",
-    "q_cap", "out_stride", "~qjl_scale", "sign_off",
-    "~c0", "~c1", "~c2", "~c3", "q_base", "cache_cap",
-    "flags", "_pad0", "_pad1", "_pad2",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "max_seq",
+    "start_pos",
+    "~scale",
+    "q_cap",
+    "out_stride",
+    "~qjl_scale",
+    "sign_off",
+    "~c0",
+    "~c1",
+    "~c2",
+    "~c3",
+    "q_base",
+    "cache_cap",
+    "flags",
+    "_pad0",
+    "_pad1",
+    "_pad2",
 )
 
 # struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`
 TQ_ENCODE_PARAMS = _block(
-    "n_kv_heads", "head_dim", "cache_cap", "t0", "row_base", "sign_off", "n_rows", "_pad0",
-    "~c0", "~c1", "~c2", "~c3", "~b0", "~b1", "~b2", "_pad1",
+    "n_kv_heads",
+    "head_dim",
+    "cache_cap",
+    "t0",
+    "row_base",
+    "sign_off",
+    "n_rows",
+    "_pad0",
+    "~c0",
+    "~c1",
+    "~c2",
+    "~c3",
+    "~b0",
+    "~b1",
+    "~b2",
+    "_pad1",
 )
 
 # struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`
 TQ_ROTATE_PARAMS = _block(
-    "n_heads", "head_dim", "q_cap", "sign_off", "q_base", "q_stride", "_pad0", "_pad1",
+    "n_heads",
+    "head_dim",
+    "q_cap",
+    "sign_off",
+    "q_base",
+    "q_stride",
+    "_pad0",
+    "_pad1",
 )
 
 # struct SplitParams: attention_split{,_sg}.wgsl `params`
 SPLIT_PARAMS = _block(
-    "n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale", "start_pos",
-    "split_len", "q_stride", "n_splits", "q_base", "flags", "q_total", "_pad0", "_pad1", "_pad2",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "kv_dim",
+    "max_seq",
+    "~scale",
+    "start_pos",
+    "split_len",
+    "q_stride",
+    "n_splits",
+    "q_base",
+    "flags",
+    "q_total",
+    "_pad0",
+    "_pad1",
+    "_pad2",
 )
 
 # struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`
 TQ_SPLIT_PARAMS = _block(
-    "n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap",
-    "split_len", "~qjl_scale", "n_splits", "~c0", "~c1", "~c2", "~c3",
-    "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "max_seq",
+    "start_pos",
+    "~scale",
+    "q_cap",
+    "split_len",
+    "~qjl_scale",
+    "n_splits",
+    "~c0",
+    "~c1",
+    "~c2",
+    "~c3",
+    "q_base",
+    "cache_cap",
+    "flags",
+    "_pad0",
+    "_pad1",
+    "_pad2",
 )
 
 # struct MergeParams: attention_merge.wgsl `mparams`
 MERGE_PARAMS = _block(
-    "n_heads", "head_dim", "n_splits", "q_total", "q_base", "out_stride", "sign_off", "flags",
+    "n_heads",
+    "head_dim",
+    "n_splits",
+    "q_total",
+    "q_base",
+    "out_stride",
+    "sign_off",
+    "flags",
 )
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
@@ -121,8 +206,7 @@ def wgsl_struct(name: str) -> str:
     """The WGSL declaration of the block ``STRUCTS[name]``: one field a word, in
     the host's order, so its offsets are the dtype's (checked here)."""
     dtype = STRUCTS[name]
-    lines = [f"// {name}: generated from attnserve/gpu/params.py, one 4-byte word a field",
-             f"struct {name} {{"]
+    lines = [f"// {name}: generated from attnserve/gpu/params.py, one 4-byte word a field", f"struct {name} {{"]
     for i, field in enumerate(dtype.names):
         kind, offset = dtype.fields[field][0], dtype.fields[field][1]
         if offset != 4 * i or kind.itemsize != 4:

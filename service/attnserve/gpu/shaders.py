@@ -43,9 +43,7 @@ KERNELS: dict[str, KernelSpec] = {
         ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
     ),
     "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R))),
-    "tq_encode_values": KernelSpec(
-        "turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))
-    ),
+    "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
     "attention_prefill_tiled": KernelSpec(
         "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R))
@@ -66,7 +64,9 @@ KERNELS: dict[str, KernelSpec] = {
         "attention_split_sg.wgsl", "attention_split_f32_sg", ((0, R), (1, R), (2, R), (3, RW), (4, R)), ("subgroup",)
     ),
     "attention_split_tq_sg": KernelSpec(
-        "flash_attention_tq_split_sg.wgsl", "attention_split_tq_sg", ((0, R), (1, R), (2, R), (3, RW), (4, R)),
+        "flash_attention_tq_split_sg.wgsl",
+        "attention_split_tq_sg",
+        ((0, R), (1, R), (2, R), (3, RW), (4, R)),
         ("subgroup",),
     ),
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
@@ -143,8 +143,9 @@ class PipelineCache:
             self._modules[file] = self._device.create_shader_module(label=file, code=load_wgsl(file))
         return self._modules[file]
 
-    def get(self, kernel: str, constants: dict[str, int] | None = None
-            ) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
+    def get(
+        self, kernel: str, constants: dict[str, int] | None = None
+    ) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
         """The pipeline of ``kernel`` with its WGSL ``override`` constants set
         to ``constants`` (one pipeline per distinct set)."""
         key = (kernel, tuple(sorted((constants or {}).items())))

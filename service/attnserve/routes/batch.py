@@ -37,8 +37,19 @@ from .operations import (
 )
 from .schemas import ok, problems, request_body
 
-__all__ = ["router", "BatchItem", "QueuedBatch", "parse_batch", "parse_items", "queue_batch", "finish_batch",
-           "settled", "results_document", "count_errors", "BATCH_ITEM_FIELDS"]
+__all__ = [
+    "router",
+    "BatchItem",
+    "QueuedBatch",
+    "parse_batch",
+    "parse_items",
+    "queue_batch",
+    "finish_batch",
+    "settled",
+    "results_document",
+    "count_errors",
+    "BATCH_ITEM_FIELDS",
+]
 
 log = logging.getLogger("attnserve")
 
@@ -188,8 +199,7 @@ def results_document(outcome: list[Any], kind: MediaKind, instance: str) -> dict
         **problems(400, 408, 413, 415, 422, 500, 503, slugs={408: "body-timeout"}),
     },
 )
-async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
-                       owner: OwnerDep) -> Response:
+async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep) -> Response:
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     items = await rt.offload(parse_batch, raw, wire.request, max_bytes, rt.settings.max_batch_items, size=len(raw))

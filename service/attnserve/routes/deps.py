@@ -87,9 +87,7 @@ async def get_engine(rt: RuntimeDep) -> Engine:
 EngineDep = Annotated[Engine, Depends(get_engine)]
 
 SessionIdPath = Annotated[str, Path(description="The session's id.", examples=["my-session-1"])]
-LayerPath = Annotated[
-    str, Path(pattern=r"^[0-9]{1,10}$", description="Layer index, 0..num_layers-1.", examples=["0"])
-]
+LayerPath = Annotated[str, Path(pattern=r"^[0-9]{1,10}$", description="Layer index, 0..num_layers-1.", examples=["0"])]
 
 
 async def get_session(session_id: SessionIdPath, rt: RuntimeDep, owner: OwnerDep) -> Session:

@@ -57,12 +57,30 @@ def _fresh(rt: Runtime, session: Session, owner: str | None) -> Session:
     openapi_extra=request_body("AppendJson", "AppendMsgpack"),
     responses={
         **ok(200, "The layer's new length", "AppendResult"),
-        **problems(400, 404, 408, 409, 413, 415, 422, 500, 503, 507,
-                   slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded"}),
+        **problems(
+            400,
+            404,
+            408,
+            409,
+            413,
+            415,
+            422,
+            500,
+            503,
+            507,
+            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded"},
+        ),
     },
 )
-async def append_kv(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
-                    session: SessionDep, owner: OwnerDep) -> Response:
+async def append_kv(
+    request: Request,
+    layer: LayerPath,
+    rt: RuntimeDep,
+    wire: WireDep,
+    engine: EngineDep,
+    session: SessionDep,
+    owner: OwnerDep,
+) -> Response:
     _layer(session, layer)  # 404 before any of the body is read
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
@@ -89,12 +107,30 @@ def _attend_body(out: np.ndarray, length: int, kind: MediaKind) -> bytes:
     openapi_extra=request_body("AttendJson", "AttendMsgpack"),
     responses={
         **ok(200, "The attention output and the layer's length", "AttendResultJson", "AttendResultMsgpack"),
-        **problems(400, 404, 408, 409, 413, 415, 422, 500, 503, 507,
-                   slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append)"}),
+        **problems(
+            400,
+            404,
+            408,
+            409,
+            413,
+            415,
+            422,
+            500,
+            503,
+            507,
+            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append)"},
+        ),
     },
 )
-async def attend(request: Request, layer: LayerPath, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
-                 session: SessionDep, owner: OwnerDep) -> Response:
+async def attend(
+    request: Request,
+    layer: LayerPath,
+    rt: RuntimeDep,
+    wire: WireDep,
+    engine: EngineDep,
+    session: SessionDep,
+    owner: OwnerDep,
+) -> Response:
     _layer(session, layer)  # 404 before any of the body is read
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)

@@ -97,7 +97,9 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
             if not np.isfinite(np.float32(scale)):  # the kernels take it as float32
                 raise InvalidRequest(f"scale: expected a finite float32 (|scale| <= {F32_MAX:.7g}), got {scale!r}")
     return AttendRequest(
-        q, k, v,
+        q,
+        k,
+        v,
         offset=f.int("offset", None, lo=0),
         start_pos=f.int("start_pos", None, lo=0),
         causal=f.bool("causal", True),
@@ -154,11 +156,15 @@ def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: At
     start_pos = length - n if req.start_pos is None else req.start_pos
     if start_pos < 0 or start_pos + n > length:
         if req.start_pos is None:
-            detail = (f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
-                      f"start_pos, length - n, would be {start_pos}); give start_pos or fewer rows")
+            detail = (
+                f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
+                f"start_pos, length - n, would be {start_pos}); give start_pos or fewer rows"
+            )
         else:
-            detail = (f"start_pos: {n} query rows from start_pos {start_pos} pass the layer's length "
-                      f"{length} (start_pos + n <= length is required)")
+            detail = (
+                f"start_pos: {n} query rows from start_pos {start_pos} pass the layer's length "
+                f"{length} (start_pos + n <= length is required)"
+            )
         raise InvalidRequest(detail, length=length)
     rt.store.check_budget(res)
     plan = engine.plan_attend(
@@ -184,4 +190,3 @@ def count_rows(rt: Runtime, op: Checked) -> None:
 
 def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:
     return {"out": array_out(out, kind), "length": length}
-

@@ -53,8 +53,12 @@ async def readyz(rt: RuntimeDep, wire: WireDep) -> Response:
     "/metrics",
     summary="Prometheus metrics",
     response_class=Response,
-    responses={200: {"description": "Prometheus text exposition format 0.0.4.",
-                     "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={
+        200: {
+            "description": "Prometheus text exposition format 0.0.4.",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
 )
 async def metrics(rt: RuntimeDep) -> Response:
     return Response(rt.metrics.render(), media_type=CONTENT_TYPE)

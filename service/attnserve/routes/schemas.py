@@ -121,8 +121,12 @@ def _batch_attend(array: str) -> dict[str, Any]:
         "required": ["items"],
         "additionalProperties": False,
         "properties": {
-            "items": {"type": "array", "minItems": 1, "items": item,
-                      "description": "Attends, applied in order; at most limits.max_batch_items."},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "items": item,
+                "description": "Attends, applied in order; at most limits.max_batch_items.",
+            },
         },
     }
 
@@ -135,13 +139,22 @@ def _batch_out(array: str) -> dict[str, Any]:
             "results": {
                 "type": "array",
                 "description": "One per item, in item order.",
-                "items": {"oneOf": [
-                    _attend_out(array),
-                    {"type": "object", "required": ["error"],
-                     "properties": {"error": {**ref("Problem"),
-                                              "description": "The item's problem (with `item`, its index); "
-                                              "the item changed nothing."}}},
-                ]},
+                "items": {
+                    "oneOf": [
+                        _attend_out(array),
+                        {
+                            "type": "object",
+                            "required": ["error"],
+                            "properties": {
+                                "error": {
+                                    **ref("Problem"),
+                                    "description": "The item's problem (with `item`, its index); "
+                                    "the item changed nothing.",
+                                }
+                            },
+                        },
+                    ]
+                },
             },
         },
     }
@@ -177,8 +190,16 @@ COMPONENTS: dict[str, Any] = {
     "SessionInfo": {
         "type": "object",
         "required": [
-            "session_id", "num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format",
-            "max_tokens", "seed", "lengths", "bytes",
+            "session_id",
+            "num_layers",
+            "num_qo_heads",
+            "num_kv_heads",
+            "head_dim",
+            "kv_format",
+            "max_tokens",
+            "seed",
+            "lengths",
+            "bytes",
         ],
         "properties": {
             "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},

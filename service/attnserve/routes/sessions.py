@@ -24,8 +24,9 @@ def _decode_create(raw: bytes, kind: str | None, max_bytes: int) -> CreateReques
     return parse_create(decode_document(raw, kind, max_bytes))
 
 
-async def _create(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: str | None,
-                  session_id: str | None) -> Response:
+async def _create(
+    request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: str | None, session_id: str | None
+) -> Response:
     if session_id is not None and not SESSION_ID_RE.fullmatch(session_id):
         raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
     rt.store.check_room(session_id, owner)  # early 409 / 507, before reading the body
@@ -62,12 +63,15 @@ _CREATE_DOC = dict(
     "",
     summary="Create a session",
     description="Creates a session: a KV cache for every layer of one sequence, with a random id.",
-    responses={**ok(201, "The session's info", "SessionInfo"),
-               **problems(400, 408, 413, 415, 422, 503, 507, slugs={408: "body-timeout"})},
+    responses={
+        **ok(201, "The session's info", "SessionInfo"),
+        **problems(400, 408, 413, 415, 422, 503, 507, slugs={408: "body-timeout"}),
+    },
     **_CREATE_DOC,
 )
-async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
-                         owner: OwnerDep) -> Response:
+async def create_session(
+    request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep
+) -> Response:
     return await _create(request, rt, wire, engine, owner, None)
 
 
@@ -83,8 +87,9 @@ async def create_session(request: Request, rt: RuntimeDep, wire: WireDep, engine
     },
     **_CREATE_DOC,
 )
-async def put_session(session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire: WireDep,
-                      engine: EngineDep, owner: OwnerDep) -> Response:
+async def put_session(
+    session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep
+) -> Response:
     return await _create(request, rt, wire, engine, owner, session_id)
 
 

@@ -19,6 +19,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["snapshots"])
 
+
 @router.get(
     "/snapshot",
     summary="Snapshot a session",
@@ -27,8 +28,10 @@ router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["snapshots"])
     "Taken after every request already accepted for the session.",
     response_class=Response,
     responses={
-        200: {"description": "The snapshot blob.",
-              "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}},
+        200: {
+            "description": "The snapshot blob.",
+            "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+        },
         **problems(404, 503, slugs={404: "session-not-found"}),
     },
 )
@@ -36,8 +39,9 @@ async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -
     layers = await asyncio.shield(asyncio.wrap_future(engine.call(read_layers(session.kv))))
     size = sum(len(kb) + len(vb) for _, _, kb, vb in layers)
     blob = await rt.offload(build_blob, session.config, layers, size=size)
-    return Response(blob, media_type=wire.MSGPACK,
-                    headers={"Content-Disposition": f'attachment; filename="{session.id}.attnsnap"'})
+    return Response(
+        blob, media_type=wire.MSGPACK, headers={"Content-Disposition": f'attachment; filename="{session.id}.attnsnap"'}
+    )
 
 
 @router.put(
@@ -48,16 +52,26 @@ async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -
     "Attends on the restored session give bit-identical results.",
     status_code=201,
     response_class=Response,
-    openapi_extra={"requestBody": {"required": True, "content": {
-        wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}}},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}}
+    },
     responses={
         **ok(201, "The restored session's info", "SessionInfo"),
-        **problems(408, 409, 413, 415, 422, 503, 507,
-                   slugs={408: "body-timeout", 409: "session-exists", 422: "invalid-snapshot"}),
+        **problems(
+            408,
+            409,
+            413,
+            415,
+            422,
+            503,
+            507,
+            slugs={408: "body-timeout", 409: "session-exists", 422: "invalid-snapshot"},
+        ),
     },
 )
-async def put_snapshot(session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire_: WireDep,
-                       engine: EngineDep, owner: OwnerDep) -> Response:
+async def put_snapshot(
+    session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire_: WireDep, engine: EngineDep, owner: OwnerDep
+) -> Response:
     if wire_.request == "json":
         raise UnsupportedMediaType("a snapshot is a MessagePack blob: send Content-Type application/vnd.msgpack")
     if not SESSION_ID_RE.fullmatch(session_id):
@@ -65,8 +79,9 @@ async def put_snapshot(session_id: SessionIdPath, request: Request, rt: RuntimeD
     store = rt.store
     store.check_room(session_id, owner)  # the restored session is the caller's (ids are per tenant)
     raw = await read_body(request, rt.settings.max_body_bytes)
-    config, layers = await rt.offload(parse_blob, raw, rt.settings.max_body_bytes, engine.max_tokens_limit,
-                                      size=len(raw))
+    config, layers = await rt.offload(
+        parse_blob, raw, rt.settings.max_body_bytes, engine.max_tokens_limit, size=len(raw)
+    )
     # From here to the queueing: no await, so the id and budget checks hold.
     kv = SessionKV(config)
     # 409 / 507 now; the id and bytes stay taken while restoring

@@ -179,15 +179,11 @@ def residual_bits(
     return np.where(live, rn, 0.0), z, bits
 
 
-def encode_keys(
-    k: np.ndarray, polar_signs: np.ndarray, jl_signs: np.ndarray, cb: Codebook
-) -> EncodedKeys:
+def encode_keys(k: np.ndarray, polar_signs: np.ndarray, jl_signs: np.ndarray, cb: Codebook) -> EncodedKeys:
     """All four steps for keys ``[..., d]``."""
     ev = encode_values(k, polar_signs, cb)
     rn, z, bits = residual_bits(ev.y, ev.idx, ev.live, jl_signs, cb)
-    return EncodedKeys(
-        norm=ev.norm, y=ev.y, idx=ev.idx, live=ev.live, residual_norm=rn, z=z, bits=bits
-    )
+    return EncodedKeys(norm=ev.norm, y=ev.y, idx=ev.idx, live=ev.live, residual_norm=rn, z=z, bits=bits)
 
 
 def _pack_polar(idx: np.ndarray) -> np.ndarray:
@@ -237,9 +233,7 @@ def pack_value_cache(enc: EncodedValues, cap: int) -> np.ndarray:
     """Value cache words ``[polar | norms]`` for values encoded from ``[L, Hkv, d]``."""
     polar = np.where(enc.live[..., None], _pack_polar(enc.idx), 0)
     nw = np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
-    return np.concatenate([_to_slots(polar, cap).ravel(), _to_slots(nw, cap).ravel()]).astype(
-        np.uint32
-    )
+    return np.concatenate([_to_slots(polar, cap).ravel(), _to_slots(nw, cap).ravel()]).astype(np.uint32)
 
 
 def unpack_key_cache(words: np.ndarray, *, n_kv_heads: int, cap: int, d: int, length: int):
