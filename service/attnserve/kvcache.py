@@ -234,19 +234,7 @@ class F32LayerCache(LayerCache):
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         n, h, d = shape
         K.plan_attend_f32(
-            batch,
-            q=q,
-            k_cache=self.k,
-            v_cache=self.v,
-            out=out,
-            n_queries=n,
-            n_heads=h,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=d,
-            length=length,
-            start_pos=start_pos,
-            causal=causal,
-            scale=scale,
+            batch, K.Attend(q, out, self.k, self.v, n, h, self.n_kv_heads, d, length, start_pos, causal, scale)
         )
 
 
@@ -322,22 +310,8 @@ class TurboQuantLayerCache(LayerCache):
         plan_rotate_q(batch, q=q, q_out=qrot, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=self.sign_off)
         K.plan_attend_turboquant(
             batch,
-            q_rot=qrot,
-            k_cache=self.k,
-            v_cache=self.v,
-            out=out,
-            signs=signs,
-            codebook=self.codebook,
-            n_queries=n,
-            n_heads=h,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=d,
-            length=length,
-            cache_cap=self.capacity,
-            start_pos=start_pos,
-            causal=causal,
-            scale=scale,
-            sign_off=self.sign_off,
+            K.Attend(qrot, out, self.k, self.v, n, h, self.n_kv_heads, d, length, start_pos, causal, scale),
+            K.TqLayer(signs, self.codebook, self.capacity, self.sign_off),
         )
 
 

@@ -23,6 +23,8 @@ from . import params as P
 from .batch import Batch, Resource, Seg
 
 __all__ = [
+    "Attend",
+    "TqLayer",
     "plan_attention_f32",
     "plan_rotate_q",
     "plan_attention_tq",
@@ -52,43 +54,98 @@ def _limit(batch: Batch) -> int:
     return int(batch.device.limits.get("max-compute-workgroups-per-dimension", 65535))
 
 
-def plan_attention_f32(
-    batch: Batch,
-    *,
-    q: Seg,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-) -> None:
-    """``attention_prefill``: ``out[n, H, d]`` from ``q[n, H, d]`` over ``length`` rows."""
-    stride = n_heads * head_dim
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.PREFILL_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim,
-                max_seq=length,
-                scale=scale,
-                start_pos=start_pos,
-                n_queries=n_queries,
-                q_stride=stride,
-                out_stride=stride,
-                q_base=q_base,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-            )
+@dataclass(frozen=True)
+class Attend:
+    """One attend, as every attention plan takes it: queries ``q [n, H, d]`` (for
+    TurboQuant: rotated, ``[q_rot | q_jl]``) over the first ``length`` timesteps of
+    ``k_cache``/``v_cache``, into ``out [n, H, d]``; row ``i`` at ``start_pos + i``."""
+
+    q: Resource
+    out: Resource
+    k_cache: wgpu.GPUBuffer
+    v_cache: wgpu.GPUBuffer
+    n_queries: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    length: int
+    start_pos: int
+    causal: bool
+    scale: float
+
+    @property
+    def flags(self) -> int:
+        return 0 if self.causal else P.FLAG_NON_CAUSAL
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass(frozen=True)
+class TqLayer:
+    """What a TurboQuant attend needs of its layer besides the caches."""
+
+    signs: wgpu.GPUBuffer
+    codebook: Codebook
+    cache_cap: int
+    sign_off: int
+
+
+def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg:
+    stride = a.n_heads * a.head_dim
+    return batch.upload(
+        P.pack(
+            P.PREFILL_PARAMS,
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            kv_dim=a.n_kv_heads * a.head_dim,
+            max_seq=a.length,
+            scale=a.scale,
+            start_pos=a.start_pos,
+            n_queries=n_queries,
+            q_stride=stride,
+            out_stride=stride,
+            q_base=q_base,
+            flags=a.flags,
         )
-        batch.dispatch("attention_prefill", {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm}, (n_heads, rows, 1))
+    )
+
+
+def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> Seg:
+    c = tq.codebook.centroids
+    return batch.upload(
+        P.pack(
+            P.TQ_ATTENTION_PARAMS,
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            head_dim=a.head_dim,
+            max_seq=a.length,
+            start_pos=a.start_pos,
+            scale=a.scale,
+            q_cap=a.n_queries,
+            out_stride=a.n_heads * a.head_dim,
+            qjl_scale=qjl_scale(a.head_dim),
+            sign_off=tq.sign_off,
+            c0=c[0],
+            c1=c[1],
+            c2=c[2],
+            c3=c[3],
+            q_base=q_base,
+            cache_cap=tq.cache_cap,
+            flags=a.flags,
+        )
+    )
+
+
+def plan_attention_f32(batch: Batch, a: Attend) -> None:
+    """``attention_prefill`` (single pass): ``out[n, H, d]`` from ``q[n, H, d]`` over ``length`` rows."""
+    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
+        prm = _prefill_params(batch, a, q_base, a.n_queries)
+        batch.dispatch(
+            "attention_prefill", {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm}, (a.n_heads, rows, 1)
+        )
 
 
 def rotated_q_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
@@ -123,55 +180,14 @@ def plan_rotate_q(
         batch.dispatch("tq_rotate_q", {3: signs, 4: q, 5: q_out, 6: prm}, (n_heads, rows, 1))
 
 
-def plan_attention_tq(
-    batch: Batch,
-    *,
-    q_rot: Resource,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    signs: wgpu.GPUBuffer,
-    codebook: Codebook,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    cache_cap: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-    sign_off: int,
-) -> None:
-    """``flash_attention_tq`` over a compressed layer of capacity ``cache_cap``."""
-    c = codebook.centroids
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.TQ_ATTENTION_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                max_seq=length,
-                start_pos=start_pos,
-                scale=scale,
-                q_cap=n_queries,
-                out_stride=n_heads * head_dim,
-                qjl_scale=qjl_scale(head_dim),
-                sign_off=sign_off,
-                c0=c[0],
-                c1=c[1],
-                c2=c[2],
-                c3=c[3],
-                q_base=q_base,
-                cache_cap=cache_cap,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-            )
-        )
+def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
+    """``flash_attention_tq`` (single pass) over a compressed layer of capacity ``tq.cache_cap``."""
+    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
+        prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
             "flash_attention_tq",
-            {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
-            (n_heads, rows, 1),
+            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm, 5: tq.signs},
+            (a.n_heads, rows, 1),
         )
 
 
@@ -308,163 +324,105 @@ def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) ->
     return -(-n // 16) * 16
 
 
-def _plan_merge(
-    batch: Batch,
-    *,
-    partial: Seg,
-    out: Seg,
-    n_queries: int,
-    n_heads: int,
-    head_dim: int,
-    n_splits: int,
-    signs: wgpu.GPUBuffer | None = None,
-    sign_off: int = 0,
-) -> None:
-    """``attention_merge``; with ``signs`` it also applies TurboQuant's inverse rotation."""
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
+def _plan_merge(batch: Batch, a: Attend, partial: Seg, n_splits: int, tq: TqLayer | None = None) -> None:
+    """``attention_merge``; with ``tq`` it also applies TurboQuant's inverse rotation."""
+    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(
                 P.MERGE_PARAMS,
-                n_heads=n_heads,
-                head_dim=head_dim,
+                n_heads=a.n_heads,
+                head_dim=a.head_dim,
                 n_splits=n_splits,
-                q_total=n_queries,
+                q_total=a.n_queries,
                 q_base=q_base,
-                out_stride=n_heads * head_dim,
-                sign_off=sign_off,
-                flags=0 if signs is None else P.FLAG_ROTATE,
+                out_stride=a.n_heads * a.head_dim,
+                sign_off=tq.sign_off if tq is not None else 0,
+                flags=0 if tq is None else P.FLAG_ROTATE,
             )
         )
         # f32 merges bind the partials again as the (unread) signs: both read-only
         batch.dispatch(
             "attention_merge",
-            {0: partial, 1: out, 2: prm, 3: signs if signs is not None else partial},
-            (n_heads, rows, 1),
+            {0: partial, 1: a.out, 2: prm, 3: tq.signs if tq is not None else partial},
+            (a.n_heads, rows, 1),
         )
 
 
-def plan_attention_split_f32(
-    batch: Batch,
-    *,
-    q: Seg,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-) -> None:
-    """Split-KV f32 attention: split kernel, then merge, into ``out[n, H, d]``."""
-    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
+def _split(batch: Batch, a: Attend, kv_format: str) -> tuple[int, int, Seg]:
+    """(split_len, n_splits, the partials' scratch) of a split-KV attend."""
+    if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the split kernel")
-    group = n_heads // n_kv_heads
-    split_len, n_splits = choose_split("f32", length, n_kv_heads, n_queries, group, batch.policy.target_workgroups)
+    split_len, n_splits = choose_split(
+        kv_format, a.length, a.n_kv_heads, a.n_queries, a.group, batch.policy.target_workgroups
+    )
     if n_splits > _limit(batch):
         raise ValueError(f"{n_splits} splits pass the dispatch limit")
-    part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
+    part = batch.scratch(partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim), arena="partial")
+    return split_len, n_splits, part
+
+
+def plan_attention_split_f32(batch: Batch, a: Attend) -> None:
+    """Split-KV f32 attention: split kernel, then merge, into ``out[n, H, d]``."""
+    split_len, n_splits, part = _split(batch, a, "f32")
+    kernel = "attention_split_f32_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_f32"
+    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(
                 P.SPLIT_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim,
-                max_seq=length,
-                scale=scale,
-                start_pos=start_pos,
+                n_heads=a.n_heads,
+                n_kv_heads=a.n_kv_heads,
+                head_dim=a.head_dim,
+                kv_dim=a.n_kv_heads * a.head_dim,
+                max_seq=a.length,
+                scale=a.scale,
+                start_pos=a.start_pos,
                 split_len=split_len,
-                q_stride=n_heads * head_dim,
+                q_stride=a.n_heads * a.head_dim,
                 n_splits=n_splits,
                 q_base=q_base,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-                q_total=n_queries,
+                flags=a.flags,
+                q_total=a.n_queries,
             )
         )
-        kernel = "attention_split_f32_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_f32"
-        batch.dispatch(kernel, {0: q, 1: k_cache, 2: v_cache, 3: part, 4: prm}, (n_splits, n_kv_heads, rows))
-    _plan_merge(
-        batch, partial=part, out=out, n_queries=n_queries, n_heads=n_heads, head_dim=head_dim, n_splits=n_splits
-    )
+        batch.dispatch(kernel, {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: part, 4: prm}, (n_splits, a.n_kv_heads, rows))
+    _plan_merge(batch, a, part, n_splits)
 
 
-def plan_attention_split_tq(
-    batch: Batch,
-    *,
-    q_rot: Resource,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    signs: wgpu.GPUBuffer,
-    codebook: Codebook,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    cache_cap: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-    sign_off: int,
-) -> None:
+def plan_attention_split_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
     """Split-KV TurboQuant attention from rotated queries: split kernel, then merge + inverse RHT."""
-    if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
-        raise ValueError("shape not eligible for the split kernel")
-    group = n_heads // n_kv_heads
-    split_len, n_splits = choose_split(
-        "turboquant", length, n_kv_heads, n_queries, group, batch.policy.target_workgroups
-    )
-    if n_splits > _limit(batch):
-        raise ValueError(f"{n_splits} splits pass the dispatch limit")
-    part = batch.scratch(partial_bytes(n_queries, n_heads, n_splits, head_dim), arena="partial")
-    c = codebook.centroids
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
+    split_len, n_splits, part = _split(batch, a, "turboquant")
+    kernel = "attention_split_tq_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_tq"
+    c = tq.codebook.centroids
+    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = batch.upload(
             P.pack(
                 P.TQ_SPLIT_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                max_seq=length,
-                start_pos=start_pos,
-                scale=scale,
-                q_cap=n_queries,
+                n_heads=a.n_heads,
+                n_kv_heads=a.n_kv_heads,
+                head_dim=a.head_dim,
+                max_seq=a.length,
+                start_pos=a.start_pos,
+                scale=a.scale,
+                q_cap=a.n_queries,
                 split_len=split_len,
-                qjl_scale=qjl_scale(head_dim),
+                qjl_scale=qjl_scale(a.head_dim),
                 n_splits=n_splits,
                 c0=c[0],
                 c1=c[1],
                 c2=c[2],
                 c3=c[3],
                 q_base=q_base,
-                cache_cap=cache_cap,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
+                cache_cap=tq.cache_cap,
+                flags=a.flags,
             )
         )
-        kernel = "attention_split_tq_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_tq"
         batch.dispatch(
             kernel,
-            {0: q_rot, 1: k_cache, 2: v_cache, 3: part, 4: prm},
-            (n_splits, n_kv_heads, rows),
-            constants={"GROUP": group, "HEAD_DIM": head_dim},
+            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: part, 4: prm},
+            (n_splits, a.n_kv_heads, rows),
+            constants={"GROUP": a.group, "HEAD_DIM": a.head_dim},
         )
-    _plan_merge(
-        batch,
-        partial=part,
-        out=out,
-        n_queries=n_queries,
-        n_heads=n_heads,
-        head_dim=head_dim,
-        n_splits=n_splits,
-        signs=signs,
-        sign_off=sign_off,
-    )
+    _plan_merge(batch, a, part, n_splits, tq)
 
 
 # ── query-block tiled prefill (f32) ─────────────────────────────────────────
@@ -473,139 +431,68 @@ TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
 RB_ROWS = 64  # R in attention_prefill_rb.wgsl
 
 
-def plan_attention_prefill_tiled(
-    batch: Batch,
-    *,
-    q: Seg,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-) -> None:
+def plan_attention_prefill_tiled(batch: Batch, a: Attend) -> None:
     """The f32 query-block prefill: blocks of R / G query rows x the G heads of a
     KV head, with ``attention_prefill_rb`` (64-key tiles, outer-product register
     blocks; its pipeline specialized on G and head_dim unless the policy says
     otherwise) or ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says."""
-    if not split_eligible("f32", n_heads, n_kv_heads, head_dim):
+    if not split_eligible("f32", a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the tiled prefill kernel")
-    group = n_heads // n_kv_heads
+    constants: dict[str, int] | None
     if batch.policy.prefill_f32 == "rb":
-        kernel, bq = "attention_prefill_rb", RB_ROWS // group
+        kernel, bq = "attention_prefill_rb", RB_ROWS // a.group
         constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
         if batch.policy.prefill_rb_specialize:
-            constants.update(GROUP=group, HEAD_DIM=head_dim)
+            constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
     else:
-        kernel, bq, constants = "attention_prefill_tiled", TILED_ROWS // group, None
-    stride = n_heads * head_dim
-    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
-        prm = batch.upload(
-            P.pack(
-                P.PREFILL_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                kv_dim=n_kv_heads * head_dim,
-                max_seq=length,
-                scale=scale,
-                start_pos=start_pos,
-                n_queries=q_base + rows,
-                q_stride=stride,
-                out_stride=stride,
-                q_base=q_base,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-            )
-        )
+        kernel, bq, constants = "attention_prefill_tiled", TILED_ROWS // a.group, None
+    for q_base, rows in _chunks(a.n_queries, _limit(batch) * bq):
+        prm = _prefill_params(batch, a, q_base, q_base + rows)
         batch.dispatch(
-            kernel, {0: q, 1: k_cache, 2: v_cache, 3: out, 4: prm}, (-(-rows // bq), n_kv_heads, 1), constants=constants
+            kernel,
+            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm},
+            (-(-rows // bq), a.n_kv_heads, 1),
+            constants=constants,
         )
 
 
 TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl
 
 
-def plan_attention_tq_tiled(
-    batch: Batch,
-    *,
-    q_rot: Resource,
-    k_cache: wgpu.GPUBuffer,
-    v_cache: wgpu.GPUBuffer,
-    out: Seg,
-    signs: wgpu.GPUBuffer,
-    codebook: Codebook,
-    n_queries: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    length: int,
-    cache_cap: int,
-    start_pos: int,
-    causal: bool,
-    scale: float,
-    sign_off: int,
-) -> None:
+def plan_attention_tq_tiled(batch: Batch, a: Attend, tq: TqLayer) -> None:
     """``attention_tq_tiled``: blocks of R / G query rows x the G heads of a KV head, from rotated queries."""
-    if not split_eligible("turboquant", n_heads, n_kv_heads, head_dim):
+    if not split_eligible("turboquant", a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the tiled TurboQuant kernel")
-    bq = TQ_TILED_ROWS // (n_heads // n_kv_heads)
-    c = codebook.centroids
-    for q_base, rows in _chunks(n_queries, _limit(batch) * bq):
-        prm = batch.upload(
-            P.pack(
-                P.TQ_ATTENTION_PARAMS,
-                n_heads=n_heads,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                max_seq=length,
-                start_pos=start_pos,
-                scale=scale,
-                q_cap=n_queries,
-                out_stride=n_heads * head_dim,
-                qjl_scale=qjl_scale(head_dim),
-                sign_off=sign_off,
-                c0=c[0],
-                c1=c[1],
-                c2=c[2],
-                c3=c[3],
-                q_base=q_base,
-                cache_cap=cache_cap,
-                flags=0 if causal else P.FLAG_NON_CAUSAL,
-            )
-        )
+    bq = TQ_TILED_ROWS // a.group
+    for q_base, rows in _chunks(a.n_queries, _limit(batch) * bq):
+        prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
             "attention_tq_tiled",
-            {0: q_rot, 1: k_cache, 2: v_cache, 3: out, 4: prm, 5: signs},
-            (-(-rows // bq), n_kv_heads, 1),
+            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm, 5: tq.signs},
+            (-(-rows // bq), a.n_kv_heads, 1),
         )
 
 
 # ── one planning entry point per kv format ──────────────────────────────────
 
 
-def plan_attend_f32(batch: Batch, **kw) -> None:
+def plan_attend_f32(batch: Batch, a: Attend) -> None:
     """f32 attention with the kernel family ``batch.policy`` picks for the shape:
-    split-KV, the query-block tiled prefill, or the single-pass kernel. ``kw``:
-    the arguments of :func:`plan_attention_split_f32`."""
+    split-KV, the query-block tiled prefill, or the single-pass kernel."""
     plan = {
         "split": plan_attention_split_f32,
         "tiled": plan_attention_prefill_tiled,
         "single": plan_attention_f32,
-    }[batch.policy.path("f32", kw["n_queries"], kw["n_heads"], kw["n_kv_heads"], kw["head_dim"])]
-    plan(batch, **kw)
+    }[batch.policy.path("f32", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)]
+    plan(batch, a)
 
 
-def plan_attend_turboquant(batch: Batch, **kw) -> None:
-    """TurboQuant attention from rotated queries with the kernel family
-    ``batch.policy`` picks. ``kw``: the arguments of :func:`plan_attention_split_tq`."""
+def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
+    """TurboQuant attention from rotated queries (``a.q``) with the kernel family
+    ``batch.policy`` picks."""
     plan = {
         "split": plan_attention_split_tq,
         "tiled": plan_attention_tq_tiled,
         "single": plan_attention_tq,
-    }[batch.policy.path("turboquant", kw["n_queries"], kw["n_heads"], kw["n_kv_heads"], kw["head_dim"])]
-    plan(batch, **kw)
+    }[batch.policy.path("turboquant", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)]
+    plan(batch, a, tq)

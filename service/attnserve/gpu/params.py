@@ -50,6 +50,10 @@ PREFILL_PARAMS = _block(
     "flags",
 )
 
+# The tail the TurboQuant attention blocks share: the codebook's centroids, the
+# query chunk, the cache capacity, flags, padding to a multiple of 16 bytes.
+_TQ_TAIL = ("~c0", "~c1", "~c2", "~c3", "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2")
+
 # struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params`
 TQ_ATTENTION_PARAMS = _block(
     "n_heads",
@@ -62,16 +66,7 @@ TQ_ATTENTION_PARAMS = _block(
     "out_stride",
     "~qjl_scale",
     "sign_off",
-    "~c0",
-    "~c1",
-    "~c2",
-    "~c3",
-    "q_base",
-    "cache_cap",
-    "flags",
-    "_pad0",
-    "_pad1",
-    "_pad2",
+    *_TQ_TAIL,
 )
 
 # struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`
@@ -138,16 +133,7 @@ TQ_SPLIT_PARAMS = _block(
     "split_len",
     "~qjl_scale",
     "n_splits",
-    "~c0",
-    "~c1",
-    "~c2",
-    "~c3",
-    "q_base",
-    "cache_cap",
-    "flags",
-    "_pad0",
-    "_pad1",
-    "_pad2",
+    *_TQ_TAIL,
 )
 
 # struct MergeParams: attention_merge.wgsl `mparams`

@@ -11,16 +11,15 @@ with every cache untouched, or queued in order.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from ..codec import MediaKind, encode, read_body, respond
+from ..codec import MediaKind, Wire, encode, read_body, respond
 from ..store import Session
 from .deps import EngineDep, LayerPath, OwnerDep, Runtime, RuntimeDep, SessionDep, WireDep
 from .operations import (
-    AppendRequest,
-    AttendRequest,
     attend_document,
     check_append,
     check_attend,
@@ -34,6 +33,9 @@ from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
 
+# The statuses an append or attend can answer with.
+_STATUSES = (400, 404, 408, 409, 413, 415, 422, 500, 503, 507)
+
 router = APIRouter(prefix="/v1/sessions/{session_id}/layers/{layer}", tags=["kv"])
 
 
@@ -41,10 +43,20 @@ def _layer(session: Session, layer_path: str) -> int:
     return layer_index(session, int(layer_path))  # the path pattern allows 1 to 10 digits only
 
 
-def _fresh(rt: Runtime, session: Session, owner: str | None) -> Session:
-    """The session again after an ``await``: it may have been deleted (or even
-    deleted and created anew under the same id) meanwhile."""
-    return rt.store.get(session.id, owner)
+async def _read(
+    request: Request, rt: Runtime, wire: Wire, session: Session, owner: str | None, layer: str, parse: Any
+) -> tuple[Session, int, Any]:
+    """Read and parse the body (``parse(raw, kind, max_bytes)``, off the event loop
+    when large); return the session looked up again after those awaits (it may have
+    been deleted, or even deleted and created anew under the same id, meanwhile),
+    the layer index, and the parsed request. A layer out of range is a 404 before
+    any of the body is read."""
+    _layer(session, layer)
+    max_bytes = rt.settings.max_body_bytes
+    raw = await read_body(request, max_bytes)
+    req = await rt.offload(parse, raw, wire.request, max_bytes, size=len(raw))
+    session = rt.store.get(session.id, owner)
+    return session, _layer(session, layer), req
 
 
 @router.post(
@@ -58,16 +70,7 @@ def _fresh(rt: Runtime, session: Session, owner: str | None) -> Session:
     responses={
         **ok(200, "The layer's new length", "AppendResult"),
         **problems(
-            400,
-            404,
-            408,
-            409,
-            413,
-            415,
-            422,
-            500,
-            503,
-            507,
+            *_STATUSES,
             slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded"},
         ),
     },
@@ -81,13 +84,9 @@ async def append_kv(
     session: SessionDep,
     owner: OwnerDep,
 ) -> Response:
-    _layer(session, layer)  # 404 before any of the body is read
-    max_bytes = rt.settings.max_body_bytes
-    raw = await read_body(request, max_bytes)
-    req: AppendRequest = await rt.offload(parse_append, raw, wire.request, max_bytes, size=len(raw))
+    session, li, req = await _read(request, rt, wire, session, owner, layer, parse_append)
     # From here to the queueing: no await, so the check and the queue order agree.
-    session = _fresh(rt, session, owner)
-    op = check_append(rt, engine, session, _layer(session, layer), req)
+    op = check_append(rt, engine, session, li, req)
     length = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
     count_rows(rt, op)
     return respond({"length": length}, wire)
@@ -108,16 +107,7 @@ def _attend_body(out: np.ndarray, length: int, kind: MediaKind) -> bytes:
     responses={
         **ok(200, "The attention output and the layer's length", "AttendResultJson", "AttendResultMsgpack"),
         **problems(
-            400,
-            404,
-            408,
-            409,
-            413,
-            415,
-            422,
-            500,
-            503,
-            507,
+            *_STATUSES,
             slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append)"},
         ),
     },
@@ -131,12 +121,8 @@ async def attend(
     session: SessionDep,
     owner: OwnerDep,
 ) -> Response:
-    _layer(session, layer)  # 404 before any of the body is read
-    max_bytes = rt.settings.max_body_bytes
-    raw = await read_body(request, max_bytes)
-    req: AttendRequest = await rt.offload(parse_attend, raw, wire.request, max_bytes, size=len(raw))
-    session = _fresh(rt, session, owner)
-    op = check_attend(rt, engine, session, _layer(session, layer), req)
+    session, li, req = await _read(request, rt, wire, session, owner, layer, parse_attend)
+    op = check_attend(rt, engine, session, li, req)
     out, got_length = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
     count_rows(rt, op)
     size = out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
