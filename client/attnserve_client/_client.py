@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, Union
 
 import httpx
 import numpy as np
@@ -68,8 +68,34 @@ _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 _RETRY_STATUSES = frozenset({429, 503})
 
+if TYPE_CHECKING:  # annotations only: nothing of typing_extensions is needed at run time
+    from typing_extensions import Required, Unpack
+
 T = TypeVar("T")
 _C = TypeVar("_C", bound="_BaseClient")
+
+
+class ClientOptions(TypedDict, total=False):
+    """The options ``Client`` and ``AsyncClient`` share (see :class:`Client`)."""
+
+    api_key: str | None
+    timeout: float | httpx.Timeout | None
+    max_retries: int
+    headers: Mapping[str, str] | None
+
+
+class SessionSpec(TypedDict, total=False):
+    """What ``create_session`` takes (see :meth:`Client.create_session`)."""
+
+    num_qo_heads: Required[int]
+    num_kv_heads: Required[int]
+    head_dim: Required[int]
+    num_layers: int
+    kv_format: str
+    max_tokens: int | None
+    seed: int | None
+    session_id: str | None
+    server_assigned_id: bool
 
 
 @dataclass(frozen=True)
@@ -161,10 +187,10 @@ class _BaseClient:
         self,
         base_url: str | httpx.URL,
         *,
-        api_key: str | None,
-        timeout: float | httpx.Timeout | None,
-        max_retries: int,
-        headers: Mapping[str, str] | None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         max_retries = _int_arg("max_retries", max_retries)
         if max_retries < 0:
@@ -269,12 +295,12 @@ class _BaseClient:
         num_qo_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        num_layers: int,
-        kv_format: str,
-        max_tokens: int | None,
-        seed: int | None,
-        session_id: str | None,
-        server_assigned_id: bool,
+        num_layers: int = 1,
+        kv_format: str = "f32",
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        session_id: str | None = None,
+        server_assigned_id: bool = False,
     ) -> Flow[SessionInfo]:
         body: dict[str, Any] = {
             "num_layers": _int_arg("num_layers", num_layers),
@@ -610,14 +636,11 @@ class Client(_BaseClient):
         self,
         base_url: str | httpx.URL,
         *,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
+        super().__init__(base_url, **options)
         self._http: httpx.Client = self._pool(http_client, transport, httpx.Client)
         self._sleep: Callable[[float], None] = time.sleep
 
@@ -641,19 +664,7 @@ class Client(_BaseClient):
             result: T = stop.value
             return result
 
-    def create_session(
-        self,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_layers: int = 1,
-        kv_format: str = "f32",
-        max_tokens: int | None = None,
-        seed: int | None = None,
-        session_id: str | None = None,
-        server_assigned_id: bool = False,
-    ) -> Session:
+    def create_session(self, **spec: Unpack[SessionSpec]) -> Session:
         """Create a session with ``PUT /v1/sessions/{session_id}``.
 
         ``session_id``: 1 to 64 of ``[A-Za-z0-9_-]``; by default a fresh random one
@@ -670,19 +681,7 @@ class Client(_BaseClient):
             InvalidRequest: the configuration or ``session_id`` was refused (by the
                 server, or before sending: then it is also an ``InvalidInput``).
         """
-        info = self._run(
-            self._create_flow(
-                num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                num_layers=num_layers,
-                kv_format=kv_format,
-                max_tokens=max_tokens,
-                seed=seed,
-                session_id=session_id,
-                server_assigned_id=server_assigned_id,
-            )
-        )
+        info = self._run(self._create_flow(**spec))
         return Session(self, info)
 
     def get_session(self, session_id: str) -> Session:
@@ -793,14 +792,11 @@ class AsyncClient(_BaseClient):
         self,
         base_url: str | httpx.URL,
         *,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        super().__init__(base_url, api_key=api_key, timeout=timeout, max_retries=max_retries, headers=headers)
+        super().__init__(base_url, **options)
         self._http: httpx.AsyncClient = self._pool(http_client, transport, httpx.AsyncClient)
         self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
@@ -824,33 +820,9 @@ class AsyncClient(_BaseClient):
             result: T = stop.value
             return result
 
-    async def create_session(
-        self,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_layers: int = 1,
-        kv_format: str = "f32",
-        max_tokens: int | None = None,
-        seed: int | None = None,
-        session_id: str | None = None,
-        server_assigned_id: bool = False,
-    ) -> AsyncSession:
+    async def create_session(self, **spec: Unpack[SessionSpec]) -> AsyncSession:
         """See :meth:`Client.create_session`."""
-        info = await self._run(
-            self._create_flow(
-                num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                num_layers=num_layers,
-                kv_format=kv_format,
-                max_tokens=max_tokens,
-                seed=seed,
-                session_id=session_id,
-                server_assigned_id=server_assigned_id,
-            )
-        )
+        info = await self._run(self._create_flow(**spec))
         return AsyncSession(self, info)
 
     async def get_session(self, session_id: str) -> AsyncSession:

@@ -20,14 +20,17 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import numpy as np
 
 from . import wire
 from .errors import APIConnectionError, APIError, AttnServeError, InvalidInput, InvalidResponse, parse_problem
 
-__all__ = ["AttendItem", "BatchError", "Stream", "AsyncStream", "STREAM_PATH"]
+if TYPE_CHECKING:  # annotations only
+    from typing_extensions import Unpack
+
+__all__ = ["AttendItem", "AttendOptions", "BatchError", "Stream", "AsyncStream", "STREAM_PATH"]
 
 STREAM_PATH = "/v1/stream"
 
@@ -57,6 +60,18 @@ class AttendItem:
 
 
 ItemLike = Union[AttendItem, Mapping[str, Any]]
+
+
+class AttendOptions(TypedDict, total=False):
+    """The options of one attend: a fused append of ``k``, ``v`` (checked at ``offset``
+    when given), ``start_pos``, ``causal`` and ``scale`` (as ``Session.attend``)."""
+
+    k: Any
+    v: Any
+    offset: int | None
+    start_pos: int | None
+    causal: bool
+    scale: float | None
 
 
 class BatchError(AttnServeError):
@@ -198,12 +213,6 @@ class _Frames:
         return doc.get("id"), doc.get("result")
 
 
-def _attend_item(
-    session: Any, layer: int, q: Any, k: Any, v: Any, offset: Any, start_pos: Any, causal: bool, scale: Any
-) -> AttendItem:
-    return AttendItem(session, layer, q, k, v, offset, start_pos, causal, scale)
-
-
 def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None) -> dict[str, Any]:
     item = AttendItem(session, layer, q=np.zeros((1, 1, 1), np.float32), k=k, v=v, offset=offset)
     doc = attend_members(item)
@@ -306,20 +315,10 @@ class Stream:
                 raise APIConnectionError(f"stream: send failed: {exc}") from exc
         return fut
 
-    def submit_attend(
-        self,
-        session: Any,
-        layer: int,
-        q: Any,
-        *,
-        k: Any = None,
-        v: Any = None,
-        offset: int | None = None,
-        start_pos: int | None = None,
-        causal: bool = True,
-        scale: float | None = None,
-    ) -> Future[Any]:
-        item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
+    def submit_attend(self, session: Any, layer: int, q: Any, **options: Unpack[AttendOptions]) -> Future[Any]:
+        """Send an attend (the options of ``Session.attend``, and ``offset``); its
+        future gives the output."""
+        item = AttendItem(session, layer, q, **options)
         return self._submit("attend", attend_members(item), lambda doc: _attend_result(item, doc))
 
     def attend(self, session: Any, layer: int, q: Any, **kw: Any) -> np.ndarray:
@@ -429,20 +428,9 @@ class AsyncStream:
             raise APIConnectionError(f"stream: send failed: {exc}") from exc
         return await fut
 
-    async def attend(
-        self,
-        session: Any,
-        layer: int,
-        q: Any,
-        *,
-        k: Any = None,
-        v: Any = None,
-        offset: int | None = None,
-        start_pos: int | None = None,
-        causal: bool = True,
-        scale: float | None = None,
-    ) -> np.ndarray:
-        item = _attend_item(session, layer, q, k, v, offset, start_pos, causal, scale)
+    async def attend(self, session: Any, layer: int, q: Any, **options: Unpack[AttendOptions]) -> np.ndarray:
+        """As ``Session.attend``, for ``session`` (a session or its id), with ``offset``."""
+        item = AttendItem(session, layer, q, **options)
         out: np.ndarray = await self._call("attend", attend_members(item), lambda doc: _attend_result(item, doc))
         return out
 

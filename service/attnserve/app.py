@@ -47,6 +47,7 @@ from .errors import (
     RouteNotFound,
 )
 from .gpu.device import DeviceError
+from .gpu.kernels import KernelPolicy
 from .persistence import SnapshotDir
 from .routes import batch, kv, probes, sessions, snapshots, stream
 from .middleware import PROBLEM_KEY, RequestMiddleware
@@ -71,7 +72,13 @@ in MessagePack and nested lists in JSON. Errors are RFC 9457 problem details
 def open_engine(settings: Settings, **kw: Any) -> Engine:
     """The GPU engine the settings describe (adapter, batch and queue sizes).
     Raises :class:`~attnserve.gpu.device.DeviceError` with the reason."""
-    return Engine.open(settings.adapter, max_batch_jobs=settings.max_batch_jobs, max_queue=settings.max_queue, **kw)
+    policy = KernelPolicy(
+        force=None if settings.kernels == "auto" else settings.kernels,
+        target_workgroups=settings.split_target_workgroups,
+    )
+    return Engine.open(
+        settings.adapter, max_batch_jobs=settings.max_batch_jobs, max_queue=settings.max_queue, policy=policy, **kw
+    )
 
 
 def create_app(settings: Settings | None = None, *, engine: Engine | None = None) -> FastAPI:

@@ -95,6 +95,14 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(
         32768, ge=1, description="max_tokens of a session that gives none (capped by the adapter)."
     )
+    kernels: Literal["auto", "split", "tiled", "single"] = Field(
+        "auto",
+        description="Attention kernel family: auto (split-KV for up to 16 query rows, the query-block "
+        "tiled kernels for more), or always split, tiled or single (the single-pass kernels).",
+    )
+    split_target_workgroups: int = Field(
+        128, ge=1, description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum)."
+    )
     max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
     max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
     stream_max_in_flight: int = Field(

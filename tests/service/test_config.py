@@ -95,3 +95,24 @@ def test_the_docs_table_has_every_setting_and_nothing_else():
     table = re.findall(r"^\| `(ATTNSERVE_[A-Z_]+)` \|", text, re.MULTILINE)
     assert sorted(table) == sorted(env_name(f) for f in Settings.model_fields)
     assert len(table) == len(set(table))
+
+
+def test_the_kernel_policy_comes_from_the_settings():
+    """The engine owns one KernelPolicy, built from ATTNSERVE_KERNELS and
+    ATTNSERVE_SPLIT_TARGET_WORKGROUPS; batches are planned with it."""
+    from attnserve.app import open_engine
+    from attnserve.gpu.device import DeviceError
+
+    try:
+        engine = open_engine(Settings(kernels="single", split_target_workgroups=7))
+    except DeviceError as e:
+        from _core import no_adapter
+
+        no_adapter(str(e))
+    try:
+        assert engine.policy.force == "single" and engine.policy.target_workgroups == 7
+        assert engine.worker.policy is engine.policy
+    finally:
+        engine.close()
+    with pytest.raises(ValueError):
+        Settings(kernels="fastest")
