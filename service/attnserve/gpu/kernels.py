@@ -81,6 +81,18 @@ class Attend:
     def group(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    def shape_params(self) -> dict[str, float | int]:
+        """The fields every attention params block starts from (f32 blocks add ``kv_dim``)."""
+        return dict(
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            max_seq=self.length,
+            start_pos=self.start_pos,
+            scale=self.scale,
+            flags=self.flags,
+        )
+
 
 @dataclass(frozen=True)
 class TqLayer:
@@ -97,18 +109,12 @@ def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg
     return batch.upload(
         P.pack(
             P.PREFILL_PARAMS,
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
+            **a.shape_params(),
             kv_dim=a.n_kv_heads * a.head_dim,
-            max_seq=a.length,
-            scale=a.scale,
-            start_pos=a.start_pos,
             n_queries=n_queries,
             q_stride=stride,
             out_stride=stride,
             q_base=q_base,
-            flags=a.flags,
         )
     )
 
@@ -118,12 +124,7 @@ def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> S
     return batch.upload(
         P.pack(
             P.TQ_ATTENTION_PARAMS,
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
-            head_dim=a.head_dim,
-            max_seq=a.length,
-            start_pos=a.start_pos,
-            scale=a.scale,
+            **a.shape_params(),
             q_cap=a.n_queries,
             out_stride=a.n_heads * a.head_dim,
             qjl_scale=qjl_scale(a.head_dim),
@@ -134,7 +135,6 @@ def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> S
             c3=c[3],
             q_base=q_base,
             cache_cap=tq.cache_cap,
-            flags=a.flags,
         )
     )
 
@@ -369,18 +369,12 @@ def plan_attention_split_f32(batch: Batch, a: Attend) -> None:
         prm = batch.upload(
             P.pack(
                 P.SPLIT_PARAMS,
-                n_heads=a.n_heads,
-                n_kv_heads=a.n_kv_heads,
-                head_dim=a.head_dim,
+                **a.shape_params(),
                 kv_dim=a.n_kv_heads * a.head_dim,
-                max_seq=a.length,
-                scale=a.scale,
-                start_pos=a.start_pos,
                 split_len=split_len,
                 q_stride=a.n_heads * a.head_dim,
                 n_splits=n_splits,
                 q_base=q_base,
-                flags=a.flags,
                 q_total=a.n_queries,
             )
         )
@@ -397,12 +391,7 @@ def plan_attention_split_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
         prm = batch.upload(
             P.pack(
                 P.TQ_SPLIT_PARAMS,
-                n_heads=a.n_heads,
-                n_kv_heads=a.n_kv_heads,
-                head_dim=a.head_dim,
-                max_seq=a.length,
-                start_pos=a.start_pos,
-                scale=a.scale,
+                **a.shape_params(),
                 q_cap=a.n_queries,
                 split_len=split_len,
                 qjl_scale=qjl_scale(a.head_dim),
@@ -413,7 +402,6 @@ def plan_attention_split_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
                 c3=c[3],
                 q_base=q_base,
                 cache_cap=tq.cache_cap,
-                flags=a.flags,
             )
         )
         batch.dispatch(

@@ -34,15 +34,18 @@ def _block(*fields: str) -> np.dtype:
     return np.dtype([(f[1:], "<f4") if f.startswith("~") else (f, "<u4") for f in fields])
 
 
+# The heads the f32 and the TurboQuant attention blocks share (the shaders' structs
+# start alike; kernels.Attend.shape_params fills them).
+_F32_HEAD = ("n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale", "start_pos")
+_TQ_HEAD = ("n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap")
+
+# The tail the TurboQuant attention blocks share: the codebook's centroids, the
+# query chunk, the cache capacity, flags, padding to a multiple of 16 bytes.
+_TQ_TAIL = ("~c0", "~c1", "~c2", "~c3", "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2")
+
 # struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params`
 PREFILL_PARAMS = _block(
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "kv_dim",
-    "max_seq",
-    "~scale",
-    "start_pos",
+    *_F32_HEAD,
     "n_queries",
     "q_stride",
     "out_stride",
@@ -50,19 +53,10 @@ PREFILL_PARAMS = _block(
     "flags",
 )
 
-# The tail the TurboQuant attention blocks share: the codebook's centroids, the
-# query chunk, the cache capacity, flags, padding to a multiple of 16 bytes.
-_TQ_TAIL = ("~c0", "~c1", "~c2", "~c3", "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2")
 
 # struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params`
 TQ_ATTENTION_PARAMS = _block(
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "max_seq",
-    "start_pos",
-    "~scale",
-    "q_cap",
+    *_TQ_HEAD,
     "out_stride",
     "~qjl_scale",
     "sign_off",
@@ -103,13 +97,7 @@ TQ_ROTATE_PARAMS = _block(
 
 # struct SplitParams: attention_split{,_sg}.wgsl `params`
 SPLIT_PARAMS = _block(
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "kv_dim",
-    "max_seq",
-    "~scale",
-    "start_pos",
+    *_F32_HEAD,
     "split_len",
     "q_stride",
     "n_splits",
@@ -123,13 +111,7 @@ SPLIT_PARAMS = _block(
 
 # struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`
 TQ_SPLIT_PARAMS = _block(
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "max_seq",
-    "start_pos",
-    "~scale",
-    "q_cap",
+    *_TQ_HEAD,
     "split_len",
     "~qjl_scale",
     "n_splits",
