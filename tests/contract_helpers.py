@@ -43,6 +43,27 @@ def to_wire(obj: Any, enc: str) -> Any:
     return obj
 
 
+#: The media type of each encoding.
+TYPES = {"json": wire.JSON, "msgpack": wire.MSGPACK}
+
+
+def request_parts(
+    body: Any, enc: str, content: bytes | None, headers: dict[str, str] | None, accept: str | None
+) -> tuple[bytes | None, dict[str, str]]:
+    """The bytes and headers of a test request: ``body`` (arrays inside it in the
+    encoding's form) encoded as ``enc`` unless ``content`` is given raw, its
+    Content-Type unless ``headers`` set one, and ``accept``."""
+    h = dict(headers or {})
+    if body is not None:
+        payload = to_wire(body, enc)
+        content = wire.packb(payload) if enc == "msgpack" else json.dumps(payload).encode()
+        if "content-type" not in {k.lower() for k in h}:
+            h["Content-Type"] = TYPES[enc]
+    if accept is not None:
+        h["Accept"] = accept
+    return content, h
+
+
 def decode(r: httpx.Response) -> Any:
     """An answer's body: MessagePack or JSON by its content type, else its text."""
     if not r.content:

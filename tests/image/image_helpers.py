@@ -7,7 +7,6 @@ GPU here): one container, or a router in front of several replicas.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import uuid
@@ -19,11 +18,10 @@ import httpx
 import numpy as np
 
 from attnserve_client import wire
-from contract_helpers import Model, Resp, decode, rel_err, rows, to_wire  # noqa: F401
+from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
 KV_FORMATS = ("f32", "turboquant")
-TYPES = {"json": wire.JSON, "msgpack": wire.MSGPACK}
 PROBLEM = "application/problem+json"
 # Relative error (max abs error over max abs value) of float32 attention on the
 # device against the float64 oracle, and of TurboQuant against its own float64
@@ -116,14 +114,7 @@ class Api:
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> Resp:
-        h = dict(headers or {})
-        if body is not None:
-            payload = to_wire(body, enc)
-            content = wire.packb(payload) if enc == "msgpack" else json.dumps(payload).encode()
-            if "content-type" not in {k.lower() for k in h}:
-                h["Content-Type"] = TYPES[enc]
-        if accept is not None:
-            h["Accept"] = accept
+        content, h = request_parts(body, enc, content, headers, accept)
         r = self.client.request(method, path, content=content, headers=h)
         instance = r.headers.get("x-attnserve-instance")
         self.seen.append((method, path, r.status_code, instance))

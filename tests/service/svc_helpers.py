@@ -17,10 +17,9 @@ from attnserve.app import create_app
 from attnserve.config import Settings
 from attnserve_client import wire
 from tools.common import free_port  # noqa: F401  (the tests import it from here)
-from contract_helpers import Model, Resp, decode, rel_err, rows, to_wire  # noqa: F401
+from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
-TYPES = {"json": wire.JSON, "msgpack": wire.MSGPACK}
 # Relative error of the GPU's float32 attention against the float64 oracle
 # (max abs error over max abs value), as in the core tests.
 F32_TOL = 1e-5
@@ -84,14 +83,7 @@ class Api:
         content: bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> Resp:
-        h = dict(headers or {})
-        if body is not None:
-            payload = to_wire(body, enc)
-            content = wire.packb(payload) if enc == "msgpack" else httpx_json(payload)
-            if "content-type" not in {k.lower() for k in h}:
-                h["Content-Type"] = TYPES[enc]
-        if accept is not None:
-            h["Accept"] = accept
+        content, h = request_parts(body, enc, content, headers, accept)
         r = self.client.request(method, path, content=content, headers=h)
         return Resp(r.status_code, r.headers, decode(r), r.content)
 
@@ -123,12 +115,6 @@ class Api:
 
     def delete(self, sid: str) -> Resp:
         return self.call("DELETE", f"/v1/sessions/{sid}")
-
-
-def httpx_json(payload: Any) -> bytes:
-    import json
-
-    return json.dumps(payload).encode()
 
 
 def oracle(q, k, v, **kw) -> np.ndarray:
