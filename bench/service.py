@@ -39,23 +39,22 @@ from pathlib import Path
 import numpy as np
 from _server import serving
 
+from tools.common import metric_sum, parse_prometheus
+
 from attnserve_client import AttendItem, Client
 
 H, HKV, D = 32, 8, 128
 
 
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def scrape(c: Client) -> str:
+def scrape(c: Client) -> dict[str, float]:
     import httpx
 
-    return httpx.get(c.base_url + "/metrics", timeout=30).text
+    return parse_prometheus(httpx.get(c.base_url + "/metrics", timeout=30).text)
+
+
+def grew(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much metric ``name`` (all its series) grew between two scrapes."""
+    return metric_sum(after, name) - metric_sum(before, name)
 
 
 def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
@@ -92,12 +91,8 @@ def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: s
     after = scrape(c)
     if stream:
         stream.close()
-    n_sub = metric(after, "attnserve_gpu_submission_seconds_count") - metric(
-        before, "attnserve_gpu_submission_seconds_count"
-    )
-    s_sub = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(
-        before, "attnserve_gpu_submission_seconds_sum"
-    )
+    n_sub = grew(before, after, "attnserve_gpu_submission_seconds_count")
+    s_sub = grew(before, after, "attnserve_gpu_submission_seconds_sum")
     sess.delete()
     pc = percentiles(lat)
     gpu_ms = 1e3 * s_sub / max(n_sub, 1)
@@ -161,12 +156,8 @@ def batched(
     after = scrape(c)
     if stream:
         stream.close()
-    subs = metric(after, "attnserve_gpu_submission_seconds_count") - metric(
-        before, "attnserve_gpu_submission_seconds_count"
-    )
-    gpu_s = metric(after, "attnserve_gpu_submission_seconds_sum") - metric(
-        before, "attnserve_gpu_submission_seconds_sum"
-    )
+    subs = grew(before, after, "attnserve_gpu_submission_seconds_count")
+    gpu_s = grew(before, after, "attnserve_gpu_submission_seconds_sum")
     for g in groups:
         for s in g:
             s.delete()
@@ -223,12 +214,8 @@ def many_sessions(c: Client, url: str, fmt: str, n_sessions: int, context: int, 
         t.join()
     dt = time.perf_counter() - t0
     after = scrape(c)
-    jobs = metric(after, "attnserve_gpu_jobs_per_submission_sum") - metric(
-        before, "attnserve_gpu_jobs_per_submission_sum"
-    )
-    subs = metric(after, "attnserve_gpu_jobs_per_submission_count") - metric(
-        before, "attnserve_gpu_jobs_per_submission_count"
-    )
+    jobs = grew(before, after, "attnserve_gpu_jobs_per_submission_sum")
+    subs = grew(before, after, "attnserve_gpu_jobs_per_submission_count")
     for sid in sessions:
         c.delete_session(sid)
     return {
