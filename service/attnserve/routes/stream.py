@@ -42,6 +42,7 @@ from ..runtime import OWNER_KEY, Runtime
 from .deps import ready_engine
 from .operations import (
     APPEND_FIELDS,
+    ATTEND_FIELDS,
     append_fields,
     attend_document,
     attend_fields,
@@ -169,7 +170,7 @@ class _Connection:
         if op == "session":
             f = Fields(doc, (*_HEAD, "session_id"), "session")
             raise _Reply({"id": rid, "status": 200, "result": rt.store.get(f.str("session_id"), self.owner).info()})
-        fields = (*_HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else BATCH_ITEM_FIELDS[2:]))
+        fields = (*_HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
         f = Fields(doc, fields, op)
         session = rt.store.get(f.str("session_id"), self.owner)
         li = layer_index(session, f.int("layer", lo=0))
