@@ -242,22 +242,17 @@ class GpuWorker:
         return self._thread.is_alive() and not self._stop
 
     def submit_plan(self, plan: PlanFn) -> Future:
-        return self._put(_Job("plan", plan, Future()))
+        return self._enqueue([_Job("plan", plan, Future())])[0]
 
     def submit_plans(self, plans: list[PlanFn]) -> list[Future]:
         """Queue ``plans`` as one group: all at once (or none: Overloaded), taken into
         one batch together even past ``max_batch_jobs`` (a batched step is one
         submission with one readback; only the binding limit can split it)."""
         group = object()
-        jobs = [_Job("plan", plan, Future(), group) for plan in plans]
-        with self._cv:
-            self._check_room(len(jobs))
-            self._jobs.extend(jobs)
-            self._cv.notify()
-        return [j.future for j in jobs]
+        return self._enqueue([_Job("plan", plan, Future(), group) for plan in plans])
 
     def submit_call(self, fn: CallFn) -> Future:
-        return self._put(_Job("call", fn, Future()))
+        return self._enqueue([_Job("call", fn, Future())])[0]
 
     def run(self, fn: CallFn, timeout: float | None = None) -> Any:
         """``submit_call`` and wait (for tools, tests and start-up)."""
@@ -268,22 +263,21 @@ class GpuWorker:
 
     # ── internals ───────────────────────────────────────────────────────────
 
-    def _check_room(self, n: int) -> None:
-        """Raise Overloaded unless ``n`` more jobs fit in the queue (holding the lock)."""
-        if self._stop:
-            raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
-        if len(self._jobs) + n > self.max_queue:
-            more = "" if n == 1 else f"; {len(self._jobs)} are, and this batch has {n}"
-            raise Overloaded(
-                f"the GPU queue is full ({self.max_queue} jobs waiting{more})", headers={"Retry-After": "1"}
-            )
-
-    def _put(self, job: _Job) -> Future:
+    def _enqueue(self, jobs: list[_Job]) -> list[Future]:
+        """Queue ``jobs`` all at once, or none (Overloaded: the worker is stopping, or
+        they do not all fit in ``max_queue``)."""
+        n = len(jobs)
         with self._cv:
-            self._check_room(1)
-            self._jobs.append(job)
+            if self._stop:
+                raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
+            if len(self._jobs) + n > self.max_queue:
+                more = "" if n == 1 else f"; {len(self._jobs)} are, and this batch has {n}"
+                raise Overloaded(
+                    f"the GPU queue is full ({self.max_queue} jobs waiting{more})", headers={"Retry-After": "1"}
+                )
+            self._jobs.extend(jobs)
             self._cv.notify()
-        return job.future
+        return [j.future for j in jobs]
 
     def _take(self) -> list[_Job] | None:
         with self._cv:
