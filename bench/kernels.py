@@ -41,7 +41,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
-from attnserve.kvcache import SessionConfig, SessionKV  # noqa: E402
+from attnserve.kvcache import SessionConfig  # noqa: E402
 from attnserve.turboquant import bytes_per_token  # noqa: E402
 
 H, HKV, D = 32, 8, 128
@@ -92,6 +92,7 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
                     causal=True,
                     scale=1 / math.sqrt(D),
                 )
+                batch.flush()  # its own dispatches: one attend's time, not a batched one's
             sync = batch.output(4)
             batch.copy(out, 0, sync, 0, 4)
             encoded = batch.encode()  # CPU work: bind groups, command recording
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
     max_ctx = max(list(decode_ctx) + [k for _, k in prefill])
     torch_cache: dict = {}
     for fmt in args.formats.split(","):
-        s = SessionKV(SessionConfig(1, H, HKV, D, fmt, max_ctx, 1))
+        s = engine.session_kv(SessionConfig(1, H, HKV, D, fmt, max_ctx, 1))
         layer = s.layers[0]
         filled = 0
         shapes = [("decode", 1, c) for c in decode_ctx] + [("prefill", n, k) for n, k in prefill]

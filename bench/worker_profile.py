@@ -33,7 +33,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
-from attnserve.kvcache import SessionConfig, SessionKV  # noqa: E402
+from attnserve.kvcache import SessionConfig  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 
@@ -41,7 +41,7 @@ H, HKV, D = 32, 8, 128
 def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
-    sessions = [SessionKV(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i)) for i in range(n)]
+    sessions = [engine.session_kv(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i)) for i in range(n)]
     for s in sessions:
         k = rng.standard_normal((context, HKV, D), dtype=np.float32)
         engine.append(s.layers[0], k, k).result()

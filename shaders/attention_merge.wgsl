@@ -19,20 +19,22 @@
 // (one Walsh-Hadamard butterfly in workgroup memory). f32 attends leave the bit
 // clear and may bind any read-only buffer as `signs`.
 //
-// Bind group 0:
-// @binding(0) partial: array<vec4<f32>>  [acc: n_part*d | m: n_part | l: n_part]
-//                                  floats, n_part = q_total * n_heads * n_splits,
-//                                  bound rounded up to whole vec4s
-// @binding(1) out_batch: array<f32> n_queries x out_stride floats (rw)
-// @binding(2) mparams: MergeParams (gpu/params.py MERGE_PARAMS)
-// @binding(3) signs: array<f32>
+// Bind group 0 (one dispatch merges a batch of attends, one params block per
+// query row; a single attend is the batch of one):
+// @binding(0) partial: array<vec4<f32>>  every item's [acc: n_part*d | m: n_part |
+//                                  l: n_part] floats at word part_off (a multiple
+//                                  of 4), n_part = q_total * n_heads * n_splits
+// @binding(1) out_batch: array<f32> every item's n_queries x out_stride floats at
+//                                  word out_off (rw)
+// @binding(2) mparams: array<MergeParams> (gpu/params.py MERGE_PARAMS), block wid.y
+//                                  for query row q_row of its item
+// @binding(3) signs: array<f32>   the item's layer's polar signs at word sign_off
 //
-// Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
-
+// Dispatch: (n_heads, query rows of the batch, 1) workgroups of 256 threads.
 @group(0) @binding(0) var<storage, read> partial: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> out_batch: array<f32>;
 // #struct MergeParams
-@group(0) @binding(2) var<storage, read> mparams: MergeParams;
+@group(0) @binding(2) var<storage, read> mparams: array<MergeParams>;   // one block per query row (wid.y)
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 
 const WG: u32 = 256u;
@@ -58,20 +60,27 @@ fn attention_merge(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = mparams.n_heads;
-    let head_dim = mparams.head_dim;
-    let n_splits = mparams.n_splits;
-    let q_total = mparams.q_total;
-    let q_base = mparams.q_base;
-    let out_stride = mparams.out_stride;
-    let sign_off = mparams.sign_off;
-    let flags = mparams.flags;
+    let mp = mparams[wid.y];
+    let n_heads = mp.n_heads;
+    let head_dim = mp.head_dim;
+    let n_splits = mp.n_splits;
+    let q_total = mp.q_total;
+    let part_off = mp.part_off;                // the item's partials (a multiple of 4)
+    let out_off = mp.out_off;
+    let out_stride = mp.out_stride;
+    let sign_off = mp.sign_off;
+    let flags = mp.flags;
     let head = wid.x;
-    let q_idx = q_base + wid.y;
+    if head >= n_heads {
+        return;                                // an item of the batch with fewer heads
+    }
+    let q_row = mp.q_row;
+    let q_idx = q_row;
     let n_part = q_total * n_heads * n_splits;
     let base = (q_idx * n_heads + head) * n_splits;
-    let m_off = n_part * head_dim + base;
-    let l_off = n_part * (head_dim + 1u) + base;
+    let m_off = part_off + n_part * head_dim + base;
+    let l_off = part_off + n_part * (head_dim + 1u) + base;
+    let acc4 = part_off / 4u;                  // the item's accumulators, as vec4
     let d4 = head_dim / 4u;
     let n_grp = WG / d4;
     let c = tid % d4;
@@ -89,10 +98,10 @@ fn attention_merge(
             let s3 = s2 + n_grp;
             let ms = vec4<f32>(pf(m_off + s), pf(m_off + s1), pf(m_off + s2), pf(m_off + s3));
             let ls = vec4<f32>(pf(l_off + s), pf(l_off + s1), pf(l_off + s2), pf(l_off + s3));
-            let v0 = partial[(base + s) * d4 + c];
-            let v1 = partial[(base + s1) * d4 + c];
-            let v2 = partial[(base + s2) * d4 + c];
-            let v3 = partial[(base + s3) * d4 + c];
+            let v0 = partial[acc4 + (base + s) * d4 + c];
+            let v1 = partial[acc4 + (base + s1) * d4 + c];
+            let v2 = partial[acc4 + (base + s2) * d4 + c];
+            let v3 = partial[acc4 + (base + s3) * d4 + c];
             let mn = max(m, max(max(ms.x, ms.y), max(ms.z, ms.w)));
             let r = exp(m - mn);
             let w = exp(ms - vec4<f32>(mn));
@@ -106,7 +115,7 @@ fn attention_merge(
             let r = exp(m - mn);
             let w = exp(ms - mn);
             l = l * r + pf(l_off + s) * w;
-            acc = acc * r + partial[(base + s) * d4 + c] * w;
+            acc = acc * r + partial[acc4 + (base + s) * d4 + c] * w;
             m = mn;
         }
     }
@@ -135,7 +144,7 @@ fn attention_merge(
         }
         o *= inv;
         if !rotate {
-            let ob = q_idx * out_stride + head * head_dim + 4u * tid;
+            let ob = out_off + q_idx * out_stride + head * head_dim + 4u * tid;
             out_batch[ob] = o.x;
             out_batch[ob + 1u] = o.y;
             out_batch[ob + 2u] = o.z;
@@ -153,7 +162,7 @@ fn attention_merge(
         }
     // #include "butterfly.wgsl" ARR=acc_sh
         if tid < head_dim {
-            out_batch[q_idx * out_stride + head * head_dim + tid] = acc_sh[tid] * signs[sign_off + tid];
+            out_batch[out_off + q_idx * out_stride + head * head_dim + tid] = acc_sh[tid] * signs[sign_off + tid];
         }
     }
 }

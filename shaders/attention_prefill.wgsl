@@ -29,6 +29,7 @@
 // @binding(2) v_cache: array<f32> seq_len x kv_dim floats
 // @binding(3) out_batch: array<f32> n_queries x out_stride floats (rw)
 // @binding(4) params: PrefillParams (gpu/params.py PREFILL_PARAMS)
+// @binding(5) pages: array<u32> page tables (include/paging.wgsl); rows of k/v_cache are slab rows
 //
 // `flags` bit 0 (FLAG_NON_CAUSAL): when set, every query row attends to all
 // `max_seq` timesteps (encoder / cross-attention); when clear, row q attends to
@@ -47,6 +48,8 @@
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: PrefillParams;
+@group(0) @binding(5) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 const TILE: u32 = 256u;
 const MAX_HEAD_DIM: u32 = 128u;
 const NEG_INF: f32 = -3.402823e+38;
@@ -100,7 +103,7 @@ fn attention_prefill(
         var score = NEG_INF;
         if t < seq_len {
             var dot = 0.0;
-            let k_base = t * kv_dim + kv_h_offset;
+            let k_base = phys_row(table_off, page_shift, t) * kv_dim + kv_h_offset;
             for (var d = 0u; d < head_dim; d += 1u) {
                 dot += q_shared[d] * k_cache[k_base + d];
             }
@@ -114,7 +117,7 @@ fn attention_prefill(
             for (var jj = 0u; jj < TILE; jj += 1u) {
                 let tt = base + jj;
                 if tt < seq_len {
-                    a += tile_scores[jj] * v_cache[tt * kv_dim + vd];
+                    a += tile_scores[jj] * v_cache[phys_row(table_off, page_shift, tt) * kv_dim + vd];
                 }
             }
             acc[tid] = a;

@@ -75,6 +75,7 @@
 // @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
 // @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
+// @binding(5) pages:     array<u32> page tables (include/paging.wgsl); k/v_cache rows are slab rows
 //   flags bit 0: non-causal.
 //
 // Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 128 threads; the
@@ -86,6 +87,8 @@
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: PrefillParams;
+@group(0) @binding(5) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
 const TK: u32 = 64u;                 // keys per tile
@@ -122,14 +125,14 @@ fn load_q(base: u32, ok: bool, col: u32, d4: u32) -> vec4<f32> {
 
 fn load_k(t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return k_cache[t * kv4 + off + col];
+        return k_cache[phys_row(params.table_off, params.page_shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }
 
 fn load_v(t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return v_cache[t * kv4 + off + col];
+        return v_cache[phys_row(params.table_off, params.page_shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }

@@ -62,6 +62,7 @@
 // @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
 // @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
 // @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
+// @binding(5) pages:     array<u32> page tables (include/paging.wgsl); k/v_cache rows are slab rows
 //   n_queries: query rows in q_batch (rows q_base + ... past it are skipped);
 //   flags bit 0: non-causal.
 //
@@ -74,6 +75,8 @@
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: PrefillParams;
+@group(0) @binding(5) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
@@ -136,7 +139,7 @@ fn attention_prefill_tiled(
     if sc < d4 {
         if qa_ok { pqa = q_batch[qa_base + sc]; }
         if qb_ok { pqb = q_batch[qb_base + sc]; }
-        if sq < t_end { pk = k_cache[sq * kv4 + kv_off + sc]; }
+        if sq < t_end { pk = k_cache[phys_row(table_off, page_shift, sq) * kv4 + kv_off + sc]; }
     }
     var pv0 = vec4<f32>(0.0);
     var pv1 = vec4<f32>(0.0);
@@ -159,7 +162,7 @@ fn attention_prefill_tiled(
                 if col < d4 {
                     if qa_ok { pqa = q_batch[qa_base + col]; }
                     if qb_ok { pqb = q_batch[qb_base + col]; }
-                    if tb + sq < t_end { pk = k_cache[(tb + sq) * kv4 + kv_off + col]; }
+                    if tb + sq < t_end { pk = k_cache[phys_row(table_off, page_shift, tb + sq) * kv4 + kv_off + col]; }
                 }
             } else {
                 pv0 = vec4<f32>(0.0);
@@ -168,10 +171,10 @@ fn attention_prefill_tiled(
                 pv3 = vec4<f32>(0.0);
                 if vc < d4 {
                     let vb = kv_off + vc;
-                    if tb + vk < t_end { pv0 = v_cache[(tb + vk) * kv4 + vb]; }
-                    if tb + vk + 8u < t_end { pv1 = v_cache[(tb + vk + 8u) * kv4 + vb]; }
-                    if tb + vk + 16u < t_end { pv2 = v_cache[(tb + vk + 16u) * kv4 + vb]; }
-                    if tb + vk + 24u < t_end { pv3 = v_cache[(tb + vk + 24u) * kv4 + vb]; }
+                    if tb + vk < t_end { pv0 = v_cache[phys_row(table_off, page_shift, tb + vk) * kv4 + vb]; }
+                    if tb + vk + 8u < t_end { pv1 = v_cache[phys_row(table_off, page_shift, tb + vk + 8u) * kv4 + vb]; }
+                    if tb + vk + 16u < t_end { pv2 = v_cache[phys_row(table_off, page_shift, tb + vk + 16u) * kv4 + vb]; }
+                    if tb + vk + 24u < t_end { pv3 = v_cache[phys_row(table_off, page_shift, tb + vk + 24u) * kv4 + vb]; }
                 }
             }
             // #include "tiled_score_col.wgsl" QA=0u QB=1u KR=2u
@@ -209,7 +212,7 @@ fn attention_prefill_tiled(
             if sc < d4 {
                 if qa_ok { pqa = q_batch[qa_base + sc]; }
                 if qb_ok { pqb = q_batch[qb_base + sc]; }
-                if tb + TK + sq < t_end { pk = k_cache[(tb + TK + sq) * kv4 + kv_off + sc]; }
+                if tb + TK + sq < t_end { pk = k_cache[phys_row(table_off, page_shift, tb + TK + sq) * kv4 + kv_off + sc]; }
             }
         }
         // #include "tiled_values.wgsl"

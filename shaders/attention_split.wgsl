@@ -35,17 +35,22 @@
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8};
 //   G * split_len <= MAX_SCORES.
 //
-// Bind group 0:
-// @binding(0) q_batch:  array<f32>        n_queries x q_stride floats
-// @binding(1) k_cache:  array<vec4<f32>>  [cap, kv_dim] (row t at t * kv_dim floats)
-// @binding(2) v_cache:  array<vec4<f32>>  [cap, kv_dim]
-// @binding(3) partial:  array<f32>        [acc: n_q*H*n_splits*d | m: n_q*H*n_splits | l: same] (rw)
-// @binding(4) params:   SplitParams (gpu/params.py SPLIT_PARAMS)
+// Bind group 0 (one dispatch serves a batch of attends, one params block per
+// query row; a single attend is the batch of one):
+// @binding(0) q_batch:  array<f32>        every item's queries, the item's n_queries x
+//                                         q_stride floats at word q_off
+// @binding(1) k_cache:  array<vec4<f32>>  the pool slab, [rows, kv_dim]
+// @binding(2) v_cache:  array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(3) partial:  array<f32>        every item's [acc: n_q*H*n_splits*d | m: n_q*H*n_splits
+//                                         | l: same] at word part_off (rw)
+// @binding(4) params:   array<SplitParams> (gpu/params.py SPLIT_PARAMS), block wid.z
+//                                         for query row q_row of its item
+// @binding(5) pages:    array<u32>        page tables (include/paging.wgsl)
 //   flags bit 0: non-causal (every row attends to all max_seq timesteps).
-//   q_total: query rows in the partial buffer (its row stride); query row
-//   q_base + workgroup_id.z is processed.
+//   q_total: the item's query rows (the row stride of its partials).
 //
-// Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
+// Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
+// workgroups of 256 threads; a workgroup past its item's n_splits returns.
 
 // #include "split_f32_decls.wgsl"
 
@@ -74,7 +79,7 @@ fn attention_split_f32(
 
     // ── 1. scores: one thread per key, every head of the group ──
     for (var t = tid; t < n_t; t += WG) {
-        let r = row0 + t * kv4;
+        let r = phys_row(table_off, page_shift, t0 + t) * kv4 + head4;
         var sa = vec4<f32>(0.0);                 // heads 0..3
         var sb = vec4<f32>(0.0);                 // heads 4..7
         var c = 0u;

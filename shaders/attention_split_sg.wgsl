@@ -42,8 +42,11 @@ fn attention_split_f32_sg(
     for (var tb = 0u; tb < n_t; tb += 4u * n_sg) {
         let t = tb + sg;                          // keys t, t + n_sg, t + 2 n_sg, t + 3 n_sg
         let live = vec4<bool>(t < n_t, t + n_sg < n_t, t + 2u * n_sg < n_t, t + 3u * n_sg < n_t);
-        let r = row0 + t * kv4;
-        let rs = n_sg * kv4;
+        // the four keys' rows (a dead key's row is computed but never read)
+        let r0 = phys_row(table_off, page_shift, t0 + t) * kv4 + head4;
+        let r1 = phys_row(table_off, page_shift, t0 + t + n_sg) * kv4 + head4;
+        let r2 = phys_row(table_off, page_shift, t0 + t + 2u * n_sg) * kv4 + head4;
+        let r3 = phys_row(table_off, page_shift, t0 + t + 3u * n_sg) * kv4 + head4;
         // pH = the four keys' partial dot products with query head H
         var p0 = vec4<f32>(0.0);
         var p1 = vec4<f32>(0.0);
@@ -58,10 +61,10 @@ fn attention_split_f32_sg(
             var k1 = vec4<f32>(0.0);
             var k2 = vec4<f32>(0.0);
             var k3 = vec4<f32>(0.0);
-            if live.x { k0 = k_cache[r + c]; }
-            if live.y { k1 = k_cache[r + rs + c]; }
-            if live.z { k2 = k_cache[r + 2u * rs + c]; }
-            if live.w { k3 = k_cache[r + 3u * rs + c]; }
+            if live.x { k0 = k_cache[r0 + c]; }
+            if live.y { k1 = k_cache[r1 + c]; }
+            if live.z { k2 = k_cache[r2 + c]; }
+            if live.w { k3 = k_cache[r3 + c]; }
             var q = q_sh[c];
             p0 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
             if group > 1u {

@@ -71,7 +71,8 @@
 // cache's allocated timestep capacity, which is the per-head stride of every
 // compressed region. The two are NOT interchangeable — the f32 kernels get away
 // with one value because their KV rows are addressed by `kv_dim` alone.
-// @binding(5) signs: array<f32> all layers' [polar | jl] sign flips
+// @binding(5) signs: array<f32> the layer's [polar | jl] sign flips at sign_off
+// @binding(6) pages: array<u32> page tables (include/paging.wgsl); cache_cap is the slab's rows
 //
 // Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
 @group(0) @binding(0) var<storage, read> qrot: array<f32>;
@@ -81,6 +82,8 @@
 // #struct TqAttentionParams
 @group(0) @binding(4) var<storage, read> params: TqAttentionParams;
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
+@group(0) @binding(6) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 const TILE: u32 = 256u;
 const MAX_HEAD_DIM: u32 = 128u;
 const NEG_INF: f32 = -3.402823e+38;
@@ -147,7 +150,7 @@ fn flash_attention_tq(
         let t = base + tid;
         var score = NEG_INF;
         if t < seq_len {
-            let slot = kv_slot_base + t;
+            let slot = kv_slot_base + phys_row(table_off, page_shift, t);
             let norms = unpack2x16float(k_cache[k_norm_off + slot]);
             let norm = norms.x;
             let residual_norm = norms.y;
@@ -193,7 +196,7 @@ fn flash_attention_tq(
             for (var jj = 0u; jj < TILE; jj += 1u) {
                 let tt = base + jj;
                 if tt < seq_len {
-                    let word = v_cache[(kv_slot_base + tt) * polar_words + vw];
+                    let word = v_cache[(kv_slot_base + phys_row(table_off, page_shift, tt)) * polar_words + vw];
                     a += tile_scores[jj] * tile_vnorm[jj] * centroids[(word >> vshift) & 3u];
                 }
             }

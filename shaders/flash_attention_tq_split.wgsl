@@ -26,15 +26,21 @@
 // G = n_heads / n_kv_heads in {1, 2, 4, 8}; G * split_len <= MAX_SCORES and
 // split_len <= MAX_SPLIT.
 //
-// Bind group 0:
-// @binding(0) qrot:    array<f32>  [q_rot | q_jl | sums] of q_cap rows (tq_rotate_q)
-// @binding(1) k_cache: array<u32>  [polar | jl | norms]
-// @binding(2) v_cache: array<u32>  [polar | norms]
-// @binding(3) partial: array<f32>  [acc | m | l], see attention_merge.wgsl (q_total = q_cap)
-// @binding(4) params:  TqSplitParams (gpu/params.py TQ_SPLIT_PARAMS)
+// Bind group 0 (one dispatch serves a batch of attends, one params block per
+// query row; a single attend is the batch of one):
+// @binding(0) qrot:    array<f32>  every item's [q_rot | q_jl | sums] of q_cap rows
+//                      (tq_rotate_q), the item's at word q_off
+// @binding(1) k_cache: array<u32>  the pool slab's [polar | jl | norms] (cache_cap rows)
+// @binding(2) v_cache: array<u32>  the slab's [polar | norms]
+// @binding(3) partial: array<f32>  every item's [acc | m | l] (attention_merge.wgsl,
+//                      q_total = q_cap), the item's at word part_off
+// @binding(4) params:  array<TqSplitParams> (gpu/params.py TQ_SPLIT_PARAMS), block
+//                      wid.z for query row q_row of its item
+// @binding(5) pages:   array<u32> page tables (include/paging.wgsl)
 //   flags bit 0: non-causal.
 //
-// Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
+// Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
+// workgroups of 256 threads; a workgroup past its item's n_splits returns.
 
 // #include "split_tq_decls.wgsl"
 
@@ -175,11 +181,15 @@ fn attention_split_tq(
         let tb = t + half;
         let has_b = tb < r + m;
         // every word of both keys first: independent loads, all in flight
-        let ka = load_key(slot0 + t, pw, jw, k_jl_off, k_norm_off);
+        let sa = hslot + phys_row(table_off, page_shift, t0 + t);
+        let ka = load_key(sa, pw, jw, k_jl_off, k_norm_off);
         var kb = ka;
-        if has_b { kb = load_key(slot0 + tb, pw, jw, k_jl_off, k_norm_off); }
-        vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot0 + t]).x;
-        if has_b { vn_sh[tb] = unpack2x16float(v_cache[v_norm_off + slot0 + tb]).x; }
+        vn_sh[t] = unpack2x16float(v_cache[v_norm_off + sa]).x;
+        if has_b {
+            let sb = hslot + phys_row(table_off, page_shift, t0 + tb);
+            kb = load_key(sb, pw, jw, k_jl_off, k_norm_off);
+            vn_sh[tb] = unpack2x16float(v_cache[v_norm_off + sb]).x;
+        }
 
         var pa = vec4<f32>(0.0);   // key A: polar, heads 0..3
         var pb = vec4<f32>(0.0);   // key A: polar, heads 4..7

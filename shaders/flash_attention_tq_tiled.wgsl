@@ -38,6 +38,7 @@
 // @binding(4) params:  TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS, as
 //   flash_attention_tq.wgsl; q_cap is the number of query rows)
 // @binding(5) signs:   array<f32>
+// @binding(6) pages:   array<u32> page tables (include/paging.wgsl); cache_cap is the slab's rows
 //
 // Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
 // blocks together cover query rows q_base .. q_base + rows - 1, longest causal
@@ -50,6 +51,8 @@
 // #struct TqAttentionParams
 @group(0) @binding(4) var<storage, read> params: TqAttentionParams;
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
+@group(0) @binding(6) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const WG: u32 = 256u;
 const R: u32 = 64u;                  // rows (query position x head) per workgroup
@@ -141,8 +144,8 @@ fn attention_tq_tiled(
     var pkw = 0u;                                    // the key's polar or JL word
     var pkn = 0u;                                    // the key's norm word (whole tile)
     if sq < t_end {
-        pkw = k_cache[(slot0 + sq) * pw + sc / 4u];
-        pkn = k_cache[k_norm_off + slot0 + sq];
+        pkw = k_cache[(slot0 + phys_row(table_off, page_shift, sq)) * pw + sc / 4u];
+        pkn = k_cache[k_norm_off + slot0 + phys_row(table_off, page_shift, sq)];
     }
     var pvw0 = 0u;
     var pvw1 = 0u;
@@ -154,7 +157,6 @@ fn attention_tq_tiled(
     var pvn3 = 0u;
 
     for (var tb = 0u; tb < t_end; tb += TK) {
-        let s0 = slot0 + tb;
         // #include "tiled_scores_zero.wgsl"
         for (var ch = 0u; ch < nch; ch += 1u) {
             workgroupBarrier();
@@ -179,12 +181,12 @@ fn attention_tq_tiled(
                     let off = 4u * CV * nx;
                     pqa = ld_q(qa_base + off, qa_ok);
                     pqb = ld_q(qb_base + off, qb_ok);
-                    if tb + sq < t_end { pkw = k_cache[(s0 + sq) * pw + (CV * nx + sc) / 4u]; }
+                    if tb + sq < t_end { pkw = k_cache[(slot0 + phys_row(table_off, page_shift, tb + sq)) * pw + (CV * nx + sc) / 4u]; }
                 } else {
                     let off = q_region + 4u * CV * (nx - npc);
                     pqa = ld_q(qa_base + off, qa_ok);
                     pqb = ld_q(qb_base + off, qb_ok);
-                    if tb + sq < t_end { pkw = k_cache[k_jl_off + (s0 + sq) * jw + nx - npc]; }
+                    if tb + sq < t_end { pkw = k_cache[k_jl_off + (slot0 + phys_row(table_off, page_shift, tb + sq)) * jw + nx - npc]; }
                 }
             } else {
                 pvw0 = 0u;
@@ -198,20 +200,20 @@ fn attention_tq_tiled(
                 if vc < d4 {
                     let vo = vc / 4u;
                     if tb + vk < t_end {
-                        pvw0 = v_cache[(s0 + vk) * pw + vo];
-                        pvn0 = v_cache[v_norm_off + s0 + vk];
+                        pvw0 = v_cache[(slot0 + phys_row(table_off, page_shift, tb + vk)) * pw + vo];
+                        pvn0 = v_cache[v_norm_off + slot0 + phys_row(table_off, page_shift, tb + vk)];
                     }
                     if tb + vk + 8u < t_end {
-                        pvw1 = v_cache[(s0 + vk + 8u) * pw + vo];
-                        pvn1 = v_cache[v_norm_off + s0 + vk + 8u];
+                        pvw1 = v_cache[(slot0 + phys_row(table_off, page_shift, tb + vk + 8u)) * pw + vo];
+                        pvn1 = v_cache[v_norm_off + slot0 + phys_row(table_off, page_shift, tb + vk + 8u)];
                     }
                     if tb + vk + 16u < t_end {
-                        pvw2 = v_cache[(s0 + vk + 16u) * pw + vo];
-                        pvn2 = v_cache[v_norm_off + s0 + vk + 16u];
+                        pvw2 = v_cache[(slot0 + phys_row(table_off, page_shift, tb + vk + 16u)) * pw + vo];
+                        pvn2 = v_cache[v_norm_off + slot0 + phys_row(table_off, page_shift, tb + vk + 16u)];
                     }
                     if tb + vk + 24u < t_end {
-                        pvw3 = v_cache[(s0 + vk + 24u) * pw + vo];
-                        pvn3 = v_cache[v_norm_off + s0 + vk + 24u];
+                        pvw3 = v_cache[(slot0 + phys_row(table_off, page_shift, tb + vk + 24u)) * pw + vo];
+                        pvn3 = v_cache[v_norm_off + slot0 + phys_row(table_off, page_shift, tb + vk + 24u)];
                     }
                 }
             }
@@ -251,8 +253,8 @@ fn attention_tq_tiled(
             pkw = 0u;
             pkn = 0u;
             if tb + TK + sq < t_end {
-                pkw = k_cache[(s0 + TK + sq) * pw + sc / 4u];
-                pkn = k_cache[k_norm_off + s0 + TK + sq];
+                pkw = k_cache[(slot0 + phys_row(table_off, page_shift, tb + TK + sq)) * pw + sc / 4u];
+                pkn = k_cache[k_norm_off + slot0 + phys_row(table_off, page_shift, tb + TK + sq)];
             }
         }
         // #include "tiled_values.wgsl"

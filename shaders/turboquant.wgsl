@@ -13,8 +13,9 @@
 //   norm word = pack2x16float(norm, residual_norm)
 // Values: the same first two steps; norm word = pack2x16float(norm, 0).
 //
-// Cache layout of one layer (`cap` = allocated timesteps = per-head stride,
-// `vecs = n_kv_heads * cap`, slot(h, t) = h * cap + t), all `array<u32>`:
+// Cache layout of one pool slab (`cap` = its rows = per-head stride,
+// `vecs = n_kv_heads * cap`, slot(h, r) = h * cap + r for slab row r; a layer's
+// timestep t is slab row phys_row(t) through its page table), all `array<u32>`:
 //   keys:   [ polar: vecs * d/16 | jl: vecs * d/32 | norms: vecs ]
 //   values: [ polar: vecs * d/16 | norms: vecs ]
 //   polar word w of a slot: slot * (d/16) + w, element j at bits 2j..2j+1 (LSB first)
@@ -24,7 +25,7 @@
 //   [ q_rot: q_cap*n_heads*d | q_jl: same | sums: q_cap*n_heads ]
 //   q_rot = rht(q, polar_signs); q_jl = rht(q_rot, jl_signs); sums = sum_d q_jl
 //
-// Signs: one f32 buffer of +-1.0 for all layers; layer l at sign_off = l*2*d,
+// Signs: one layer's 2*d values of +-1.0 at sign_off (uploaded with the batch),
 // polar signs first, JL signs after them.
 //
 // Every workgroupBarrier() sits in uniform control flow at entry-point scope and
@@ -34,32 +35,40 @@
 // Workgroup memory is not zero-initialized: every slot read is written first.
 //
 // ── tq_encode_keys / tq_encode_values ───────────────────────────────────────
-// @binding(0) src:    array<f32>  rows x n_kv_heads x head_dim (row-major)
-// @binding(1) cache:  array<u32>  the layer's key (or value) cache (rw)
-// @binding(2) eparams: TqEncodeParams (gpu/params.py TQ_ENCODE_PARAMS)
-//   Source row i (= row_base + workgroup_id.y) goes to timestep t0 + i.
+// One dispatch encodes the rows of a batch of appends into one pool slab, one
+// params block per row (a single append is the batch of one):
+// @binding(0) src:    array<f32>  the rows, row i's n_kv_heads x head_dim at word src_off
+// @binding(1) cache:  array<u32>  the pool slab's key (or value) words, cache_cap rows (rw)
+// @binding(2) eparams: array<TqEncodeParams> (gpu/params.py TQ_ENCODE_PARAMS), block
+//   workgroup_id.y: the row goes to timestep t of the layer whose page table
+//   starts at table_off (slab row phys_row(t), include/paging.wgsl).
 //   Boundaries b_i = (c_i + c_{i+1}) / 2 are passed as f32 so the host's
 //   oracle compares against the very same thresholds.
-// @binding(3) signs:  array<f32>
-// Dispatch: (n_kv_heads, rows in this dispatch, 1) workgroups of 128 threads.
+// @binding(3) signs:  array<f32>  the layer's signs at word sign_off
+// @binding(7) pages:  array<u32>  page tables
+// Dispatch: (n_kv_heads, rows, 1) workgroups of 128 threads.
 //
 // ── tq_rotate_q ─────────────────────────────────────────────────────────────
-// @binding(3) signs:  array<f32>
-// @binding(4) q_in:   array<f32>  query rows, row stride q_stride floats
-// @binding(5) q_out:  array<f32>  [q_rot | q_jl | sums] (rw)
-// @binding(6) rparams: TqRotateParams (gpu/params.py TQ_ROTATE_PARAMS)
-// Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 128 threads;
-// query row q_base + workgroup_id.y.
+// One dispatch rotates the query rows of a batch of attends, one params block
+// per query row:
+// @binding(3) signs:  array<f32>  the layer's signs at word sign_off
+// @binding(4) q_in:   array<f32>  query rows, the item's at word q_in_off, row stride q_stride
+// @binding(5) q_out:  array<f32>  the item's [q_rot | q_jl | sums] of q_cap rows at word q_out_off (rw)
+// @binding(6) rparams: array<TqRotateParams> (gpu/params.py TQ_ROTATE_PARAMS), block
+//   workgroup_id.y for query row q_row of its item
+// Dispatch: (n_heads, query rows, 1) workgroups of 128 threads.
 
 @group(0) @binding(0) var<storage, read> src: array<f32>;
 @group(0) @binding(1) var<storage, read_write> cache: array<u32>;
 // #struct TqEncodeParams
-@group(0) @binding(2) var<storage, read> eparams: TqEncodeParams;
+@group(0) @binding(2) var<storage, read> eparams: array<TqEncodeParams>;   // one block per row (wid.y)
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
 @group(0) @binding(4) var<storage, read> q_in: array<f32>;
 @group(0) @binding(5) var<storage, read_write> q_out: array<f32>;
 // #struct TqRotateParams
-@group(0) @binding(6) var<storage, read> rparams: TqRotateParams;
+@group(0) @binding(6) var<storage, read> rparams: array<TqRotateParams>;   // one block per query row (wid.y)
+@group(0) @binding(7) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const WG: u32 = 128u;
 const MAX_HEAD_DIM: u32 = 128u;
@@ -89,10 +98,10 @@ fn tq_encode_keys(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     // #include "tq_encode_rotate.wgsl"
-    let c0 = eparams.c0;
-    let c1 = eparams.c1;
-    let c2 = eparams.c2;
-    let c3 = eparams.c3;
+    let c0 = ep.c0;
+    let c1 = ep.c1;
+    let c2 = ep.c2;
+    let c3 = ep.c3;
     var r = 0.0;
     if in_dim {
         let y = buf[tid] * inv_sqrt_d;
@@ -123,7 +132,7 @@ fn tq_encode_keys(
     let polar_words = head_dim / 16u;
     let jl_words = head_dim / 32u;
     let vecs = n_kv_heads * cache_cap;
-    let slot = head * cache_cap + t0 + row;
+    let slot = head * cache_cap + slab_row;
     if tid < polar_words {
         var word = 0u;
         for (var k = 0u; k < 16u; k += 1u) {
@@ -161,7 +170,7 @@ fn tq_encode_values(
     // ── pack: polar words, norm word (no JL region for values) ──
     let polar_words = head_dim / 16u;
     let vecs = n_kv_heads * cache_cap;
-    let slot = head * cache_cap + t0 + row;
+    let slot = head * cache_cap + slab_row;
     if tid < polar_words {
         var word = 0u;
         for (var k = 0u; k < 16u; k += 1u) {
@@ -183,22 +192,28 @@ fn tq_rotate_q(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     let tid = lid.x;
-    let n_heads = rparams.n_heads;
-    let head_dim = rparams.head_dim;
-    let q_cap = rparams.q_cap;
-    let sign_off = rparams.sign_off;
-    let q_base = rparams.q_base;
-    let q_global = q_base + wid.y;
-    let q_stride = rparams.q_stride;
+    let rp = rparams[wid.y];
+    let n_heads = rp.n_heads;
+    let head_dim = rp.head_dim;
+    let q_cap = rp.q_cap;
+    let sign_off = rp.sign_off;
+    let q_row = rp.q_row;
+    let q_global = q_row;
+    let q_stride = rp.q_stride;
     let head = wid.x;
+    if head >= n_heads {
+        return;                                // an item of the batch with fewer heads
+    }
     let in_dim = tid < head_dim;
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     let q_region = q_cap * n_heads * head_dim;
-    let out_off = (q_global * n_heads + head) * head_dim;
+    let q_in_off = rp.q_in_off;
+    let q_out_off = rp.q_out_off;
+    let out_off = q_out_off + (q_global * n_heads + head) * head_dim;
 
     // ── q_rot = rht(q, polar_signs) ──
     if in_dim {
-        buf[tid] = q_in[q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
+        buf[tid] = q_in[q_in_off + q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
     }
     // #include "butterfly.wgsl" ARR=buf
     var q_rot = 0.0;
@@ -223,6 +238,6 @@ fn tq_rotate_q(
     red[tid] = q_jl;
     // #include "tree_sum_128.wgsl"
     if tid == 0u {
-        q_out[2u * q_region + q_global * n_heads + head] = red[0];
+        q_out[q_out_off + 2u * q_region + q_global * n_heads + head] = red[0];
     }
 }

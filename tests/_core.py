@@ -15,8 +15,13 @@ from tools.common import rel_err  # noqa: F401  (the tests import it from here)
 # meaningless for outputs near zero).
 
 
-def session(fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> SessionKV:
-    return SessionKV(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
+# Timesteps per page of the core tests' engine (conftest.engine): the smallest the
+# pool takes, so that every length the kernel tests use spans page boundaries.
+CORE_PAGE_TOKENS = 16
+
+
+def session(engine, fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> SessionKV:
+    return engine.session_kv(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
 
 
 def rows(rng, n, heads, d, scale=1.0) -> np.ndarray:

@@ -19,7 +19,7 @@ for p in (ROOT, ROOT / "service", ROOT / "client", ROOT / "tests"):
         sys.path.insert(0, str(p))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
-from _core import no_adapter  # noqa: E402
+from _core import CORE_PAGE_TOKENS, no_adapter  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +28,8 @@ def engine():
     from attnserve.gpu.device import DeviceError
 
     try:
-        eng = Engine.open(os.environ.get("ATTNSERVE_ADAPTER") or None)
+        # the smallest page: the kernels' tests cross page boundaries at every length
+        eng = Engine.open(os.environ.get("ATTNSERVE_ADAPTER") or None, page_tokens=CORE_PAGE_TOKENS)
     except DeviceError as e:
         no_adapter(str(e))
     yield eng

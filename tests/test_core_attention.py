@@ -41,7 +41,7 @@ def _run_cases(engine, fmt, head_dims, rng):
     for length, ratio, d in itertools.product(LENGTHS, GQA, head_dims):
         hkv = {1: 3, 2: 2, 4: 2, 8: 1}[ratio]  # 3 heads: odd head counts (partials not a whole vec4)
         h = hkv * ratio
-        s = session(fmt, h, hkv, d, layers=2, max_tokens=2048, seed=int(rng.integers(2**53)))
+        s = session(engine, fmt, h, hkv, d, layers=2, max_tokens=2048, seed=int(rng.integers(2**53)))
         layer = s.layers[1]  # layer 1: sign_off != 0 for TurboQuant
         reserve(engine, layer, length + 37)  # capacity > length
         k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
@@ -103,9 +103,9 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
     float rounding."""
     h, hkv, d, L = 8, 2, 64, 301
     q, k, v = rows(rng, L, h, d), rows(rng, L, hkv, d), rows(rng, L, hkv, d)
-    one = session(fmt, h, hkv, d, seed=77)
+    one = session(engine, fmt, h, hkv, d, seed=77)
     whole, _ = engine.attend(one.layers[0], q, k=k, v=v).result()
-    many = session(fmt, h, hkv, d, seed=77)
+    many = session(engine, fmt, h, hkv, d, seed=77)
     parts, start = [], 0
     for size in (1, 63, 64, 100, 73):  # chunks that cross growth boundaries
         out, length = engine.attend(
@@ -125,17 +125,19 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
 
 @pytest.mark.parametrize("fmt", ["f32", "turboquant"])
 def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
+    """A layer that took its pages 50 rows at a time (the pool's slab growing under
+    it) answers bit for bit like one whose pages were all taken up front."""
     h, hkv, d = 4, 4, 32
     L = 700
     k, v = rows(rng, L, hkv, d), rows(rng, L, hkv, d)
     q = rows(rng, 5, h, d)
-    grown = session(fmt, h, hkv, d, seed=5)
+    grown = session(engine, fmt, h, hkv, d, seed=5)
     caps = []
     for i in range(0, L, 50):
         engine.append(grown.layers[0], k[i : i + 50], v[i : i + 50]).result()
         caps.append(grown.layers[0].capacity)
-    assert len(set(caps)) >= 3, caps  # it really grew several times
-    big = session(fmt, h, hkv, d, seed=5)
+    assert len(set(caps)) >= 3, caps  # it really took pages several times
+    big = session(engine, fmt, h, hkv, d, seed=5)
     reserve(engine, big.layers[0], 2048)
     engine.append(big.layers[0], k, v).result()
     assert big.layers[0].capacity == 2048 != grown.layers[0].capacity
@@ -145,7 +147,9 @@ def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
         np.testing.assert_array_equal(a, b)
     if fmt == "turboquant":  # same words per slot, in a differently strided layout
         ga, gb = read_words(engine, grown.layers[0]), read_words(engine, big.layers[0])
-        for words_g, words_b, regions in zip(ga, gb, (grown.layers[0].key_regions, grown.layers[0].value_regions)):
+        for words_g, words_b, regions in zip(
+            ga, gb, (grown.layers[0].pool.layout.key_regions, grown.layers[0].pool.layout.value_regions)
+        ):
             og = ob = 0
             for w in regions:
                 cg, cb_ = grown.layers[0].capacity, 2048
@@ -159,7 +163,7 @@ def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
 def test_an_attend_queued_before_an_append_does_not_see_it(engine, rng):
     """Ordering inside one coalesced batch: appends are recorded in the stream."""
     h, hkv, d = 2, 1, 32
-    s = session("f32", h, hkv, d)
+    s = session(engine, "f32", h, hkv, d)
     k, v = rows(rng, 20, hkv, d), rows(rng, 20, hkv, d)
     engine.append(s.layers[0], k[:10], v[:10]).result()
     q = rows(rng, 1, h, d)
@@ -176,7 +180,7 @@ def test_an_attend_queued_before_an_append_does_not_see_it(engine, rng):
 
 def test_batches_coalesce_many_jobs(engine, rng):
     h, hkv, d = 4, 2, 32
-    sessions = [session("f32", h, hkv, d) for _ in range(12)]
+    sessions = [session(engine, "f32", h, hkv, d) for _ in range(12)]
     datas = []
     before = engine.worker.batches
     futs = []
@@ -192,7 +196,7 @@ def test_batches_coalesce_many_jobs(engine, rng):
 
 def test_failed_plan_fails_only_its_job(engine, rng):
     h, hkv, d = 2, 1, 32
-    s = session("f32", h, hkv, d, max_tokens=10)
+    s = session(engine, "f32", h, hkv, d, max_tokens=10)
     k, v = rows(rng, 8, hkv, d), rows(rng, 8, hkv, d)
     ok = engine.append(s.layers[0], k, v)
     bad = engine.append(s.layers[0], k, v)  # passes max_tokens at plan time
@@ -208,7 +212,7 @@ def test_failed_plan_fails_only_its_job(engine, rng):
 
 def test_a_failed_fused_attend_leaves_the_layer_as_it_was(engine, rng):
     h, hkv, d = 4, 2, 32
-    s = session("f32", h, hkv, d)
+    s = session(engine, "f32", h, hkv, d)
     layer = s.layers[0]
     k, v = rows(rng, 60, hkv, d), rows(rng, 60, hkv, d)
     engine.append(layer, k, v).result()
@@ -231,7 +235,7 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
     h, hkv, d = 8, 2, 64
     limits = engine.ctx.limits
     saved = limits["max-storage-buffer-binding-size"]
-    sessions = [session("f32", h, hkv, d) for _ in range(6)]
+    sessions = [session(engine, "f32", h, hkv, d) for _ in range(6)]
     data = []
     for s in sessions:
         k, v = rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)
@@ -273,7 +277,7 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     for d, ratio, (n, sp) in itertools.product(dims, GQA, ((131, 45), (70, 0), (9, 300))):
         hkv = 2 if ratio < 8 else 1
         h = hkv * ratio
-        s = session(fmt, h, hkv, d, layers=2, seed=int(rng.integers(2**53)))
+        s = session(engine, fmt, h, hkv, d, layers=2, seed=int(rng.integers(2**53)))
         layer = s.layers[1]
         length = sp + n
         reserve(engine, layer, length + 37)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_decode_loop_reuses_bind_groups_and_stays_exact(engine, rng, fmt):
     arenas = engine.worker.arenas
     h, hkv, d = 4, 2, 32
-    kv = session(fmt, h, hkv, d, max_tokens=4096)
+    kv = session(engine, fmt, h, hkv, d, max_tokens=4096)
     layer = kv.layers[0]
     k, v = rows(rng, 5, hkv, d), rows(rng, 5, hkv, d)
     engine.append(layer, k, v).result()
@@ -40,13 +40,13 @@ def test_decode_loop_reuses_bind_groups_and_stays_exact(engine, rng, fmt):
         if fmt == "f32":
             assert rel_err(out, ref.attention(q, k, v, start_pos=len(k) - 1)) <= 1e-5
     # bit for bit what a session built in one append (its own new bind groups) gives
-    fresh = session(fmt, h, hkv, d, max_tokens=4096)
+    fresh = session(engine, fmt, h, hkv, d, max_tokens=4096)
     engine.append(fresh.layers[0], k, v).result()
     assert engine.attend(fresh.layers[0], q).result().out.tobytes() == out.tobytes()
     engine.release(fresh).result()
     engine.release(kv).result()
     # a new session after the release: fresh buffers, right answers
-    kv2 = session(fmt, h, hkv, d, max_tokens=4096)
+    kv2 = session(engine, fmt, h, hkv, d, max_tokens=4096)
     k3, v3 = rows(rng, 9, hkv, d), rows(rng, 9, hkv, d)
     out = engine.attend(kv2.layers[0], q, k=k3, v=v3).result().out
     if fmt == "f32":
@@ -57,7 +57,7 @@ def test_decode_loop_reuses_bind_groups_and_stays_exact(engine, rng, fmt):
 def test_the_cache_is_bounded(engine, rng, monkeypatch):
     arenas = engine.worker.arenas
     monkeypatch.setattr(type(arenas), "BIND_GROUPS", 4)
-    kv = session("f32", 2, 1, 8)
+    kv = session(engine, "f32", 2, 1, 8)
     engine.append(kv.layers[0], rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)).result()
     for n in range(1, 4):  # different query row counts: different arena offsets
         engine.attend(kv.layers[0], rows(rng, n, 2, 8)).result()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attnserve.testing import reference as ref
-from attnserve.gpu.kernels import plan_rotate_q, rotated_q_bytes
+from attnserve.gpu.kernels import Rotate, plan_rotate_q, rotated_q_bytes
 from attnserve.turboquant import codebook, layer_signs
 
 from _core import read_words, rows, session
@@ -111,7 +111,7 @@ def check_value_words(gpu_words, v, ps, cb, cap):
 @pytest.mark.parametrize("length", [1, 7, 97, 300])
 def test_encoded_words_match_oracle(engine, rng, d, length):
     hkv = 3
-    s = session("turboquant", 6, hkv, d, layers=3, seed=int(rng.integers(2**53)))
+    s = session(engine, "turboquant", 6, hkv, d, layers=3, seed=int(rng.integers(2**53)))
     layer = s.layers[2]
     scale = float(rng.choice([0.01, 1.0, 30.0]))
     k, v = rows(rng, length, hkv, d, scale), rows(rng, length, hkv, d, scale)
@@ -162,15 +162,13 @@ def test_the_word_check_can_fail(rng):
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_rotate_q_matches_oracle(engine, rng, d):
     h, n = 5, 4
-    s = session("turboquant", h, 1, d, layers=2, seed=99)
+    s = session(engine, "turboquant", h, 1, d, layers=2, seed=99)
     q = rows(rng, n, h, d, 3.0)
 
     def plan(batch):
-        signs = s.signs_buffer(batch.device)
+        signs = s.layers[1].signs(batch)
         out = batch.output(rotated_q_bytes(n, h, d))
-        plan_rotate_q(
-            batch, q=batch.upload(q), q_out=out, signs=signs, n_queries=n, n_heads=h, head_dim=d, sign_off=2 * d
-        )
+        plan_rotate_q(batch, Rotate(batch.upload(q), out, signs, n, h, d))
         return lambda data: np.frombuffer(data, np.float32, count=out.size // 4, offset=out.offset).copy()
 
     got = engine.worker.execute(plan)
@@ -188,7 +186,7 @@ def test_gpu_codes_give_an_unbiased_estimator(engine, rng):
     d, hkv, L = 128, 1, 1500
     est, pol, exact = [], [], []
     for draw in range(4):
-        s = session("turboquant", 1, hkv, d, seed=int(rng.integers(2**53)))
+        s = session(engine, "turboquant", 1, hkv, d, seed=int(rng.integers(2**53)))
         k, v = rows(rng, L, hkv, d), rows(rng, L, hkv, d)
         engine.append(s.layers[0], k, v).result()
         kw, _ = read_words(engine, s.layers[0])

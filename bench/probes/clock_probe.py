@@ -73,7 +73,7 @@ for _ in range(2):
     print(f"FMA kernel: {tf:.1f} TFLOP/s f32 ({ms:.2f} ms per dispatch)", flush=True)
 rng = np.random.default_rng(0)
 for fmt in ("f32", "turboquant"):
-    s = B.SessionKV(B.SessionConfig(1, 32, 8, 128, fmt, 32768, 1))
+    s = eng.session_kv(B.SessionConfig(1, 32, 8, 128, fmt, 32768, 1))
     B.fill_layer(eng, s.layers[0], 32768, rng)
     for tw in (512, 2048):
         eng.policy = dataclasses.replace(eng.policy, target_workgroups=tw)

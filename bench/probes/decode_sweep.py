@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     rows = []
     default = eng.policy
     for fmt in args.formats.split(","):
-        s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(contexts), 1))
+        s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(contexts), 1))
         filled = 0
         for ctx_len in sorted(contexts):
             B.fill_layer(eng, s.layers[0], ctx_len - filled, rng)

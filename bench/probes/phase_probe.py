@@ -64,7 +64,7 @@ q = rng.standard_normal((1, B.H, B.D), dtype=np.float32)
 orig_dispatch = Batch.dispatch
 variants = [v for v in (False, True) if not v or "subgroup" in eng.ctx.features]
 for fmt in ("f32", "turboquant"):
-    s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, CTX, 1))
+    s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, CTX, 1))
     layer = s.layers[0]
     B.fill_layer(eng, layer, CTX, rng)
     for sg in variants:

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     default = dataclasses.replace(eng.policy, force="tiled")
     rows = []
     for fmt in ("f32", "turboquant"):
-        s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(k for _, k in shapes), 1))
+        s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(k for _, k in shapes), 1))
         filled = 0
         for n, ctx_len in shapes:
             B.fill_layer(eng, s.layers[0], ctx_len - filled, rng)

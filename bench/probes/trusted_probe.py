@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     decode = (512, 2048) if args.quick else (32768, 131072)
     prefill = (128, 128) if args.quick else (2048, 2048)
     # correctness first: small f32 decode and prefill against the float64 oracle
-    s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, "f32", 300, 1))
+    s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, "f32", 300, 1))
     k = rng.standard_normal((300, B.HKV, B.D), dtype=np.float32)
     v = rng.standard_normal((300, B.HKV, B.D), dtype=np.float32)
     eng.append(s.layers[0], k, v).result()
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             return 1
     eng.release(s).result()
     for fmt in ("f32", "turboquant"):
-        s = B.SessionKV(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(decode), 1))
+        s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(decode), 1))
         filled = 0
         for n, ctx in sorted([(1, c) for c in decode] + [prefill], key=lambda x: x[1]):
             B.fill_layer(eng, s.layers[0], ctx - filled, rng)

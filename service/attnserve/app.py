@@ -77,7 +77,13 @@ def open_engine(settings: Settings, **kw: Any) -> Engine:
         target_workgroups=settings.split_target_workgroups,
     )
     return Engine.open(
-        settings.adapter, max_batch_jobs=settings.max_batch_jobs, max_queue=settings.max_queue, policy=policy, **kw
+        settings.adapter,
+        max_batch_jobs=settings.max_batch_jobs,
+        max_queue=settings.max_queue,
+        policy=policy,
+        page_tokens=settings.page_tokens,
+        pool_slab_bytes=settings.pool_slab_bytes,
+        **kw,
     )
 
 

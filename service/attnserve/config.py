@@ -103,6 +103,19 @@ class Settings(BaseSettings):
     split_target_workgroups: int = Field(
         128, ge=1, description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum)."
     )
+    page_tokens: int = Field(
+        64,
+        ge=16,
+        le=1024,
+        description="Timesteps per page of the paged KV pool (a power of two, 16..1024): a layer holds "
+        "whole pages, so at most one partly filled page per (session, layer).",
+    )
+    pool_slab_bytes: Size = Field(
+        0,
+        ge=0,
+        description="Largest K (or V) buffer of one slab of the KV pool; 0: the adapter's binding limit. "
+        "A layer's pages live in one slab, so this also caps a layer's tokens.",
+    )
     max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
     max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
     stream_max_in_flight: int = Field(
@@ -178,6 +191,13 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("page_tokens")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (16, 32, 64, ... 1024), got {v}")
+        return v
 
     @model_validator(mode="after")
     def _keys_readable(self) -> "Settings":

@@ -22,6 +22,7 @@ from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
+from .pool import PageLayout, PagePools
 from .turboquant import MAX_NORM, largest_norm
 
 __all__ = ["Engine", "AttendResult"]
@@ -56,10 +57,15 @@ class Engine:
         max_batch_jobs: int = 256,
         max_queue: int = 4096,
         policy: KernelPolicy | None = None,
+        page_tokens: int = 64,
+        pool_slab_bytes: int = 0,
         on_batch: Callable[[int, int, float], None] | None = None,
         on_job_start: Callable[[str, float], None] | None = None,
     ):
         self.ctx = ctx
+        limit = min(ctx.max_binding, int(ctx.limits.get("max-buffer-size", ctx.max_binding)))
+        # every session's pages, per layout (touched only on the GPU thread)
+        self.pools = PagePools(page_tokens, min(limit, pool_slab_bytes) if pool_slab_bytes else limit)
         self.worker = GpuWorker(
             ctx,
             max_batch_jobs=max_batch_jobs,
@@ -67,6 +73,7 @@ class Engine:
             on_batch=on_batch,
             on_job_start=on_job_start,
             policy=policy,
+            after_run=self.pools.settle,
         )
         self.worker.start()
 
@@ -101,11 +108,14 @@ class Engine:
     # ── limits ──────────────────────────────────────────────────────────────
 
     def max_tokens_limit(self, kv_format: str, num_kv_heads: int, head_dim: int) -> int:
-        """Largest per-layer capacity whose K and V buffers the adapter can bind."""
-        probe = SessionKV(SessionConfig(1, num_kv_heads, num_kv_heads, head_dim, kv_format, 1, 0))
-        per_token = max(probe.layers[0].buffer_bytes(1))
-        limit = min(self.ctx.max_binding, int(self.ctx.limits.get("max-buffer-size", self.ctx.max_binding)))
-        return limit // per_token
+        """Most timesteps a layer may hold: its pages live in one pool slab, which
+        the adapter binds whole."""
+        pool = self.pools.get(PageLayout(kv_format, num_kv_heads, head_dim))
+        return pool.max_slab_pages * pool.page_tokens
+
+    def session_kv(self, config: SessionConfig) -> SessionKV:
+        """A session's layers over this engine's pools (no GPU memory until appends)."""
+        return SessionKV(config, self.pools)
 
     # ── request checks (InvalidRequest, before anything is queued) ───────────
 

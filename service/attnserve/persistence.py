@@ -54,7 +54,6 @@ except ImportError:  # Windows: no flock; msvcrt locks a byte range instead
     import msvcrt
 
 from .errors import InvalidSnapshot, OutOfMemory, SessionExists
-from .kvcache import SessionKV
 from .snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from .store import SESSION_ID_RE, Session
 
@@ -237,7 +236,7 @@ class SnapshotDir:
         except OSError as e:
             log.error("cannot read a snapshot file; kept", extra={"file": path.name, "error": str(e)})
             return "skipped"
-        kv = SessionKV(config)
+        kv = engine.session_kv(config)
         need = restore_bytes(kv, layers)
         try:
             # a session that lived here may exceed a quota lowered since: it is kept (no data is lost)

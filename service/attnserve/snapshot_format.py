@@ -111,7 +111,7 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")
-    probe = SessionKV(config).layers[0]  # sizing only; no GPU memory
+    layout = config.layout  # the contiguous layout snapshots keep
     out = []
     for i, layer in enumerate(layers):
         if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
@@ -124,7 +124,7 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
             )
         if not isinstance(kb, bytes) or not isinstance(vb, bytes):
             raise InvalidSnapshot(f"layers[{i}]: k and v must be binary")
-        want = probe.buffer_bytes(cap) if cap else (0, 0)
+        want = layout.buffer_bytes(cap) if cap else (0, 0)
         if (len(kb), len(vb)) != want:
             raise InvalidSnapshot(
                 f"layers[{i}]: expected {want[0]} and {want[1]} bytes of K and V for capacity {cap}, "
@@ -158,10 +158,7 @@ def read_layers(kv: SessionKV) -> Callable[[Any], Layers]:
 
 def restore_bytes(kv: SessionKV, layers: Layers) -> int:
     """GPU bytes a restore of ``layers`` into ``kv`` will hold (what the budget counts)."""
-    need = sum(kv.layers[i].bytes_for(cap) for i, (_, cap, _, _) in enumerate(layers) if cap)
-    if any(n for n, _, _, _ in layers):
-        need += kv.signs_bytes()
-    return need
+    return sum(kv.layers[i].bytes_for(n) for i, (n, _, _, _) in enumerate(layers))
 
 
 def load(ctx: Any, kv: SessionKV, layers: Layers) -> None:
@@ -170,8 +167,6 @@ def load(ctx: Any, kv: SessionKV, layers: Layers) -> None:
     try:
         for layer, (n, cap, kb, vb) in zip(kv.layers, layers):
             layer.load_words(ctx.device, n, cap, kb, vb)
-        if kv.signs_bytes() and any(n for n, _, _, _ in layers):
-            kv.signs_buffer(ctx.device)
     except BaseException:
         kv.release()
         raise

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .errors import CapacityExceeded, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
-from .kvcache import LayerCache, SessionConfig, SessionKV, grow_capacity
+from .kvcache import LayerCache, SessionConfig, SessionKV
 
 __all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store", "Owner"]
 
@@ -70,7 +70,6 @@ class Session:
         self.config: SessionConfig = kv.config
         self.layers = [LayerState(c) for c in kv.layers]
         self.reserved_bytes = 0
-        self.signs_reserved = False
         self.pending = 0
         self.closed = False
         self.dirty = False
@@ -123,7 +122,6 @@ class Reservation:
     new_length: int = 0
     new_capacity: int = 0
     delta_bytes: int = 0
-    signs: bool = False
     committed: bool = field(default=False, repr=False)
 
 
@@ -175,7 +173,7 @@ class Store:
                 max_sessions=quota,
             )
 
-    def create(self, config: SessionConfig, *, owner: Owner, session_id: str | None = None) -> Session:
+    def create(self, kv: SessionKV, *, owner: Owner, session_id: str | None = None) -> Session:
         """Add an empty session (no GPU memory until its first append).
 
         Raises:
@@ -188,7 +186,7 @@ class Store:
             session_id = new_session_id()
             while (owner, session_id) in self.sessions:  # pragma: no cover - 128 random bits
                 session_id = new_session_id()
-        session = Session(session_id, owner, SessionKV(config))
+        session = Session(session_id, owner, kv)
         self._add(session)
         return session
 
@@ -331,20 +329,16 @@ class Store:
                 length=ls.length,
                 max_tokens=ls.max_tokens,
             )
-        new_cap = grow_capacity(ls.capacity, new_length, ls.max_tokens)
-        delta = ls.cache.bytes_for(new_cap) - ls.cache.bytes_for(ls.capacity) if new_cap != ls.capacity else 0
-        signs = False
-        if not session.signs_reserved and session.kv.signs_bytes():
-            signs = True
-            delta += session.kv.signs_bytes()
-        return Reservation(session, ls, rows, new_length, new_cap, delta, signs)
+        new_cap = ls.cache.capacity_after(ls.capacity, new_length)
+        delta = ls.cache.bytes_for(new_cap) - ls.cache.bytes_for(ls.capacity)
+        return Reservation(session, ls, rows, new_length, new_cap, delta)
 
     def plan_read(self, session: Session, layer: int, offset: int | None) -> Reservation:
         """An attend without a fused append: only ``offset`` is checked."""
         ls = session.layers[layer]
         if offset is not None and offset != ls.length:
             raise OffsetMismatch(f"offset {offset} is not the layer's length {ls.length}", length=ls.length)
-        return Reservation(session, ls, 0, ls.length, ls.capacity, 0, False)
+        return Reservation(session, ls, 0, ls.length, ls.capacity, 0)
 
     def check_budget(self, res: Reservation) -> None:
         """Raises OutOfMemory when the reservation would pass the memory budget, or
@@ -366,7 +360,6 @@ class Store:
         ls.length, ls.capacity = res.new_length, res.new_capacity
         s.reserved_bytes += res.delta_bytes
         self.reserved_bytes += res.delta_bytes
-        s.signs_reserved = s.signs_reserved or res.signs
         s.pending += 1
         ls.inflight.append(res)
         res.committed = True
@@ -405,7 +398,6 @@ class Store:
             )
         self.reserved_bytes += real - s.reserved_bytes
         s.reserved_bytes = real
-        s.signs_reserved = real > sum(ls.cache.nbytes for ls in s.layers)
         s.dirty = False
 
     # ── views ───────────────────────────────────────────────────────────────

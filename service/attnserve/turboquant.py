@@ -30,6 +30,7 @@ __all__ = [
     "codebook",
     "lloyd_max_codebook",
     "layer_signs",
+    "layer_signs_bytes",
     "session_signs",
     "qjl_scale",
     "splitmix64",
@@ -127,6 +128,12 @@ def layer_signs(seed: int, layer: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     """(polar_signs, jl_signs) of one layer: float32 arrays of +-1.0, length d each."""
     s = np.frombuffer(_layer_signs_cached(int(seed), int(layer), int(d)), dtype=np.float32)
     return s[:d].copy(), s[d:].copy()
+
+
+def layer_signs_bytes(seed: int, layer: int, d: int) -> bytes:
+    """One layer's signs as the kernels read them (uploaded with each batch): ``2 * d``
+    float32 values, polar then JL."""
+    return _layer_signs_cached(int(seed), int(layer), int(d))
 
 
 def session_signs(seed: int, num_layers: int, d: int) -> np.ndarray:

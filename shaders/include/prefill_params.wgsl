@@ -12,3 +12,5 @@
     let out_stride = params.out_stride;
     let q_base = params.q_base;
     let flags = params.flags;
+    let table_off = params.table_off;
+    let page_shift = params.page_shift;

@@ -5,7 +5,9 @@
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 // #struct SplitParams
-@group(0) @binding(4) var<storage, read> params: SplitParams;
+@group(0) @binding(4) var<storage, read> params: array<SplitParams>;   // one block per query row (wid.z)
+@group(0) @binding(5) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;

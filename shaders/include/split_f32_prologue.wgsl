@@ -3,23 +3,31 @@
     // split window, and the GQA group's queries in workgroup memory; inlined by
     // the loader, barrier included.)
     let tid = lid.x;
-    let n_heads = params.n_heads;
-    let n_kv_heads = params.n_kv_heads;
-    let head_dim = params.head_dim;
-    let kv_dim = params.kv_dim;
-    let max_seq = params.max_seq;
-    let scale = params.scale;
-    let start_pos = params.start_pos;
-    let split_len = params.split_len;
-    let q_stride = params.q_stride;
-    let n_splits = params.n_splits;
-    let q_base = params.q_base;
-    let flags = params.flags;
-    let q_total = params.q_total;
+    let prm = params[wid.z];                   // this query row's block (an item of the batch)
+    let n_heads = prm.n_heads;
+    let n_kv_heads = prm.n_kv_heads;
+    let head_dim = prm.head_dim;
+    let kv_dim = prm.kv_dim;
+    let max_seq = prm.max_seq;
+    let scale = prm.scale;
+    let start_pos = prm.start_pos;
+    let split_len = prm.split_len;
+    let q_stride = prm.q_stride;
+    let n_splits = prm.n_splits;
+    let q_row = prm.q_row;
+    let q_off = prm.q_off;
+    let part_off = prm.part_off;
+    let table_off = prm.table_off;
+    let page_shift = prm.page_shift;
+    let flags = prm.flags;
+    let q_total = prm.q_total;
 
     let split = wid.x;
     let kv_head = wid.y;
-    let q_idx = q_base + wid.z;
+    let q_idx = q_row;
+    if split >= n_splits {
+        return;                                // a shorter item of the batch
+    }
     let group = n_heads / n_kv_heads;
     let seg = WG / group;                      // threads per query head in reductions
     let d4 = head_dim / 4u;
@@ -33,13 +41,13 @@
     if t0 < seq_len {
         n_t = min(split_len, seq_len - t0);
     }
-    let row0 = (t0 * kv_dim + kv_head * head_dim) / 4u;   // vec4 index of (t0, this head)
+    let head4 = kv_head * head_dim / 4u;        // vec4 offset of this head in a row
     let kv4 = kv_dim / 4u;
 
     // ── the group's query heads (contiguous: heads kv_head*G .. +G-1) ──
-    let q_off = q_idx * q_stride + kv_head * group * head_dim;
+    let q_first = q_off + q_idx * q_stride + kv_head * group * head_dim;
     for (var e = tid; e < group * d4; e += WG) {
-        let o = q_off + 4u * e;
+        let o = q_first + 4u * e;
         q_sh[e] = vec4<f32>(q_batch[o], q_batch[o + 1u], q_batch[o + 2u], q_batch[o + 3u]);
     }
     workgroupBarrier();

@@ -18,10 +18,10 @@
         var t = grp;
         // four rows per step: four independent loads in flight
         for (; t + 3u * n_grp < n_t; t += 4u * n_grp) {
-            let v0 = v_cache[row0 + t * kv4 + c];
-            let v1 = v_cache[row0 + (t + n_grp) * kv4 + c];
-            let v2 = v_cache[row0 + (t + 2u * n_grp) * kv4 + c];
-            let v3 = v_cache[row0 + (t + 3u * n_grp) * kv4 + c];
+            let v0 = v_cache[phys_row(table_off, page_shift, t0 + t) * kv4 + head4 + c];
+            let v1 = v_cache[phys_row(table_off, page_shift, t0 + t + n_grp) * kv4 + head4 + c];
+            let v2 = v_cache[phys_row(table_off, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c];
+            let v3 = v_cache[phys_row(table_off, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c];
             let t1 = t + n_grp;
             let t2 = t + 2u * n_grp;
             let t3 = t + 3u * n_grp;
@@ -31,7 +31,7 @@
             // #include "accumulate_heads.wgsl" T=t3 V=v3
         }
         for (; t < n_t; t += n_grp) {
-            let v = v_cache[row0 + t * kv4 + c];
+            let v = v_cache[phys_row(table_off, page_shift, t0 + t) * kv4 + head4 + c];
             // #include "accumulate_heads.wgsl" T=t V=v
         }
     }
@@ -41,8 +41,8 @@
     let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;  // head 0 of the group
     if tid < group {
         let pi = pbase + tid * n_splits;
-        partial[n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
-        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
+        partial[part_off + n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
+        partial[part_off + n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
     }
     for (var h0 = 0u; h0 < group; h0 += 2u) {
         workgroupBarrier();                      // `scores` (and the last pass) read
@@ -72,7 +72,7 @@
                 for (var g = 0u; g < n_grp; g += 1u) {
                     sum += scores[hx * 4u * WG + 4u * g * d4 + e];
                 }
-                partial[(pbase + (h0 + hx) * n_splits) * head_dim + e] = sum;
+                partial[part_off + (pbase + (h0 + hx) * n_splits) * head_dim + e] = sum;
             }
         }
     }

@@ -7,7 +7,9 @@
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 // #struct TqSplitParams
-@group(0) @binding(4) var<storage, read> params: TqSplitParams;
+@group(0) @binding(4) var<storage, read> params: array<TqSplitParams>;   // one block per query row (wid.z)
+@group(0) @binding(5) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;

@@ -5,8 +5,8 @@
     let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
     if tid < group {
         let pi = pbase + tid * n_splits;
-        partial[n_part * head_dim + pi] = stat[tid];
-        partial[n_part * (head_dim + 1u) + pi] = red[tid * seg];
+        partial[part_off + n_part * head_dim + pi] = stat[tid];
+        partial[part_off + n_part * (head_dim + 1u) + pi] = red[tid * seg];
     }
     for (var h0 = 0u; h0 < group; h0 += 2u) {
         let o = grp * d4 + c;                    // < WG
@@ -22,7 +22,7 @@
             for (var g = 0u; g < n_grp; g += 1u) {
                 sum += qbuf[hh * WG + g * d4 + cc];
             }
-            let po = (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            let po = part_off + (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
             partial[po] = sum.x;
             partial[po + 1u] = sum.y;
             partial[po + 2u] = sum.z;

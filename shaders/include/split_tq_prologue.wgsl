@@ -3,27 +3,35 @@
     // this workgroup's split window, and the GQA group's queries in workgroup
     // memory; inlined by the loader, barrier included.)
     let tid = lid.x;
-    let n_heads = params.n_heads;
-    let n_kv_heads = params.n_kv_heads;
-    let head_dim = HEAD_DIM;                   // = params.head_dim, fixed per pipeline
-    let max_seq = params.max_seq;
-    let start_pos = params.start_pos;
-    let scale = params.scale;
-    let q_cap = params.q_cap;
-    let split_len = params.split_len;
-    let qjl_scale = params.qjl_scale;
-    let n_splits = params.n_splits;
-    let c0 = params.c0;
-    let c1 = params.c1;
-    let c2 = params.c2;
-    let c3 = params.c3;
-    let q_base = params.q_base;
-    let cache_cap = params.cache_cap;
-    let flags = params.flags;
+    let prm = params[wid.z];                   // this query row's block (an item of the batch)
+    let n_heads = prm.n_heads;
+    let n_kv_heads = prm.n_kv_heads;
+    let head_dim = HEAD_DIM;                   // = prm.head_dim, fixed per pipeline
+    let max_seq = prm.max_seq;
+    let start_pos = prm.start_pos;
+    let scale = prm.scale;
+    let q_cap = prm.q_cap;
+    let split_len = prm.split_len;
+    let qjl_scale = prm.qjl_scale;
+    let n_splits = prm.n_splits;
+    let c0 = prm.c0;
+    let c1 = prm.c1;
+    let c2 = prm.c2;
+    let c3 = prm.c3;
+    let q_row = prm.q_row;
+    let q_off = prm.q_off;
+    let part_off = prm.part_off;
+    let table_off = prm.table_off;
+    let page_shift = prm.page_shift;
+    let cache_cap = prm.cache_cap;
+    let flags = prm.flags;
 
     let split = wid.x;
     let kv_head = wid.y;
-    let q_idx = q_base + wid.z;
+    let q_idx = q_row;
+    if split >= n_splits {
+        return;                                // a shorter item of the batch
+    }
     let group = GROUP;                         // = n_heads / n_kv_heads, fixed per pipeline
     let seg = WG / group;
     let d4 = head_dim / 4u;
@@ -45,18 +53,18 @@
     let k_jl_off = vecs * pw;
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * pw;
-    let slot0 = kv_head * cache_cap + t0;        // slot of the split's first timestep
+    let hslot = kv_head * cache_cap;             // slot of this head's slab row 0
 
     // ── the group's rotated queries, as vec4 ──
     let q_region = q_cap * n_heads * head_dim;
-    let q_off = (q_idx * n_heads + kv_head * group) * head_dim;
+    let q_first = q_off + (q_idx * n_heads + kv_head * group) * head_dim;
     for (var e = tid; e < group * d4; e += WG) {
-        let o = q_off + 4u * e;
+        let o = q_first + 4u * e;
         qbuf[e] = vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
         let oj = q_region + o;
         qbuf[256u + e] = vec4<f32>(qrot[oj], qrot[oj + 1u], qrot[oj + 2u], qrot[oj + 3u]);
     }
     if tid < group {
-        qsum_sh[tid] = qrot[2u * q_region + q_idx * n_heads + kv_head * group + tid];
+        qsum_sh[tid] = qrot[q_off + 2u * q_region + q_idx * n_heads + kv_head * group + tid];
     }
     workgroupBarrier();

@@ -17,3 +17,5 @@
     let q_base = params.q_base;
     let cache_cap = params.cache_cap;
     let flags = params.flags;
+    let table_off = params.table_off;
+    let page_shift = params.page_shift;

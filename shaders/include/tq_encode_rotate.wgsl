@@ -1,25 +1,28 @@
 // The start of tq_encode_keys and tq_encode_values (turboquant.wgsl): one workgroup
 // per (KV head, row), one thread per dimension. Reads the row x, its norm (tree
 // reduction over red[]), and leaves y = rht(x / norm, polar signs) in buf[] with
-// inv_sqrt_d (the caller scales by it). Defines tid, n_kv_heads, head_dim, cache_cap,
-// t0, row, sign_off, b0..b2, head, in_dim, norm, live.
+// inv_sqrt_d (the caller scales by it). Defines tid, ep, n_kv_heads, head_dim, cache_cap,
+// slab_row, sign_off, b0..b2, head, in_dim, norm, live.
     let tid = lid.x;
-    let n_kv_heads = eparams.n_kv_heads;
-    let head_dim = eparams.head_dim;
-    let cache_cap = eparams.cache_cap;
-    let t0 = eparams.t0;
-    let row_base = eparams.row_base;
-    let row = row_base + wid.y;
-    let sign_off = eparams.sign_off;
-    let b0 = eparams.b0;
-    let b1 = eparams.b1;
-    let b2 = eparams.b2;
+    let ep = eparams[wid.y];                   // this row's block (rows of many appends)
+    let n_kv_heads = ep.n_kv_heads;
+    let head_dim = ep.head_dim;
+    let cache_cap = ep.cache_cap;
+    let t = ep.t;
+    let table_off = ep.table_off;
+    let page_shift = ep.page_shift;
+    let slab_row = phys_row(table_off, page_shift, t);   // where timestep t lives
+    let sign_off = ep.sign_off;
+    let src_off = ep.src_off;
+    let b0 = ep.b0;
+    let b1 = ep.b1;
+    let b2 = ep.b2;
     let head = wid.x;
     let in_dim = tid < head_dim;
 
     var x = 0.0;
     if in_dim {
-        x = src[(row * n_kv_heads + head) * head_dim + tid];
+        x = src[src_off + head * head_dim + tid];
     }
 
     // ── norm = ||x|| ──

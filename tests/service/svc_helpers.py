@@ -13,6 +13,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.testing import reference as ref
+from _core import CORE_PAGE_TOKENS
 from attnserve.app import create_app
 from attnserve.config import Settings
 from attnserve_client import wire
@@ -22,6 +23,9 @@ from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts,
 ENCODINGS = ("json", "msgpack")
 # Relative error of the GPU's float32 attention against the float64 oracle
 # (max abs error over max abs value), as in the core tests.
+# timesteps per page of the test servers' KV pool (they share the core tests' engine):
+# GPU bytes are whole pages
+PAGE = CORE_PAGE_TOKENS
 F32_TOL = 1e-5
 
 

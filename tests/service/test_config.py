@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from attnserve.config import GiB, MiB, Settings, format_size, parse_size, unknown_env
 
-SIZE_FIELDS = ["memory_budget_bytes", "max_body_bytes", "offload_bytes", "quota_bytes_per_key"]
+SIZE_FIELDS = ["memory_budget_bytes", "max_body_bytes", "offload_bytes", "quota_bytes_per_key", "pool_slab_bytes"]
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from fastapi import Request
 from attnserve.config import Settings
 from attnserve.routes.deps import get_owner
 from attnserve_client import wire
-from svc_helpers import F32_TOL, Api, LiveServer, Model, rel_err, rows
+from svc_helpers import F32_TOL, PAGE, Api, LiveServer, Model, rel_err, rows
 
 H, KV, D, LAYERS, MAX_TOKENS = 4, 2, 16, 3, 16
 
@@ -413,7 +413,7 @@ def test_507_out_of_memory_past_the_budget(st, server, enc):
         ):
             problem = expect(r, 507, "out-of-memory")
             assert problem["budget_bytes"] == store.memory_budget_bytes
-            assert problem["requested_bytes"] == 2 * MAX_TOKENS * KV * D * 4
+            assert problem["requested_bytes"] == 2 * PAGE * KV * D * 4  # a layer's first page
         # appends that need no new memory still pass the budget
         k, v = st.k(), st.k()
         assert st.api.append(st.sid, 1, k, v, enc=enc).status == 200

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnserve_client import wire
-from svc_helpers import F32_TOL, TYPES, Model, rel_err, rows
+from svc_helpers import F32_TOL, PAGE, TYPES, Model, rel_err, rows
 
 
 def test_append_then_attend(api, rng, enc):
@@ -104,7 +104,7 @@ def test_multi_layer_sessions_keep_layers_apart(api, rng, enc):
             m.add(layer, k, v)
     info = api.info(sid)
     assert info["lengths"] == m.lengths
-    assert info["bytes"] == layers * 2 * 64 * hkv * d * 4
+    assert info["bytes"] == layers * 2 * PAGE * hkv * d * 4  # one page each
     for layer in range(layers):
         q = rows(rng, 2, h, d)
         r = api.attend(sid, layer, q, enc=enc)
@@ -143,7 +143,8 @@ def test_layers_grow_up_to_max_tokens(api, rng):
         assert api.append(sid, 0, k, v).status == 200
         m.add(0, k, v)
     info = api.info(sid)
-    assert info["lengths"] == [150] and info["bytes"] == 2 * 150 * hkv * d * 4  # capped at max_tokens
+    pages = -(-150 // PAGE)
+    assert info["lengths"] == [150] and info["bytes"] == 2 * pages * PAGE * hkv * d * 4  # whole pages
     q = rows(rng, 3, h, d)
     assert rel_err(api.attend(sid, 0, q).body["out"], m.attention(0, q)) <= F32_TOL
     r = api.append(sid, 0, rows(rng, 1, hkv, d), rows(rng, 1, hkv, d))

@@ -19,11 +19,12 @@ import pytest
 
 from attnserve.config import Settings
 from attnserve_client import wire
-from svc_helpers import F32_TOL, Api, LiveServer, Model, rel_err, rows
+from svc_helpers import F32_TOL, PAGE, Api, LiveServer, Model, rel_err, rows
 
 KEY_A = "quota-a-0123456789abcdef"
 KEY_B = "quota-b-fedcba9876543210"
 SHAPE = dict(num_qo_heads=2, num_kv_heads=1, head_dim=32)  # f32: 256 bytes per timestep (K and V)
+PAGE_BYTES = PAGE * 256  # what a layer's first append takes: one page
 
 
 def _api(server: LiveServer, key: str | None = None) -> Api:
@@ -95,8 +96,9 @@ def test_session_quota_per_key(engine, rng):
 
 
 def test_byte_quota_per_key(engine, rng):
-    # a first append takes 64 timesteps of capacity: 64 * 256 = 16384 bytes
-    with serving(engine, api_keys=f"{KEY_A},{KEY_B}", quota_bytes_per_key=40000) as srv:
+    # a first append takes one page: PAGE_BYTES; the quota holds two and a half
+    quota = 2 * PAGE_BYTES + PAGE_BYTES // 2
+    with serving(engine, api_keys=f"{KEY_A},{KEY_B}", quota_bytes_per_key=quota) as srv:
         a, b = _api(srv, KEY_A), _api(srv, KEY_B)
         sids = [a.create(**SHAPE)["session_id"] for _ in range(3)]
         k, v = rows(rng, 1, 1, 32), rows(rng, 1, 1, 32)
@@ -104,19 +106,21 @@ def test_byte_quota_per_key(engine, rng):
         assert a.append(sids[1], 0, k, v).status == 200
         r = a.append(sids[2], 0, k, v)
         assert r.status == 507 and r.body["quota"] == "bytes", r.body
-        assert r.body["quota_limit"] == 40000 and r.body["used_bytes"] == 32768 and r.body["requested_bytes"] == 16384
+        assert r.body["quota_limit"] == quota
+        assert r.body["used_bytes"] == 2 * PAGE_BYTES and r.body["requested_bytes"] == PAGE_BYTES
         r = a.attend(sids[2], 0, rows(rng, 1, 2, 32), k=k, v=v)  # a fused append counts the same
         assert r.status == 507 and r.body["quota"] == "bytes"
         assert a.info(sids[2])["lengths"] == [0]  # nothing appended
-        # growing inside the capacity already held needs no more bytes
-        assert a.append(sids[0], 0, rows(rng, 63, 1, 32), rows(rng, 63, 1, 32)).status == 200
-        assert a.append(sids[0], 0, k, v).status == 507  # 65 timesteps: capacity 128, 16384 more
+        # growing inside the page already held needs no more bytes
+        fill = PAGE - 1
+        assert a.append(sids[0], 0, rows(rng, fill, 1, 32), rows(rng, fill, 1, 32)).status == 200
+        assert a.append(sids[0], 0, k, v).status == 507  # PAGE + 1 timesteps: a second page
         blob = a.client.get(f"/v1/sessions/{sids[1]}/snapshot").content
         r = a.call("PUT", "/v1/sessions/copy/snapshot", content=blob, headers={"Content-Type": wire.MSGPACK})
         assert r.status == 507 and r.body["quota"] == "bytes"
         r = b.call("PUT", "/v1/sessions/copy/snapshot", content=blob, headers={"Content-Type": wire.MSGPACK})
         assert r.status == 201  # B's quota is its own
-        assert b.call("GET", "/v1/info").body["tenant_bytes"] == 16384
+        assert b.call("GET", "/v1/info").body["tenant_bytes"] == PAGE_BYTES
         a.delete(sids[1])
         assert a.append(sids[2], 0, k, v).status == 200  # room again once A frees a session
         assert _metric(srv, 'attnserve_quota_rejections_total{quota="bytes"}') == 4
@@ -230,7 +234,7 @@ def test_idle_sessions_expire_and_free_their_memory(engine, rng):
         busy = api.create(**SHAPE)["session_id"]
         for sid in (idle, busy):
             assert api.append(sid, 0, rows(rng, 5, 1, 32), rows(rng, 5, 1, 32)).status == 200
-        assert srv.runtime.store.used_bytes == 2 * 16384
+        assert srv.runtime.store.used_bytes == 2 * PAGE_BYTES
         t0 = time.monotonic()
         deadline = t0 + 1.8
         expired_after = None
@@ -243,7 +247,7 @@ def test_idle_sessions_expire_and_free_their_memory(engine, rng):
         print(f"\nttl 0.6 s: idle session gone after {expired_after:.2f} s")
         assert [s["session_id"] for s in api.call("GET", "/v1/sessions").body["sessions"]] == [busy]
         time.sleep(0.05)  # the release's bookkeeping lands on the next loop turn
-        assert srv.runtime.store.used_bytes == 16384
+        assert srv.runtime.store.used_bytes == PAGE_BYTES
         assert _metric(srv, "attnserve_sessions_expired_total") == 1
         assert _metric(srv, 'attnserve_limit_seconds{name="session_ttl"}') == 0.6
         assert api.call("GET", "/v1/info").body["limits"]["session_ttl_seconds"] == 0.6

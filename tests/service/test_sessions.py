@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attnserve_client import wire
-from svc_helpers import TYPES, rows
+from svc_helpers import PAGE, TYPES, rows
 
 H, KV, D = 4, 2, 16
 INFO_KEYS = {
@@ -107,7 +107,7 @@ def test_delete_frees_gpu_memory(api, server, rng):
     used0 = server.runtime.store.used_bytes
     assert api.append(sid, 0, rows(rng, 5, KV, D), rows(rng, 5, KV, D)).status == 200
     held = api.info(sid)["bytes"]
-    assert held == 2 * 64 * KV * D * 4  # K and V at the first capacity (64 timesteps)
+    assert held == 2 * PAGE * KV * D * 4  # K and V of one page
     assert server.runtime.store.used_bytes == used0 + held
     assert api.delete(sid).status == 204
     assert server.runtime.store.used_bytes == used0
@@ -220,15 +220,14 @@ def test_get_defaults_to_json_and_follows_accept(api):
     api.delete(sid)
 
 
-def test_tq_session_bytes_count_the_signs(api, rng):
+def test_tq_session_bytes_are_whole_pages(api, rng):
     sid = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=32, kv_format="turboquant", num_layers=2)["session_id"]
     assert api.info(sid)["bytes"] == 0
     assert api.append(sid, 1, rows(rng, 3, 2, 32), rows(rng, 3, 2, 32)).status == 200
     info = api.info(sid)
     key_words, value_words = 32 // 16 + 32 // 32 + 1, 32 // 16 + 1
-    cache = 2 * 64 * (key_words + value_words) * 4
-    signs = 2 * 2 * 32 * 4
-    assert info["bytes"] == cache + signs and info["lengths"] == [0, 3]
+    one_page = 2 * PAGE * (key_words + value_words) * 4  # 2 KV heads; the signs are uploaded per batch
+    assert info["bytes"] == one_page and info["lengths"] == [0, 3]
     api.delete(sid)
     assert np.isfinite(info["bytes"])
 

@@ -8,28 +8,42 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
 * ``output(nbytes)`` reserves space in the output arena, copied to one
   persistent ``MAP_READ`` staging buffer and read back once per batch;
 * ``dispatch(kernel, bindings, grid)`` and ``copy(...)`` record commands in
-  order, referring to real buffers or to arena segments.
+  order, referring to real buffers or to arena segments;
+* ``defer(phase, key, item, flush)`` queues an item for a batched kernel: at
+  ``flush()`` (``encode()`` calls it) every phase's groups of items are recorded,
+  after the commands above, each group by its ``flush(batch, items)`` (one
+  dispatch for many jobs' rows). Phases run in order: writes (encodes),
+  rotations, attention, merges.
 
 ``execute()`` materializes the arenas, encodes every command in recorded order
 (consecutive dispatches share one compute pass; wgpu inserts the barriers
 between dispatches), submits once, and returns the output arena's bytes.
-Because K/V appends are copies *recorded in the stream* (never
-``queue.write_buffer`` straight into a cache), an attend planned before an
-append in the same batch never sees the appended rows.
+Because K/V appends are recorded in the stream (never ``queue.write_buffer``
+straight into a cache) and an attend reads only the rows below the length it
+was planned at, an attend planned before an append in the same batch never sees
+the appended rows, even though deferred attends are recorded after every write
+(rows are append-only, and pages freed while a batch is planned are reused
+only after it ran: ``pool.py``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import numpy as np
 import wgpu
 
 from .shaders import PipelineCache
 
-__all__ = ["Seg", "Batch", "Arenas"]
+__all__ = ["Seg", "Batch", "Arenas", "whole", "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE"]
+
+# The phases of deferred work, recorded in this order after the batch's commands.
+PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE = range(4)
+# Params bytes a deferred item may upload at flush, counted when it is deferred
+# (so the input arena's size is known while jobs are planned).
+DEFERRED_ROW_BYTES = 128
 
 if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other way round
     from .kernels import KernelPolicy
@@ -45,6 +59,14 @@ class Seg:
 
 
 Resource = Union[wgpu.GPUBuffer, Seg]
+
+_WHOLE = -1
+
+
+def whole(arena: str) -> Seg:
+    """The whole of an arena as one binding (batched kernels address items by offset)."""
+    return Seg(arena, 0, _WHOLE)
+
 
 _ARENA_USAGE = {
     "in": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
@@ -72,8 +94,10 @@ class Arenas:
     #: Bind groups kept for reuse (least recently used dropped past it).
     BIND_GROUPS = 8192
 
-    def __init__(self, device: wgpu.GPUDevice):
+    def __init__(self, device: wgpu.GPUDevice, max_binding: int | None = None):
         self.device = device
+        # arenas are bound whole: never grown past what one binding may cover
+        self.max_binding = int(max_binding or device.limits["max-storage-buffer-binding-size"])
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
         self.staging: wgpu.GPUBuffer | None = None
         self._bind_groups: OrderedDict[tuple, wgpu.GPUBindGroup] = OrderedDict()
@@ -116,6 +140,7 @@ class Arenas:
         buf = self.buffers.get(arena)
         if buf is None or buf.size < size:
             new_size = _round_up(max(size, 2 * (buf.size if buf else 0), 1 << 16), 1 << 12)
+            new_size = max(size, min(new_size, self.max_binding // 4 * 4))
             self.buffers[arena] = buf = self.device.create_buffer(
                 label=f"arena-{arena}", size=new_size, usage=_ARENA_USAGE[arena]
             )
@@ -148,6 +173,9 @@ class Batch:
         self.ops: list[tuple] = []
         self.n_dispatches = 0
         self._undo: list = []
+        self._deferred: list[tuple[int, object, object, Callable]] = []
+        self._deferred_in = 0
+        self._memo: dict[object, Seg] = {}
 
     # ── planning ────────────────────────────────────────────────────────────
 
@@ -164,6 +192,15 @@ class Batch:
         seg = self._reserve("in", mv.nbytes)
         self._upload.extend(b"\0" * (seg.offset - len(self._upload)))
         self._upload.extend(mv)
+        return seg
+
+    def upload_once(self, key: object, data: bytes | np.ndarray) -> Seg:
+        """``upload(data)`` once per batch for ``key`` (a layer's signs or page table
+        as it is now): later calls with the same key get the same segment."""
+        seg = self._memo.get(key)
+        if seg is None:
+            seg = self._memo[key] = self.upload(data)
+            self.on_rollback(lambda: self._memo.pop(key, None))
         return seg
 
     def scratch(self, nbytes: int, arena: str = "scratch") -> Seg:
@@ -186,6 +223,28 @@ class Batch:
         self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid), dict(constants or {})))
         self.n_dispatches += 1
 
+    def defer(
+        self, phase: int, key: object, item: object, flush: Callable[["Batch", list], None], rows: int = 1
+    ) -> None:
+        """Queue ``item`` for the group ``(phase, key)``: at :meth:`flush`,
+        ``flush(batch, items)`` records the group's dispatches (``rows``: params
+        blocks it will upload, counted in the input arena's size now)."""
+        self._deferred.append((phase, key, item, flush))
+        self._deferred_in += rows * DEFERRED_ROW_BYTES
+
+    def flush(self) -> None:
+        """Record every deferred group now, phase by phase, each group in the order
+        its first item came (benchmarks call it to time one attend per dispatch)."""
+        if not self._deferred:
+            return
+        groups: dict[tuple, tuple[Callable, list]] = {}
+        for phase, key, item, fn in sorted(self._deferred, key=lambda d: d[0]):
+            groups.setdefault((phase, key), (fn, []))[1].append(item)
+        self._deferred.clear()
+        self._deferred_in = 0
+        for fn, items in groups.values():
+            fn(self, items)
+
     def copy(self, src: Resource, src_off: int, dst: Resource, dst_off: int, size: int) -> None:
         if size > 0:
             self.ops.append(("copy", src, src_off, dst, dst_off, size))
@@ -197,12 +256,22 @@ class Batch:
         self._undo.append(undo)
 
     def mark(self) -> tuple:
-        return (len(self.ops), self.n_dispatches, len(self._upload), dict(self._sizes), len(self._undo))
+        return (
+            len(self.ops),
+            self.n_dispatches,
+            len(self._upload),
+            dict(self._sizes),
+            len(self._undo),
+            len(self._deferred),
+            self._deferred_in,
+        )
 
     def rollback(self, mark: tuple) -> None:
         """Drop everything planned since ``mark`` and undo its host-state changes."""
-        n_ops, n_disp, n_up, sizes, n_undo = mark
+        n_ops, n_disp, n_up, sizes, n_undo, n_deferred, deferred_in = mark
         del self.ops[n_ops:]
+        del self._deferred[n_deferred:]
+        self._deferred_in = deferred_in
         del self._upload[n_up:]
         self.n_dispatches = n_disp
         self._sizes = sizes
@@ -211,18 +280,21 @@ class Batch:
 
     @property
     def empty(self) -> bool:
-        return not self.ops
+        return not self.ops and not self._deferred
 
     @property
     def largest_arena(self) -> int:
         """Bytes of the largest arena this batch needs (bounded by the binding limit)."""
-        return max(self._sizes.values())
+        return max(max(self._sizes.values()), self._sizes["in"] + self._deferred_in)
 
     # ── execution ───────────────────────────────────────────────────────────
 
     def _resolve(self, res: Resource, bufs: dict[str, wgpu.GPUBuffer]) -> tuple[wgpu.GPUBuffer, int, int]:
         if isinstance(res, Seg):
-            return bufs[res.arena], res.offset, _round_up(res.size, 4)
+            buf = bufs[res.arena]
+            if res.size == _WHOLE:
+                return buf, 0, buf.size
+            return buf, res.offset, _round_up(res.size, 4)
         return res, 0, res.size
 
     def execute(self) -> memoryview | None:
@@ -232,9 +304,10 @@ class Batch:
     def encode(self):
         """Write the upload arena and encode every command (CPU work); returns
         what :meth:`submit` needs. Split out so benchmarks can time the GPU part."""
+        self.flush()
         if not self.ops:
             return None
-        bufs = {a: self.arenas.get(a, n) for a, n in self._sizes.items() if n > 0}
+        bufs = {a: self.arenas.get(a, max(n, 4)) for a, n in self._sizes.items()}  # bound whole: all exist
         queue = self.device.queue
         if self._upload:
             queue.write_buffer(bufs["in"], 0, self._upload)

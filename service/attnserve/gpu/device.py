@@ -203,13 +203,15 @@ class GpuWorker:
         on_batch: Callable[[int, int, float], None] | None = None,
         on_job_start: Callable[[str, float], None] | None = None,
         policy: KernelPolicy | None = None,
+        after_run: Callable[[], None] | None = None,
     ):
         self.ctx = ctx
+        self.after_run = after_run  # after every batch or call (the pool frees dropped pages)
         self.max_batch_jobs = max_batch_jobs
         self.max_queue = max_queue
         self.on_batch = on_batch
         self.on_job_start = on_job_start
-        self.arenas = Arenas(ctx.device)
+        self.arenas = Arenas(ctx.device, ctx.max_binding)
         self.policy = policy if policy is not None else KernelPolicy()  # the engine's; read per batch
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cv = threading.Condition()
@@ -331,6 +333,11 @@ class GpuWorker:
                     if not j.future.done():
                         j.future.set_exception(GpuError(f"GPU worker failure: {e}"))
             finally:
+                if self.after_run is not None:
+                    try:
+                        self.after_run()
+                    except Exception:  # pragma: no cover
+                        log.exception("after_run hook failed")
                 with self._cv:
                     self._busy = False
 

@@ -1,30 +1,46 @@
 """One planning function per kernel family: params, bindings and dispatch grids.
 
-Each function records dispatches into a :class:`~.batch.Batch`; none touches
-the device. Query dispatches are split along Y by ``q_base`` so that no grid
-dimension passes the adapter's ``max-compute-workgroups-per-dimension``.
+Each function records into a :class:`~.batch.Batch`; none touches the device.
+Every cache is a pool slab read through the layer's page table
+(``shaders/include/paging.wgsl``, ``pool.py``).
+
+The decode-path kernels are *batched*: ``tq_encode_*``, ``tq_rotate_q``, the
+split-KV kernels and ``attention_merge`` take one params block per row, so the
+plans queue their work with ``Batch.defer`` and the batch records one dispatch
+per kernel, slab and shape for all its items, in phases (writes, rotations,
+attention, merges); a single attend is the batch of one. The tiled and
+single-pass kernels run one attend per dispatch, in the attention phase. Row
+dispatches are cut so that no grid dimension passes the adapter's
+``max-compute-workgroups-per-dimension``.
 
 Array layouts (all float32, row-major):
 
 * queries ``[n, n_heads, head_dim]`` (``q_stride = out_stride = n_heads * head_dim``)
-* f32 caches ``[cap, n_kv_heads * head_dim]`` (row ``t`` at ``t * kv_dim``)
-* TurboQuant caches as in ``shaders/turboquant.wgsl``
+* f32 slabs ``[rows, n_kv_heads * head_dim]`` (slab row ``r`` at ``r * kv_dim``)
+* TurboQuant slabs as in ``shaders/turboquant.wgsl``
 * new K/V rows ``[n, n_kv_heads, head_dim]``
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
+import numpy as np
 import wgpu
 
 from ..turboquant import Codebook, qjl_scale
 from . import params as P
-from .batch import Batch, Resource, Seg
+from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
 
 __all__ = [
     "Attend",
+    "Cache",
     "TqLayer",
+    "Rotate",
+    "Encode",
     "plan_attention_f32",
     "plan_rotate_q",
     "plan_attention_tq",
@@ -35,8 +51,6 @@ __all__ = [
     "plan_attend_turboquant",
     "split_eligible",
     "choose_split",
-    "plan_attention_split_f32",
-    "plan_attention_split_tq",
     "plan_attention_prefill_tiled",
     "plan_attention_tq_tiled",
 ]
@@ -54,16 +68,30 @@ def _limit(batch: Batch) -> int:
     return int(batch.device.limits.get("max-compute-workgroups-per-dimension", 65535))
 
 
+class Cache(Protocol):
+    """Where an attend's layer lives: a pool slab (``pool.Slab``), read when the
+    dispatch is recorded (a slab may grow while the batch is planned)."""
+
+    k: wgpu.GPUBuffer
+    v: wgpu.GPUBuffer
+
+    @property
+    def rows(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Attend:
     """One attend, as every attention plan takes it: queries ``q [n, H, d]`` (for
-    TurboQuant: rotated, ``[q_rot | q_jl]``) over the first ``length`` timesteps of
-    ``k_cache``/``v_cache``, into ``out [n, H, d]``; row ``i`` at ``start_pos + i``."""
+    TurboQuant: rotated, ``[q_rot | q_jl | sums]``) over the first ``length``
+    timesteps of a layer, into ``out [n, H, d]``; row ``i`` at ``start_pos + i``.
+    The layer's timestep ``t`` is row ``pages[t >> page_shift] << page_shift | t % P``
+    of ``cache`` (``pages``: its page table, u32 words in the input arena)."""
 
     q: Resource
     out: Resource
-    k_cache: wgpu.GPUBuffer
-    v_cache: wgpu.GPUBuffer
+    cache: Cache
+    pages: Seg
+    page_shift: int
     n_queries: int
     n_heads: int
     n_kv_heads: int
@@ -93,15 +121,26 @@ class Attend:
             flags=self.flags,
         )
 
+    def paging_params(self) -> dict[str, int]:
+        """The page table fields of a single-attend block (the table bound as its own segment)."""
+        return dict(table_off=0, page_shift=self.page_shift)
+
 
 @dataclass(frozen=True)
 class TqLayer:
-    """What a TurboQuant attend needs of its layer besides the caches."""
+    """What a TurboQuant attend needs of its layer besides the cache: its signs
+    (the layer's ``2 * head_dim`` values, uploaded with the batch) and codebook."""
 
-    signs: wgpu.GPUBuffer
+    signs: Seg
     codebook: Codebook
-    cache_cap: int
-    sign_off: int
+
+
+def _bind(res: Resource) -> tuple[Resource, int]:
+    """(what to bind, the word offset of ``res`` in it): a segment's whole arena, so
+    that one dispatch reaches every item of a batch; a buffer as it is."""
+    if isinstance(res, Seg):
+        return whole(res.arena), res.offset // 4
+    return res, 0
 
 
 def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg:
@@ -110,6 +149,7 @@ def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg
         P.pack(
             P.PREFILL_PARAMS,
             **a.shape_params(),
+            **a.paging_params(),
             kv_dim=a.n_kv_heads * a.head_dim,
             n_queries=n_queries,
             q_stride=stride,
@@ -125,16 +165,17 @@ def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> S
         P.pack(
             P.TQ_ATTENTION_PARAMS,
             **a.shape_params(),
+            **a.paging_params(),
             q_cap=a.n_queries,
             out_stride=a.n_heads * a.head_dim,
             qjl_scale=qjl_scale(a.head_dim),
-            sign_off=tq.sign_off,
+            sign_off=0,
             c0=c[0],
             c1=c[1],
             c2=c[2],
             c3=c[3],
             q_base=q_base,
-            cache_cap=tq.cache_cap,
+            cache_cap=a.cache.rows,
         )
     )
 
@@ -144,7 +185,9 @@ def plan_attention_f32(batch: Batch, a: Attend) -> None:
     for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = _prefill_params(batch, a, q_base, a.n_queries)
         batch.dispatch(
-            "attention_prefill", {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm}, (a.n_heads, rows, 1)
+            "attention_prefill",
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: a.pages},
+            (a.n_heads, rows, 1),
         )
 
 
@@ -153,84 +196,150 @@ def rotated_q_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
     return (2 * n_queries * n_heads * head_dim + n_queries * n_heads) * 4
 
 
-def plan_rotate_q(
+@dataclass(frozen=True)
+class Rotate:
+    """``tq_rotate_q`` of one attend's queries ``q [n, H, d]`` into ``q_out``."""
+
+    q: Resource
+    q_out: Resource
+    signs: Seg
+    n_queries: int
+    n_heads: int
+    head_dim: int
+
+
+def plan_rotate_q(batch: Batch, r: Rotate) -> None:
+    """Queue ``tq_rotate_q`` of ``r``: the batch's rotations run in one dispatch
+    (one params block per query row), before its attention kernels."""
+    (q, _), (q_out, _) = _bind(r.q), _bind(r.q_out)
+    batch.defer(PHASE_ROTATE, ("tq_rotate_q", q, q_out), r, _flush_rotate, rows=r.n_queries)
+
+
+def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
+    first = items[0]
+    (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
+    cols: dict[str, list[int]] = {k: [] for k in ("n_heads", "head_dim", "q_cap", "sign_off", "q_row", "q_stride")}
+    cols.update(q_in_off=[], q_out_off=[])
+    for r in items:
+        n = r.n_queries
+        cols["n_heads"] += [r.n_heads] * n
+        cols["head_dim"] += [r.head_dim] * n
+        cols["q_cap"] += [n] * n
+        cols["sign_off"] += [_bind(r.signs)[1]] * n
+        cols["q_row"] += range(n)
+        cols["q_stride"] += [r.n_heads * r.head_dim] * n
+        cols["q_in_off"] += [_bind(r.q)[1]] * n
+        cols["q_out_off"] += [_bind(r.q_out)[1]] * n
+    _dispatch_rows(
+        batch,
+        "tq_rotate_q",
+        P.TQ_ROTATE_PARAMS,
+        len(cols["q_row"]),
+        cols,
+        {3: signs, 4: q, 5: q_out},
+        6,
+        lambda rows: (max(r.n_heads for r in items), rows, 1),
+    )
+
+
+def _dispatch_rows(
     batch: Batch,
-    *,
-    q: Resource,
-    q_out: Resource,
-    signs: wgpu.GPUBuffer,
-    n_queries: int,
-    n_heads: int,
-    head_dim: int,
-    sign_off: int,
+    kernel: str,
+    block: np.dtype,
+    n: int,
+    cols: dict[str, Any],
+    bindings: dict[int, Resource],
+    params_binding: int,
+    grid: Callable[[int], tuple[int, int, int]],
+    constants: dict[str, int] | None = None,
 ) -> None:
-    """``tq_rotate_q``: ``[q_rot | q_jl | sums]`` with ``q_cap = n_queries``."""
-    for q_base, rows in _chunks(n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.TQ_ROTATE_PARAMS,
-                n_heads=n_heads,
-                head_dim=head_dim,
-                q_cap=n_queries,
-                sign_off=sign_off,
-                q_base=q_base,
-                q_stride=n_heads * head_dim,
-            )
-        )
-        batch.dispatch("tq_rotate_q", {3: signs, 4: q, 5: q_out, 6: prm}, (n_heads, rows, 1))
+    """One dispatch per chunk of rows (the grid's row dimension is limited): each
+    row's params block in an array bound at ``params_binding``."""
+    for base, rows in _chunks(n, _limit(batch)):
+        part = {k: (v[base : base + rows] if isinstance(v, list) else v) for k, v in cols.items()}
+        prm = batch.upload(P.pack_rows(block, rows, **part))
+        batch.dispatch(kernel, {**bindings, params_binding: prm}, grid(rows), constants=constants)
 
 
 def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """``flash_attention_tq`` (single pass) over a compressed layer of capacity ``tq.cache_cap``."""
+    """``flash_attention_tq`` (single pass) from rotated queries."""
     for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
             "flash_attention_tq",
-            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm, 5: tq.signs},
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
             (a.n_heads, rows, 1),
         )
 
 
-def plan_tq_encode(
-    batch: Batch,
-    kernel: str,
-    *,
-    src: Resource,
-    cache: wgpu.GPUBuffer,
-    signs: wgpu.GPUBuffer,
-    codebook: Codebook,
-    n_rows: int,
-    n_kv_heads: int,
-    head_dim: int,
-    cache_cap: int,
-    t0: int,
-    sign_off: int,
-) -> None:
-    """``tq_encode_keys`` / ``tq_encode_values``: rows ``[n, Hkv, d]`` into timesteps ``t0..``."""
-    if kernel not in ("tq_encode_keys", "tq_encode_values"):
-        raise ValueError(kernel)
-    c, b = codebook.centroids, codebook.boundaries
-    for row_base, rows in _chunks(n_rows, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.TQ_ENCODE_PARAMS,
-                n_kv_heads=n_kv_heads,
-                head_dim=head_dim,
-                cache_cap=cache_cap,
-                t0=t0,
-                row_base=row_base,
-                sign_off=sign_off,
-                n_rows=n_rows,
-                c0=c[0],
-                c1=c[1],
-                c2=c[2],
-                c3=c[3],
-                b0=b[0],
-                b1=b[1],
-                b2=b[2],
-            )
-        )
-        batch.dispatch(kernel, {0: src, 1: cache, 2: prm, 3: signs}, (n_kv_heads, rows, 1))
+@dataclass(frozen=True)
+class Encode:
+    """``n_rows`` new rows ``k_src, v_src [n, Hkv, d]`` (segments) into timesteps
+    ``t0..`` of a layer whose page table is ``pages``, in ``cache`` (the slab)."""
+
+    k_src: Seg
+    v_src: Seg
+    cache: Cache
+    pages: Seg
+    page_shift: int
+    signs: Seg
+    codebook: Codebook
+    n_rows: int
+    n_kv_heads: int
+    head_dim: int
+    t0: int
+
+
+def plan_tq_encode(batch: Batch, e: Encode) -> None:
+    """Queue ``tq_encode_keys`` and ``tq_encode_values`` of ``e``'s rows: the batch's
+    encodes into a slab run as one dispatch each, before any attention kernel of the batch."""
+    for kernel in ("tq_encode_keys", "tq_encode_values"):
+        flush = functools.partial(_flush_encode, kernel)
+        batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads), e, flush, rows=e.n_rows)
+
+
+def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
+    first = items[0]
+    keys = kernel == "tq_encode_keys"
+    src, _ = _bind(first.k_src)
+    cache = first.cache.k if keys else first.cache.v
+    c, b = first.codebook.centroids, first.codebook.boundaries
+    t, src_off, sign_off, table_off = [], [], [], []
+    for e in items:
+        row_words = e.n_kv_heads * e.head_dim
+        base = _bind(e.k_src if keys else e.v_src)[1]
+        t += range(e.t0, e.t0 + e.n_rows)
+        src_off += range(base, base + e.n_rows * row_words, row_words)
+        sign_off += [_bind(e.signs)[1]] * e.n_rows
+        table_off += [_bind(e.pages)[1]] * e.n_rows
+    cols = dict(
+        n_kv_heads=first.n_kv_heads,
+        head_dim=first.head_dim,
+        cache_cap=first.cache.rows,
+        t=t,
+        src_off=src_off,
+        sign_off=sign_off,
+        table_off=table_off,
+        page_shift=first.page_shift,
+        c0=c[0],
+        c1=c[1],
+        c2=c[2],
+        c3=c[3],
+        b0=b[0],
+        b1=b[1],
+        b2=b[2],
+    )
+    ins = whole("in")
+    _dispatch_rows(
+        batch,
+        kernel,
+        P.TQ_ENCODE_PARAMS,
+        len(t),
+        cols,
+        {0: src, 1: cache, 3: ins, 7: ins},
+        2,
+        lambda rows: (first.n_kv_heads, rows, 1),
+    )
 
 
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
@@ -324,32 +433,20 @@ def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) ->
     return -(-n // 16) * 16
 
 
-def _plan_merge(batch: Batch, a: Attend, partial: Seg, n_splits: int, tq: TqLayer | None = None) -> None:
-    """``attention_merge``; with ``tq`` it also applies TurboQuant's inverse rotation."""
-    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.MERGE_PARAMS,
-                n_heads=a.n_heads,
-                head_dim=a.head_dim,
-                n_splits=n_splits,
-                q_total=a.n_queries,
-                q_base=q_base,
-                out_stride=a.n_heads * a.head_dim,
-                sign_off=tq.sign_off if tq is not None else 0,
-                flags=0 if tq is None else P.FLAG_ROTATE,
-            )
-        )
-        # f32 merges bind the partials again as the (unread) signs: both read-only
-        batch.dispatch(
-            "attention_merge",
-            {0: partial, 1: a.out, 2: prm, 3: tq.signs if tq is not None else partial},
-            (a.n_heads, rows, 1),
-        )
+@dataclass(frozen=True)
+class _SplitItem:
+    """One attend on the split path: its split, its partials, and (TurboQuant) its layer."""
+
+    a: Attend
+    split_len: int
+    n_splits: int
+    part: Seg
+    tq: TqLayer | None
 
 
-def _split(batch: Batch, a: Attend, kv_format: str) -> tuple[int, int, Seg]:
-    """(split_len, n_splits, the partials' scratch) of a split-KV attend."""
+def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> None:
+    """Queue a split-KV attend: its split kernel and its merge join the batch's
+    (one dispatch each per slab and shape for the whole batch)."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the split kernel")
     split_len, n_splits = choose_split(
@@ -358,59 +455,96 @@ def _split(batch: Batch, a: Attend, kv_format: str) -> tuple[int, int, Seg]:
     if n_splits > _limit(batch):
         raise ValueError(f"{n_splits} splits pass the dispatch limit")
     part = batch.scratch(partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim), arena="partial")
-    return split_len, n_splits, part
+    item = _SplitItem(a, split_len, n_splits, part, tq)
+    sg = batch.policy.use_subgroups(batch.device)
+    if kv_format == "f32":
+        kernel, constants = ("attention_split_f32_sg" if sg else "attention_split_f32"), None
+    else:
+        kernel = "attention_split_tq_sg" if sg else "attention_split_tq"
+        constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
+    q, _ = _bind(a.q)
+    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, a.n_kv_heads)
+    batch.defer(PHASE_ATTEND, key, item, functools.partial(_flush_split, kernel, constants), rows=a.n_queries)
+    out, _ = _bind(a.out)
+    batch.defer(PHASE_MERGE, ("attention_merge", out, a.head_dim), item, _flush_merge, rows=a.n_queries)
 
 
-def plan_attention_split_f32(batch: Batch, a: Attend) -> None:
-    """Split-KV f32 attention: split kernel, then merge, into ``out[n, H, d]``."""
-    split_len, n_splits, part = _split(batch, a, "f32")
-    kernel = "attention_split_f32_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_f32"
-    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.SPLIT_PARAMS,
-                **a.shape_params(),
-                kv_dim=a.n_kv_heads * a.head_dim,
-                split_len=split_len,
-                q_stride=a.n_heads * a.head_dim,
-                n_splits=n_splits,
-                q_base=q_base,
-                q_total=a.n_queries,
-            )
+def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_SplitItem]) -> None:
+    first = items[0].a
+    q, _ = _bind(first.q)
+    names = ("n_heads", "head_dim", "max_seq", "start_pos", "scale", "flags", "split_len", "n_splits")
+    names += ("q_row", "q_total", "q_off", "part_off", "table_off")
+    cols: dict[str, list] = {k: [] for k in names}
+    for it in items:
+        a, n = it.a, it.a.n_queries
+        for k, v in a.shape_params().items():
+            if k != "n_kv_heads":
+                cols[k] += [v] * n
+        cols["split_len"] += [it.split_len] * n
+        cols["n_splits"] += [it.n_splits] * n
+        cols["q_row"] += range(n)
+        cols["q_total"] += [n] * n
+        cols["q_off"] += [_bind(a.q)[1]] * n
+        cols["part_off"] += [_bind(it.part)[1]] * n
+        cols["table_off"] += [_bind(a.pages)[1]] * n
+    common: dict[str, Any] = dict(n_kv_heads=first.n_kv_heads, page_shift=first.page_shift)
+    if items[0].tq is None:
+        block = P.SPLIT_PARAMS
+        common.update(kv_dim=first.n_kv_heads * first.head_dim)
+        cols["q_stride"] = [it.a.n_heads * it.a.head_dim for it in items for _ in range(it.a.n_queries)]
+        del cols["q_total"]
+        cols["q_total"] = [it.a.n_queries for it in items for _ in range(it.a.n_queries)]
+    else:
+        block = P.TQ_SPLIT_PARAMS
+        c = items[0].tq.codebook.centroids
+        common.update(
+            qjl_scale=qjl_scale(first.head_dim), cache_cap=first.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3]
         )
-        batch.dispatch(kernel, {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: part, 4: prm}, (n_splits, a.n_kv_heads, rows))
-    _plan_merge(batch, a, part, n_splits)
+        cols["q_cap"] = cols.pop("q_total")
+    max_splits = max(it.n_splits for it in items)
+    _dispatch_rows(
+        batch,
+        kernel,
+        block,
+        len(cols["q_row"]),
+        {**cols, **common},
+        {0: q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: whole("in")},
+        4,
+        lambda rows: (max_splits, first.n_kv_heads, rows),
+        constants,
+    )
 
 
-def plan_attention_split_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """Split-KV TurboQuant attention from rotated queries: split kernel, then merge + inverse RHT."""
-    split_len, n_splits, part = _split(batch, a, "turboquant")
-    kernel = "attention_split_tq_sg" if batch.policy.use_subgroups(batch.device) else "attention_split_tq"
-    c = tq.codebook.centroids
-    for q_base, rows in _chunks(a.n_queries, _limit(batch)):
-        prm = batch.upload(
-            P.pack(
-                P.TQ_SPLIT_PARAMS,
-                **a.shape_params(),
-                q_cap=a.n_queries,
-                split_len=split_len,
-                qjl_scale=qjl_scale(a.head_dim),
-                n_splits=n_splits,
-                c0=c[0],
-                c1=c[1],
-                c2=c[2],
-                c3=c[3],
-                q_base=q_base,
-                cache_cap=tq.cache_cap,
-            )
-        )
-        batch.dispatch(
-            kernel,
-            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: part, 4: prm},
-            (n_splits, a.n_kv_heads, rows),
-            constants={"GROUP": a.group, "HEAD_DIM": a.head_dim},
-        )
-    _plan_merge(batch, a, part, n_splits, tq)
+def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
+    """``attention_merge`` of the batch's split attends; a TurboQuant item's merge also
+    applies the inverse rotation with its layer's signs."""
+    first = items[0].a
+    out, _ = _bind(first.out)
+    names = ("n_heads", "n_splits", "q_total", "q_row", "out_stride", "sign_off", "flags", "part_off", "out_off")
+    cols: dict[str, list] = {k: [] for k in names}
+    for it in items:
+        a, n = it.a, it.a.n_queries
+        cols["n_heads"] += [a.n_heads] * n
+        cols["n_splits"] += [it.n_splits] * n
+        cols["q_total"] += [n] * n
+        cols["q_row"] += range(n)
+        cols["out_stride"] += [a.n_heads * a.head_dim] * n
+        cols["sign_off"] += [_bind(it.tq.signs)[1] if it.tq is not None else 0] * n
+        cols["flags"] += [0 if it.tq is None else P.FLAG_ROTATE] * n
+        cols["part_off"] += [_bind(it.part)[1]] * n
+        cols["out_off"] += [_bind(a.out)[1]] * n
+    max_heads = max(it.a.n_heads for it in items)
+    _dispatch_rows(
+        batch,
+        "attention_merge",
+        P.MERGE_PARAMS,
+        len(cols["q_row"]),
+        {**cols, "head_dim": first.head_dim},
+        # f32 merges read no signs: the input arena is bound as them (read-only)
+        {0: whole("partial"), 1: out, 3: whole("in")},
+        2,
+        lambda rows: (max_heads, rows, 1),
+    )
 
 
 # ── query-block tiled prefill (f32) ─────────────────────────────────────────
@@ -438,7 +572,7 @@ def plan_attention_prefill_tiled(batch: Batch, a: Attend) -> None:
         prm = _prefill_params(batch, a, q_base, q_base + rows)
         batch.dispatch(
             kernel,
-            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm},
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: a.pages},
             (-(-rows // bq), a.n_kv_heads, 1),
             constants=constants,
         )
@@ -456,7 +590,7 @@ def plan_attention_tq_tiled(batch: Batch, a: Attend, tq: TqLayer) -> None:
         prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
             "attention_tq_tiled",
-            {0: a.q, 1: a.k_cache, 2: a.v_cache, 3: a.out, 4: prm, 5: tq.signs},
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
             (-(-rows // bq), a.n_kv_heads, 1),
         )
 
@@ -464,23 +598,31 @@ def plan_attention_tq_tiled(batch: Batch, a: Attend, tq: TqLayer) -> None:
 # ── one planning entry point per kv format ──────────────────────────────────
 
 
+def _plan_one(batch: Batch, plan: Callable[..., None], *args) -> None:
+    """Queue a single-attend plan (tiled, single-pass) to be recorded with the
+    batch's attention kernels, after every write and rotation of the batch."""
+    batch.defer(PHASE_ATTEND, object(), args, lambda b, items: plan(b, *items[0]))
+
+
 def plan_attend_f32(batch: Batch, a: Attend) -> None:
     """f32 attention with the kernel family ``batch.policy`` picks for the shape:
-    split-KV, the query-block tiled prefill, or the single-pass kernel."""
-    plan = {
-        "split": plan_attention_split_f32,
-        "tiled": plan_attention_prefill_tiled,
-        "single": plan_attention_f32,
-    }[batch.policy.path("f32", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)]
-    plan(batch, a)
+    split-KV (batched with the batch's other split attends), the query-block tiled
+    prefill, or the single-pass kernel."""
+    path = batch.policy.path("f32", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
+    if path == "split":
+        _plan_split(batch, a, "f32", None)
+    else:
+        _plan_one(batch, plan_attention_prefill_tiled if path == "tiled" else plan_attention_f32, a)
 
 
 def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """TurboQuant attention from rotated queries (``a.q``) with the kernel family
-    ``batch.policy`` picks."""
-    plan = {
-        "split": plan_attention_split_tq,
-        "tiled": plan_attention_tq_tiled,
-        "single": plan_attention_tq,
-    }[batch.policy.path("turboquant", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)]
-    plan(batch, a, tq)
+    """TurboQuant attention of ``a.q`` (plain queries): rotated by ``tq_rotate_q``
+    into scratch, then the kernel family ``batch.policy`` picks."""
+    qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
+    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim))
+    a = dataclasses.replace(a, q=qrot)
+    path = batch.policy.path("turboquant", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
+    if path == "split":
+        _plan_split(batch, a, "turboquant", tq)
+    else:
+        _plan_one(batch, plan_attention_tq_tiled if path == "tiled" else plan_attention_tq, a, tq)

@@ -24,6 +24,7 @@ __all__ = [
     "PARAMS_OF",
     "STRUCTS",
     "pack",
+    "pack_rows",
     "wgsl_struct",
 ]
 
@@ -39,9 +40,6 @@ def _block(*fields: str) -> np.dtype:
 _F32_HEAD = ("n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale", "start_pos")
 _TQ_HEAD = ("n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap")
 
-# The tail the TurboQuant attention blocks share: the codebook's centroids, the
-# query chunk, the cache capacity, flags, padding to a multiple of 16 bytes.
-_TQ_TAIL = ("~c0", "~c1", "~c2", "~c3", "q_base", "cache_cap", "flags", "_pad0", "_pad1", "_pad2")
 
 # struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params`
 PREFILL_PARAMS = _block(
@@ -51,6 +49,8 @@ PREFILL_PARAMS = _block(
     "out_stride",
     "q_base",
     "flags",
+    "table_off",
+    "page_shift",
 )
 
 
@@ -60,19 +60,29 @@ TQ_ATTENTION_PARAMS = _block(
     "out_stride",
     "~qjl_scale",
     "sign_off",
-    *_TQ_TAIL,
+    "~c0",
+    "~c1",
+    "~c2",
+    "~c3",
+    "q_base",
+    "cache_cap",
+    "flags",
+    "table_off",
+    "page_shift",
+    "_pad0",
 )
 
-# struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`
+# struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`,
+# one block per row: the row at word src_off goes to timestep t of its layer
 TQ_ENCODE_PARAMS = _block(
     "n_kv_heads",
     "head_dim",
     "cache_cap",
-    "t0",
-    "row_base",
+    "t",
+    "src_off",
     "sign_off",
-    "n_rows",
-    "_pad0",
+    "table_off",
+    "page_shift",
     "~c0",
     "~c1",
     "~c2",
@@ -80,54 +90,77 @@ TQ_ENCODE_PARAMS = _block(
     "~b0",
     "~b1",
     "~b2",
-    "_pad1",
+    "_pad0",
 )
 
-# struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`
+# struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`, one block per query
+# row: row q_row of the item whose queries start at word q_in_off (rotated: q_out_off)
 TQ_ROTATE_PARAMS = _block(
     "n_heads",
     "head_dim",
     "q_cap",
     "sign_off",
-    "q_base",
+    "q_row",
     "q_stride",
-    "_pad0",
-    "_pad1",
+    "q_in_off",
+    "q_out_off",
 )
 
-# struct SplitParams: attention_split{,_sg}.wgsl `params`
+# struct SplitParams: attention_split{,_sg}.wgsl `params`, one block per query row
+# of a batch: row q_row of the item whose queries start at word q_off, partials at part_off
 SPLIT_PARAMS = _block(
     *_F32_HEAD,
     "split_len",
     "q_stride",
     "n_splits",
-    "q_base",
+    "q_row",
     "flags",
     "q_total",
+    "q_off",
+    "part_off",
+    "table_off",
+    "page_shift",
     "_pad0",
     "_pad1",
     "_pad2",
 )
 
-# struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`
+# struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`, one block per
+# query row of a batch (as SplitParams; q_off: the item's rotated queries)
 TQ_SPLIT_PARAMS = _block(
     *_TQ_HEAD,
     "split_len",
     "~qjl_scale",
     "n_splits",
-    *_TQ_TAIL,
+    "~c0",
+    "~c1",
+    "~c2",
+    "~c3",
+    "q_row",
+    "cache_cap",
+    "flags",
+    "table_off",
+    "page_shift",
+    "q_off",
+    "part_off",
+    "_pad0",
 )
 
-# struct MergeParams: attention_merge.wgsl `mparams`
+# struct MergeParams: attention_merge.wgsl `mparams`, one block per query row of a
+# batch: row q_row of the item whose partials start at word part_off, output at out_off
 MERGE_PARAMS = _block(
     "n_heads",
     "head_dim",
     "n_splits",
     "q_total",
-    "q_base",
+    "q_row",
     "out_stride",
     "sign_off",
     "flags",
+    "part_off",
+    "out_off",
+    "_pad0",
+    "_pad1",
 )
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
@@ -164,6 +197,17 @@ def pack(dtype: np.dtype, **values) -> bytes:
     """One params block as bytes; fields not given are zero, unknown names raise."""
     rec = np.zeros((), dtype=dtype)
     for name, value in values.items():
+        if name not in dtype.names:
+            raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
+        rec[name] = value
+    return rec.tobytes()
+
+
+def pack_rows(dtype: np.dtype, n: int, **columns) -> bytes:
+    """``n`` params blocks as one array (a batched kernel's one block per row): each
+    column is a scalar (the same in every block) or a sequence of ``n`` values."""
+    rec = np.zeros(n, dtype=dtype)
+    for name, value in columns.items():
         if name not in dtype.names:
             raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
         rec[name] = value

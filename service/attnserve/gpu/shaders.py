@@ -35,38 +35,43 @@ class KernelSpec:
 
 KERNELS: dict[str, KernelSpec] = {
     "attention_prefill": KernelSpec(
-        "attention_prefill.wgsl", "attention_prefill", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+        "attention_prefill.wgsl", "attention_prefill", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
     "flash_attention_tq": KernelSpec(
         "flash_attention_tq.wgsl",
         "flash_attention_tq",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R), (6, R)),
     ),
-    "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R))),
-    "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R))),
+    "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
+    "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
     "attention_prefill_tiled": KernelSpec(
-        "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+        "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
     "attention_prefill_rb": KernelSpec(
-        "attention_prefill_rb.wgsl", "attention_prefill_rb", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+        "attention_prefill_rb.wgsl", "attention_prefill_rb", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
     "attention_tq_tiled": KernelSpec(
-        "flash_attention_tq_tiled.wgsl", "attention_tq_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
+        "flash_attention_tq_tiled.wgsl",
+        "attention_tq_tiled",
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R), (6, R)),
     ),
     "attention_split_f32": KernelSpec(
-        "attention_split.wgsl", "attention_split_f32", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+        "attention_split.wgsl", "attention_split_f32", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
     "attention_split_tq": KernelSpec(
-        "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R))
+        "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
     ),
     "attention_split_f32_sg": KernelSpec(
-        "attention_split_sg.wgsl", "attention_split_f32_sg", ((0, R), (1, R), (2, R), (3, RW), (4, R)), ("subgroup",)
+        "attention_split_sg.wgsl",
+        "attention_split_f32_sg",
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
+        ("subgroup",),
     ),
     "attention_split_tq_sg": KernelSpec(
         "flash_attention_tq_split_sg.wgsl",
         "attention_split_tq_sg",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R)),
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
         ("subgroup",),
     ),
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),

@@ -48,7 +48,7 @@ async def _create(
     config = SessionConfig(
         req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, max_tokens, seed
     )
-    session = rt.store.create(config, owner=owner, session_id=session_id)  # checks the room again
+    session = rt.store.create(engine.session_kv(config), owner=owner, session_id=session_id)  # checks the room again
     return respond(session.info(), wire, 201, headers={"Location": f"/v1/sessions/{session.id}"})
 
 

@@ -9,7 +9,6 @@ from fastapi import APIRouter, Request, Response
 
 from ..codec import read_body, respond, wire
 from ..errors import InvalidRequest, UnsupportedMediaType
-from ..kvcache import SessionKV
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import SESSION_ID_RE
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
@@ -83,7 +82,7 @@ async def put_snapshot(
         parse_blob, raw, rt.settings.max_body_bytes, engine.max_tokens_limit, size=len(raw)
     )
     # From here to the queueing: no await, so the id and budget checks hold.
-    kv = SessionKV(config)
+    kv = engine.session_kv(config)
     # 409 / 507 now; the id and bytes stay taken while restoring
     hold = store.hold(session_id, restore_bytes(kv, layers), owner)
     try:

@@ -1,0 +1,322 @@
+"""The paged KV pool: every session's layers in fixed-size pages of shared buffers.
+
+This module is the one owner of where a timestep lives on the GPU (the design is
+in docs/architecture.md, "The paged KV pool"):
+
+* A :class:`PageLayout` says, for a kv format and head shape, how the rows of a
+  cache of ``cap`` timesteps are laid out in its K and V buffers (f32: row-major
+  ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/turboquant.wgsl,
+  ``slot = head * cap + row``).
+* A :class:`PagePool` (one per layout, see :class:`PagePools`) holds that format's
+  pages in *slabs*: a slab is one K and one V buffer laid out as a cache of
+  ``pages * P`` rows, so page ``p`` is rows ``p*P .. p*P+P-1``. A layer is a page
+  table (``kvcache.LayerCache``): its timestep ``t`` lives at slab row
+  ``pages[t // P] * P + t % P``, which every kernel computes through the table it
+  is given (``shaders/include/paging.wgsl``).
+* Appends take free pages; nothing is copied to grow a layer. A slab grows by
+  doubling (one copy of the slab, amortized) up to the adapter's binding limit;
+  past it a new slab starts, and a layer whose slab is full moves its pages to a
+  slab with room (the only copy of a layer, and only then).
+* Pages are reference-counted (a fork shares them); a page whose count drops to
+  zero is freed only after the batch that dropped it has run, so an attend
+  planned earlier in that batch still reads what it was planned against.
+
+Everything here runs on the GPU owner thread, except the pure sizing methods.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import wgpu
+
+__all__ = ["PageLayout", "Slab", "PagePool", "PagePools", "DirectCopies", "Copier", "check_page_tokens"]
+
+_CACHE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+FIRST_SLAB_PAGES = 16
+
+
+def check_page_tokens(page_tokens: int) -> int:
+    """P must be a power of two in 16..1024 (the shaders shift by log2 P)."""
+    if page_tokens < 16 or page_tokens > 1024 or page_tokens & (page_tokens - 1):
+        raise ValueError(f"page_tokens must be a power of two from 16 to 1024, got {page_tokens}")
+    return page_tokens
+
+
+class Copier(Protocol):
+    """Where copies are recorded: a ``gpu.batch.Batch`` or :class:`DirectCopies`."""
+
+    def copy(self, src, src_off: int, dst, dst_off: int, size: int) -> None: ...
+
+
+class DirectCopies:
+    """Copies recorded into one command encoder and submitted by :meth:`run` (for
+    work outside a batch: snapshot reads and restores, run alone on the GPU thread)."""
+
+    def __init__(self, device: wgpu.GPUDevice):
+        self.device = device
+        self._ops: list[tuple] = []
+
+    def copy(self, src, src_off, dst, dst_off, size) -> None:
+        if size > 0:
+            self._ops.append((src, src_off, dst, dst_off, size))
+
+    def run(self) -> None:
+        if not self._ops:
+            return
+        enc = self.device.create_command_encoder()
+        for op in self._ops:
+            enc.copy_buffer_to_buffer(*op)
+        self.device.queue.submit([enc.finish()])
+        self._ops.clear()
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where the rows of a cache of ``cap`` timesteps live in its K and V buffers."""
+
+    kv_format: str
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def key_regions(self) -> tuple[int, ...]:
+        """Words per slot of each region of the K buffer (TurboQuant), or per row (f32)."""
+        d = self.head_dim
+        if self.kv_format == "f32":
+            return (self.n_kv_heads * d,)
+        return (d // 16, d // 32, 1)
+
+    @property
+    def value_regions(self) -> tuple[int, ...]:
+        d = self.head_dim
+        if self.kv_format == "f32":
+            return (self.n_kv_heads * d,)
+        return (d // 16, 1)
+
+    def buffer_bytes(self, cap: int) -> tuple[int, int]:
+        """Bytes of the K and V buffers of a cache of ``cap`` rows."""
+        heads = 1 if self.kv_format == "f32" else self.n_kv_heads
+        return cap * heads * sum(self.key_regions) * 4, cap * heads * sum(self.value_regions) * 4
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(self.buffer_bytes(1))
+
+    def _ranges(self, regions: tuple[int, ...], cap: int, row0: int, n: int) -> list[tuple[int, int]]:
+        if self.kv_format == "f32":
+            w = regions[0] * 4
+            return [(row0 * w, n * w)]
+        out, base = [], 0
+        for w in regions:
+            for h in range(self.n_kv_heads):
+                out.append(((base + (h * cap + row0) * w) * 4, n * w * 4))
+            base += self.n_kv_heads * cap * w
+        return out
+
+    def row_ranges(self, cap: int, row0: int, n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offset, size) byte ranges of rows ``row0 .. row0+n-1`` in K and in V; the
+        ranges of two caches pair up one to one (copies between layouts)."""
+        return self._ranges(self.key_regions, cap, row0, n), self._ranges(self.value_regions, cap, row0, n)
+
+
+def copy_rows(
+    copier: Copier,
+    layout: PageLayout,
+    src: tuple[wgpu.GPUBuffer, wgpu.GPUBuffer, int, int],
+    dst: tuple[wgpu.GPUBuffer, wgpu.GPUBuffer, int, int],
+    n: int,
+) -> None:
+    """Copy ``n`` rows: ``src``/``dst`` are (K buffer, V buffer, cap, first row)."""
+    sk, sv, scap, srow = src
+    dk, dv, dcap, drow = dst
+    (sks, svs), (dks, dvs) = layout.row_ranges(scap, srow, n), layout.row_ranges(dcap, drow, n)
+    for (so, size), (do, _) in zip(sks, dks):
+        copier.copy(sk, so, dk, do, size)
+    for (so, size), (do, _) in zip(svs, dvs):
+        copier.copy(sv, so, dv, do, size)
+
+
+@dataclass(eq=False)
+class Slab:
+    """One K and one V buffer holding ``pages`` pages (``pages * P`` rows)."""
+
+    index: int
+    page_tokens: int
+    pages: int = 0
+    k: wgpu.GPUBuffer | None = None
+    v: wgpu.GPUBuffer | None = None
+    free: list[int] = field(default_factory=list)
+    refs: list[int] = field(default_factory=list)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    @property
+    def rows(self) -> int:
+        """The slab's capacity in rows: the ``cache_cap`` the TurboQuant kernels take."""
+        return self.pages * self.page_tokens
+
+
+class PoolFull(Exception):
+    """The layer's slab has no free page and cannot grow (the layer must move)."""
+
+
+class PagePool:
+    """The pages of one layout, in slabs of at most ``max_slab_pages`` pages."""
+
+    def __init__(self, layout: PageLayout, page_tokens: int, max_slab_bytes: int):
+        self.layout = layout
+        self.page_tokens = check_page_tokens(page_tokens)
+        self.page_shift = page_tokens.bit_length() - 1
+        self.page_bytes = layout.bytes_per_token * page_tokens
+        k1, v1 = layout.buffer_bytes(page_tokens)
+        self.max_slab_pages = max(1, max_slab_bytes // max(k1, v1))
+        self.slabs: list[Slab] = []
+        self._limbo: list[tuple[Slab, int]] = []  # dropped during a batch, freed after it
+
+    # ── sizing (pure) ───────────────────────────────────────────────────────
+
+    def pages_for(self, rows: int) -> int:
+        return -(-rows // self.page_tokens)
+
+    @property
+    def held_bytes(self) -> int:
+        """GPU bytes of every slab (pages in use and free)."""
+        return sum(sum(self.layout.buffer_bytes(s.rows)) for s in self.slabs if s.k is not None)
+
+    @property
+    def used_pages(self) -> int:
+        return sum(s.pages - s.free_pages for s in self.slabs) - len(set(self._limbo))
+
+    # ── pages (GPU owner thread) ────────────────────────────────────────────
+
+    def _grow(self, copier: Copier, device: wgpu.GPUDevice, slab: Slab, want_free: int) -> bool:
+        """Grow ``slab`` (doubling, up to the limit) until it has ``want_free`` free pages."""
+        new_pages = slab.pages
+        while new_pages - slab.pages + slab.free_pages < want_free and new_pages < self.max_slab_pages:
+            new_pages = min(self.max_slab_pages, max(2 * new_pages, FIRST_SLAB_PAGES))
+        if new_pages - slab.pages + slab.free_pages < want_free:
+            return False
+        from .errors import OutOfMemory
+
+        kb, vb = self.layout.buffer_bytes(new_pages * self.page_tokens)
+        try:
+            k = device.create_buffer(label=f"pool-{slab.index}-k", size=kb, usage=_CACHE_USAGE)
+            v = device.create_buffer(label=f"pool-{slab.index}-v", size=vb, usage=_CACHE_USAGE)
+        except Exception as e:  # wgpu raises on allocation failure
+            raise OutOfMemory(f"cannot allocate a {kb}-byte GPU buffer for the KV pool: {e}") from e
+        undo = getattr(copier, "on_rollback", None)
+        if undo is not None:  # a rolled-back job's copy is dropped: so is its growth
+            undo(functools.partial(self._restore, slab, (slab.pages, slab.k, slab.v, list(slab.free), list(slab.refs))))
+        if slab.k is not None and slab.pages:
+            rows = slab.rows
+            copy_rows(copier, self.layout, (slab.k, slab.v, rows, 0), (k, v, new_pages * self.page_tokens, 0), rows)
+        slab.free.extend(range(new_pages - 1, slab.pages - 1, -1))
+        slab.refs.extend([0] * (new_pages - slab.pages))
+        slab.k, slab.v, slab.pages = k, v, new_pages
+        return True
+
+    @staticmethod
+    def _restore(slab: Slab, state: tuple) -> None:
+        slab.pages, slab.k, slab.v, slab.free, slab.refs = state
+
+    def take(
+        self, copier: Copier, device: wgpu.GPUDevice, slab: Slab | None, n: int, exclude: Slab | None = None
+    ) -> tuple[Slab, list[int]]:
+        """``n`` free pages (reference count 1) from ``slab``, or, with no slab yet,
+        from the slab with the most room other than ``exclude`` (a new one if none
+        has room). Raises :class:`PoolFull` when ``slab`` cannot give them (the
+        caller moves the layer)."""
+        if slab is None:
+            slab = self._roomiest(copier, device, n, exclude)
+        elif slab.free_pages < n and not self._grow(copier, device, slab, n):
+            raise PoolFull(f"slab {slab.index} is full")
+        pages = [slab.free.pop() for _ in range(n)]
+        for p in pages:
+            slab.refs[p] = 1
+        return slab, pages
+
+    def _roomiest(self, copier: Copier, device: wgpu.GPUDevice, n: int, exclude: Slab | None) -> Slab:
+        slabs = [s for s in self.slabs if s is not exclude]
+        for slab in sorted(slabs, key=lambda s: -s.free_pages):
+            if slab.free_pages >= n:
+                return slab
+        for slab in sorted(slabs, key=lambda s: s.pages):
+            if self._grow(copier, device, slab, n):
+                return slab
+        if n > self.max_slab_pages:
+            from .errors import CapacityExceeded
+
+            raise CapacityExceeded(f"{n} pages pass the largest slab this adapter binds ({self.max_slab_pages})")
+        slab = Slab(len(self.slabs), self.page_tokens)
+        self.slabs.append(slab)
+        self._grow(copier, device, slab, n)
+        return slab
+
+    def untake(self, slab: Slab, pages: list[int]) -> None:
+        """Give back pages taken during a job that is rolled back (never written)."""
+        for p in reversed(pages):
+            slab.refs[p] = 0
+            slab.free.append(p)
+
+    def share(self, slab: Slab, pages: list[int]) -> None:
+        for p in pages:
+            slab.refs[p] += 1
+
+    def drop(self, slab: Slab, pages: list[int]) -> None:
+        """One holder less; a page nobody holds is freed after the current batch."""
+        for p in pages:
+            slab.refs[p] -= 1
+            if slab.refs[p] == 0:
+                self._limbo.append((slab, p))
+
+    def settle(self) -> None:
+        """After a batch ran: the pages dropped while it was planned are free."""
+        for slab, p in dict.fromkeys(self._limbo):  # a page dropped, shared back, dropped again: once
+            if slab.refs[p] == 0:
+                slab.free.append(p)
+        self._limbo.clear()
+
+
+class PagePools:
+    """Every layout's pool on one device (owned by the engine)."""
+
+    def __init__(self, page_tokens: int, max_slab_bytes: int):
+        self.page_tokens = check_page_tokens(page_tokens)
+        self.max_slab_bytes = int(max_slab_bytes)
+        self._pools: dict[PageLayout, PagePool] = {}
+
+    def get(self, layout: PageLayout) -> PagePool:
+        pool = self._pools.get(layout)
+        if pool is None:
+            pool = self._pools[layout] = PagePool(layout, self.page_tokens, self.max_slab_bytes)
+        return pool
+
+    def settle(self) -> None:
+        for pool in self._pools.values():
+            pool.settle()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(p.held_bytes for p in self._pools.values())
+
+    def describe(self) -> dict:
+        return {
+            "page_tokens": self.page_tokens,
+            "pools": [
+                {
+                    "kv_format": l.kv_format,
+                    "num_kv_heads": l.n_kv_heads,
+                    "head_dim": l.head_dim,
+                    "slabs": len(p.slabs),
+                    "pages": sum(s.pages for s in p.slabs),
+                    "used_pages": p.used_pages,
+                    "bytes": p.held_bytes,
+                }
+                for l, p in self._pools.items()
+            ],
+        }
