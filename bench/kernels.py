@@ -109,6 +109,79 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
     return 1e3 * min(times)
 
 
+def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float) -> float:
+    """Milliseconds per batched decode step: one query row for each of ``layers``
+    (each ``length`` long) planned together, so the batch records one dispatch per
+    phase for all of them (the engine's batched step); ``iters`` steps per submission."""
+    q = rng.standard_normal((1, H, D), dtype=np.float32)
+
+    def run(iters: int) -> float:
+        def job(ctx):
+            batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align, engine.policy)
+            q_seg = batch.upload(q)
+            outs = [batch.scratch(q.nbytes) for _ in layers]  # GPU-only: no readback of the outputs
+            for _ in range(iters):
+                for layer, out in zip(layers, outs):
+                    layer.plan_attend_rows(
+                        batch, q_seg, q.shape, out=out, length=length, start_pos=length - 1, causal=True,
+                        scale=1 / math.sqrt(D),
+                    )  # fmt: skip
+                batch.flush()  # one step: every item's split in one dispatch, merges in one
+            sync = batch.output(4)
+            batch.copy(outs[0], 0, sync, 0, 4)
+            encoded = batch.encode()
+            t0 = time.perf_counter()
+            batch.submit(encoded)
+            return time.perf_counter() - t0
+
+        return engine.worker.run(job)
+
+    run(1)
+    once = run(1)
+    iters = int(min(200, max(3, budget_s / max(once, 1e-5))))
+    return 1e3 * min(run(iters) / iters for _ in range(3))
+
+
+def batched_rows(engine: Engine, fmt: str, n_sessions: int, length: int, rng, budget_s: float) -> list[dict]:
+    """The batched decode of ``n_sessions`` sessions at ``length`` each against one
+    session at ``n_sessions * length`` (the same bytes read): issue 13's goal."""
+    big_len = n_sessions * length
+    big = engine.session_kv(SessionConfig(1, H, HKV, D, fmt, big_len, 1))
+    fill_layer(engine, big.layers[0], big_len, rng)
+    one_ms = time_wgpu(engine, big.layers[0], 1, big_len, rng, budget_s)
+    engine.release(big).result()
+    sessions = [engine.session_kv(SessionConfig(1, H, HKV, D, fmt, length, 2 + i)) for i in range(n_sessions)]
+    for s in sessions:
+        fill_layer(engine, s.layers[0], length, rng)
+    layers = [s.layers[0] for s in sessions]
+    slabs = {id(layer.slab) for layer in layers}
+    batch_ms = time_batched(engine, layers, length, rng, budget_s)
+    for s in sessions:
+        engine.release(s).result()
+    nbytes = big_len * bytes_per_token(fmt, HKV, D) + n_sessions * H * D * 4
+    print(
+        f"batched  {fmt:10} {n_sessions} x {length}: {batch_ms:.3f} ms per step ({len(slabs)} slab); "
+        f"one session at {big_len}: {one_ms:.3f} ms; ratio {batch_ms / one_ms:.2f}",
+        flush=True,
+    )
+    return [
+        {
+            "kernel": "batched-decode",
+            "kv_format": fmt,
+            "sessions": n_sessions,
+            "context": length,
+            "queries": 1,
+            "slabs": len(slabs),
+            "wgpu_ms": round(batch_ms, 4),
+            "one_session_context": big_len,
+            "one_session_ms": round(one_ms, 4),
+            "ratio_to_one_session": round(batch_ms / one_ms, 3),
+            "bytes_read": nbytes,
+            "gbps": round(nbytes / (batch_ms / 1e3) / 1e9, 1),
+        }
+    ]
+
+
 def torch_sdpa_ms(n: int, length: int, dtype_name: str, gqa: str = "repeat"):
     """torch SDPA in milliseconds (median of 7 x 20 calls, CUDA events), or None
     without a CUDA torch. ``gqa``: "repeat" repeats the K/V heads to the query heads
@@ -240,7 +313,13 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
-    ap.add_argument("--only", choices=["decode", "prefill"], help="time only one kernel kind")
+    ap.add_argument("--only", choices=["decode", "prefill", "batched"], help="time only one kernel kind")
+    ap.add_argument(
+        "--batched",
+        default="64x4096",
+        help="the batched decode: SESSIONSxCONTEXT, against one session of SESSIONS*CONTEXT ('' to skip)",
+    )
+    ap.add_argument("--page-tokens", type=int, default=64, help="timesteps per page of the KV pool")
     ap.add_argument(
         "--path",
         choices=["auto", "split", "tiled", "single"],
@@ -271,7 +350,7 @@ def main(argv=None) -> int:
         target_workgroups=args.target_workgroups or default.target_workgroups,
         prefill_f32=args.prefill_f32,
     )
-    engine = Engine.open(args.adapter, policy=policy)
+    engine = Engine.open(args.adapter, policy=policy, page_tokens=args.page_tokens)
     rng = np.random.default_rng(0)
     gpu, driver = gpu_description(engine)
     cgbps, cmethod = copy_gbps(engine)
@@ -287,6 +366,9 @@ def main(argv=None) -> int:
         filled = 0
         shapes = [("decode", 1, c) for c in decode_ctx] + [("prefill", n, k) for n, k in prefill]
         shapes = [x for x in shapes if args.only in (None, x[0])]
+        if args.batched and args.only in (None, "batched"):
+            n_sessions, length = (int(x) for x in (args.batched if not args.quick else "8x256").split("x"))
+            rows += batched_rows(engine, fmt, n_sessions, length, rng, args.budget)
         for kernel, n, ctx_len in sorted(shapes, key=lambda x: x[2]):
             if ctx_len > filled:
                 fill_layer(engine, layer, ctx_len - filled, rng)
@@ -342,6 +424,7 @@ def main(argv=None) -> int:
         "copy_gbps": round(cgbps, 1),
         "copy_method": cmethod,
         "shape": {"num_qo_heads": H, "num_kv_heads": HKV, "head_dim": D},
+        "page_tokens": args.page_tokens,
         "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in ("f32", "turboquant")},
         "rows": rows,
     }
