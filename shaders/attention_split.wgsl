@@ -79,7 +79,7 @@ fn attention_split_f32(
 
     // ── 1. scores: one thread per key, every head of the group ──
     for (var t = tid; t < n_t; t += WG) {
-        let r = phys_row(table_off, page_shift, t0 + t) * kv4 + head4;
+        let r = split_row(page0, page_shift, t0 + t) * kv4 + head4;
         var sa = vec4<f32>(0.0);                 // heads 0..3
         var sb = vec4<f32>(0.0);                 // heads 4..7
         var c = 0u;

@@ -43,10 +43,10 @@ fn attention_split_f32_sg(
         let t = tb + sg;                          // keys t, t + n_sg, t + 2 n_sg, t + 3 n_sg
         let live = vec4<bool>(t < n_t, t + n_sg < n_t, t + 2u * n_sg < n_t, t + 3u * n_sg < n_t);
         // the four keys' rows (a dead key's row is computed but never read)
-        let r0 = phys_row(table_off, page_shift, t0 + t) * kv4 + head4;
-        let r1 = phys_row(table_off, page_shift, t0 + t + n_sg) * kv4 + head4;
-        let r2 = phys_row(table_off, page_shift, t0 + t + 2u * n_sg) * kv4 + head4;
-        let r3 = phys_row(table_off, page_shift, t0 + t + 3u * n_sg) * kv4 + head4;
+        let r0 = split_row(page0, page_shift, t0 + t) * kv4 + head4;
+        let r1 = split_row(page0, page_shift, t0 + t + n_sg) * kv4 + head4;
+        let r2 = split_row(page0, page_shift, t0 + t + 2u * n_sg) * kv4 + head4;
+        let r3 = split_row(page0, page_shift, t0 + t + 3u * n_sg) * kv4 + head4;
         // pH = the four keys' partial dot products with query head H
         var p0 = vec4<f32>(0.0);
         var p1 = vec4<f32>(0.0);

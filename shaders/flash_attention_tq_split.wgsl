@@ -181,12 +181,12 @@ fn attention_split_tq(
         let tb = t + half;
         let has_b = tb < r + m;
         // every word of both keys first: independent loads, all in flight
-        let sa = hslot + phys_row(table_off, page_shift, t0 + t);
+        let sa = hslot + split_row(page0, page_shift, t0 + t);
         let ka = load_key(sa, pw, jw, k_jl_off, k_norm_off);
         var kb = ka;
         vn_sh[t] = unpack2x16float(v_cache[v_norm_off + sa]).x;
         if has_b {
-            let sb = hslot + phys_row(table_off, page_shift, t0 + tb);
+            let sb = hslot + split_row(page0, page_shift, t0 + tb);
             kb = load_key(sb, pw, jw, k_jl_off, k_norm_off);
             vn_sh[tb] = unpack2x16float(v_cache[v_norm_off + sb]).x;
         }

@@ -47,7 +47,7 @@ fn attention_split_tq_sg(
         var ja = vec4<f32>(0.0);   // positive JL sums, heads 0..3
         var jb = vec4<f32>(0.0);   // positive JL sums, heads 4..7
         if live {
-            let slot = hslot + phys_row(table_off, page_shift, t0 + t);
+            let slot = hslot + split_row(page0, page_shift, t0 + t);
             for (var c = lane_id; c < d4; c += sg_size) {
                 let pword = k_cache[slot * pw + c / 4u];
                 let cv = cvals((vec4<u32>(pword) >> (d_sh2 + vec4<u32>(8u * (c % 4u)))) & vec4<u32>(3u), c0, c1, c2, c3);
@@ -86,7 +86,7 @@ fn attention_split_tq_sg(
             sj_b = subgroupAdd(jb);
         }
         if live && lane_id == 0u {
-            let slot = hslot + phys_row(table_off, page_shift, t0 + t);
+            let slot = hslot + split_row(page0, page_shift, t0 + t);
             let nr = unpack2x16float(k_cache[k_norm_off + slot]);
             vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot]).x;
             scores[t] = tq_score(sp_a.x, sj_a.x, qsum_sh[0], nr, qjl_scale, scale);

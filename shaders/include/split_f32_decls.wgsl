@@ -23,3 +23,11 @@ var<workgroup> q_sh: array<vec4<f32>, 256>;      // MAX_GROUP * head_dim/4
 var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
+
+// The split's page table entries (split_len / P of them at most, P >= 16).
+var<workgroup> pg_sh: array<u32, 128>;
+
+// Slab row of timestep t (absolute) of this split, from pg_sh (page0: its first page).
+fn split_row(page0: u32, shift: u32, t: u32) -> u32 {
+    return (pg_sh[(t >> shift) - page0] << shift) | (t & ((1u << shift) - 1u));
+}

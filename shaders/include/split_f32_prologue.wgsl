@@ -42,6 +42,13 @@
         n_t = min(split_len, seq_len - t0);
     }
     let head4 = kv_head * head_dim / 4u;        // vec4 offset of this head in a row
+    // the pages this split reads, in workgroup memory: a key's row is then one
+    // shared-memory read away instead of a dependent global load (split_row)
+    let page0 = t0 >> page_shift;
+    let n_pg = select(0u, ((t0 + n_t - 1u) >> page_shift) - page0 + 1u, n_t > 0u);
+    for (var i = tid; i < n_pg; i += WG) {
+        pg_sh[i] = pages[table_off + page0 + i];
+    }
     let kv4 = kv_dim / 4u;
 
     // ── the group's query heads (contiguous: heads kv_head*G .. +G-1) ──

@@ -18,10 +18,10 @@
         var t = grp;
         // four rows per step: four independent loads in flight
         for (; t + 3u * n_grp < n_t; t += 4u * n_grp) {
-            let v0 = v_cache[phys_row(table_off, page_shift, t0 + t) * kv4 + head4 + c];
-            let v1 = v_cache[phys_row(table_off, page_shift, t0 + t + n_grp) * kv4 + head4 + c];
-            let v2 = v_cache[phys_row(table_off, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c];
-            let v3 = v_cache[phys_row(table_off, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c];
+            let v0 = v_cache[split_row(page0, page_shift, t0 + t) * kv4 + head4 + c];
+            let v1 = v_cache[split_row(page0, page_shift, t0 + t + n_grp) * kv4 + head4 + c];
+            let v2 = v_cache[split_row(page0, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c];
+            let v3 = v_cache[split_row(page0, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c];
             let t1 = t + n_grp;
             let t2 = t + 2u * n_grp;
             let t3 = t + 3u * n_grp;
@@ -31,7 +31,7 @@
             // #include "accumulate_heads.wgsl" T=t3 V=v3
         }
         for (; t < n_t; t += n_grp) {
-            let v = v_cache[phys_row(table_off, page_shift, t0 + t) * kv4 + head4 + c];
+            let v = v_cache[split_row(page0, page_shift, t0 + t) * kv4 + head4 + c];
             // #include "accumulate_heads.wgsl" T=t V=v
         }
     }

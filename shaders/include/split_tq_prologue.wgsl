@@ -54,6 +54,13 @@
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * pw;
     let hslot = kv_head * cache_cap;             // slot of this head's slab row 0
+    // the pages this split reads, in workgroup memory: a key's row is then one
+    // shared-memory read away instead of a dependent global load (split_row)
+    let page0 = t0 >> page_shift;
+    let n_pg = select(0u, ((t0 + n_t - 1u) >> page_shift) - page0 + 1u, n_t > 0u);
+    for (var i = tid; i < n_pg; i += WG) {
+        pg_sh[i] = pages[table_off + page0 + i];
+    }
 
     // ── the group's rotated queries, as vec4 ──
     let q_region = q_cap * n_heads * head_dim;

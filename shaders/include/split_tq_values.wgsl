@@ -21,10 +21,10 @@
         let t1 = t + n_grp;
         let t2 = t + 2u * n_grp;
         let t3 = t + 3u * n_grp;
-        let w0 = v_cache[(hslot + phys_row(table_off, page_shift, t0 + t)) * pw + vw];
-        let w1 = v_cache[(hslot + phys_row(table_off, page_shift, t0 + t1)) * pw + vw];
-        let w2 = v_cache[(hslot + phys_row(table_off, page_shift, t0 + t2)) * pw + vw];
-        let w3 = v_cache[(hslot + phys_row(table_off, page_shift, t0 + t3)) * pw + vw];
+        let w0 = v_cache[(hslot + split_row(page0, page_shift, t0 + t)) * pw + vw];
+        let w1 = v_cache[(hslot + split_row(page0, page_shift, t0 + t1)) * pw + vw];
+        let w2 = v_cache[(hslot + split_row(page0, page_shift, t0 + t2)) * pw + vw];
+        let w3 = v_cache[(hslot + split_row(page0, page_shift, t0 + t3)) * pw + vw];
         let v0 = cvals((vec4<u32>(w0) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
         let v1 = cvals((vec4<u32>(w1) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
         let v2 = cvals((vec4<u32>(w2) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
@@ -35,6 +35,6 @@
         // #include "accumulate_heads.wgsl" T=t3 V=v3
     }
     for (; t < n_t; t += n_grp) {
-        let v = cvals((vec4<u32>(v_cache[(hslot + phys_row(table_off, page_shift, t0 + t)) * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
+        let v = cvals((vec4<u32>(v_cache[(hslot + split_row(page0, page_shift, t0 + t)) * pw + vw]) >> vsh) & vec4<u32>(3u), c0, c1, c2, c3);
         // #include "accumulate_heads.wgsl" T=t V=v
     }
