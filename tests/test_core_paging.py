@@ -1,0 +1,171 @@
+"""The paged KV pool (pool.py, kvcache.py): attention through page tables whose
+pages are out of order in the pool, at every awkward boundary (lengths 1, P-1,
+P, P+1, many pages), slabs that grow and layers that move, jobs rolled back, and
+the bytes a layer holds."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from attnserve.engine import Engine
+from attnserve.kvcache import SessionConfig
+from attnserve.testing import reference as ref
+from attnserve.turboquant import codebook, layer_signs
+
+from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session
+from test_core_turboquant import check_key_words, check_value_words
+
+pytestmark = pytest.mark.gpu
+
+F32_TOL = 1e-5
+TQ_TOL = 1e-4
+BOUNDARIES = (1, P - 1, P, P + 1, 2 * P + 3)
+
+
+def _oracle(fmt, engine, s, layer, q, k, v, length):
+    """Attention of q's last row at ``length - 1`` over ``length`` rows: float64 oracle
+    (f32), or the TurboQuant oracle on the words the GPU holds."""
+    sp = length - q.shape[0]
+    scale = 1.0 / np.sqrt(q.shape[2])
+    if fmt == "f32":
+        return ref.attention(q, k[:length], v[:length], start_pos=sp, causal=True, scale=scale)
+    kw, vw = read_words(engine, layer)
+    ps, js = layer_signs(s.config.seed, layer.layer, q.shape[2])
+    return ref.tq_attention(
+        q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length, polar_signs=ps,
+        jl_signs=js, cb=codebook(q.shape[2]), start_pos=sp, causal=True, scale=scale,
+    )  # fmt: skip
+
+
+def _interleave(engine, rng, sessions, data, rounds, who):
+    for _ in range(rounds):
+        for i in who:
+            s = sessions[i]
+            n = int(rng.integers(1, 2 * P + 1))
+            hkv, d = s.config.num_kv_heads, s.config.head_dim
+            k, v = rows(rng, n, hkv, d), rows(rng, n, hkv, d)
+            engine.append(s.layers[0], k, v).result()
+            data[i][0].append(k)
+            data[i][1].append(v)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_attention_through_scrambled_pages_matches_the_oracle(engine, rng, fmt, kernel_path):
+    h, hkv, d = 4, 2, 32
+    sessions = [session(engine, fmt, h, hkv, d, seed=int(rng.integers(2**53))) for _ in range(3)]
+    data = {i: ([], []) for i in range(3)}
+    _interleave(engine, rng, sessions, data, 5, (0, 1, 2))  # the three take pages in turns
+    engine.release(sessions[1]).result()  # its pages go back to the pool...
+    _interleave(engine, rng, sessions, data, 4, (0, 2))  # ...and the others take them
+    for i in (0, 2):
+        s, layer = sessions[i], sessions[i].layers[0]
+        k, v = (np.concatenate(x) for x in data[i])
+        assert layer.length == len(k) and len(layer.pages) == -(-len(k) // P)
+        assert layer.pages != sorted(layer.pages), layer.pages  # really out of order
+        if fmt == "turboquant":  # the packed words, gathered from the pages, match the oracle's
+            kw, vw = read_words(engine, layer)
+            ps, js = layer_signs(s.config.seed, 0, d)
+            assert check_key_words(kw, k, ps, js, codebook(d), layer.capacity) <= 4
+            assert check_value_words(vw, v, ps, codebook(d), layer.capacity) <= 4
+        for length in BOUNDARIES + (len(k),):
+            for n in {1, min(3, length)}:
+                q = rows(rng, n, h, d)
+                out, _ = engine.attend(layer, q, start_pos=length - n).result()
+                err = rel_err(out, _oracle(fmt, engine, s, layer, q, k, v, length))
+                assert err <= (F32_TOL if fmt == "f32" else TQ_TOL), (length, n, err)
+    engine.release(sessions[0]).result()
+    engine.release(sessions[2]).result()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_every_boundary_length_matches_the_oracle(engine, rng, fmt):
+    """A layer of exactly 1, P-1, P, P+1 and 2P+3 rows, appended in one call."""
+    h, hkv, d = 8, 2, 64
+    for length in BOUNDARIES:
+        s = session(engine, fmt, h, hkv, d, seed=int(rng.integers(2**53)))
+        k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+        engine.append(s.layers[0], k, v).result()
+        assert s.layers[0].capacity == -(-length // P) * P
+        q = rows(rng, 1, h, d)
+        out, _ = engine.attend(s.layers[0], q).result()
+        err = rel_err(out, _oracle(fmt, engine, s, s.layers[0], q, k, v, length))
+        assert err <= (F32_TOL if fmt == "f32" else TQ_TOL), (length, err)
+        engine.release(s).result()
+
+
+@pytest.fixture(scope="module")
+def small_slabs():
+    """An engine whose slabs hold 8 pages of a [16, 1, 8] f32 layout: layers fill them fast."""
+    adapter = os.environ.get("ATTNSERVE_ADAPTER") or None
+    eng = Engine.open(adapter, page_tokens=P, pool_slab_bytes=8 * P * 8 * 4)
+    yield eng
+    eng.close()
+
+
+def test_a_full_slab_moves_the_layer_and_nothing_changes(small_slabs, rng):
+    eng = small_slabs
+    h, hkv, d = 2, 1, 8
+    assert eng.max_tokens_limit("f32", hkv, d) == 8 * P
+    a, b = (eng.session_kv(SessionConfig(1, h, hkv, d, "f32", 8 * P, i)) for i in range(2))
+    ka, va = rows(rng, 5 * P - 3, hkv, d), rows(rng, 5 * P - 3, hkv, d)
+    kb, vb = rows(rng, 3 * P, hkv, d), rows(rng, 3 * P, hkv, d)
+    eng.append(a.layers[0], ka, va).result()
+    eng.append(b.layers[0], kb, vb).result()
+    slab = a.layers[0].slab
+    assert b.layers[0].slab is slab and slab.free_pages == 0  # one slab, full
+    q = rows(rng, 2, h, d)
+    before, _ = eng.attend(a.layers[0], q).result()
+    more_k, more_v = rows(rng, P + 5, hkv, d), rows(rng, P + 5, hkv, d)  # two more pages: a must move
+    eng.append(a.layers[0], more_k, more_v).result()
+    assert a.layers[0].slab is not slab and len(eng.pools.get(a.config.layout).slabs) == 2
+    k, v = np.concatenate([ka, more_k]), np.concatenate([va, more_v])
+    out, length = eng.attend(a.layers[0], q, start_pos=len(ka) - 2).result()
+    np.testing.assert_array_equal(out, before)  # the moved rows answer bit for bit as before
+    for layer, kk, vv in ((a.layers[0], k, v), (b.layers[0], kb, vb)):
+        out, length = eng.attend(layer, q).result()
+        want = ref.attention(q, kk, vv, start_pos=length - 2, causal=True, scale=1 / np.sqrt(d))
+        assert rel_err(out, want) <= F32_TOL
+    assert slab.free_pages == 5  # a's old pages are free again (after the batch that moved it)
+    eng.release(a).result()
+    eng.release(b).result()
+
+
+def test_a_rolled_back_job_gives_its_pages_back(engine, rng):
+    h, hkv, d = 2, 1, 16
+    s = session(engine, "f32", h, hkv, d)
+    layer = s.layers[0]
+    engine.append(layer, rows(rng, P, hkv, d), rows(rng, P, hkv, d)).result()
+    pool = layer.pool
+    used, pages = pool.used_pages, list(layer.pages)
+    # a fused step whose attend fails after its append took a page: all of it undone
+    fut = engine.attend(layer, rows(rng, 1, h, d), k=rows(rng, 1, hkv, d), v=rows(rng, 1, hkv, d), start_pos=10**6)
+    with pytest.raises(ValueError):
+        fut.result()
+    assert (layer.length, layer.pages, pool.used_pages) == (P, pages, used)
+    engine.release(s).result()
+
+
+def test_bytes_held_are_the_tokens_plus_at_most_one_page_per_layer(engine, rng):
+    """After a churn of appends and deletes, every layer holds whole pages only as
+    many as its rows need: GPU bytes <= tokens x bytes per token + one page."""
+    h, hkv, d = 4, 2, 32
+    live = []
+    for step in range(12):
+        fmt = ("f32", "turboquant")[step % 2]
+        s = session(engine, fmt, h, hkv, d, layers=2, seed=step)
+        for layer in s.layers:
+            for _ in range(int(rng.integers(1, 4))):
+                n = int(rng.integers(1, 3 * P))
+                engine.append(layer, rows(rng, n, hkv, d), rows(rng, n, hkv, d)).result()
+        live.append(s)
+        if step % 3 == 2:
+            engine.release(live.pop(int(rng.integers(len(live))))).result()
+    for s in live:
+        for layer in s.layers:
+            per_token = layer.pool.layout.bytes_per_token
+            assert layer.nbytes == len(layer.pages) * P * per_token
+            assert layer.length * per_token <= layer.nbytes < layer.length * per_token + P * per_token
+        engine.release(s).result()
