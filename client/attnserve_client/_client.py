@@ -537,6 +537,20 @@ class _SessionBase(Generic[_C]):
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
         return self._out_from(layer, reply, n)
 
+    def _fork_flow(self, session_id: str | None, length: int | None) -> Flow[SessionInfo]:
+        body: dict[str, Any] = {"session_id": _check_session_id(
+            new_session_id() if session_id is None else session_id, InvalidRequest)}  # fmt: skip
+        if length is not None:
+            body["length"] = _int_arg("length", length)
+        reply = yield from self._client._call("POST", f"/v1/sessions/{self.session_id}/fork", body)
+        if reply.ok:
+            return SessionInfo.from_dict(self._client._decode(reply))
+        error = reply.error()
+        if isinstance(error, SessionExists) and reply.maybe_landed:
+            # our own earlier attempt made it: the fork is the session under that id
+            return (yield from self._client._get_info_flow(body["session_id"]))
+        raise error
+
     def _out_from(self, layer: int, reply: _Reply, n: int) -> np.ndarray:
         if not reply.ok:
             raise reply.error()
@@ -612,6 +626,21 @@ class Session(_SessionBase["Client"]):
             call is in :attr:`lengths`.
         """
         return self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+
+    def fork(self, session_id: str | None = None, length: int | None = None) -> Session:
+        """A new session that starts as this one's first ``length`` timesteps of every
+        layer (default: each layer's current length), sharing its full GPU pages.
+
+        Args:
+            session_id: the new session's id (default: a fresh random one).
+            length: fork every layer at this length (at most each layer's length).
+
+        Raises:
+            SessionExists: ``session_id`` is taken. InvalidRequest: ``length`` passes a
+                layer's length. OutOfMemory: the budget or a quota (a fork is charged as
+                a full copy).
+        """
+        return Session(self._client, self._client._run(self._fork_flow(session_id, length)))
 
     def delete(self) -> None:
         """Delete the session and free its GPU memory."""
@@ -775,6 +804,10 @@ class AsyncSession(_SessionBase["AsyncClient"]):
     ) -> np.ndarray:
         """See :meth:`Session.attend`."""
         return await self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+
+    async def fork(self, session_id: str | None = None, length: int | None = None) -> AsyncSession:
+        """See :meth:`Session.fork`."""
+        return AsyncSession(self._client, await self._client._run(self._fork_flow(session_id, length)))
 
     async def delete(self) -> None:
         """See :meth:`Session.delete`."""

@@ -239,6 +239,11 @@ class Engine:
         """Run ``fn(ctx)`` alone on the GPU thread (readbacks, restores, frees)."""
         return self.worker.submit_call(fn)
 
+    def fork(self, src: SessionKV, kv: SessionKV, lengths: list[int]) -> Future:
+        """Make ``kv`` (a new session of ``src``'s config) share ``src``'s first
+        ``lengths[i]`` timesteps of each layer, after every job queued on ``src``."""
+        return self.worker.submit_call(lambda ctx: kv.fork_from(ctx.device, src, lengths))
+
     def release(self, session: SessionKV) -> Future:
         return self.worker.submit_call(lambda ctx: session.release())
 

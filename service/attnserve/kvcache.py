@@ -238,6 +238,44 @@ class LayerCache:
                     device.queue.write_buffer(buf, do, memoryview(src)[so : so + size])
         self.length = length
 
+    def fork_from(self, device: wgpu.GPUDevice, src: "LayerCache", length: int) -> None:
+        """Become ``src``'s first ``length`` timesteps (run alone on the GPU thread):
+        share its full pages (rows are append-only, so a full page is never written
+        again and no shared page is ever copied later) and copy the rows of a partial
+        last page into a page of its own. If ``src``'s slab has no page left, the
+        fork takes its pages in another slab and copies them all."""
+        if length > src.length:
+            from .errors import OffsetMismatch
+
+            raise OffsetMismatch(
+                f"cannot fork layer {src.layer} at length {length}: it holds {src.length}", length=src.length
+            )
+        self.release()
+        if not length:
+            return
+        pool, P = self.pool, self.pool.page_tokens
+        full, part = divmod(length, P)
+        copies = DirectCopies(device)
+        slab, pages = src.slab, list(src.pages[:full])
+        if part:
+            try:
+                _, own = pool.take(copies, device, slab, 1)
+            except PoolFull:
+                slab, own = pool.take(copies, device, None, full + 1, exclude=src.slab)
+                pages, own = own[:full], own[full:]
+                for i, page in enumerate(pages):  # no room to share: a copy of its own
+                    copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[i] * P),
+                              (slab.k, slab.v, slab.rows, page * P), P)  # fmt: skip
+            copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[full] * P),
+                      (slab.k, slab.v, slab.rows, own[0] * P), part)  # fmt: skip
+            if slab is src.slab:
+                pool.share(slab, pages)
+            pages += own
+        else:
+            pool.share(slab, pages)
+        copies.run()
+        self.slab, self.pages, self.length = slab, pages, length
+
     def release(self) -> None:
         if self.pages:
             self.pool.drop(self.slab, self.pages)
@@ -340,8 +378,18 @@ class SessionKV:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of the pages the session holds."""
+        """GPU bytes of the pages the session holds (pages it shares with a fork included)."""
         return sum(l.nbytes for l in self.layers)
+
+    def fork_from(self, device: wgpu.GPUDevice, src: "SessionKV", lengths: list[int]) -> None:
+        """Every layer becomes ``src``'s layer at ``lengths[i]`` (GPU thread, alone);
+        on failure nothing is held."""
+        try:
+            for layer, source, length in zip(self.layers, src.layers, lengths):
+                layer.fork_from(device, source, length)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         for l in self.layers:

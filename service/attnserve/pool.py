@@ -48,6 +48,8 @@ def check_page_tokens(page_tokens: int) -> int:
 class Copier(Protocol):
     """Where copies are recorded: a ``gpu.batch.Batch`` or :class:`DirectCopies`."""
 
+    device: wgpu.GPUDevice
+
     def copy(self, src, src_off: int, dst, dst_off: int, size: int) -> None: ...
 
 
@@ -129,14 +131,26 @@ def copy_rows(
     dst: tuple[wgpu.GPUBuffer, wgpu.GPUBuffer, int, int],
     n: int,
 ) -> None:
-    """Copy ``n`` rows: ``src``/``dst`` are (K buffer, V buffer, cap, first row)."""
+    """Copy ``n`` rows: ``src``/``dst`` are (K buffer, V buffer, cap, first row).
+    Within one buffer (a page copied inside its slab) the rows go through a
+    temporary buffer: WebGPU copies never share a source and a destination."""
     sk, sv, scap, srow = src
     dk, dv, dcap, drow = dst
     (sks, svs), (dks, dvs) = layout.row_ranges(scap, srow, n), layout.row_ranges(dcap, drow, n)
-    for (so, size), (do, _) in zip(sks, dks):
-        copier.copy(sk, so, dk, do, size)
-    for (so, size), (do, _) in zip(svs, dvs):
-        copier.copy(sv, so, dv, do, size)
+    for sbuf, dbuf, sranges, dranges in ((sk, dk, sks, dks), (sv, dv, svs, dvs)):
+        if sbuf is not dbuf:
+            for (so, size), (do, _) in zip(sranges, dranges):
+                copier.copy(sbuf, so, dbuf, do, size)
+            continue
+        tmp = copier.device.create_buffer(label="page-copy", size=sum(size for _, size in sranges), usage=_CACHE_USAGE)
+        off = 0
+        for so, size in sranges:
+            copier.copy(sbuf, so, tmp, off, size)
+            off += size
+        off = 0
+        for do, size in dranges:
+            copier.copy(tmp, off, dbuf, do, size)
+            off += size
 
 
 @dataclass(eq=False)
@@ -317,6 +331,6 @@ class PagePools:
                     "used_pages": p.used_pages,
                     "bytes": p.held_bytes,
                 }
-                for l, p in self._pools.items()
+                for l, p in list(self._pools.items())  # read from the event loop: a copy
             ],
         }

@@ -98,6 +98,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "tenant_bytes": rt.store.tenant_bytes(owner),
         "auth": rt.keys.enabled,
         "persistence": rt.persistence is not None,
+        "pool": eng.pools.describe() if eng is not None else None,
         "ready": bool(rt.ready and not rt.draining),
     }
 

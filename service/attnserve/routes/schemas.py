@@ -187,6 +187,23 @@ COMPONENTS: dict[str, Any] = {
             },
         },
     },
+    "ForkSession": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "session_id": {
+                "type": ["string", "null"],
+                "pattern": "^[A-Za-z0-9_-]{1,64}$",
+                "description": "The new session's id; a random one if absent.",
+            },
+            "length": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "description": "Fork every layer at this length (at most each layer's length); "
+                "default: each layer's current length.",
+            },
+        },
+    },
     "SessionInfo": {
         "type": "object",
         "required": [
@@ -276,6 +293,13 @@ COMPONENTS: dict[str, Any] = {
                 "`Authorization: Bearer <key>`; false, the server serves anyone who reaches it.",
             },
             "persistence": {"type": "boolean", "description": "Whether sessions are snapshotted at shutdown."},
+            "pool": {
+                "type": ["object", "null"],
+                "description": "The paged KV pool, server-wide: page_tokens, and per layout (kv_format, "
+                "num_kv_heads, head_dim) its slabs, pages, used_pages (pages shared by forks count once) "
+                "and bytes (GPU bytes of its slabs).",
+                "additionalProperties": True,
+            },
             "ready": {"type": "boolean"},
         },
     },

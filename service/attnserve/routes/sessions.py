@@ -1,4 +1,4 @@
-"""Sessions: create (POST, or PUT with the client's id), get, list, delete."""
+"""Sessions: create (POST, or PUT with the client's id), get, list, fork, delete."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..codec import decode_document, read_body, respond
 from ..errors import InvalidRequest
 from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
-from ..store import SESSION_ID_RE
+from ..store import SESSION_ID_RE, new_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
 from .schemas import ok, problems, request_body
 
@@ -111,6 +111,79 @@ async def list_sessions(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Respo
 )
 async def get_session_info(session: SessionDep, wire: WireDep) -> Response:
     return respond(session.info(), wire)
+
+
+def _decode_fork(raw: bytes, kind: str | None, max_bytes: int) -> tuple[str | None, int | None]:
+    doc = decode_document(raw, kind, max_bytes)
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"expected an object, got {type(doc).__name__}")
+    extra = sorted(set(doc) - {"session_id", "length"})
+    if extra:
+        raise InvalidRequest(f"unknown field(s) {extra}; a fork takes session_id and length")
+    sid, length = doc.get("session_id"), doc.get("length")
+    if sid is not None and not (isinstance(sid, str) and SESSION_ID_RE.fullmatch(sid)):
+        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {sid!r}")
+    if length is not None and (type(length) is not int or length < 0):
+        raise InvalidRequest(f"length: expected an integer >= 0, got {length!r}")
+    return sid, length
+
+
+@router.post(
+    "/{session_id}/fork",
+    summary="Fork a session",
+    description="Creates a session that starts as this one's first `length` timesteps of every layer "
+    "(default: each layer's current length), owned by the same API key, and answers 201 with its info. "
+    "The two share the GPU pages that are full (rows are append-only, so a shared page is never written); "
+    "a partly filled last page is copied, so a fork of a session whose lengths are whole pages costs no "
+    "copy and at most one new page per layer. Budgets and quotas charge the fork as if it held its own "
+    "copy (never less than what the GPU could need once the two diverge); the GPU holds shared pages once "
+    "(`/v1/info` `pool`). Deleting either side frees only the pages nobody else holds; a snapshot of a "
+    "fork is self-contained.",
+    status_code=201,
+    response_class=Response,
+    openapi_extra=request_body("ForkSession"),
+    responses={
+        **ok(201, "The new session's info", "SessionInfo"),
+        **problems(
+            400, 404, 408, 409, 413, 415, 422, 503, 507, slugs={404: "session-not-found", 409: "session-exists"}
+        ),
+    },
+)
+async def fork_session(
+    session: SessionDep, request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep
+) -> Response:
+    raw = await read_body(request, rt.settings.max_body_bytes)
+    new_id, length = _decode_fork(raw, wire.request if raw else None, rt.settings.max_body_bytes)
+    store = rt.store
+    store.check_room(new_id, owner)
+    if new_id is None:
+        new_id = new_session_id()
+        while (owner, new_id) in store.sessions:  # pragma: no cover - 128 random bits
+            new_id = new_session_id()
+    # From here to the queueing: no await, so the checks below hold.
+    lengths = [ls.length for ls in session.layers]  # after every job queued on the source
+    if length is not None:
+        short = [i for i, n in enumerate(lengths) if n < length]
+        if short:
+            raise InvalidRequest(
+                f"length: {length} passes layer {short[0]}'s length {lengths[short[0]]}; a fork takes at most "
+                "each layer's length",
+                lengths=lengths,
+            )
+        lengths = [length] * len(lengths)
+    kv = engine.session_kv(session.config)
+    hold = store.hold(new_id, sum(c.bytes_for(n) for c, n in zip(kv.layers, lengths)), owner)  # 409 / 507
+    try:
+        fut = engine.fork(session.kv, kv, lengths)  # after the source's queued jobs
+        try:
+            await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:  # the request is gone: free what the fork holds
+            fut.add_done_callback(lambda f: f.exception() is None and engine.release(kv))
+            raise
+    finally:
+        store.unhold(hold)
+    forked = store.adopt(kv, owner=owner, session_id=new_id)
+    return respond(forked.info(), wire, 201, headers={"Location": f"/v1/sessions/{forked.id}"})
 
 
 @router.delete(
