@@ -132,6 +132,7 @@ BODY_ROUTES = [
     ("POST", "/v1/sessions/victim/layers/0/kv"),
     ("POST", "/v1/sessions/victim/layers/1/attend"),
     ("PUT", "/v1/sessions/new-one/snapshot"),
+    ("POST", "/v1/sessions/victim/fork"),
 ]
 
 
@@ -196,7 +197,7 @@ BOMBS = {
 BOMB_CASES = [
     (name, route)
     for name in BOMBS
-    for route in ("kv", "attend", "create", "snapshot")
+    for route in ("kv", "attend", "create", "snapshot", "fork")
     if not (route == "snapshot" and name.startswith("json"))
 ]  # a snapshot is MessagePack only
 
@@ -211,6 +212,7 @@ def test_bombs_are_refused_fast_and_change_nothing(target, name, route):
         "attend": "/v1/sessions/victim/layers/0/attend",
         "create": "/v1/sessions",
         "snapshot": "/v1/sessions/bomb/snapshot",
+        "fork": "/v1/sessions/victim/fork",
     }[route]
     method = "PUT" if route == "snapshot" else "POST"
     t0 = time.monotonic()

@@ -153,7 +153,9 @@ async def fork_session(
     session: SessionDep, request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep
 ) -> Response:
     raw = await read_body(request, rt.settings.max_body_bytes)
-    new_id, length = _decode_fork(raw, wire.request if raw else None, rt.settings.max_body_bytes)
+    new_id, length = await rt.offload(
+        _decode_fork, raw, wire.request if raw else None, rt.settings.max_body_bytes, size=len(raw)
+    )
     store = rt.store
     store.check_room(new_id, owner)
     if new_id is None:
