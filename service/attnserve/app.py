@@ -117,11 +117,13 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 rt.persistence = SnapshotDir(settings.snapshot_dir, rt)
                 rt.persistence.open()
                 await rt.persistence.restore_all(eng)
+                rt.persistence.start_sync(eng)
             if settings.session_ttl_seconds > 0:
                 expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
         except BaseException:
             log.exception("start-up failed")
             if rt.persistence is not None:
+                await rt.persistence.stop_sync()
                 rt.persistence.close()
             if owned:
                 await asyncio.to_thread(eng.close)
@@ -147,6 +149,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 log.warning("drain timeout: requests still in flight", extra={"in_flight": rt.in_flight})
             if rt.persistence is not None:
                 try:
+                    await rt.persistence.stop_sync()
                     await rt.persistence.save_all(eng)
                 finally:
                     rt.persistence.close()

@@ -181,6 +181,13 @@ class Settings(BaseSettings):
         description="A local directory: on shutdown every session is written there as a "
         "snapshot, and the next start restores them before it reports ready.",
     )
+    sync_interval_s: float = Field(
+        1.0,
+        ge=0,
+        description="With snapshot_dir: every this many seconds, the pages that filled since the last sync "
+        "are appended to each session's journal and fsynced, so a hard kill loses at most this interval "
+        "and each layer's partly filled page; 0: snapshots at shutdown only.",
+    )
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

@@ -91,9 +91,16 @@ class LayerCache:
         return self.pool.layout.buffer_bytes(capacity)
 
     @property
-    def nbytes(self) -> int:
-        """GPU bytes of the pages this layer holds."""
+    def held_bytes(self) -> int:
+        """GPU bytes of the pages this layer holds (shared ones included)."""
         return len(self.pages) * self.pool.page_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """GPU bytes this layer is charged for: the pages it pays for (a page shared
+        with a fork is paid by one of its holders: the one that took it, then the
+        next when that one lets it go)."""
+        return self.pool.paid_by(self.slab, self.pages, self) * self.pool.page_bytes
 
     # ── device work (GPU owner thread) ──────────────────────────────────────
 
@@ -120,7 +127,7 @@ class LayerCache:
         if need <= 0:
             return
         try:
-            slab, pages = self.pool.take(batch, batch.device, self.slab, need)
+            slab, pages = self.pool.take(batch, batch.device, self.slab, need, self)
         except PoolFull:
             self._move(batch, need)
             return
@@ -132,7 +139,7 @@ class LayerCache:
         """The layer's slab is full and at its largest: move every page to a slab
         with room for ``more`` besides (the one copy of a layer's rows)."""
         pool, old_slab, old = self.pool, self.slab, self.pages
-        slab, pages = pool.take(batch, batch.device, None, len(old) + more, exclude=old_slab)
+        slab, pages = pool.take(batch, batch.device, None, len(old) + more, self, exclude=old_slab)
         batch.on_rollback(lambda: pool.untake(slab, pages))
         P = pool.page_tokens
         for src, dst in zip(old, pages):
@@ -143,8 +150,8 @@ class LayerCache:
                 (slab.k, slab.v, slab.rows, dst * P),
                 P,
             )
-        pool.drop(old_slab, old)
-        batch.on_rollback(lambda: pool.share(old_slab, old))
+        pool.drop(old_slab, old, self)
+        batch.on_rollback(lambda: pool.share(old_slab, old, self))
         self.slab, self.pages = slab, pages
 
     def plan_reserve(self, batch: Batch, capacity: int) -> None:
@@ -215,6 +222,37 @@ class LayerCache:
             k.destroy()
             v.destroy()
 
+    def read_pages(self, device: wgpu.GPUDevice, first: int, count: int) -> list[tuple[bytes, bytes]]:
+        """Pages ``first .. first+count-1`` of the layer, each as ``(k, v)`` bytes in the
+        contiguous layout of ``P`` rows (the journal's page records)."""
+        P, layout = self.pool.page_tokens, self.pool.layout
+        cap = count * P
+        kb, vb = layout.buffer_bytes(cap)
+        usage = wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+        k, v = device.create_buffer(size=kb, usage=usage), device.create_buffer(size=vb, usage=usage)
+        copies = DirectCopies(device)
+        for i in range(count):
+            page = self.pages[first + i]
+            copy_rows(copies, layout, (self.slab.k, self.slab.v, self.slab.rows, page * P), (k, v, cap, i * P), P)
+        copies.run()
+        try:
+            kall, vall = device.queue.read_buffer(k), device.queue.read_buffer(v)
+        finally:
+            k.destroy()
+            v.destroy()
+        (pk, pv), out = layout.row_ranges(P, 0, P), []
+        for i in range(count):
+            (dk, dv) = layout.row_ranges(cap, i * P, P)
+            page_bytes = []
+            for src, src_ranges, own_ranges, size in ((kall, dk, pk, layout.buffer_bytes(P)[0]),
+                                                      (vall, dv, pv, layout.buffer_bytes(P)[1])):  # fmt: skip
+                buf = bytearray(size)
+                for (so, n), (do, _) in zip(src_ranges, own_ranges):
+                    buf[do : do + n] = src[so : so + n]
+                page_bytes.append(bytes(buf))
+            out.append((page_bytes[0], page_bytes[1]))
+        return out
+
     def load_words(self, device: wgpu.GPUDevice, length: int, capacity: int, kb: bytes, vb: bytes) -> None:
         """Restore what :meth:`read_words` gave (any ``capacity >= length``) into pages."""
         self.release()
@@ -226,7 +264,7 @@ class LayerCache:
             return
         pool, P = self.pool, self.pool.page_tokens
         copies = DirectCopies(device)
-        slab, pages = pool.take(copies, device, None, pool.pages_for(length))
+        slab, pages = pool.take(copies, device, None, pool.pages_for(length), self)
         copies.run()  # a slab's growth copy lands before the writes below
         self.slab, self.pages = slab, pages
         rows = slab.rows
@@ -259,9 +297,9 @@ class LayerCache:
         slab, pages = src.slab, list(src.pages[:full])
         if part:
             try:
-                _, own = pool.take(copies, device, slab, 1)
+                _, own = pool.take(copies, device, slab, 1, self)
             except PoolFull:
-                slab, own = pool.take(copies, device, None, full + 1, exclude=src.slab)
+                slab, own = pool.take(copies, device, None, full + 1, self, exclude=src.slab)
                 pages, own = own[:full], own[full:]
                 for i, page in enumerate(pages):  # no room to share: a copy of its own
                     copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[i] * P),
@@ -269,16 +307,16 @@ class LayerCache:
             copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[full] * P),
                       (slab.k, slab.v, slab.rows, own[0] * P), part)  # fmt: skip
             if slab is src.slab:
-                pool.share(slab, pages)
+                pool.share(slab, pages, self)
             pages += own
         else:
-            pool.share(slab, pages)
+            pool.share(slab, pages, self)
         copies.run()
         self.slab, self.pages, self.length = slab, pages, length
 
     def release(self) -> None:
         if self.pages:
-            self.pool.drop(self.slab, self.pages)
+            self.pool.drop(self.slab, self.pages, self)
         self.slab, self.pages, self.length = None, [], 0
 
 
@@ -378,8 +416,13 @@ class SessionKV:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of the pages the session holds (pages it shares with a fork included)."""
+        """GPU bytes the session is charged for (each shared page is charged to one holder)."""
         return sum(l.nbytes for l in self.layers)
+
+    @property
+    def held_bytes(self) -> int:
+        """GPU bytes of the pages the session's layers hold, shared ones included."""
+        return sum(l.held_bytes for l in self.layers)
 
     def fork_from(self, device: wgpu.GPUDevice, src: "SessionKV", lengths: list[int]) -> None:
         """Every layer becomes ``src``'s layer at ``lengths[i]`` (GPU thread, alone);

@@ -30,6 +30,14 @@ file that cannot be parsed is renamed ``<name>.bad`` (and logged); one that is
 valid but does not fit (memory budget, session limit) is kept for a later start.
 A lock file (``.lock``: ``flock`` on POSIX, ``msvcrt.locking`` on Windows) keeps
 two servers off one directory.
+
+Between shutdowns, with ``sync_interval_s`` > 0, every session's full pages are
+also appended to a journal (``<name>.journal``, ``journal.py``) every interval, so
+a hard kill loses at most the rows acknowledged since the last sync started and
+each layer's partly filled page. At start a session is restored from its
+snapshot, its journal, or, layer by layer, whichever of the two holds more rows
+(both are prefixes of the same append-only history); a clean shutdown writes the
+snapshot and then deletes the journal it covers.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ except ImportError:  # Windows: no flock; msvcrt locks a byte range instead
     fcntl = None  # type: ignore[assignment]
     import msvcrt
 
+from . import journal as J
 from .errors import InvalidSnapshot, OutOfMemory, SessionExists
 from .snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from .store import SESSION_ID_RE, Session
@@ -158,6 +167,11 @@ class SnapshotDir:
         self.path = Path(path)
         self.rt = runtime
         self._lock_fd: int | None = None
+        self.sync_interval_s = float(runtime.settings.sync_interval_s)
+        # session -> pages of each layer in its journal (written and fsynced)
+        self.journaled: dict[Session, list[int]] = {}
+        self.last_sync: dict[str, float] | None = None
+        self._sync_task: asyncio.Task | None = None
 
     # ── lifecycle ───────────────────────────────────────────────────────────
 
@@ -195,25 +209,124 @@ class SnapshotDir:
     def file_for(self, session: Session) -> Path:
         return self.path / file_name(session.owner, session.id)
 
+    def journal_for(self, session: Session) -> Path:
+        return self.path / (file_name(session.owner, session.id)[: -len(SUFFIX)] + J.SUFFIX)
+
     def forget(self, session: Session) -> None:
-        """The session is gone (deleted or expired): so is its file."""
-        try:
-            self.file_for(session).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # pragma: no cover - permissions changed under us
-            log.error("cannot delete a snapshot file", extra={"session_id": session.id, "error": str(e)})
+        """The session is gone (deleted or expired): so are its files."""
+        self.journaled.pop(session, None)
+        for path in (self.file_for(session), self.journal_for(session)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # pragma: no cover - permissions changed under us
+                log.error("cannot delete a snapshot file", extra={"session_id": session.id, "error": str(e)})
+
+    # ── journals (while serving) ────────────────────────────────────────────
+
+    def start_sync(self, engine: "Engine") -> None:
+        """Start the journal syncs (with ``sync_interval_s`` > 0)."""
+        if self.sync_interval_s > 0 and self._sync_task is None:
+            self._sync_task = asyncio.create_task(self._sync_loop(engine), name="attnserve-journal")
+
+    async def stop_sync(self) -> None:
+        task, self._sync_task = self._sync_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _sync_loop(self, engine: "Engine") -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval_s)
+            try:
+                await self.sync_once(engine)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("journal sync failed; the next one retries")
+
+    def journal_info(self) -> dict[str, Any]:
+        last = self.last_sync or {}
+        return {
+            "sync_interval_s": self.sync_interval_s,
+            "last_sync_started": last.get("started"),
+            "last_sync_finished": last.get("finished"),
+            "last_sync_pages": last.get("pages"),
+        }
+
+    async def sync_once(self, engine: "Engine") -> int:
+        """Append every page that filled since the last sync to its session's journal
+        and fsync each journal touched; returns the pages written."""
+        started = time.time()
+        todo = [(s, list(self.journaled.get(s) or [0] * s.config.num_layers)) for s in self.rt.store.sessions.values()]
+
+        def collect(ctx: Any) -> list[tuple[Session, list[tuple[int, int, list[tuple[bytes, bytes]]]]]]:
+            found = []
+            for s, done in todo:  # on the GPU thread, between batches: the lengths are the GPU's
+                if s.closed:
+                    continue
+                recs = []
+                for i, layer in enumerate(s.kv.layers):
+                    full = layer.length // layer.page_tokens
+                    if full > done[i]:
+                        recs.append((i, done[i], layer.read_pages(ctx.device, done[i], full - done[i])))
+                if recs:
+                    found.append((s, recs))
+            return found
+
+        found = await asyncio.wrap_future(engine.call(collect)) if todo else []
+        page_tokens = engine.pools.page_tokens
+        written = await asyncio.to_thread(self._append_journals, found, page_tokens) if found else 0
+        for s, recs in found:
+            if s.closed:  # deleted while its pages were written: its journal goes too
+                self.forget(s)
+                continue
+            counts = self.journaled.setdefault(s, [0] * s.config.num_layers)
+            for layer, first, pages in recs:
+                counts[layer] = first + len(pages)
+        self.last_sync = {"started": started, "finished": time.time(), "pages": written}
+        return written
+
+    def _append_journals(self, found: list, page_tokens: int) -> int:
+        written, created = 0, False
+        for s, recs in found:
+            if s.closed:
+                continue
+            path = self.journal_for(s)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as f:
+                if f.tell() == 0:
+                    f.write(J.header_frame(s.id, s.owner, s.config, page_tokens))
+                    created = True
+                for layer, first, pages in recs:
+                    for j, (kb, vb) in enumerate(pages):
+                        f.write(J.page_frame(layer, first + j, kb, vb))
+                        written += 1
+                f.flush()
+                os.fsync(f.fileno())
+        if created:
+            _fsync_dir(self.path)
+        return written
 
     # ── restore (at start) ──────────────────────────────────────────────────
 
     async def restore_all(self, engine: "Engine") -> dict[str, int]:
-        """Restore every ``*.snap`` file; returns counts by result (ok, invalid, skipped)."""
+        """Restore every session of the ``*.snap`` and ``*.journal`` files; returns
+        counts by result (ok, invalid, skipped)."""
         counts = {"ok": 0, "invalid": 0, "skipped": 0}
-        files = sorted(p for p in self.path.glob("*" + SUFFIX) if p.is_file() and not p.name.startswith("."))
-        sizes = [_size(p) for p in files]
-        progress = _Progress("restore", len(files), sum(sizes))
-        for path, size in zip(files, sizes):
-            result = await self._restore_one(path, engine)
+        stems: dict[str, dict[str, Path]] = {}
+        for suffix in (SUFFIX, J.SUFFIX):
+            for p in self.path.glob("*" + suffix):
+                if p.is_file() and not p.name.startswith("."):
+                    stems.setdefault(p.name[: -len(suffix)], {})[suffix] = p
+        names = sorted(stems)
+        sizes = [sum(_size(p) for p in stems[n].values()) for n in names]
+        progress = _Progress("restore", len(names), sum(sizes))
+        for name, size in zip(names, sizes):
+            result = await self._restore_one(stems[name].get(SUFFIX), engine, stems[name].get(J.SUFFIX))
             counts[result] += 1
             self.rt.metrics.snapshot_restores.inc(result)
             progress.step(size)
@@ -222,20 +335,64 @@ class SnapshotDir:
         log.info("snapshots restored", extra={"dir": str(self.path), **counts, **progress.fields()})
         return counts
 
-    async def _restore_one(self, path: Path, engine: "Engine") -> str:
-        store = self.rt.store
+    async def _read_journal(self, path: Path, engine: "Engine") -> "J.Journal | None":
+        """The journal at ``path`` (cut back to its last good frame), or None if it is
+        unreadable (moved aside)."""
         try:
             data = await asyncio.to_thread(path.read_bytes)
-            sid, owner, blob = await asyncio.to_thread(decode_file, data)
-            del data
-            config, layers = await asyncio.to_thread(parse_blob, blob, max(blob.nbytes, 1), engine.max_tokens_limit)
-            del blob
+            journal = await asyncio.to_thread(J.parse_journal, data, engine.max_tokens_limit)
         except InvalidSnapshot as e:
             self._move_aside(path, e.detail)
+            return None
+        if journal.valid_bytes < len(data):
+            log.warning(
+                "a journal ends in a torn frame (a crash mid-write): cut back to its last good frame",
+                extra={"file": path.name, "bytes": len(data), "kept": journal.valid_bytes},
+            )
+            os.truncate(path, journal.valid_bytes)
+        return journal
+
+    async def _restore_one(self, path: Path | None, engine: "Engine", journal_path: Path | None = None) -> str:
+        store = self.rt.store
+        journal = await self._read_journal(journal_path, engine) if journal_path is not None else None
+        if path is None and journal is None:
             return "invalid"
+        try:
+            if path is not None:
+                data = await asyncio.to_thread(path.read_bytes)
+                sid, owner, blob = await asyncio.to_thread(decode_file, data)
+                del data
+                config, layers = await asyncio.to_thread(parse_blob, blob, max(blob.nbytes, 1), engine.max_tokens_limit)
+                del blob
+            else:
+                assert journal is not None
+                sid, owner, config, layers = journal.session_id, journal.owner, journal.config, []
+        except InvalidSnapshot as e:
+            assert path is not None
+            self._move_aside(path, e.detail)
+            if journal is None:
+                return "invalid"
+            sid, owner, config, layers, path = journal.session_id, journal.owner, journal.config, [], None
         except OSError as e:
             log.error("cannot read a snapshot file; kept", extra={"file": path.name, "error": str(e)})
             return "skipped"
+        label = (path or journal_path).name  # type: ignore[union-attr]
+        journaled = [0] * config.num_layers
+        if journal is not None:
+            if (journal.session_id, journal.owner, journal.config) != (sid, owner, config):
+                assert journal_path is not None
+                self._move_aside(journal_path, "the journal is of another session than its snapshot")
+            else:  # layer by layer, whichever holds more rows (prefixes of one history)
+                if not layers:
+                    layers = [(0, 0, b"", b"") for _ in range(config.num_layers)]
+                for i, pages in enumerate(journal.pages):
+                    if len(pages) * journal.page_tokens > layers[i][0]:
+                        layers[i] = J.assemble(config.layout, journal.page_tokens, pages)
+                if journal.page_tokens == engine.pools.page_tokens:
+                    journaled = [len(p) for p in journal.pages]
+                else:  # written with another page size: start it again
+                    assert journal_path is not None
+                    journal_path.unlink()
         kv = engine.session_kv(config)
         need = restore_bytes(kv, layers)
         try:
@@ -244,27 +401,30 @@ class SnapshotDir:
         except (SessionExists, OutOfMemory) as e:
             log.error(
                 "a snapshot does not fit; kept for a later start",
-                extra={"file": path.name, "session_id": sid, "error": e.detail},
+                extra={"file": label, "session_id": sid, "error": e.detail},
             )
             return "skipped"
         try:
             await asyncio.wrap_future(engine.call(lambda ctx: load(ctx, kv, layers)))
         except Exception:
-            log.exception("cannot load a snapshot onto the GPU; kept", extra={"file": path.name, "session_id": sid})
+            log.exception("cannot load a snapshot onto the GPU; kept", extra={"file": label, "session_id": sid})
             return "skipped"
         finally:
             store.unhold(hold)
         session = store.adopt(kv, owner=owner, session_id=sid)
+        self.journaled[session] = journaled
         keys = self.rt.keys
         if (owner is None) == keys.enabled or (owner is not None and owner not in keys.key_ids):
             log.warning(
                 "restored a session whose API key is not configured: no request can reach it "
                 "(it expires with the session TTL, or delete its file)",
-                extra={"file": path.name, "session_id": sid, "tenant": owner},
+                extra={"file": label, "session_id": sid, "tenant": owner},
             )
         canonical = self.file_for(session)
-        if path != canonical:  # renamed by hand: keep one file per session
+        if path is not None and path != canonical:  # renamed by hand: keep one file per session
             os.replace(path, canonical)
+        if journal_path is not None and journal_path.exists() and journal_path != self.journal_for(session):
+            os.replace(journal_path, self.journal_for(session))
         return "ok"
 
     def _move_aside(self, path: Path, why: str) -> None:
@@ -314,6 +474,12 @@ class SnapshotDir:
         del layers
         path = self.file_for(session)
         await asyncio.to_thread(self._write_atomic, path, encode_file(session.id, session.owner, blob))
+        # the snapshot holds every row: its journal is covered
+        self.journaled.pop(session, None)
+        try:
+            self.journal_for(session).unlink()
+        except FileNotFoundError:
+            pass
         return path
 
     def _write_atomic(self, path: Path, pieces: list[bytes]) -> None:

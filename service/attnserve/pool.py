@@ -17,9 +17,12 @@ in docs/architecture.md, "The paged KV pool"):
   doubling (one copy of the slab, amortized) up to the adapter's binding limit;
   past it a new slab starts, and a layer whose slab is full moves its pages to a
   slab with room (the only copy of a layer, and only then).
-* Pages are reference-counted (a fork shares them); a page whose count drops to
-  zero is freed only after the batch that dropped it has run, so an attend
-  planned earlier in that batch still reads what it was planned against.
+* Every page knows the layers that hold it (a fork shares pages) and the one that
+  *pays* for it: the layer that took it, then, when the payer lets it go, the
+  next holder. A session is charged for the pages it pays for, so budgets and
+  quotas count a shared page once. A page nobody holds is freed only after the
+  batch that dropped it has run, so an attend planned earlier in that batch still
+  reads what it was planned against.
 
 Everything here runs on the GPU owner thread, except the pure sizing methods.
 """
@@ -163,7 +166,8 @@ class Slab:
     k: wgpu.GPUBuffer | None = None
     v: wgpu.GPUBuffer | None = None
     free: list[int] = field(default_factory=list)
-    refs: list[int] = field(default_factory=list)
+    holders: list[list[object]] = field(default_factory=list)  # the layers holding each page
+    payer: list[object | None] = field(default_factory=list)  # the holder charged for each page
 
     @property
     def free_pages(self) -> int:
@@ -225,33 +229,42 @@ class PagePool:
             raise OutOfMemory(f"cannot allocate a {kb}-byte GPU buffer for the KV pool: {e}") from e
         undo = getattr(copier, "on_rollback", None)
         if undo is not None:  # a rolled-back job's copy is dropped: so is its growth
-            undo(functools.partial(self._restore, slab, (slab.pages, slab.k, slab.v, list(slab.free), list(slab.refs))))
+            state = (slab.pages, slab.k, slab.v, list(slab.free), list(slab.holders), list(slab.payer))
+            undo(functools.partial(self._restore, slab, state))
         if slab.k is not None and slab.pages:
             rows = slab.rows
             copy_rows(copier, self.layout, (slab.k, slab.v, rows, 0), (k, v, new_pages * self.page_tokens, 0), rows)
         slab.free.extend(range(new_pages - 1, slab.pages - 1, -1))
-        slab.refs.extend([0] * (new_pages - slab.pages))
+        slab.holders.extend([] for _ in range(new_pages - slab.pages))
+        slab.payer.extend([None] * (new_pages - slab.pages))
         slab.k, slab.v, slab.pages = k, v, new_pages
         return True
 
     @staticmethod
     def _restore(slab: Slab, state: tuple) -> None:
-        slab.pages, slab.k, slab.v, slab.free, slab.refs = state
+        slab.pages, slab.k, slab.v, slab.free, slab.holders, slab.payer = state
 
     def take(
-        self, copier: Copier, device: wgpu.GPUDevice, slab: Slab | None, n: int, exclude: Slab | None = None
+        self,
+        copier: Copier,
+        device: wgpu.GPUDevice,
+        slab: Slab | None,
+        n: int,
+        holder: object,
+        exclude: Slab | None = None,
     ) -> tuple[Slab, list[int]]:
-        """``n`` free pages (reference count 1) from ``slab``, or, with no slab yet,
-        from the slab with the most room other than ``exclude`` (a new one if none
-        has room). Raises :class:`PoolFull` when ``slab`` cannot give them (the
-        caller moves the layer)."""
+        """``n`` free pages, held and paid for by ``holder``, from ``slab``, or, with
+        no slab yet, from the slab with the most room other than ``exclude`` (a new
+        one if none has room). Raises :class:`PoolFull` when ``slab`` cannot give
+        them (the caller moves the layer)."""
         if slab is None:
             slab = self._roomiest(copier, device, n, exclude)
         elif slab.free_pages < n and not self._grow(copier, device, slab, n):
             raise PoolFull(f"slab {slab.index} is full")
         pages = [slab.free.pop() for _ in range(n)]
         for p in pages:
-            slab.refs[p] = 1
+            slab.holders[p] = [holder]
+            slab.payer[p] = holder
         return slab, pages
 
     def _roomiest(self, copier: Copier, device: wgpu.GPUDevice, n: int, exclude: Slab | None) -> Slab:
@@ -274,24 +287,39 @@ class PagePool:
     def untake(self, slab: Slab, pages: list[int]) -> None:
         """Give back pages taken during a job that is rolled back (never written)."""
         for p in reversed(pages):
-            slab.refs[p] = 0
+            slab.holders[p] = []
+            slab.payer[p] = None
             slab.free.append(p)
 
-    def share(self, slab: Slab, pages: list[int]) -> None:
+    def share(self, slab: Slab, pages: list[int], holder: object) -> None:
+        """``holder`` holds ``pages`` too (their payer stays)."""
         for p in pages:
-            slab.refs[p] += 1
+            slab.holders[p].append(holder)
+            if slab.payer[p] is None:
+                slab.payer[p] = holder
 
-    def drop(self, slab: Slab, pages: list[int]) -> None:
-        """One holder less; a page nobody holds is freed after the current batch."""
+    def drop(self, slab: Slab, pages: list[int], holder: object) -> None:
+        """``holder`` lets ``pages`` go: the next holder pays for a page its payer
+        dropped; a page nobody holds is freed after the current batch."""
         for p in pages:
-            slab.refs[p] -= 1
-            if slab.refs[p] == 0:
+            held = slab.holders[p]
+            held.remove(holder)
+            if slab.payer[p] is holder:
+                slab.payer[p] = held[0] if held else None
+            if not held:
                 self._limbo.append((slab, p))
+
+    def paid_by(self, slab: Slab | None, pages: list[int], holder: object) -> int:
+        """How many of ``pages`` ``holder`` pays for."""
+        if slab is None:
+            return 0
+        payer = slab.payer
+        return sum(1 for p in pages if payer[p] is holder)
 
     def settle(self) -> None:
         """After a batch ran: the pages dropped while it was planned are free."""
         for slab, p in dict.fromkeys(self._limbo):  # a page dropped, shared back, dropped again: once
-            if slab.refs[p] == 0:
+            if not slab.holders[p]:
                 slab.free.append(p)
         self._limbo.clear()
 

@@ -114,7 +114,7 @@ class Runtime:
 
         def released(_f: Future) -> None:
             try:
-                loop.call_soon_threadsafe(self.store.released, freed)
+                loop.call_soon_threadsafe(self.store.released, freed, session.family)
             except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
                 pass
 

@@ -75,6 +75,8 @@ class Session:
         self.dirty = False
         self.created = time.time()
         self.last_used = time.monotonic()
+        # the sessions that may share pages with this one (forks of forks): one set, shared
+        self.family: set[Session] = {self}
 
     @property
     def key(self) -> tuple[Owner, str]:
@@ -253,13 +255,26 @@ class Store:
                 if not mine:
                     del self._by_owner[session.owner]
         session.closed = True
+        session.family.discard(session)
         freed = session.reserved_bytes
         self.reserved_bytes -= freed
         self.releasing_bytes += freed
         return freed
 
-    def released(self, nbytes: int) -> None:
+    def released(self, nbytes: int, family: set[Session] | frozenset[Session] = frozenset()) -> None:
+        """A release is done: its bytes are free, and the pages it paid for that a
+        session of its ``family`` still holds are now that session's to pay for."""
         self.releasing_bytes -= nbytes
+        for s in list(family):
+            if not s.closed:
+                s.dirty = True  # its charge moves: no drift warning
+                if s.pending == 0:
+                    self.resync(s)
+
+    def join(self, source: Session, fork: Session) -> None:
+        """``fork`` shares pages with ``source`` (and with every session it shares with)."""
+        source.family.add(fork)
+        fork.family = source.family
 
     def idle(self, ttl: float, now: float | None = None) -> list[Session]:
         """Sessions unused for ``ttl`` seconds, with no job in flight."""

@@ -83,24 +83,31 @@ def test_a_fork_at_a_shorter_length(api, rng):
         api.delete(sid)
 
 
-def test_deleting_either_side_frees_only_what_nobody_else_holds(api, rng):
+def test_deleting_either_side_frees_only_what_nobody_else_holds(api, server, rng):
     h, hkv, d = 2, 1, 16
     k, v = rows(rng, 4 * PAGE, hkv, d), rows(rng, 4 * PAGE, hkv, d)
     base = _pool_pages(api)
     src = _twin(api, dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d), [(0, k, v)])
+    store = server.runtime.store
+    used = store.used_bytes
+    held = api.info(src)["bytes"]
     fork = _fork(api, src).body["session_id"]
     assert _pool_pages(api) == base + 4  # shared: held once
-    assert api.info(fork)["bytes"] == api.info(src)["bytes"]  # each session's bytes count what it holds
+    # ... and charged once: to the source; the fork shares whole pages and pays for none
+    assert api.info(fork)["bytes"] == 0 and api.info(src)["bytes"] == held and store.used_bytes == used
     q = rows(rng, 1, h, d)
     before = api.attend(fork, 0, q).body["out"].tobytes()
     assert api.delete(src).status == 204
     assert _pool_pages(api) == base + 4  # the fork still holds them all
+    assert api.info(fork)["bytes"] == held and store.used_bytes == used  # and now pays for them
     assert api.attend(fork, 0, q).body["out"].tobytes() == before
     fork2 = _fork(api, fork, {"length": 2 * PAGE}).body["session_id"]
+    assert api.info(fork2)["bytes"] == 0
     assert api.delete(fork).status == 204
     assert _pool_pages(api) == base + 2  # fork2 holds the first two
+    assert api.info(fork2)["bytes"] == held // 2  # and pays for them now
     assert api.delete(fork2).status == 204
-    assert _pool_pages(api) == base
+    assert _pool_pages(api) == base and store.used_bytes == used - held
 
 
 def test_a_snapshot_of_a_fork_is_self_contained(api, rng):

@@ -300,6 +300,12 @@ COMPONENTS: dict[str, Any] = {
                 "and bytes (GPU bytes of its slabs).",
                 "additionalProperties": True,
             },
+            "journal": {
+                "type": ["object", "null"],
+                "description": "With a snapshot directory: sync_interval_s, and the last journal sync's "
+                "start and finish (Unix seconds) and pages written.",
+                "additionalProperties": True,
+            },
             "ready": {"type": "boolean"},
         },
     },

@@ -135,10 +135,9 @@ def _decode_fork(raw: bytes, kind: str | None, max_bytes: int) -> tuple[str | No
     "(default: each layer's current length), owned by the same API key, and answers 201 with its info. "
     "The two share the GPU pages that are full (rows are append-only, so a shared page is never written); "
     "a partly filled last page is copied, so a fork of a session whose lengths are whole pages costs no "
-    "copy and at most one new page per layer. Budgets and quotas charge the fork as if it held its own "
-    "copy (never less than what the GPU could need once the two diverge); the GPU holds shared pages once "
-    "(`/v1/info` `pool`). Deleting either side frees only the pages nobody else holds; a snapshot of a "
-    "fork is self-contained.",
+    "copy and at most one new page per layer. A shared page is charged once (budget, quotas, `bytes`): to "
+    "the session that took it, and when that one is deleted, to a session still holding it. Deleting "
+    "either side frees only the pages nobody else holds; a snapshot of a fork is self-contained.",
     status_code=201,
     response_class=Response,
     openapi_extra=request_body("ForkSession"),
@@ -174,7 +173,9 @@ async def fork_session(
             )
         lengths = [length] * len(lengths)
     kv = engine.session_kv(session.config)
-    hold = store.hold(new_id, sum(c.bytes_for(n) for c, n in zip(kv.layers, lengths)), owner)  # 409 / 507
+    # charged for what it does not share: each layer's partly filled last page, copied
+    page = kv.layers[0].page_tokens
+    hold = store.hold(new_id, sum(c.bytes_for(n % page) for c, n in zip(kv.layers, lengths)), owner)  # 409 / 507
     try:
         fut = engine.fork(session.kv, kv, lengths)  # after the source's queued jobs
         try:
@@ -185,6 +186,7 @@ async def fork_session(
     finally:
         store.unhold(hold)
     forked = store.adopt(kv, owner=owner, session_id=new_id)
+    store.join(session, forked)
     return respond(forked.info(), wire, 201, headers={"Location": f"/v1/sessions/{forked.id}"})
 
 
