@@ -114,7 +114,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         expiry: asyncio.Task | None = None
         try:
             if settings.snapshot_dir:
-                rt.persistence = SnapshotDir(settings.snapshot_dir, rt)
+                rt.persistence = SnapshotDir(settings.snapshot_dir, rt, settings.sync_interval_s)
                 rt.persistence.open()
                 await rt.persistence.restore_all(eng)
                 rt.persistence.start_sync(eng)

@@ -163,11 +163,11 @@ def _fsync_dir(path: Path) -> None:
 class SnapshotDir:
     """The snapshot directory of one server."""
 
-    def __init__(self, path: str | os.PathLike[str], runtime: "Runtime"):
+    def __init__(self, path: str | os.PathLike[str], runtime: "Runtime", sync_interval_s: float = 0.0):
         self.path = Path(path)
         self.rt = runtime
         self._lock_fd: int | None = None
-        self.sync_interval_s = float(runtime.settings.sync_interval_s)
+        self.sync_interval_s = float(sync_interval_s)  # 0: no journals
         # session -> pages of each layer in its journal (written and fsynced)
         self.journaled: dict[Session, list[int]] = {}
         self.last_sync: dict[str, float] | None = None

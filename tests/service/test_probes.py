@@ -43,9 +43,10 @@ def test_info_matches_its_schema(api):
     info = api.call("GET", "/v1/info").body
     assert set(schema["required"]) <= set(info)
     assert schema["properties"]["auth"]["type"] == "boolean" and "auth" in schema["required"]
+    kinds = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict, "null": type(None)}
     for name, prop in schema["properties"].items():
-        kind = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict}[prop["type"]]
-        assert name not in info or isinstance(info[name], kind), name
+        types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+        assert name not in info or isinstance(info[name], tuple(kinds[t] for t in types)), name
 
 
 def test_operation_ids_are_readable(api):
@@ -57,6 +58,7 @@ def test_operation_ids_are_readable(api):
         ("/v1/sessions/{session_id}", "put"): "put_session",
         ("/v1/sessions/{session_id}", "get"): "get_session_info",
         ("/v1/sessions/{session_id}", "delete"): "delete_session",
+        ("/v1/sessions/{session_id}/fork", "post"): "fork_session",
         ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"): "append_kv",
         ("/v1/sessions/{session_id}/layers/{layer}/attend", "post"): "attend",
         ("/v1/batch/attend", "post"): "batch_attend",
