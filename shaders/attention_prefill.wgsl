@@ -67,6 +67,7 @@ fn attention_prefill(
     let q_idx = wid.y;
     let tid = lid.x;
     // n_queries is not used: the query count is the dispatch Y dimension.
+    let prm = params;
     // #include "prefill_params.wgsl"
     // Global query index into q_batch / out_batch (q_base + local q_idx).
     let q_global = q_base + q_idx;
@@ -81,8 +82,8 @@ fn attention_prefill(
     let group_size = n_heads / n_kv_heads;
     let kv_head = head / group_size;
     let kv_h_offset = kv_head * head_dim;
-    let q_offset = q_global * q_stride + head * head_dim;
-    let out_offset = q_global * out_stride + head * head_dim;
+    let q_offset = q_off + q_global * q_stride + head * head_dim;
+    let out_offset = out_off + q_global * out_stride + head * head_dim;
     // seq_len == 0 would divide by st[1] == 0 → NaN. Write zeros and bail.
     if seq_len == 0u {
         if tid < head_dim {

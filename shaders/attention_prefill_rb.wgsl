@@ -69,24 +69,27 @@
 // Constraints (checked host-side): head_dim % 4 == 0 and <= 128; G in
 // {1, 2, 4, 8}.
 //
-// Bind group 0 (as attention_prefill_tiled.wgsl):
-// @binding(0) q_batch:   array<vec4<f32>>  n_queries x q_stride floats
-// @binding(1) k_cache:   array<vec4<f32>>  [cap, kv_dim]
-// @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
-// @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
-// @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
-// @binding(5) pages:     array<u32> page tables (include/paging.wgsl); k/v_cache rows are slab rows
-//   flags bit 0: non-causal.
+// Bind group 0 (one dispatch serves a batch of attends over one pool slab, one
+// params block per workgroup; a single attend is the batch of one):
+// @binding(0) q_batch:   array<vec4<f32>>  every item's queries, the item's n_queries x
+//                                          q_stride floats at word q_off
+// @binding(1) k_cache:   array<vec4<f32>>  the slab, [rows, kv_dim]
+// @binding(2) v_cache:   array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
+// @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
+//                        its item's fields, q_base = the block's first query row
+// @binding(5) pages:     array<u32> page tables (include/paging.wgsl)
+//   n_queries: the item's query rows (rows past it are skipped); flags bit 0: non-causal.
 //
-// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 128 threads; the
-// blocks together cover query rows q_base .. q_base + rows - 1.
+// Dispatch: (the batch's blocks of BQ rows, n_kv_heads, 1) workgroups of 128
+// threads; the host puts the blocks with the longest causal windows first.
 
 @group(0) @binding(0) var<storage, read> q_batch: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
-@group(0) @binding(4) var<storage, read> params: PrefillParams;
+@group(0) @binding(4) var<storage, read> params: array<PrefillParams>;   // one block per workgroup (wid.x)
 @group(0) @binding(5) var<storage, read> pages: array<u32>;
 // #include "paging.wgsl"
 
@@ -123,16 +126,16 @@ fn load_q(base: u32, ok: bool, col: u32, d4: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn load_k(t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
+fn load_k(tbl: u32, shift: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return k_cache[phys_row(params.table_off, params.page_shift, t) * kv4 + off + col];
+        return k_cache[phys_row(tbl, shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }
 
-fn load_v(t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
+fn load_v(tbl: u32, shift: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return v_cache[phys_row(params.table_off, params.page_shift, t) * kv4 + off + col];
+        return v_cache[phys_row(tbl, shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }
@@ -146,6 +149,7 @@ fn attention_prefill_rb(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
+    let prm = params[wid.x];                     // this block of query rows (of one item)
     // #include "prefill_params.wgsl"
 
     let group = select(n_heads / n_kv_heads, GROUP, GROUP != 0u);
@@ -158,8 +162,7 @@ fn attention_prefill_rb(
     let wide = d4 > 16u;                         // the threads' second output column is used
     let kv4 = kv_dim / 4u;
     let kv_off = kv_head * d4;
-    let blk = nwg.x - 1u - wid.x;                // longest (latest) blocks first
-    let q_first = q_base + blk * bq;
+    let q_first = q_base;                        // the block's first row (the host puts the longest first)
     let q_last = min(q_first + bq, n_queries) - 1u;  // host guarantees q_first < n_queries
     let non_causal = (flags & FLAG_NON_CAUSAL) != 0u;
     var t_end = max_seq;                         // the block's widest window
@@ -182,10 +185,10 @@ fn attention_prefill_rb(
     let sq1 = sq0 + 32u;
     let qa = q_first + sq0 % bq;
     let qa_ok = qa <= q_last;
-    let qa_base = (qa * q_stride + (head0 + sq0 / bq) * hd) / 4u;
+    let qa_base = (q_off + qa * q_stride + (head0 + sq0 / bq) * hd) / 4u;
     let qb = q_first + sq1 % bq;
     let qb_ok = qb <= q_last;
-    let qb_base = (qb * q_stride + (head0 + sq1 / bq) * hd) / 4u;
+    let qb_base = (q_off + qb * q_stride + (head0 + sq1 / bq) * hd) / 4u;
     let qo0 = 4u * sd + warp / 2u;               // qk index of (row sq0, column sd); + 16 for sd + 4, + 2 for sq1
     let qo1 = warp % 2u;
     // K: key kk at chunk columns kd + 2i (i < 4)
@@ -252,10 +255,10 @@ fn attention_prefill_rb(
         pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
         pq10 = load_q(qb_base, qb_ok, sd, d4);
         pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-        pk0 = load_k(kk, t_end, kv4, kv_off, kd, d4);
-        pk1 = load_k(kk, t_end, kv4, kv_off, kd + 2u, d4);
-        pk2 = load_k(kk, t_end, kv4, kv_off, kd + 4u, d4);
-        pk3 = load_k(kk, t_end, kv4, kv_off, kd + 6u, d4);
+        pk0 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd, d4);
+        pk1 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 2u, d4);
+        pk2 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 4u, d4);
+        pk3 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 6u, d4);
     }
 
     for (var tb = 0u; tb < t_end; tb += TK) {
@@ -274,10 +277,10 @@ fn attention_prefill_rb(
                 pq01 = load_q(qa_base, qa_ok, c0 + sd + 4u, d4);
                 pq10 = load_q(qb_base, qb_ok, c0 + sd, d4);
                 pq11 = load_q(qb_base, qb_ok, c0 + sd + 4u, d4);
-                pk0 = load_k(tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
-                pk1 = load_k(tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
-                pk2 = load_k(tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
-                pk3 = load_k(tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
+                pk0 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
+                pk1 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
+                pk2 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
+                pk3 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
             }
             workgroupBarrier();
             qk[qo0][qo1][sr] = pq00 * qscale;
@@ -308,16 +311,16 @@ fn attention_prefill_rb(
                     pq01 = load_q(qa_base, qa_ok, c1 + sd + 4u, d4);
                     pq10 = load_q(qb_base, qb_ok, c1 + sd, d4);
                     pq11 = load_q(qb_base, qb_ok, c1 + sd + 4u, d4);
-                    pk0 = load_k(tb + kk, t_end, kv4, kv_off, c1 + kd, d4);
-                    pk1 = load_k(tb + kk, t_end, kv4, kv_off, c1 + kd + 2u, d4);
-                    pk2 = load_k(tb + kk, t_end, kv4, kv_off, c1 + kd + 4u, d4);
-                    pk3 = load_k(tb + kk, t_end, kv4, kv_off, c1 + kd + 6u, d4);
+                    pk0 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd, d4);
+                    pk1 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 2u, d4);
+                    pk2 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 4u, d4);
+                    pk3 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 6u, d4);
                 }
             } else {
-                pv0 = load_v(tb + vk, t_end, kv4, kv_off, vc, d4);
-                pv1 = load_v(tb + vk + 4u, t_end, kv4, kv_off, vc, d4);
-                pv2 = load_v(tb + vk + 8u, t_end, kv4, kv_off, vc, d4);
-                pv3 = load_v(tb + vk + 12u, t_end, kv4, kv_off, vc, d4);
+                pv0 = load_v(table_off, page_shift, tb + vk, t_end, kv4, kv_off, vc, d4);
+                pv1 = load_v(table_off, page_shift, tb + vk + 4u, t_end, kv4, kv_off, vc, d4);
+                pv2 = load_v(table_off, page_shift, tb + vk + 8u, t_end, kv4, kv_off, vc, d4);
+                pv3 = load_v(table_off, page_shift, tb + vk + 12u, t_end, kv4, kv_off, vc, d4);
             }
             // #include "rb_score_col.wgsl" DV=0 KD=32 QO=0
             // #include "rb_score_col.wgsl" DV=1 KD=36 QO=4
@@ -407,10 +410,10 @@ fn attention_prefill_rb(
         qk[kp + 2u][1][trs] = vec4<f32>(p4.z, p5.z, p6.z, p7.z);
         qk[kp + 3u][0][trs] = vec4<f32>(p0.w, p1.w, p2.w, p3.w);
         qk[kp + 3u][1][trs] = vec4<f32>(p4.w, p5.w, p6.w, p7.w);
-        pv0 = load_v(tb + 16u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(tb + 20u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(tb + 24u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(tb + 28u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(table_off, page_shift, tb + 16u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(table_off, page_shift, tb + 20u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(table_off, page_shift, tb + 24u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(table_off, page_shift, tb + 28u + vk, t_end, kv4, kv_off, vc, d4);
         workgroupBarrier();
 
         // ── values: quarter 0 (keys 0..15, buffer 0); V quarter 1 -> buffer 1 ──
@@ -418,10 +421,10 @@ fn attention_prefill_rb(
         vb[20u + vk][vc_hi][vc_lo] = pv1;
         vb[24u + vk][vc_hi][vc_lo] = pv2;
         vb[28u + vk][vc_hi][vc_lo] = pv3;
-        pv0 = load_v(tb + 32u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(tb + 36u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(tb + 40u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(tb + 44u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(table_off, page_shift, tb + 32u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(table_off, page_shift, tb + 36u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(table_off, page_shift, tb + 40u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(table_off, page_shift, tb + 44u + vk, t_end, kv4, kv_off, vc, d4);
         o0a *= fa.x;
         o0b *= fa.x;
         o1a *= fa.y;
@@ -463,10 +466,10 @@ fn attention_prefill_rb(
         vb[vk + 4u][vc_hi][vc_lo] = pv1;
         vb[vk + 8u][vc_hi][vc_lo] = pv2;
         vb[vk + 12u][vc_hi][vc_lo] = pv3;
-        pv0 = load_v(tb + 48u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(tb + 52u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(tb + 56u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(tb + 60u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(table_off, page_shift, tb + 48u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(table_off, page_shift, tb + 52u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(table_off, page_shift, tb + 56u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(table_off, page_shift, tb + 60u + vk, t_end, kv4, kv_off, vc, d4);
         if tb + 16u < t_end {
             // #include "rb_value_key.wgsl" K=16 PX=px0 VR=16
             // #include "rb_value_key.wgsl" K=17 PX=px0 VR=17
@@ -498,10 +501,10 @@ fn attention_prefill_rb(
             pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
             pq10 = load_q(qb_base, qb_ok, sd, d4);
             pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-            pk0 = load_k(tn, t_end, kv4, kv_off, kd, d4);
-            pk1 = load_k(tn, t_end, kv4, kv_off, kd + 2u, d4);
-            pk2 = load_k(tn, t_end, kv4, kv_off, kd + 4u, d4);
-            pk3 = load_k(tn, t_end, kv4, kv_off, kd + 6u, d4);
+            pk0 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd, d4);
+            pk1 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 2u, d4);
+            pk2 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 4u, d4);
+            pk3 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 6u, d4);
         }
         if tb + 32u < t_end {
             // #include "rb_value_key.wgsl" K=32 PX=px0 VR=0
@@ -581,12 +584,12 @@ fn attention_prefill_rb(
     yb += vb[31u][0u][8u + tr];
     ya += vb[31u][1u][tr];
     yb += vb[31u][1u][8u + tr];
-    write_row(tr, ya.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 8u, ya.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 16u, ya.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 24u, ya.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 32u, yb.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 40u, yb.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 48u, yb.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
-    write_row(tr + 56u, yb.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc);
+    write_row(tr, ya.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 8u, ya.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 16u, ya.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 24u, ya.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 32u, yb.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 40u, yb.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 48u, yb.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr + 56u, yb.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
 }

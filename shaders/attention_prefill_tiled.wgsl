@@ -56,25 +56,27 @@
 // Constraints (checked host-side in kernels.plan_attention_prefill_tiled):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8}.
 //
-// Bind group 0 (as attention_prefill.wgsl, whose params it shares but for one):
-// @binding(0) q_batch:   array<vec4<f32>>  n_queries x q_stride floats
-// @binding(1) k_cache:   array<vec4<f32>>  [cap, kv_dim]
-// @binding(2) v_cache:   array<vec4<f32>>  [cap, kv_dim]
-// @binding(3) out_batch: array<vec4<f32>>  n_queries x out_stride floats (rw)
-// @binding(4) params:    PrefillParams (gpu/params.py PREFILL_PARAMS)
-// @binding(5) pages:     array<u32> page tables (include/paging.wgsl); k/v_cache rows are slab rows
-//   n_queries: query rows in q_batch (rows q_base + ... past it are skipped);
-//   flags bit 0: non-causal.
+// Bind group 0 (one dispatch serves a batch of attends over one pool slab, one
+// params block per workgroup; a single attend is the batch of one):
+// @binding(0) q_batch:   array<vec4<f32>>  every item's queries, the item's n_queries x
+//                                          q_stride floats at word q_off
+// @binding(1) k_cache:   array<vec4<f32>>  the slab, [rows, kv_dim]
+// @binding(2) v_cache:   array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
+// @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
+//                        its item's fields, q_base = the block's first query row
+// @binding(5) pages:     array<u32> page tables (include/paging.wgsl)
+//   n_queries: the item's query rows (rows past it are skipped); flags bit 0: non-causal.
 //
-// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
-// blocks together cover query rows q_base .. q_base + rows - 1.
+// Dispatch: (the batch's blocks of BQ rows, n_kv_heads, 1) workgroups of 256
+// threads; the host puts the blocks with the longest causal windows first.
 
 @group(0) @binding(0) var<storage, read> q_batch: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
-@group(0) @binding(4) var<storage, read> params: PrefillParams;
+@group(0) @binding(4) var<storage, read> params: array<PrefillParams>;   // one block per workgroup (wid.x)
 @group(0) @binding(5) var<storage, read> pages: array<u32>;
 // #include "paging.wgsl"
 
@@ -100,6 +102,7 @@ fn attention_prefill_tiled(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
+    let prm = params[wid.x];                     // this block of query rows (of one item)
     // #include "prefill_params.wgsl"
 
     let kv_head = wid.y;
@@ -108,8 +111,7 @@ fn attention_prefill_tiled(
     let d4 = head_dim / 4u;
     let kv4 = kv_dim / 4u;
     let kv_off = kv_head * d4;
-    let blk = nwg.x - 1u - wid.x;                // longest (latest) blocks first
-    let q_first = q_base + blk * bq;
+    let q_first = q_base;                        // the block's first row (the host puts the longest first)
     let q_last = min(q_first + bq, n_queries) - 1u;  // host guarantees q_first < n_queries
     let non_causal = (flags & FLAG_NON_CAUSAL) != 0u;
     var t_end = max_seq;                         // the block's widest window
@@ -123,10 +125,10 @@ fn attention_prefill_tiled(
     let sc = (tid / 8u) % 8u;
     let qa = q_first + sq % bq;
     let qa_ok = qa <= q_last;
-    let qa_base = (qa * q_stride + (kv_head * group + sq / bq) * head_dim) / 4u;
+    let qa_base = (q_off + qa * q_stride + (kv_head * group + sq / bq) * head_dim) / 4u;
     let qb = q_first + (sq + 32u) % bq;
     let qb_ok = qb <= q_last;
-    let qb_base = (qb * q_stride + (kv_head * group + (sq + 32u) / bq) * head_dim) / 4u;
+    let qb_base = (q_off + qb * q_stride + (kv_head * group + (sq + 32u) / bq) * head_dim) / 4u;
     let vk = tid / 32u;
     let vc = tid % 32u;
 
@@ -219,8 +221,8 @@ fn attention_prefill_tiled(
     }
 
     // ── write the block's outputs: rows r0..r3, columns tc, tc + 16 ──
-    write_row(r0, l0, o00, o01, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
-    write_row(r1, l1, o10, o11, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
-    write_row(r2, l2, o20, o21, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
-    write_row(r3, l3, o30, o31, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc);
+    write_row(r0, l0, o00, o01, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
+    write_row(r1, l1, o10, o11, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
+    write_row(r2, l2, o20, o21, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
+    write_row(r3, l3, o30, o31, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
 }

@@ -105,6 +105,7 @@ fn flash_attention_tq(
     let head = wid.x;
     let q_idx = wid.y;
     let tid = lid.x;
+    let prm = params;
     // #include "tq_attention_params.wgsl"
     var centroids: array<f32, 4> = array<f32, 4>(c0, c1, c2, c3);
     let q_global = q_base + q_idx;
@@ -117,11 +118,11 @@ fn flash_attention_tq(
     }
     let group_size = n_heads / n_kv_heads;
     let kv_head = head / group_size;
-    let out_offset = q_global * out_stride + head * head_dim;
+    let out_offset = out_off + q_global * out_stride + head * head_dim;
     // Rotated-query regions (see `tq_rotate_q`).
     let q_region = q_cap * n_heads * head_dim;
-    let q_offset = (q_global * n_heads + head) * head_dim;
-    let q_jl_sum = qrot[2u * q_region + q_global * n_heads + head];
+    let q_offset = q_off + (q_global * n_heads + head) * head_dim;
+    let q_jl_sum = qrot[q_off + 2u * q_region + q_global * n_heads + head];
     // Compressed cache regions for this layer.
     let polar_words = head_dim / 16u;
     let jl_words = head_dim / 32u;

@@ -29,27 +29,29 @@
 // Constraints (checked host-side): head_dim in {32, 64, 128};
 // G = n_heads / n_kv_heads in {1, 2, 4, 8}.
 //
-// Bind group 0 (as flash_attention_tq.wgsl):
-// @binding(0) qrot:    array<f32>  [q_rot | q_jl | sums] of q_cap rows (tq_rotate_q;
-//   the sums are not read here: the +-1 form of the JL term needs none)
-// @binding(1) k_cache: array<u32>  [polar | jl | norms]
-// @binding(2) v_cache: array<u32>  [polar | norms]
-// @binding(3) out_batch: array<f32> q_cap x out_stride floats (rw)
-// @binding(4) params:  TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS, as
-//   flash_attention_tq.wgsl; q_cap is the number of query rows)
-// @binding(5) signs:   array<f32>
-// @binding(6) pages:   array<u32> page tables (include/paging.wgsl); cache_cap is the slab's rows
+// Bind group 0 (one dispatch serves a batch of attends over one pool slab, one
+// params block per workgroup; a single attend is the batch of one):
+// @binding(0) qrot:    array<f32>  every item's [q_rot | q_jl | sums] of q_cap rows
+//   (tq_rotate_q) at word q_off (the sums are not read here: the +-1 form of the
+//   JL term needs none)
+// @binding(1) k_cache: array<u32>  the slab's [polar | jl | norms] (cache_cap rows)
+// @binding(2) v_cache: array<u32>  the slab's [polar | norms]
+// @binding(3) out_batch: array<f32> every item's outputs at word out_off (rw)
+// @binding(4) params:  array<TqAttentionParams> (gpu/params.py TQ_ATTENTION_PARAMS),
+//   block wid.x: its item's fields, q_base = the block's first query row, q_cap the
+//   item's query rows
+// @binding(5) signs:   array<f32>  the item's layer's signs at word sign_off
+// @binding(6) pages:   array<u32> page tables (include/paging.wgsl)
 //
-// Dispatch: (ceil(rows / BQ), n_kv_heads, 1) workgroups of 256 threads; the
-// blocks together cover query rows q_base .. q_base + rows - 1, longest causal
-// windows first (block x covers the (n_blocks - 1 - x)-th group of BQ rows).
+// Dispatch: (the batch's blocks of BQ rows, n_kv_heads, 1) workgroups of 256
+// threads; the host puts the blocks with the longest causal windows first.
 
 @group(0) @binding(0) var<storage, read> qrot: array<f32>;
 @group(0) @binding(1) var<storage, read> k_cache: array<u32>;
 @group(0) @binding(2) var<storage, read> v_cache: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
 // #struct TqAttentionParams
-@group(0) @binding(4) var<storage, read> params: TqAttentionParams;
+@group(0) @binding(4) var<storage, read> params: array<TqAttentionParams>;   // one block per workgroup (wid.x)
 @group(0) @binding(5) var<storage, read> signs: array<f32>;
 @group(0) @binding(6) var<storage, read> pages: array<u32>;
 // #include "paging.wgsl"
@@ -96,6 +98,7 @@ fn attention_tq_tiled(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let tid = lid.x;
+    let prm = params[wid.x];                         // this block of query rows (of one item)
     // #include "tq_attention_params.wgsl"
 
     let kv_head = wid.y;
@@ -109,8 +112,7 @@ fn attention_tq_tiled(
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * pw;
     let slot0 = kv_head * cache_cap;
-    let blk = nwg.x - 1u - wid.x;                    // longest (latest) blocks first
-    let q_first = q_base + blk * bq;
+    let q_first = q_base;                            // the block's first row (the host puts the longest first)
     let q_last = min(q_first + bq, q_cap) - 1u;      // host guarantees q_first < q_cap
     let non_causal = (flags & FLAG_NON_CAUSAL) != 0u;
     var t_end = max_seq;
@@ -126,10 +128,10 @@ fn attention_tq_tiled(
     let sc = (tid / 8u) % 8u;
     let qa = q_first + sq % bq;
     let qa_ok = qa <= q_last;
-    let qa_base = (qa * n_heads + kv_head * group + sq / bq) * head_dim + 4u * sc;
+    let qa_base = q_off + (qa * n_heads + kv_head * group + sq / bq) * head_dim + 4u * sc;
     let qb = q_first + (sq + 32u) % bq;
     let qb_ok = qb <= q_last;
-    let qb_base = (qb * n_heads + kv_head * group + (sq + 32u) / bq) * head_dim + 4u * sc;
+    let qb_base = q_off + (qb * n_heads + kv_head * group + (sq + 32u) / bq) * head_dim + 4u * sc;
     let vk = tid / 32u;
     let vc = tid % 32u;
     let sh2 = vec4<u32>(0u, 2u, 4u, 6u) + vec4<u32>(8u * (sc % 4u));   // key chunk column sc's codes
@@ -298,7 +300,7 @@ fn attention_tq_tiled(
             if qi <= q_last {
                 let head = kv_head * group + r / bq;
                 let v = stage[e / d4][c];
-                let o = qi * out_stride + head * head_dim + 4u * c;
+                let o = out_off + qi * out_stride + head * head_dim + 4u * c;
                 let sg = sign_off + 4u * c;
                 out_batch[o] = v.x * signs[sg];
                 out_batch[o + 1u] = v.y * signs[sg + 1u];

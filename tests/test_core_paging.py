@@ -169,3 +169,33 @@ def test_bytes_held_are_the_tokens_plus_at_most_one_page_per_layer(engine, rng):
             assert layer.nbytes == len(layer.pages) * P * per_token
             assert layer.length * per_token <= layer.nbytes < layer.length * per_token + P * per_token
         engine.release(s).result()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("n_rows", [1, 40], ids=["decode-split", "prefill-tiled"])
+def test_a_batch_of_attends_is_one_dispatch_per_phase_and_bit_identical(engine, rng, fmt, n_rows):
+    """Attends of five sessions of one shape, planned together (a batched step), run
+    as one dispatch per kernel phase and answer bit for bit as when sent alone."""
+    h, hkv, d = 8, 2, 64
+    lengths = (3 * P + 2, 100, 41, 2 * P + 9, 4 * P)  # awkward, and past 40: one kernel path
+    sessions = [session(engine, fmt, h, hkv, d, seed=int(rng.integers(2**53))) for _ in lengths]
+    qs = []
+    for s, length in zip(sessions, lengths):
+        engine.append(s.layers[0], rows(rng, length, hkv, d), rows(rng, length, hkv, d)).result()
+        qs.append(rows(rng, min(n_rows, length), h, d))
+    alone = [engine.attend(s.layers[0], q).result()[0] for s, q in zip(sessions, qs)]
+    before = engine.worker.dispatches
+    together = [
+        f.result()[0] for f in engine.submit_group([engine.plan_attend(s.layers[0], q) for s, q in zip(sessions, qs)])
+    ]
+    phases = {
+        ("f32", 1): 2,
+        ("turboquant", 1): 3,
+        ("f32", 40): 1,
+        ("turboquant", 40): 2,
+    }  # (rotate,) split/tiled (, merge)
+    assert engine.worker.dispatches - before == phases[fmt, n_rows]
+    for a, b in zip(alone, together):
+        assert a.tobytes() == b.tobytes()
+    for s in sessions:
+        engine.release(s).result()

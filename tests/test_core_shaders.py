@@ -66,9 +66,10 @@ def test_params_layout_matches_wgsl(key):
     decl = re.search(rf"var<storage, read> {var}: (?:array<(\w+)>|(\w+));", src)
     assert decl, f"{var} not declared in {file}"
     struct = decl.group(1) or decl.group(2)
-    if decl.group(1):  # one block per row: read through `let ALIAS = var[row];`
-        alias = re.findall(rf"let (\w+) = {var}\[[^\]]*\];", src)
-        assert len(set(alias)) == 1, f"{file}: {var}[...] read through {alias}"
+    # one block per row (`let ALIAS = var[row];`), or the block copied (`let ALIAS = var;`)
+    alias = re.findall(rf"let (\w+) = {var}(?:\[[^\]]*\])?;", src)
+    if decl.group(1) or alias:
+        assert len(set(alias)) == 1, f"{file}: {var} read through {alias}"
         var = alias[0]
     assert P.STRUCTS.get(struct) is dtype, f"{file}: {var} is a {struct}, not the host block"
     # the struct the shader compiles is the host's, field by field: same names,

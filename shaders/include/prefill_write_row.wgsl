@@ -3,11 +3,11 @@
 
 // Row r's output columns tc and tc + 16 (vec4), if r is a query row of the batch.
 fn write_row(r: u32, l: f32, a: vec4<f32>, b: vec4<f32>, q_first: u32, q_last: u32, bq: u32,
-             head0: u32, head_dim: u32, out_stride: u32, d4: u32, tc: u32) {
+             head0: u32, head_dim: u32, out_stride: u32, d4: u32, tc: u32, out_off: u32) {
     let qi = q_first + r % bq;
     if qi <= q_last {
         let inv = 1.0 / l;
-        let o = (qi * out_stride + (head0 + r / bq) * head_dim) / 4u;
+        let o = (out_off + qi * out_stride + (head0 + r / bq) * head_dim) / 4u;
         if tc < d4 { out_batch[o + tc] = a * inv; }
         if tc + 16u < d4 { out_batch[o + tc + 16u] = b * inv; }
     }

@@ -4,12 +4,13 @@ Each function records into a :class:`~.batch.Batch`; none touches the device.
 Every cache is a pool slab read through the layer's page table
 (``shaders/include/paging.wgsl``, ``pool.py``).
 
-The decode-path kernels are *batched*: ``tq_encode_*``, ``tq_rotate_q``, the
-split-KV kernels and ``attention_merge`` take one params block per row, so the
+The kernels are *batched*: ``tq_encode_*``, ``tq_rotate_q``, the split-KV
+kernels and ``attention_merge`` take one params block per row, so the
 plans queue their work with ``Batch.defer`` and the batch records one dispatch
 per kernel, slab and shape for all its items, in phases (writes, rotations,
-attention, merges); a single attend is the batch of one. The tiled and
-single-pass kernels run one attend per dispatch, in the attention phase. Row
+attention, merges); a single attend is the batch of one. The query-block prefill
+kernels are batched the same way (one params block per block of query rows); only
+the single-pass kernels run one attend per dispatch, in the attention phase. Row
 dispatches are cut so that no grid dimension passes the adapter's
 ``max-compute-workgroups-per-dimension``.
 
@@ -51,8 +52,6 @@ __all__ = [
     "plan_attend_turboquant",
     "split_eligible",
     "choose_split",
-    "plan_attention_prefill_tiled",
-    "plan_attention_tq_tiled",
 ]
 
 
@@ -155,6 +154,8 @@ def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg
             q_stride=stride,
             out_stride=stride,
             q_base=q_base,
+            q_off=0,  # the queries and outputs are bound as their own segments
+            out_off=0,
         )
     )
 
@@ -547,52 +548,107 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
     )
 
 
-# ── query-block tiled prefill (f32) ─────────────────────────────────────────
+# ── query-block tiled prefill (f32 and TurboQuant), batched ──────────────────
 
 TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
 RB_ROWS = 64  # R in attention_prefill_rb.wgsl
-
-
-def plan_attention_prefill_tiled(batch: Batch, a: Attend) -> None:
-    """The f32 query-block prefill: blocks of R / G query rows x the G heads of a
-    KV head, with ``attention_prefill_rb`` (64-key tiles, outer-product register
-    blocks; its pipeline specialized on G and head_dim unless the policy says
-    otherwise) or ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says."""
-    if not split_eligible("f32", a.n_heads, a.n_kv_heads, a.head_dim):
-        raise ValueError("shape not eligible for the tiled prefill kernel")
-    constants: dict[str, int] | None
-    if batch.policy.prefill_f32 == "rb":
-        kernel, bq = "attention_prefill_rb", RB_ROWS // a.group
-        constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
-        if batch.policy.prefill_rb_specialize:
-            constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
-    else:
-        kernel, bq, constants = "attention_prefill_tiled", TILED_ROWS // a.group, None
-    for q_base, rows in _chunks(a.n_queries, _limit(batch) * bq):
-        prm = _prefill_params(batch, a, q_base, q_base + rows)
-        batch.dispatch(
-            kernel,
-            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: a.pages},
-            (-(-rows // bq), a.n_kv_heads, 1),
-            constants=constants,
-        )
-
-
 TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl
 
 
-def plan_attention_tq_tiled(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """``attention_tq_tiled``: blocks of R / G query rows x the G heads of a KV head, from rotated queries."""
-    if not split_eligible("turboquant", a.n_heads, a.n_kv_heads, a.head_dim):
-        raise ValueError("shape not eligible for the tiled TurboQuant kernel")
-    bq = TQ_TILED_ROWS // a.group
-    for q_base, rows in _chunks(a.n_queries, _limit(batch) * bq):
-        prm = _tq_attention_params(batch, a, tq, q_base)
-        batch.dispatch(
-            "attention_tq_tiled",
-            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
-            (-(-rows // bq), a.n_kv_heads, 1),
+@dataclass(frozen=True)
+class _TiledItem:
+    a: Attend
+    bq: int  # query rows per block
+    tq: TqLayer | None
+
+
+def _tiled_kernel(batch: Batch, a: Attend, tq: TqLayer | None) -> tuple[str, int, dict[str, int] | None]:
+    """(kernel, query rows per block, override constants) of a query-block attend."""
+    if tq is not None:
+        return "attention_tq_tiled", TQ_TILED_ROWS // a.group, None
+    if batch.policy.prefill_f32 == "rb":
+        constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
+        if batch.policy.prefill_rb_specialize:
+            constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
+        return "attention_prefill_rb", RB_ROWS // a.group, constants
+    return "attention_prefill_tiled", TILED_ROWS // a.group, None
+
+
+def _plan_tiled(batch: Batch, a: Attend, tq: TqLayer | None) -> None:
+    """Queue a query-block attend: blocks of R / G query rows x the G heads of a KV
+    head; the batch's blocks over one slab and shape run as one dispatch (one params
+    block per workgroup), the blocks with the longest causal windows first.
+
+    f32 takes ``attention_prefill_rb`` (64-key tiles, outer-product register blocks;
+    specialized on G and head_dim unless the policy says otherwise) or
+    ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says; TurboQuant
+    ``attention_tq_tiled`` from rotated queries."""
+    fmt = "f32" if tq is None else "turboquant"
+    if not split_eligible(fmt, a.n_heads, a.n_kv_heads, a.head_dim):
+        raise ValueError(f"shape not eligible for the tiled {fmt} kernel")
+    kernel, bq, constants = _tiled_kernel(batch, a, tq)
+    (q, _), (out, _) = _bind(a.q), _bind(a.out)
+    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, out, a.n_kv_heads)
+    flush = functools.partial(_flush_tiled, kernel, constants)
+    batch.defer(PHASE_ATTEND, key, _TiledItem(a, bq, tq), flush, rows=-(-a.n_queries // bq))
+
+
+def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_TiledItem]) -> None:
+    first = items[0].a
+    blocks = []  # (window end, item, first row)
+    for it in items:
+        a = it.a
+        for q_first in range(0, a.n_queries, it.bq):
+            last = min(q_first + it.bq, a.n_queries) - 1
+            blocks.append((a.length if not a.causal else min(a.start_pos + last + 1, a.length), it, q_first))
+    blocks.sort(key=lambda b: -b[0])  # longest windows first: the tail of the dispatch is short blocks
+    cols: dict[str, list] = {}
+
+    def col(name: str, value) -> None:
+        cols.setdefault(name, []).append(value)
+
+    for _, it, q_first in blocks:
+        a = it.a
+        for k, v in a.shape_params().items():
+            col(k, v)
+        col("q_base", q_first)
+        col("q_off", _bind(a.q)[1])
+        col("out_off", _bind(a.out)[1])
+        col("table_off", _bind(a.pages)[1])
+        col("out_stride", a.n_heads * a.head_dim)
+        if it.tq is None:
+            col("n_queries", a.n_queries)
+            col("q_stride", a.n_heads * a.head_dim)
+        else:
+            col("q_cap", a.n_queries)
+            col("sign_off", _bind(it.tq.signs)[1])
+    q, _ = _bind(first.q)
+    out, _ = _bind(first.out)
+    ins = whole("in")
+    common: dict[str, Any] = dict(page_shift=first.page_shift)
+    bindings: dict[int, Resource] = {0: q, 1: first.cache.k, 2: first.cache.v, 3: out}
+    if items[0].tq is None:
+        block = P.PREFILL_PARAMS
+        common.update(kv_dim=first.n_kv_heads * first.head_dim)
+        bindings[5] = ins
+    else:
+        block = P.TQ_ATTENTION_PARAMS
+        c = items[0].tq.codebook.centroids
+        common.update(
+            qjl_scale=qjl_scale(first.head_dim), cache_cap=first.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3]
         )
+        bindings.update({5: ins, 6: ins})
+    _dispatch_rows(
+        batch,
+        kernel,
+        block,
+        len(blocks),
+        {**cols, **common},
+        bindings,
+        4,
+        lambda rows: (rows, first.n_kv_heads, 1),
+        constants,
+    )
 
 
 # ── one planning entry point per kv format ──────────────────────────────────
@@ -612,7 +668,7 @@ def plan_attend_f32(batch: Batch, a: Attend) -> None:
     if path == "split":
         _plan_split(batch, a, "f32", None)
     else:
-        _plan_one(batch, plan_attention_prefill_tiled if path == "tiled" else plan_attention_f32, a)
+        _plan_tiled(batch, a, None) if path == "tiled" else _plan_one(batch, plan_attention_f32, a)
 
 
 def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
@@ -625,4 +681,4 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     if path == "split":
         _plan_split(batch, a, "turboquant", tq)
     else:
-        _plan_one(batch, plan_attention_tq_tiled if path == "tiled" else plan_attention_tq, a, tq)
+        _plan_tiled(batch, a, tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)

@@ -41,7 +41,9 @@ _F32_HEAD = ("n_heads", "n_kv_heads", "head_dim", "kv_dim", "max_seq", "~scale",
 _TQ_HEAD = ("n_heads", "n_kv_heads", "head_dim", "max_seq", "start_pos", "~scale", "q_cap")
 
 
-# struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params`
+# struct PrefillParams: attention_prefill{,_tiled,_rb}.wgsl `params` (the query-block
+# kernels take one per block: q_base is the block's first row; q_off/out_off the
+# item's queries and outputs in the bound arenas)
 PREFILL_PARAMS = _block(
     *_F32_HEAD,
     "n_queries",
@@ -51,10 +53,13 @@ PREFILL_PARAMS = _block(
     "flags",
     "table_off",
     "page_shift",
+    "q_off",
+    "out_off",
 )
 
 
-# struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params`
+# struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params` (one per block
+# in attention_tq_tiled, as PrefillParams)
 TQ_ATTENTION_PARAMS = _block(
     *_TQ_HEAD,
     "out_stride",
@@ -69,7 +74,8 @@ TQ_ATTENTION_PARAMS = _block(
     "flags",
     "table_off",
     "page_shift",
-    "_pad0",
+    "q_off",
+    "out_off",
 )
 
 # struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`,
