@@ -126,16 +126,16 @@ fn load_q(base: u32, ok: bool, col: u32, d4: u32) -> vec4<f32> {
     return vec4<f32>(0.0);
 }
 
-fn load_k(tbl: u32, shift: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
+fn load_k(b: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return k_cache[phys_row(tbl, shift, t) * kv4 + off + col];
+        return k_cache[phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }
 
-fn load_v(tbl: u32, shift: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
+fn load_v(b: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return v_cache[phys_row(tbl, shift, t) * kv4 + off + col];
+        return v_cache[phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col];
     }
     return vec4<f32>(0.0);
 }
@@ -255,10 +255,10 @@ fn attention_prefill_rb(
         pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
         pq10 = load_q(qb_base, qb_ok, sd, d4);
         pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-        pk0 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd, d4);
-        pk1 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 2u, d4);
-        pk2 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 4u, d4);
-        pk3 = load_k(table_off, page_shift, kk, t_end, kv4, kv_off, kd + 6u, d4);
+        pk0 = load_k(wid.x, kk, t_end, kv4, kv_off, kd, d4);
+        pk1 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 2u, d4);
+        pk2 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 4u, d4);
+        pk3 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 6u, d4);
     }
 
     for (var tb = 0u; tb < t_end; tb += TK) {
@@ -277,10 +277,10 @@ fn attention_prefill_rb(
                 pq01 = load_q(qa_base, qa_ok, c0 + sd + 4u, d4);
                 pq10 = load_q(qb_base, qb_ok, c0 + sd, d4);
                 pq11 = load_q(qb_base, qb_ok, c0 + sd + 4u, d4);
-                pk0 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
-                pk1 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
-                pk2 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
-                pk3 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
+                pk0 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
+                pk1 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
+                pk2 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
+                pk3 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
             }
             workgroupBarrier();
             qk[qo0][qo1][sr] = pq00 * qscale;
@@ -311,16 +311,16 @@ fn attention_prefill_rb(
                     pq01 = load_q(qa_base, qa_ok, c1 + sd + 4u, d4);
                     pq10 = load_q(qb_base, qb_ok, c1 + sd, d4);
                     pq11 = load_q(qb_base, qb_ok, c1 + sd + 4u, d4);
-                    pk0 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd, d4);
-                    pk1 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 2u, d4);
-                    pk2 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 4u, d4);
-                    pk3 = load_k(table_off, page_shift, tb + kk, t_end, kv4, kv_off, c1 + kd + 6u, d4);
+                    pk0 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd, d4);
+                    pk1 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 2u, d4);
+                    pk2 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 4u, d4);
+                    pk3 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 6u, d4);
                 }
             } else {
-                pv0 = load_v(table_off, page_shift, tb + vk, t_end, kv4, kv_off, vc, d4);
-                pv1 = load_v(table_off, page_shift, tb + vk + 4u, t_end, kv4, kv_off, vc, d4);
-                pv2 = load_v(table_off, page_shift, tb + vk + 8u, t_end, kv4, kv_off, vc, d4);
-                pv3 = load_v(table_off, page_shift, tb + vk + 12u, t_end, kv4, kv_off, vc, d4);
+                pv0 = load_v(wid.x, tb + vk, t_end, kv4, kv_off, vc, d4);
+                pv1 = load_v(wid.x, tb + vk + 4u, t_end, kv4, kv_off, vc, d4);
+                pv2 = load_v(wid.x, tb + vk + 8u, t_end, kv4, kv_off, vc, d4);
+                pv3 = load_v(wid.x, tb + vk + 12u, t_end, kv4, kv_off, vc, d4);
             }
             // #include "rb_score_col.wgsl" DV=0 KD=32 QO=0
             // #include "rb_score_col.wgsl" DV=1 KD=36 QO=4
@@ -410,10 +410,10 @@ fn attention_prefill_rb(
         qk[kp + 2u][1][trs] = vec4<f32>(p4.z, p5.z, p6.z, p7.z);
         qk[kp + 3u][0][trs] = vec4<f32>(p0.w, p1.w, p2.w, p3.w);
         qk[kp + 3u][1][trs] = vec4<f32>(p4.w, p5.w, p6.w, p7.w);
-        pv0 = load_v(table_off, page_shift, tb + 16u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(table_off, page_shift, tb + 20u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(table_off, page_shift, tb + 24u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(table_off, page_shift, tb + 28u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(wid.x, tb + 16u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(wid.x, tb + 20u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(wid.x, tb + 24u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(wid.x, tb + 28u + vk, t_end, kv4, kv_off, vc, d4);
         workgroupBarrier();
 
         // ── values: quarter 0 (keys 0..15, buffer 0); V quarter 1 -> buffer 1 ──
@@ -421,10 +421,10 @@ fn attention_prefill_rb(
         vb[20u + vk][vc_hi][vc_lo] = pv1;
         vb[24u + vk][vc_hi][vc_lo] = pv2;
         vb[28u + vk][vc_hi][vc_lo] = pv3;
-        pv0 = load_v(table_off, page_shift, tb + 32u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(table_off, page_shift, tb + 36u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(table_off, page_shift, tb + 40u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(table_off, page_shift, tb + 44u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(wid.x, tb + 32u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(wid.x, tb + 36u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(wid.x, tb + 40u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(wid.x, tb + 44u + vk, t_end, kv4, kv_off, vc, d4);
         o0a *= fa.x;
         o0b *= fa.x;
         o1a *= fa.y;
@@ -466,10 +466,10 @@ fn attention_prefill_rb(
         vb[vk + 4u][vc_hi][vc_lo] = pv1;
         vb[vk + 8u][vc_hi][vc_lo] = pv2;
         vb[vk + 12u][vc_hi][vc_lo] = pv3;
-        pv0 = load_v(table_off, page_shift, tb + 48u + vk, t_end, kv4, kv_off, vc, d4);
-        pv1 = load_v(table_off, page_shift, tb + 52u + vk, t_end, kv4, kv_off, vc, d4);
-        pv2 = load_v(table_off, page_shift, tb + 56u + vk, t_end, kv4, kv_off, vc, d4);
-        pv3 = load_v(table_off, page_shift, tb + 60u + vk, t_end, kv4, kv_off, vc, d4);
+        pv0 = load_v(wid.x, tb + 48u + vk, t_end, kv4, kv_off, vc, d4);
+        pv1 = load_v(wid.x, tb + 52u + vk, t_end, kv4, kv_off, vc, d4);
+        pv2 = load_v(wid.x, tb + 56u + vk, t_end, kv4, kv_off, vc, d4);
+        pv3 = load_v(wid.x, tb + 60u + vk, t_end, kv4, kv_off, vc, d4);
         if tb + 16u < t_end {
             // #include "rb_value_key.wgsl" K=16 PX=px0 VR=16
             // #include "rb_value_key.wgsl" K=17 PX=px0 VR=17
@@ -501,10 +501,10 @@ fn attention_prefill_rb(
             pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
             pq10 = load_q(qb_base, qb_ok, sd, d4);
             pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-            pk0 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd, d4);
-            pk1 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 2u, d4);
-            pk2 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 4u, d4);
-            pk3 = load_k(table_off, page_shift, tn, t_end, kv4, kv_off, kd + 6u, d4);
+            pk0 = load_k(wid.x, tn, t_end, kv4, kv_off, kd, d4);
+            pk1 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 2u, d4);
+            pk2 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 4u, d4);
+            pk3 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 6u, d4);
         }
         if tb + 32u < t_end {
             // #include "rb_value_key.wgsl" K=32 PX=px0 VR=0
@@ -584,12 +584,12 @@ fn attention_prefill_rb(
     yb += vb[31u][0u][8u + tr];
     ya += vb[31u][1u][tr];
     yb += vb[31u][1u][8u + tr];
-    write_row(tr, ya.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 8u, ya.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 16u, ya.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 24u, ya.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 32u, yb.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 40u, yb.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 48u, yb.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
-    write_row(tr + 56u, yb.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_off);
+    write_row(tr, ya.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 8u, ya.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 16u, ya.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 24u, ya.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 32u, yb.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 40u, yb.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 48u, yb.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    write_row(tr + 56u, yb.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
 }
