@@ -166,6 +166,8 @@ def test_bytes_held_are_the_tokens_plus_at_most_one_page_per_layer(engine, rng):
     for s in live:
         for layer in s.layers:
             per_token = layer.pool.layout.bytes_per_token
+            # the count the pool keeps is the pages whose payer it is (none shared here: all of them)
+            assert layer.paid_pages == sum(1 for p in layer.pages if layer.slab.payer[p] is layer) == len(layer.pages)
             assert layer.nbytes == len(layer.pages) * P * per_token
             assert layer.length * per_token <= layer.nbytes < layer.length * per_token + P * per_token
         engine.release(s).result()

@@ -66,6 +66,7 @@ class LayerCache:
         self.length = 0
         self.slab: Slab | None = None
         self.pages: list[int] = []
+        self.paid_pages = 0  # of its pages, those it pays for (the pool keeps it: pool.Holder)
 
     # ── sizing (pure) ───────────────────────────────────────────────────────
 
@@ -100,7 +101,7 @@ class LayerCache:
         """GPU bytes this layer is charged for: the pages it pays for (a page shared
         with a fork is paid by one of its holders: the one that took it, then the
         next when that one lets it go)."""
-        return self.pool.paid_by(self.slab, self.pages, self) * self.pool.page_bytes
+        return self.paid_pages * self.pool.page_bytes
 
     # ── device work (GPU owner thread) ──────────────────────────────────────
 

@@ -48,6 +48,12 @@ def check_page_tokens(page_tokens: int) -> int:
     return page_tokens
 
 
+class Holder(Protocol):
+    """What holds pages (``kvcache.LayerCache``): it counts the pages it pays for."""
+
+    paid_pages: int
+
+
 class Copier(Protocol):
     """Where copies are recorded: a ``gpu.batch.Batch`` or :class:`DirectCopies`."""
 
@@ -166,8 +172,8 @@ class Slab:
     k: wgpu.GPUBuffer | None = None
     v: wgpu.GPUBuffer | None = None
     free: list[int] = field(default_factory=list)
-    holders: list[list[object]] = field(default_factory=list)  # the layers holding each page
-    payer: list[object | None] = field(default_factory=list)  # the holder charged for each page
+    holders: list[list[Holder]] = field(default_factory=list)  # the layers holding each page
+    payer: list[Holder | None] = field(default_factory=list)  # the holder charged for each page
 
     @property
     def free_pages(self) -> int:
@@ -250,7 +256,7 @@ class PagePool:
         device: wgpu.GPUDevice,
         slab: Slab | None,
         n: int,
-        holder: object,
+        holder: Holder,
         exclude: Slab | None = None,
     ) -> tuple[Slab, list[int]]:
         """``n`` free pages, held and paid for by ``holder``, from ``slab``, or, with
@@ -265,6 +271,7 @@ class PagePool:
         for p in pages:
             slab.holders[p] = [holder]
             slab.payer[p] = holder
+        holder.paid_pages += n
         return slab, pages
 
     def _roomiest(self, copier: Copier, device: wgpu.GPUDevice, n: int, exclude: Slab | None) -> Slab:
@@ -287,34 +294,34 @@ class PagePool:
     def untake(self, slab: Slab, pages: list[int]) -> None:
         """Give back pages taken during a job that is rolled back (never written)."""
         for p in reversed(pages):
+            payer = slab.payer[p]
+            if payer is not None:
+                payer.paid_pages -= 1
             slab.holders[p] = []
             slab.payer[p] = None
             slab.free.append(p)
 
-    def share(self, slab: Slab, pages: list[int], holder: object) -> None:
+    def share(self, slab: Slab, pages: list[int], holder: Holder) -> None:
         """``holder`` holds ``pages`` too (their payer stays)."""
         for p in pages:
             slab.holders[p].append(holder)
             if slab.payer[p] is None:
                 slab.payer[p] = holder
+                holder.paid_pages += 1
 
-    def drop(self, slab: Slab, pages: list[int], holder: object) -> None:
+    def drop(self, slab: Slab, pages: list[int], holder: Holder) -> None:
         """``holder`` lets ``pages`` go: the next holder pays for a page its payer
         dropped; a page nobody holds is freed after the current batch."""
         for p in pages:
             held = slab.holders[p]
             held.remove(holder)
             if slab.payer[p] is holder:
+                holder.paid_pages -= 1
                 slab.payer[p] = held[0] if held else None
+                if held:
+                    held[0].paid_pages += 1
             if not held:
                 self._limbo.append((slab, p))
-
-    def paid_by(self, slab: Slab | None, pages: list[int], holder: object) -> int:
-        """How many of ``pages`` ``holder`` pays for."""
-        if slab is None:
-            return 0
-        payer = slab.payer
-        return sum(1 for p in pages if payer[p] is holder)
 
     def settle(self) -> None:
         """After a batch ran: the pages dropped while it was planned are free."""
