@@ -280,7 +280,10 @@ class SnapshotDir:
 
         found = await asyncio.wrap_future(engine.call(collect)) if todo else []
         page_tokens = engine.pools.page_tokens
-        written = await asyncio.to_thread(self._append_journals, found, page_tokens) if found else 0
+        # a session's first journal write starts its file afresh: a file under its name
+        # is another session's (one kept at start because it did not fit, say)
+        fresh = {s for s, _ in found if s not in self.journaled}
+        written = await asyncio.to_thread(self._append_journals, found, page_tokens, fresh) if found else 0
         for s, recs in found:
             if s.closed:  # deleted while its pages were written: its journal goes too
                 self.forget(s)
@@ -291,13 +294,14 @@ class SnapshotDir:
         self.last_sync = {"started": started, "finished": time.time(), "pages": written}
         return written
 
-    def _append_journals(self, found: list, page_tokens: int) -> int:
+    def _append_journals(self, found: list, page_tokens: int, fresh: set[Session]) -> int:
         written, created = 0, False
         for s, recs in found:
             if s.closed:
                 continue
             path = self.journal_for(s)
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as f:
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if s in fresh else os.O_APPEND)
+            with open(os.open(path, flags, 0o600), "ab") as f:
                 if f.tell() == 0:
                     f.write(J.header_frame(s.id, s.owner, s.config, page_tokens))
                     created = True

@@ -136,6 +136,39 @@ def test_sigkill_mid_load_loses_nothing_older_than_the_last_sync(tmp_path, rng):
         proc.wait(timeout=60)
 
 
+def test_a_new_session_starts_its_journal_afresh(engine, tmp_path, rng):
+    """A journal file left under a name (a session kept at start because it did not
+    fit, say) is replaced, not appended to, by a new session of that name."""
+    from attnserve.config import Settings
+    from svc_helpers import LiveServer
+
+    from _core import CORE_PAGE_TOKENS
+
+    snapdir = tmp_path / "snaps"
+    settings = Settings(snapshot_dir=str(snapdir), sync_interval_s=0.05)
+    srv = LiveServer(settings, engine=engine).start()
+    try:
+        (snapdir / "again.journal").write_bytes(b"not this session's journal")  # left after the start
+        api = Api(srv.url)
+        api.create(session_id="again", num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        k = rows(rng, 3 * CORE_PAGE_TOKENS + 1, 1, 8)  # three whole pages, and one row
+        assert api.append("again", 0, k, k).status == 200
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                j = J.parse_journal((snapdir / "again.journal").read_bytes(), lambda *a: 10**6)
+            except Exception:
+                j = None
+            if j is not None and len(j.pages[0]) == 3:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert j.session_id == "again" and j.config.head_dim == 8
+        api.close()
+    finally:
+        srv.stop()
+
+
 def test_a_torn_journal_keeps_its_whole_frames():
     layout = PageLayout("f32", 1, 8)
     config = SessionConfig(1, 2, 1, 8, "f32", 1000, 7)
