@@ -161,22 +161,16 @@ def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg
 
 
 def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> Seg:
-    c = tq.codebook.centroids
     return batch.upload(
         P.pack(
             P.TQ_ATTENTION_PARAMS,
             **a.shape_params(),
             **a.paging_params(),
+            **_tq_common(a, tq),
             q_cap=a.n_queries,
             out_stride=a.n_heads * a.head_dim,
-            qjl_scale=qjl_scale(a.head_dim),
             sign_off=0,
-            c0=c[0],
-            c1=c[1],
-            c2=c[2],
-            c3=c[3],
             q_base=q_base,
-            cache_cap=a.cache.rows,
         )
     )
 
@@ -219,47 +213,65 @@ def plan_rotate_q(batch: Batch, r: Rotate) -> None:
 def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
     (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
-    cols: dict[str, list[int]] = {k: [] for k in ("n_heads", "head_dim", "q_cap", "sign_off", "q_row", "q_stride")}
-    cols.update(q_in_off=[], q_out_off=[])
+    rows = _Rows()
     for r in items:
         n = r.n_queries
-        cols["n_heads"] += [r.n_heads] * n
-        cols["head_dim"] += [r.head_dim] * n
-        cols["q_cap"] += [n] * n
-        cols["sign_off"] += [_bind(r.signs)[1]] * n
-        cols["q_row"] += range(n)
-        cols["q_stride"] += [r.n_heads * r.head_dim] * n
-        cols["q_in_off"] += [_bind(r.q)[1]] * n
-        cols["q_out_off"] += [_bind(r.q_out)[1]] * n
+        rows.add(
+            n, n_heads=r.n_heads, head_dim=r.head_dim, q_cap=n, sign_off=_bind(r.signs)[1], q_row=range(n),
+            q_stride=r.n_heads * r.head_dim, q_in_off=_bind(r.q)[1], q_out_off=_bind(r.q_out)[1],
+        )  # fmt: skip
     _dispatch_rows(
         batch,
         "tq_rotate_q",
         P.TQ_ROTATE_PARAMS,
-        len(cols["q_row"]),
-        cols,
+        rows,
+        {},
         {3: signs, 4: q, 5: q_out},
         6,
         lambda rows: (max(r.n_heads for r in items), rows, 1),
     )
 
 
+class _Rows:
+    """The params columns of a batched dispatch, one entry per row (or block)."""
+
+    def __init__(self) -> None:
+        self.cols: dict[str, list] = {}
+        self.n = 0
+
+    def add(self, n: int, **fields: Any) -> None:
+        """``n`` rows: a ``range`` field gives each row its own value, any other
+        value is the same in all ``n``."""
+        for name, value in fields.items():
+            self.cols.setdefault(name, []).extend(value if isinstance(value, range) else [value] * n)
+        self.n += n
+
+
+def _tq_common(a: Attend, tq: TqLayer) -> dict[str, Any]:
+    """The fields every row of a TurboQuant attention dispatch shares: the QJL
+    scale, the slab's rows, the codebook's centroids."""
+    c = tq.codebook.centroids
+    return dict(qjl_scale=qjl_scale(a.head_dim), cache_cap=a.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3])
+
+
 def _dispatch_rows(
     batch: Batch,
     kernel: str,
     block: np.dtype,
-    n: int,
-    cols: dict[str, Any],
+    rows: _Rows,
+    common: dict[str, Any],
     bindings: dict[int, Resource],
     params_binding: int,
     grid: Callable[[int], tuple[int, int, int]],
     constants: dict[str, int] | None = None,
 ) -> None:
     """One dispatch per chunk of rows (the grid's row dimension is limited): each
-    row's params block in an array bound at ``params_binding``."""
-    for base, rows in _chunks(n, _limit(batch)):
-        part = {k: (v[base : base + rows] if isinstance(v, list) else v) for k, v in cols.items()}
-        prm = batch.upload(P.pack_rows(block, rows, **part))
-        batch.dispatch(kernel, {**bindings, params_binding: prm}, grid(rows), constants=constants)
+    row's params block (its ``rows`` columns and the ``common`` fields) in an array
+    bound at ``params_binding``."""
+    for base, n in _chunks(rows.n, _limit(batch)):
+        part = {k: v[base : base + n] for k, v in rows.cols.items()}
+        prm = batch.upload(P.pack_rows(block, n, **part, **common))
+        batch.dispatch(kernel, {**bindings, params_binding: prm}, grid(n), constants=constants)
 
 
 def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
@@ -305,22 +317,18 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
     src, _ = _bind(first.k_src)
     cache = first.cache.k if keys else first.cache.v
     c, b = first.codebook.centroids, first.codebook.boundaries
-    t, src_off, sign_off, table_off = [], [], [], []
+    rows = _Rows()
     for e in items:
         row_words = e.n_kv_heads * e.head_dim
         base = _bind(e.k_src if keys else e.v_src)[1]
-        t += range(e.t0, e.t0 + e.n_rows)
-        src_off += range(base, base + e.n_rows * row_words, row_words)
-        sign_off += [_bind(e.signs)[1]] * e.n_rows
-        table_off += [_bind(e.pages)[1]] * e.n_rows
-    cols = dict(
+        rows.add(
+            e.n_rows, t=range(e.t0, e.t0 + e.n_rows), src_off=range(base, base + e.n_rows * row_words, row_words),
+            sign_off=_bind(e.signs)[1], table_off=_bind(e.pages)[1],
+        )  # fmt: skip
+    common = dict(
         n_kv_heads=first.n_kv_heads,
         head_dim=first.head_dim,
         cache_cap=first.cache.rows,
-        t=t,
-        src_off=src_off,
-        sign_off=sign_off,
-        table_off=table_off,
         page_shift=first.page_shift,
         c0=c[0],
         c1=c[1],
@@ -335,8 +343,8 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
         batch,
         kernel,
         P.TQ_ENCODE_PARAMS,
-        len(t),
-        cols,
+        rows,
+        common,
         {0: src, 1: cache, 3: ins, 7: ins},
         2,
         lambda rows: (first.n_kv_heads, rows, 1),
@@ -473,42 +481,30 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
 def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_SplitItem]) -> None:
     first = items[0].a
     q, _ = _bind(first.q)
-    names = ("n_heads", "head_dim", "max_seq", "start_pos", "scale", "flags", "split_len", "n_splits")
-    names += ("q_row", "q_total", "q_off", "part_off", "table_off")
-    cols: dict[str, list] = {k: [] for k in names}
+    f32 = items[0].tq is None
+    rows = _Rows()
     for it in items:
         a, n = it.a, it.a.n_queries
-        for k, v in a.shape_params().items():
-            if k != "n_kv_heads":
-                cols[k] += [v] * n
-        cols["split_len"] += [it.split_len] * n
-        cols["n_splits"] += [it.n_splits] * n
-        cols["q_row"] += range(n)
-        cols["q_total"] += [n] * n
-        cols["q_off"] += [_bind(a.q)[1]] * n
-        cols["part_off"] += [_bind(it.part)[1]] * n
-        cols["table_off"] += [_bind(a.pages)[1]] * n
-    common: dict[str, Any] = dict(n_kv_heads=first.n_kv_heads, page_shift=first.page_shift)
-    if items[0].tq is None:
+        # the item's rows in its partials: q_total (f32 block), q_cap (TurboQuant block)
+        per_item = dict(q_total=n, q_stride=a.n_heads * a.head_dim) if f32 else dict(q_cap=n)
+        rows.add(
+            n, **a.shape_params(), **per_item, split_len=it.split_len, n_splits=it.n_splits, q_row=range(n),
+            q_off=_bind(a.q)[1], part_off=_bind(it.part)[1], table_off=_bind(a.pages)[1],
+        )  # fmt: skip
+    common: dict[str, Any] = dict(page_shift=first.page_shift)
+    if f32:
         block = P.SPLIT_PARAMS
         common.update(kv_dim=first.n_kv_heads * first.head_dim)
-        cols["q_stride"] = [it.a.n_heads * it.a.head_dim for it in items for _ in range(it.a.n_queries)]
-        del cols["q_total"]
-        cols["q_total"] = [it.a.n_queries for it in items for _ in range(it.a.n_queries)]
     else:
         block = P.TQ_SPLIT_PARAMS
-        c = items[0].tq.codebook.centroids
-        common.update(
-            qjl_scale=qjl_scale(first.head_dim), cache_cap=first.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3]
-        )
-        cols["q_cap"] = cols.pop("q_total")
+        common.update(_tq_common(first, items[0].tq))
     max_splits = max(it.n_splits for it in items)
     _dispatch_rows(
         batch,
         kernel,
         block,
-        len(cols["q_row"]),
-        {**cols, **common},
+        rows,
+        common,
         {0: q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: whole("in")},
         4,
         lambda rows: (max_splits, first.n_kv_heads, rows),
@@ -521,26 +517,21 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
     applies the inverse rotation with its layer's signs."""
     first = items[0].a
     out, _ = _bind(first.out)
-    names = ("n_heads", "n_splits", "q_total", "q_row", "out_stride", "sign_off", "flags", "part_off", "out_off")
-    cols: dict[str, list] = {k: [] for k in names}
+    rows = _Rows()
     for it in items:
         a, n = it.a, it.a.n_queries
-        cols["n_heads"] += [a.n_heads] * n
-        cols["n_splits"] += [it.n_splits] * n
-        cols["q_total"] += [n] * n
-        cols["q_row"] += range(n)
-        cols["out_stride"] += [a.n_heads * a.head_dim] * n
-        cols["sign_off"] += [_bind(it.tq.signs)[1] if it.tq is not None else 0] * n
-        cols["flags"] += [0 if it.tq is None else P.FLAG_ROTATE] * n
-        cols["part_off"] += [_bind(it.part)[1]] * n
-        cols["out_off"] += [_bind(a.out)[1]] * n
+        rows.add(
+            n, n_heads=a.n_heads, n_splits=it.n_splits, q_total=n, q_row=range(n), out_stride=a.n_heads * a.head_dim,
+            sign_off=_bind(it.tq.signs)[1] if it.tq is not None else 0,
+            flags=0 if it.tq is None else P.FLAG_ROTATE, part_off=_bind(it.part)[1], out_off=_bind(a.out)[1],
+        )  # fmt: skip
     max_heads = max(it.a.n_heads for it in items)
     _dispatch_rows(
         batch,
         "attention_merge",
         P.MERGE_PARAMS,
-        len(cols["q_row"]),
-        {**cols, "head_dim": first.head_dim},
+        rows,
+        {"head_dim": first.head_dim},
         # f32 merges read no signs: the input arena is bound as them (read-only)
         {0: whole("partial"), 1: out, 3: whole("in")},
         2,
@@ -602,26 +593,19 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
             last = min(q_first + it.bq, a.n_queries) - 1
             blocks.append((a.length if not a.causal else min(a.start_pos + last + 1, a.length), it, q_first))
     blocks.sort(key=lambda b: -b[0])  # longest windows first: the tail of the dispatch is short blocks
-    cols: dict[str, list] = {}
-
-    def col(name: str, value) -> None:
-        cols.setdefault(name, []).append(value)
-
+    rows = _Rows()
     for _, it, q_first in blocks:
         a = it.a
-        for k, v in a.shape_params().items():
-            col(k, v)
-        col("q_base", q_first)
-        col("q_off", _bind(a.q)[1])
-        col("out_off", _bind(a.out)[1])
-        col("table_off", _bind(a.pages)[1])
-        col("out_stride", a.n_heads * a.head_dim)
-        if it.tq is None:
-            col("n_queries", a.n_queries)
-            col("q_stride", a.n_heads * a.head_dim)
-        else:
-            col("q_cap", a.n_queries)
-            col("sign_off", _bind(it.tq.signs)[1])
+        # the item's query rows: n_queries (f32 block), q_cap (TurboQuant block)
+        per_item = (
+            dict(n_queries=a.n_queries, q_stride=a.n_heads * a.head_dim)
+            if it.tq is None
+            else dict(q_cap=a.n_queries, sign_off=_bind(it.tq.signs)[1])
+        )
+        rows.add(
+            1, **a.shape_params(), **per_item, q_base=q_first, q_off=_bind(a.q)[1], out_off=_bind(a.out)[1],
+            table_off=_bind(a.pages)[1], out_stride=a.n_heads * a.head_dim,
+        )  # fmt: skip
     q, _ = _bind(first.q)
     out, _ = _bind(first.out)
     ins = whole("in")
@@ -633,17 +617,14 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         bindings[5] = ins
     else:
         block = P.TQ_ATTENTION_PARAMS
-        c = items[0].tq.codebook.centroids
-        common.update(
-            qjl_scale=qjl_scale(first.head_dim), cache_cap=first.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3]
-        )
+        common.update(_tq_common(first, items[0].tq))
         bindings.update({5: ins, 6: ins})
     _dispatch_rows(
         batch,
         kernel,
         block,
-        len(blocks),
-        {**cols, **common},
+        rows,
+        common,
         bindings,
         4,
         lambda rows: (rows, first.n_kv_heads, 1),
