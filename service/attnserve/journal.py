@@ -33,7 +33,7 @@ import msgpack
 
 from .errors import ApiError, InvalidSnapshot
 from .kvcache import SessionConfig
-from .pool import PageLayout
+from .pool import PageLayout, copy_host_rows
 from .session_spec import parse_create
 
 __all__ = ["SUFFIX", "Journal", "header_frame", "page_frame", "parse_journal", "assemble"]
@@ -133,14 +133,9 @@ def parse_journal(data: bytes, limit_for: Callable[[str, int, int], int]) -> Jou
 def assemble(layout: PageLayout, page_tokens: int, pages: list[tuple[bytes, bytes]]) -> tuple[int, int, bytes, bytes]:
     """A layer's journaled pages as a snapshot layer ``(length, capacity, k, v)`` in the
     contiguous layout of ``capacity = len(pages) * P`` rows."""
-    P, n = page_tokens, len(pages)
-    cap = n * P
-    kb_len, vb_len = layout.buffer_bytes(cap)
-    kout, vout = bytearray(kb_len), bytearray(vb_len)
-    (pk, pv) = layout.row_ranges(P, 0, P)
+    P = page_tokens
+    cap = len(pages) * P
+    kout, vout = (bytearray(n) for n in layout.buffer_bytes(cap))
     for i, (kb, vb) in enumerate(pages):
-        dk, dv = layout.row_ranges(cap, i * P, P)
-        for out, src, src_ranges, dst_ranges in ((kout, kb, pk, dk), (vout, vb, pv, dv)):
-            for (so, size), (do, _) in zip(src_ranges, dst_ranges):
-                out[do : do + size] = src[so : so + size]
+        copy_host_rows(layout, (kb, vb, P, 0), (kout, vout, cap, i * P), P)
     return cap, cap, bytes(kout), bytes(vout)

@@ -23,7 +23,7 @@ import wgpu
 
 from .gpu.batch import Batch, Seg
 from .gpu import kernels as K
-from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_rows
+from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
 from .turboquant import SUPPORTED_HEAD_DIMS, codebook, layer_signs_bytes
 
 __all__ = [
@@ -92,11 +92,6 @@ class LayerCache:
         return self.pool.layout.buffer_bytes(capacity)
 
     @property
-    def held_bytes(self) -> int:
-        """GPU bytes of the pages this layer holds (shared ones included)."""
-        return len(self.pages) * self.pool.page_bytes
-
-    @property
     def nbytes(self) -> int:
         """GPU bytes this layer is charged for: the pages it pays for (a page shared
         with a fork is paid by one of its holders: the one that took it, then the
@@ -142,15 +137,7 @@ class LayerCache:
         pool, old_slab, old = self.pool, self.slab, self.pages
         slab, pages = pool.take(batch, batch.device, None, len(old) + more, self, exclude=old_slab)
         batch.on_rollback(lambda: pool.untake(slab, pages))
-        P = pool.page_tokens
-        for src, dst in zip(old, pages):
-            copy_rows(
-                batch,
-                pool.layout,
-                (old_slab.k, old_slab.v, old_slab.rows, src * P),
-                (slab.k, slab.v, slab.rows, dst * P),
-                P,
-            )
+        pool.copy_pages(batch, old_slab, old, slab, pages)
         pool.drop(old_slab, old, self)
         batch.on_rollback(lambda: pool.share(old_slab, old, self))
         self.slab, self.pages = slab, pages
@@ -200,58 +187,46 @@ class LayerCache:
         kernel family is chosen by the batch's ``policy`` (``gpu.kernels.KernelPolicy``)."""
         raise NotImplementedError
 
-    def read_words(self, device: wgpu.GPUDevice) -> tuple[bytes, bytes]:
-        """The layer's K and V in the contiguous layout of ``capacity`` rows (snapshots);
-        the rows past ``length`` are zero."""
-        if not self.pages:
-            return b"", b""
-        cap, P, pool = self.capacity, self.pool.page_tokens, self.pool
-        kb, vb = pool.layout.buffer_bytes(cap)
+    def _read_rows(self, device: wgpu.GPUDevice, first: int, counts: list[int]) -> tuple[memoryview, memoryview]:
+        """Rows of pages ``first, first+1, ...`` (``counts[i]`` rows of each, from its
+        start) read back in the contiguous layout of ``len(counts) * P`` rows; the
+        rows not read are zero."""
+        P, layout, slab = self.pool.page_tokens, self.pool.layout, self.slab
+        cap = len(counts) * P
         usage = wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
-        k, v = device.create_buffer(size=kb, usage=usage), device.create_buffer(size=vb, usage=usage)
+        k, v = (device.create_buffer(size=n, usage=usage) for n in layout.buffer_bytes(cap))
         copies = DirectCopies(device)
-        for i, page in enumerate(self.pages):
-            # rows past the length stay zero: a reused page may still hold a deleted session's rows
-            n = min(P, self.length - i * P)
+        for i, n in enumerate(counts):
             if n > 0:
-                copy_rows(copies, pool.layout, (self.slab.k, self.slab.v, self.slab.rows, page * P),
-                          (k, v, cap, i * P), n)  # fmt: skip
+                src = (slab.k, slab.v, slab.rows, self.pages[first + i] * P)
+                copy_rows(copies, layout, src, (k, v, cap, i * P), n)
         copies.run()
         try:
-            return bytes(device.queue.read_buffer(k)), bytes(device.queue.read_buffer(v))
+            return device.queue.read_buffer(k), device.queue.read_buffer(v)
         finally:
             k.destroy()
             v.destroy()
+
+    def read_words(self, device: wgpu.GPUDevice) -> tuple[bytes, bytes]:
+        """The layer's K and V in the contiguous layout of ``capacity`` rows (snapshots);
+        the rows past ``length`` are zero (a reused page may still hold a deleted
+        session's rows past them)."""
+        if not self.pages:
+            return b"", b""
+        P = self.pool.page_tokens
+        kb, vb = self._read_rows(device, 0, [min(P, self.length - i * P) for i in range(len(self.pages))])
+        return bytes(kb), bytes(vb)
 
     def read_pages(self, device: wgpu.GPUDevice, first: int, count: int) -> list[tuple[bytes, bytes]]:
         """Pages ``first .. first+count-1`` of the layer, each as ``(k, v)`` bytes in the
         contiguous layout of ``P`` rows (the journal's page records)."""
         P, layout = self.pool.page_tokens, self.pool.layout
-        cap = count * P
-        kb, vb = layout.buffer_bytes(cap)
-        usage = wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
-        k, v = device.create_buffer(size=kb, usage=usage), device.create_buffer(size=vb, usage=usage)
-        copies = DirectCopies(device)
+        kall, vall = self._read_rows(device, first, [P] * count)
+        out = []
         for i in range(count):
-            page = self.pages[first + i]
-            copy_rows(copies, layout, (self.slab.k, self.slab.v, self.slab.rows, page * P), (k, v, cap, i * P), P)
-        copies.run()
-        try:
-            kall, vall = device.queue.read_buffer(k), device.queue.read_buffer(v)
-        finally:
-            k.destroy()
-            v.destroy()
-        (pk, pv), out = layout.row_ranges(P, 0, P), []
-        for i in range(count):
-            (dk, dv) = layout.row_ranges(cap, i * P, P)
-            page_bytes = []
-            for src, src_ranges, own_ranges, size in ((kall, dk, pk, layout.buffer_bytes(P)[0]),
-                                                      (vall, dv, pv, layout.buffer_bytes(P)[1])):  # fmt: skip
-                buf = bytearray(size)
-                for (so, n), (do, _) in zip(src_ranges, own_ranges):
-                    buf[do : do + n] = src[so : so + n]
-                page_bytes.append(bytes(buf))
-            out.append((page_bytes[0], page_bytes[1]))
+            kb, vb = (bytearray(n) for n in layout.buffer_bytes(P))
+            copy_host_rows(layout, (kall, vall, count * P, i * P), (kb, vb, P, 0), P)
+            out.append((bytes(kb), bytes(vb)))
         return out
 
     def load_words(self, device: wgpu.GPUDevice, length: int, capacity: int, kb: bytes, vb: bytes) -> None:
@@ -302,9 +277,7 @@ class LayerCache:
             except PoolFull:
                 slab, own = pool.take(copies, device, None, full + 1, self, exclude=src.slab)
                 pages, own = own[:full], own[full:]
-                for i, page in enumerate(pages):  # no room to share: a copy of its own
-                    copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[i] * P),
-                              (slab.k, slab.v, slab.rows, page * P), P)  # fmt: skip
+                pool.copy_pages(copies, src.slab, src.pages[:full], slab, pages)  # no room to share: its own copy
             copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[full] * P),
                       (slab.k, slab.v, slab.rows, own[0] * P), part)  # fmt: skip
             if slab is src.slab:
@@ -419,11 +392,6 @@ class SessionKV:
     def nbytes(self) -> int:
         """GPU bytes the session is charged for (each shared page is charged to one holder)."""
         return sum(l.nbytes for l in self.layers)
-
-    @property
-    def held_bytes(self) -> int:
-        """GPU bytes of the pages the session's layers hold, shared ones included."""
-        return sum(l.held_bytes for l in self.layers)
 
     def fork_from(self, device: wgpu.GPUDevice, src: "SessionKV", lengths: list[int]) -> None:
         """Every layer becomes ``src``'s layer at ``lengths[i]`` (GPU thread, alone);

@@ -35,7 +35,18 @@ from typing import Protocol
 
 import wgpu
 
-__all__ = ["PageLayout", "Slab", "PagePool", "PagePools", "DirectCopies", "Copier", "check_page_tokens"]
+__all__ = [
+    "PageLayout",
+    "Slab",
+    "PagePool",
+    "PagePools",
+    "DirectCopies",
+    "Copier",
+    "Holder",
+    "copy_rows",
+    "copy_host_rows",
+    "check_page_tokens",
+]
 
 _CACHE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 FIRST_SLAB_PAGES = 16
@@ -160,6 +171,22 @@ def copy_rows(
         for do, size in dranges:
             copier.copy(tmp, off, dbuf, do, size)
             off += size
+
+
+def copy_host_rows(
+    layout: PageLayout,
+    src: tuple[bytes, bytes, int, int],
+    dst: tuple[bytearray, bytearray, int, int],
+    n: int,
+) -> None:
+    """:func:`copy_rows` between host copies of caches: ``src``/``dst`` are (K bytes,
+    V bytes, cap, first row)."""
+    sk, sv, scap, srow = src
+    dk, dv, dcap, drow = dst
+    (sks, svs), (dks, dvs) = layout.row_ranges(scap, srow, n), layout.row_ranges(dcap, drow, n)
+    for sbuf, dbuf, sranges, dranges in ((sk, dk, sks, dks), (sv, dv, svs, dvs)):
+        for (so, size), (do, _) in zip(sranges, dranges):
+            dbuf[do : do + size] = sbuf[so : so + size]
 
 
 @dataclass(eq=False)
@@ -290,6 +317,12 @@ class PagePool:
         self.slabs.append(slab)
         self._grow(copier, device, slab, n)
         return slab
+
+    def copy_pages(self, copier: Copier, src: Slab, src_pages: list[int], dst: Slab, dst_pages: list[int]) -> None:
+        """Copy whole pages, ``src_pages[i]`` of ``src`` to ``dst_pages[i]`` of ``dst``."""
+        P = self.page_tokens
+        for s, d in zip(src_pages, dst_pages):
+            copy_rows(copier, self.layout, (src.k, src.v, src.rows, s * P), (dst.k, dst.v, dst.rows, d * P), P)
 
     def untake(self, slab: Slab, pages: list[int]) -> None:
         """Give back pages taken during a job that is rolled back (never written)."""
