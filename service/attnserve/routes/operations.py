@@ -19,9 +19,10 @@ Everything between a check and its queueing runs without an ``await``.
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from ..codec import Fields, MediaKind, array_out, decode_document
 from ..engine import Engine
 from ..errors import InvalidRequest, LayerNotFound
 from ..gpu.device import PlanFn
+from ..kvcache import SessionKV
 from ..store import Reservation, Session
 from .deps import Runtime
 
@@ -190,3 +192,24 @@ def count_rows(rt: Runtime, op: Checked) -> None:
 
 def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:
     return {"out": array_out(out, kind), "length": length}
+
+
+async def place_session(
+    rt: Runtime, engine: Engine, kv: SessionKV, fill: Callable[[], Future], hold: tuple[str | None, str]
+) -> Session:
+    """A new session whose caches ``fill()`` queues the GPU call to fill (a snapshot's
+    load, a fork), under the id and bytes ``hold`` took (``Store.hold``): waits for
+    it, then adds the session to the store. The hold is given back either way (a full
+    queue included); if the request goes away first, what the call loads is released
+    when it lands."""
+    try:
+        filled = fill()  # may raise Overloaded: the hold goes back below
+        try:
+            await asyncio.shield(asyncio.wrap_future(filled))
+        except asyncio.CancelledError:
+            filled.add_done_callback(lambda f: f.exception() is None and engine.release(kv))
+            raise
+    finally:
+        rt.store.unhold(hold)
+    owner, session_id = hold
+    return rt.store.adopt(kv, owner=owner, session_id=session_id)

@@ -13,6 +13,7 @@ from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import SESSION_ID_RE, new_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
+from .operations import place_session
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -176,16 +177,8 @@ async def fork_session(
     # charged for what it does not share: each layer's partly filled last page, copied
     page = kv.layers[0].page_tokens
     hold = store.hold(new_id, sum(c.bytes_for(n % page) for c, n in zip(kv.layers, lengths)), owner)  # 409 / 507
-    try:
-        fut = engine.fork(session.kv, kv, lengths)  # after the source's queued jobs
-        try:
-            await asyncio.shield(asyncio.wrap_future(fut))
-        except asyncio.CancelledError:  # the request is gone: free what the fork holds
-            fut.add_done_callback(lambda f: f.exception() is None and engine.release(kv))
-            raise
-    finally:
-        store.unhold(hold)
-    forked = store.adopt(kv, owner=owner, session_id=new_id)
+    # the fork runs after the jobs queued on its source
+    forked = await place_session(rt, engine, kv, lambda: engine.fork(session.kv, kv, lengths), hold)
     store.join(session, forked)
     return respond(forked.info(), wire, 201, headers={"Location": f"/v1/sessions/{forked.id}"})
 

@@ -12,6 +12,7 @@ from ..errors import InvalidRequest, UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import SESSION_ID_RE
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
+from .operations import place_session
 from .schemas import ok, problems
 
 __all__ = ["router"]
@@ -85,14 +86,5 @@ async def put_snapshot(
     kv = engine.session_kv(config)
     # 409 / 507 now; the id and bytes stay taken while restoring
     hold = store.hold(session_id, restore_bytes(kv, layers), owner)
-    try:
-        fut = engine.call(lambda ctx: load(ctx, kv, layers))
-        try:
-            await asyncio.shield(asyncio.wrap_future(fut))
-        except asyncio.CancelledError:  # the request is gone: free what the restore loads
-            fut.add_done_callback(lambda f: f.exception() is None and engine.release(kv))
-            raise
-    finally:
-        store.unhold(hold)
-    session = store.adopt(kv, owner=owner, session_id=session_id)
+    session = await place_session(rt, engine, kv, lambda: engine.call(lambda ctx: load(ctx, kv, layers)), hold)
     return respond(session.info(), wire_, 201, headers={"Location": f"/v1/sessions/{session.id}"})
