@@ -356,6 +356,24 @@ class SnapshotDir:
             os.truncate(path, journal.valid_bytes)
         return journal
 
+    @staticmethod
+    def _with_journal(
+        layers: list, journal: "J.Journal", journal_path: Path, page_tokens: int
+    ) -> tuple[list, list[int]]:
+        """A snapshot's ``layers`` (none: empty) with each layer the journal holds more
+        rows of taken from the journal (both are prefixes of one append-only history),
+        and the pages of each layer already in the journal (all 0 if it was written
+        with another page size: it is deleted and starts again)."""
+        cfg = journal.config
+        layers = list(layers) or [(0, 0, b"", b"") for _ in range(cfg.num_layers)]
+        for i, pages in enumerate(journal.pages):
+            if len(pages) * journal.page_tokens > layers[i][0]:
+                layers[i] = J.assemble(cfg.layout, journal.page_tokens, pages)
+        if journal.page_tokens == page_tokens:
+            return layers, [len(p) for p in journal.pages]
+        journal_path.unlink()
+        return layers, [0] * cfg.num_layers
+
     async def _restore_one(self, path: Path | None, engine: "Engine", journal_path: Path | None = None) -> str:
         store = self.rt.store
         journal = await self._read_journal(journal_path, engine) if journal_path is not None else None
@@ -383,20 +401,11 @@ class SnapshotDir:
         label = (path or journal_path).name  # type: ignore[union-attr]
         journaled = [0] * config.num_layers
         if journal is not None:
+            assert journal_path is not None
             if (journal.session_id, journal.owner, journal.config) != (sid, owner, config):
-                assert journal_path is not None
                 self._move_aside(journal_path, "the journal is of another session than its snapshot")
-            else:  # layer by layer, whichever holds more rows (prefixes of one history)
-                if not layers:
-                    layers = [(0, 0, b"", b"") for _ in range(config.num_layers)]
-                for i, pages in enumerate(journal.pages):
-                    if len(pages) * journal.page_tokens > layers[i][0]:
-                        layers[i] = J.assemble(config.layout, journal.page_tokens, pages)
-                if journal.page_tokens == engine.pools.page_tokens:
-                    journaled = [len(p) for p in journal.pages]
-                else:  # written with another page size: start it again
-                    assert journal_path is not None
-                    journal_path.unlink()
+            else:
+                layers, journaled = self._with_journal(layers, journal, journal_path, engine.pools.page_tokens)
         kv = engine.session_kv(config)
         need = restore_bytes(kv, layers)
         try:

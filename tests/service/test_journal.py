@@ -184,3 +184,30 @@ def test_a_torn_journal_keeps_its_whole_frames():
     assert [len(x) for x in J.parse_journal(bytes(flipped), lambda *a: 10**6).pages] == [2]
     n, cap, k, v = J.assemble(layout, P, pages[:2])
     assert (n, cap) == (2 * P, 2 * P) and k == pages[0][0] + pages[1][0]
+
+
+def test_a_snapshot_and_its_journal_give_each_layer_the_longer(tmp_path):
+    """At a start with both files, each layer comes from whichever holds more rows;
+    a journal of another page size is deleted and starts again."""
+    from attnserve.persistence import SnapshotDir
+
+    layout = PageLayout("f32", 1, 8)
+    config = SessionConfig(2, 2, 1, 8, "f32", 1000, 7)
+    kb, vb = layout.buffer_bytes(P)
+    pages = [(bytes([i + 1]) * kb, bytes([50 + i]) * vb) for i in range(3)]
+    path = tmp_path / "s.journal"
+    path.write_bytes(
+        J.header_frame("s", None, config, P)
+        + b"".join(J.page_frame(0, i, *pg) for i, pg in enumerate(pages))  # layer 0: 3 pages
+        + J.page_frame(1, 0, *pages[0])  # layer 1: 1 page
+    )
+    journal = J.parse_journal(path.read_bytes(), lambda *a: 10**6)
+    snap_k1, snap_v1 = (bytes([9]) * n for n in layout.buffer_bytes(40))
+    snap_k0, snap_v0 = (bytes(n) for n in layout.buffer_bytes(2 * P))
+    snapshot = [(2 * P - 1, 2 * P, snap_k0, snap_v0), (40, 40, snap_k1, snap_v1)]
+    layers, journaled = SnapshotDir._with_journal(snapshot, journal, path, P)
+    assert layers[0] == J.assemble(layout, P, pages)  # the journal's 3 pages beat 31 rows
+    assert layers[1] == snapshot[1]  # 40 rows beat the journal's one page
+    assert journaled == [3, 1] and path.exists()
+    layers, journaled = SnapshotDir._with_journal([], journal, path, 2 * P)  # another page size now
+    assert [n for n, *_ in layers] == [3 * P, P] and journaled == [0, 0] and not path.exists()
