@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .errors import CapacityExceeded, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
+from .errors import CapacityExceeded, InvalidRequest, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
 from .kvcache import LayerCache, SessionConfig, SessionKV
 
 __all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store", "Owner"]
@@ -40,6 +40,13 @@ Owner = Optional[str]
 log = logging.getLogger("attnserve.store")
 
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_session_id(session_id: object) -> str:
+    """A client's id for a new session, or InvalidRequest (422) saying what ids are."""
+    if not (isinstance(session_id, str) and SESSION_ID_RE.fullmatch(session_id)):
+        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+    return session_id
 
 
 def new_session_id() -> str:
@@ -184,13 +191,16 @@ class Store:
             ValueError: the configuration is invalid (checked by the routes first).
         """
         self.check_room(session_id, owner)
-        if session_id is None:
-            session_id = new_session_id()
-            while (owner, session_id) in self.sessions:  # pragma: no cover - 128 random bits
-                session_id = new_session_id()
-        session = Session(session_id, owner, kv)
+        session = Session(self.unused_id(owner) if session_id is None else session_id, owner, kv)
         self._add(session)
         return session
+
+    def unused_id(self, owner: Owner) -> str:
+        """A fresh random id no session of ``owner`` has."""
+        session_id = new_session_id()
+        while (owner, session_id) in self.sessions or (owner, session_id) in self.holds:  # pragma: no cover
+            session_id = new_session_id()  # 128 random bits
+        return session_id
 
     def hold(self, session_id: str, nbytes: int, owner: Owner = None, *, quotas: bool = True) -> tuple[Owner, str]:
         """Take an id and ``nbytes`` of the budget (and of the owner's quota) for a

@@ -11,7 +11,7 @@ from ..codec import decode_document, read_body, respond
 from ..errors import InvalidRequest
 from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
-from ..store import SESSION_ID_RE, new_session_id
+from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
 from .operations import place_session
 from .schemas import ok, problems, request_body
@@ -28,8 +28,8 @@ def _decode_create(raw: bytes, kind: str | None, max_bytes: int) -> CreateReques
 async def _create(
     request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: str | None, session_id: str | None
 ) -> Response:
-    if session_id is not None and not SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+    if session_id is not None:
+        check_session_id(session_id)
     rt.store.check_room(session_id, owner)  # early 409 / 507, before reading the body
     raw = await read_body(request, rt.settings.max_body_bytes)
     req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
@@ -122,8 +122,8 @@ def _decode_fork(raw: bytes, kind: str | None, max_bytes: int) -> tuple[str | No
     if extra:
         raise InvalidRequest(f"unknown field(s) {extra}; a fork takes session_id and length")
     sid, length = doc.get("session_id"), doc.get("length")
-    if sid is not None and not (isinstance(sid, str) and SESSION_ID_RE.fullmatch(sid)):
-        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {sid!r}")
+    if sid is not None:
+        check_session_id(sid)
     if length is not None and (type(length) is not int or length < 0):
         raise InvalidRequest(f"length: expected an integer >= 0, got {length!r}")
     return sid, length
@@ -158,10 +158,7 @@ async def fork_session(
     )
     store = rt.store
     store.check_room(new_id, owner)
-    if new_id is None:
-        new_id = new_session_id()
-        while (owner, new_id) in store.sessions:  # pragma: no cover - 128 random bits
-            new_id = new_session_id()
+    new_id = store.unused_id(owner) if new_id is None else new_id
     # From here to the queueing: no await, so the checks below hold.
     lengths = [ls.length for ls in session.layers]  # after every job queued on the source
     if length is not None:

@@ -8,9 +8,9 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from ..codec import read_body, respond, wire
-from ..errors import InvalidRequest, UnsupportedMediaType
+from ..errors import UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
-from ..store import SESSION_ID_RE
+from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
 from .operations import place_session
 from .schemas import ok, problems
@@ -74,8 +74,7 @@ async def put_snapshot(
 ) -> Response:
     if wire_.request == "json":
         raise UnsupportedMediaType("a snapshot is a MessagePack blob: send Content-Type application/vnd.msgpack")
-    if not SESSION_ID_RE.fullmatch(session_id):
-        raise InvalidRequest(f"session_id: expected 1 to 64 of [A-Za-z0-9_-], got {session_id!r}")
+    check_session_id(session_id)
     store = rt.store
     store.check_room(session_id, owner)  # the restored session is the caller's (ids are per tenant)
     raw = await read_body(request, rt.settings.max_body_bytes)
