@@ -18,9 +18,10 @@ child process, then for each kv format:
    threads, each prefilled to ``--concurrent-context``: attends per second, and
    jobs per GPU submission (coalescing) from the metrics;
 4. the same sessions stepped as an engine does: one batched step
-   (``attend_batch``, one fused decode item per session) at a time, over HTTP and
-   over the stream, and over the stream with ``--pipeline`` batches in flight
-   (e.g. independent micro-batches): attends per second and batch p50 / p99.
+   (``attend_batch``, one fused decode item per session; and ``attend_stacked``,
+   the same with the arrays stacked) at a time, over HTTP and over the stream,
+   and over the stream with ``--pipeline`` batches in flight (e.g. independent
+   micro-batches): attends per second and batch p50 / p99.
 
 Traffic goes only to the loopback server it starts.
 """
@@ -108,11 +109,20 @@ def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: s
 
 
 def batched(
-    c: Client, fmt: str, n_sessions: int, context: int, seconds: float, rng, transport: str, pipeline: int = 1
+    c: Client,
+    fmt: str,
+    n_sessions: int,
+    context: int,
+    seconds: float,
+    rng,
+    transport: str,
+    pipeline: int = 1,
+    form: str = "items",
 ) -> dict:
     """Engine-shaped: every step is one batched request with one fused decode item
     per session; ``pipeline`` batches in flight on the stream (each for its own
-    sessions, as independent micro-batches would be)."""
+    sessions, as independent micro-batches would be). ``form``: ``items`` (one map
+    per item, ``attend_batch``) or ``stacked`` (the arrays stacked, ``attend_stacked``)."""
     groups = []
     for _ in range(pipeline):
         sessions = []
@@ -123,11 +133,18 @@ def batched(
         groups.append(sessions)
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, D), dtype=np.float32)
-    items = [[AttendItem(s.session_id, 0, q, k, k) for s in g] for g in groups]
     stream = c.stream() if transport == "stream" else None
-    send = (lambda i: stream.submit_attend_batch(items[i])) if stream else None
+    if form == "stacked":
+        qs, ks = np.repeat(q, n_sessions, 0), np.repeat(k, n_sessions, 0)
+        ids = [[s.session_id for s in g] for g in groups]
+        send_one = lambda i: (stream or c).attend_stacked(ids[i], 0, qs, ks, ks)  # noqa: E731
+        send = (lambda i: stream.submit_attend_stacked(ids[i], 0, qs, ks, ks)) if stream else None
+    else:
+        items = [[AttendItem(s.session_id, 0, q, k, k) for s in g] for g in groups]
+        send_one = lambda i: (stream or c).attend_batch(items[i])  # noqa: E731
+        send = (lambda i: stream.submit_attend_batch(items[i])) if stream else None
     for _ in range(3):
-        (stream.attend_batch if stream else c.attend_batch)(items[0])
+        send_one(0)
     before = scrape(c)
     lat, n = [], 0
     t0 = time.perf_counter()
@@ -149,7 +166,7 @@ def batched(
     else:
         while time.perf_counter() - t0 < seconds:
             ts = time.perf_counter()
-            c.attend_batch(items[0])
+            send_one(0)
             lat.append(time.perf_counter() - ts)
             n += n_sessions
     dt = time.perf_counter() - t0
@@ -164,6 +181,7 @@ def batched(
     return {
         "kv_format": fmt,
         "transport": transport,
+        "form": form,
         "sessions": n_sessions,
         "pipeline": pipeline,
         "context": context,
@@ -240,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=15)
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--pipeline", type=int, default=4, help="batches in flight in the pipelined stream run")
+    ap.add_argument("--forms", default="items,stacked", help="batched-step body forms to run (items, stacked)")
+    ap.add_argument("--skip-single", action="store_true", help="leave out the single-session runs")
     ap.add_argument("--skip-threads", action="store_true", help="leave out the thread-per-session run")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
@@ -258,16 +278,19 @@ def main(argv=None) -> int:
         }
         print(f"# adapter: {info.get('adapter')}", flush=True)
         formats = args.formats.split(",")
-        for fmt in formats:
+        for fmt in formats if not args.skip_single else ():
             for transport in ("http", "stream"):
                 r = one_session(c, fmt, args.context, args.steps, rng, transport)
                 result["single"].append(r)
                 print(json.dumps(r), flush=True)
         for fmt in formats:
-            for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
-                r = batched(c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline)
-                result["batched"].append(r)
-                print(json.dumps(r), flush=True)
+            for form in args.forms.split(","):
+                for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
+                    r = batched(
+                        c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline, form
+                    )
+                    result["batched"].append(r)
+                    print(json.dumps(r), flush=True)
         for fmt in formats if not args.skip_threads else ():
             r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
             result["concurrent"].append(r)

@@ -18,7 +18,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, Union
@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 from . import wire
-from ._steps import AsyncStream, AttendItem, Stream, batch_body, batch_idempotent, batch_results
+from ._steps import AsyncStream, AttendItem, Stream, batch_body, batch_idempotent, batch_results, stacked_body
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -367,6 +367,11 @@ class _BaseClient:
         checked, body = batch_body(items)
         doc = yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=batch_idempotent(checked))
         return batch_results(checked, doc)
+
+    def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: Any) -> Flow[np.ndarray]:
+        step, body, idempotent = stacked_body(sessions, layer, q, k, v, **kw)
+        doc = yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=idempotent)
+        return step.result(doc)
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -742,6 +747,32 @@ class Client(_BaseClient):
         the errors of those that changed nothing."""
         return self._run(self._batch_flow(items))
 
+    def attend_stacked(
+        self,
+        sessions: Sequence[Any],
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        offsets: Sequence[int | None] | None = None,
+        start_pos: Sequence[int | None] | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> np.ndarray:
+        """A batched step with the arrays stacked, as an engine holds them: item ``i``
+        attends ``q[i]`` (with a fused append of ``k[i]``, ``v[i]``) on ``sessions[i]``
+        (a session or its id), all on ``layer``. ``q`` is ``[B, n, H, d]`` (``k``,
+        ``v``: ``[B, m, Hkv, d]``), or ``[B, H, d]`` (``[B, Hkv, d]``) for one row per
+        session; ``offsets`` and ``start_pos`` give one value per session (None: none).
+
+        Returns the outputs stacked in the shape of ``q``. One request, one GPU
+        submission; bit-identical to the same attends sent one by one. Raises
+        :class:`BatchError` when any item failed (its ``results``: the outputs of the
+        items that were applied, the errors of those that changed nothing)."""
+        kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
+        return self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
+
     def stream(self) -> Stream:
         """Open a streaming connection (``/v1/stream``): the same operations over one
         WebSocket, pipelined (see :class:`Stream`). Use it as a context manager."""
@@ -877,6 +908,23 @@ class AsyncClient(_BaseClient):
     async def attend_batch(self, items: list[AttendItem] | list[dict[str, Any]]) -> list[np.ndarray]:
         """As :meth:`Client.attend_batch`."""
         return await self._run(self._batch_flow(items))
+
+    async def attend_stacked(
+        self,
+        sessions: Sequence[Any],
+        layer: int,
+        q: Any,
+        k: Any = None,
+        v: Any = None,
+        *,
+        offsets: Sequence[int | None] | None = None,
+        start_pos: Sequence[int | None] | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> np.ndarray:
+        """As :meth:`Client.attend_stacked`."""
+        kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
+        return await self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
 
     async def stream(self) -> AsyncStream:
         """Open a streaming connection (``/v1/stream``); concurrent awaits of its

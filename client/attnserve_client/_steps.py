@@ -30,7 +30,7 @@ from .errors import APIConnectionError, APIError, AttnServeError, InvalidInput, 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
 
-__all__ = ["AttendItem", "AttendOptions", "BatchError", "Stream", "AsyncStream", "STREAM_PATH"]
+__all__ = ["AttendItem", "AttendOptions", "BatchError", "StackedStep", "Stream", "AsyncStream", "STREAM_PATH"]
 
 STREAM_PATH = "/v1/stream"
 
@@ -174,6 +174,107 @@ def batch_results(items: list[AttendItem], doc: Any) -> list[np.ndarray]:
     if any(isinstance(r, APIError) for r in out):
         raise BatchError(out)
     return out
+
+
+# -- the stacked form -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StackedStep:
+    """One stacked batched step (``attend_stacked``): the sessions in item order,
+    the layer, and whether ``q`` came without its row axis (``[B, H, d]``: one query
+    row per session, answered as ``[B, H, d]``)."""
+
+    sessions: list[Any]
+    layer: int
+    squeeze: bool
+
+    def result(self, doc: Any) -> np.ndarray:
+        """The stacked output; raises :class:`BatchError` when any item failed."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get("lengths"), list):
+            raise InvalidResponse(f"attend_stacked: expected {{out, lengths, errors}}, got {doc!r:.200}")
+        lengths, errors = doc["lengths"], doc.get("errors") or []
+        try:
+            out = wire.decode_array(doc.get("out"), name="out", ndim=4, finite=False)
+        except wire.WireError as exc:
+            raise InvalidResponse(f"attend_stacked: {exc}") from None
+        b = len(self.sessions)
+        if out.shape[0] != b or len(lengths) != b or not isinstance(errors, list):
+            raise InvalidResponse(f"attend_stacked: expected {b} items, got out {list(out.shape)}")
+        if self.squeeze:
+            out = out[:, 0]
+        failed: dict[int, APIError] = {}
+        for err in errors:
+            i = err.get("item") if isinstance(err, Mapping) else None
+            if type(i) is not int or not 0 <= i < b:
+                raise InvalidResponse(f"attend_stacked: expected errors with an item index, got {err!r:.200}")
+            failed[i] = parse_problem(err.get("status") if type(err.get("status")) is int else 500, err)
+        for i, (session, length) in enumerate(zip(self.sessions, lengths)):
+            if i not in failed and type(length) is int:
+                _track(AttendItem(session, self.layer, None), length)
+        if failed:
+            raise BatchError([failed.get(i, out[i]) for i in range(b)])
+        return out
+
+
+def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:
+    try:
+        arr = wire.check_finite(wire.as_float32(a, name=name), name=name)
+    except wire.WireError as exc:
+        raise InvalidInput(str(exc)) from None
+    if arr.ndim == 3:
+        arr = arr[:, None]
+    if arr.ndim != 4 or (b is not None and arr.shape[0] != b):
+        want = f"[{b if b is not None else 'B'}, rows, heads, head_dim] or [B, heads, head_dim]"
+        raise InvalidInput(f"{name}: expected shape {want}, got {list(np.shape(a))}")
+    return wire.encode_array(arr, name=name), arr
+
+
+def _per_session(values: Sequence[Any] | None, name: str, b: int) -> list[int | None] | None:
+    if values is None:
+        return None
+    out = [None if x is None else int(x) for x in values]
+    if len(out) != b:
+        raise InvalidInput(f"{name}: expected {b} values (one per session, None for none), got {len(out)}")
+    return out
+
+
+def stacked_body(
+    sessions: Sequence[Any],
+    layer: int,
+    q: Any,
+    k: Any = None,
+    v: Any = None,
+    *,
+    offsets: Sequence[int | None] | None = None,
+    start_pos: Sequence[int | None] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[StackedStep, dict[str, Any], bool]:
+    """The body of a stacked step, what decodes its answer, and whether it is safe
+    to retry (no append, or every session's append checked at its offset)."""
+    sessions = list(sessions)
+    if not sessions:
+        raise InvalidInput("sessions: expected at least one session")
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+        raise InvalidInput(f"layer: expected an int >= 0, got {layer!r}")
+    b = len(sessions)
+    ids = [AttendItem(s, int(layer), None).session_id for s in sessions]
+    body: dict[str, Any] = {"session_ids": ids, "layer": int(layer), "causal": bool(causal)}
+    body["q"], qa = _stacked_array(q, "q", b)
+    if (k is None) != (v is None):
+        raise InvalidInput("k, v: expected both or neither")
+    if k is not None:
+        body["k"], _ = _stacked_array(k, "k", b)
+        body["v"], _ = _stacked_array(v, "v", b)
+    for name, values in (("offsets", offsets), ("start_pos", start_pos)):
+        checked = _per_session(values, name, b)
+        if checked is not None:
+            body[name] = checked
+    if scale is not None:
+        body["scale"] = float(scale)
+    idempotent = k is None or (offsets is not None and None not in body["offsets"])
+    return StackedStep(sessions, int(layer), np.ndim(q) == 3), body, idempotent
 
 
 # -- streams ------------------------------------------------------------------
@@ -345,6 +446,19 @@ class Stream:
         outs: list[np.ndarray] = self.submit_attend_batch(items).result()
         return outs
 
+    def submit_attend_stacked(
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+    ) -> Future[Any]:
+        step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
+        return self._submit("attend_batch", body, step.result)
+
+    def attend_stacked(
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+    ) -> np.ndarray:
+        """As ``Client.attend_stacked``, over the stream."""
+        out: np.ndarray = self.submit_attend_stacked(sessions, layer, q, k, v, **kw).result()
+        return out
+
     def ping(self) -> None:
         self._submit("ping", {}, lambda doc: None).result()
 
@@ -445,6 +559,14 @@ class AsyncStream:
         checked, body = batch_body(items)
         outs: list[np.ndarray] = await self._call("attend_batch", body, lambda doc: batch_results(checked, doc))
         return outs
+
+    async def attend_stacked(
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+    ) -> np.ndarray:
+        """As ``Client.attend_stacked``, over the stream."""
+        step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
+        out: np.ndarray = await self._call("attend_batch", body, step.result)
+        return out
 
     async def ping(self) -> None:
         await self._call("ping", {}, lambda doc: None)

@@ -286,14 +286,31 @@ class Fields:
             raise InvalidRequest(f"{name}: expected an array, got {_type_name(value)} {_short(value)}")
         return value
 
-    def array(self, name: str, default: Any = _MISSING, *, max_elements: int = wire.MAX_ELEMENTS) -> Any:
+    def array(
+        self,
+        name: str,
+        default: Any = _MISSING,
+        *,
+        max_elements: int = wire.MAX_ELEMENTS,
+        ndim: int = 3,
+        finite: bool = True,
+    ) -> Any:
         value = self._get(name, default)
         if value is default and default is not _MISSING:
             return value
         try:
-            return wire.decode_array(value, name=name, ndim=3, finite=True, max_elements=max_elements)
+            return wire.decode_array(value, name=name, ndim=ndim, finite=finite, max_elements=max_elements)
         except wire.WireError as e:
             raise InvalidRequest(str(e)) from None
+
+
+def check_finite(a: np.ndarray, name: str) -> None:
+    """Refuse (422, naming the first bad element's index) an array with a NaN or
+    infinity, as a decoded request array is refused."""
+    try:
+        wire.check_finite(a, name=name)
+    except wire.WireError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _type_name(v: Any) -> str:

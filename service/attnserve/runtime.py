@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
+import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -160,28 +162,50 @@ class Runtime:
         always completes, and its request answers normally.
         """
         self.store.commit(res)
-        self.watch(fut, res)
+        self.watch_all([fut], [res])
 
-    def watch(self, fut: Future, res: Reservation) -> None:
-        """:meth:`track` for a reservation already committed (a batched step commits
-        each item as it is checked, so later items see it, and queues them together)."""
+    def watch_all(self, futs: list[Future], reservations: list[Reservation]) -> asyncio.Future:
+        """:meth:`track` for jobs queued together whose reservations are already
+        committed (a batched step commits each item as it is checked, so later items
+        see it). One wake-up of the event loop settles them all when the last is
+        done (a job that the timeout cancels settles at once); the returned future
+        is done then. One timer serves the group's timeout, cancelling from the tail."""
         loop = self.loop or asyncio.get_running_loop()
-        cancelling = False
+        all_done: asyncio.Future = loop.create_future()
+        jobs = [_Watched(f, r) for f, r in zip(futs, reservations)]
+        remaining = len(jobs)
+        lock = threading.Lock()
         timer: asyncio.TimerHandle | None = None
 
-        def settle(err: BaseException | None) -> None:  # on the event loop
-            if timer is not None:
-                timer.cancel()  # drops the closure (and the job's result) at once, not after the timeout
-            self.store.finish(res, err)
+        def settle(job: _Watched) -> None:  # on the event loop
+            if not job.settled:
+                job.settled = True
+                f = job.fut
+                self.store.finish(job.res, asyncio.CancelledError() if f.cancelled() else f.exception())
 
-        def done(f: Future) -> None:
-            err: BaseException | None
-            err = asyncio.CancelledError() if f.cancelled() else f.exception()
-            if cancelling and f.cancelled():  # our cancel, on the event loop: settle now, before any other check
-                settle(err)
+        def settle_all() -> None:  # on the event loop
+            if timer is not None:
+                timer.cancel()  # drops the closure (and the jobs' results) at once, not after the timeout
+            for job in jobs:
+                settle(job)
+            if not all_done.done():
+                all_done.set_result(None)
+
+        def done(job: _Watched, f: Future) -> None:  # on the GPU thread, or on the loop for our cancel
+            nonlocal remaining
+            ours = job.cancelling and f.cancelled()
+            if ours:  # settle now, before any other check
+                settle(job)
+            with lock:
+                remaining -= 1
+                last = remaining == 0
+            if not last:
+                return
+            if ours:
+                settle_all()
                 return
             try:
-                loop.call_soon_threadsafe(settle, err)
+                loop.call_soon_threadsafe(settle_all)
             except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
                 pass
 
@@ -190,26 +214,45 @@ class Runtime:
             state = current_request.get()
 
             def expire() -> None:
-                nonlocal cancelling, timer
+                nonlocal timer
                 timer = None
-                if fut.done() or fut.running():
-                    return
-                if not self.store.cancellable(res):
+                again = False
+                for job in reversed(jobs):  # the tail first: it frees the checks of those before it
+                    f = job.fut
+                    if f.done() or f.running():
+                        continue
+                    if not self.store.cancellable(job.res):
+                        again = True
+                        continue
+                    job.cancelling = True
+                    try:
+                        cancelled = f.cancel()  # False once the GPU thread has started it
+                    finally:
+                        job.cancelling = False
+                    if cancelled:
+                        if state is not None:
+                            state.timed_out = True
+                        self.metrics.timeouts.inc()
+                if again and not all_done.done():
                     timer = loop.call_later(min(0.05, timeout), expire)
-                    return
-                cancelling = True
-                try:
-                    cancelled = fut.cancel()  # False once the GPU thread has started it
-                finally:
-                    cancelling = False
-                if cancelled:
-                    if state is not None:
-                        state.timed_out = True
-                    self.metrics.timeouts.inc()
 
             timer = loop.call_later(timeout, expire)
 
-        fut.add_done_callback(done)
+        for job in jobs:
+            job.fut.add_done_callback(functools.partial(done, job))
+        return all_done
+
+
+class _Watched:
+    """One job of :meth:`Runtime.watch_all`."""
+
+    __slots__ = ("fut", "res", "cancelling", "settled")
+
+    def __init__(self, fut: Future, res: Reservation):
+        self.fut = fut
+        self.res = res
+        self.cancelling = False
+        self.settled = False
 
 
 # ── metrics that describe state (computed when scraped) ─────────────────────

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from attnserve.config import Settings
@@ -192,6 +193,31 @@ def test_a_job_queued_past_the_timeout_is_dropped_unapplied(engine, rng, caplog)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no 500, no traceback
         assert _metric(srv, "attnserve_request_timeouts_total") == 3
         assert _metric(srv, 'attnserve_errors_total{type="timeout"}') == 3
+
+
+def test_a_batched_step_queued_past_the_timeout_is_dropped_unapplied(engine, rng):
+    """A group times out as its items would one by one: from the tail, so an append
+    checked against an earlier item of the same layer is dropped first; one wake-up
+    settles them all, and nothing is applied."""
+    with serving(engine, request_timeout_s=0.3) as srv:
+        api = _api(srv)
+        a, b = (api.create(**SHAPE)["session_id"] for _ in range(2))
+        assert api.append(a, 0, rows(rng, 3, 1, 32), rows(rng, 3, 1, 32)).status == 200
+        body = {"session_ids": [a, b, a], "layer": 0, "q": np.stack([rows(rng, 1, 2, 32) for _ in range(3)])}
+        body["k"] = body["v"] = np.stack([rows(rng, 1, 1, 32) for _ in range(3)])
+        with ThreadPoolExecutor(1) as pool, gpu_held(engine):
+            t0 = time.monotonic()
+            fut = pool.submit(_api(srv).call, "POST", "/v1/batch/attend", body, enc="msgpack")
+            _wait_depth(engine, 4)
+            r = fut.result()
+            waited = time.monotonic() - t0
+            assert r.status == 200, r.body
+            assert [e["type"] for e in r.body["errors"]] == ["/problems/timeout"] * 3 and 0.3 <= waited < 5
+            assert r.body["lengths"] == [None] * 3
+            assert api.info(a)["lengths"] == [3] and api.info(b)["lengths"] == [0]
+        assert _metric(srv, "attnserve_request_timeouts_total") == 3
+        r = api.call("POST", "/v1/batch/attend", body, enc="msgpack")
+        assert r.status == 200 and r.body["errors"] == [] and r.body["lengths"] == [4, 1, 5]
 
 
 def test_a_started_job_completes_despite_the_timeout(engine, rng):

@@ -44,6 +44,9 @@ __all__ = [
     "parse_attend",
     "append_fields",
     "attend_fields",
+    "fused_kv",
+    "attend_scale",
+    "max_elements",
     "layer_index",
     "check_append",
     "check_attend",
@@ -75,29 +78,22 @@ class AttendRequest:
     scale: float | None
 
 
-def _max_elements(max_bytes: int) -> int:
+def max_elements(max_bytes: int) -> int:
+    """The most array elements a body of ``max_bytes`` can carry."""
     return max(1, max_bytes // 4)
 
 
 def append_fields(f: Fields, max_bytes: int) -> AppendRequest:
-    me = _max_elements(max_bytes)
+    me = max_elements(max_bytes)
     k = f.array("k", max_elements=me)
     v = f.array("v", max_elements=me)
     return AppendRequest(k, v, f.int("offset", None, lo=0))
 
 
 def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
-    me = _max_elements(max_bytes)
+    me = max_elements(max_bytes)
     q = f.array("q", max_elements=me)
-    k = f.array("k", None, max_elements=me)
-    v = f.array("v", None, max_elements=me)
-    if (k is None) != (v is None):
-        raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
-    scale = f.number("scale", None)
-    if scale is not None:
-        with np.errstate(over="ignore"):
-            if not np.isfinite(np.float32(scale)):  # the kernels take it as float32
-                raise InvalidRequest(f"scale: expected a finite float32 (|scale| <= {F32_MAX:.7g}), got {scale!r}")
+    k, v = fused_kv(f, me)
     return AttendRequest(
         q,
         k,
@@ -105,8 +101,27 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
         offset=f.int("offset", None, lo=0),
         start_pos=f.int("start_pos", None, lo=0),
         causal=f.bool("causal", True),
-        scale=scale,
+        scale=attend_scale(f),
     )
+
+
+def fused_kv(f: Fields, elements: int, ndim: int = 3, finite: bool = True) -> tuple[Any, Any]:
+    """The optional ``k``, ``v`` of an attend (a fused append): both or neither."""
+    k = f.array("k", None, max_elements=elements, ndim=ndim, finite=finite)
+    v = f.array("v", None, max_elements=elements, ndim=ndim, finite=finite)
+    if (k is None) != (v is None):
+        raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
+    return k, v
+
+
+def attend_scale(f: Fields) -> float | None:
+    """The optional ``scale`` of an attend: a finite float32 (the kernels take it so)."""
+    scale = f.number("scale", None)
+    if scale is not None:
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.float32(scale)):
+                raise InvalidRequest(f"scale: expected a finite float32 (|scale| <= {F32_MAX:.7g}), got {scale!r}")
+    return scale
 
 
 def parse_append(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AppendRequest:

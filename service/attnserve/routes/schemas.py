@@ -131,6 +131,55 @@ def _batch_attend(array: str) -> dict[str, Any]:
     }
 
 
+def _stacked_attend(array: str) -> dict[str, Any]:
+    ints = {"type": "array", "items": {"type": ["integer", "null"], "minimum": 0}}
+    props = _attend(array)["properties"]
+    return {
+        "type": "object",
+        "required": ["session_ids", "layer", "q"],
+        "additionalProperties": False,
+        "properties": {
+            "session_ids": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": "B sessions (one may repeat: its items apply in order); at most limits.max_batch_items.",
+            },
+            "layer": {"type": "integer", "minimum": 0, "description": "The layer of every item."},
+            "q": {**ref(array), "description": "[B, n, num_qo_heads, head_dim]: item i attends q[i]."},
+            "k": {**ref(array), "description": "[B, m, num_kv_heads, head_dim]: k[i] appended first."},
+            "v": {**ref(array), "description": "Same shape as k; k and v go together."},
+            "offsets": {**ints, "description": "B offsets (null: unchecked), as an attend's offset."},
+            "start_pos": {**ints, "description": "B start positions (null: the default)."},
+            "causal": props["causal"],
+            "scale": props["scale"],
+        },
+    }
+
+
+def _stacked_out(array: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["out", "lengths", "errors"],
+        "properties": {
+            "out": {
+                **ref(array),
+                "description": "[B, n, num_qo_heads, head_dim] float32; zeros for a failed item.",
+            },
+            "lengths": {
+                "type": "array",
+                "items": {"type": ["integer", "null"]},
+                "description": "Each item's layer length after it; null for a failed item.",
+            },
+            "errors": {
+                "type": "array",
+                "items": ref("Problem"),
+                "description": "The failed items' problems (with `item`, the index); each changed nothing.",
+            },
+        },
+    }
+
+
 def _batch_out(array: str) -> dict[str, Any]:
     return {
         "type": "object",
@@ -247,10 +296,10 @@ COMPONENTS: dict[str, Any] = {
     "AttendMsgpack": _attend("ArrayMsgpack"),
     "AttendResultJson": _attend_out("ArrayJson"),
     "AttendResultMsgpack": _attend_out("ArrayMsgpack"),
-    "BatchAttendJson": _batch_attend("ArrayJson"),
-    "BatchAttendMsgpack": _batch_attend("ArrayMsgpack"),
-    "BatchAttendResultJson": _batch_out("ArrayJson"),
-    "BatchAttendResultMsgpack": _batch_out("ArrayMsgpack"),
+    "BatchAttendJson": {"anyOf": [_batch_attend("ArrayJson"), _stacked_attend("ArrayJson")]},
+    "BatchAttendMsgpack": {"anyOf": [_batch_attend("ArrayMsgpack"), _stacked_attend("ArrayMsgpack")]},
+    "BatchAttendResultJson": {"oneOf": [_batch_out("ArrayJson"), _stacked_out("ArrayJson")]},
+    "BatchAttendResultMsgpack": {"oneOf": [_batch_out("ArrayMsgpack"), _stacked_out("ArrayMsgpack")]},
     "Status": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}},
     "ServerInfo": {
         "type": "object",

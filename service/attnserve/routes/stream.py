@@ -37,7 +37,16 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from ..codec import Fields, MediaKind, decode_document, encode
 from ..errors import ApiError, InternalError, InvalidRequest, Unauthorized
 from ..store import Owner
-from .batch import BATCH_ITEM_FIELDS, count_errors, finish_batch, parse_items, queue_batch, results_document, settled
+from .batch import (
+    BATCH_ITEM_FIELDS,
+    STACKED_FIELDS,
+    answer_document,
+    count_errors,
+    finish_batch,
+    parse_batch_document,
+    queue_batch,
+    settled,
+)
 from ..runtime import OWNER_KEY, Runtime
 from .deps import ready_engine
 from .operations import (
@@ -146,7 +155,7 @@ class _Connection:
                 if not isinstance(rid, (int, str)) or isinstance(rid, bool):
                     rid = None
                     raise InvalidRequest("id: expected an integer or a string that names the request")
-            op = Fields(doc, (*_HEAD, *BATCH_ITEM_FIELDS, "items"), "frame").str("op", choices=OPS)
+            op = Fields(doc, (*_HEAD, *BATCH_ITEM_FIELDS, *STACKED_FIELDS, "items"), "frame").str("op", choices=OPS)
             return self.dispatch(op, doc, rid)
         except ApiError as e:
             raise _Reply(_error(rid, e)) from None
@@ -158,13 +167,13 @@ class _Connection:
             raise _Reply({"id": rid, "status": 200, "result": {}})
         engine = ready_engine(rt)
         if op == "attend_batch":
-            items = parse_items(Fields(doc, (*_HEAD, "items"), "attend_batch"), max_bytes, rt.settings.max_batch_items)
-            queued = queue_batch(rt, engine, self.owner, items)
+            parsed = parse_batch_document(doc, _HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
+            queued = queue_batch(rt, engine, self.owner, parsed.items)
 
             async def batch_result(kind: MediaKind) -> dict[str, Any]:
                 outcome = await finish_batch(rt, queued)
                 count_errors(rt, outcome)
-                return results_document(outcome, kind, STREAM_PATH)
+                return answer_document(parsed, outcome, kind, STREAM_PATH)
 
             return rid, batch_result
         if op == "session":
