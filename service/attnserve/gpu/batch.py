@@ -83,6 +83,11 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+# Readback buffers: one per batch in flight (the worker records and submits the
+# next batch while the GPU runs the previous one).
+STAGING_SLOTS = 2
+
+
 class Arenas:
     """Persistent arena and staging buffers of one device, grown on demand.
 
@@ -99,7 +104,7 @@ class Arenas:
         # arenas are bound whole: never grown past what one binding may cover
         self.max_binding = int(max_binding or device.limits["max-storage-buffer-binding-size"])
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
-        self.staging: wgpu.GPUBuffer | None = None
+        self.staging: list[wgpu.GPUBuffer | None] = [None] * STAGING_SLOTS
         self._bind_groups: OrderedDict[tuple, wgpu.GPUBindGroup] = OrderedDict()
         self.bind_group_hits = 0
         self.bind_group_misses = 0
@@ -146,15 +151,18 @@ class Arenas:
             )
         return buf
 
-    def get_staging(self, size: int) -> wgpu.GPUBuffer:
-        if self.staging is None or self.staging.size < size:
-            new_size = _round_up(max(size, 2 * (self.staging.size if self.staging else 0), 1 << 16), 1 << 12)
-            self.staging = self.device.create_buffer(
-                label="staging",
+    def get_staging(self, size: int, slot: int = 0) -> wgpu.GPUBuffer:
+        """The readback buffer of ``slot`` (one per batch in flight: a batch's is
+        mapped while the next one's is written)."""
+        old = self.staging[slot]
+        if old is None or old.size < size:
+            new_size = _round_up(max(size, 2 * (old.size if old else 0), 1 << 16), 1 << 12)
+            self.staging[slot] = old = self.device.create_buffer(
+                label=f"staging-{slot}",
                 size=new_size,
                 usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
             )
-        return self.staging
+        return old
 
 
 class Batch:
@@ -301,9 +309,10 @@ class Batch:
         """Encode, submit once, and read the output arena back (None if empty)."""
         return self.submit(self.encode())
 
-    def encode(self):
-        """Write the upload arena and encode every command (CPU work); returns
-        what :meth:`submit` needs. Split out so benchmarks can time the GPU part."""
+    def encode(self, slot: int = 0):
+        """Write the upload arena and encode every command (CPU work), reading the
+        output back through staging buffer ``slot``; returns what :meth:`submit`
+        needs. Split out so benchmarks can time the GPU part."""
         self.flush()
         if not self.ops:
             return None
@@ -338,16 +347,25 @@ class Batch:
         n_out = _round_up(self._sizes["out"], 4)
         staging = None
         if n_out:
-            staging = self.arenas.get_staging(n_out)
+            staging = self.arenas.get_staging(n_out, slot)
             enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
         return enc.finish(), staging, n_out
 
     def submit(self, encoded) -> memoryview | None:
         """Submit what :meth:`encode` made and wait for the readback, if any."""
+        self.queue_submit(encoded)
+        return self.read_back(encoded)
+
+    def queue_submit(self, encoded) -> None:
+        """Submit what :meth:`encode` made; returns at once (the GPU runs it)."""
+        if encoded is not None:
+            self.device.queue.submit([encoded[0]])
+
+    def read_back(self, encoded) -> memoryview | None:
+        """Wait for a submitted batch and read its output arena (None if it has none)."""
         if encoded is None:
             return None
-        command_buffer, staging, n_out = encoded
-        self.device.queue.submit([command_buffer])
+        _, staging, n_out = encoded
         if staging is None:
             return None
         staging.map_sync(wgpu.MapMode.READ, 0, n_out)

@@ -7,7 +7,9 @@ and its queue; everything else hands it jobs and waits on a
 
 Jobs that arrive while the worker is busy are coalesced: the worker drains the
 queue, lets each job plan its dispatches into one :class:`~.batch.Batch`, and
-submits once with one readback.
+submits once with one readback. Batches are pipelined: the next batch is planned,
+encoded and submitted while the GPU runs the one before, which is read back after
+(two in flight at most, each with its own readback buffer).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Callable
 import wgpu
 
 from ..errors import GpuError, Overloaded
-from .batch import Arenas, Batch
+from .batch import STAGING_SLOTS, Arenas, Batch
 from .kernels import KernelPolicy
 from .shaders import PipelineCache
 
@@ -220,6 +222,7 @@ class GpuWorker:
         self._thread = threading.Thread(target=self._run, name="attnserve-gpu", daemon=True)
         self.batches = 0
         self.dispatches = 0
+        self.overlapped = 0  # batches submitted while the one before was still in flight
 
     # ── public ──────────────────────────────────────────────────────────────
 
@@ -281,10 +284,12 @@ class GpuWorker:
             self._cv.notify()
         return [j.future for j in jobs]
 
-    def _take(self) -> list[_Job] | None:
+    def _take(self, block: bool) -> list[_Job] | None:
+        """The next jobs to run: a call alone, or queued plans for one batch. None
+        when there are none: with ``block``, only once the worker is stopping."""
         with self._cv:
             while not self._jobs:
-                if self._stop:
+                if self._stop or not block:
                     return None
                 self._cv.wait()
             first = self._jobs.popleft()
@@ -317,16 +322,33 @@ class GpuWorker:
                     log.exception("on_job_start hook failed")
 
     def _run(self) -> None:
+        """Take jobs and run them. Batches are pipelined: batch ``i`` is submitted,
+        then the next one is planned, encoded and submitted while the GPU runs it,
+        and only then is ``i`` read back and its futures set (at once when nothing
+        else is queued). So at most two batches are in flight, each with its own
+        readback buffer. A call runs alone, after the batch in flight is read back."""
+        in_flight: _InFlight | None = None
         while True:
-            jobs = self._take()
+            jobs = self._take(block=in_flight is None)
             if jobs is None:
-                return
+                if in_flight is None:
+                    return  # stopping, and everything is done
+                self._settle(in_flight)
+                in_flight = None
+                continue
             self._count_waits(jobs)
             try:
                 if jobs[0].kind == "call":
+                    if in_flight is not None:
+                        self._settle(in_flight)
+                        in_flight = None
                     self._run_call(jobs[0])
                 else:
-                    self._run_batch(jobs)
+                    submitted = self._submit_batch(jobs, slot=self.batches % STAGING_SLOTS)
+                    if in_flight is not None:
+                        self.overlapped += submitted is not None
+                        self._settle(in_flight)
+                    in_flight = submitted
             except BaseException as e:  # pragma: no cover - last-resort guard
                 log.exception("gpu worker error")
                 for j in jobs:
@@ -339,7 +361,7 @@ class GpuWorker:
                     except Exception:  # pragma: no cover
                         log.exception("after_run hook failed")
                 with self._cv:
-                    self._busy = False
+                    self._busy = in_flight is not None
 
     def _run_call(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -349,7 +371,12 @@ class GpuWorker:
         except BaseException as e:
             job.future.set_exception(e)
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
+    def _submit_batch(self, jobs: list[_Job], slot: int) -> _InFlight | None:
+        """Plan ``jobs`` into one batch, encode it and submit it, reading back
+        through staging ``slot``; returns it in flight (None if nothing was
+        submitted). Runs before the previous batch is read back: the GPU runs that
+        one meanwhile. The queue orders the two submissions, so this batch's writes
+        land after every read the previous one makes."""
         t0 = time.perf_counter()
         batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align, self.policy)
         planned: list[tuple[_Job, Callable]] = []
@@ -376,21 +403,43 @@ class GpuWorker:
                 break
             planned.append((job, finish))
         try:
-            out = batch.execute()
+            encoded = batch.encode(slot)
+            batch.queue_submit(encoded)
         except BaseException as e:
             log.exception("gpu submit failed")
             for job, _ in planned:
                 job.future.set_exception(GpuError(f"GPU submission failed: {e}"))
-            return
+            return None
         self.batches += 1
         self.dispatches += batch.n_dispatches
+        return _InFlight(batch, encoded, planned, t0)
+
+    def _settle(self, flight: _InFlight) -> None:
+        """Read a submitted batch back and set its jobs' futures."""
+        try:
+            out = flight.batch.read_back(flight.encoded)
+        except BaseException as e:
+            log.exception("gpu readback failed")
+            for job, _ in flight.planned:
+                job.future.set_exception(GpuError(f"GPU submission failed: {e}"))
+            return
         if self.on_batch is not None:
             try:
-                self.on_batch(len(planned), batch.n_dispatches, time.perf_counter() - t0)
+                self.on_batch(len(flight.planned), flight.batch.n_dispatches, time.perf_counter() - flight.t0)
             except Exception:  # pragma: no cover
                 log.exception("on_batch hook failed")
-        for job, finish in planned:
+        for job, finish in flight.planned:
             try:
                 job.future.set_result(finish(out))
             except BaseException as e:
                 job.future.set_exception(e)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A batch submitted and not yet read back."""
+
+    batch: Batch
+    encoded: Any
+    planned: list[tuple[_Job, Callable]]
+    t0: float
