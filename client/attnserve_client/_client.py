@@ -18,6 +18,7 @@ import random
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -27,7 +28,18 @@ import httpx
 import numpy as np
 
 from . import wire
-from ._steps import AsyncStream, AttendItem, Stream, batch_body, batch_idempotent, batch_results, stacked_body
+from ._routing import ROUTE_HEADER, ReplicaMap
+from ._steps import (
+    AsyncStream,
+    AttendItem,
+    BatchError,
+    Stream,
+    batch_body,
+    batch_idempotent,
+    item_results,
+    raise_failed,
+    stacked_body,
+)
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -114,7 +126,15 @@ class _Sleep:
     seconds: float
 
 
-_Op = Union[_Send, _Sleep]
+@dataclass(frozen=True)
+class _Parallel:
+    """Run these flows at once; the driver answers with each one's result, or the
+    exception it raised, in order."""
+
+    flows: list[Any]
+
+
+_Op = Union[_Send, _Sleep, _Parallel]
 Flow = Generator[_Op, Any, T]
 
 
@@ -202,6 +222,7 @@ class _BaseClient:
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._headers.update(headers or {})
+        self._replicas = ReplicaMap()  # where each session lives, behind a router
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"
@@ -230,6 +251,7 @@ class _BaseClient:
         *,
         idempotent: bool = True,
         retry: bool = True,
+        headers: Mapping[str, str] | None = None,
     ) -> Flow[_Reply]:
         """Send one request, retrying what is safe to retry; return the final answer.
 
@@ -241,12 +263,12 @@ class _BaseClient:
         Raises:
             APIConnectionError, APITimeoutError: no answer came, after the retries.
         """
-        headers = dict(self._headers)
+        sent_headers = {**self._headers, **(headers or {})}
         content = None
         if body is not None:
             content = wire.packb(body)
-            headers["Content-Type"] = wire.MSGPACK
-        send = _Send(method, self.base_url + path, content, headers)
+            sent_headers["Content-Type"] = wire.MSGPACK
+        send = _Send(method, self.base_url + path, content, sent_headers)
         maybe_landed = False
         attempt = 0
         while True:
@@ -261,6 +283,8 @@ class _BaseClient:
                 yield _Sleep(self._backoff(attempt, None))
             else:
                 if not (retry and response.status_code in _RETRY_STATUSES and attempt < self.max_retries):
+                    if response.is_success:
+                        self._replicas.note(method, path, response.headers)
                     return _Reply(response, maybe_landed)
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
                 yield _Sleep(self._backoff(attempt, retry_after))
@@ -319,8 +343,12 @@ class _BaseClient:
             if session_id is not None:
                 raise InvalidInput("session_id, server_assigned_id: expected at most one, got both")
             # POST is not idempotent: retried only when the request surely did not arrive.
-            info = yield from self._call_ok("POST", "/v1/sessions", body, idempotent=False)
-            return SessionInfo.from_dict(info)
+            reply = yield from self._call("POST", "/v1/sessions", body, idempotent=False)
+            if not reply.ok:
+                raise reply.error()
+            created = SessionInfo.from_dict(self._decode(reply))
+            self._replicas.note("POST", "/v1/sessions", reply.response.headers, created.session_id)
+            return created
         if session_id is None:
             session_id = new_session_id()
         path = f"/v1/sessions/{_check_session_id(session_id, InvalidRequest)}"
@@ -363,15 +391,84 @@ class _BaseClient:
             raise InvalidResponse(f"server info: expected an object, got {type(body).__name__}")
         return body
 
+    def _stream_headers(self, route: Any) -> dict[str, str]:
+        if route is None:
+            return self._headers
+        return {**self._headers, ROUTE_HEADER: AttendItem(route, 0, None).session_id}
+
+    def _replica_groups(self, ids: list[str]) -> Flow[list[list[int]]]:
+        """The indexes of ``ids`` by the replica that holds them (one group on a
+        single server); a session this client has not seen yet is looked up first."""
+        for sid in self._replicas.unknown(ids):
+            yield from self._call("GET", f"/v1/sessions/{sid}")  # a 404 stays unknown: its item will say so
+        return self._replicas.groups(ids)
+
+    def _routed_batch(self, ids: list[str], body: Mapping[str, Any], idempotent: bool) -> Flow[Any]:
+        """``POST /v1/batch/attend`` to the replica of ``ids`` (``X-Attnserve-Route``:
+        a router sends it where the first id lives; a single server ignores it)."""
+        route = {ROUTE_HEADER: ids[0]}
+        return (yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=idempotent, headers=route))
+
+    def _split(self, groups: list[list[int]], flows: list[Any]) -> Flow[list[Any]]:
+        """Run one flow per replica group at once; per item, its group's result."""
+        parts = (yield _Parallel(flows)) if len(flows) > 1 else [(yield from flows[0])]
+        return parts
+
     def _batch_flow(self, items: Any) -> Flow[list[np.ndarray]]:
         checked, body = batch_body(items)
-        doc = yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=batch_idempotent(checked))
-        return batch_results(checked, doc)
+        ids = [item.session_id for item in checked]
+        groups = yield from self._replica_groups(ids)
+
+        def part(idx: list[int]) -> Flow[list[Any]]:
+            sub = [checked[i] for i in idx]
+            doc = yield from self._routed_batch(
+                [ids[i] for i in idx], {"items": [body["items"][i] for i in idx]}, batch_idempotent(sub)
+            )
+            return item_results(sub, doc)
+
+        parts = yield from self._split(groups, [part(idx) for idx in groups])
+        results: list[Any] = [None] * len(checked)
+        for idx, got in zip(groups, parts):
+            for n, i in enumerate(idx):
+                results[i] = got if isinstance(got, BaseException) else got[n]
+        return raise_failed(results)
 
     def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: Any) -> Flow[np.ndarray]:
         step, body, idempotent = stacked_body(sessions, layer, q, k, v, **kw)
-        doc = yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=idempotent)
-        return step.result(doc)
+        groups = yield from self._replica_groups(body["session_ids"])
+        if len(groups) == 1:
+            doc = yield from self._routed_batch(body["session_ids"], body, idempotent)
+            return step.result(doc)
+        arrays = {
+            name: None if a is None else wire.as_float32(a, name=name) for name, a in (("q", q), ("k", k), ("v", v))
+        }
+
+        def part(idx: list[int]) -> Flow[tuple[np.ndarray, dict[int, Any]]]:
+            sub = {name: None if a is None else a[idx] for name, a in arrays.items()}
+            opts = {**kw, **{n: [kw[n][i] for i in idx] for n in ("offsets", "start_pos") if kw.get(n) is not None}}
+            sub_step, sub_body, sub_idempotent = stacked_body(
+                [step.sessions[i] for i in idx], layer, sub["q"], sub["k"], sub["v"], **opts
+            )
+            doc = yield from self._routed_batch(sub_body["session_ids"], sub_body, sub_idempotent)
+            return sub_step.outcome(doc)
+
+        parts = yield from self._split(groups, [part(idx) for idx in groups])
+        out: np.ndarray | None = None
+        results: list[Any] = [None] * len(step.sessions)
+        for idx, got in zip(groups, parts):
+            if isinstance(got, BaseException):
+                for i in idx:
+                    results[i] = got
+                continue
+            sub_out, failed = got
+            if out is None:
+                out = np.zeros((len(step.sessions), *sub_out.shape[1:]), dtype=np.float32)
+            out[idx] = sub_out
+            for n, i in enumerate(idx):
+                results[i] = failed.get(n, out[i])
+        if out is None or any(isinstance(r, BaseException) for r in results):
+            raise BatchError(results)
+        return out
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -686,6 +783,11 @@ class Client(_BaseClient):
                     self._sleep(op.seconds)
                     op = flow.send(None)
                     continue
+                if isinstance(op, _Parallel):
+                    with ThreadPoolExecutor(len(op.flows)) as pool:
+                        done = [pool.submit(self._run, f) for f in op.flows]
+                    op = flow.send([f.exception() or f.result() for f in done])
+                    continue
                 try:
                     response = self._http.request(
                         op.method, op.url, content=op.content, headers=op.headers, timeout=self.timeout
@@ -773,10 +875,14 @@ class Client(_BaseClient):
         kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
         return self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
 
-    def stream(self) -> Stream:
+    def stream(self, route: Any = None) -> Stream:
         """Open a streaming connection (``/v1/stream``): the same operations over one
-        WebSocket, pipelined (see :class:`Stream`). Use it as a context manager."""
-        return Stream(self.base_url, self._headers, self.timeout.connect)
+        WebSocket, pipelined (see :class:`Stream`). Use it as a context manager.
+
+        A stream is a connection to one replica: behind a router of several, give
+        ``route`` (a session or its id) to open it on the replica that holds that
+        session (``X-Attnserve-Route``), and open one stream per replica."""
+        return Stream(self.base_url, self._stream_headers(route), self.timeout.connect)
 
     def health(self) -> bool:
         """Whether the server process is up (``/livez`` answers 2xx); no retries.
@@ -872,6 +978,9 @@ class AsyncClient(_BaseClient):
                     await self._sleep(op.seconds)
                     op = flow.send(None)
                     continue
+                if isinstance(op, _Parallel):
+                    op = flow.send(list(await asyncio.gather(*map(self._run, op.flows), return_exceptions=True)))
+                    continue
                 try:
                     response = await self._http.request(
                         op.method, op.url, content=op.content, headers=op.headers, timeout=self.timeout
@@ -926,10 +1035,11 @@ class AsyncClient(_BaseClient):
         kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
         return await self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
 
-    async def stream(self) -> AsyncStream:
+    async def stream(self, route: Any = None) -> AsyncStream:
         """Open a streaming connection (``/v1/stream``); concurrent awaits of its
-        methods pipeline on it. ``async with await client.stream() as s: ...``"""
-        return await AsyncStream.open(self.base_url, self._headers, self.timeout.connect)
+        methods pipeline on it. ``async with await client.stream() as s: ...``
+        ``route``: as for :meth:`Client.stream`."""
+        return await AsyncStream.open(self.base_url, self._stream_headers(route), self.timeout.connect)
 
     async def health(self) -> bool:
         """See :meth:`Client.health`."""

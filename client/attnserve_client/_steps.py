@@ -76,12 +76,13 @@ class AttendOptions(TypedDict, total=False):
 
 class BatchError(AttnServeError):
     """Some items of a batched step failed. ``results`` holds, per item in order,
-    its output (the item was applied) or its :class:`APIError` (it changed nothing);
-    ``errors`` maps item index to error."""
+    its output (the item was applied) or its error: an :class:`APIError` (it changed
+    nothing), or, for the items of a request to one replica that got no answer, the
+    :class:`APIConnectionError` of that request; ``errors`` maps item index to error."""
 
     def __init__(self, results: list[Any]):
         self.results = results
-        self.errors = {i: r for i, r in enumerate(results) if isinstance(r, APIError)}
+        self.errors = {i: r for i, r in enumerate(results) if isinstance(r, BaseException)}
         first = next(iter(self.errors.items()))
         super().__init__(f"{len(self.errors)} of {len(results)} batch items failed; item {first[0]}: {first[1]}")
 
@@ -158,6 +159,19 @@ def _track(item: AttendItem, length: int) -> None:
 
 def batch_results(items: list[AttendItem], doc: Any) -> list[np.ndarray]:
     """Per item its output; raises :class:`BatchError` when any item failed."""
+    return raise_failed(item_results(items, doc))
+
+
+def raise_failed(results: list[Any]) -> list[Any]:
+    """``results`` (per item an output or an error), or :class:`BatchError` when any
+    item failed."""
+    if any(isinstance(r, BaseException) for r in results):
+        raise BatchError(results)
+    return results
+
+
+def item_results(items: list[AttendItem], doc: Any) -> list[Any]:
+    """Per item its output, or the :class:`APIError` of an item that failed."""
     results = doc.get("results") if isinstance(doc, Mapping) else None
     if not isinstance(results, list) or len(results) != len(items):
         raise InvalidResponse(f"attend_batch: expected {len(items)} results, got {results!r:.200}")
@@ -171,8 +185,6 @@ def batch_results(items: list[AttendItem], doc: Any) -> list[np.ndarray]:
         arr, length = _out(r, f"attend_batch item {i}")
         _track(item, length)
         out.append(arr)
-    if any(isinstance(r, APIError) for r in out):
-        raise BatchError(out)
     return out
 
 
@@ -191,6 +203,13 @@ class StackedStep:
 
     def result(self, doc: Any) -> np.ndarray:
         """The stacked output; raises :class:`BatchError` when any item failed."""
+        out, failed = self.outcome(doc)
+        if failed:
+            raise BatchError([failed.get(i, out[i]) for i in range(len(out))])
+        return out
+
+    def outcome(self, doc: Any) -> tuple[np.ndarray, dict[int, APIError]]:
+        """The stacked output and the errors of the items that failed, by index."""
         if not isinstance(doc, Mapping) or not isinstance(doc.get("lengths"), list):
             raise InvalidResponse(f"attend_stacked: expected {{out, lengths, errors}}, got {doc!r:.200}")
         lengths, errors = doc["lengths"], doc.get("errors") or []
@@ -212,9 +231,7 @@ class StackedStep:
         for i, (session, length) in enumerate(zip(self.sessions, lengths)):
             if i not in failed and type(length) is int:
                 _track(AttendItem(session, self.layer, None), length)
-        if failed:
-            raise BatchError([failed.get(i, out[i]) for i in range(b)])
-        return out
+        return out, failed
 
 
 def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnserve_client import Client, SessionNotFound, wire
+from attnserve_client import AsyncClient, AttendItem, Client, SessionNotFound, wire
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -225,6 +225,55 @@ def test_the_clients_default_create_is_routable(topology, client):
     for s in made:
         assert client.get_session(s.session_id).session_id == s.session_id
         s.delete()
+
+
+def test_a_batched_step_over_both_replicas_is_split_by_the_client(topology, client):
+    """A batched step whose sessions live on both replicas: the client sends one
+    request per replica (X-Attnserve-Route), each reaches the replica that holds its
+    sessions, and every item is right against float64, in both body forms, sync and
+    async; a stream opened with ``route=`` reaches the replica of that session."""
+    rng = np.random.default_rng(11)
+    by_owner = new_sequences(client, topology, rng, per_replica=2, prefix="batch")
+    seqs = [s for group in by_owner.values() for s in group]
+    for seq in seqs:
+        seq.prefill(5)
+
+    def step(layer: int, seqs: list[Sequence], n: int = 1):
+        q = np.stack([seq.rows(n, H) for seq in seqs])
+        k, v = np.stack([seq.rows(n, KV) for seq in seqs]), np.stack([seq.rows(n, KV) for seq in seqs])
+        for i, seq in enumerate(seqs):
+            seq.k[layer] = np.concatenate([seq.k[layer], k[i]])
+            seq.v[layer] = np.concatenate([seq.v[layer], v[i]])
+        return q, k, v
+
+    def check(layer: int, seqs: list[Sequence], q, outs) -> None:
+        for i, seq in enumerate(seqs):
+            want = reference(q[i], seq.k[layer], seq.v[layer])
+            np.testing.assert_allclose(outs[i], want, atol=1e-4, rtol=1e-4)
+
+    before = len(topology.access_lines())
+    q, k, v = step(0, seqs)
+    check(0, seqs, q, client.attend_batch([AttendItem(s.session, 0, q[i], k[i], v[i]) for i, s in enumerate(seqs)]))
+    q, k, v = step(1, seqs, n=2)
+    check(1, seqs, q, client.attend_stacked([s.session for s in seqs], 1, q, k, v))
+    lines = topology.access_lines()[before:]
+    batches = sorted(line["upstream"] for line in lines if line["request"].startswith("POST /v1/batch/attend"))
+    assert batches == sorted(2 * [r.address for r in topology.replicas]), batches  # per step, one per replica
+
+    async def async_step() -> None:
+        async with AsyncClient(topology.router_url, max_retries=0) as ac:
+            ids = [s.sid for s in seqs]
+            q, k, v = step(0, seqs)
+            check(0, seqs, q, await ac.attend_stacked(ids, 0, q, k, v))  # ids it never saw: looked up first
+
+    asyncio.run(async_step())
+    for who, group in by_owner.items():
+        with client.stream(route=group[0].session) as stream:
+            q, k, v = step(1, group)
+            check(1, group, q, stream.attend_stacked([s.session for s in group], 1, q[:, 0], k[:, 0], v[:, 0])[:, None])
+    for seq in seqs:
+        assert list(client.get_session(seq.sid).lengths) == seq.lengths() == [7, 8]
+        seq.session.delete()
 
 
 def test_replicas_name_themselves_in_a_header(topology, recorder, client):
