@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 from _server import serving
 
+from attnserve_client import Client
+
 H, HKV, D = 32, 8, 128
 
 
@@ -87,6 +89,8 @@ def run(adapter: str, fmt: str, shards: int, sessions: int, context: int, second
     ctx = mp.get_context("spawn")
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(serving(adapter, **env))[1] for _ in range(shards)]
+        with Client(urls[0], timeout=60) as c:
+            adapter_name = c.info().get("adapter", {}).get("name")
         start, out = ctx.Barrier(shards + 1), ctx.Queue()
         procs = [
             ctx.Process(target=drive, args=(url, fmt, n, context, seconds, pipeline, start, out))
@@ -100,6 +104,7 @@ def run(adapter: str, fmt: str, shards: int, sessions: int, context: int, second
             p.join(60)
     total = sum(r["attends"] / r["seconds"] for r in results)
     return {
+        "adapter": adapter_name,
         "kv_format": fmt,
         "shards": shards,
         "sessions": sessions,
