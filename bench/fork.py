@@ -32,6 +32,8 @@ from _server import serving  # noqa: E402
 
 from attnserve_client import Client  # noqa: E402
 
+from tools.common import write_result  # noqa: E402
+
 
 def pool_pages(http: httpx.Client) -> int:
     return sum(p["used_pages"] for p in http.get("/v1/info").json()["pool"]["pools"])
@@ -92,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "pages_added_limit": args.layers,
     }
     print(json.dumps(result, indent=2))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json_out, result)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "service"))
+sys.path[:0] = [str(ROOT / "service"), str(ROOT)]
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
@@ -43,6 +42,8 @@ from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 from attnserve.turboquant import bytes_per_token  # noqa: E402
+
+from tools.common import write_result  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 DECODE_CONTEXTS = (4096, 32768, 131072)
@@ -115,10 +116,11 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
     return 1e3 * min(times)
 
 
-def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float) -> float:
+def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float, iters: int | None = None) -> float:
     """Milliseconds per batched decode step: one query row for each of ``layers``
     (each ``length`` long) planned together, so the batch records one dispatch per
-    phase for all of them (the engine's batched step); ``iters`` steps per submission."""
+    phase for all of them (the engine's batched step); ``iters`` steps per submission
+    (default: as many as ``budget_s`` allows, at most 200)."""
     q = rng.standard_normal((1, H, D), dtype=np.float32)
 
     def run(iters: int) -> float:
@@ -149,8 +151,9 @@ def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float
         return engine.worker.run(job) / steps[0]
 
     run(1)
-    once = run(1)
-    iters = int(min(200, max(3, budget_s / max(once, 1e-5))))
+    if iters is None:
+        once = run(1)
+        iters = int(min(200, max(3, budget_s / max(once, 1e-5))))
     return 1e3 * min(run(iters) for _ in range(3))
 
 
@@ -440,10 +443,7 @@ def main(argv=None) -> int:
         "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in ("f32", "turboquant")},
         "rows": rows,
     }
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+    write_result(args.json_out, result)
     engine.close()
     return 0
 

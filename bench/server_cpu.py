@@ -32,6 +32,8 @@ from _server import serving
 
 from attnserve_client import Client, wire
 
+from tools.common import write_result
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the process (all its threads)."""
@@ -97,9 +99,7 @@ def main(argv=None) -> int:
             results["attend_tiny_stream"] = measure(server.pid, n, lambda: stream.attend(s, 0, q))
         s.delete()
     print(json.dumps(results, indent=1))
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.json_out, results, indent=1)
     return 0
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from _server import serving
 
-from tools.common import metric_sum, parse_prometheus
+from tools.common import metric_sum, parse_prometheus, write_result
 
 from attnserve_client import AttendItem, Client
 
@@ -295,9 +295,7 @@ def main(argv=None) -> int:
             r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
             result["concurrent"].append(r)
             print(json.dumps(r), flush=True)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json_out, result)
     return 0
 
 

@@ -33,6 +33,8 @@ from _server import serving
 
 from attnserve_client import Client
 
+from tools.common import write_result
+
 H, HKV, D = 32, 8, 128
 
 
@@ -133,9 +135,7 @@ def main(argv=None) -> int:
             r = run(args.adapter, fmt, shards, args.sessions, args.context, args.seconds, args.pipeline)
             result["runs"].append(r)
             print(json.dumps(r), flush=True)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json_out, result)
     return 0
 
 

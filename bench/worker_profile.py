@@ -29,12 +29,14 @@ import numpy as np
 import wgpu
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client")]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
+
+from tools.common import write_result  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 
@@ -137,8 +139,7 @@ def main(argv=None) -> int:
                     r["profile_tottime"] = prof
     finally:
         engine.close()
-    if args.json_out:
-        args.json_out.write_text(json.dumps({"adapter": engine.ctx.describe(), "results": results}, indent=1) + "\n")
+    write_result(args.json_out, {"adapter": engine.ctx.describe(), "results": results}, indent=1)
     return 0
 
 

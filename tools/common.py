@@ -4,9 +4,11 @@ float64 reference. Standard library and numpy only."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import socket
+from pathlib import Path
 
 import numpy as np
 
@@ -58,3 +60,11 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want|, in float64."""
     want = np.asarray(want, np.float64)
     return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def write_result(path: Path | None, doc: object, *, indent: int = 2) -> None:
+    """A benchmark's result as JSON at ``path`` (its folder made), when one is given."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=indent) + "\n")

@@ -33,6 +33,7 @@ from ._steps import (
     AsyncStream,
     AttendItem,
     BatchError,
+    StackedOptions,
     Stream,
     batch_body,
     batch_idempotent,
@@ -433,7 +434,7 @@ class _BaseClient:
                 results[i] = got if isinstance(got, BaseException) else got[n]
         return raise_failed(results)
 
-    def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: Any) -> Flow[np.ndarray]:
+    def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: StackedOptions) -> Flow[np.ndarray]:
         step, body, idempotent = stacked_body(sessions, layer, q, k, v, **kw)
         groups = yield from self._replica_groups(body["session_ids"])
         if len(groups) == 1:
@@ -445,7 +446,12 @@ class _BaseClient:
 
         def part(idx: list[int]) -> Flow[tuple[np.ndarray, dict[int, Any]]]:
             sub = {name: None if a is None else a[idx] for name, a in arrays.items()}
-            opts = {**kw, **{n: [kw[n][i] for i in idx] for n in ("offsets", "start_pos") if kw.get(n) is not None}}
+            offsets, start_pos = body.get("offsets"), body.get("start_pos")  # checked, one per item
+            opts: StackedOptions = {
+                **kw,
+                "offsets": None if offsets is None else [offsets[i] for i in idx],
+                "start_pos": None if start_pos is None else [start_pos[i] for i in idx],
+            }
             sub_step, sub_body, sub_idempotent = stacked_body(
                 [step.sessions[i] for i in idx], layer, sub["q"], sub["k"], sub["v"], **opts
             )
@@ -856,11 +862,7 @@ class Client(_BaseClient):
         q: Any,
         k: Any = None,
         v: Any = None,
-        *,
-        offsets: Sequence[int | None] | None = None,
-        start_pos: Sequence[int | None] | None = None,
-        causal: bool = True,
-        scale: float | None = None,
+        **options: Unpack[StackedOptions],
     ) -> np.ndarray:
         """A batched step with the arrays stacked, as an engine holds them: item ``i``
         attends ``q[i]`` (with a fused append of ``k[i]``, ``v[i]``) on ``sessions[i]``
@@ -872,8 +874,7 @@ class Client(_BaseClient):
         submission; bit-identical to the same attends sent one by one. Raises
         :class:`BatchError` when any item failed (its ``results``: the outputs of the
         items that were applied, the errors of those that changed nothing)."""
-        kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
-        return self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
+        return self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
     def stream(self, route: Any = None) -> Stream:
         """Open a streaming connection (``/v1/stream``): the same operations over one
@@ -1025,15 +1026,10 @@ class AsyncClient(_BaseClient):
         q: Any,
         k: Any = None,
         v: Any = None,
-        *,
-        offsets: Sequence[int | None] | None = None,
-        start_pos: Sequence[int | None] | None = None,
-        causal: bool = True,
-        scale: float | None = None,
+        **options: Unpack[StackedOptions],
     ) -> np.ndarray:
         """As :meth:`Client.attend_stacked`."""
-        kw = {"offsets": offsets, "start_pos": start_pos, "causal": causal, "scale": scale}
-        return await self._run(self._stacked_flow(sessions, layer, q, k, v, kw))
+        return await self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
     async def stream(self, route: Any = None) -> AsyncStream:
         """Open a streaming connection (``/v1/stream``); concurrent awaits of its

@@ -30,7 +30,16 @@ from .errors import APIConnectionError, APIError, AttnServeError, InvalidInput, 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
 
-__all__ = ["AttendItem", "AttendOptions", "BatchError", "StackedStep", "Stream", "AsyncStream", "STREAM_PATH"]
+__all__ = [
+    "AttendItem",
+    "AttendOptions",
+    "StackedOptions",
+    "BatchError",
+    "StackedStep",
+    "Stream",
+    "AsyncStream",
+    "STREAM_PATH",
+]
 
 STREAM_PATH = "/v1/stream"
 
@@ -70,6 +79,16 @@ class AttendOptions(TypedDict, total=False):
     v: Any
     offset: int | None
     start_pos: int | None
+    causal: bool
+    scale: float | None
+
+
+class StackedOptions(TypedDict, total=False):
+    """The options of a stacked step: one value per session in ``offsets`` and
+    ``start_pos`` (None: none), and ``causal``, ``scale`` for all."""
+
+    offsets: Sequence[int | None] | None
+    start_pos: Sequence[int | None] | None
     causal: bool
     scale: float | None
 
@@ -257,19 +276,12 @@ def _per_session(values: Sequence[Any] | None, name: str, b: int) -> list[int | 
 
 
 def stacked_body(
-    sessions: Sequence[Any],
-    layer: int,
-    q: Any,
-    k: Any = None,
-    v: Any = None,
-    *,
-    offsets: Sequence[int | None] | None = None,
-    start_pos: Sequence[int | None] | None = None,
-    causal: bool = True,
-    scale: float | None = None,
+    sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **options: Unpack[StackedOptions]
 ) -> tuple[StackedStep, dict[str, Any], bool]:
     """The body of a stacked step, what decodes its answer, and whether it is safe
     to retry (no append, or every session's append checked at its offset)."""
+    offsets, start_pos = options.get("offsets"), options.get("start_pos")
+    causal, scale = options.get("causal", True), options.get("scale")
     sessions = list(sessions)
     if not sessions:
         raise InvalidInput("sessions: expected at least one session")
@@ -464,13 +476,13 @@ class Stream:
         return outs
 
     def submit_attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
     ) -> Future[Any]:
         step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
         return self._submit("attend_batch", body, step.result)
 
     def attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
     ) -> np.ndarray:
         """As ``Client.attend_stacked``, over the stream."""
         out: np.ndarray = self.submit_attend_stacked(sessions, layer, q, k, v, **kw).result()
@@ -578,7 +590,7 @@ class AsyncStream:
         return outs
 
     async def attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Any
+        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
     ) -> np.ndarray:
         """As ``Client.attend_stacked``, over the stream."""
         step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)

@@ -69,14 +69,27 @@ def routed(replicas):
     replicas.down.clear()
 
 
-def _sessions(client, seed: int, n: int = 6):
-    made = [client.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, seed=seed + i) for i in range(n)]
+def _sessions(client, router: Router, seed: int, per_replica: int = 3) -> list:
+    """Sessions (seeds seed, seed + 1, ...) until each replica holds ``per_replica``,
+    in creation order; ids hashed like the router does."""
+    made, held = [], [0] * len(router.urls)
+    while min(held) < per_replica:
+        sid = f"s{seed}-{len(made)}"
+        where = router.pick(httpx.Request("GET", f"http://x/v1/sessions/{sid}"))
+        if held[where] >= per_replica:
+            seed += 1
+            continue
+        held[where] += 1
+        made.append(client.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, seed=seed, session_id=sid))
+        seed += 1
     return made
 
 
 def test_a_step_is_one_request_per_replica_and_answers_in_item_order(replicas, routed, rng):
-    sessions = _sessions(routed, 1)
-    twins = _sessions(routed, 1)  # the same steps one by one
+    sessions = _sessions(routed, replicas, 1)
+    twins = [  # the same steps one by one, on sessions of the same seeds
+        routed.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, seed=s.info().seed) for s in sessions
+    ]
     owners = {replicas.pick(httpx.Request("GET", f"http://x/v1/sessions/{s.session_id}")) for s in sessions}
     assert owners == {0, 1}, "the sessions should spread over both replicas"
     for layer_rows in (5, 1):
@@ -115,7 +128,7 @@ def test_a_step_is_one_request_per_replica_and_answers_in_item_order(replicas, r
 
 
 def test_a_replica_without_answer_fails_only_its_items(replicas, routed, rng):
-    sessions = _sessions(routed, 100)
+    sessions = _sessions(routed, replicas, 100)
     lost = replicas.pick(httpx.Request("GET", f"http://x/v1/sessions/{sessions[0].session_id}"))
     replicas.down.add(lost)
     q, k = np.stack([rows(rng, 1, H, D) for _ in sessions]), np.stack([rows(rng, 1, HKV, D) for _ in sessions])
