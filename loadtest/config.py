@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--batched",
         action="store_true",
         help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
-        "(POST /v1/batch/attend) per layer for all of them, prefill chunks and decode tokens alike",
+        "(POST /v1/batch/attend, stacked) per layer for all of them, prefill chunks and decode tokens alike",
     )
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")

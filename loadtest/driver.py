@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from attnserve_client import APIError, AsyncClient, AttendItem, AttnServeError
+from attnserve_client import APIError, AsyncClient, AttnServeError
 
 from loadtest.config import OPERATIONS, Config
 from tools.common import parse_prometheus
@@ -266,22 +266,21 @@ class LoadTest:
         history = [[([], []) for _ in range(cfg.layers)] for _ in sessions] if cfg.verify else None
 
         async def step(op: str, layer: int, rows: int) -> None:
-            items, qs = [], []
-            for i, s in enumerate(sessions):
-                q = self._rows(rng, rows, cfg.qo_heads)
-                k, v = self._rows(rng, rows, cfg.kv_heads), self._rows(rng, rows, cfg.kv_heads)
-                items.append(AttendItem(s, layer, q, k, v, offset=s.lengths[layer]))
-                qs.append(q)
-                if history is not None:
-                    history[i][layer][0].append(k)
-                    history[i][layer][1].append(v)
-            outs = await self._timed(op, lambda: self._attend_batch(client, items), None)
-            self.rec.attends += len(items)
-            self.rec.kv_rows += rows * len(items)
+            b = len(sessions)
+            q = self._rows(rng, b * rows, cfg.qo_heads).reshape(b, rows, cfg.qo_heads, cfg.head_dim)
+            k = self._rows(rng, b * rows, cfg.kv_heads).reshape(b, rows, cfg.kv_heads, cfg.head_dim)
+            v = self._rows(rng, b * rows, cfg.kv_heads).reshape(b, rows, cfg.kv_heads, cfg.head_dim)
+            if history is not None:
+                for i in range(b):
+                    history[i][layer][0].append(k[i])
+                    history[i][layer][1].append(v[i])
+            outs = await self._timed(op, lambda: self._attend_stacked(client, sessions, layer, q, k, v), None)
+            self.rec.attends += b
+            self.rec.kv_rows += rows * b
             if history is not None and rows == 1:
-                for i, (s, q, out) in enumerate(zip(sessions, qs, outs)):
+                for i, s in enumerate(sessions):
                     if rng.random() < cfg.verify:
-                        self._verify(s.session_id, layer, q, out, history[i][layer])
+                        self._verify(s.session_id, layer, q[i], outs[i], history[i][layer])
 
         for start in range(0, cfg.prefill, cfg.chunk):
             rows = min(cfg.chunk, cfg.prefill - start)
@@ -301,15 +300,24 @@ class LoadTest:
         if cfg.decode_steps and n >= cfg.decode_steps:
             self.rec.sessions_completed += len(sessions)
 
-    async def _attend_batch(self, client: AsyncClient, items: list) -> list:
-        """One batched step, sent as several requests of at most BATCH_BYTES of
-        arrays each when it is larger (a 32-session prefill chunk of 256 rows at
-        32/8 heads of 128 is ~200 MB, past any body limit), concurrently."""
-        per_item = max(1, sum(a.nbytes for a in (items[0].q, items[0].k, items[0].v) if a is not None))
-        size = max(1, BATCH_BYTES // per_item)
-        parts = [items[i : i + size] for i in range(0, len(items), size)]
-        outs = await asyncio.gather(*(client.attend_batch(p) for p in parts))
-        return [o for part in outs for o in part]
+    async def _attend_stacked(
+        self, client: AsyncClient, sessions: list, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    ) -> np.ndarray:
+        """One batched step in the stacked form (one fused append and attend per
+        session, each at its offset), sent as several requests of at most
+        BATCH_BYTES of arrays each when it is larger (a 32-session prefill chunk of
+        256 rows at 32/8 heads of 128 is ~200 MB, past any body limit), concurrently."""
+        size = max(1, BATCH_BYTES // max(1, q[0].nbytes + k[0].nbytes + v[0].nbytes))
+        parts = [slice(i, i + size) for i in range(0, len(sessions), size)]
+        outs = await asyncio.gather(
+            *(
+                client.attend_stacked(
+                    sessions[p], layer, q[p], k[p], v[p], offsets=[s.lengths[layer] for s in sessions[p]]
+                )
+                for p in parts
+            )
+        )
+        return np.concatenate(outs)
 
     def _rows(self, rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
         return rng.standard_normal((n, heads, self.cfg.head_dim), dtype=np.float32)

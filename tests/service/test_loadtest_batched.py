@@ -86,33 +86,37 @@ def test_a_large_step_is_split_and_keeps_item_order(server, rng, monkeypatch):
 
     import numpy as np
 
-    from attnserve_client import AsyncClient, AttendItem
+    from attnserve_client import AsyncClient
 
     spec = importlib.util.spec_from_file_location("lt_split", ROOT / "loadtest" / "loadtest.py")
     lt = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = lt
     spec.loader.exec_module(lt)
-    monkeypatch.setattr(lt.driver, "BATCH_BYTES", 2 * 4 * 4 * 8 * 3)  # two items' arrays per request
+    monkeypatch.setattr(lt.driver, "BATCH_BYTES", 4 * (4 * 8 + 2 * 2 * 8) * 2)  # two items' arrays per request
 
     async def main():
         async with AsyncClient(server.url) as client:
             sessions = [await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=8) for _ in range(5)]
-            items = [
-                AttendItem(
-                    s, 0, rng.standard_normal((1, 4, 8)), rng.standard_normal((1, 2, 8)), rng.standard_normal((1, 2, 8))
-                )
-                for s in sessions
-            ]
-            test = lt.LoadTest.__new__(lt.LoadTest)
-            outs = await test._attend_batch(client, items)
-            singles = []
-            for s, it in zip(sessions, items):
-                singles.append(await s.attend(0, it.q))
-                await s.delete()
-            return outs, singles
+            q, k, v = (rng.standard_normal((5, 1, h, 8)).astype(np.float32) for h in (4, 2, 2))
+            sent = []
+            stacked = client.attend_stacked
 
-    outs, singles = asyncio.run(main())
-    assert len(outs) == 5
+            async def counted(part, *args, **kw):
+                sent.append(len(part))
+                return await stacked(part, *args, **kw)
+
+            client.attend_stacked = counted
+            test = lt.LoadTest.__new__(lt.LoadTest)
+            outs = await test._attend_stacked(client, sessions, 0, q, k, v)
+            singles = []
+            for i, s in enumerate(sessions):
+                assert s.lengths == (1,)  # tracked from the answer: the next offset
+                singles.append(await s.attend(0, q[i]))
+                await s.delete()
+            return outs, singles, sent
+
+    outs, singles, sent = asyncio.run(main())
+    assert sent == [2, 2, 1] and outs.shape == (5, 1, 4, 8)
     for out, single in zip(outs, singles):
         # the same query over the same single timestep: the same value row
         assert np.allclose(out, single, atol=1e-6)
