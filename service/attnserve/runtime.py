@@ -240,6 +240,8 @@ class Runtime:
 
         for job in jobs:
             job.fut.add_done_callback(functools.partial(done, job))
+        if not jobs:
+            settle_all()
         return all_done
 
 

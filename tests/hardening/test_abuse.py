@@ -133,6 +133,7 @@ BODY_ROUTES = [
     ("POST", "/v1/sessions/victim/layers/1/attend"),
     ("PUT", "/v1/sessions/new-one/snapshot"),
     ("POST", "/v1/sessions/victim/fork"),
+    ("POST", "/v1/batch/attend"),
 ]
 
 
@@ -300,6 +301,15 @@ def test_shapes_whose_product_overflows(target, shape):
         r = api.client.post(
             f"/v1/sessions/victim/layers/0/{path}", content=wire.packb(doc), headers={"Content-Type": wire.MSGPACK}
         )
+        expect(r, 422, "invalid-request")
+    # the batched step's stacked form: the same shapes with an item axis in front
+    stacked_bad = {"dtype": "<f4", "shape": [1, *shape], "data": data}
+    for doc in (
+        {"session_ids": ["victim"], "layer": 0, "q": stacked_bad},
+        {"session_ids": ["victim"], "layer": 0, "q": wire.encode_array(rows(np.random.default_rng(1), 1, H, D)[None]),
+         "k": stacked_bad, "v": stacked_bad},
+    ):  # fmt: skip
+        r = api.client.post("/v1/batch/attend", content=wire.packb(doc), headers={"Content-Type": wire.MSGPACK})
         expect(r, 422, "invalid-request")
     unchanged(api, victim)
 
@@ -516,6 +526,19 @@ def test_non_finite_values_are_refused_everywhere(target, value):
                 r = api.call("POST", f"/v1/sessions/victim/layers/0/{path}", doc, enc="msgpack")
             problem = expect(r, 422, "invalid-request")
             assert "finite" in problem["detail"], problem
+    # a batched step, both forms: the item with the value fails alone (the other is a read)
+    bad_q, good_q1 = _with(value, H)[:1], good_q[:1]
+    items = {
+        "items": [{"session_id": "victim", "layer": 0, "q": bad_q}, {"session_id": "victim", "layer": 0, "q": good_q1}]
+    }
+    stacked = {"session_ids": ["victim", "victim"], "layer": 0, "q": np.stack([bad_q, good_q1])}
+    for doc in (items, stacked):
+        r = api.call("POST", "/v1/batch/attend", doc, enc="msgpack")
+        assert r.status == 200, r.body
+        errors = (
+            [res["error"] for res in r.body["results"] if "error" in res] if "results" in r.body else r.body["errors"]
+        )
+        assert len(errors) == 1 and errors[0]["item"] == 0 and "finite" in errors[0]["detail"], errors
     unchanged(api, victim)
 
 
