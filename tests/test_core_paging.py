@@ -120,7 +120,7 @@ def test_a_full_slab_moves_the_layer_and_nothing_changes(small_slabs, rng):
     before, _ = eng.attend(a.layers[0], q).result()
     more_k, more_v = rows(rng, P + 5, hkv, d), rows(rng, P + 5, hkv, d)  # two more pages: a must move
     eng.append(a.layers[0], more_k, more_v).result()
-    assert a.layers[0].slab is not slab and len(eng.pools.get(a.config.layout).slabs) == 2
+    assert a.layers[0].slab is not slab and len(eng.pools.get(a.config.layer_layout(0)).slabs) == 2
     k, v = np.concatenate([ka, more_k]), np.concatenate([va, more_v])
     out, length = eng.attend(a.layers[0], q, start_pos=len(ka) - 2).result()
     np.testing.assert_array_equal(out, before)  # the moved rows answer bit for bit as before

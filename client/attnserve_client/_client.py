@@ -104,7 +104,7 @@ class SessionSpec(TypedDict, total=False):
     num_kv_heads: Required[int]
     head_dim: Required[int]
     num_layers: int
-    kv_format: str
+    kv_format: str | Sequence[str]
     max_tokens: int | None
     seed: int | None
     session_id: str | None
@@ -321,7 +321,7 @@ class _BaseClient:
         num_kv_heads: int,
         head_dim: int,
         num_layers: int = 1,
-        kv_format: str = "f32",
+        kv_format: str | Sequence[str] = "f32",
         max_tokens: int | None = None,
         seed: int | None = None,
         session_id: str | None = None,
@@ -333,9 +333,14 @@ class _BaseClient:
             "num_kv_heads": _int_arg("num_kv_heads", num_kv_heads),
             "head_dim": _int_arg("head_dim", head_dim),
         }
-        if not isinstance(kv_format, str):
-            raise refused(InvalidRequest, f"kv_format: expected a str, got {kv_format!r}")
-        body["kv_format"] = kv_format
+        if isinstance(kv_format, str):
+            body["kv_format"] = kv_format
+        elif isinstance(kv_format, Sequence) and kv_format and all(isinstance(f, str) for f in kv_format):
+            body["kv_format"] = list(kv_format)
+        else:
+            raise refused(
+                InvalidRequest, f"kv_format: expected a str or a sequence of str (one per layer), got {kv_format!r}"
+            )
         if max_tokens is not None:
             body["max_tokens"] = _int_arg("max_tokens", max_tokens)
         if seed is not None:
@@ -361,7 +366,8 @@ class _BaseClient:
             # Our own earlier attempt may have created it: adopt it if it is exactly
             # what we asked for and still empty.
             info = SessionInfo.from_dict((yield from self._call_ok("GET", path)))
-            if all(getattr(info, key) == value for key, value in body.items()) and not any(info.lengths):
+            asked = {key: tuple(value) if isinstance(value, list) else value for key, value in body.items()}
+            if all(getattr(info, key) == value for key, value in asked.items()) and not any(info.lengths):
                 return info
         raise error
 

@@ -22,7 +22,9 @@ class SessionInfo:
             ``[n, num_qo_heads, head_dim]``.
         num_kv_heads: key/value heads; ``k`` and ``v`` are ``[m, num_kv_heads, head_dim]``.
         head_dim: size of one head.
-        kv_format: how the cache is stored (``"f32"`` or ``"turboquant"``).
+        kv_format: how the cache is stored (``"f32"`` or ``"turboquant"``), as
+            created: one format for every layer, or a tuple of one per layer.
+        layer_formats: each layer's format.
         max_tokens: cap on each layer's length, or ``None`` if the server gave none.
         seed: the seed of the TurboQuant rotations, or ``None``.
         lengths: each layer's length (timesteps held), one int per layer.
@@ -35,12 +37,18 @@ class SessionInfo:
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
-    kv_format: str
+    kv_format: str | tuple[str, ...]
     max_tokens: int | None
     seed: int | None
     lengths: tuple[int, ...]
     bytes: int
+    layer_formats: tuple[str, ...] = ()  # derived from kv_format when not given
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_formats:
+            fmt = self.kv_format
+            object.__setattr__(self, "layer_formats", (fmt,) * self.num_layers if isinstance(fmt, str) else tuple(fmt))
 
     @classmethod
     def from_dict(cls, obj: Any) -> SessionInfo:
@@ -60,28 +68,34 @@ class SessionInfo:
                 raise InvalidResponse(f"session info: expected {key!r} as {kind.__name__}, got {value!r}")
             return value
 
-        def get_lengths() -> tuple[int, ...]:
-            value = obj.get("lengths")
-            if not isinstance(value, (list, tuple)) or not all(type(n) is int for n in value):
-                raise InvalidResponse(f"session info: expected 'lengths' as a list of int, got {value!r}")
+        def get_list(key: str, kind: type) -> tuple[Any, ...]:
+            value = obj.get(key)
+            if not isinstance(value, (list, tuple)) or not all(type(n) is kind for n in value):
+                raise InvalidResponse(f"session info: expected {key!r} as a list of {kind.__name__}, got {value!r}")
             return tuple(value)
+
+        session_id, num_layers = get("session_id", str), get("num_layers", int)
+        kv_format = get_list("kv_format", str) if isinstance(obj.get("kv_format"), list) else get("kv_format", str)
+        formats = get_list("layer_formats", str) if "layer_formats" in obj else ()  # () before per-layer formats
 
         known = {f.name for f in fields(cls)}
         info = cls(
-            session_id=get("session_id", str),
-            num_layers=get("num_layers", int),
+            session_id=session_id,
+            num_layers=num_layers,
             num_qo_heads=get("num_qo_heads", int),
             num_kv_heads=get("num_kv_heads", int),
             head_dim=get("head_dim", int),
-            kv_format=get("kv_format", str),
+            kv_format=kv_format,
+            layer_formats=formats,
             max_tokens=get("max_tokens", int, optional=True),
             seed=get("seed", int, optional=True),
-            lengths=get_lengths(),
+            lengths=get_list("lengths", int),
             bytes=get("bytes", int),
             extra={k: v for k, v in obj.items() if k not in known},
         )
-        if len(info.lengths) != info.num_layers:
-            raise InvalidResponse(
-                f"session info: expected {info.num_layers} lengths (one per layer), got {len(info.lengths)}"
-            )
+        for name in ("lengths", "layer_formats"):
+            if len(getattr(info, name)) != info.num_layers:
+                raise InvalidResponse(
+                    f"session info: expected {info.num_layers} {name} (one per layer), got {len(getattr(info, name))}"
+                )
         return info

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Callable
 
@@ -107,11 +108,14 @@ class Engine:
 
     # ── limits ──────────────────────────────────────────────────────────────
 
-    def max_tokens_limit(self, kv_format: str, num_kv_heads: int, head_dim: int) -> int:
+    def max_tokens_limit(self, kv_format: str | Sequence[str], num_kv_heads: int, head_dim: int) -> int:
         """Most timesteps a layer may hold: its pages live in one pool slab, which
-        the adapter binds whole."""
-        pool = self.pools.get(PageLayout(kv_format, num_kv_heads, head_dim))
-        return pool.max_slab_pages * pool.page_tokens
+        the adapter binds whole (``kv_format``: a format, or several: the least of them)."""
+        limits = []
+        for fmt in {kv_format} if isinstance(kv_format, str) else set(kv_format):
+            pool = self.pools.get(PageLayout(fmt, num_kv_heads, head_dim))
+            limits.append(pool.max_slab_pages * pool.page_tokens)
+        return min(limits)
 
     def session_kv(self, config: SessionConfig) -> SessionKV:
         """A session's layers over this engine's pools (no GPU memory until appends)."""
@@ -119,14 +123,15 @@ class Engine:
 
     # ── request checks (InvalidRequest, before anything is queued) ───────────
 
-    def check_kv_rows(self, config: SessionConfig, k: np.ndarray, v: np.ndarray) -> int:
-        """``k, v`` fit a session of ``config`` and this adapter; returns their rows."""
+    def check_kv_rows(self, config: SessionConfig, k: np.ndarray, v: np.ndarray, kv_format: str) -> int:
+        """``k, v`` fit a layer of ``kv_format`` of a session of ``config`` and this
+        adapter; returns their rows."""
         want = (config.num_kv_heads, config.head_dim)
         if k.shape[0] < 1 or k.shape[1:] != want:
             raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
         if v.shape != k.shape:
             raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
-        if config.kv_format == "turboquant":
+        if kv_format == "turboquant":
             # a norm past float16's range would be stored as inf and turn the layer's answers into NaN
             for name, a in (("k", k), ("v", v)):
                 norm, (i, h) = largest_norm(a)
@@ -144,13 +149,14 @@ class Engine:
             )
         return k.shape[0]
 
-    def check_query_rows(self, config: SessionConfig, q: np.ndarray) -> int:
-        """``q`` fits a session of ``config`` and this adapter; returns its rows."""
+    def check_query_rows(self, config: SessionConfig, q: np.ndarray, kv_format: str) -> int:
+        """``q`` fits a layer of ``kv_format`` of a session of ``config`` and this
+        adapter; returns its rows."""
         want = (config.num_qo_heads, config.head_dim)
         if q.shape[0] < 1 or q.shape[1:] != want:
             raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
         n = q.shape[0]
-        need = max(q.nbytes, rotated_q_bytes(n, *want) if config.kv_format == "turboquant" else 0)
+        need = max(q.nbytes, rotated_q_bytes(n, *want) if kv_format == "turboquant" else 0)
         limit = self.ctx.max_binding
         if need > limit:
             rows = limit // (need // n)

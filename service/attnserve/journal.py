@@ -73,7 +73,7 @@ class Journal:
     valid_bytes: int = 0  # where the last good frame ends (the file is cut back to it)
 
 
-def parse_journal(data: bytes, limit_for: Callable[[str, int, int], int]) -> Journal:
+def parse_journal(data: bytes, limit_for: Callable[[tuple[str, ...], int, int], int]) -> Journal:
     """The journal in ``data``, read up to its first torn frame. Raises InvalidSnapshot
     when the header itself is missing or wrong (nothing can be restored from it)."""
     frames, off = [], 0
@@ -105,13 +105,13 @@ def parse_journal(data: bytes, limit_for: Callable[[str, int, int], int]) -> Jou
     if (
         req.max_tokens is None
         or req.seed is None
-        or req.max_tokens > limit_for(req.kv_format, req.num_kv_heads, req.head_dim)
+        or req.max_tokens > limit_for(req.layer_formats, req.num_kv_heads, req.head_dim)
     ):
         raise InvalidSnapshot("journal config: max_tokens and seed are required, within this adapter's limit")
     config = SessionConfig(
         req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed
     )
-    want = config.layout.buffer_bytes(page_tokens)
+    want = [config.layer_layout(i).buffer_bytes(page_tokens) for i in range(config.num_layers)]
     journal = Journal(sid, owner, config, page_tokens, [[] for _ in range(config.num_layers)], valid_bytes=off)
     for doc in frames[1:]:
         if not isinstance(doc, dict) or set(doc) != {"layer", "page", "k", "v"}:
@@ -122,7 +122,7 @@ def parse_journal(data: bytes, limit_for: Callable[[str, int, int], int]) -> Jou
         pages = journal.pages[layer]
         if page < len(pages):
             continue  # written again by a sync that did not know it had landed: the same rows
-        if page != len(pages) or (len(kb), len(vb)) != want:
+        if page != len(pages) or (len(kb), len(vb)) != want[layer]:
             raise InvalidSnapshot(f"journal: layer {layer} page {page} out of order or of the wrong size")
         if (len(pages) + 1) * page_tokens > config.max_tokens + page_tokens - 1:
             raise InvalidSnapshot(f"journal: layer {layer} passes max_tokens")

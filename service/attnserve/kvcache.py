@@ -16,6 +16,7 @@ rows, ``pool.PageLayout``): ``read_words`` gathers the pages into it and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ __all__ = [
     "F32LayerCache",
     "TurboQuantLayerCache",
     "SessionConfig",
+    "layer_formats",
     "SessionKV",
     "check_head_dim",
 ]
@@ -356,19 +358,30 @@ class TurboQuantLayerCache(LayerCache):
         K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.codebook))
 
 
+def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:
+    """Each layer's kv format: ``kv_format`` is one for every layer, or one per layer."""
+    if isinstance(kv_format, str):
+        return (kv_format,) * num_layers
+    return tuple(kv_format)
+
+
 @dataclass
 class SessionConfig:
     num_layers: int
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
-    kv_format: str
+    kv_format: str | tuple[str, ...]  # one for every layer, or one per layer
     max_tokens: int
     seed: int
 
     @property
-    def layout(self) -> PageLayout:
-        return PageLayout(self.kv_format, self.num_kv_heads, self.head_dim)
+    def layer_formats(self) -> tuple[str, ...]:
+        return layer_formats(self.kv_format, self.num_layers)
+
+    def layer_layout(self, layer: int) -> PageLayout:
+        """How layer ``layer`` lays out its rows."""
+        return PageLayout(self.layer_formats[layer], self.num_kv_heads, self.head_dim)
 
 
 class SessionKV:
@@ -376,14 +389,18 @@ class SessionKV:
 
     def __init__(self, config: SessionConfig, pools: PagePools):
         c = config
-        check_head_dim(c.kv_format, c.head_dim)
+        formats = c.layer_formats
+        if len(formats) != c.num_layers:
+            raise ValueError(f"{len(formats)} kv formats for {c.num_layers} layers")
+        for fmt in set(formats):
+            check_head_dim(fmt, c.head_dim)
         if c.num_kv_heads < 1 or c.num_qo_heads % c.num_kv_heads:
             raise ValueError("num_kv_heads must divide num_qo_heads")
         self.config = c
-        pool = pools.get(c.layout)
         self.layers: list[LayerCache] = []
-        for layer in range(c.num_layers):
-            if c.kv_format == "f32":
+        for layer, fmt in enumerate(formats):
+            pool = pools.get(c.layer_layout(layer))
+            if fmt == "f32":
                 self.layers.append(F32LayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
             else:
                 self.layers.append(TurboQuantLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed))

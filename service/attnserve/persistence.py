@@ -368,7 +368,7 @@ class SnapshotDir:
         layers = list(layers) or [(0, 0, b"", b"") for _ in range(cfg.num_layers)]
         for i, pages in enumerate(journal.pages):
             if len(pages) * journal.page_tokens > layers[i][0]:
-                layers[i] = J.assemble(cfg.layout, journal.page_tokens, pages)
+                layers[i] = J.assemble(cfg.layer_layout(i), journal.page_tokens, pages)
         if journal.page_tokens == page_tokens:
             return layers, [len(p) for p in journal.pages]
         journal_path.unlink()

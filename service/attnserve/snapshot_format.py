@@ -79,7 +79,9 @@ def _check_tq_norms(i: int, config: SessionConfig, n: int, cap: int, kb: bytes, 
             raise InvalidSnapshot(f"layers[{i}].{name}: non-finite norms")
 
 
-def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], int]) -> tuple[SessionConfig, Layers]:
+def parse_blob(
+    raw: bytes, max_bytes: int, limit_for: Callable[[tuple[str, ...], int, int], int]
+) -> tuple[SessionConfig, Layers]:
     """Check everything about a blob (InvalidSnapshot otherwise); ``limit_for(fmt, hkv, d)``
     is the adapter's max_tokens limit."""
     try:
@@ -102,7 +104,7 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
         raise InvalidSnapshot(f"config: {e.detail}") from None
     if req.max_tokens is None or req.seed is None:
         raise InvalidSnapshot("config: max_tokens and seed are required")
-    limit = limit_for(req.kv_format, req.num_kv_heads, req.head_dim)
+    limit = limit_for(req.layer_formats, req.num_kv_heads, req.head_dim)
     if req.max_tokens > limit:
         raise InvalidSnapshot(f"config: max_tokens {req.max_tokens} passes this adapter's limit {limit}")
     config = SessionConfig(
@@ -111,9 +113,9 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")
-    layout = config.layout  # the contiguous layout snapshots keep
     out = []
     for i, layer in enumerate(layers):
+        layout, fmt = config.layer_layout(i), config.layer_formats[i]  # the contiguous layout snapshots keep
         if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
             raise InvalidSnapshot(f"layers[{i}]: expected exactly the keys {sorted(_LAYER_KEYS)}")
         n, cap, kb, vb = layer["length"], layer["capacity"], layer["k"], layer["v"]
@@ -130,12 +132,12 @@ def parse_blob(raw: bytes, max_bytes: int, limit_for: Callable[[str, int, int], 
                 f"layers[{i}]: expected {want[0]} and {want[1]} bytes of K and V for capacity {cap}, "
                 f"got {len(kb)} and {len(vb)}"
             )
-        if config.kv_format == "f32" and n:
+        if fmt == "f32" and n:
             used = n * config.num_kv_heads * config.head_dim
             for name, b in (("k", kb), ("v", vb)):
                 if not np.isfinite(np.frombuffer(b, "<f4", count=used)).all():
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
-        if config.kv_format == "turboquant" and n:
+        if fmt == "turboquant" and n:
             _check_tq_norms(i, config, n, cap, kb, vb)
         out.append((n, cap, kb, vb))
     if doc["checksum"] != digest(doc["format"], doc["version"], cfg, layers):

@@ -97,10 +97,6 @@ class Session:
         return self.kv.layers[layer]
 
     @property
-    def kv_format(self) -> str:
-        return self.config.kv_format
-
-    @property
     def nbytes(self) -> int:
         """GPU bytes the session really holds now."""
         return self.kv.nbytes
@@ -113,7 +109,8 @@ class Session:
             "num_qo_heads": c.num_qo_heads,
             "num_kv_heads": c.num_kv_heads,
             "head_dim": c.head_dim,
-            "kv_format": c.kv_format,
+            "kv_format": c.kv_format if isinstance(c.kv_format, str) else list(c.kv_format),
+            "layer_formats": list(c.layer_formats),
             "max_tokens": c.max_tokens,
             "seed": c.seed,
             "lengths": [ls.length for ls in self.layers],
@@ -428,9 +425,13 @@ class Store:
     # ── views ───────────────────────────────────────────────────────────────
 
     def by_format(self) -> dict[str, tuple[int, int]]:
-        """``{kv_format: (sessions, GPU bytes held)}``."""
+        """``{kv_format: (sessions with a layer of it, GPU bytes its layers hold)}``."""
         out: dict[str, tuple[int, int]] = {}
         for s in self.sessions.values():
-            n, b = out.get(s.kv_format, (0, 0))
-            out[s.kv_format] = (n + 1, b + s.nbytes)
+            held: dict[str, int] = {}
+            for layer in s.kv.layers:
+                held[layer.kv_format] = held.get(layer.kv_format, 0) + layer.nbytes
+            for fmt, nbytes in held.items():
+                n, b = out.get(fmt, (0, 0))
+                out[fmt] = (n + 1, b + nbytes)
         return out

@@ -22,6 +22,8 @@ P = 16  # the killed server's page_tokens: pages fill fast
 SHAPES = {
     "f32-s": dict(kv_format="f32", num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32),
     "tq-s": dict(kv_format="turboquant", num_layers=2, num_qo_heads=4, num_kv_heads=1, head_dim=64),
+    # per-layer formats: each layer's pages journaled in its own layout
+    "mixed-s": dict(kv_format=["turboquant", "f32"], num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32),
 }
 
 
@@ -101,7 +103,7 @@ def test_sigkill_mid_load_loses_nothing_older_than_the_last_sync(tmp_path, rng):
             proc.kill()
             proc.wait()
     assert not list(snapdir.glob("*.snap"))  # a hard kill wrote no snapshot: all comes from journals
-    assert sorted(p.name for p in snapdir.glob("*.journal")) == ["f32-s.journal", "tq-s.journal"]
+    assert sorted(p.name for p in snapdir.glob("*.journal")) == ["f32-s.journal", "mixed-s.journal", "tq-s.journal"]
 
     proc = _start(port, env, log)
     try:
@@ -121,7 +123,7 @@ def test_sigkill_mid_load_loses_nothing_older_than_the_last_sync(tmp_path, rng):
                 q = rows(rng, 2, h, d)
                 got = api.attend(sid, layer, q).body["out"]
                 assert got.tobytes() == api.attend(twin, layer, q).body["out"].tobytes()  # the rows sent, bit for bit
-                if shape["kv_format"] == "f32":
+                if info["layer_formats"][layer] == "f32":
                     want = Model(h, hkv, d, 1)
                     want.add(0, k, v)
                     assert rel_err(got, want.attention(0, q)) <= F32_TOL

@@ -19,6 +19,7 @@ INFO_KEYS = {
     "num_kv_heads",
     "head_dim",
     "kv_format",
+    "layer_formats",
     "max_tokens",
     "seed",
     "lengths",
@@ -63,7 +64,13 @@ def test_put_creates_with_chosen_id_and_all_fields(api, enc):
     }
     r = api.call("PUT", f"/v1/sessions/{sid}", body, enc=enc)
     assert r.status == 201, r.body
-    assert r.body == {**body, "session_id": sid, "lengths": [0, 0, 0], "bytes": 0}
+    assert r.body == {
+        **body,
+        "session_id": sid,
+        "layer_formats": [body["kv_format"]] * 3,
+        "lengths": [0, 0, 0],
+        "bytes": 0,
+    }
     again = api.call("PUT", f"/v1/sessions/{sid}", {**body, "num_layers": 1}, enc=enc)
     assert again.status == 409 and again.problem_type == "/problems/session-exists"
     assert again.content_type == wire.PROBLEM_JSON

@@ -154,18 +154,20 @@ class Checked:
 
 
 def check_append(rt: Runtime, engine: Engine, session: Session, li: int, req: AppendRequest) -> Checked:
-    rows = engine.check_kv_rows(session.config, req.k, req.v)
+    fmt = session.config.layer_formats[li]
+    rows = engine.check_kv_rows(session.config, req.k, req.v, fmt)
     res = rt.store.plan_append(session, li, rows, req.offset)
     rt.store.check_budget(res)
     plan = engine.plan_append(session.cache(li), req.k, req.v)
-    return Checked(plan, res, session.kv_format, rows, 0)
+    return Checked(plan, res, fmt, rows, 0)
 
 
 def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: AttendRequest) -> Checked:
-    n = engine.check_query_rows(session.config, req.q)
+    fmt = session.config.layer_formats[li]
+    n = engine.check_query_rows(session.config, req.q, fmt)
     rows = 0
     if req.k is not None:
-        rows = engine.check_kv_rows(session.config, req.k, req.v)
+        rows = engine.check_kv_rows(session.config, req.k, req.v, fmt)
         res = rt.store.plan_append(session, li, rows, req.offset)
     else:
         res = rt.store.plan_read(session, li, req.offset)
@@ -187,7 +189,7 @@ def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: At
     plan = engine.plan_attend(
         session.cache(li), req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
     )
-    return Checked(plan, res, session.kv_format, rows, n)
+    return Checked(plan, res, fmt, rows, n)
 
 
 def queue_one(rt: Runtime, engine: Engine, op: Checked) -> Future:

@@ -221,7 +221,15 @@ COMPONENTS: dict[str, Any] = {
             "num_qo_heads": {"type": "integer", "minimum": 1, "maximum": 256},
             "num_kv_heads": {"type": "integer", "minimum": 1, "description": "Divides num_qo_heads (GQA)."},
             "head_dim": {"type": "integer", "description": "f32: 1..128; turboquant: 32, 64 or 128."},
-            "kv_format": {"type": "string", "enum": ["f32", "turboquant"], "default": "f32"},
+            "kv_format": {
+                "anyOf": [
+                    {"type": "string", "enum": ["f32", "turboquant"]},
+                    {"type": "array", "items": {"type": "string", "enum": ["f32", "turboquant"]}, "minItems": 1},
+                ],
+                "default": "f32",
+                "description": "One format for every layer, or an array of num_layers formats, one per layer "
+                "(e.g. the first and last layers f32, the rest turboquant).",
+            },
             "max_tokens": {
                 "type": ["integer", "null"],
                 "minimum": 1,
@@ -262,6 +270,7 @@ COMPONENTS: dict[str, Any] = {
             "num_kv_heads",
             "head_dim",
             "kv_format",
+            "layer_formats",
             "max_tokens",
             "seed",
             "lengths",
@@ -273,7 +282,11 @@ COMPONENTS: dict[str, Any] = {
             "num_qo_heads": {"type": "integer"},
             "num_kv_heads": {"type": "integer"},
             "head_dim": {"type": "integer"},
-            "kv_format": {"type": "string"},
+            "kv_format": {
+                "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+                "description": "As created: one format, or one per layer.",
+            },
+            "layer_formats": {"type": "array", "items": {"type": "string"}, "description": "Each layer's format."},
             "max_tokens": {"type": "integer"},
             "seed": {"type": "integer"},
             "lengths": {"type": "array", "items": {"type": "integer"}, "description": "Each layer's length."},

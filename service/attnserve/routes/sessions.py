@@ -33,13 +33,14 @@ async def _create(
     rt.store.check_room(session_id, owner)  # early 409 / 507, before reading the body
     raw = await read_body(request, rt.settings.max_body_bytes)
     req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
-    limit = engine.max_tokens_limit(req.kv_format, req.num_kv_heads, req.head_dim)
+    limit = engine.max_tokens_limit(req.layer_formats, req.num_kv_heads, req.head_dim)
     if req.max_tokens is None:
         max_tokens = min(rt.settings.default_max_tokens, limit)
     elif req.max_tokens > limit:
+        formats = " and ".join(dict.fromkeys(req.layer_formats))
         raise InvalidRequest(
             f"max_tokens: this adapter can bind at most {limit} timesteps per layer for "
-            f"{req.kv_format} with num_kv_heads {req.num_kv_heads} and head_dim {req.head_dim}, "
+            f"{formats} with num_kv_heads {req.num_kv_heads} and head_dim {req.head_dim}, "
             f"got {req.max_tokens}",
             max_tokens_limit=limit,
         )
