@@ -1,0 +1,33 @@
+"""bench/fidelity.py (docs/fidelity.md) in its short form: it runs on the adapter
+there is, the f32 path is exact against float64, and the TurboQuant score estimate
+has the properties the table reports: unbiased with the QJL bit, shrunk and noisier
+without it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import fidelity  # noqa: E402
+
+
+def test_fidelity_quick(tmp_path):
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--quick", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["kv_format"], r["data"], r["context"]) for r in rows} == {
+        (f, d, c) for f in ("f32", "turboquant") for d in ("gaussian", "llm") for c in (256, 1024)
+    }
+    for r in rows:
+        if r["kv_format"] == "f32":
+            assert r["cos_min"] >= 0.99999 and r["max_rel_err"] <= 1e-5, r
+            continue
+        assert r["bits_per_element"] == 2.75
+        qjl, polar = r["qjl"], r["polar_only"]
+        assert 0.97 <= qjl["slope"] <= 1.03, r  # QJL's estimate is unbiased
+        assert polar["slope"] < qjl["slope"] and polar["rel_var"] > qjl["rel_var"], r
+        assert 0.5 < r["cos_mean"] < 1.0 and 0 < qjl["topk_mass"] <= 1.0, r
