@@ -16,6 +16,7 @@ import json
 import operator
 import random
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -786,6 +787,8 @@ class Client(_BaseClient):
         super().__init__(base_url, **options)
         self._http: httpx.Client = self._pool(http_client, transport, httpx.Client)
         self._sleep: Callable[[float], None] = time.sleep
+        self._lock = threading.Lock()
+        self._threads: ThreadPoolExecutor | None = None  # a batched step's parts, one per replica
 
     def _run(self, flow: Flow[T]) -> T:
         try:
@@ -796,9 +799,7 @@ class Client(_BaseClient):
                     op = flow.send(None)
                     continue
                 if isinstance(op, _Parallel):
-                    with ThreadPoolExecutor(len(op.flows)) as pool:
-                        done = [pool.submit(self._run, f) for f in op.flows]
-                    op = flow.send([f.exception() or f.result() for f in done])
+                    op = flow.send(self._run_parallel(op.flows))
                     continue
                 try:
                     response = self._http.request(
@@ -907,8 +908,26 @@ class Client(_BaseClient):
         """
         return self._run(self._probe_flow("/readyz"))
 
+    def _run_parallel(self, flows: list[Any]) -> list[Any]:
+        """Run ``flows`` at once: the first on this thread, the others on the client's
+        threads (made on first use: a step split over replicas); each one's result or
+        exception, in order."""
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(16, thread_name_prefix="attnserve-client")
+            threads = self._threads
+        others = [threads.submit(self._run, f) for f in flows[1:]]
+        try:
+            first: Any = self._run(flows[0])
+        except Exception as exc:
+            first = exc
+        return [first, *(f.exception() or f.result() for f in others)]
+
     def close(self) -> None:
         """Close the connection pool (unless it was passed in as ``http_client``)."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
         if self._owns_http:
             self._http.close()
 
