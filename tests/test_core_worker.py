@@ -58,3 +58,41 @@ def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt):
             assert np.array_equal(wa, wb)
     for s in piped + alone:
         engine.release(s).result()
+
+
+def test_a_failing_job_between_pipelined_batches_fails_alone(engine, rng):
+    """A job that raises while the batch before it is in flight fails only itself
+    (rolled back: its layer is as before), and the batches around it answer right."""
+    h, hkv, d = 4, 2, 32
+    s = session(engine, "f32", h, hkv, d)
+    k0 = rows(rng, P + 5, hkv, d)
+    engine.append(s.layers[0], k0, k0).result()
+    worker = engine.worker
+    saved = worker.max_batch_jobs
+    gate, held = threading.Event(), threading.Event()
+
+    def bad(batch):  # an append planned (as the engine plans it: undone on rollback), then a failure
+        engine.plan_append(s.layers[0], rows(rng, 3, hkv, d), rows(rng, 3, hkv, d))(batch)
+        raise RuntimeError("this job fails after planning an append")
+
+    q = [rows(rng, 1, h, d) for _ in range(3)]
+    worker.max_batch_jobs = 1
+    try:
+        hold = engine.call(lambda ctx: (held.set(), gate.wait(30)))
+        assert held.wait(10)
+        futures = [
+            engine.submit_group([engine.plan_attend(s.layers[0], q[0])])[0],
+            engine.submit_group([bad])[0],
+            engine.submit_group([engine.plan_attend(s.layers[0], q[1])])[0],
+        ]
+        gate.set()
+        hold.result(30)
+        with pytest.raises(RuntimeError, match="fails after planning"):
+            futures[1].result(60)
+        first, third = futures[0].result(60), futures[2].result(60)
+    finally:
+        worker.max_batch_jobs = saved
+    assert first.length == third.length == P + 5 == s.layers[0].length  # the failed append left nothing
+    want = engine.attend(s.layers[0], q[1]).result()
+    assert third.out.tobytes() == want.out.tobytes()
+    engine.release(s).result()
