@@ -4,7 +4,8 @@ every layer's attention for all sequences in ONE batched step on attnserve.
 
 Each sequence has a session; prompts of different lengths are prefilled with one
 batched step per layer (one item per sequence, its whole prompt), then every
-decoded token is one batched step per layer over the streaming connection
+decoded token is one batched step per layer with the arrays stacked
+(``attend_stacked``: q ``[B, H, d]``) over the streaming connection
 (``client.stream()``), exactly as an inference engine would call it. The model is a
 tiny random transformer (no training): layer l's queries, keys and values come
 from the output of layer l-1, so the layers must run in order. Every attention
@@ -88,16 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     ref_v = [[np.zeros((0, args.kv_heads, args.head_dim), np.float32)] * args.layers for _ in prompts]
     errors: list[float] = []
 
-    def run_layer(step, layer: int, xs: list[np.ndarray], positions: list[int]) -> list[np.ndarray]:
-        """One batched step: layer ``layer`` of every sequence; returns the new hidden states."""
-        items, qs = [], []
-        for i, (s, x) in enumerate(zip(sessions, xs)):
+    def run_layer(via, layer: int, xs: list[np.ndarray], positions: list[int]) -> list[np.ndarray]:
+        """One batched step: layer ``layer`` of every sequence; returns the new hidden
+        states. Prompts of different lengths go as items; decode rows (one per
+        sequence, the same shapes) as stacked arrays, as an engine holds them."""
+        qs, ks, vs = [], [], []
+        for i, x in enumerate(xs):
             q, k, v = model.qkv(layer, x)
             ref_k[i][layer] = np.concatenate([ref_k[i][layer], k])
             ref_v[i][layer] = np.concatenate([ref_v[i][layer], v])
-            items.append(AttendItem(s, layer, q, k, v, offset=positions[i]))
             qs.append(q)
-        outs = step(items)
+            ks.append(k)
+            vs.append(v)
+        if len({q.shape for q in qs}) == 1:
+            outs = via.attend_stacked(sessions, layer, np.stack(qs), np.stack(ks), np.stack(vs), offsets=positions)
+        else:
+            outs = via.attend_batch(
+                [AttendItem(s, layer, q, k, v, offset=p) for s, q, k, v, p in zip(sessions, qs, ks, vs, positions)]
+            )
         new = []
         for i, (x, q, out) in enumerate(zip(xs, qs, outs)):
             ref = reference_attention(q, ref_k[i][layer], ref_v[i][layer], positions[i])
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in prompts
             ]
             stream = client.stream() if args.transport == "stream" else None
-            step = stream.attend_batch if stream else client.attend_batch
+            step = stream or client  # attend_batch and attend_stacked, over the stream or HTTP
             try:
                 # prefill: every prompt through every layer, one batched step per layer
                 xs = [rng.standard_normal((n, model.width)).astype(np.float32) for n in prompts]
