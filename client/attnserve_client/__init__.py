@@ -12,7 +12,8 @@ See ``docs/client.md`` for the whole guide.
 
 from . import wire
 from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session, new_session_id
-from ._steps import AsyncStream, AttendItem, BatchError, Stream
+from ._steps import AttendItem, BatchError
+from ._streams import AsyncStream, Stream
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (

@@ -30,17 +30,20 @@ import numpy as np
 
 from . import wire
 from ._routing import ROUTE_HEADER, ReplicaMap
+from ._streams import AsyncStream, Groups, Stream
 from ._steps import (
-    AsyncStream,
     AttendItem,
-    BatchError,
     StackedOptions,
-    Stream,
+    StackedStep,
     batch_body,
     batch_idempotent,
+    batch_results,
+    item_parts,
     item_results,
-    raise_failed,
+    merge_items,
+    merge_stacked,
     stacked_body,
+    stacked_parts,
 )
 from ._types import SessionInfo
 from ._version import __version__
@@ -404,6 +407,14 @@ class _BaseClient:
             return self._headers
         return {**self._headers, ROUTE_HEADER: AttendItem(route, 0, None).session_id}
 
+    def _places_flow(self, ids: list[str]) -> Flow[Groups]:
+        """Where a stream sends operations on ``ids``: per replica, the indexes of its
+        ids (one place, the stream's first connection, on a single server)."""
+        groups = yield from self._replica_groups(ids)
+        if len(self._replicas.instances) <= 1:
+            return [(None, list(range(len(ids))))]
+        return [(self._replicas.where(ids[idx[0]]), idx) for idx in groups]
+
     def _replica_groups(self, ids: list[str]) -> Flow[list[list[int]]]:
         """The indexes of ``ids`` by the replica that holds them (one group on a
         single server); a session this client has not seen yet is looked up first."""
@@ -417,29 +428,20 @@ class _BaseClient:
         route = {ROUTE_HEADER: ids[0]}
         return (yield from self._call_ok("POST", "/v1/batch/attend", body, idempotent=idempotent, headers=route))
 
-    def _split(self, groups: list[list[int]], flows: list[Any]) -> Flow[list[Any]]:
-        """Run one flow per replica group at once; per item, its group's result."""
-        parts = (yield _Parallel(flows)) if len(flows) > 1 else [(yield from flows[0])]
-        return parts
-
     def _batch_flow(self, items: Any) -> Flow[list[np.ndarray]]:
         checked, body = batch_body(items)
         ids = [item.session_id for item in checked]
         groups = yield from self._replica_groups(ids)
+        if len(groups) == 1:
+            doc = yield from self._routed_batch(ids, body, batch_idempotent(checked))
+            return batch_results(checked, doc)
 
-        def part(idx: list[int]) -> Flow[list[Any]]:
-            sub = [checked[i] for i in idx]
-            doc = yield from self._routed_batch(
-                [ids[i] for i in idx], {"items": [body["items"][i] for i in idx]}, batch_idempotent(sub)
-            )
+        def part(sub: list[AttendItem], sub_body: dict[str, Any], idempotent: bool) -> Flow[list[Any]]:
+            doc = yield from self._routed_batch([i.session_id for i in sub], sub_body, idempotent)
             return item_results(sub, doc)
 
-        parts = yield from self._split(groups, [part(idx) for idx in groups])
-        results: list[Any] = [None] * len(checked)
-        for idx, got in zip(groups, parts):
-            for n, i in enumerate(idx):
-                results[i] = got if isinstance(got, BaseException) else got[n]
-        return raise_failed(results)
+        parts = yield _Parallel([part(*p) for p in item_parts(checked, body, groups)])
+        return merge_items(len(checked), groups, parts)
 
     def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: StackedOptions) -> Flow[np.ndarray]:
         step, body, idempotent = stacked_body(sessions, layer, q, k, v, **kw)
@@ -447,41 +449,13 @@ class _BaseClient:
         if len(groups) == 1:
             doc = yield from self._routed_batch(body["session_ids"], body, idempotent)
             return step.result(doc)
-        arrays = {
-            name: None if a is None else wire.as_float32(a, name=name) for name, a in (("q", q), ("k", k), ("v", v))
-        }
 
-        def part(idx: list[int]) -> Flow[tuple[np.ndarray, dict[int, Any]]]:
-            sub = {name: None if a is None else a[idx] for name, a in arrays.items()}
-            offsets, start_pos = body.get("offsets"), body.get("start_pos")  # checked, one per item
-            opts: StackedOptions = {
-                **kw,
-                "offsets": None if offsets is None else [offsets[i] for i in idx],
-                "start_pos": None if start_pos is None else [start_pos[i] for i in idx],
-            }
-            sub_step, sub_body, sub_idempotent = stacked_body(
-                [step.sessions[i] for i in idx], layer, sub["q"], sub["k"], sub["v"], **opts
-            )
-            doc = yield from self._routed_batch(sub_body["session_ids"], sub_body, sub_idempotent)
+        def part(sub_step: StackedStep, sub_body: dict[str, Any], idempotent: bool) -> Flow[Any]:
+            doc = yield from self._routed_batch(sub_body["session_ids"], sub_body, idempotent)
             return sub_step.outcome(doc)
 
-        parts = yield from self._split(groups, [part(idx) for idx in groups])
-        out: np.ndarray | None = None
-        results: list[Any] = [None] * len(step.sessions)
-        for idx, got in zip(groups, parts):
-            if isinstance(got, BaseException):
-                for i in idx:
-                    results[i] = got
-                continue
-            sub_out, failed = got
-            if out is None:
-                out = np.zeros((len(step.sessions), *sub_out.shape[1:]), dtype=np.float32)
-            out[idx] = sub_out
-            for n, i in enumerate(idx):
-                results[i] = failed.get(n, out[i])
-        if out is None or any(isinstance(r, BaseException) for r in results):
-            raise BatchError(results)
-        return out
+        parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, q, k, v, kw, groups)])
+        return merge_stacked(len(step.sessions), groups, parts)
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -887,10 +861,16 @@ class Client(_BaseClient):
         """Open a streaming connection (``/v1/stream``): the same operations over one
         WebSocket, pipelined (see :class:`Stream`). Use it as a context manager.
 
-        A stream is a connection to one replica: behind a router of several, give
-        ``route`` (a session or its id) to open it on the replica that holds that
-        session (``X-Attnserve-Route``), and open one stream per replica."""
-        return Stream(self.base_url, self._stream_headers(route), self.timeout.connect)
+        Behind a router of several replicas the stream opens one connection per
+        replica as it needs them and sends each operation to its session's replica
+        (a batched step is split, its answers merged in item order). ``route`` (a
+        session or its id) pins its first connection to that session's replica."""
+        return Stream(
+            self.base_url,
+            self._stream_headers(route),
+            self.timeout.connect,
+            lambda ids: self._run(self._places_flow(ids)),
+        )
 
     def health(self) -> bool:
         """Whether the server process is up (``/livez`` answers 2xx); no retries.
@@ -1060,7 +1040,12 @@ class AsyncClient(_BaseClient):
         """Open a streaming connection (``/v1/stream``); concurrent awaits of its
         methods pipeline on it. ``async with await client.stream() as s: ...``
         ``route``: as for :meth:`Client.stream`."""
-        return await AsyncStream.open(self.base_url, self._stream_headers(route), self.timeout.connect)
+        return await AsyncStream.open(
+            self.base_url,
+            self._stream_headers(route),
+            self.timeout.connect,
+            lambda ids: self._run(self._places_flow(ids)),
+        )
 
     async def health(self) -> bool:
         """See :meth:`Client.health`."""

@@ -47,6 +47,10 @@ class ReplicaMap:
         while len(self._where) > self.capacity:
             self._where.popitem(last=False)
 
+    def where(self, session_id: str) -> str | None:
+        """The replica that last answered for ``session_id`` (None: not known)."""
+        return self._where.get(session_id)
+
     def unknown(self, ids: Sequence[str]) -> list[str]:
         """The ids whose replica is not known (never seen in an answer), once each."""
         return [sid for sid in dict.fromkeys(ids) if sid not in self._where]

@@ -1,31 +1,24 @@
-"""Batched steps and the streaming connection.
+"""Batched steps: their requests and the decoding of their answers.
 
 * :class:`AttendItem`: one attend of a batched step (``client.attend_batch``), for
-  one session and layer.
-* :class:`Stream` / :class:`AsyncStream`: one WebSocket to ``/v1/stream`` that
-  carries append, attend and batched steps as MessagePack frames. Calls pipeline:
-  ``submit_*`` (sync) returns a future at once, and concurrent ``await``\\ s
-  (async) share the connection; the server applies operations in the order they
-  were sent.
+  one session and layer; ``stacked_body`` / :class:`StackedStep`: the stacked form
+  (``client.attend_stacked``);
+* a step split over replicas: its parts, and their answers merged in item order.
 
-Requests are built and answers decoded here once for both transports (HTTP for
-batches, frames for streams) and both drivers (sync and async).
+Requests are built and answers decoded here once for both transports (HTTP, and
+the streams of ``_streams.py``) and both drivers (sync and async).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import numpy as np
 
 from . import wire
-from .errors import APIConnectionError, APIError, AttnServeError, InvalidInput, InvalidResponse, parse_problem
+from .errors import APIError, AttnServeError, InvalidInput, InvalidResponse, parse_problem
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
@@ -36,12 +29,7 @@ __all__ = [
     "StackedOptions",
     "BatchError",
     "StackedStep",
-    "Stream",
-    "AsyncStream",
-    "STREAM_PATH",
 ]
-
-STREAM_PATH = "/v1/stream"
 
 
 @dataclass(frozen=True)
@@ -159,7 +147,7 @@ def batch_idempotent(items: list[AttendItem]) -> bool:
     return all(i.k is None or i.offset is not None for i in items)
 
 
-def _out(doc: Any, what: str) -> tuple[np.ndarray, int]:
+def attend_out(doc: Any, what: str) -> tuple[np.ndarray, int]:
     if not isinstance(doc, Mapping) or type(doc.get("length")) is not int:
         raise InvalidResponse(f"{what}: expected {{out, length}}, got {doc!r:.200}")
     try:
@@ -169,7 +157,7 @@ def _out(doc: Any, what: str) -> tuple[np.ndarray, int]:
     return out, doc["length"]
 
 
-def _track(item: AttendItem, length: int) -> None:
+def track_length(item: AttendItem, length: int) -> None:
     """Keep a session object's tracked length current (its next append's offset)."""
     lengths = getattr(item.session, "_lengths", None)
     if isinstance(lengths, list) and 0 <= item.layer < len(lengths):
@@ -201,8 +189,8 @@ def item_results(items: list[AttendItem], doc: Any) -> list[Any]:
             status = err.get("status") if type(err.get("status")) is int else 500
             out.append(parse_problem(status, err))
             continue
-        arr, length = _out(r, f"attend_batch item {i}")
-        _track(item, length)
+        arr, length = attend_out(r, f"attend_batch item {i}")
+        track_length(item, length)
         out.append(arr)
     return out
 
@@ -249,7 +237,7 @@ class StackedStep:
             failed[i] = parse_problem(err.get("status") if type(err.get("status")) is int else 500, err)
         for i, (session, length) in enumerate(zip(self.sessions, lengths)):
             if i not in failed and type(length) is int:
-                _track(AttendItem(session, self.layer, None), length)
+                track_length(AttendItem(session, self.layer, None), length)
         return out, failed
 
 
@@ -306,309 +294,64 @@ def stacked_body(
     return StackedStep(sessions, int(layer), np.ndim(q) == 3), body, idempotent
 
 
-# -- streams ------------------------------------------------------------------
+# -- a batched step split over replicas -----------------------------------------
 
 
-def _ws_url(base_url: str) -> str:
-    if base_url.startswith("https://"):
-        return "wss://" + base_url[len("https://") :] + STREAM_PATH
-    if base_url.startswith("http://"):
-        return "ws://" + base_url[len("http://") :] + STREAM_PATH
-    raise InvalidInput(f"base_url: expected http:// or https://, got {base_url!r}")
+def item_parts(
+    checked: list[AttendItem], body: Mapping[str, Any], groups: list[list[int]]
+) -> list[tuple[list[AttendItem], dict[str, Any], bool]]:
+    """The parts of an items-form step, one per replica group: ``(items, body, idempotent)``."""
+    parts = []
+    for idx in groups:
+        sub = [checked[i] for i in idx]
+        parts.append((sub, {"items": [body["items"][i] for i in idx]}, batch_idempotent(sub)))
+    return parts
 
 
-class _Frames:
-    """Request ids and the decoding of replies, shared by both stream drivers."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-
-    def frame(self, op: str, members: Mapping[str, Any]) -> tuple[int, bytes]:
-        rid = next(self._ids)
-        return rid, wire.packb({"id": rid, "op": op, **members})
-
-    @staticmethod
-    def reply(raw: Any) -> tuple[Any, Any]:
-        """``(id, result doc or APIError)`` of one reply frame."""
-        if not isinstance(raw, (bytes, bytearray)):
-            raise InvalidResponse("stream: expected a binary (MessagePack) frame")
-        try:
-            doc = wire.unpackb(bytes(raw), max_bytes=1 << 31)
-        except wire.WireError as exc:
-            raise InvalidResponse(f"stream: undecodable frame ({exc})") from None
-        if not isinstance(doc, Mapping) or type(doc.get("status")) is not int:
-            raise InvalidResponse(f"stream: expected {{id, status, ...}}, got {doc!r:.200}")
-        if doc["status"] != 200:
-            return doc.get("id"), parse_problem(doc["status"], doc.get("error") or {})
-        return doc.get("id"), doc.get("result")
+def merge_items(n: int, groups: list[list[int]], parts: list[Any]) -> list[Any]:
+    """Per item, in order, its part's result (``item_results``) or the exception the
+    whole part raised; :class:`BatchError` when any item failed."""
+    results: list[Any] = [None] * n
+    for idx, got in zip(groups, parts):
+        for j, i in enumerate(idx):
+            results[i] = got if isinstance(got, BaseException) else got[j]
+    return raise_failed(results)
 
 
-def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None) -> dict[str, Any]:
-    item = AttendItem(session, layer, q=np.zeros((1, 1, 1), np.float32), k=k, v=v, offset=offset)
-    doc = attend_members(item)
-    if "k" not in doc:
-        raise InvalidInput("k, v: an append needs both")
-    del doc["q"], doc["causal"]
-    return doc
+def stacked_parts(
+    step: StackedStep, body: Mapping[str, Any], q: Any, k: Any, v: Any, options: StackedOptions, groups: list[list[int]]
+) -> list[tuple[StackedStep, dict[str, Any], bool]]:
+    """The parts of a stacked step, one per replica group: ``(step, body, idempotent)``."""
+    arrays = {name: None if a is None else wire.as_float32(a, name=name) for name, a in (("q", q), ("k", k), ("v", v))}
+    offsets, start_pos = body.get("offsets"), body.get("start_pos")  # checked, one per item
+    parts = []
+    for idx in groups:
+        sub = {name: None if a is None else a[idx] for name, a in arrays.items()}
+        opts: StackedOptions = {
+            **options,
+            "offsets": None if offsets is None else [offsets[i] for i in idx],
+            "start_pos": None if start_pos is None else [start_pos[i] for i in idx],
+        }
+        parts.append(stacked_body([step.sessions[i] for i in idx], step.layer, sub["q"], sub["k"], sub["v"], **opts))
+    return parts
 
 
-def _attend_result(item: AttendItem, doc: Any) -> np.ndarray:
-    out, length = _out(doc, "attend")
-    _track(item, length)
+def merge_stacked(n: int, groups: list[list[int]], parts: list[Any]) -> np.ndarray:
+    """The stacked output from each part's ``StackedStep.outcome`` (or the exception
+    the whole part raised); :class:`BatchError` when any item failed."""
+    out: np.ndarray | None = None
+    results: list[Any] = [None] * n
+    for idx, got in zip(groups, parts):
+        if isinstance(got, BaseException):
+            for i in idx:
+                results[i] = got
+            continue
+        sub_out, failed = got
+        if out is None:
+            out = np.zeros((n, *sub_out.shape[1:]), dtype=np.float32)
+        out[idx] = sub_out
+        for j, i in enumerate(idx):
+            results[i] = failed.get(j, out[i])
+    if out is None or any(isinstance(r, BaseException) for r in results):
+        raise BatchError(results)
     return out
-
-
-def _append_result(item: AttendItem, doc: Any) -> int:
-    length = doc.get("length") if isinstance(doc, Mapping) else None
-    if type(length) is not int:
-        raise InvalidResponse(f"append: expected {{length}}, got {doc!r:.200}")
-    _track(item, length)
-    return length
-
-
-def _settle(fut: Any, finish: Any, result: Any) -> None:
-    """Resolve a call's future (concurrent or asyncio) from its reply: the problem
-    it raised, or ``finish(result)`` (the decoded answer)."""
-    if isinstance(result, BaseException):
-        fut.set_exception(result)
-        return
-    try:
-        fut.set_result(finish(result))
-    except Exception as exc:
-        fut.set_exception(exc)
-
-
-class Stream:
-    """A synchronous streaming connection (``Client.stream()``). Thread-safe: calls
-    from several threads pipeline on the one connection.
-
-    ``attend``/``append``/``attend_batch`` send and wait; ``submit_*`` send and
-    return a ``concurrent.futures.Future`` at once, so many operations are in
-    flight together (the server applies them in the order sent)."""
-
-    def __init__(self, base_url: str, headers: Mapping[str, str], open_timeout: float | None):
-        from websockets.sync.client import connect
-
-        self._frames = _Frames()
-        self._pending: dict[int, tuple[Future[Any], Any]] = {}
-        self._lock = threading.Lock()
-        self._closed: BaseException | None = None
-        try:
-            # entered as a context manager: what every websockets release from 13 on accepts
-            self._ws = connect(
-                _ws_url(base_url),
-                additional_headers=dict(headers),
-                max_size=None,
-                open_timeout=open_timeout,
-                compression=None,
-            ).__enter__()
-        except Exception as exc:
-            raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
-        self._reader = threading.Thread(target=self._read, name="attnserve-stream", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for raw in self._ws:
-                rid, result = _Frames.reply(raw)
-                with self._lock:
-                    fut, finish = self._pending.pop(rid, (None, None))
-                if fut is not None:
-                    _settle(fut, finish, result)
-        except Exception as exc:
-            self._fail(exc)
-        else:
-            self._fail(None)
-
-    def _fail(self, exc: BaseException | None) -> None:
-        err = APIConnectionError(
-            f"stream: the connection closed{f' ({exc})' if exc else ''}; operations whose "
-            "reply did not arrive may or may not have been applied"
-        )
-        with self._lock:
-            self._closed = self._closed or err
-            pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            fut.set_exception(err)
-
-    def _submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        with self._lock:
-            if self._closed is not None:
-                raise self._closed
-            rid, frame = self._frames.frame(op, members)
-            self._pending[rid] = (fut, finish)
-            try:
-                self._ws.send(frame)
-            except Exception as exc:
-                self._pending.pop(rid, None)
-                raise APIConnectionError(f"stream: send failed: {exc}") from exc
-        return fut
-
-    def submit_attend(self, session: Any, layer: int, q: Any, **options: Unpack[AttendOptions]) -> Future[Any]:
-        """Send an attend (the options of ``Session.attend``, and ``offset``); its
-        future gives the output."""
-        item = AttendItem(session, layer, q, **options)
-        return self._submit("attend", attend_members(item), lambda doc: _attend_result(item, doc))
-
-    def attend(self, session: Any, layer: int, q: Any, **kw: Any) -> np.ndarray:
-        """As ``Session.attend``, for ``session`` (a session or its id)."""
-        out: np.ndarray = self.submit_attend(session, layer, q, **kw).result()
-        return out
-
-    def submit_append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> Future[Any]:
-        item = AttendItem(session, layer, None)
-        return self._submit(
-            "append", _append_members(session, layer, k, v, offset), lambda doc: _append_result(item, doc)
-        )
-
-    def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
-        length: int = self.submit_append(session, layer, k, v, offset=offset).result()
-        return length
-
-    def submit_attend_batch(self, items: Sequence[ItemLike]) -> Future[Any]:
-        checked, body = batch_body(items)
-        return self._submit("attend_batch", body, lambda doc: batch_results(checked, doc))
-
-    def attend_batch(self, items: Sequence[ItemLike]) -> list[np.ndarray]:
-        """As ``Client.attend_batch``, over the stream."""
-        outs: list[np.ndarray] = self.submit_attend_batch(items).result()
-        return outs
-
-    def submit_attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
-    ) -> Future[Any]:
-        step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
-        return self._submit("attend_batch", body, step.result)
-
-    def attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
-    ) -> np.ndarray:
-        """As ``Client.attend_stacked``, over the stream."""
-        out: np.ndarray = self.submit_attend_stacked(sessions, layer, q, k, v, **kw).result()
-        return out
-
-    def ping(self) -> None:
-        self._submit("ping", {}, lambda doc: None).result()
-
-    def close(self) -> None:
-        """Close the connection (after the replies of what is in flight)."""
-        with self._lock:
-            pending = [f for f, _ in self._pending.values()]
-        for f in pending:
-            try:
-                f.exception()
-            except BaseException:
-                pass
-        self._ws.close()
-        self._reader.join(timeout=10)
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncStream:
-    """The asyncio streaming connection (``AsyncClient.stream()``): concurrent
-    awaits of its methods pipeline on the one connection."""
-
-    def __init__(self) -> None:
-        self._frames = _Frames()
-        self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
-        self._closed: BaseException | None = None
-        self._ws: Any = None
-        self._reader: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def open(cls, base_url: str, headers: Mapping[str, str], open_timeout: float | None) -> AsyncStream:
-        from websockets.asyncio.client import connect
-
-        self = cls()
-        try:
-            self._ws = await connect(
-                _ws_url(base_url),
-                additional_headers=dict(headers),
-                max_size=None,
-                open_timeout=open_timeout,
-                compression=None,
-            )
-        except Exception as exc:
-            raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
-        self._reader = asyncio.create_task(self._read())
-        return self
-
-    async def _read(self) -> None:
-        err: BaseException | None = None
-        try:
-            async for raw in self._ws:
-                rid, result = _Frames.reply(raw)
-                fut, finish = self._pending.pop(rid, (None, None))
-                if fut is not None and not fut.done():
-                    _settle(fut, finish, result)
-        except Exception as exc:
-            err = exc
-        self._closed = APIConnectionError(
-            f"stream: the connection closed{f' ({err})' if err else ''}; operations whose reply did not "
-            "arrive may or may not have been applied"
-        )
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            if not fut.done():
-                fut.set_exception(self._closed)
-
-    async def _call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
-        if self._closed is not None:
-            raise self._closed
-        rid, frame = self._frames.frame(op, members)
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (fut, finish)
-        try:
-            await self._ws.send(frame)
-        except Exception as exc:
-            self._pending.pop(rid, None)
-            raise APIConnectionError(f"stream: send failed: {exc}") from exc
-        return await fut
-
-    async def attend(self, session: Any, layer: int, q: Any, **options: Unpack[AttendOptions]) -> np.ndarray:
-        """As ``Session.attend``, for ``session`` (a session or its id), with ``offset``."""
-        item = AttendItem(session, layer, q, **options)
-        out: np.ndarray = await self._call("attend", attend_members(item), lambda doc: _attend_result(item, doc))
-        return out
-
-    async def append(self, session: Any, layer: int, k: Any, v: Any, *, offset: int | None = None) -> int:
-        item = AttendItem(session, layer, None)
-        length: int = await self._call(
-            "append", _append_members(session, layer, k, v, offset), lambda doc: _append_result(item, doc)
-        )
-        return length
-
-    async def attend_batch(self, items: Sequence[ItemLike]) -> list[np.ndarray]:
-        checked, body = batch_body(items)
-        outs: list[np.ndarray] = await self._call("attend_batch", body, lambda doc: batch_results(checked, doc))
-        return outs
-
-    async def attend_stacked(
-        self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
-    ) -> np.ndarray:
-        """As ``Client.attend_stacked``, over the stream."""
-        step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
-        out: np.ndarray = await self._call("attend_batch", body, step.result)
-        return out
-
-    async def ping(self) -> None:
-        await self._call("ping", {}, lambda doc: None)
-
-    async def close(self) -> None:
-        if self._pending:
-            await asyncio.gather(*(f for f, _ in self._pending.values()), return_exceptions=True)
-        await self._ws.close()
-        if self._reader is not None:
-            await self._reader
-
-    async def __aenter__(self) -> AsyncStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()

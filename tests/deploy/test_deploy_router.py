@@ -231,7 +231,8 @@ def test_a_batched_step_over_both_replicas_is_split_by_the_client(topology, clie
     """A batched step whose sessions live on both replicas: the client sends one
     request per replica (X-Attnserve-Route), each reaches the replica that holds its
     sessions, and every item is right against float64, in both body forms, sync and
-    async; a stream opened with ``route=`` reaches the replica of that session."""
+    async; a stream holds a connection per replica and splits likewise; a stream
+    opened with ``route=`` reaches the replica of that session."""
     rng = np.random.default_rng(11)
     by_owner = new_sequences(client, topology, rng, per_replica=2, prefix="batch")
     seqs = [s for group in by_owner.values() for s in group]
@@ -267,12 +268,33 @@ def test_a_batched_step_over_both_replicas_is_split_by_the_client(topology, clie
             check(0, seqs, q, await ac.attend_stacked(ids, 0, q, k, v))  # ids it never saw: looked up first
 
     asyncio.run(async_step())
-    for who, group in by_owner.items():
+    # one stream for all: a connection per replica, each step split as over HTTP
+    with client.stream() as stream:
+        q, k, v = step(1, seqs)
+        check(1, seqs, q, stream.attend_stacked([s.session for s in seqs], 1, q[:, 0], k[:, 0], v[:, 0])[:, None])
+        q, k, v = step(0, seqs)
+        futures = [stream.submit_attend(s.session, 0, q[i], k=k[i], v=v[i]) for i, s in enumerate(seqs)]
+        check(0, seqs, q, [f.result(60) for f in futures])
+        stream.ping()
+
+    async def async_stream() -> None:
+        async with AsyncClient(topology.router_url, max_retries=0) as ac:
+            async with await ac.stream() as st:
+                q, k, v = step(0, seqs)
+                check(
+                    0,
+                    seqs,
+                    q,
+                    await st.attend_batch([AttendItem(s.sid, 0, q[i], k[i], v[i]) for i, s in enumerate(seqs)]),
+                )
+
+    asyncio.run(async_stream())
+    for who, group in by_owner.items():  # a stream pinned to one replica
         with client.stream(route=group[0].session) as stream:
             q, k, v = step(1, group)
             check(1, group, q, stream.attend_stacked([s.session for s in group], 1, q[:, 0], k[:, 0], v[:, 0])[:, None])
     for seq in seqs:
-        assert list(client.get_session(seq.sid).lengths) == seq.lengths() == [7, 8]
+        assert list(client.get_session(seq.sid).lengths) == seq.lengths() == [9, 9]
         seq.session.delete()
 
 
