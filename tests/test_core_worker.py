@@ -5,6 +5,7 @@ of the same jobs run one at a time."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -50,6 +51,10 @@ def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt):
     finally:
         worker.max_batch_jobs = saved
     assert worker.overlapped - overlapped >= len(steps) - 1  # each submitted while the one before ran
+    deadline = time.monotonic() + 10
+    while worker.queue_depth and time.monotonic() < deadline:  # the last batch read back: idle again
+        time.sleep(0.01)
+    assert worker.queue_depth == 0
     for (out, length), (want_out, want_length) in zip(got, want):
         assert length == want_length and out.tobytes() == want_out.tobytes()
     for a, b in zip(piped, alone):

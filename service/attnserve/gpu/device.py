@@ -335,6 +335,8 @@ class GpuWorker:
                     return  # stopping, and everything is done
                 self._settle(in_flight)
                 in_flight = None
+                with self._cv:
+                    self._busy = False
                 continue
             self._count_waits(jobs)
             try:
