@@ -248,10 +248,13 @@ class Stream:
         self._base_url, self._headers, self._open_timeout = base_url, dict(headers), open_timeout
         self._groups = groups
         self._lock = threading.Lock()
+        self._closed = False
         self._links: dict[Any, _Link] = {None: _Link(base_url, headers, open_timeout)}
 
     def _link(self, place: Any, route: str) -> _Link:
         with self._lock:
+            if self._closed:
+                raise APIConnectionError("stream: closed")
             link = self._links.get(place)
             if link is None:
                 link = _Link(self._base_url, {**self._headers, ROUTE_HEADER: route}, self._open_timeout)
@@ -332,6 +335,7 @@ class Stream:
     def close(self) -> None:
         """Close the connections (after the replies of what is in flight)."""
         with self._lock:
+            self._closed = True
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
@@ -428,6 +432,7 @@ class AsyncStream:
     ):
         self._base_url, self._headers, self._open_timeout = base_url, dict(headers), open_timeout
         self._groups = groups
+        self._closed = False
         self._links: dict[Any, asyncio.Future[_AsyncLink]] = {}
 
     @classmethod
@@ -443,6 +448,8 @@ class AsyncStream:
         return self
 
     async def _link(self, place: Any, route: str | None) -> _AsyncLink:
+        if self._closed:
+            raise APIConnectionError("stream: closed")
         fut = self._links.get(place)
         if fut is None:  # opened once: concurrent callers wait for the same connection
             fut = self._links[place] = asyncio.get_running_loop().create_future()
@@ -526,6 +533,7 @@ class AsyncStream:
         await asyncio.gather(*(link.call("ping", {}, lambda doc: None) for link in links))
 
     async def close(self) -> None:
+        self._closed = True
         links = [await f for f in list(self._links.values())]
         self._links = {}
         for link in links:

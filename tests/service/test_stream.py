@@ -243,3 +243,24 @@ def test_a_dropped_connection_loses_nothing_queued(server, engine, rng):
             time.sleep(0.05)
         assert s.info().lengths == (3,)
         s.delete()
+
+
+def test_a_closed_stream_refuses_new_operations(server, rng):
+    with Client(server.url) as client:
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        stream = client.stream()
+        stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
+        stream.close()
+        with pytest.raises(APIConnectionError, match="closed"):
+            stream.attend(s, 0, rows(rng, 1, 2, 8))
+
+        async def go() -> None:
+            async with AsyncClient(server.url) as ac:
+                st = await ac.stream()
+                await st.close()
+                with pytest.raises(APIConnectionError, match="closed"):
+                    await st.attend(s.session_id, 0, rows(rng, 1, 2, 8))
+
+        asyncio.run(go())
+        assert s.info().lengths == (1,)
+        s.delete()
