@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from attnserve import __version__
@@ -35,6 +36,13 @@ def test_info(api, server, enc):
     assert (limits["max_layers"], limits["max_qo_heads"]) == (256, 256)
     assert info["ready"] is True
     assert info["auth"] is False  # no API keys: anyone who reaches the server may use it
+    sid = api.create(num_qo_heads=2, num_kv_heads=1, head_dim=8)["session_id"]
+    assert api.attend(sid, 0, np.ones((1, 2, 8), np.float32), k=np.ones((1, 1, 8), np.float32),
+                      v=np.ones((1, 1, 8), np.float32)).status == 200  # fmt: skip
+    arenas = server.runtime.engine.worker.arenas
+    bufs = [*arenas.buffers.values(), *[b for b in arenas.staging if b is not None]]
+    assert api.call("GET", "/v1/info").body["arenas"]["bytes"] == sum(b.size for b in bufs) > 0
+    api.delete(sid)
 
 
 def test_info_matches_its_schema(api):

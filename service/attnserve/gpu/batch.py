@@ -113,6 +113,13 @@ class Arenas:
     def cached_bind_groups(self) -> int:
         return len(self._bind_groups)
 
+    @property
+    def held_bytes(self) -> int:
+        """GPU bytes of the arenas and readback buffers (they grow to the largest
+        batch and are kept); read from any thread (a copy of the lists)."""
+        bufs = [*list(self.buffers.values()), *[s for s in list(self.staging) if s is not None]]
+        return sum(b.size for b in bufs)
+
     def bind_group(
         self, layout: wgpu.GPUBindGroupLayout, entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
     ) -> wgpu.GPUBindGroup:

@@ -362,6 +362,12 @@ COMPONENTS: dict[str, Any] = {
                 "and bytes (GPU bytes of its slabs).",
                 "additionalProperties": True,
             },
+            "arenas": {
+                "type": ["object", "null"],
+                "description": "bytes: GPU bytes of the GPU worker's batch arenas and readback buffers "
+                "(they grow to the largest batch and are kept).",
+                "additionalProperties": True,
+            },
             "journal": {
                 "type": ["object", "null"],
                 "description": "With a snapshot directory: sync_interval_s, and the last journal sync's "
