@@ -15,9 +15,10 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
   dispatch for many jobs' rows). Phases run in order: writes (encodes),
   rotations, attention, merges.
 
-``execute()`` materializes the arenas, encodes every command in recorded order
-(consecutive dispatches share one compute pass; wgpu inserts the barriers
-between dispatches), submits once, and returns the output arena's bytes.
+``encode(slot)`` materializes the arenas and encodes every command in recorded
+order (consecutive dispatches share one compute pass; wgpu inserts the barriers
+between dispatches), ``queue_submit`` submits it once, and ``read_back`` waits for
+it and returns the output arena's bytes (``submit`` does both).
 Because K/V appends are recorded in the stream (never ``queue.write_buffer``
 straight into a cache) and an attend reads only the rows below the length it
 was planned at, an attend planned before an append in the same batch never sees
@@ -91,9 +92,10 @@ STAGING_SLOTS = 2
 class Arenas:
     """Persistent arena and staging buffers of one device, grown on demand.
 
-    Reusing them across batches is safe: ``queue.write_buffer`` and submits
-    are executed in queue order, and every batch with outputs waits for its
-    readback before the next one is planned.
+    Reusing them across batches is safe although the next batch is written and
+    submitted while the one before still runs: ``queue.write_buffer`` and submits
+    are executed in queue order, and each batch in flight reads back through a
+    staging buffer of its own (``STAGING_SLOTS``).
     """
 
     #: Bind groups kept for reuse (least recently used dropped past it).
@@ -311,10 +313,6 @@ class Batch:
                 return buf, 0, buf.size
             return buf, res.offset, _round_up(res.size, 4)
         return res, 0, res.size
-
-    def execute(self) -> memoryview | None:
-        """Encode, submit once, and read the output arena back (None if empty)."""
-        return self.submit(self.encode())
 
     def encode(self, slot: int = 0):
         """Write the upload arena and encode every command (CPU work), reading the
