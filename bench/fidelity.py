@@ -47,9 +47,10 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
-from attnserve.kvcache import KV_FORMATS, SessionConfig  # noqa: E402
+from attnserve.formats import KV_FORMATS, bits_per_element  # noqa: E402
+from attnserve.kvcache import SessionConfig  # noqa: E402
 from attnserve.testing import reference as ref  # noqa: E402
-from attnserve.turboquant import bytes_per_token, codebook, layer_signs  # noqa: E402
+from attnserve.turboquant import codebook, layer_signs  # noqa: E402
 
 from tools.common import write_result  # noqa: E402
 
@@ -136,7 +137,7 @@ def measure(engine: Engine, fmt: str, kind: str, length: int, n_q: int, seed: in
             "kv_format": fmt,
             "data": kind,
             "context": length,
-            "bits_per_element": round(8 * bytes_per_token(fmt, HKV, D) / (2 * HKV * D), 3),
+            "bits_per_element": round(bits_per_element(fmt, D), 3),
             "cos_mean": round(float(cos.mean()), 6),
             "cos_min": round(float(cos.min()), 6),
             "max_rel_err": round(float(np.abs(out - want).max() / np.abs(want).max()), 6),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel benchmark: decode and prefill, f32 and TurboQuant, against torch SDPA.
+"""Kernel benchmark: decode and prefill, f32, f16 and TurboQuant, against torch SDPA.
 
     python bench/kernels.py [--json-out bench/results/h200-latest.json] [--quick]
 
@@ -41,7 +41,7 @@ from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
-from attnserve.turboquant import bytes_per_token  # noqa: E402
+from attnserve.formats import bytes_per_token  # noqa: E402
 
 from tools.common import write_result  # noqa: E402
 
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small shapes (CI smoke / lavapipe)")
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
-    ap.add_argument("--formats", default="f32,turboquant")
+    ap.add_argument("--formats", default="f32,f16,turboquant")
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
     ap.add_argument("--only", choices=["decode", "prefill", "batched"], help="time only one kernel kind")
     ap.add_argument(
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
             path = policy.path(fmt, n, H, HKV, D)
             if path == "split" and policy.use_subgroups(engine.ctx):
                 path = "split-sg"
-            if path == "tiled" and fmt == "f32" and policy.prefill_f32 == "rb":
+            if path == "tiled" and fmt != "turboquant" and policy.prefill_f32 == "rb":
                 path = "tiled-rb"
             row = {
                 "kernel": kernel,
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
         "copy_method": cmethod,
         "shape": {"num_qo_heads": H, "num_kv_heads": HKV, "head_dim": D},
         "page_tokens": args.page_tokens,
-        "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in ("f32", "turboquant")},
+        "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in args.formats.split(",")},
         "rows": rows,
     }
     write_result(args.json_out, result)

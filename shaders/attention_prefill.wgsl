@@ -25,8 +25,8 @@
 //
 // Bind group 0:
 // @binding(0) q_batch: array<f32> n_queries x q_stride floats
-// @binding(1) k_cache: array<f32> seq_len x kv_dim floats
-// @binding(2) v_cache: array<f32> seq_len x kv_dim floats
+// @binding(1) k_cache: slab rows of kv_dim elements (f32 or f16: include/kv_scalar_{f32,f16}.wgsl)
+// @binding(2) v_cache: the same for values, read through key1() / value1()
 // @binding(3) out_batch: array<f32> n_queries x out_stride floats (rw)
 // @binding(4) params: PrefillParams (gpu/params.py PREFILL_PARAMS)
 // @binding(5) pages: array<u32> page tables (include/paging.wgsl); rows of k/v_cache are slab rows
@@ -43,8 +43,7 @@
 //
 // Dispatch: (n_heads, queries in this dispatch, 1) workgroups of 256 threads.
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
-@group(0) @binding(1) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(2) var<storage, read> v_cache: array<f32>;
+// #include "kv_scalar_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: PrefillParams;
@@ -106,7 +105,7 @@ fn attention_prefill(
             var dot = 0.0;
             let k_base = phys_row(table_off, page_shift, t) * kv_dim + kv_h_offset;
             for (var d = 0u; d < head_dim; d += 1u) {
-                dot += q_shared[d] * k_cache[k_base + d];
+                dot += q_shared[d] * key1(k_base + d);
             }
             score = dot * scale;
         }
@@ -118,7 +117,7 @@ fn attention_prefill(
             for (var jj = 0u; jj < TILE; jj += 1u) {
                 let tt = base + jj;
                 if tt < seq_len {
-                    a += tile_scores[jj] * v_cache[phys_row(table_off, page_shift, tt) * kv_dim + vd];
+                    a += tile_scores[jj] * value1(phys_row(table_off, page_shift, tt) * kv_dim + vd);
                 }
             }
             acc[tid] = a;

@@ -73,8 +73,8 @@
 // params block per workgroup; a single attend is the batch of one):
 // @binding(0) q_batch:   array<vec4<f32>>  every item's queries, the item's n_queries x
 //                                          q_stride floats at word q_off
-// @binding(1) k_cache:   array<vec4<f32>>  the slab, [rows, kv_dim]
-// @binding(2) v_cache:   array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(1) k_cache:   the slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
+// @binding(2) v_cache:   the slab's values, [rows, kv_dim], read through key4() / value4()
 // @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
 // @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
 //                        its item's fields, q_base = the block's first query row
@@ -85,8 +85,7 @@
 // threads; the host puts the blocks with the longest causal windows first.
 
 @group(0) @binding(0) var<storage, read> q_batch: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
+// #include "kv_vec4_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: array<PrefillParams>;   // one block per workgroup (wid.x)
@@ -128,14 +127,14 @@ fn load_q(base: u32, ok: bool, col: u32, d4: u32) -> vec4<f32> {
 
 fn load_k(b: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return k_cache[phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col];
+        return key4(phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col);
     }
     return vec4<f32>(0.0);
 }
 
 fn load_v(b: u32, t: u32, t_end: u32, kv4: u32, off: u32, col: u32, d4: u32) -> vec4<f32> {
     if t < t_end && col < d4 {
-        return v_cache[phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col];
+        return value4(phys_row(params[b].table_off, params[b].page_shift, t) * kv4 + off + col);
     }
     return vec4<f32>(0.0);
 }

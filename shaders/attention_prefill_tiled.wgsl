@@ -60,8 +60,8 @@
 // params block per workgroup; a single attend is the batch of one):
 // @binding(0) q_batch:   array<vec4<f32>>  every item's queries, the item's n_queries x
 //                                          q_stride floats at word q_off
-// @binding(1) k_cache:   array<vec4<f32>>  the slab, [rows, kv_dim]
-// @binding(2) v_cache:   array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(1) k_cache:   the slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
+// @binding(2) v_cache:   the slab's values, [rows, kv_dim], read through key4() / value4()
 // @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
 // @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
 //                        its item's fields, q_base = the block's first query row
@@ -72,8 +72,7 @@
 // threads; the host puts the blocks with the longest causal windows first.
 
 @group(0) @binding(0) var<storage, read> q_batch: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
+// #include "kv_vec4_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> out_batch: array<vec4<f32>>;
 // #struct PrefillParams
 @group(0) @binding(4) var<storage, read> params: array<PrefillParams>;   // one block per workgroup (wid.x)
@@ -141,7 +140,7 @@ fn attention_prefill_tiled(
     if sc < d4 {
         if qa_ok { pqa = q_batch[qa_base + sc]; }
         if qb_ok { pqb = q_batch[qb_base + sc]; }
-        if sq < t_end { pk = k_cache[phys_row(table_off, page_shift, sq) * kv4 + kv_off + sc]; }
+        if sq < t_end { pk = key4(phys_row(table_off, page_shift, sq) * kv4 + kv_off + sc); }
     }
     var pv0 = vec4<f32>(0.0);
     var pv1 = vec4<f32>(0.0);
@@ -164,7 +163,7 @@ fn attention_prefill_tiled(
                 if col < d4 {
                     if qa_ok { pqa = q_batch[qa_base + col]; }
                     if qb_ok { pqb = q_batch[qb_base + col]; }
-                    if tb + sq < t_end { pk = k_cache[phys_row(table_off, page_shift, tb + sq) * kv4 + kv_off + col]; }
+                    if tb + sq < t_end { pk = key4(phys_row(table_off, page_shift, tb + sq) * kv4 + kv_off + col); }
                 }
             } else {
                 pv0 = vec4<f32>(0.0);
@@ -173,10 +172,10 @@ fn attention_prefill_tiled(
                 pv3 = vec4<f32>(0.0);
                 if vc < d4 {
                     let vb = kv_off + vc;
-                    if tb + vk < t_end { pv0 = v_cache[phys_row(table_off, page_shift, tb + vk) * kv4 + vb]; }
-                    if tb + vk + 8u < t_end { pv1 = v_cache[phys_row(table_off, page_shift, tb + vk + 8u) * kv4 + vb]; }
-                    if tb + vk + 16u < t_end { pv2 = v_cache[phys_row(table_off, page_shift, tb + vk + 16u) * kv4 + vb]; }
-                    if tb + vk + 24u < t_end { pv3 = v_cache[phys_row(table_off, page_shift, tb + vk + 24u) * kv4 + vb]; }
+                    if tb + vk < t_end { pv0 = value4(phys_row(table_off, page_shift, tb + vk) * kv4 + vb); }
+                    if tb + vk + 8u < t_end { pv1 = value4(phys_row(table_off, page_shift, tb + vk + 8u) * kv4 + vb); }
+                    if tb + vk + 16u < t_end { pv2 = value4(phys_row(table_off, page_shift, tb + vk + 16u) * kv4 + vb); }
+                    if tb + vk + 24u < t_end { pv3 = value4(phys_row(table_off, page_shift, tb + vk + 24u) * kv4 + vb); }
                 }
             }
             // #include "tiled_score_col.wgsl" QA=0u QB=1u KR=2u
@@ -214,7 +213,7 @@ fn attention_prefill_tiled(
             if sc < d4 {
                 if qa_ok { pqa = q_batch[qa_base + sc]; }
                 if qb_ok { pqb = q_batch[qb_base + sc]; }
-                if tb + TK + sq < t_end { pk = k_cache[phys_row(table_off, page_shift, tb + TK + sq) * kv4 + kv_off + sc]; }
+                if tb + TK + sq < t_end { pk = key4(phys_row(table_off, page_shift, tb + TK + sq) * kv4 + kv_off + sc); }
             }
         }
         // #include "tiled_values.wgsl"

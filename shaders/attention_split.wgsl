@@ -1,4 +1,4 @@
-// Split-KV attention (flash-decoding) over an f32 KV cache: the decode path.
+// Split-KV attention (flash-decoding) over a plain (f32 or f16) KV cache: the decode path.
 //
 // The seed kernel (`attention_prefill.wgsl`) runs one workgroup per (head,
 // query): at decode that is 32 workgroups on a 132-SM GPU, each thread walking
@@ -39,8 +39,8 @@
 // query row; a single attend is the batch of one):
 // @binding(0) q_batch:  array<f32>        every item's queries, the item's n_queries x
 //                                         q_stride floats at word q_off
-// @binding(1) k_cache:  array<vec4<f32>>  the pool slab, [rows, kv_dim]
-// @binding(2) v_cache:  array<vec4<f32>>  the slab's values, [rows, kv_dim]
+// @binding(1) k_cache:  the pool slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
+// @binding(2) v_cache:  the slab's values, [rows, kv_dim], read through key4() / value4()
 // @binding(3) partial:  array<f32>        every item's [acc: n_q*H*n_splits*d | m: n_q*H*n_splits
 //                                         | l: same] at word part_off (rw)
 // @binding(4) params:   array<SplitParams> (gpu/params.py SPLIT_PARAMS), block wid.z
@@ -52,7 +52,7 @@
 // Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
 // workgroups of 256 threads; a workgroup past its item's n_splits returns.
 
-// #include "split_f32_decls.wgsl"
+// #include "split_plain_decls.wgsl"
 
 // Column c of key k dotted with query heads 0..3 (lo) and 4..7 (hi) of the group.
 fn qk_lo(c: u32, d4: u32, group: u32, k: vec4<f32>) -> vec4<f32> {
@@ -71,11 +71,11 @@ fn qk_hi(c: u32, d4: u32, k: vec4<f32>) -> vec4<f32> {
 }
 
 @compute @workgroup_size(256, 1, 1)
-fn attention_split_f32(
+fn attention_split(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    // #include "split_f32_prologue.wgsl"
+    // #include "split_plain_prologue.wgsl"
 
     // ── 1. scores: one thread per key, every head of the group ──
     for (var t = tid; t < n_t; t += WG) {
@@ -84,14 +84,14 @@ fn attention_split_f32(
         var sb = vec4<f32>(0.0);                 // heads 4..7
         var c = 0u;
         for (; c + 8u <= d4; c += 8u) {
-            let k0 = k_cache[r + c];
-            let k1 = k_cache[r + c + 1u];
-            let k2 = k_cache[r + c + 2u];
-            let k3 = k_cache[r + c + 3u];
-            let k4 = k_cache[r + c + 4u];
-            let k5 = k_cache[r + c + 5u];
-            let k6 = k_cache[r + c + 6u];
-            let k7 = k_cache[r + c + 7u];
+            let k0 = key4(r + c);
+            let k1 = key4(r + c + 1u);
+            let k2 = key4(r + c + 2u);
+            let k3 = key4(r + c + 3u);
+            let k4 = key4(r + c + 4u);
+            let k5 = key4(r + c + 5u);
+            let k6 = key4(r + c + 6u);
+            let k7 = key4(r + c + 7u);
             sa += qk_lo(c, d4, group, k0) + qk_lo(c + 1u, d4, group, k1)
                 + qk_lo(c + 2u, d4, group, k2) + qk_lo(c + 3u, d4, group, k3)
                 + qk_lo(c + 4u, d4, group, k4) + qk_lo(c + 5u, d4, group, k5)
@@ -102,7 +102,7 @@ fn attention_split_f32(
             }
         }
         for (; c < d4; c += 1u) {
-            let k = k_cache[r + c];
+            let k = key4(r + c);
             sa += qk_lo(c, d4, group, k);
             if group > 4u { sb += qk_hi(c, d4, k); }
         }
@@ -125,5 +125,5 @@ fn attention_split_f32(
 
     // #include "split_softmax.wgsl" WEIGHT="p"
 
-    // #include "split_f32_values.wgsl"
+    // #include "split_plain_values.wgsl"
 }

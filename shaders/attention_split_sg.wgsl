@@ -16,7 +16,7 @@
 //   values: thread (c, grp) owns output column c of every head of the group
 //           (G vec4 registers) and reads V rows grp, grp + NG, ... straight
 //           from global memory (coalesced), four rows per step
-//           (shaders/include/split_f32_values.wgsl, as the plain kernel).
+//           (shaders/include/split_plain_values.wgsl, as the plain kernel).
 //
 // Subgroup builtins need no `enable` line with this naga once the device has
 // the feature. Calls to subgroupAdd sit in control flow uniform across the
@@ -25,16 +25,16 @@
 //
 // Dispatch: (n_splits, n_kv_heads, n_queries) workgroups of 256 threads.
 
-// #include "split_f32_decls.wgsl"
+// #include "split_plain_decls.wgsl"
 
 @compute @workgroup_size(256, 1, 1)
-fn attention_split_f32_sg(
+fn attention_split_sg(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(subgroup_invocation_id) lane_id: u32,
     @builtin(subgroup_size) sg_size: u32,
 ) {
-    // #include "split_f32_prologue.wgsl"
+    // #include "split_plain_prologue.wgsl"
 
     // ── 1. scores: one subgroup per key, four keys per step (four loads in flight) ──
     let n_sg = WG / sg_size;                    // subgroups in the workgroup
@@ -61,10 +61,10 @@ fn attention_split_f32_sg(
             var k1 = vec4<f32>(0.0);
             var k2 = vec4<f32>(0.0);
             var k3 = vec4<f32>(0.0);
-            if live.x { k0 = k_cache[r0 + c]; }
-            if live.y { k1 = k_cache[r1 + c]; }
-            if live.z { k2 = k_cache[r2 + c]; }
-            if live.w { k3 = k_cache[r3 + c]; }
+            if live.x { k0 = key4(r0 + c); }
+            if live.y { k1 = key4(r1 + c); }
+            if live.z { k2 = key4(r2 + c); }
+            if live.w { k3 = key4(r3 + c); }
             var q = q_sh[c];
             p0 += vec4<f32>(dot(q, k0), dot(q, k1), dot(q, k2), dot(q, k3));
             if group > 1u {
@@ -129,5 +129,5 @@ fn attention_split_f32_sg(
 
     // #include "split_softmax.wgsl" WEIGHT="p"
 
-    // #include "split_f32_values.wgsl"
+    // #include "split_plain_values.wgsl"
 }

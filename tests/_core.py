@@ -28,6 +28,14 @@ def rows(rng, n, heads, d, scale=1.0) -> np.ndarray:
     return (rng.standard_normal((n, heads, d)) * scale).astype(np.float32)
 
 
+def stored(fmt: str, x: np.ndarray) -> np.ndarray:
+    """Rows as a plain format stores them (f16: rounded to float16 as numpy rounds),
+    for the float64 oracle."""
+    from attnserve.formats import PLAIN_DTYPES
+
+    return x.astype(PLAIN_DTYPES[fmt]).astype(np.float32)
+
+
 def reserve(engine, layer, capacity):
     engine.worker.execute(lambda b: (layer.plan_reserve(b, capacity), (lambda out: None))[1])
 

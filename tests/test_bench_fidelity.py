@@ -1,5 +1,6 @@
 """bench/fidelity.py (docs/fidelity.md) in its short form: it runs on the adapter
-there is, the f32 path is exact against float64, and the TurboQuant score estimate
+there is, the f32 path is exact against float64, f16 is within float16's rounding
+of it (cosine >= 0.9999, 16 bits per element), and the TurboQuant score estimate
 has the properties the table reports: unbiased with the QJL bit, shrunk and noisier
 without it."""
 
@@ -20,11 +21,15 @@ def test_fidelity_quick(tmp_path):
     assert fidelity.main(["--quick", "--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {(r["kv_format"], r["data"], r["context"]) for r in rows} == {
-        (f, d, c) for f in ("f32", "turboquant") for d in ("gaussian", "llm") for c in (256, 1024)
+        (f, d, c) for f in ("f32", "f16", "turboquant") for d in ("gaussian", "llm") for c in (256, 1024)
     }
     for r in rows:
         if r["kv_format"] == "f32":
             assert r["cos_min"] >= 0.99999 and r["max_rel_err"] <= 1e-5, r
+            continue
+        if r["kv_format"] == "f16":
+            # float16 keeps 11 significant bits: errors of about 2^-11 of the values, never zero
+            assert r["bits_per_element"] == 16 and r["cos_min"] >= 0.9999 and 0 < r["max_rel_err"] <= 1e-2, r
             continue
         assert r["bits_per_element"] == 2.75
         qjl, polar = r["qjl"], r["polar_only"]

@@ -1,6 +1,7 @@
-"""GPU attention (both formats) against float64 oracles at awkward sizes.
+"""GPU attention (every format) against float64 oracles at awkward sizes.
 
-f32: max abs error <= 1e-5 of the oracle's max abs value.
+f32 and f16: max abs error <= 1e-5 of the max abs value of the oracle over the
+rows as the format stores them (f16: rounded to float16).
 TurboQuant: against its own oracle computed from the GPU's packed cache
 (same signs, same codebook) to <= 1e-4 of the max abs value.
 Every case uses capacity > length (the cache is preallocated past it), and
@@ -17,7 +18,7 @@ import pytest
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
-from _core import read_words, rel_err, reserve, rows, session
+from _core import read_words, rel_err, reserve, rows, session, stored
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_path")]
 
@@ -54,17 +55,18 @@ def _run_cases(engine, fmt, head_dims, rng):
     return pending
 
 
-@pytest.mark.parametrize("head_dims", [(32,), (64,), (128,), (80,)], ids=lambda x: f"d{x[0]}")
-def test_f32_attention_matches_oracle(engine, rng, head_dims):
+@pytest.mark.parametrize("head_dims", [(32,), (64,), (128,), (80,), (6,)], ids=lambda x: f"d{x[0]}")
+@pytest.mark.parametrize("fmt", ["f32", "f16"])
+def test_plain_attention_matches_oracle(engine, rng, fmt, head_dims):
     worst = 0.0
-    for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, "f32", head_dims, rng):
+    for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, fmt, head_dims, rng):
         out, length = fut.result()
         assert layer.capacity > length
-        want = ref.attention(q, k, v, start_pos=sp, causal=causal, scale=scale)
+        want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale)
         err = rel_err(out, want)
         worst = max(worst, err)
         assert err <= F32_TOL, (case, sp, causal, err)
-    print("worst f32 relative error", worst)
+    print(f"worst {fmt} relative error", worst)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
@@ -94,7 +96,7 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
     print("worst turboquant relative error vs own oracle", worst)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
     """Bit for bit on the single-pass and tiled kernels (each query row's
     arithmetic does not depend on the batch: tiles sit at fixed timesteps, and a
@@ -119,11 +121,11 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
         np.testing.assert_array_equal(np.concatenate(parts), whole)
     else:
         assert rel_err(np.concatenate(parts), whole) <= 2e-6
-    if fmt == "f32":
-        assert rel_err(whole, ref.attention(q, k, v)) <= F32_TOL
+    if fmt != "turboquant":
+        assert rel_err(whole, ref.attention(q, stored(fmt, k), stored(fmt, v))) <= F32_TOL
 
 
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
     """A layer that took its pages 50 rows at a time (the pool's slab growing under
     it) answers bit for bit like one whose pages were all taken up front."""
@@ -264,7 +266,7 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
 @pytest.mark.parametrize(
     "kernel_path", ["tiled", "tiled-rb", "tiled-rb-prefetch", "tiled-rb-generic", "single"], indirect=True
 )
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     """Prefill-sized attends (the tiled kernels' blocks of 64 rows = 64 / G query
     positions x G heads): a last block partly past the queries, key tiles (32)
@@ -272,7 +274,7 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     with 8 positions per block, head_dim 80 (a partial 32-dim chunk), causal
     and non-causal, capacity > length, peaked and flat softmax. (The split
     kernels serve up to 16 query rows and are covered above.)"""
-    dims = (80, 128) if fmt == "f32" else (32, 64, 128)
+    dims = (32, 64, 128) if fmt == "turboquant" else (80, 128)
     pending = []
     for d, ratio, (n, sp) in itertools.product(dims, GQA, ((131, 45), (70, 0), (9, 300))):
         hkv = 2 if ratio < 8 else 1
@@ -291,8 +293,9 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     for s, layer, q, k, v, sp, causal, scale, fut, case in pending:
         out, length = fut.result()
         assert layer.capacity > length
-        if fmt == "f32":
-            want, tol = ref.attention(q, k, v, start_pos=sp, causal=causal, scale=scale), F32_TOL
+        if fmt != "turboquant":
+            want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale)
+            tol = F32_TOL
         else:
             kw, vw = read_words(engine, layer)
             ps, js = layer_signs(s.config.seed, layer.layer, case[0])

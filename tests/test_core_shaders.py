@@ -16,14 +16,14 @@ def test_shaders_found_and_every_kernel_listed():
     assert files == {spec.file for spec in KERNELS.values()}
     assert {"attention_prefill.wgsl", "flash_attention_tq.wgsl", "turboquant.wgsl"} <= files
     for name, spec in KERNELS.items():
-        assert f"fn {spec.entry_point}(" in load_wgsl(spec.file), name
+        assert f"fn {spec.entry_point}(" in load_wgsl(spec.file, spec.defines), name
 
 
 def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
     from attnserve.gpu import shaders
 
     for spec in KERNELS.values():
-        src = load_wgsl(spec.file)
+        src = load_wgsl(spec.file, spec.defines)
         assert "#include" not in src and not re.search(r"\{[A-Z][A-Z0-9_]*\}", src), spec.file
     assert "stride < head_dim" in load_wgsl("turboquant.wgsl")  # the butterfly is really inlined
     (tmp_path / "include").mkdir()
@@ -34,6 +34,24 @@ def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
     assert shaders._expand((tmp_path / "a.wgsl").read_text()) == "fn f() {\n    let y = 1 + 2;\n}\n"
     with pytest.raises(ValueError, match="VALUE"):
         shaders._expand((tmp_path / "b.wgsl").read_text())
+    # defines name the include and fill its placeholders; an include's own args win
+    (tmp_path / "include" / "kv_f16.wgsl").write_text("    let z = {KV} + {VALUE};\n")
+    (tmp_path / "c.wgsl").write_text('// {KV}\n// #include "kv_{KV}.wgsl" VALUE=3\n')
+    got = shaders._expand((tmp_path / "c.wgsl").read_text(), {"KV": "f16", "VALUE": "9"})
+    assert got == "// f16\n    let z = f16 + 3;\n"
+
+
+def test_plain_kernels_read_their_format():
+    """Each plain kernel has a pipeline per plain format, reading that format's slab."""
+    from attnserve.gpu.shaders import PLAIN_FORMATS, plain_kernel
+
+    assert PLAIN_FORMATS == ("f32", "f16")
+    for base in ("attention_prefill", "attention_prefill_tiled", "attention_prefill_rb", "attention_split"):
+        f32, f16 = (KERNELS[plain_kernel(base, kv)] for kv in PLAIN_FORMATS)
+        assert f32.file == f16.file and f32.entry_point == f16.entry_point == base
+        src32, src16 = load_wgsl(f32.file, f32.defines), load_wgsl(f16.file, f16.defines)
+        assert "unpack2x16float" in src16 and "unpack2x16float" not in src32, base
+        assert "array<vec2<u32>>" in src16 or "k_cache: array<u32>" in src16, base
 
 
 @pytest.mark.gpu
@@ -62,7 +80,7 @@ def test_bad_wgsl_is_rejected(engine):
 def test_params_layout_matches_wgsl(key):
     file, var = key
     dtype = P.PARAMS_OF[key]
-    src = load_wgsl(file)
+    src = load_wgsl(file, next(s.defines for s in KERNELS.values() if s.file == file))
     decl = re.search(rf"var<storage, read> {var}: (?:array<(\w+)>|(\w+));", src)
     assert decl, f"{var} not declared in {file}"
     struct = decl.group(1) or decl.group(2)

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from attnserve.formats import bits_per_element, bytes_per_token
 from attnserve.testing import reference as ref
 from attnserve.turboquant import (
     CODEBOOK,
-    bytes_per_token,
     codebook,
     layer_signs,
     lloyd_max_codebook,
@@ -83,6 +83,11 @@ def test_bytes_per_token():
     # d=128: keys 8 + 4 + 1 words, values 8 + 1 words per KV head (52 + 36 bytes)
     assert bytes_per_token("turboquant", 1, 128) == 88
     assert bytes_per_token("f32", 1, 128) / bytes_per_token("turboquant", 1, 128) > 11.6
+    assert bytes_per_token("f16", 8, 128) == 8 * 128 * 2 * 2
+    assert bytes_per_token("f16", 3, 6) == 3 * 6 * 2 * 2  # an odd row of halves still takes whole words
+    assert [bits_per_element(f, 128) for f in ("f32", "f16", "turboquant")] == [32, 16, 2.75]
+    with pytest.raises(ValueError, match="even head_dim"):
+        bytes_per_token("f16", 1, 7)
 
 
 def _slope(est, exact):

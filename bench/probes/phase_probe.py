@@ -28,8 +28,8 @@ SOFTMAX = "    // ── 2. per-head max and sum of exp over this split ──"
 VALUES = "    // ── 3."
 RETURN = "    if wid.x < 1000000u { return; }\n"
 KERNEL = {
-    ("f32", False): "attention_split_f32",
-    ("f32", True): "attention_split_f32_sg",
+    ("f32", False): S.plain_kernel("attention_split", "f32"),
+    ("f32", True): S.plain_kernel("attention_split_sg", "f32"),
     ("turboquant", False): "attention_split_tq",
     ("turboquant", True): "attention_split_tq_sg",
 }
@@ -42,7 +42,7 @@ def variant(kernel: str, cut: str) -> str:
     name = f"{kernel}@{cut}"
     if name not in S.KERNELS:
         spec = S.KERNELS[kernel]
-        src = orig_load(spec.file)
+        src = orig_load(spec.file, spec.defines)
         marker = SOFTMAX if cut == "scores" else VALUES
         if src.count(marker) != 1:  # not assert: a probe must not measure the unpatched kernel
             sys.exit(
@@ -54,7 +54,7 @@ def variant(kernel: str, cut: str) -> str:
     return name
 
 
-S.load_wgsl = lambda name: texts.get(name) or orig_load(name)
+S.load_wgsl = lambda name, defines=(): texts.get(name) or orig_load(name, defines)
 for _name in (*KERNEL.values(), "attention_merge", "tq_rotate_q"):
     if _name not in S.KERNELS:  # a case below would silently time the full step
         sys.exit(f"phase_probe: no kernel {_name!r} any more: update the probe")

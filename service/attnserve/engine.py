@@ -24,6 +24,7 @@ from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
+from .formats import F16_MAX
 from .turboquant import MAX_NORM, largest_norm
 
 __all__ = ["Engine", "AttendResult"]
@@ -139,6 +140,16 @@ class Engine:
                     raise InvalidRequest(
                         f"{name}[{i}, {h}]: norm {norm:.6g} is over {MAX_NORM:g}, the largest norm "
                         "turboquant stores (float16); scale the rows down"
+                    )
+        elif kv_format == "f16":
+            # a value past float16's range would be stored as inf
+            for name, a in (("k", k), ("v", v)):
+                big = np.abs(a) > F16_MAX
+                if big.any():
+                    i, h, j = (int(x) for x in np.argwhere(big)[0])
+                    raise InvalidRequest(
+                        f"{name}[{i}, {h}, {j}]: {float(a[i, h, j]):.6g} is past {F16_MAX:g}, the largest value "
+                        "f16 stores; scale the rows down or use f32"
                     )
         limit = self.ctx.max_binding
         if k.nbytes > limit:

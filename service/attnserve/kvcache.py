@@ -25,41 +25,26 @@ import wgpu
 from .gpu.batch import Batch, Seg
 from .gpu import kernels as K
 from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
-from .turboquant import SUPPORTED_HEAD_DIMS, codebook, layer_signs_bytes
+from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, check_head_dim
+from .turboquant import codebook, layer_signs_bytes
 
 __all__ = [
-    "KV_FORMATS",
     "LayerCache",
-    "F32LayerCache",
+    "PlainLayerCache",
     "TurboQuantLayerCache",
     "SessionConfig",
     "layer_formats",
     "SessionKV",
-    "check_head_dim",
 ]
-
-KV_FORMATS = ("f32", "turboquant")
-
-
-def check_head_dim(kv_format: str, head_dim: int) -> None:
-    if kv_format == "f32":
-        if not 1 <= head_dim <= 128:
-            raise ValueError(f"f32 supports head_dim 1..128, got {head_dim}")
-    elif kv_format == "turboquant":
-        if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"turboquant supports head_dim 32, 64 or 128, got {head_dim}")
-    else:
-        raise ValueError(f"unknown kv_format {kv_format!r}; expected one of {KV_FORMATS}")
 
 
 class LayerCache:
     """One layer of one session: a page table into its format's pool."""
 
-    kv_format = ""
-
     def __init__(self, *, pool: PagePool, max_tokens: int, layer: int = 0):
         layout = pool.layout
-        check_head_dim(self.kv_format, layout.head_dim)
+        check_head_dim(layout.kv_format, layout.head_dim)
+        self.kv_format = layout.kv_format
         self.pool = pool
         self.n_kv_heads = layout.n_kv_heads
         self.head_dim = layout.head_dim
@@ -296,10 +281,10 @@ class LayerCache:
         self.slab, self.pages, self.length = None, [], 0
 
 
-class F32LayerCache(LayerCache):
-    """Plain float32 K/V: slab row ``r`` at ``r * kv_dim`` floats (``kv_dim = Hkv * d``)."""
-
-    kv_format = "f32"
+class PlainLayerCache(LayerCache):
+    """Plain K/V (``f32``, or ``f16``: the rows rounded to float16 on the host, as
+    numpy rounds, before they are uploaded): slab row ``r`` at ``r * kv_dim``
+    elements (``kv_dim = Hkv * d``)."""
 
     @property
     def kv_dim(self) -> int:
@@ -308,8 +293,10 @@ class F32LayerCache(LayerCache):
     def plan_append(self, batch, k, v):
         n = k.shape[0]
         self._ensure_pages(batch, self.length + n)
+        dtype = PLAIN_DTYPES[self.kv_format]
+        k, v = np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
         ks, vs = batch.upload(k), batch.upload(v)
-        row, P, slab = self.kv_dim * 4, self.pool.page_tokens, self.slab
+        row, P, slab = self.kv_dim * PLAIN_ELEMENT_BYTES[self.kv_format], self.pool.page_tokens, self.slab
         t = self.length
         while t < self.length + n:  # one copy per page the rows touch
             m = min(P - t % P, self.length + n - t)
@@ -322,13 +309,12 @@ class F32LayerCache(LayerCache):
         return self.length
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
-        K.plan_attend_f32(batch, self._attend(batch, q, shape, out, length, start_pos, causal, scale))
+        a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
+        K.plan_attend_plain(batch, a, self.kv_format)
 
 
 class TurboQuantLayerCache(LayerCache):
     """TurboQuant K/V words in the layout of ``shaders/turboquant.wgsl``, in pool slabs."""
-
-    kv_format = "turboquant"
 
     def __init__(self, *, seed: int, **kw):
         super().__init__(**kw)
@@ -400,8 +386,8 @@ class SessionKV:
         self.layers: list[LayerCache] = []
         for layer, fmt in enumerate(formats):
             pool = pools.get(c.layer_layout(layer))
-            if fmt == "f32":
-                self.layers.append(F32LayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
+            if fmt != "turboquant":
+                self.layers.append(PlainLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
             else:
                 self.layers.append(TurboQuantLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed))
 

@@ -4,8 +4,8 @@ This module is the one owner of where a timestep lives on the GPU (the design is
 in docs/architecture.md, "The paged KV pool"):
 
 * A :class:`PageLayout` says, for a kv format and head shape, how the rows of a
-  cache of ``cap`` timesteps are laid out in its K and V buffers (f32: row-major
-  ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/turboquant.wgsl,
+  cache of ``cap`` timesteps are laid out in its K and V buffers (plain f32 / f16:
+  row-major ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/turboquant.wgsl,
   ``slot = head * cap + row``).
 * A :class:`PagePool` (one per layout, see :class:`PagePools`) holds that format's
   pages in *slabs*: a slab is one K and one V buffer laid out as a cache of
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import wgpu
+
+from . import formats
 
 __all__ = [
     "PageLayout",
@@ -105,22 +107,16 @@ class PageLayout:
 
     @property
     def key_regions(self) -> tuple[int, ...]:
-        """Words per slot of each region of the K buffer (TurboQuant), or per row (f32)."""
-        d = self.head_dim
-        if self.kv_format == "f32":
-            return (self.n_kv_heads * d,)
-        return (d // 16, d // 32, 1)
+        """Words per slot of each region of the K buffer (TurboQuant), or per row (plain)."""
+        return formats.key_words(self.kv_format, self.n_kv_heads, self.head_dim)
 
     @property
     def value_regions(self) -> tuple[int, ...]:
-        d = self.head_dim
-        if self.kv_format == "f32":
-            return (self.n_kv_heads * d,)
-        return (d // 16, 1)
+        return formats.value_words(self.kv_format, self.n_kv_heads, self.head_dim)
 
     def buffer_bytes(self, cap: int) -> tuple[int, int]:
         """Bytes of the K and V buffers of a cache of ``cap`` rows."""
-        heads = 1 if self.kv_format == "f32" else self.n_kv_heads
+        heads = formats.slot_heads(self.kv_format, self.n_kv_heads)
         return cap * heads * sum(self.key_regions) * 4, cap * heads * sum(self.value_regions) * 4
 
     @property
@@ -128,7 +124,7 @@ class PageLayout:
         return sum(self.buffer_bytes(1))
 
     def _ranges(self, regions: tuple[int, ...], cap: int, row0: int, n: int) -> list[tuple[int, int]]:
-        if self.kv_format == "f32":
+        if formats.is_plain(self.kv_format):
             w = regions[0] * 4
             return [(row0 * w, n * w)]
         out, base = [], 0

@@ -26,7 +26,7 @@ from .auth import KeyRing
 from .codec import offload
 from .config import Settings
 from .engine import Engine
-from .kvcache import KV_FORMATS
+from .formats import KV_FORMATS
 from .metrics import Gauge, Metrics
 from .store import Reservation, Session, Store
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from .codec import Fields
 from .errors import InvalidRequest
-from .kvcache import KV_FORMATS, check_head_dim, layer_formats
+from .formats import KV_FORMATS, check_head_dim
+from .kvcache import layer_formats
 
 __all__ = ["MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "CREATE_FIELDS", "CreateRequest", "parse_create"]
 

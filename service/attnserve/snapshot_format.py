@@ -26,6 +26,7 @@ import numpy as np
 
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
+from .formats import PLAIN_DTYPES
 from .kvcache import SessionConfig, SessionKV
 from .session_spec import parse_create
 
@@ -132,10 +133,10 @@ def parse_blob(
                 f"layers[{i}]: expected {want[0]} and {want[1]} bytes of K and V for capacity {cap}, "
                 f"got {len(kb)} and {len(vb)}"
             )
-        if fmt == "f32" and n:
+        if fmt in PLAIN_DTYPES and n:
             used = n * config.num_kv_heads * config.head_dim
             for name, b in (("k", kb), ("v", vb)):
-                if not np.isfinite(np.frombuffer(b, "<f4", count=used)).all():
+                if not np.isfinite(np.frombuffer(b, PLAIN_DTYPES[fmt], count=used)).all():
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
         if fmt == "turboquant" and n:
             _check_tq_norms(i, config, n, cap, kb, vb)

@@ -23,6 +23,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from .formats import TQ_HEAD_DIMS
+
 __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "CODEBOOK",
@@ -34,10 +36,9 @@ __all__ = [
     "session_signs",
     "qjl_scale",
     "splitmix64",
-    "bytes_per_token",
 ]
 
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SUPPORTED_HEAD_DIMS = TQ_HEAD_DIMS
 
 # float32 centroids c0 < c1 < c2 < c3 (exact float32 values, written as hex).
 _CODEBOOK_HEX = {
@@ -144,17 +145,6 @@ def session_signs(seed: int, num_layers: int, d: int) -> np.ndarray:
 def qjl_scale(d: int) -> float:
     """Unbiased QJL constant for the orthonormal ``q_jl = rht(q_rot, jl_signs)``."""
     return math.sqrt(math.pi / 2.0) / math.sqrt(d)
-
-
-def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one timestep of one layer occupies in the cache (keys + values)."""
-    if kv_format == "f32":
-        return 2 * num_kv_heads * head_dim * 4
-    if kv_format == "turboquant":
-        key_words = head_dim // 16 + head_dim // 32 + 1
-        value_words = head_dim // 16 + 1
-        return num_kv_heads * (key_words + value_words) * 4
-    raise ValueError(f"unknown kv_format {kv_format!r}")
 
 
 #: The largest row norm turboquant stores: norms are kept as float16.

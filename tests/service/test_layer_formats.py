@@ -1,20 +1,22 @@
 """Per-layer kv formats: a session whose ``kv_format`` is one format per layer. Each
 layer answers bit for bit as the same layer of a session of its format alone (same
-seed: the same TurboQuant rotations), the f32 layers against the float64 oracle;
+seed: the same TurboQuant rotations), the f32 and f16 layers against the float64
+oracle (f16: over the rows rounded to float16);
 bytes, metrics, snapshots, forks and the client follow the layer formats; bad
 format lists are refused and create nothing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from attnserve.turboquant import bytes_per_token
+from attnserve.formats import bytes_per_token
 from attnserve_client import Client
 from attnserve_client import wire
 from svc_helpers import F32_TOL, PAGE, Model, Scrape, rel_err, rows
 
 H, HKV, D = 4, 2, 32
-FORMATS = ["f32", "turboquant", "turboquant", "f32"]
+FORMATS = ["f16", "turboquant", "f32", "f16"]
 
 
 def _bytes_per_page(fmt: str) -> int:
@@ -32,7 +34,7 @@ def test_each_layer_answers_as_a_session_of_its_format(api, rng, enc):
     alone = {fmt: _create(api, fmt, seed) for fmt in set(FORMATS)}
     info = api.info(mixed)
     assert info["kv_format"] == FORMATS and info["layer_formats"] == FORMATS
-    assert api.info(alone["f32"])["layer_formats"] == ["f32"] * 4
+    assert api.info(alone["f16"])["layer_formats"] == ["f16"] * 4
     model = Model(H, HKV, D, layers=len(FORMATS))
     for n in (PAGE + 3, 1, 1, 2):  # a prefill chunk past a page, then fused steps
         for layer, fmt in enumerate(FORMATS):
@@ -41,8 +43,10 @@ def test_each_layer_answers_as_a_session_of_its_format(api, rng, enc):
             want = api.attend(alone[fmt], layer, q, k=k, v=v, enc=enc)
             assert got.status == want.status == 200, (got.body, want.body)
             assert got.body["out"].tobytes() == want.body["out"].tobytes()
+            if fmt == "f16":
+                k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
             model.add(layer, k, v)
-            if fmt == "f32":
+            if fmt != "turboquant":
                 assert rel_err(got.body["out"], model.attention(layer, q)) <= F32_TOL
     length = PAGE + 7
     pages = -(-length // PAGE)
@@ -51,11 +55,10 @@ def test_each_layer_answers_as_a_session_of_its_format(api, rng, enc):
     for fmt, sid in alone.items():
         assert api.info(sid)["bytes"] == FORMATS.count(fmt) * pages * _bytes_per_page(fmt)  # its layers of fmt
     m = Scrape(api.client.get("/metrics").text)
-    for fmt in ("f32", "turboquant"):
-        # the mixed session counts under both formats, its bytes by layer
-        assert m("attnserve_kv_bytes", kv_format=fmt) >= api.info(alone[fmt])["bytes"] + 2 * pages * _bytes_per_page(
-            fmt
-        )
+    for fmt in set(FORMATS):
+        # the mixed session counts under each of its formats, its bytes by layer
+        mixed_bytes = FORMATS.count(fmt) * pages * _bytes_per_page(fmt)
+        assert m("attnserve_kv_bytes", kv_format=fmt) >= api.info(alone[fmt])["bytes"] + mixed_bytes
         assert m("attnserve_sessions", kv_format=fmt) >= 2
     for sid in (mixed, *alone.values()):
         api.delete(sid)
@@ -93,6 +96,7 @@ def test_snapshot_and_fork_keep_the_layer_formats(api, rng):
         (["f32", "turboquant", "f32", "f32"], 17, "head_dim: turboquant supports head_dim 32, 64 or 128"),
         ([], 32, "got an array of 0"),
         ({"f32": 1}, 32, "kv_format: expected a string"),
+        (["f32", "f16", "f32", "f32"], 7, "head_dim: f16 supports an even head_dim 2..128, got 7"),
     ],
 )
 def test_bad_format_lists_are_refused(api, enc, kv_format, head_dim, needle):

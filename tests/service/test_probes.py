@@ -24,8 +24,17 @@ def test_info(api, server, enc):
     assert info["version"] == __version__ and info["api_version"] == 1
     assert info["adapter"]["name"] == ctx.name and info["adapter"]["backend"] == ctx.backend
     assert info["backend"] == ctx.backend
-    assert info["kv_formats"] == ["f32", "turboquant"]
+    assert info["kv_formats"] == ["f32", "f16", "turboquant"]
     assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
+    assert info["head_dims"]["f16"] == list(range(2, 129, 2))
+    assert info["kv_format_sizes"]["f16"] == [
+        {"head_dim": d, "bits_per_element": 16.0, "bytes_per_token_per_kv_head": 4 * d} for d in (32, 64, 128)
+    ]
+    assert info["kv_format_sizes"]["turboquant"][2] == {
+        "head_dim": 128,
+        "bits_per_element": 2.75,
+        "bytes_per_token_per_kv_head": 88,
+    }
     s = server.runtime.settings
     limits = info["limits"]
     assert limits["max_body_bytes"] == s.max_body_bytes

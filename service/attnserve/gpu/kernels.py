@@ -17,7 +17,8 @@ dispatches are cut so that no grid dimension passes the adapter's
 Array layouts (all float32, row-major):
 
 * queries ``[n, n_heads, head_dim]`` (``q_stride = out_stride = n_heads * head_dim``)
-* f32 slabs ``[rows, n_kv_heads * head_dim]`` (slab row ``r`` at ``r * kv_dim``)
+* plain slabs ``[rows, n_kv_heads * head_dim]`` (slab row ``r`` at ``r * kv_dim``
+  elements), float32 (kv format ``f32``) or IEEE half (``f16``)
 * TurboQuant slabs as in ``shaders/turboquant.wgsl``
 * new K/V rows ``[n, n_kv_heads, head_dim]``
 """
@@ -34,6 +35,7 @@ import wgpu
 
 from ..turboquant import Codebook, qjl_scale
 from . import params as P
+from .shaders import plain_kernel
 from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
 
 __all__ = [
@@ -42,13 +44,13 @@ __all__ = [
     "TqLayer",
     "Rotate",
     "Encode",
-    "plan_attention_f32",
+    "plan_attention_plain",
     "plan_rotate_q",
     "plan_attention_tq",
     "plan_tq_encode",
     "rotated_q_bytes",
     "KernelPolicy",
-    "plan_attend_f32",
+    "plan_attend_plain",
     "plan_attend_turboquant",
     "split_eligible",
     "choose_split",
@@ -109,7 +111,7 @@ class Attend:
         return self.n_heads // self.n_kv_heads
 
     def shape_params(self) -> dict[str, float | int]:
-        """The fields every attention params block starts from (f32 blocks add ``kv_dim``)."""
+        """The fields every attention params block starts from (plain blocks add ``kv_dim``)."""
         return dict(
             n_heads=self.n_heads,
             n_kv_heads=self.n_kv_heads,
@@ -175,12 +177,13 @@ def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> S
     )
 
 
-def plan_attention_f32(batch: Batch, a: Attend) -> None:
-    """``attention_prefill`` (single pass): ``out[n, H, d]`` from ``q[n, H, d]`` over ``length`` rows."""
+def plan_attention_plain(batch: Batch, a: Attend, kv_format: str) -> None:
+    """``attention_prefill`` (single pass) over a plain ``kv_format`` slab:
+    ``out[n, H, d]`` from ``q[n, H, d]`` over ``length`` rows."""
     for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = _prefill_params(batch, a, q_base, a.n_queries)
         batch.dispatch(
-            "attention_prefill",
+            plain_kernel("attention_prefill", kv_format),
             {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: a.pages},
             (a.n_heads, rows, 1),
         )
@@ -366,7 +369,7 @@ class KernelPolicy:
     seed-derived one-workgroup-per-(head, query) kernels). By default an attend
     of up to ``split_max_queries`` query rows takes the split-KV kernels and a
     larger one the query-block tiled kernels, where the shape allows them (GQA
-    group of 1, 2, 4 or 8; f32 head_dim a multiple of 4); anything else takes
+    group of 1, 2, 4 or 8; plain head_dim a multiple of 4); anything else takes
     the single-pass kernels. ``target_workgroups`` sizes the splits so a decode step fills the GPU.
     """
 
@@ -379,7 +382,7 @@ class KernelPolicy:
     # slower than the plain ones (one thread per key) on the H200 at every
     # context, so they run only when asked for (and the device has the feature).
     subgroups: bool = False
-    # The f32 query-block prefill kernel behind the "tiled" path: "tiled"
+    # The plain (f32, f16) query-block prefill kernel behind the "tiled" path: "tiled"
     # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
     # "rb" measured faster on the H200 (bench/prefill_sweep.py, docs/benchmarks.md).
@@ -408,9 +411,9 @@ class KernelPolicy:
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
     if n_heads // n_kv_heads not in (1, 2, 4, 8):
         return False
-    if kv_format == "f32":
-        return head_dim % 4 == 0 and head_dim <= 128
-    return head_dim in (32, 64, 128)
+    if kv_format == "turboquant":
+        return head_dim in (32, 64, 128)
+    return head_dim % 4 == 0 and head_dim <= 128  # plain: vec4 columns
 
 
 def choose_split(
@@ -466,8 +469,8 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
     part = batch.scratch(partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim), arena="partial")
     item = _SplitItem(a, split_len, n_splits, part, tq)
     sg = batch.policy.use_subgroups(batch.device)
-    if kv_format == "f32":
-        kernel, constants = ("attention_split_f32_sg" if sg else "attention_split_f32"), None
+    if tq is None:
+        kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
         kernel = "attention_split_tq_sg" if sg else "attention_split_tq"
         constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
@@ -481,18 +484,18 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
 def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_SplitItem]) -> None:
     first = items[0].a
     q, _ = _bind(first.q)
-    f32 = items[0].tq is None
+    plain = items[0].tq is None
     rows = _Rows()
     for it in items:
         a, n = it.a, it.a.n_queries
-        # the item's rows in its partials: q_total (f32 block), q_cap (TurboQuant block)
-        per_item = dict(q_total=n, q_stride=a.n_heads * a.head_dim) if f32 else dict(q_cap=n)
+        # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
+        per_item = dict(q_total=n, q_stride=a.n_heads * a.head_dim) if plain else dict(q_cap=n)
         rows.add(
             n, **a.shape_params(), **per_item, split_len=it.split_len, n_splits=it.n_splits, q_row=range(n),
             q_off=_bind(a.q)[1], part_off=_bind(it.part)[1], table_off=_bind(a.pages)[1],
         )  # fmt: skip
     common: dict[str, Any] = dict(page_shift=first.page_shift)
-    if f32:
+    if plain:
         block = P.SPLIT_PARAMS
         common.update(kv_dim=first.n_kv_heads * first.head_dim)
     else:
@@ -532,14 +535,14 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
         P.MERGE_PARAMS,
         rows,
         {"head_dim": first.head_dim},
-        # f32 merges read no signs: the input arena is bound as them (read-only)
+        # plain merges read no signs: the input arena is bound as them (read-only)
         {0: whole("partial"), 1: out, 3: whole("in")},
         2,
         lambda rows: (max_heads, rows, 1),
     )
 
 
-# ── query-block tiled prefill (f32 and TurboQuant), batched ──────────────────
+# ── query-block tiled prefill (plain and TurboQuant), batched ──────────────────
 
 TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
 RB_ROWS = 64  # R in attention_prefill_rb.wgsl
@@ -553,7 +556,9 @@ class _TiledItem:
     tq: TqLayer | None
 
 
-def _tiled_kernel(batch: Batch, a: Attend, tq: TqLayer | None) -> tuple[str, int, dict[str, int] | None]:
+def _tiled_kernel(
+    batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None
+) -> tuple[str, int, dict[str, int] | None]:
     """(kernel, query rows per block, override constants) of a query-block attend."""
     if tq is not None:
         return "attention_tq_tiled", TQ_TILED_ROWS // a.group, None
@@ -561,23 +566,22 @@ def _tiled_kernel(batch: Batch, a: Attend, tq: TqLayer | None) -> tuple[str, int
         constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
         if batch.policy.prefill_rb_specialize:
             constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
-        return "attention_prefill_rb", RB_ROWS // a.group, constants
-    return "attention_prefill_tiled", TILED_ROWS // a.group, None
+        return plain_kernel("attention_prefill_rb", kv_format), RB_ROWS // a.group, constants
+    return plain_kernel("attention_prefill_tiled", kv_format), TILED_ROWS // a.group, None
 
 
-def _plan_tiled(batch: Batch, a: Attend, tq: TqLayer | None) -> None:
+def _plan_tiled(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> None:
     """Queue a query-block attend: blocks of R / G query rows x the G heads of a KV
     head; the batch's blocks over one slab and shape run as one dispatch (one params
     block per workgroup), the blocks with the longest causal windows first.
 
-    f32 takes ``attention_prefill_rb`` (64-key tiles, outer-product register blocks;
-    specialized on G and head_dim unless the policy says otherwise) or
+    A plain slab takes ``attention_prefill_rb`` (64-key tiles, outer-product register
+    blocks; specialized on G and head_dim unless the policy says otherwise) or
     ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says; TurboQuant
     ``attention_tq_tiled`` from rotated queries."""
-    fmt = "f32" if tq is None else "turboquant"
-    if not split_eligible(fmt, a.n_heads, a.n_kv_heads, a.head_dim):
-        raise ValueError(f"shape not eligible for the tiled {fmt} kernel")
-    kernel, bq, constants = _tiled_kernel(batch, a, tq)
+    if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
+        raise ValueError(f"shape not eligible for the tiled {kv_format} kernel")
+    kernel, bq, constants = _tiled_kernel(batch, a, kv_format, tq)
     (q, _), (out, _) = _bind(a.q), _bind(a.out)
     key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, out, a.n_kv_heads)
     flush = functools.partial(_flush_tiled, kernel, constants)
@@ -596,7 +600,7 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
     rows = _Rows()
     for _, it, q_first in blocks:
         a = it.a
-        # the item's query rows: n_queries (f32 block), q_cap (TurboQuant block)
+        # the item's query rows: n_queries (plain block), q_cap (TurboQuant block)
         per_item = (
             dict(n_queries=a.n_queries, q_stride=a.n_heads * a.head_dim)
             if it.tq is None
@@ -641,15 +645,17 @@ def _plan_one(batch: Batch, plan: Callable[..., None], *args) -> None:
     batch.defer(PHASE_ATTEND, object(), args, lambda b, items: plan(b, *items[0]))
 
 
-def plan_attend_f32(batch: Batch, a: Attend) -> None:
-    """f32 attention with the kernel family ``batch.policy`` picks for the shape:
-    split-KV (batched with the batch's other split attends), the query-block tiled
-    prefill, or the single-pass kernel."""
-    path = batch.policy.path("f32", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
+def plan_attend_plain(batch: Batch, a: Attend, kv_format: str) -> None:
+    """Attention over a plain slab (``f32`` or ``f16``) with the kernel family
+    ``batch.policy`` picks for the shape: split-KV (batched with the batch's other
+    split attends), the query-block tiled prefill, or the single-pass kernel."""
+    path = batch.policy.path(kv_format, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
     if path == "split":
-        _plan_split(batch, a, "f32", None)
+        _plan_split(batch, a, kv_format, None)
+    elif path == "tiled":
+        _plan_tiled(batch, a, kv_format, None)
     else:
-        _plan_tiled(batch, a, None) if path == "tiled" else _plan_one(batch, plan_attention_f32, a)
+        _plan_one(batch, plan_attention_plain, a, kv_format)
 
 
 def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
@@ -662,4 +668,4 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     if path == "split":
         _plan_split(batch, a, "turboquant", tq)
     else:
-        _plan_tiled(batch, a, tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)
+        _plan_tiled(batch, a, "turboquant", tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import wgpu
 
+from ..formats import PLAIN_ELEMENT_BYTES
 from . import params as P
 
-__all__ = ["KERNELS", "KernelSpec", "load_wgsl", "shader_dir", "PipelineCache"]
+__all__ = ["KERNELS", "PLAIN_FORMATS", "KernelSpec", "load_wgsl", "plain_kernel", "shader_dir", "PipelineCache"]
 
 R, RW = "read", "rw"
 
@@ -31,12 +32,13 @@ class KernelSpec:
     entry_point: str
     bindings: tuple[tuple[int, str], ...]
     features: tuple[str, ...] = ()  # device features the shader needs
+    # {NAME} placeholders replaced in the file and its includes (``KV``: the plain
+    # kv format whose slab include, ``kv_vec4_{KV}.wgsl`` / ``kv_scalar_{KV}.wgsl``,
+    # the kernel reads)
+    defines: tuple[tuple[str, str], ...] = ()
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "attention_prefill": KernelSpec(
-        "attention_prefill.wgsl", "attention_prefill", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
     "flash_attention_tq": KernelSpec(
         "flash_attention_tq.wgsl",
         "flash_attention_tq",
@@ -45,28 +47,13 @@ KERNELS: dict[str, KernelSpec] = {
     "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
     "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
-    "attention_prefill_tiled": KernelSpec(
-        "attention_prefill_tiled.wgsl", "attention_prefill_tiled", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
-    "attention_prefill_rb": KernelSpec(
-        "attention_prefill_rb.wgsl", "attention_prefill_rb", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
     "attention_tq_tiled": KernelSpec(
         "flash_attention_tq_tiled.wgsl",
         "attention_tq_tiled",
         ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R), (6, R)),
     ),
-    "attention_split_f32": KernelSpec(
-        "attention_split.wgsl", "attention_split_f32", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
     "attention_split_tq": KernelSpec(
         "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
-    "attention_split_f32_sg": KernelSpec(
-        "attention_split_sg.wgsl",
-        "attention_split_f32_sg",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
-        ("subgroup",),
     ),
     "attention_split_tq_sg": KernelSpec(
         "flash_attention_tq_split_sg.wgsl",
@@ -76,6 +63,30 @@ KERNELS: dict[str, KernelSpec] = {
     ),
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
 }
+
+#: The kernels over a plain (uncompressed) slab, one pipeline family per plain kv
+#: format: ``plain_kernel(base, kv_format)`` names the one that reads ``kv_format``.
+PLAIN_FORMATS = tuple(PLAIN_ELEMENT_BYTES)
+_PLAIN_KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # base name (= entry point): (file, device features)
+    "attention_prefill": ("attention_prefill.wgsl", ()),
+    "attention_prefill_tiled": ("attention_prefill_tiled.wgsl", ()),
+    "attention_prefill_rb": ("attention_prefill_rb.wgsl", ()),
+    "attention_split": ("attention_split.wgsl", ()),
+    "attention_split_sg": ("attention_split_sg.wgsl", ("subgroup",)),
+}
+
+
+def plain_kernel(base: str, kv_format: str) -> str:
+    """The ``KERNELS`` name of plain kernel ``base`` over a ``kv_format`` slab."""
+    return f"{base}.{kv_format}"
+
+
+for _base, (_file, _features) in _PLAIN_KERNELS.items():
+    for _kv in PLAIN_FORMATS:
+        KERNELS[plain_kernel(_base, _kv)] = KernelSpec(
+            _file, _base, ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)), _features, (("KV", _kv),)
+        )
 
 
 def shader_dir() -> Path:
@@ -111,27 +122,31 @@ _PLACEHOLDER = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
 _STRUCT = re.compile(r"^[ \t]*//[ \t]*#struct[ \t]+(\w+)[ \t]*$", re.M)
 
 
-def _expand(text: str, depth: int = 0) -> str:
+def _expand(text: str, defines: dict[str, str] | None = None, depth: int = 0) -> str:
+    defines = defines or {}
     if depth > 4:
         raise ValueError("shader includes nested too deeply")
+    for k, v in defines.items():
+        text = text.replace("{" + k + "}", v)
 
     def one(m: re.Match) -> str:
         snippet = (shader_dir() / "include" / m.group(1)).read_text(encoding="utf-8")
         args = {k: (q if q else u) for k, q, u in _ARG.findall(m.group(2))}
-        missing = set(_PLACEHOLDER.findall(snippet)) - set(args)
+        missing = set(_PLACEHOLDER.findall(snippet)) - set(args) - set(defines)
         if missing:
             raise ValueError(f"include {m.group(1)} needs {sorted(missing)}")
         for k, v in args.items():
             snippet = snippet.replace("{" + k + "}", v)
-        return _expand(snippet.rstrip("\n"), depth + 1)
+        return _expand(snippet.rstrip("\n"), defines, depth + 1)
 
     return _STRUCT.sub(lambda m: P.wgsl_struct(m.group(1)), _INCLUDE.sub(one, text))
 
 
 @functools.lru_cache(maxsize=None)
-def load_wgsl(name: str) -> str:
-    """The source of one shader file with its includes expanded, read once."""
-    return _expand((shader_dir() / name).read_text(encoding="utf-8"))
+def load_wgsl(name: str, defines: tuple[tuple[str, str], ...] = ()) -> str:
+    """The source of one shader file with its includes expanded and ``defines``
+    (``{NAME}`` placeholders) replaced, read once."""
+    return _expand((shader_dir() / name).read_text(encoding="utf-8"), dict(defines))
 
 
 class PipelineCache:
@@ -139,14 +154,16 @@ class PipelineCache:
 
     def __init__(self, device: wgpu.GPUDevice):
         self._device = device
-        self._modules: dict[str, wgpu.GPUShaderModule] = {}
+        self._modules: dict[tuple, wgpu.GPUShaderModule] = {}
         self._pipelines: dict[tuple, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
         self._lock = threading.Lock()
 
-    def _module(self, file: str) -> wgpu.GPUShaderModule:
-        if file not in self._modules:
-            self._modules[file] = self._device.create_shader_module(label=file, code=load_wgsl(file))
-        return self._modules[file]
+    def _module(self, spec: KernelSpec) -> wgpu.GPUShaderModule:
+        key = (spec.file, spec.defines)
+        if key not in self._modules:
+            label = spec.file + "".join(f" {k}={v}" for k, v in spec.defines)
+            self._modules[key] = self._device.create_shader_module(label=label, code=load_wgsl(*key))
+        return self._modules[key]
 
     def get(
         self, kernel: str, constants: dict[str, int] | None = None
@@ -173,7 +190,7 @@ class PipelineCache:
                     ],
                 )
                 layout = self._device.create_pipeline_layout(label=kernel, bind_group_layouts=[bgl])
-                stage = {"module": self._module(spec.file), "entry_point": spec.entry_point}
+                stage = {"module": self._module(spec), "entry_point": spec.entry_point}
                 if constants:
                     stage["constants"] = dict(constants)
                 pipe = self._device.create_compute_pipeline(label=kernel, layout=layout, compute=stage)

@@ -12,10 +12,9 @@ from fastapi import APIRouter, Response
 from .. import __version__
 from ..codec import respond
 from ..errors import NotReady
-from ..kvcache import KV_FORMATS
+from .. import formats
 from ..metrics import CONTENT_TYPE
 from ..session_spec import MAX_LAYERS, MAX_QO_HEADS
-from ..turboquant import SUPPORTED_HEAD_DIMS
 from .deps import OwnerDep, Runtime, RuntimeDep, WireDep
 from .schemas import ok, problems
 
@@ -74,8 +73,9 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "api_version": API_VERSION,
         "adapter": adapter,
         "backend": adapter["backend"] if adapter else None,
-        "kv_formats": list(KV_FORMATS),
-        "head_dims": {"f32": list(range(1, 129)), "turboquant": list(SUPPORTED_HEAD_DIMS)},
+        "kv_formats": list(formats.KV_FORMATS),
+        "head_dims": {fmt: formats.head_dims(fmt) for fmt in formats.KV_FORMATS},
+        "kv_format_sizes": {fmt: formats.sizes(fmt) for fmt in formats.KV_FORMATS},
         "limits": {
             "max_body_bytes": s.max_body_bytes,
             "memory_budget_bytes": s.memory_budget_bytes,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codec import wire
+from ..formats import KV_FORMATS
 
 __all__ = ["COMPONENTS", "ref", "request_body", "ok", "problems", "PROBLEM_STATUSES"]
 
@@ -220,15 +221,18 @@ COMPONENTS: dict[str, Any] = {
             "num_layers": {"type": "integer", "minimum": 1, "maximum": 256, "default": 1},
             "num_qo_heads": {"type": "integer", "minimum": 1, "maximum": 256},
             "num_kv_heads": {"type": "integer", "minimum": 1, "description": "Divides num_qo_heads (GQA)."},
-            "head_dim": {"type": "integer", "description": "f32: 1..128; turboquant: 32, 64 or 128."},
+            "head_dim": {
+                "type": "integer",
+                "description": "f32: 1..128; f16: even, 2..128; turboquant: 32, 64 or 128.",
+            },
             "kv_format": {
                 "anyOf": [
-                    {"type": "string", "enum": ["f32", "turboquant"]},
-                    {"type": "array", "items": {"type": "string", "enum": ["f32", "turboquant"]}, "minItems": 1},
+                    {"type": "string", "enum": list(KV_FORMATS)},
+                    {"type": "array", "items": {"type": "string", "enum": list(KV_FORMATS)}, "minItems": 1},
                 ],
                 "default": "f32",
                 "description": "One format for every layer, or an array of num_layers formats, one per layer "
-                "(e.g. the first and last layers f32, the rest turboquant).",
+                "(e.g. the first and last two layers f16, the rest turboquant).",
             },
             "max_tokens": {
                 "type": ["integer", "null"],
@@ -331,6 +335,23 @@ COMPONENTS: dict[str, Any] = {
             "backend": {"type": "string", "description": "The adapter's backend (Vulkan, Metal, D3D12...)."},
             "kv_formats": {"type": "array", "items": {"type": "string"}},
             "head_dims": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+            "kv_format_sizes": {
+                "type": "object",
+                "description": "Per kv format, at head_dim 32, 64 and 128 (those it takes): cache bits per "
+                "element and bytes per token, KV head and layer (keys and values).",
+                "additionalProperties": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["head_dim", "bits_per_element", "bytes_per_token_per_kv_head"],
+                        "properties": {
+                            "head_dim": {"type": "integer"},
+                            "bits_per_element": {"type": "number"},
+                            "bytes_per_token_per_kv_head": {"type": "integer"},
+                        },
+                    },
+                },
+            },
             "limits": {
                 "type": "object",
                 "properties": {

@@ -1,4 +1,4 @@
-    // (shaders/include/split_f32_values.wgsl, shared by attention_split.wgsl and
+    // (shaders/include/split_plain_values.wgsl, shared by attention_split.wgsl and
     // attention_split_sg.wgsl: the value phase and the partial write; inlined by
     // the loader, barriers included. Needs the prologue's names and `scores`
     // holding the split's softmax numerators [G][split_len], `stat`, `red`.)
@@ -18,10 +18,10 @@
         var t = grp;
         // four rows per step: four independent loads in flight
         for (; t + 3u * n_grp < n_t; t += 4u * n_grp) {
-            let v0 = v_cache[split_row(page0, page_shift, t0 + t) * kv4 + head4 + c];
-            let v1 = v_cache[split_row(page0, page_shift, t0 + t + n_grp) * kv4 + head4 + c];
-            let v2 = v_cache[split_row(page0, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c];
-            let v3 = v_cache[split_row(page0, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c];
+            let v0 = value4(split_row(page0, page_shift, t0 + t) * kv4 + head4 + c);
+            let v1 = value4(split_row(page0, page_shift, t0 + t + n_grp) * kv4 + head4 + c);
+            let v2 = value4(split_row(page0, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c);
+            let v3 = value4(split_row(page0, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c);
             let t1 = t + n_grp;
             let t2 = t + 2u * n_grp;
             let t3 = t + 3u * n_grp;
@@ -31,7 +31,7 @@
             // #include "accumulate_heads.wgsl" T=t3 V=v3
         }
         for (; t < n_t; t += n_grp) {
-            let v = v_cache[split_row(page0, page_shift, t0 + t) * kv4 + head4 + c];
+            let v = value4(split_row(page0, page_shift, t0 + t) * kv4 + head4 + c);
             // #include "accumulate_heads.wgsl" T=t V=v
         }
     }

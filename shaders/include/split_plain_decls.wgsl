@@ -1,8 +1,8 @@
-// Module-scope declarations of the f32 split kernels (attention_split.wgsl and
-// attention_split_sg.wgsl): bindings, constants and workgroup memory.
+// Module-scope declarations of the plain (f32, f16) split kernels
+// (attention_split.wgsl and attention_split_sg.wgsl): bindings, constants and
+// workgroup memory; the slab's element type comes from kv_vec4_{KV}.wgsl.
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
-@group(0) @binding(1) var<storage, read> k_cache: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> v_cache: array<vec4<f32>>;
+// #include "kv_vec4_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 // #struct SplitParams
 @group(0) @binding(4) var<storage, read> params: array<SplitParams>;   // one block per query row (wid.z)
