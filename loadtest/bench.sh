@@ -4,13 +4,20 @@
 #
 #   bash loadtest/bench.sh                                   # this machine (lavapipe), profile small
 #   bash loadtest/bench.sh --adapter nvidia --profile all    # a GPU host: small and large
+#   bash loadtest/bench.sh --adapter nvidia --profile large --batched --replicas 8
+#                                            # engine-shaped, 8 replicas behind the router
 #
 # Options: --adapter SEL (ATTNSERVE_ADAPTER: index, backend, type or part of the name;
 # default: the first adapter), --profile small|large|all, --duration S (each run,
 # default 45), --workers N (load processes, default: 4 with >= 8 cores, else 1),
-# --out DIR (default loadtest/out/bench), --budget BYTES (the server's memory budget).
+# --out DIR (default loadtest/out/bench), --budget BYTES (the server's memory budget,
+# split among replicas), --formats LIST (default f32,turboquant), --batched (each load
+# process an engine: one stacked batched step per layer for all its sessions; closed
+# loop only), --replicas N (N servers on the adapter behind the compose router, nginx
+# with deploy/nginx/attnserve.conf, run by tools/router.py; default 1: no router),
+# --nginx BIN (the nginx binary for --replicas > 1; default: on PATH).
 #
-# Per profile and kv format (f32, turboquant), two runs: closed loop, then open loop
+# Per profile and kv format, two runs: closed loop, then (not --batched) open loop
 # at 60 % of the decode tokens/s the closed loop reached. Writes into --out:
 #   results.md     the table rows for docs/deploy.md, and the adapters seen
 #   results.json   every run's report (loadtest.py --json-out), in one list
@@ -26,6 +33,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
 ADAPTER=""; PROFILE="small"; DURATION=45; WORKERS=""; OUTDIR="$ROOT/loadtest/out/bench"; BUDGET=""
+FORMATS="f32,turboquant"; BATCHED=""; REPLICAS=1; NGINX=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --adapter) ADAPTER="$2"; shift 2 ;;
@@ -34,7 +42,11 @@ while [ $# -gt 0 ]; do
     --workers) WORKERS="$2"; shift 2 ;;
     --out) OUTDIR="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --formats) FORMATS="$2"; shift 2 ;;
+    --batched) BATCHED="--batched"; shift ;;
+    --replicas) REPLICAS="$2"; shift 2 ;;
+    --nginx) NGINX="$2"; shift 2 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "bench: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -80,20 +92,43 @@ echo "$ADAPTERS"
 if [ -z "$BUDGET" ]; then
   if [ -n "$ADAPTER" ]; then BUDGET=$((64 << 30)); else BUDGET=$((4 << 30)); fi
 fi
-PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-URL="http://127.0.0.1:$PORT"
-ATTNSERVE_ADAPTER="$ADAPTER" ATTNSERVE_MEMORY_BUDGET_BYTES="$BUDGET" ATTNSERVE_INSTANCE_NAME=bench \
-  ATTNSERVE_LOG_LEVEL=warning ATTNSERVE_MAX_SESSIONS=4096 \
-  "$PY" -m attnserve serve --host 127.0.0.1 --port "$PORT" >"$OUTDIR/server.log" 2>&1 &
-SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
-for i in $(seq 240); do
-  if "$PY" deploy/healthcheck.py "$URL/readyz" 2>/dev/null; then break; fi
-  if ! kill -0 "$SERVER" 2>/dev/null || [ "$i" = 240 ]; then
-    echo "bench: the server did not become ready:" >&2; tail -n 40 "$OUTDIR/server.log" >&2; exit 1
-  fi
-  sleep 0.5
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PIDS=()
+trap 'kill -TERM "${PIDS[@]}" 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+ADDRESSES=(); METRICS=()
+: >"$OUTDIR/server.log"
+for r in $(seq 0 $((REPLICAS - 1))); do
+  PORT="$(free_port)"
+  ADDRESSES+=("127.0.0.1:$PORT"); METRICS+=(--metrics-url "http://127.0.0.1:$PORT")
+  ATTNSERVE_ADAPTER="$ADAPTER" ATTNSERVE_MEMORY_BUDGET_BYTES=$((BUDGET / REPLICAS)) ATTNSERVE_INSTANCE_NAME="bench-$r" \
+    ATTNSERVE_LOG_LEVEL=warning ATTNSERVE_MAX_SESSIONS=4096 \
+    "$PY" -m attnserve serve --host 127.0.0.1 --port "$PORT" >>"$OUTDIR/server.log" 2>&1 &
+  PIDS+=($!)
 done
+for a in "${ADDRESSES[@]}"; do
+  for i in $(seq 240); do
+    if "$PY" deploy/healthcheck.py "http://$a/readyz" 2>/dev/null; then break; fi
+    if [ "$i" = 240 ]; then
+      echo "bench: the server on $a did not become ready:" >&2; tail -n 40 "$OUTDIR/server.log" >&2; exit 1
+    fi
+    sleep 0.5
+  done
+done
+if [ "$REPLICAS" -gt 1 ]; then
+  PORT="$(free_port)"
+  rm -rf "$OUTDIR/router"
+  "$PY" -m tools.router ${NGINX:+--nginx "$NGINX"} --port "$PORT" --workdir "$OUTDIR/router" "${ADDRESSES[@]}" \
+    >>"$OUTDIR/server.log" 2>&1 &
+  PIDS+=($!)
+  for i in $(seq 60); do
+    if "$PY" deploy/healthcheck.py "http://127.0.0.1:$PORT/_router/livez" 2>/dev/null; then break; fi
+    if [ "$i" = 60 ]; then echo "bench: the router did not start:" >&2; tail -n 40 "$OUTDIR/server.log" >&2; exit 1; fi
+    sleep 0.5
+  done
+  URL="http://127.0.0.1:$PORT"
+else
+  URL="http://${ADDRESSES[0]}"; METRICS=()
+fi
 
 profile_args() {
   case "$1" in
@@ -107,14 +142,15 @@ profile_args() {
 FAILED=0
 RUNS=()
 for prof in $PROFILES; do
-  for fmt in f32 turboquant; do
-    name="$prof-$fmt-closed"
+  for fmt in ${FORMATS//,/ }; do
+    name="$prof-$fmt-closed${BATCHED:+-batched}"
     echo; echo "== $name"
     # shellcheck disable=SC2046
-    "$PY" loadtest/loadtest.py --url "$URL" $(profile_args "$prof") --kv-format "$fmt" \
+    "$PY" loadtest/loadtest.py --url "$URL" $(profile_args "$prof") --kv-format "$fmt" $BATCHED "${METRICS[@]}" \
       --duration "$DURATION" --workers "$WORKERS" --seed 7 --timeout 120 --progress log \
       --json-out "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" || FAILED=1
     RUNS+=("$name")
+    [ -n "$BATCHED" ] && continue  # an engine steps when it can: no open loop
     rate="$("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(round(0.6*r["throughput"]["decode_tokens_per_s"], 1))' "$OUTDIR/$name.json" 2>/dev/null || echo 0)"
     if [ "${rate%.*}" -ge 1 ] 2>/dev/null; then
       name="$prof-$fmt-open"
@@ -128,7 +164,7 @@ for prof in $PROFILES; do
   done
 done
 
-ADAPTERS="$ADAPTERS" WORKERS="$WORKERS" "$PY" - "$OUTDIR" "${RUNS[@]}" <<'PYEOF'
+ADAPTERS="$ADAPTERS" WORKERS="$WORKERS" REPLICAS="$REPLICAS" "$PY" - "$OUTDIR" "${RUNS[@]}" <<'PYEOF'
 import json, os, platform, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), sys.argv[2:]
@@ -145,8 +181,11 @@ for name in runs:
     reports.append(r)
     c, ops, th = r["config"], r["operations"], r["throughput"]
     adapter = (r.get("server") or {}).get("adapter", {}).get("name", "?")
-    ms = lambda op, q: "-" if ops[op][q] is None else f"{ops[op][q]:.1f}"
-    loop = "closed" if c["mode"] == "closed" else f"open {c['rate']:g}/s"
+    def ms(op, q, ops=ops):  # --batched runs time one batched step per layer instead
+        batched = {"decode": "decode_batch", "prefill_chunk": "prefill_batch"}
+        o = ops[batched.get(op, op) if c.get("batched") else op]
+        return "-" if not o or o[q] is None else f"{o[q]:.1f}"
+    loop = ("closed" if c["mode"] == "closed" else f"open {c['rate']:g}/s") + (", batched" if c.get("batched") else "")
     rows.append(
         f"| {adapter} | {name.split('-')[0]} | {c['kv_format']} | {loop} | {c['sessions']} "
         f"| {th['decode_tokens_per_s']:.1f} | {th['attends_per_s']:.1f} | {th['prefill_tokens_per_s']:.0f} "
@@ -158,9 +197,11 @@ for name in runs:
     (out / f"{name}.json").unlink(missing_ok=True)  # all of them are in results.json
 (out / "results.json").write_text(json.dumps(reports, indent=1) + "\n")
 head = ("| adapter | profile | kv | loop | sessions | decode tok/s | attends/s | prefill tok/s "
-        "| step p50 / p99 ms | decode attend p50 / p99 ms | prefill chunk p50 / p99 ms | errors |\n"
+        "| step p50 / p99 ms | decode attend (batched: layer step) p50 / p99 ms | prefill chunk (batched: layer step) p50 / p99 ms | errors |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|")
-note = (f"\n{platform.node()}: {os.cpu_count()} cores, {os.environ['WORKERS']} load process(es); adapters:\n"
+note = (f"\n{platform.node()}: {os.cpu_count()} cores, {os.environ['REPLICAS']} server replica(s)"
+        f"{' behind the router' if int(os.environ['REPLICAS']) > 1 else ''}, "
+        f"{os.environ['WORKERS']} load process(es); adapters:\n"
         + "".join(f"    {line}\n" for line in os.environ.get("ADAPTERS", "").splitlines()))
 (out / "results.md").write_text(head + "\n" + "\n".join(rows) + "\n" + note)
 print("\n" + head + "\n" + "\n".join(rows))

@@ -204,7 +204,9 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     colors = {
         "create": "tab:green",
         "prefill_chunk": "tab:orange",
+        "prefill_batch": "tab:brown",
         "decode": "tab:blue",
+        "decode_batch": "tab:cyan",
         "decode_step": "tab:purple",
         "delete": "tab:gray",
     }

@@ -31,21 +31,15 @@ import httpx
 import pytest
 
 from tools.common import free_port
+from tools.router import find_nginx, write_nginx_conf
 
 ROOT = Path(__file__).resolve().parents[2]
-ROUTING_CONF = ROOT / "deploy" / "nginx" / "attnserve.conf"
-COMPOSE_UPSTREAMS = ROOT / "deploy" / "nginx" / "compose" / "upstreams.conf"
-SERVER_LINE = re.compile(r"^(\s*server\s+)(\S+)(.*)$", re.M)
 
 
 def unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI needs this: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def find_nginx() -> str | None:
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 
 
 def ensure_nginx() -> str:
@@ -164,41 +158,6 @@ class Topology:
         return out
 
 
-def write_nginx_conf(workdir: Path, replicas: list[Replica], listen_port: int, access_log: Path) -> tuple[Path, str]:
-    """nginx.conf for the loopback topology: includes deploy/nginx/attnserve.conf as it is."""
-    conf_dir = workdir / "attnserve"
-    conf_dir.mkdir()
-    compose_lines = SERVER_LINE.findall(COMPOSE_UPSTREAMS.read_text())
-    assert len(compose_lines) == len(replicas), "the compose upstreams list one server per replica"
-    addresses = iter(r.address for r in replicas)
-    upstreams = SERVER_LINE.sub(lambda m: f"{m.group(1)}{next(addresses)}{m.group(3)}", COMPOSE_UPSTREAMS.read_text())
-    (conf_dir / "upstreams.conf").write_text(upstreams)
-    (conf_dir / "server.conf").write_text(f"listen 127.0.0.1:{listen_port};\naccess_log {access_log} attnserve;\n")
-    temp = workdir / "temp"
-    temp.mkdir()
-    for sub in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (temp / sub).mkdir()
-        (temp / sub).chmod(0o777)  # nginx's workers run as nobody when started as root
-    main = workdir / "nginx.conf"
-    main.write_text(
-        f"""worker_processes 1;
-pid {workdir}/nginx.pid;
-error_log {workdir}/error.log info;
-events {{ worker_connections 512; }}
-http {{
-    client_body_temp_path {temp}/client_body;
-    proxy_temp_path {temp}/proxy;
-    fastcgi_temp_path {temp}/fastcgi;
-    uwsgi_temp_path {temp}/uwsgi;
-    scgi_temp_path {temp}/scgi;
-    # THE routing configuration of docker-compose.yml's router, unchanged:
-    include {ROUTING_CONF};
-}}
-"""
-    )
-    return main, upstreams
-
-
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -234,7 +193,7 @@ def topology() -> Iterator[Topology]:
     replicas = [Replica(name, free_port(), workdir / f"{name}.log") for name in ("replica-a", "replica-b")]
     router_port = free_port()
     access_log = workdir / "access.log"
-    conf, upstreams = write_nginx_conf(workdir, replicas, router_port, access_log)
+    conf, upstreams = write_nginx_conf(workdir, [r.address for r in replicas], router_port, access_log)
     check = subprocess.run(
         [nginx_bin, "-t", "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "error.log")],
         capture_output=True,
