@@ -36,6 +36,7 @@ class Config:
     mode: str = "closed"
     rate: float = 0.0
     batched: bool = False
+    transport: str = "stream"  # --batched: the steps' transport
     prefill: int = 256
     chunk: int = 64
     decode_steps: int = 64
@@ -90,7 +91,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--batched",
         action="store_true",
         help="engine-shaped: each worker runs its --sessions in lockstep, one batched step "
-        "(POST /v1/batch/attend, stacked) per layer for all of them, prefill chunks and decode tokens alike",
+        "(attend_batch, stacked) per layer for all of them, prefill chunks and decode tokens alike",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("stream", "http"),
+        default="stream",
+        help="--batched: the steps go over the stream (/v1/stream, one connection per replica, as an engine "
+        "would send them) or as POST /v1/batch/attend; sessions are created and deleted over HTTP either way",
     )
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")
@@ -147,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         mode=a.mode,
         rate=a.rate,
         batched=a.batched,
+        transport=a.transport,
         prefill=a.prefill,
         chunk=a.chunk,
         decode_steps=a.decode_steps,

@@ -221,7 +221,15 @@ class LoadTest:
         ``--sessions`` sessions is created, prefilled and decoded in lockstep, every
         layer of every chunk or token one batched step for all of them (ops
         ``prefill_batch``, ``decode_batch``; ``decode_step`` = one token through all
-        layers), then deleted; then the next cohort. A failed step ends its cohort."""
+        layers), then deleted; then the next cohort. A failed step ends its cohort.
+        The steps go over one stream (``--transport stream``) or over HTTP."""
+        if self.cfg.transport == "stream":
+            async with await client.stream() as stream:
+                await self._engine(client, stream)
+        else:
+            await self._engine(client, client)
+
+    async def _engine(self, client: AsyncClient, steps: Any) -> None:
         cfg = self.cfg
         rng = np.random.default_rng(self.seeds.spawn(1)[0])
         cohort = 0
@@ -234,7 +242,7 @@ class LoadTest:
             self.rec.live_sessions += len(sessions)
             try:
                 if len(sessions) == len(ids):
-                    await self._run_cohort(client, sessions, rng)
+                    await self._run_cohort(steps, sessions, rng)
                 else:
                     await self._sleep_until(time.perf_counter() + 0.2)
             except AttnServeError:
@@ -261,7 +269,8 @@ class LoadTest:
             sid,
         )
 
-    async def _run_cohort(self, client: AsyncClient, sessions: list, rng: np.random.Generator) -> None:
+    async def _run_cohort(self, steps: Any, sessions: list, rng: np.random.Generator) -> None:
+        """``steps``: what sends the batched steps (the client, or a stream of it)."""
         cfg = self.cfg
         history = [[([], []) for _ in range(cfg.layers)] for _ in sessions] if cfg.verify else None
 
@@ -274,7 +283,7 @@ class LoadTest:
                 for i in range(b):
                     history[i][layer][0].append(k[i])
                     history[i][layer][1].append(v[i])
-            outs = await self._timed(op, lambda: self._attend_stacked(client, sessions, layer, q, k, v), None)
+            outs = await self._timed(op, lambda: self._attend_stacked(steps, sessions, layer, q, k, v), None)
             self.rec.attends += b
             self.rec.kv_rows += rows * b
             if history is not None and rows == 1:
@@ -301,7 +310,7 @@ class LoadTest:
             self.rec.sessions_completed += len(sessions)
 
     async def _attend_stacked(
-        self, client: AsyncClient, sessions: list, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
+        self, steps: Any, sessions: list, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray
     ) -> np.ndarray:
         """One batched step in the stacked form (one fused append and attend per
         session, each at its offset), sent as several requests of at most
@@ -311,7 +320,7 @@ class LoadTest:
         parts = [slice(i, i + size) for i in range(0, len(sessions), size)]
         outs = await asyncio.gather(
             *(
-                client.attend_stacked(
+                steps.attend_stacked(
                     sessions[p], layer, q[p], k[p], v[p], offsets=[s.lengths[layer] for s in sessions[p]]
                 )
                 for p in parts

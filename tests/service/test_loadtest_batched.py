@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,8 +59,9 @@ def _run(server, tmp_path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_batched_mode_runs_cohorts_verified(server, tmp_path):
-    report = _run(server, tmp_path, "--batched", "--verify", "0.5")
+@pytest.mark.parametrize("transport", ["stream", "http"])
+def test_batched_mode_runs_cohorts_verified(server, tmp_path, transport):
+    report = _run(server, tmp_path, "--batched", "--transport", transport, "--verify", "0.5")
     ops = report["operations"]
     assert report["error_count"] == 0, report["errors"]
     # each cohort: 3 prefill chunks x 2 layers, then 5 tokens x 2 layers, 3 sessions per batch
@@ -67,6 +70,14 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path):
     assert ops["decode"]["count"] == 0 and ops["prefill_chunk"]["count"] == 0
     assert report["totals"]["sessions_started"] % 3 == 0
     assert report["verify"]["checked"] > 0 and report["verify"]["failed"] == 0
+    # the steps went over the transport asked for: batch POSTs only over HTTP
+    posts = sum(
+        value
+        for m in report["server_metrics"].values()
+        for key, value in m["delta"].items()
+        if key.startswith("attnserve_requests_total{") and 'route="/v1/batch/attend"' in key
+    )
+    assert (posts >= ops["decode_batch"]["count"]) if transport == "http" else posts == 0, posts
 
 
 def test_batched_mode_refuses_open_loop(tmp_path):
