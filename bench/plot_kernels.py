@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     styles = {
         "attnserve turboquant": "o-",
         "attnserve f32": "s-",
+        "attnserve f16": "d-",
         "torch bf16 (best GQA form)": "^--",
         "torch f32 (best GQA form)": "v--",
     }
