@@ -98,6 +98,9 @@ fn tq_encode_keys(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     // #include "tq_encode_rotate.wgsl"
+    let b0 = ep.b0;
+    let b1 = ep.b1;
+    let b2 = ep.b2;
     let c0 = ep.c0;
     let c1 = ep.c1;
     let c2 = ep.c2;
@@ -161,6 +164,9 @@ fn tq_encode_values(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     // #include "tq_encode_rotate.wgsl"
+    let b0 = ep.b0;
+    let b1 = ep.b1;
+    let b2 = ep.b2;
     // idx = quantize(y)
     if in_dim {
         code[tid] = quantize(buf[tid] * inv_sqrt_d, b0, b1, b2);

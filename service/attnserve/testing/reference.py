@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..turboquant import Codebook, qjl_scale
+from ..formats import TqSpec
+from ..turboquant import Codebook, codebook, qjl_scale
 
 __all__ = [
     "attention",
@@ -46,6 +47,16 @@ __all__ = [
     "rotate_q",
     "tq_scores",
     "tq_attention",
+    "pack_codes",
+    "unpack_codes",
+    "tqx_codebooks",
+    "tqx_encode",
+    "pack_tqx_key_cache",
+    "pack_tqx_value_cache",
+    "unpack_tqx_key_cache",
+    "unpack_tqx_value_cache",
+    "tqx_scores",
+    "tqx_attention",
 ]
 
 NORM_EPS = 1e-12
@@ -332,3 +343,137 @@ def tq_attention(
     vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)  # [L, H, d] rotated space
     acc = np.einsum("hnl,lhd->nhd", p, vrot)
     return rht_inv(acc, polar_signs)
+
+
+# ── the TurboQuant variants (formats.TQ_SPECS: b-bit codes, QJL optional) ────
+#
+# Codes of b bits per coordinate, per slot ``b * d / 32`` words: first the low two
+# bits of every code as 2-bit fields (``d / 16`` words, element j at bits
+# 2(j % 16) of word j / 16: the ``turboquant`` polar layout), then one bit plane
+# per higher bit p = 2 .. b-1 (``d / 32`` words each, bit p of element j at bit
+# j % 32 of word j / 32). Regions as ``turboquant``'s: keys
+# ``[codes | jl (QJL only) | norms]``, values ``[codes | norms]``; a norm word is
+# ``pack2x16float(norm, residual_norm)`` (keys with QJL) or ``(norm, 0)``.
+
+
+def pack_codes(idx: np.ndarray, bits: int) -> np.ndarray:
+    """[..., d] b-bit codes -> [..., b * d / 32] words (low 2-bit fields, then planes)."""
+    idx = np.asarray(idx, np.uint32)
+    parts = [_pack_polar(idx & 3)] + [_pack_bits((idx >> p) & 1) for p in range(2, bits)]
+    return np.concatenate(parts, axis=-1).astype(np.uint32)
+
+
+def unpack_codes(words: np.ndarray, d: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`."""
+    w = np.asarray(words, np.uint32)
+    lw, pw = d // 16, d // 32
+    idx = _unpack_polar(w[..., :lw], d)
+    for p in range(2, bits):
+        o = lw + (p - 2) * pw
+        idx = idx | (_unpack_bits(w[..., o : o + pw], d) << p)
+    return idx
+
+
+def tqx_codebooks(spec: TqSpec, d: int) -> tuple[Codebook, Codebook]:
+    """(key codebook, value codebook) of a format."""
+    return codebook(d, spec.key_bits), codebook(d, spec.value_bits)
+
+
+def tqx_encode(k: np.ndarray, v: np.ndarray, spec: TqSpec, polar_signs: np.ndarray, jl_signs: np.ndarray):
+    """(keys, values) encoded as ``spec`` says: keys with QJL are :class:`EncodedKeys`."""
+    d = k.shape[-1]
+    kcb, vcb = tqx_codebooks(spec, d)
+    ek = encode_keys(k, polar_signs, jl_signs, kcb) if spec.qjl else encode_values(k, polar_signs, kcb)
+    return ek, encode_values(v, polar_signs, vcb)
+
+
+def pack_tqx_key_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
+    """Key cache words ``[codes | jl (QJL) | norms]`` of keys encoded from ``[L, Hkv, d]``."""
+    codes = np.where(enc.live[..., None], pack_codes(enc.idx, spec.key_bits), 0)
+    parts = [_to_slots(codes, cap).ravel()]
+    nw = f16_bits(enc.norm)
+    if spec.qjl:
+        parts.append(_to_slots(_pack_bits(enc.bits), cap).ravel())
+        nw = nw | (f16_bits(enc.residual_norm) << 16)
+    nw = np.where(enc.live, nw, 0).astype(np.uint32)
+    parts.append(_to_slots(nw, cap).ravel())
+    return np.concatenate(parts).astype(np.uint32)
+
+
+def pack_tqx_value_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
+    """Value cache words ``[codes | norms]``."""
+    codes = np.where(enc.live[..., None], pack_codes(enc.idx, spec.value_bits), 0)
+    nw = np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
+    return np.concatenate([_to_slots(codes, cap).ravel(), _to_slots(nw, cap).ravel()]).astype(np.uint32)
+
+
+def unpack_tqx_key_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """``(idx, bits, norm, residual_norm)`` of timesteps ``< length`` (bits and the
+    residual norm all zero without QJL)."""
+    vecs = n_kv_heads * cap
+    cw, jw = spec.key_bits * d // 32, (d // 32 if spec.qjl else 0)
+    w = np.asarray(words, np.uint32)
+    codes = w[: vecs * cw].reshape(n_kv_heads, cap, cw)[:, :length]
+    idx = np.swapaxes(unpack_codes(codes, d, spec.key_bits), 0, 1)
+    if spec.qjl:
+        jl = w[vecs * cw : vecs * (cw + jw)].reshape(n_kv_heads, cap, jw)[:, :length]
+        bits = np.swapaxes(_unpack_bits(jl, d), 0, 1)
+    else:
+        bits = np.zeros_like(idx)
+    nw = w[vecs * (cw + jw) : vecs * (cw + jw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    return idx, bits, f16_value(nw & 0xFFFF).T, f16_value(nw >> 16).T
+
+
+def unpack_tqx_value_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """``(idx [L, Hkv, d], norm [L, Hkv])``."""
+    vecs = n_kv_heads * cap
+    cw = spec.value_bits * d // 32
+    w = np.asarray(words, np.uint32)
+    codes = w[: vecs * cw].reshape(n_kv_heads, cap, cw)[:, :length]
+    nw = w[vecs * cw : vecs * (cw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    return np.swapaxes(unpack_codes(codes, d, spec.value_bits), 0, 1), f16_value(nw & 0xFFFF).T
+
+
+def tqx_scores(q_rot, q_jl, idx, bits, norm, residual_norm, spec: TqSpec) -> np.ndarray:
+    """Estimated ``<q, k>`` ``[H, n, L]`` (unscaled): the QJL term only where ``spec`` has it."""
+    kcb = codebook(q_rot.shape[-1], spec.key_bits)
+    return tq_scores(q_rot, q_jl, idx, bits, norm, residual_norm, kcb, polar_only=not spec.qjl)
+
+
+def tqx_attention(
+    q: np.ndarray,
+    key_words: np.ndarray,
+    value_words: np.ndarray,
+    spec: TqSpec,
+    *,
+    n_kv_heads: int,
+    cap: int,
+    length: int,
+    polar_signs: np.ndarray,
+    jl_signs: np.ndarray,
+    start_pos: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Attention computed from a variant's packed words, in float64 (``flash_attention_tqx``)."""
+    q = np.asarray(q, np.float64)
+    n, h, d = q.shape
+    if start_pos is None:
+        start_pos = length - n
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    dims = dict(n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
+    idx, bits, norm, rn = unpack_tqx_key_cache(key_words, spec, **dims)
+    vidx, vnorm = unpack_tqx_value_cache(value_words, spec, **dims)
+    q_rot, q_jl, _ = rotate_q(q, polar_signs, jl_signs)
+    s = tqx_scores(q_rot, q_jl, idx, bits, norm, rn, spec) * scale  # [H, n, L]
+    if causal:
+        pos = start_pos + np.arange(n)
+        s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    group = h // n_kv_heads
+    c = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)
+    vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)
+    return rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
