@@ -37,6 +37,7 @@ var<workgroup> kc_sh: array<f32, 16>;         // key centroids
 var<workgroup> vc_sh: array<f32, 16>;         // value centroids
 // #include "single_pass_state.wgsl"
 // #include "tqx_codebooks.wgsl"
+// #include "tqx_outliers.wgsl"
 
 @compute @workgroup_size(256, 1, 1)
 fn flash_attention_tqx(
@@ -71,7 +72,12 @@ fn flash_attention_tqx(
     let k_jl_off = vecs * kcw;
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * vcw;
+    let kow = KO / 2u + (KO + 3u) / 4u;          // outlier words of a key slot (formats.outlier_words)
+    let vow = VO / 2u + (VO + 3u) / 4u;
+    let k_out_off = k_norm_off + vecs;
+    let v_out_off = v_norm_off + vecs;
     let kv_slot_base = kv_head * cache_cap;
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     if seq_len == 0u {
         if tid < head_dim {
             out_batch[out_offset + tid] = 0.0;
@@ -115,6 +121,13 @@ fn flash_attention_tqx(
                 }
             }
             score = polar_dot * norm;
+            if KO > 0u {                         // the outlier channels: q * signs . the stored values
+                let ob = k_out_off + slot * kow;
+                for (var j = 0u; j < KO; j += 1u) {
+                    let o = k_outlier(ob, j, norms.y);
+                    score += q_jl_shared[o.ch] * o.val;
+                }
+            }
             if QJL {
                 var pos_sum = 0.0;
                 let jl_base = k_jl_off + slot * jw;
@@ -143,7 +156,19 @@ fn flash_attention_tqx(
                     var c = (v_cache[vb + vlo] >> vsh) & 3u;
                     if VB > 2u { c |= ((v_cache[vb + lw + vpw] >> vpb) & 1u) << 2u; }
                     if VB > 3u { c |= ((v_cache[vb + lw + pwd + vpw] >> vpb) & 1u) << 3u; }
-                    a += tile_scores[jj] * tile_vnorm[jj] * vc_sh[c];
+                    var x = tile_vnorm[jj] * vc_sh[c];
+                    if VO > 0u {
+                        let vslot = kv_slot_base + phys_row(table_off, page_shift, tt);
+                        let v0 = unpack2x16float(v_cache[v_norm_off + vslot]).y;
+                        let ob = v_out_off + vslot * vow;
+                        var sp = 0.0;
+                        for (var j = 0u; j < VO; j += 1u) {
+                            let o = v_outlier(ob, j, v0);
+                            sp += o.val * hsign(tid, o.ch);
+                        }
+                        x += sp * inv_sqrt_d;
+                    }
+                    a += tile_scores[jj] * x;
                 }
             }
             acc[tid] = a;
@@ -156,7 +181,6 @@ fn flash_attention_tqx(
         base += TILE;
     }
     // ── epilogue: normalize, then one inverse RHT back to the original basis ──
-    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     if tid < head_dim {
         acc[tid] = acc[tid] / st[1] * inv_sqrt_d;
     }

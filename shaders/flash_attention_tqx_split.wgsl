@@ -71,16 +71,6 @@ fn load_chunk(slot: u32, w: u32, kcw: u32, lw: u32, pwd: u32, k_jl_off: u32, jw:
     return c;
 }
 
-// The decoded value column c (dims 4c .. 4c+3) of the value in `slot`.
-fn value_col(slot: u32, c: u32, vcw: u32, lw: u32, pwd: u32) -> vec4<f32> {
-    let o = slot * vcw;
-    let lo = v_cache[o + c / 4u];
-    var p2 = 0u;
-    var p3 = 0u;
-    if VB > 2u { p2 = v_cache[o + lw + c / 8u]; }
-    if VB > 3u { p3 = v_cache[o + lw + pwd + c / 8u]; }
-    return vvals(codes4(lo, p2, p3, c, VB));
-}
 
 
 @compute @workgroup_size(256, 1, 1)
@@ -134,6 +124,16 @@ fn attention_split_tqx(
                 }
             }
         }
+        if KO > 0u {                             // the key outliers' part, into the "JL" sums
+            let oa = k_outliers_heads(k_out_off + sa * kow, nra.y, d4, group);
+            ja += oa.lo;
+            jb += oa.hi;
+            if has_b {
+                let ob = k_outliers_heads(k_out_off + sb * kow, nrb.y, d4, group);
+                ra += ob.lo;
+                rb += ob.hi;
+            }
+        }
         for (var h = 0u; h < group; h += 1u) {
             let o = h * split_len;
             let lo = h < 4u;
@@ -148,7 +148,7 @@ fn attention_split_tqx(
     }
     workgroupBarrier();
 
-    // #include "split_softmax.wgsl" WEIGHT="p * vn_sh[t]"
+    // #include "split_softmax.wgsl" WEIGHT="p * vweight(t)"
 
     // #include "split_tqx_values.wgsl"
 

@@ -11,16 +11,6 @@
 
 // #include "split_tqx_decls.wgsl"
 
-// The decoded value column c (dims 4c .. 4c+3) of the value in `slot`.
-fn value_col(slot: u32, c: u32, vcw: u32, lw: u32, pwd: u32) -> vec4<f32> {
-    let o = slot * vcw;
-    let lo = v_cache[o + c / 4u];
-    var p2 = 0u;
-    var p3 = 0u;
-    if VB > 2u { p2 = v_cache[o + lw + c / 8u]; }
-    if VB > 3u { p3 = v_cache[o + lw + pwd + c / 8u]; }
-    return vvals(codes4(lo, p2, p3, c, VB));
-}
 
 @compute @workgroup_size(256, 1, 1)
 fn attention_split_tqx_sg(
@@ -81,7 +71,7 @@ fn attention_split_tqx_sg(
             }
         }
         let sp_a = subgroupAdd(pa);
-        let sj_a = subgroupAdd(ja);
+        var sj_a = subgroupAdd(ja);
         var sp_b = vec4<f32>(0.0);
         var sj_b = vec4<f32>(0.0);
         if group > 4u {
@@ -91,6 +81,11 @@ fn attention_split_tqx_sg(
         if live && lane_id == 0u {
             let slot = hslot + split_row(page0, page_shift, t0 + t);
             let nr = unpack2x16float(k_cache[k_norm_off + slot]);
+            if KO > 0u {                         // the key outliers' part, into the "JL" sums
+                let o = k_outliers_heads(k_out_off + slot * kow, nr.y, d4, group);
+                sj_a += o.lo;
+                sj_b += o.hi;
+            }
             vn_sh[t] = unpack2x16float(v_cache[v_norm_off + slot]).x;
             scores[t] = tq_score(sp_a.x, sj_a.x, qsum_sh[0], nr, qjl_scale, scale);
             if group > 1u { scores[split_len + t] = tq_score(sp_a.y, sj_a.y, qsum_sh[1], nr, qjl_scale, scale); }
@@ -108,7 +103,7 @@ fn attention_split_tqx_sg(
     }
     workgroupBarrier();
 
-    // #include "split_softmax.wgsl" WEIGHT="p * vn_sh[t]"
+    // #include "split_softmax.wgsl" WEIGHT="p * vweight(t)"
 
     // #include "split_tqx_values.wgsl"
 

@@ -39,20 +39,41 @@ var<workgroup> vc_sh: array<f32, 16>;            // value centroids
 // #include "tiled_common.wgsl"
 
 // #include "tqx_codebooks.wgsl"
+// #include "tqx_outliers.wgsl"
+
+// The key outliers' part of the score of the query row whose q * signs start at
+// word qb (ok: a row of the block) and the key slot whose outlier words start at ob.
+fn ksparse(qb: u32, ok: bool, ob: u32, v0: f32) -> f32 {
+    var s = 0.0;
+    if ok {
+        for (var j = 0u; j < KO; j += 1u) {
+            let o = k_outlier(ob, j, v0);
+            s += qrot[qb + o.ch] * o.val;
+        }
+    }
+    return s;
+}
 
 fn kvals(c: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(kc_sh[c.x], kc_sh[c.y], kc_sh[c.z], kc_sh[c.w]);
 }
 
-// Value column vc (dims 4vc .. 4vc+3) of the value slot at word o of the codes, times its norm.
-fn vdec(o: u32, vc: u32, nw: u32, lw: u32, pwd: u32) -> vec4<f32> {
+// Value column vc (dims 4vc .. 4vc+3) of the value slot at word o of the codes, times
+// its norm, plus (value outliers) the outliers' part, whose words start at word
+// vo_off + (o / vcw) * vow.
+fn vdec(o: u32, vc: u32, nw: u32, lw: u32, pwd: u32, vcw: u32, vo_off: u32, vow: u32, isd: f32) -> vec4<f32> {
     let lo = v_cache[o + vc / 4u];
     var p2 = 0u;
     var p3 = 0u;
     if VB > 2u { p2 = v_cache[o + lw + vc / 8u]; }
     if VB > 3u { p3 = v_cache[o + lw + pwd + vc / 8u]; }
     let c = codes4(lo, p2, p3, vc, VB);
-    return unpack2x16float(nw).x * vec4<f32>(vc_sh[c.x], vc_sh[c.y], vc_sh[c.z], vc_sh[c.w]);
+    let n = unpack2x16float(nw);
+    var x = n.x * vec4<f32>(vc_sh[c.x], vc_sh[c.y], vc_sh[c.z], vc_sh[c.w]);
+    if VO > 0u && nw != 0u {                     // nw == 0: past the end, or all zero
+        x += v_outliers4(vo_off + (o / vcw) * vow, vc, n.y) * isd;
+    }
+    return x;
 }
 
 // Walsh-Hadamard strides 1 and 2 within one vec4 (elements 4c .. 4c+3).
@@ -93,6 +114,11 @@ fn attention_tqx_tiled(
     let k_jl_off = vecs * kcw;
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * vcw;
+    let kow = KO / 2u + (KO + 3u) / 4u;              // outlier words of a slot (formats.outlier_words)
+    let vow = VO / 2u + (VO + 3u) / 4u;
+    let k_out_off = k_norm_off + vecs;
+    let v_out_off = v_norm_off + vecs;
+    let isd = 1.0 / sqrt(f32(head_dim));
     if tid < 16u {
         var kc = key_centroids(head_dim);
         var vc = value_centroids(head_dim);
@@ -126,6 +152,15 @@ fn attention_tqx_tiled(
     let sh1 = vec4<u32>(0u, 1u, 2u, 3u) + vec4<u32>(4u * sc);          // JL bits of column sc
 
     // #include "tiled_roles.wgsl"
+    // each row's q * signs (the second region of the rotated queries; formats with key outliers)
+    let qok0 = q_first + r0 % bq <= q_last;
+    let qok1 = q_first + r1 % bq <= q_last;
+    let qok2 = q_first + r2 % bq <= q_last;
+    let qok3 = q_first + r3 % bq <= q_last;
+    let qs0 = q_off + q_region + ((q_first + r0 % bq) * n_heads + kv_head * group + r0 / bq) * head_dim;
+    let qs1 = q_off + q_region + ((q_first + r1 % bq) * n_heads + kv_head * group + r1 / bq) * head_dim;
+    let qs2 = q_off + q_region + ((q_first + r2 % bq) * n_heads + kv_head * group + r2 / bq) * head_dim;
+    let qs3 = q_off + q_region + ((q_first + r3 % bq) * n_heads + kv_head * group + r3 / bq) * head_dim;
 
     // prefetch: the first tile's first (polar) chunk, raw key words
     var pqa = ld_q(qa_base, qa_ok);
@@ -229,21 +264,47 @@ fn attention_tqx_tiled(
         let t1 = t0 + 16u;
         let g0 = unpack2x16float(kn_sh[tc]).x * scale;
         let g1 = unpack2x16float(kn_sh[tc + 16u]).x * scale;
-        let s00 = select(NEG_INF, hsum(a00) * g0, t0 < e0);
-        let s01 = select(NEG_INF, hsum(a01) * g1, t1 < e0);
-        let s10 = select(NEG_INF, hsum(a10) * g0, t0 < e1);
-        let s11 = select(NEG_INF, hsum(a11) * g1, t1 < e1);
-        let s20 = select(NEG_INF, hsum(a20) * g0, t0 < e2);
-        let s21 = select(NEG_INF, hsum(a21) * g1, t1 < e2);
-        let s30 = select(NEG_INF, hsum(a30) * g0, t0 < e3);
-        let s31 = select(NEG_INF, hsum(a31) * g1, t1 < e3);
+        var x00 = 0.0;                               // the key outliers' parts (KO > 0)
+        var x01 = 0.0;
+        var x10 = 0.0;
+        var x11 = 0.0;
+        var x20 = 0.0;
+        var x21 = 0.0;
+        var x30 = 0.0;
+        var x31 = 0.0;
+        if KO > 0u {
+            if t0 < t_end {
+                let ob = k_out_off + (slot0 + phys_row(table_off, page_shift, t0)) * kow;
+                let v0 = unpack2x16float(kn_sh[tc]).y;
+                x00 = ksparse(qs0, qok0, ob, v0) * scale;
+                x10 = ksparse(qs1, qok1, ob, v0) * scale;
+                x20 = ksparse(qs2, qok2, ob, v0) * scale;
+                x30 = ksparse(qs3, qok3, ob, v0) * scale;
+            }
+            if t1 < t_end {
+                let ob = k_out_off + (slot0 + phys_row(table_off, page_shift, t1)) * kow;
+                let v0 = unpack2x16float(kn_sh[tc + 16u]).y;
+                x01 = ksparse(qs0, qok0, ob, v0) * scale;
+                x11 = ksparse(qs1, qok1, ob, v0) * scale;
+                x21 = ksparse(qs2, qok2, ob, v0) * scale;
+                x31 = ksparse(qs3, qok3, ob, v0) * scale;
+            }
+        }
+        let s00 = select(NEG_INF, hsum(a00) * g0 + x00, t0 < e0);
+        let s01 = select(NEG_INF, hsum(a01) * g1 + x01, t1 < e0);
+        let s10 = select(NEG_INF, hsum(a10) * g0 + x10, t0 < e1);
+        let s11 = select(NEG_INF, hsum(a11) * g1 + x11, t1 < e1);
+        let s20 = select(NEG_INF, hsum(a20) * g0 + x20, t0 < e2);
+        let s21 = select(NEG_INF, hsum(a21) * g1 + x21, t1 < e2);
+        let s30 = select(NEG_INF, hsum(a30) * g0 + x30, t0 < e3);
+        let s31 = select(NEG_INF, hsum(a31) * g1 + x31, t1 < e3);
         // #include "tiled_softmax.wgsl"
         // (the decoded value tile, norm * centroid, goes into `stage`, which no thread reads any more)
         // (pvw*: the value slots' code offsets; a norm word of 0 past the end gives zeros)
-        stage[vk][vc] = vdec(pvw0, vc, pvn0, lw, pwd);
-        stage[vk + 8u][vc] = vdec(pvw1, vc, pvn1, lw, pwd);
-        stage[vk + 16u][vc] = vdec(pvw2, vc, pvn2, lw, pwd);
-        stage[vk + 24u][vc] = vdec(pvw3, vc, pvn3, lw, pwd);
+        stage[vk][vc] = vdec(pvw0, vc, pvn0, lw, pwd, vcw, v_out_off, vow, isd);
+        stage[vk + 8u][vc] = vdec(pvw1, vc, pvn1, lw, pwd, vcw, v_out_off, vow, isd);
+        stage[vk + 16u][vc] = vdec(pvw2, vc, pvn2, lw, pwd, vcw, v_out_off, vow, isd);
+        stage[vk + 24u][vc] = vdec(pvw3, vc, pvn3, lw, pwd, vcw, v_out_off, vow, isd);
         // #include "tiled_probs.wgsl"
         // prefetch the next tile's first (polar) chunk
         if tb + TK < t_end {

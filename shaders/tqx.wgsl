@@ -50,6 +50,29 @@ var<workgroup> buf: array<f32, MAX_HEAD_DIM>;   // butterfly workspace
 var<workgroup> red: array<f32, WG>;             // reduction scratch
 var<workgroup> code: array<u32, MAX_HEAD_DIM>;  // b-bit indices
 var<workgroup> jl_bits: array<u32, MAX_HEAD_DIM>;
+var<workgroup> redv: array<f32, WG>;            // outlier selection: |x| ...
+var<workgroup> redi: array<u32, WG>;            // ... and its channel
+var<workgroup> out_ch: array<u32, 16>;          // the outliers' channels
+var<workgroup> out_val: array<f32, 16>;         // ... and values times the polar sign
+
+// The outlier region of a slot (formats with outliers): word i of
+// ceil((n-1)/2) words of halves (outliers 1 .. n-1, two a word, the lower first),
+// then ceil(n/4) words of channel bytes (outlier j at byte j % 4 of word j / 4).
+fn outlier_word(i: u32, n: u32) -> u32 {
+    let hw = n / 2u;                             // = ceil((n - 1) / 2)
+    if i < hw {
+        let a = 2u * i + 1u;
+        var hi = 0.0;
+        if a + 1u < n { hi = out_val[a + 1u]; }
+        return pack2x16float(vec2<f32>(out_val[a], hi));
+    }
+    let j = 4u * (i - hw);
+    var word = 0u;
+    for (var b = 0u; b < 4u; b += 1u) {
+        if j + b < n { word = word | (out_ch[j + b] << (8u * b)); }
+    }
+    return word;
+}
 
 // #include "tqx_codebooks.wgsl"
 
@@ -77,7 +100,7 @@ fn tqx_encode_keys(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    // #include "tq_encode_rotate.wgsl"
+    // #include "tqx_encode_rotate.wgsl" NOUT=KO
     var kc = key_centroids(head_dim);
     var kb = key_bounds(head_dim);
     var r = 0.0;
@@ -128,11 +151,18 @@ fn tqx_encode_keys(
         cache[vecs * cw + slot * jw + tid] = word;
     }
     if tid == 0u {
-        var nw = 0u;
-        var rn = 0.0;
-        if QJL { rn = residual_norm; }
-        if live { nw = pack2x16float(vec2<f32>(norm, rn)); }
+        var n0 = 0.0;
+        var hi = 0.0;
+        if QJL { hi = residual_norm; }
+        if KO > 0u { hi = out_val[0]; }
+        if live { n0 = norm; }
+        var nw = pack2x16float(vec2<f32>(n0, hi));
+        if !live && KO == 0u { nw = 0u; }
         cache[vecs * (cw + jw) + slot] = nw;
+    }
+    let ow = KO / 2u + (KO + 3u) / 4u;          // formats.outlier_words
+    if tid < ow {
+        cache[vecs * (cw + jw + 1u) + slot * ow + tid] = outlier_word(tid, KO);
     }
 }
 
@@ -141,7 +171,7 @@ fn tqx_encode_values(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
-    // #include "tq_encode_rotate.wgsl"
+    // #include "tqx_encode_rotate.wgsl" NOUT=VO
     var vb = value_bounds(head_dim);
     if in_dim {
         let y = buf[tid] * inv_sqrt_d;
@@ -163,8 +193,14 @@ fn tqx_encode_values(
         cache[slot * cw + tid] = word;
     }
     if tid == 0u {
-        var nw = 0u;
-        if live { nw = pack2x16float(vec2<f32>(norm, 0.0)); }
-        cache[vecs * cw + slot] = nw;
+        var n0 = 0.0;
+        var hi = 0.0;
+        if VO > 0u { hi = out_val[0]; }
+        if live { n0 = norm; }
+        cache[vecs * cw + slot] = pack2x16float(vec2<f32>(n0, hi));
+    }
+    let ow = VO / 2u + (VO + 3u) / 4u;          // formats.outlier_words
+    if tid < ow {
+        cache[vecs * (cw + 1u) + slot * ow + tid] = outlier_word(tid, VO);
     }
 }

@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 import pytest
 
-from attnserve.formats import TQ_SPECS, TQ_VARIANTS, bits_per_element, bytes_per_token
+from attnserve.formats import TQ_SPECS, TQ_VARIANTS, bits_per_element, bytes_per_token, outlier_words
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
@@ -63,9 +63,21 @@ def check_tqx_words(kw, vw, k, v, spec, ps, js, cap):
             zs = z / np.sqrt(d)
             assert (np.abs(zs[diff]) <= Y_TOL).all(), f"JL bit mismatch far from zero: {np.abs(zs[diff]).max()}"
             justified += int(diff.sum())
-    for words, off, enc, res in ((kw, vecs * (kcw + jw), ek, rn), (vw, vecs * vcw, ev, np.zeros(ev.norm.shape))):
-        g = _slots(words[off:], hkv, cap, 1, L)[..., 0]
+    kow, vow = outlier_words(spec.key_outliers), outlier_words(spec.value_outliers)
+    for words, off, enc, res, ow in (
+        (kw, vecs * (kcw + jw), ek, rn, kow),
+        (vw, vecs * vcw, ev, np.zeros(ev.norm.shape), vow),
+    ):
+        g = _slots(words[off : off + vecs], hkv, cap, 1, L)[..., 0]
         want = np.where(enc.live, ref.f16_bits(enc.norm) | (ref.f16_bits(res) << 16), 0)
+        if ow:  # outliers: channels and float16 values exactly, outlier 0 in the norm word's upper half
+            o = enc.outliers
+            want = np.where(enc.live, ref.f16_bits(enc.norm), 0) | (o.half[..., 0] << 16)
+            n = o.ch.shape[-1]
+            region = _slots(words[off + vecs : off + vecs * (1 + ow)], hkv, cap, ow, L)
+            got = ref._unpack_outliers(region, g, n)
+            np.testing.assert_array_equal(got.ch, o.ch)
+            np.testing.assert_array_equal(got.half, o.half)
         diff = g != want
         if diff.any():
             lo_bad = (g & 0xFFFF) != (want & 0xFFFF)
@@ -74,7 +86,7 @@ def check_tqx_words(kw, vw, k, v, spec, ps, js, cap):
             assert _near_f16_midpoint(res, NORM_RTOL)[hi_bad].all(), "residual norm half mismatch"
             justified += int(diff.sum())
     # words past the length stay untouched (zero)
-    for words, regions in ((kw, (kcw, jw, 1)), (vw, (vcw, 1))):
+    for words, regions in ((kw, (kcw, jw, 1, kow)), (vw, (vcw, 1, vow))):
         base = 0
         for w in regions:
             assert not words[base : base + vecs * w].reshape(hkv, cap, w)[:, L:].any(), "words past the length"
@@ -89,6 +101,9 @@ def test_layout_and_sizes():
     assert bits_per_element("tq4q", 128) == 4.25
     assert [bits_per_element(f, 128) for f in ("tq3", "tq4v2", "tq3q")] == [3.25] * 3
     assert bits_per_element("tq4v3", 128) == 3.75
+    # tq4o: keys 8 code words + norm (and outlier 0) + 6 outlier words, values 16 + 1 + 2
+    assert bits_per_element("tq4o", 128) == 4.25 and bytes_per_token("tq4o", 1, 128) == 136
+    assert outlier_words(8) == 6 and outlier_words(2) == 2 and outlier_words(1) == 1
     rng = np.random.default_rng(5)
     for d in (32, 64, 128):
         k, v = rng.standard_normal((7, 2, d)), rng.standard_normal((7, 2, d))
@@ -147,8 +162,11 @@ def test_encoded_words_match_oracle(engine, rng, fmt):
         kcw, vcw, vecs = spec.key_bits * d // 32, spec.value_bits * d // 32, hkv * cap
         slot_k, slot_v = 1 * cap + length // 2, 0 * cap + length // 2
         assert not kw[slot_k * kcw : (slot_k + 1) * kcw].any()
-        assert kw[vecs * (kcw + (d // 32 if spec.qjl else 0)) + slot_k] == 0
-        assert not vw[slot_v * vcw : (slot_v + 1) * vcw].any() and vw[vecs * vcw + slot_v] == 0
+        # (the upper half of a norm word with outliers is outlier 0: +-0 for a zero vector)
+        hi = 0x7FFF0000 if spec.key_outliers else 0xFFFFFFFF
+        assert kw[vecs * (kcw + (d // 32 if spec.qjl else 0)) + slot_k] & hi == 0
+        hi = 0x7FFF0000 if spec.value_outliers else 0xFFFFFFFF
+        assert not vw[slot_v * vcw : (slot_v + 1) * vcw].any() and vw[vecs * vcw + slot_v] & hi == 0
 
 
 def test_the_word_check_can_fail(rng):
@@ -191,7 +209,7 @@ def path(request, engine):
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q"])
+@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q", "tq4o"])
 def test_attention_matches_its_oracle(engine, rng, fmt, path):
     """Every kernel path, GQA 1/2/4/8, d 32/64/128 (one per case, in turn), causal and
     not, start_pos inside, capacity > length; many cases in one coalesced batch."""
@@ -251,3 +269,27 @@ def test_chunked_prefill_equals_one_call(engine, rng, path):
     # and close to exact attention: 4-bit keys and values
     cos = float((whole * (want := ref.attention(q, k, v))).sum() / np.linalg.norm(whole) / np.linalg.norm(want))
     assert cos > 0.98, cos
+
+
+def test_outlier_channels_are_kept(engine):
+    """tq4o on bench/fidelity.py's LLM-shaped data (keys with outlier channels, peaked
+    attention): the outliers are stored as they are (float16), so attention is much
+    closer to exact than tq4's at the same 4.25 bits (docs/fidelity.md)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import fidelity
+
+    L, n = 1024, 4  # fidelity.py --quick's LLM-shaped 1k case
+    q, k, v = fidelity.make_data("llm", L, n, np.random.default_rng([0, L, 1]))
+    h, hkv, d = q.shape[1], k.shape[1], k.shape[2]
+    want = ref.attention(q, k, v)
+    cos = {}
+    for fmt in ("tq4", "tq4o"):
+        s = session(engine, fmt, h, hkv, d, seed=11)
+        out, _ = engine.attend(s.layers[0], q, k=k, v=v).result()
+        c = (out * want).sum(-1) / np.linalg.norm(out, axis=-1) / np.linalg.norm(want, axis=-1)
+        cos[fmt] = float(c.mean())
+    print(cos)
+    assert cos["tq4o"] > 0.99 and 1 - cos["tq4o"] < 0.25 * (1 - cos["tq4"]), cos

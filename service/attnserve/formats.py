@@ -48,6 +48,16 @@ class TqSpec:
     key_bits: int  # Lloyd-Max bits of a key coordinate (2, 3 or 4)
     qjl: bool  # plus one QJL sign bit of the key's residual
     value_bits: int  # Lloyd-Max bits of a value coordinate (2, 3 or 4)
+    # per-vector outlier channels (no QJL): a vector's n largest-|x| channels kept as
+    # float16 with their index, the rest of it coded (docs/turboquant.md)
+    key_outliers: int = 0
+    value_outliers: int = 0
+
+
+def outlier_words(n: int) -> int:
+    """Words of a slot's outlier region: the halves of outliers 1 .. n-1 (outlier 0
+    shares the norm word), then the 8-bit channel indices, four to a word."""
+    return -(-(n - 1) // 2) + -(-n // 4) if n else 0
 
 
 #: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``).
@@ -58,6 +68,7 @@ TQ_VARIANTS: dict[str, TqSpec] = {
     "tq4v3": TqSpec(4, False, 3),  # 3.75
     "tq3q": TqSpec(2, True, 3),  # 3.25 (keys 2 bits + QJL)
     "tq4q": TqSpec(3, True, 4),  # 4.25 (keys 3 bits + QJL)
+    "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
 }
 #: Every compressed format's bit budget: ``turboquant`` is (2, QJL, 2), its layout
 #: the variants' at b = 2.
@@ -115,14 +126,25 @@ def key_words(kv_format: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]
         return (n_kv_heads * head_dim * PLAIN_ELEMENT_BYTES[kv_format] // 4,)
     spec = TQ_SPECS[kv_format]
     codes = spec.key_bits * head_dim // 32
-    return (codes, head_dim // 32, 1) if spec.qjl else (codes, 1)
+    if spec.qjl:
+        return (codes, head_dim // 32, 1)
+    return (codes, 1, outlier_words(spec.key_outliers)) if spec.key_outliers else (codes, 1)
 
 
 def value_words(kv_format: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """32-bit words of each region of a value slot (as :func:`key_words`)."""
     if is_plain(kv_format):
         return key_words(kv_format, n_kv_heads, head_dim)
-    return (TQ_SPECS[kv_format].value_bits * head_dim // 32, 1)
+    spec = TQ_SPECS[kv_format]
+    codes = spec.value_bits * head_dim // 32
+    return (codes, 1, outlier_words(spec.value_outliers)) if spec.value_outliers else (codes, 1)
+
+
+def norm_region(kv_format: str, keys: bool) -> int:
+    """Which region of a TurboQuant key (or value) slot is its norm word."""
+    regions = key_words(kv_format, 1, 32) if keys else value_words(kv_format, 1, 32)
+    spec = TQ_SPECS[kv_format]
+    return len(regions) - (2 if (spec.key_outliers if keys else spec.value_outliers) else 1)
 
 
 def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:

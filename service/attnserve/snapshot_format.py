@@ -26,7 +26,7 @@ import numpy as np
 
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
-from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, value_words
+from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, value_words
 from .kvcache import SessionConfig, SessionKV
 from .session_spec import parse_create
 
@@ -75,7 +75,8 @@ def _check_tq_norms(i: int, fmt: str, config: SessionConfig, n: int, cap: int, k
     d, hkv = config.head_dim, config.num_kv_heads
     vecs = hkv * cap
     kr, vr = key_words(fmt, hkv, d), value_words(fmt, hkv, d)
-    for name, buf, words_before in (("k", kb, vecs * sum(kr[:-1])), ("v", vb, vecs * sum(vr[:-1]))):
+    kn, vn = norm_region(fmt, True), norm_region(fmt, False)
+    for name, buf, words_before in (("k", kb, vecs * sum(kr[:kn])), ("v", vb, vecs * sum(vr[:vn]))):
         words = np.frombuffer(buf, "<u4", count=vecs, offset=4 * words_before).reshape(hkv, cap)[:, :n]
         halves = np.stack([words & 0xFFFF, words >> 16]).astype(np.uint16).view(np.float16)
         if not np.isfinite(halves).all():

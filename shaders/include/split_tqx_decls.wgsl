@@ -38,6 +38,70 @@ var<workgroup> kc_sh: array<f32, 16>;           // key centroids
 var<workgroup> vc_sh: array<f32, 16>;           // value centroids
 
 // #include "tqx_codebooks.wgsl"
+// #include "tqx_outliers.wgsl"
+
+// The layer's value geometry (set by the prologue, read by value_col).
+var<private> g_vcw: u32;        // code words of a value slot
+var<private> g_lw: u32;         // low-field words
+var<private> g_pwd: u32;        // words of a bit plane
+var<private> g_vn_off: u32;     // the value norms region
+var<private> g_vo_off: u32;     // the value outliers region
+var<private> g_vow: u32;        // outlier words of a value slot
+var<private> g_isd: f32;        // 1 / sqrt(head_dim)
+
+// Decoded value column c (dims 4c .. 4c+3, rotated space) of the value in `slot`
+// at split row t: its codes' centroids, and (formats with value outliers) times its
+// norm plus the outliers' part (then the softmax weight is p alone: vweight).
+fn value_col(slot: u32, c: u32, t: u32) -> vec4<f32> {
+    let o = slot * g_vcw;
+    let lo = v_cache[o + c / 4u];
+    var p2 = 0u;
+    var p3 = 0u;
+    if VB > 2u { p2 = v_cache[o + g_lw + c / 8u]; }
+    if VB > 3u { p3 = v_cache[o + g_lw + g_pwd + c / 8u]; }
+    var x = vvals(codes4(lo, p2, p3, c, VB));
+    if VO > 0u {
+        let v0 = unpack2x16float(v_cache[g_vn_off + slot]).y;
+        x = x * vn_sh[t] + v_outliers4(g_vo_off + slot * g_vow, c, v0) * g_isd;
+    }
+    return x;
+}
+
+// The softmax weight's factor of split row t: the value norm, folded into the
+// weight unless the format has value outliers (value_col applies it then).
+fn vweight(t: u32) -> f32 {
+    if VO > 0u { return 1.0; }
+    return vn_sh[t];
+}
+
+struct Heads8 {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+}
+
+// The key outliers' part of the scores of every head of the group (q * signs at
+// qbuf[256 + h * d4 ..]) for the key slot whose outlier words start at ob.
+fn k_outliers_heads(ob: u32, v0: f32, d4: u32, group: u32) -> Heads8 {
+    var r: Heads8;
+    r.lo = vec4<f32>(0.0);
+    r.hi = vec4<f32>(0.0);
+    for (var j = 0u; j < KO; j += 1u) {
+        let o = k_outlier(ob, j, v0);
+        let i = 256u + o.ch / 4u;
+        let e = o.ch % 4u;
+        r.lo.x += qbuf[i][e] * o.val;
+        if group > 1u { r.lo.y += qbuf[i + d4][e] * o.val; }
+        if group > 2u {
+            r.lo.z += qbuf[i + 2u * d4][e] * o.val;
+            r.lo.w += qbuf[i + 3u * d4][e] * o.val;
+        }
+        if group > 4u {
+            r.hi += o.val * vec4<f32>(qbuf[i + 4u * d4][e], qbuf[i + 5u * d4][e], qbuf[i + 6u * d4][e],
+                                      qbuf[i + 7u * d4][e]);
+        }
+    }
+    return r;
+}
 
 fn kvals(c: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(kc_sh[c.x], kc_sh[c.y], kc_sh[c.z], kc_sh[c.w]);
@@ -47,10 +111,12 @@ fn vvals(c: vec4<u32>) -> vec4<f32> {
     return vec4<f32>(vc_sh[c.x], vc_sh[c.y], vc_sh[c.z], vc_sh[c.w]);
 }
 
-// Score of one head from its polar dot and (QJL) its sum of q_jl over set bits.
+// Score of one head from its polar dot and (QJL) its sum of q_jl over set bits, or
+// (key outliers) the outliers' part of the score.
 fn tq_score(polar: f32, pos: f32, qsum: f32, nr: vec2<f32>, qjl_scale: f32, scale: f32) -> f32 {
     var s = polar * nr.x;
     if QJL { s += nr.x * nr.y * qjl_scale * (2.0 * pos - qsum); }
+    if KO > 0u { s += pos; }
     return s * scale;
 }
 

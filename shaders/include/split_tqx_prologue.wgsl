@@ -57,6 +57,15 @@
     let k_jl_off = vecs * kcw;
     let k_norm_off = k_jl_off + vecs * jw;
     let v_norm_off = vecs * vcw;
+    let kow = KO / 2u + (KO + 3u) / 4u;          // outlier words of a key slot (formats.outlier_words)
+    let k_out_off = k_norm_off + vecs;
+    g_vcw = vcw;
+    g_lw = lw;
+    g_pwd = pwd;
+    g_vn_off = v_norm_off;
+    g_vo_off = v_norm_off + vecs;
+    g_vow = VO / 2u + (VO + 3u) / 4u;
+    g_isd = 1.0 / sqrt(f32(head_dim));
     if tid < 16u {
         var kc = key_centroids(head_dim);
         var vc = value_centroids(head_dim);

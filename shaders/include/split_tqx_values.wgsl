@@ -19,16 +19,16 @@
         let t1 = t + n_grp;
         let t2 = t + 2u * n_grp;
         let t3 = t + 3u * n_grp;
-        let v0 = value_col(hslot + split_row(page0, page_shift, t0 + t), c, vcw, lw, pwd);
-        let v1 = value_col(hslot + split_row(page0, page_shift, t0 + t1), c, vcw, lw, pwd);
-        let v2 = value_col(hslot + split_row(page0, page_shift, t0 + t2), c, vcw, lw, pwd);
-        let v3 = value_col(hslot + split_row(page0, page_shift, t0 + t3), c, vcw, lw, pwd);
+        let v0 = value_col(hslot + split_row(page0, page_shift, t0 + t), c, t);
+        let v1 = value_col(hslot + split_row(page0, page_shift, t0 + t1), c, t1);
+        let v2 = value_col(hslot + split_row(page0, page_shift, t0 + t2), c, t2);
+        let v3 = value_col(hslot + split_row(page0, page_shift, t0 + t3), c, t3);
         // #include "accumulate_heads.wgsl" T=t V=v0
         // #include "accumulate_heads.wgsl" T=t1 V=v1
         // #include "accumulate_heads.wgsl" T=t2 V=v2
         // #include "accumulate_heads.wgsl" T=t3 V=v3
     }
     for (; t < n_t; t += n_grp) {
-        let v = value_col(hslot + split_row(page0, page_shift, t0 + t), c, vcw, lw, pwd);
+        let v = value_col(hslot + split_row(page0, page_shift, t0 + t), c, t);
         // #include "accumulate_heads.wgsl" T=t V=v
     }

@@ -229,16 +229,20 @@ class Rotate:
     n_queries: int
     n_heads: int
     head_dim: int
+    # tq_rotate_q ([q_rot | q_jl | sums]) or tq_rotate_q_signed ([q_rot | q * polar signs | sums]:
+    # the formats with outlier channels)
+    kernel: str = "tq_rotate_q"
 
 
 def plan_rotate_q(batch: Batch, r: Rotate) -> None:
     """Queue ``tq_rotate_q`` of ``r``: the batch's rotations run in one dispatch
     (one params block per query row), before its attention kernels."""
     (q, _), (q_out, _) = _bind(r.q), _bind(r.q_out)
-    batch.defer(PHASE_ROTATE, ("tq_rotate_q", q, q_out), r, _flush_rotate, rows=r.n_queries)
+    flush = functools.partial(_flush_rotate, r.kernel)
+    batch.defer(PHASE_ROTATE, (r.kernel, q, q_out), r, flush, rows=r.n_queries)
 
 
-def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
+def _flush_rotate(kernel: str, batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
     (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
     rows = _Rows()
@@ -250,7 +254,7 @@ def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
         )  # fmt: skip
     _dispatch_rows(
         batch,
-        "tq_rotate_q",
+        kernel,
         P.TQ_ROTATE_PARAMS,
         rows,
         {},
@@ -683,7 +687,9 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     """TurboQuant attention of ``a.q`` (plain queries): rotated by ``tq_rotate_q``
     into scratch, then the kernel family ``batch.policy`` picks."""
     qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
-    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim))
+    spec = TQ_SPECS[tq.kv_format]
+    rotate = "tq_rotate_q_signed" if spec.key_outliers else "tq_rotate_q"
+    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, rotate))
     a = dataclasses.replace(a, q=qrot)
     fmt = tq.kv_format
     path = batch.policy.path(fmt, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)

@@ -59,6 +59,7 @@ KERNELS: dict[str, KernelSpec] = {
     "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
     "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
     "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
+    "tq_rotate_q_signed": KernelSpec("turboquant.wgsl", "tq_rotate_q_signed", ((3, R), (4, R), (5, RW), (6, R))),
     "attention_tq_tiled": KernelSpec(
         "flash_attention_tq_tiled.wgsl",
         "attention_tq_tiled",
@@ -144,6 +145,8 @@ def tqx_consts(kv_format: str) -> str:
         f"const KB: u32 = {spec.key_bits}u;",
         f"const VB: u32 = {spec.value_bits}u;",
         f"const QJL: bool = {str(spec.qjl).lower()};",
+        f"const KO: u32 = {spec.key_outliers}u;",
+        f"const VO: u32 = {spec.value_outliers}u;",
     ]
     for name, bits in (("K", spec.key_bits), ("V", spec.value_bits)):
         for d in TQ_HEAD_DIMS:

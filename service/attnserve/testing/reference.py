@@ -57,6 +57,10 @@ __all__ = [
     "unpack_tqx_value_cache",
     "tqx_scores",
     "tqx_attention",
+    "Outliers",
+    "select_outliers",
+    "outlier_values",
+    "unpack_tqx_outliers",
 ]
 
 NORM_EPS = 1e-12
@@ -379,12 +383,72 @@ def tqx_codebooks(spec: TqSpec, d: int) -> tuple[Codebook, Codebook]:
     return codebook(d, spec.key_bits), codebook(d, spec.value_bits)
 
 
+@dataclass
+class Outliers:
+    """A vector's outlier channels (formats with ``key_outliers`` / ``value_outliers``)."""
+
+    ch: np.ndarray  # [..., n] uint32 channels, largest |x| first (ties: the lower channel)
+    half: np.ndarray  # [..., n] uint32 float16 bits of x[ch] * polar_signs[ch]
+
+
+def select_outliers(x: np.ndarray, n: int, polar_signs: np.ndarray) -> tuple[np.ndarray, Outliers]:
+    """(the rest of ``x`` with its ``n`` largest-|x| channels zeroed, those channels)."""
+    x = np.asarray(x, np.float64)
+    ch = np.argsort(-np.abs(x), axis=-1, kind="stable")[..., :n]
+    rest = x.copy()
+    np.put_along_axis(rest, ch, 0.0, axis=-1)
+    vals = np.take_along_axis(x, ch, axis=-1) * np.asarray(polar_signs, np.float64)[ch]
+    return rest, Outliers(ch.astype(np.uint32), f16_bits(vals))
+
+
+def outlier_values(o: Outliers, polar_signs: np.ndarray, d: int) -> np.ndarray:
+    """The outliers as a dense ``[..., d]`` array in the original basis (zeros elsewhere)."""
+    out = np.zeros(o.ch.shape[:-1] + (d,))
+    vals = f16_value(o.half) * np.asarray(polar_signs, np.float64)[o.ch]
+    np.put_along_axis(out, o.ch.astype(np.int64), vals, axis=-1)
+    return out
+
+
 def tqx_encode(k: np.ndarray, v: np.ndarray, spec: TqSpec, polar_signs: np.ndarray, jl_signs: np.ndarray):
-    """(keys, values) encoded as ``spec`` says: keys with QJL are :class:`EncodedKeys`."""
+    """(keys, values) encoded as ``spec`` says: keys with QJL are :class:`EncodedKeys`;
+    with outlier channels the codes are of the rest and ``.outliers`` holds them."""
     d = k.shape[-1]
     kcb, vcb = tqx_codebooks(spec, d)
+    ko = vo = None
+    if spec.key_outliers:
+        k, ko = select_outliers(k, spec.key_outliers, polar_signs)
+    if spec.value_outliers:
+        v, vo = select_outliers(v, spec.value_outliers, polar_signs)
     ek = encode_keys(k, polar_signs, jl_signs, kcb) if spec.qjl else encode_values(k, polar_signs, kcb)
-    return ek, encode_values(v, polar_signs, vcb)
+    ev = encode_values(v, polar_signs, vcb)
+    ek.outliers, ev.outliers = ko, vo  # type: ignore[attr-defined]
+    return ek, ev
+
+
+def _pack_outliers(enc: EncodedValues, cap: int, nw: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(norm words with outlier 0 in the upper half, [the outlier region in slot order])."""
+    o = getattr(enc, "outliers", None)
+    if o is None:
+        return nw, []
+    n = o.ch.shape[-1]
+    nw = nw | (o.half[..., 0] << 16)
+    halves = np.zeros(o.ch.shape[:-1] + (2 * (-(-(n - 1) // 2)),), np.uint32)
+    halves[..., : n - 1] = o.half[..., 1:]
+    hw = halves[..., 0::2] | (halves[..., 1::2] << 16)
+    chs = np.zeros(o.ch.shape[:-1] + (4 * (-(-n // 4)),), np.uint32)
+    chs[..., :n] = o.ch
+    iw = chs[..., 0::4] | (chs[..., 1::4] << 8) | (chs[..., 2::4] << 16) | (chs[..., 3::4] << 24)
+    return nw.astype(np.uint32), [_to_slots(np.concatenate([hw, iw], axis=-1).astype(np.uint32), cap).ravel()]
+
+
+def _unpack_outliers(region: np.ndarray, nw: np.ndarray, n: int) -> Outliers:
+    """Inverse of :func:`_pack_outliers` from ``[..., words]`` and the norm words."""
+    hwn = -(-(n - 1) // 2)
+    hw, iw = region[..., :hwn], region[..., hwn:]
+    halves = np.stack([hw & 0xFFFF, hw >> 16], axis=-1).reshape(*hw.shape[:-1], 2 * hwn)[..., : n - 1]
+    half = np.concatenate([(nw >> 16)[..., None], halves], axis=-1)
+    ch = np.stack([(iw >> (8 * b)) & 0xFF for b in range(4)], axis=-1).reshape(*iw.shape[:-1], -1)[..., :n]
+    return Outliers(ch.astype(np.uint32), half.astype(np.uint32))
 
 
 def pack_tqx_key_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
@@ -395,16 +459,16 @@ def pack_tqx_key_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray
     if spec.qjl:
         parts.append(_to_slots(_pack_bits(enc.bits), cap).ravel())
         nw = nw | (f16_bits(enc.residual_norm) << 16)
-    nw = np.where(enc.live, nw, 0).astype(np.uint32)
+    nw, extra = _pack_outliers(enc, cap, np.where(enc.live, nw, 0).astype(np.uint32))
     parts.append(_to_slots(nw, cap).ravel())
-    return np.concatenate(parts).astype(np.uint32)
+    return np.concatenate(parts + extra).astype(np.uint32)
 
 
 def pack_tqx_value_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
     """Value cache words ``[codes | norms]``."""
     codes = np.where(enc.live[..., None], pack_codes(enc.idx, spec.value_bits), 0)
-    nw = np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
-    return np.concatenate([_to_slots(codes, cap).ravel(), _to_slots(nw, cap).ravel()]).astype(np.uint32)
+    nw, extra = _pack_outliers(enc, cap, np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32))
+    return np.concatenate([_to_slots(codes, cap).ravel(), _to_slots(nw, cap).ravel()] + extra).astype(np.uint32)
 
 
 def unpack_tqx_key_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
@@ -421,7 +485,26 @@ def unpack_tqx_key_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, ca
     else:
         bits = np.zeros_like(idx)
     nw = w[vecs * (cw + jw) : vecs * (cw + jw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    if spec.key_outliers:  # the upper half is outlier 0: no residual norm
+        return idx, bits, f16_value(nw & 0xFFFF).T, np.zeros(nw.T.shape)
     return idx, bits, f16_value(nw & 0xFFFF).T, f16_value(nw >> 16).T
+
+
+def unpack_tqx_outliers(words: np.ndarray, spec: TqSpec, keys: bool, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """The outliers ``[L, Hkv, n]`` of a key (or value) cache of a format that has them, else None."""
+    n = spec.key_outliers if keys else spec.value_outliers
+    if not n:
+        return None
+    from ..formats import outlier_words
+
+    vecs = n_kv_heads * cap
+    cw = (spec.key_bits if keys else spec.value_bits) * d // 32
+    w = np.asarray(words, np.uint32)
+    nw = w[vecs * cw : vecs * (cw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    ow = outlier_words(n)
+    region = w[vecs * (cw + 1) : vecs * (cw + 1 + ow)].reshape(n_kv_heads, cap, ow)[:, :length]
+    o = _unpack_outliers(region, nw, n)
+    return Outliers(np.swapaxes(o.ch, 0, 1), np.swapaxes(o.half, 0, 1))
 
 
 def unpack_tqx_value_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
@@ -466,14 +549,22 @@ def tqx_attention(
     idx, bits, norm, rn = unpack_tqx_key_cache(key_words, spec, **dims)
     vidx, vnorm = unpack_tqx_value_cache(value_words, spec, **dims)
     q_rot, q_jl, _ = rotate_q(q, polar_signs, jl_signs)
-    s = tqx_scores(q_rot, q_jl, idx, bits, norm, rn, spec) * scale  # [H, n, L]
+    s = tqx_scores(q_rot, q_jl, idx, bits, norm, rn, spec)  # [H, n, L]
+    group = h // n_kv_heads
+    ko = unpack_tqx_outliers(key_words, spec, True, **dims)
+    if ko is not None:  # the outlier channels' exact part of <q, k>
+        s = s + np.einsum("nhd,lhd->hnl", q, np.repeat(outlier_values(ko, polar_signs, d), group, axis=1))
+    s = s * scale
     if causal:
         pos = start_pos + np.arange(n)
         s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
     s = s - s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    group = h // n_kv_heads
     c = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)
     vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)
-    return rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
+    out = rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
+    vo = unpack_tqx_outliers(value_words, spec, False, **dims)
+    if vo is not None:
+        out = out + np.einsum("hnl,lhd->nhd", p, np.repeat(outlier_values(vo, polar_signs, d), group, axis=1))
+    return out
