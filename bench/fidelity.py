@@ -167,6 +167,12 @@ def score_stats(engine: Engine, layer, fmt: str, q: np.ndarray, k: np.ndarray, s
     kcb, _ = ref.tqx_codebooks(spec, D)
     for name, polar_only in (("qjl", False), ("polar_only", True)) if spec.qjl else (("polar_only", True),):
         est = ref.tq_scores(q_rot, q_jl, idx, bits, norm, rn, kcb, polar_only=polar_only)
+        if spec.key_outliers:  # the outlier channels' exact part
+            o = ref.unpack_tqx_outliers(
+                np.frombuffer(kb, np.uint32), spec, True, n_kv_heads=HKV, cap=layer.capacity, d=D, length=length
+            )
+            dense = np.repeat(ref.outlier_values(o, polar_signs, D), H // HKV, axis=1)
+            est = est + np.einsum("nhd,lhd->hnl", q.astype(np.float64), dense)
         stats = estimator(est, true)
         stats.update(topk(softmax(true * scale), softmax(est * scale)))
         out[name] = stats
