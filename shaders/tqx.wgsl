@@ -16,6 +16,12 @@
 //        norm word = pack2x16float(norm, ||r||)
 //   no QJL: norm word = pack2x16float(norm, 0)
 // Values: the same first two steps with VB / VC_d; norm word = pack2x16float(norm, 0).
+// Formats with outlier channels (KO / VO > 0, docs/turboquant.md): the n largest-|x|
+// channels are taken out first (ties to the lower channel), the steps above code
+// the rest, and outlier j is stored as the float16 of
+//   (x[ch_j] - rest_hat[ch_j]) * polar_signs[ch_j],   rest_hat = rht_inv(c[idx] * f16(norm))
+// (what the codes reconstruct there subtracted: codes plus outliers give x[ch_j]);
+// outlier 0 in the norm word's upper half, the others in the outlier region.
 //
 // Code layout of one slot, b bits per coordinate, b * d / 32 words:
 //   words [0, d/16):     the low two bits of every code, element j at bits
@@ -132,6 +138,9 @@ fn tqx_encode_keys(
     }
     workgroupBarrier();
 
+    // ── outliers: minus what the codes reconstruct at their channels ──
+    // #include "tqx_outlier_correct.wgsl" CENT=kc NOUT=KO
+
     // ── pack: code words, JL words (QJL), norm word ──
     let cw = KB * head_dim / 32u;
     var jw = 0u;
@@ -182,6 +191,10 @@ fn tqx_encode_values(
         code[tid] = idx;
     }
     workgroupBarrier();
+
+    // ── outliers: minus what the codes reconstruct at their channels ──
+    var vc = value_centroids(head_dim);
+    // #include "tqx_outlier_correct.wgsl" CENT=vc NOUT=VO
 
     // ── pack: code words, norm word ──
     let cw = VB * head_dim / 32u;

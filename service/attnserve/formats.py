@@ -14,6 +14,8 @@ out, the kernels read them).
   {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
   ``shaders/tqx.wgsl``). A name says the key's bits per coordinate (QJL bit
   included, ``q`` when one of them is QJL) and, where they differ, the value's.
+  ``tq4o`` (4.25 bits per element) keeps each vector's largest channels as float16
+  (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4).
 """
 
 from __future__ import annotations

@@ -388,17 +388,38 @@ class Outliers:
     """A vector's outlier channels (formats with ``key_outliers`` / ``value_outliers``)."""
 
     ch: np.ndarray  # [..., n] uint32 channels, largest |x| first (ties: the lower channel)
-    half: np.ndarray  # [..., n] uint32 float16 bits of x[ch] * polar_signs[ch]
+    half: np.ndarray  # [..., n] uint32 float16 bits of `value`
+    # [..., n] float64: (x[ch] - the codes' reconstruction at ch) * polar_signs[ch]
+    value: np.ndarray | None = None
 
 
 def select_outliers(x: np.ndarray, n: int, polar_signs: np.ndarray) -> tuple[np.ndarray, Outliers]:
-    """(the rest of ``x`` with its ``n`` largest-|x| channels zeroed, those channels)."""
+    """(the rest of ``x`` with its ``n`` largest-|x| channels zeroed, those channels,
+    their values still uncorrected: :func:`correct_outliers` gives them)."""
     x = np.asarray(x, np.float64)
     ch = np.argsort(-np.abs(x), axis=-1, kind="stable")[..., :n]
     rest = x.copy()
     np.put_along_axis(rest, ch, 0.0, axis=-1)
     vals = np.take_along_axis(x, ch, axis=-1) * np.asarray(polar_signs, np.float64)[ch]
-    return rest, Outliers(ch.astype(np.uint32), f16_bits(vals))
+    return rest, Outliers(ch.astype(np.uint32), f16_bits(vals), vals)
+
+
+def rest_signed(idx: np.ndarray, norm_bits: np.ndarray, cb: Codebook) -> np.ndarray:
+    """What a vector's codes reconstruct, times the polar signs: ``H (c[idx] * norm) / sqrt(d)``
+    with the stored (float16) norm, in float64."""
+    d = idx.shape[-1]
+    y = np.asarray(cb.centroids, np.float64)[idx] * f16_value(norm_bits)[..., None]
+    return y @ hadamard(d).T / math.sqrt(d)
+
+
+def correct_outliers(o: Outliers, x: np.ndarray, polar_signs, idx, norm_bits, cb: Codebook) -> Outliers:
+    """The stored outlier values: ``(x[ch] - the codes' reconstruction at ch) * s[ch]``,
+    so that codes plus outliers give x[ch] exactly (up to float16) at the outlier channels."""
+    x = np.asarray(x, np.float64)
+    s = np.asarray(polar_signs, np.float64)
+    ch = o.ch.astype(np.int64)
+    val = np.take_along_axis(x, ch, -1) * s[ch] - np.take_along_axis(rest_signed(idx, norm_bits, cb), ch, -1)
+    return Outliers(o.ch, f16_bits(val), val)
 
 
 def outlier_values(o: Outliers, polar_signs: np.ndarray, d: int) -> np.ndarray:
@@ -414,6 +435,7 @@ def tqx_encode(k: np.ndarray, v: np.ndarray, spec: TqSpec, polar_signs: np.ndarr
     with outlier channels the codes are of the rest and ``.outliers`` holds them."""
     d = k.shape[-1]
     kcb, vcb = tqx_codebooks(spec, d)
+    k0, v0 = k, v
     ko = vo = None
     if spec.key_outliers:
         k, ko = select_outliers(k, spec.key_outliers, polar_signs)
@@ -421,8 +443,20 @@ def tqx_encode(k: np.ndarray, v: np.ndarray, spec: TqSpec, polar_signs: np.ndarr
         v, vo = select_outliers(v, spec.value_outliers, polar_signs)
     ek = encode_keys(k, polar_signs, jl_signs, kcb) if spec.qjl else encode_values(k, polar_signs, kcb)
     ev = encode_values(v, polar_signs, vcb)
+    if ko is not None:
+        ko = correct_outliers(ko, k0, polar_signs, _live_idx(ek), _norm_bits(ek), kcb)
+    if vo is not None:
+        vo = correct_outliers(vo, v0, polar_signs, _live_idx(ev), _norm_bits(ev), vcb)
     ek.outliers, ev.outliers = ko, vo  # type: ignore[attr-defined]
     return ek, ev
+
+
+def _live_idx(enc: EncodedValues) -> np.ndarray:
+    return np.where(enc.live[..., None], enc.idx, 0).astype(np.uint32)
+
+
+def _norm_bits(enc: EncodedValues) -> np.ndarray:
+    return np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
 
 
 def _pack_outliers(enc: EncodedValues, cap: int, nw: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
