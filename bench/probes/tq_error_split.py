@@ -7,8 +7,9 @@ data, and what per-vector outlier channels would buy (diagnostic, numpy only).
 The float64 oracle's reconstruction (rotation, b-bit Lloyd-Max codes, float16
 norm: what the GPU's codes decode to) of the keys only, the values only, and
 both; then per-vector "dense and sparse" splits: the n largest-|x| channels of a
-vector kept as float16 (with their channel index), the rest, its own norm,
-b-bit codes. Prints the output cosine (mean and worst row) against exact
+vector kept as float16 (with their channel index; they replace what the codes
+reconstruct there, as the format ``tq4o`` does), the rest, its own norm, b-bit
+codes. Prints the output cosine (mean and worst row) against exact
 attention, and each point's bits per element with whole 32-bit words per slot
 at head_dim 128 (an outlier costs a float16 and an 8-bit index).
 """
