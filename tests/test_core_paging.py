@@ -90,7 +90,7 @@ def test_attention_through_scrambled_pages_matches_the_oracle(engine, rng, fmt, 
     engine.release(sessions[2]).result()
 
 
-@pytest.mark.parametrize("fmt", ["f32", "turboquant", "tq4", "tq3q"])
+@pytest.mark.parametrize("fmt", ["f32", "turboquant", "tq4", "tq3q", "tq4o"])
 def test_every_boundary_length_matches_the_oracle(engine, rng, fmt):
     """A layer of exactly 1, P-1, P, P+1 and 2P+3 rows, appended in one call."""
     h, hkv, d = 8, 2, 64
