@@ -14,11 +14,12 @@ float64 oracle of the same inputs:
 * ``cos_mean`` / ``cos_min``: cosine between the output and the exact output, per
   (query row, head), mean and worst;
 * ``max_rel_err``: max |out - exact| / max |exact| over the rows;
-* for TurboQuant, from the key codes the GPU wrote (read back; the format's own
-  oracle decodes them bit for bit), the score estimator against the true
-  ``<q, k>``: ``slope`` (least squares of estimate on truth: 1 is unbiased) and
+* for TurboQuant and its variants, from the key codes the GPU wrote (read back; the
+  format's own oracle decodes them bit for bit), the score estimator against the
+  true ``<q, k>``: ``slope`` (least squares of estimate on truth: 1 is unbiased) and
   ``rel_var`` (residual variance / variance of the truth), with the QJL residual
-  bit and without it (PolarQuant alone), and the top-k attention overlap: the
+  bit (``qjl``: formats that have it) and without it (``polar_only``: the
+  Lloyd-Max codes alone), and the top-k attention overlap: the
   share of the exact top-k keys (k = 8) among the estimated top-k
   (``topk_overlap``) and the exact attention mass the estimated top-k hold
   against the exact top-k's (``topk_mass``).
@@ -47,10 +48,10 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
-from attnserve.formats import KV_FORMATS, bits_per_element  # noqa: E402
+from attnserve.formats import KV_FORMATS, TQ_SPECS, bits_per_element  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 from attnserve.testing import reference as ref  # noqa: E402
-from attnserve.turboquant import codebook, layer_signs  # noqa: E402
+from attnserve.turboquant import layer_signs  # noqa: E402
 
 from tools.common import write_result  # noqa: E402
 
@@ -142,27 +143,36 @@ def measure(engine: Engine, fmt: str, kind: str, length: int, n_q: int, seed: in
             "cos_min": round(float(cos.min()), 6),
             "max_rel_err": round(float(np.abs(out - want).max() / np.abs(want).max()), 6),
         }
-        if fmt == "turboquant":
-            row.update(score_stats(engine, layer, q, k, seed))
+        if fmt in TQ_SPECS:
+            row.update(score_stats(engine, layer, fmt, q, k, seed))
         return row
     finally:
         engine.release(kv).result()
 
 
-def score_stats(engine: Engine, layer, q: np.ndarray, k: np.ndarray, seed: int) -> dict:
-    """The TurboQuant score estimator on the key codes the GPU wrote, with and without QJL."""
+def score_stats(engine: Engine, layer, fmt: str, q: np.ndarray, k: np.ndarray, seed: int) -> dict:
+    """The TurboQuant score estimator on the key codes the GPU wrote, with QJL (where
+    the format has it) and without."""
+    spec = TQ_SPECS[fmt]
     kb, _ = engine.call(lambda ctx: layer.read_words(ctx.device)).result()
     length = k.shape[0]
-    idx, bits, norm, rn = ref.unpack_key_cache(
-        np.frombuffer(kb, np.uint32), n_kv_heads=HKV, cap=layer.capacity, d=D, length=length
+    idx, bits, norm, rn = ref.unpack_tqx_key_cache(
+        np.frombuffer(kb, np.uint32), spec, n_kv_heads=HKV, cap=layer.capacity, d=D, length=length
     )
     polar_signs, jl_signs = layer_signs(seed, 0, D)
     q_rot, q_jl, _ = ref.rotate_q(q.astype(np.float64), polar_signs, jl_signs)
     true = np.einsum("nhd,lhd->hnl", q.astype(np.float64), np.repeat(k.astype(np.float64), H // HKV, axis=1))
     out: dict = {}
     scale = 1.0 / math.sqrt(D)
-    for name, polar_only in (("qjl", False), ("polar_only", True)):
-        est = ref.tq_scores(q_rot, q_jl, idx, bits, norm, rn, codebook(D), polar_only=polar_only)
+    kcb, _ = ref.tqx_codebooks(spec, D)
+    for name, polar_only in (("qjl", False), ("polar_only", True)) if spec.qjl else (("polar_only", True),):
+        est = ref.tq_scores(q_rot, q_jl, idx, bits, norm, rn, kcb, polar_only=polar_only)
+        if spec.key_outliers:  # the outlier channels' exact part
+            o = ref.unpack_tqx_outliers(
+                np.frombuffer(kb, np.uint32), spec, True, n_kv_heads=HKV, cap=layer.capacity, d=D, length=length
+            )
+            dense = np.repeat(ref.outlier_values(o, polar_signs, D), H // HKV, axis=1)
+            est = est + np.einsum("nhd,lhd->hnl", q.astype(np.float64), dense)
         stats = estimator(est, true)
         stats.update(topk(softmax(true * scale), softmax(est * scale)))
         out[name] = stats

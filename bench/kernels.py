@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Kernel benchmark: decode and prefill, f32, f16 and TurboQuant, against torch SDPA.
+"""Kernel benchmark: decode and prefill, f32, f16 and TurboQuant (``--formats``: any
+of formats.KV_FORMATS, e.g. the variants tq4, tq3), against torch SDPA.
 
     python bench/kernels.py [--json-out bench/results/h200-latest.json] [--quick]
 
@@ -41,7 +42,7 @@ from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
-from attnserve.formats import bytes_per_token  # noqa: E402
+from attnserve.formats import bytes_per_token, is_plain  # noqa: E402
 
 from tools.common import write_result  # noqa: E402
 
@@ -399,7 +400,7 @@ def main(argv=None) -> int:
             path = policy.path(fmt, n, H, HKV, D)
             if path == "split" and policy.use_subgroups(engine.ctx):
                 path = "split-sg"
-            if path == "tiled" and fmt != "turboquant" and policy.prefill_f32 == "rb":
+            if path == "tiled" and is_plain(fmt) and policy.prefill_f32 == "rb":
                 path = "tiled-rb"
             row = {
                 "kernel": kernel,

@@ -98,6 +98,9 @@ fn tq_encode_keys(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     // #include "tq_encode_rotate.wgsl"
+    let b0 = ep.b0;
+    let b1 = ep.b1;
+    let b2 = ep.b2;
     let c0 = ep.c0;
     let c1 = ep.c1;
     let c2 = ep.c2;
@@ -161,6 +164,9 @@ fn tq_encode_values(
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {
     // #include "tq_encode_rotate.wgsl"
+    let b0 = ep.b0;
+    let b1 = ep.b1;
+    let b2 = ep.b2;
     // idx = quantize(y)
     if in_dim {
         code[tid] = quantize(buf[tid] * inv_sqrt_d, b0, b1, b2);
@@ -231,6 +237,60 @@ fn tq_rotate_q(
     var q_jl = 0.0;
     if in_dim {
         q_jl = buf[tid] * inv_sqrt_d;
+        q_out[q_region + out_off + tid] = q_jl;
+    }
+
+    // ── sums = sum_d q_jl ──
+    red[tid] = q_jl;
+    // #include "tree_sum_128.wgsl"
+    if tid == 0u {
+        q_out[q_out_off + 2u * q_region + q_global * n_heads + head] = red[0];
+    }
+}
+
+// tq_rotate_q_signed: tq_rotate_q for the formats with outlier channels (tqx.wgsl):
+// [q_rot | q * polar_signs | sums of it], the second region in place of q_jl.
+@compute @workgroup_size(128, 1, 1)
+fn tq_rotate_q_signed(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let tid = lid.x;
+    let rp = rparams[wid.y];
+    let n_heads = rp.n_heads;
+    let head_dim = rp.head_dim;
+    let q_cap = rp.q_cap;
+    let sign_off = rp.sign_off;
+    let q_row = rp.q_row;
+    let q_global = q_row;
+    let q_stride = rp.q_stride;
+    let head = wid.x;
+    if head >= n_heads {
+        return;                                // an item of the batch with fewer heads
+    }
+    let in_dim = tid < head_dim;
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    let q_region = q_cap * n_heads * head_dim;
+    let q_in_off = rp.q_in_off;
+    let q_out_off = rp.q_out_off;
+    let out_off = q_out_off + (q_global * n_heads + head) * head_dim;
+
+    // ── q_rot = rht(q, polar_signs) ──
+    if in_dim {
+        buf[tid] = q_in[q_in_off + q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
+    }
+    // #include "butterfly.wgsl" ARR=buf
+    var q_rot = 0.0;
+    if in_dim {
+        q_rot = buf[tid] * inv_sqrt_d;
+        q_out[out_off + tid] = q_rot;
+    }
+    workgroupBarrier();
+
+    // ── q * polar_signs in place of q_jl (the outlier channels' dot) ──
+    var q_jl = 0.0;
+    if in_dim {
+        q_jl = q_in[q_in_off + q_global * q_stride + head * head_dim + tid] * signs[sign_off + tid];
         q_out[q_region + out_off + tid] = q_jl;
     }
 

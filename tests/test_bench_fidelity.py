@@ -2,7 +2,8 @@
 there is, the f32 path is exact against float64, f16 is within float16's rounding
 of it (cosine >= 0.9999, 16 bits per element), and the TurboQuant score estimate
 has the properties the table reports: unbiased with the QJL bit, shrunk and noisier
-without it."""
+without it; the 4-bit variant (tq4) is closer to exact attention than turboquant and
+its score estimate nearly unbiased without QJL; tq3q's QJL bit keeps it unbiased."""
 
 from __future__ import annotations
 
@@ -18,12 +19,23 @@ import fidelity  # noqa: E402
 
 def test_fidelity_quick(tmp_path):
     out = tmp_path / "fidelity.json"
-    assert fidelity.main(["--quick", "--json-out", str(out)]) == 0
+    formats = ("f32", "f16", "turboquant", "tq4", "tq3q")
+    assert fidelity.main(["--quick", "--formats", ",".join(formats), "--json-out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {(r["kv_format"], r["data"], r["context"]) for r in rows} == {
-        (f, d, c) for f in ("f32", "f16", "turboquant") for d in ("gaussian", "llm") for c in (256, 1024)
+        (f, d, c) for f in formats for d in ("gaussian", "llm") for c in (256, 1024)
     }
+    by = {(r["kv_format"], r["data"], r["context"]): r for r in rows}
     for r in rows:
+        if r["kv_format"] == "tq4":
+            assert r["bits_per_element"] == 4.25 and "qjl" not in r, r
+            assert r["cos_mean"] > by[("turboquant", r["data"], r["context"])]["cos_mean"], r
+            assert 0.98 <= r["polar_only"]["slope"] <= 1.0, r  # 4 bits: nearly unbiased without QJL
+            continue
+        if r["kv_format"] == "tq3q":
+            assert r["bits_per_element"] == 3.25 and 0.97 <= r["qjl"]["slope"] <= 1.03, r
+            assert r["cos_mean"] > by[("turboquant", r["data"], r["context"])]["cos_mean"], r
+            continue
         if r["kv_format"] == "f32":
             assert r["cos_min"] >= 0.99999 and r["max_rel_err"] <= 1e-5, r
             continue

@@ -125,7 +125,7 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
         assert rel_err(whole, ref.attention(q, stored(fmt, k), stored(fmt, v))) <= F32_TOL
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant", "tq4"])
 def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
     """A layer that took its pages 50 rows at a time (the pool's slab growing under
     it) answers bit for bit like one whose pages were all taken up front."""
@@ -147,7 +147,7 @@ def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
         a, _ = engine.attend(grown.layers[0], q, start_pos=400, causal=causal).result()
         b, _ = engine.attend(big.layers[0], q, start_pos=400, causal=causal).result()
         np.testing.assert_array_equal(a, b)
-    if fmt == "turboquant":  # same words per slot, in a differently strided layout
+    if fmt in ("turboquant", "tq4"):  # same words per slot, in a differently strided layout
         ga, gb = read_words(engine, grown.layers[0]), read_words(engine, big.layers[0])
         for words_g, words_b, regions in zip(
             ga, gb, (grown.layers[0].pool.layout.key_regions, grown.layers[0].pool.layout.value_regions)

@@ -17,6 +17,8 @@ from attnserve.turboquant import codebook, layer_signs
 
 from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session
 from test_core_turboquant import check_key_words, check_value_words
+from test_core_tqx import check_tqx_words
+from attnserve.formats import TQ_SPECS
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +36,11 @@ def _oracle(fmt, engine, s, layer, q, k, v, length):
         return ref.attention(q, k[:length], v[:length], start_pos=sp, causal=True, scale=scale)
     kw, vw = read_words(engine, layer)
     ps, js = layer_signs(s.config.seed, layer.layer, q.shape[2])
+    if fmt != "turboquant":  # a variant
+        return ref.tqx_attention(
+            q, kw, vw, TQ_SPECS[fmt], n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
+            polar_signs=ps, jl_signs=js, start_pos=sp, causal=True, scale=scale,
+        )  # fmt: skip
     return ref.tq_attention(
         q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length, polar_signs=ps,
         jl_signs=js, cb=codebook(q.shape[2]), start_pos=sp, causal=True, scale=scale,
@@ -52,7 +59,7 @@ def _interleave(engine, rng, sessions, data, rounds, who):
             data[i][1].append(v)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "turboquant", "tq4"])
 def test_attention_through_scrambled_pages_matches_the_oracle(engine, rng, fmt, kernel_path):
     h, hkv, d = 4, 2, 32
     sessions = [session(engine, fmt, h, hkv, d, seed=int(rng.integers(2**53))) for _ in range(3)]
@@ -65,11 +72,14 @@ def test_attention_through_scrambled_pages_matches_the_oracle(engine, rng, fmt, 
         k, v = (np.concatenate(x) for x in data[i])
         assert layer.length == len(k) and len(layer.pages) == -(-len(k) // P)
         assert layer.pages != sorted(layer.pages), layer.pages  # really out of order
-        if fmt == "turboquant":  # the packed words, gathered from the pages, match the oracle's
+        if fmt != "f32":  # the packed words, gathered from the pages, match the oracle's
             kw, vw = read_words(engine, layer)
             ps, js = layer_signs(s.config.seed, 0, d)
-            assert check_key_words(kw, k, ps, js, codebook(d), layer.capacity) <= 4
-            assert check_value_words(vw, v, ps, codebook(d), layer.capacity) <= 4
+            if fmt == "turboquant":
+                assert check_key_words(kw, k, ps, js, codebook(d), layer.capacity) <= 4
+                assert check_value_words(vw, v, ps, codebook(d), layer.capacity) <= 4
+            else:
+                assert check_tqx_words(kw, vw, k, v, TQ_SPECS[fmt], ps, js, layer.capacity) <= 8
         for length in BOUNDARIES + (len(k),):
             for n in {1, min(3, length)}:
                 q = rows(rng, n, h, d)
@@ -80,7 +90,7 @@ def test_attention_through_scrambled_pages_matches_the_oracle(engine, rng, fmt, 
     engine.release(sessions[2]).result()
 
 
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "turboquant", "tq4", "tq3q", "tq4o"])
 def test_every_boundary_length_matches_the_oracle(engine, rng, fmt):
     """A layer of exactly 1, P-1, P, P+1 and 2P+3 rows, appended in one call."""
     h, hkv, d = 8, 2, 64

@@ -24,7 +24,7 @@ from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
-from .formats import F16_MAX
+from .formats import F16_MAX, TQ_SPECS
 from .turboquant import MAX_NORM, largest_norm
 
 __all__ = ["Engine", "AttendResult"]
@@ -132,14 +132,14 @@ class Engine:
             raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
         if v.shape != k.shape:
             raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
-        if kv_format == "turboquant":
+        if kv_format in TQ_SPECS:
             # a norm past float16's range would be stored as inf and turn the layer's answers into NaN
             for name, a in (("k", k), ("v", v)):
                 norm, (i, h) = largest_norm(a)
                 if not norm <= MAX_NORM:
                     raise InvalidRequest(
                         f"{name}[{i}, {h}]: norm {norm:.6g} is over {MAX_NORM:g}, the largest norm "
-                        "turboquant stores (float16); scale the rows down"
+                        f"{kv_format} stores (float16); scale the rows down"
                     )
         elif kv_format == "f16":
             # a value past float16's range would be stored as inf
@@ -167,7 +167,7 @@ class Engine:
         if q.shape[0] < 1 or q.shape[1:] != want:
             raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
         n = q.shape[0]
-        need = max(q.nbytes, rotated_q_bytes(n, *want) if kv_format == "turboquant" else 0)
+        need = max(q.nbytes, rotated_q_bytes(n, *want) if kv_format in TQ_SPECS else 0)
         limit = self.ctx.max_binding
         if need > limit:
             rows = limit // (need // n)

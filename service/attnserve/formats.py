@@ -8,12 +8,26 @@ out, the kernels read them).
 * ``turboquant``: per head, 2-bit PolarQuant codes + 1-bit QJL signs + two
   float16 norms for a key, 2-bit codes + a float16 norm for a value
   (``docs/turboquant.md``, ``shaders/turboquant.wgsl``).
+* the TurboQuant variants (``TQ_VARIANTS``: ``tq4``, ``tq3``, ``tq4v2``, ``tq4v3``,
+  ``tq3q``, ``tq4q``): per head, b-bit Lloyd-Max codes of the rotated key (with or
+  without a 1-bit QJL residual sign per coordinate) and of the rotated value, b in
+  {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
+  ``shaders/tqx.wgsl``). A name says the key's bits per coordinate (QJL bit
+  included, ``q`` when one of them is QJL) and, where they differ, the value's.
+  ``tq4o`` (4.25 bits per element) keeps each vector's largest channels as float16
+  (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "KV_FORMATS",
+    "TqSpec",
+    "TQ_SPECS",
+    "TQ_VARIANTS",
+    "is_tq_variant",
     "PLAIN_DTYPES",
     "PLAIN_ELEMENT_BYTES",
     "F16_MAX",
@@ -28,7 +42,41 @@ __all__ = [
     "sizes",
 ]
 
-KV_FORMATS = ("f32", "f16", "turboquant")
+
+@dataclass(frozen=True)
+class TqSpec:
+    """The bit budget of a TurboQuant format, per rotated coordinate."""
+
+    key_bits: int  # Lloyd-Max bits of a key coordinate (2, 3 or 4)
+    qjl: bool  # plus one QJL sign bit of the key's residual
+    value_bits: int  # Lloyd-Max bits of a value coordinate (2, 3 or 4)
+    # per-vector outlier channels (no QJL): a vector's n largest-|x| channels kept as
+    # float16 with their index, the rest of it coded (docs/turboquant.md)
+    key_outliers: int = 0
+    value_outliers: int = 0
+
+
+def outlier_words(n: int) -> int:
+    """Words of a slot's outlier region: the halves of outliers 1 .. n-1 (outlier 0
+    shares the norm word), then the 8-bit channel indices, four to a word."""
+    return -(-(n - 1) // 2) + -(-n // 4) if n else 0
+
+
+#: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``).
+TQ_VARIANTS: dict[str, TqSpec] = {
+    "tq4": TqSpec(4, False, 4),  # 4.25 bits per element at d = 128
+    "tq3": TqSpec(3, False, 3),  # 3.25
+    "tq4v2": TqSpec(4, False, 2),  # 3.25 (keys 4 bits, values 2: vLLM-like)
+    "tq4v3": TqSpec(4, False, 3),  # 3.75
+    "tq3q": TqSpec(2, True, 3),  # 3.25 (keys 2 bits + QJL)
+    "tq4q": TqSpec(3, True, 4),  # 4.25 (keys 3 bits + QJL)
+    "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
+}
+#: Every compressed format's bit budget: ``turboquant`` is (2, QJL, 2), its layout
+#: the variants' at b = 2.
+TQ_SPECS: dict[str, TqSpec] = {"turboquant": TqSpec(2, True, 2), **TQ_VARIANTS}
+
+KV_FORMATS = ("f32", "f16", "turboquant", *TQ_VARIANTS)
 #: The element type of each plain (uncompressed) format, as numpy names it
 #: (little-endian): the rows are stored as numpy rounds them to it.
 PLAIN_DTYPES = {"f32": "<f4", "f16": "<f2"}
@@ -42,13 +90,17 @@ def is_plain(kv_format: str) -> bool:
     return kv_format in PLAIN_ELEMENT_BYTES
 
 
+def is_tq_variant(kv_format: str) -> bool:
+    return kv_format in TQ_VARIANTS
+
+
 def head_dims(kv_format: str) -> list[int]:
     """The head dims a layer of ``kv_format`` takes."""
     if kv_format == "f32":
         return list(range(1, 129))
     if kv_format == "f16":
         return list(range(2, 129, 2))  # whole 32-bit words per row
-    if kv_format == "turboquant":
+    if kv_format in TQ_SPECS:
         return list(TQ_HEAD_DIMS)
     raise ValueError(f"unknown kv_format {kv_format!r}; expected one of {KV_FORMATS}")
 
@@ -56,8 +108,8 @@ def head_dims(kv_format: str) -> list[int]:
 def check_head_dim(kv_format: str, head_dim: int) -> None:
     dims = head_dims(kv_format)
     if head_dim not in dims:
-        if kv_format == "turboquant":
-            raise ValueError(f"turboquant supports head_dim 32, 64 or 128, got {head_dim}")
+        if kv_format in TQ_SPECS:
+            raise ValueError(f"{kv_format} supports head_dim 32, 64 or 128, got {head_dim}")
         if kv_format == "f16":
             raise ValueError(f"f16 supports an even head_dim 2..128, got {head_dim}")
         raise ValueError(f"{kv_format} supports head_dim 1..128, got {head_dim}")
@@ -70,17 +122,31 @@ def slot_heads(kv_format: str, n_kv_heads: int) -> int:
 
 def key_words(kv_format: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """32-bit words of each region of a key slot: a plain row is one region of
-    ``Hkv * d`` elements; a TurboQuant key is codes, signs and the norms word."""
+    ``Hkv * d`` elements; a TurboQuant key is codes (``b * d / 32`` words), the QJL
+    signs (``d / 32``, where the format has them) and the norms word."""
     if is_plain(kv_format):
         return (n_kv_heads * head_dim * PLAIN_ELEMENT_BYTES[kv_format] // 4,)
-    return (head_dim // 16, head_dim // 32, 1)
+    spec = TQ_SPECS[kv_format]
+    codes = spec.key_bits * head_dim // 32
+    if spec.qjl:
+        return (codes, head_dim // 32, 1)
+    return (codes, 1, outlier_words(spec.key_outliers)) if spec.key_outliers else (codes, 1)
 
 
 def value_words(kv_format: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """32-bit words of each region of a value slot (as :func:`key_words`)."""
     if is_plain(kv_format):
         return key_words(kv_format, n_kv_heads, head_dim)
-    return (head_dim // 16, 1)
+    spec = TQ_SPECS[kv_format]
+    codes = spec.value_bits * head_dim // 32
+    return (codes, 1, outlier_words(spec.value_outliers)) if spec.value_outliers else (codes, 1)
+
+
+def norm_region(kv_format: str, keys: bool) -> int:
+    """Which region of a TurboQuant key (or value) slot is its norm word."""
+    regions = key_words(kv_format, 1, 32) if keys else value_words(kv_format, 1, 32)
+    spec = TQ_SPECS[kv_format]
+    return len(regions) - (2 if (spec.key_outliers if keys else spec.value_outliers) else 1)
 
 
 def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:

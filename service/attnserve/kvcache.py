@@ -25,7 +25,7 @@ import wgpu
 from .gpu.batch import Batch, Seg
 from .gpu import kernels as K
 from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
-from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, check_head_dim
+from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, TQ_SPECS, check_head_dim, is_plain
 from .turboquant import codebook, layer_signs_bytes
 
 __all__ = [
@@ -314,12 +314,13 @@ class PlainLayerCache(LayerCache):
 
 
 class TurboQuantLayerCache(LayerCache):
-    """TurboQuant K/V words in the layout of ``shaders/turboquant.wgsl``, in pool slabs."""
+    """TurboQuant K/V words in the layout of ``shaders/turboquant.wgsl`` (``turboquant``)
+    or ``shaders/tqx.wgsl`` (the variants, ``formats.TQ_VARIANTS``), in pool slabs."""
 
     def __init__(self, *, seed: int, **kw):
         super().__init__(**kw)
         self.seed = seed
-        self.codebook = codebook(self.head_dim)
+        self.codebook = codebook(self.head_dim, TQ_SPECS[self.kv_format].key_bits)
 
     def signs(self, batch: Batch) -> Seg:
         """This layer's rotation signs, uploaded once per batch."""
@@ -333,7 +334,7 @@ class TurboQuantLayerCache(LayerCache):
             batch,
             K.Encode(
                 batch.upload(k), batch.upload(v), self.slab, self.page_table(batch), self.pool.page_shift,
-                self.signs(batch), self.codebook, n, self.n_kv_heads, self.head_dim, self.length,
+                self.signs(batch), self.codebook, n, self.n_kv_heads, self.head_dim, self.length, self.kv_format,
             ),
         )  # fmt: skip
         self.length += n
@@ -341,7 +342,7 @@ class TurboQuantLayerCache(LayerCache):
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
-        K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.codebook))
+        K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.codebook, self.kv_format))
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:
@@ -386,7 +387,7 @@ class SessionKV:
         self.layers: list[LayerCache] = []
         for layer, fmt in enumerate(formats):
             pool = pools.get(c.layer_layout(layer))
-            if fmt != "turboquant":
+            if is_plain(fmt):
                 self.layers.append(PlainLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
             else:
                 self.layers.append(TurboQuantLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed))

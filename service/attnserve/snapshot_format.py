@@ -26,7 +26,7 @@ import numpy as np
 
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
-from .formats import PLAIN_DTYPES
+from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, value_words
 from .kvcache import SessionConfig, SessionKV
 from .session_spec import parse_create
 
@@ -69,11 +69,14 @@ def build_blob(config: SessionConfig, layers: Layers) -> bytes:
     )
 
 
-def _check_tq_norms(i: int, config: SessionConfig, n: int, cap: int, kb: bytes, vb: bytes) -> None:
-    """The f16 norm halves of the used slots must be finite (appends never store others)."""
+def _check_tq_norms(i: int, fmt: str, config: SessionConfig, n: int, cap: int, kb: bytes, vb: bytes) -> None:
+    """The f16 norm halves of the used slots must be finite (appends never store others);
+    the norms are the last region of a slab, after ``sum(others) * vecs`` words."""
     d, hkv = config.head_dim, config.num_kv_heads
     vecs = hkv * cap
-    for name, buf, words_before in (("k", kb, vecs * (d // 16 + d // 32)), ("v", vb, vecs * (d // 16))):
+    kr, vr = key_words(fmt, hkv, d), value_words(fmt, hkv, d)
+    kn, vn = norm_region(fmt, True), norm_region(fmt, False)
+    for name, buf, words_before in (("k", kb, vecs * sum(kr[:kn])), ("v", vb, vecs * sum(vr[:vn]))):
         words = np.frombuffer(buf, "<u4", count=vecs, offset=4 * words_before).reshape(hkv, cap)[:, :n]
         halves = np.stack([words & 0xFFFF, words >> 16]).astype(np.uint16).view(np.float16)
         if not np.isfinite(halves).all():
@@ -138,8 +141,8 @@ def parse_blob(
             for name, b in (("k", kb), ("v", vb)):
                 if not np.isfinite(np.frombuffer(b, PLAIN_DTYPES[fmt], count=used)).all():
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
-        if fmt == "turboquant" and n:
-            _check_tq_norms(i, config, n, cap, kb, vb)
+        if fmt in TQ_SPECS and n:
+            _check_tq_norms(i, fmt, config, n, cap, kb, vb)
         out.append((n, cap, kb, vb))
     if doc["checksum"] != digest(doc["format"], doc["version"], cfg, layers):
         raise InvalidSnapshot("checksum: the blob does not match its checksum (corrupted or truncated)")

@@ -11,6 +11,9 @@ Everything here is host-side and deterministic across machines:
   ``(1 - x^2)^((d-3)/2)`` on [-1, 1]), stored as float32 values that the kernels
   and the float64 oracle share bit for bit. ``lloyd_max_codebook(d)`` recomputes
   it in float64 (a test checks the table against it).
+* ``codebook(d, bits)`` is the ``2**bits``-level quantizer (bits 2, 3, 4) of the
+  same coordinate, for the TurboQuant variants (``formats.TQ_VARIANTS``); the
+  2-bit one is ``CODEBOOK[d]``. ``lloyd_max_codebook(d, levels=...)`` recomputes any.
 * ``qjl_scale(d)`` is the QJL constant for the ORTHONORMAL rotation
   ``rht(x, s) = H (s * x) / sqrt(d)``: sqrt(pi/2) / sqrt(d) (docs/turboquant.md).
 """
@@ -48,13 +51,32 @@ _CODEBOOK_HEX = {
 }
 
 
+# The positive halves (c_{L/2} < ... < c_{L-1}) of the 3- and 4-bit quantizers,
+# exact float32 values as hex; the negative half mirrors them.
+_CODEBOOK_POS_HEX = {
+    (3, 32): ("0x1.5f0a24p-5", "0x1.0dd624p-3", "0x1.dc144ap-3", "0x1.770f06p-2"),
+    (3, 64): ("0x1.f335p-6", "0x1.805642p-4", "0x1.544fd0p-3", "0x1.0e3f74p-2"),
+    (3, 128): ("0x1.61f70cp-6", "0x1.10bc12p-4", "0x1.e3e686p-4", "0x1.81d662p-3"),
+    (4, 32): ("0x1.6dd7d8p-6", "0x1.142b66p-4", "0x1.d284a2p-4", "0x1.4da8bap-3",
+              "0x1.bac1d4p-3", "0x1.1b33b0p-2", "0x1.66529ep-2", "0x1.d04f7cp-2"),
+    (4, 64): ("0x1.04d138p-6", "0x1.89f396p-5", "0x1.4d0d92p-4", "0x1.dd2136p-4",
+              "0x1.3d4998p-3", "0x1.9741e4p-3", "0x1.02fbd0p-2", "0x1.52bc44p-2"),
+    (4, 128): ("0x1.725c36p-7", "0x1.17c508p-5", "0x1.d9454ap-5", "0x1.5343eep-4",
+               "0x1.c3bdbcp-4", "0x1.226ac4p-3", "0x1.725a20p-3", "0x1.e6bc4ap-3"),
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Codebook:
-    """The 2-bit quantizer of one head_dim, as float32 values (held as float64)."""
+    """The quantizer of one head_dim (4 levels, or ``2**bits``), as float32 values (held as float64)."""
 
     head_dim: int
-    centroids: tuple[float, float, float, float]
-    boundaries: tuple[float, float, float]
+    centroids: tuple[float, ...]
+    boundaries: tuple[float, ...]
+
+    @property
+    def bits(self) -> int:
+        return len(self.centroids).bit_length() - 1
 
     def centroids_f32(self) -> np.ndarray:
         return np.asarray(self.centroids, dtype=np.float32)
@@ -63,26 +85,40 @@ class Codebook:
         return np.asarray(self.boundaries, dtype=np.float32)
 
 
-def _make_codebook(d: int) -> Codebook:
-    c = tuple(float(np.float32(float.fromhex(h))) for h in _CODEBOOK_HEX[d])
+def _make_codebook(d: int, bits: int = 2) -> Codebook:
+    if bits == 2:
+        hexes = _CODEBOOK_HEX[d]
+    else:
+        pos = _CODEBOOK_POS_HEX[(bits, d)]
+        hexes = tuple("-" + h for h in reversed(pos)) + pos
+    c = tuple(float(np.float32(float.fromhex(h))) for h in hexes)
     # b_i = (c_i + c_{i+1}) / 2, rounded once to float32: the GPU and the oracle
     # compare against exactly these thresholds.
-    b = tuple(float(np.float32((c[i] + c[i + 1]) / 2.0)) for i in range(3))
-    return Codebook(d, c, b)  # type: ignore[arg-type]
+    b = tuple(float(np.float32((c[i] + c[i + 1]) / 2.0)) for i in range(len(c) - 1))
+    return Codebook(d, c, b)
 
 
 CODEBOOK: dict[int, Codebook] = {d: _make_codebook(d) for d in SUPPORTED_HEAD_DIMS}
 
 
-def codebook(head_dim: int) -> Codebook:
+_CODEBOOKS: dict[tuple[int, int], Codebook] = {
+    (bits, d): _make_codebook(d, bits) for bits in (3, 4) for d in SUPPORTED_HEAD_DIMS
+}
+
+
+def codebook(head_dim: int, bits: int = 2) -> Codebook:
+    """The ``2**bits``-level quantizer of ``head_dim`` (bits 2, 3 or 4)."""
     try:
-        return CODEBOOK[head_dim]
+        return CODEBOOK[head_dim] if bits == 2 else _CODEBOOKS[(bits, head_dim)]
     except KeyError:
-        raise ValueError(f"turboquant supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}") from None
+        raise ValueError(
+            f"turboquant supports head_dim in {SUPPORTED_HEAD_DIMS} and 2, 3 or 4 bits, got {head_dim}, {bits}"
+        ) from None
 
 
-def lloyd_max_codebook(d: int, iters: int = 200) -> np.ndarray:
-    """Recompute the 4-level Lloyd-Max centroids in float64 on the exact density."""
+def lloyd_max_codebook(d: int, iters: int = 200, levels: int = 4) -> np.ndarray:
+    """Recompute the ``levels``-level Lloyd-Max centroids in float64 on the exact
+    density (more levels converge more slowly: give them a few thousand iterations)."""
     gx, gw = np.polynomial.legendre.leggauss(200)
 
     def integ(f, a: float, b: float) -> float:
@@ -92,10 +128,17 @@ def lloyd_max_codebook(d: int, iters: int = 200) -> np.ndarray:
     def dens(x):
         return (1.0 - x * x) ** ((d - 3) / 2)
 
-    c = np.array([-1.5104, -0.4528, 0.4528, 1.5104]) / math.sqrt(d)  # Gaussian start
+    if levels == 4:
+        c = np.array([-1.5104, -0.4528, 0.4528, 1.5104]) / math.sqrt(d)  # Gaussian start
+    else:  # the Gaussian's quantiles
+        from statistics import NormalDist
+
+        c = np.array([NormalDist().inv_cdf((i + 0.5) / levels) for i in range(levels)]) / math.sqrt(d)
     for _ in range(iters):
         b = np.concatenate([[-1.0], (c[:-1] + c[1:]) / 2, [1.0]])
-        c = np.array([integ(lambda x: x * dens(x), b[i], b[i + 1]) / integ(dens, b[i], b[i + 1]) for i in range(4)])
+        c = np.array(
+            [integ(lambda x: x * dens(x), b[i], b[i + 1]) / integ(dens, b[i], b[i + 1]) for i in range(levels)]
+        )
     return (c - c[::-1]) / 2  # exactly symmetric
 
 

@@ -2,7 +2,7 @@
 // per (KV head, row), one thread per dimension. Reads the row x, its norm (tree
 // reduction over red[]), and leaves y = rht(x / norm, polar signs) in buf[] with
 // inv_sqrt_d (the caller scales by it). Defines tid, ep, n_kv_heads, head_dim, cache_cap,
-// slab_row, sign_off, b0..b2, head, in_dim, norm, live.
+// slab_row, sign_off, head, in_dim, norm, live.
     let tid = lid.x;
     let ep = eparams[wid.y];                   // this row's block (rows of many appends)
     let n_kv_heads = ep.n_kv_heads;
@@ -14,9 +14,6 @@
     let slab_row = phys_row(table_off, page_shift, t);   // where timestep t lives
     let sign_off = ep.sign_off;
     let src_off = ep.src_off;
-    let b0 = ep.b0;
-    let b1 = ep.b1;
-    let b2 = ep.b2;
     let head = wid.x;
     let in_dim = tid < head_dim;
 

@@ -24,7 +24,7 @@ def test_info(api, server, enc):
     assert info["version"] == __version__ and info["api_version"] == 1
     assert info["adapter"]["name"] == ctx.name and info["adapter"]["backend"] == ctx.backend
     assert info["backend"] == ctx.backend
-    assert info["kv_formats"] == ["f32", "f16", "turboquant"]
+    assert info["kv_formats"] == ["f32", "f16", "turboquant", "tq4", "tq3", "tq4v2", "tq4v3", "tq3q", "tq4q", "tq4o"]
     assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
     assert info["head_dims"]["f16"] == list(range(2, 129, 2))
     assert info["kv_format_sizes"]["f16"] == [
@@ -35,6 +35,9 @@ def test_info(api, server, enc):
         "bits_per_element": 2.75,
         "bytes_per_token_per_kv_head": 88,
     }
+    tq4 = info["kv_format_sizes"]["tq4"][2]
+    assert tq4 == {"head_dim": 128, "bits_per_element": 4.25, "bytes_per_token_per_kv_head": 136}
+    assert info["head_dims"]["tq3q"] == [32, 64, 128]
     s = server.runtime.settings
     limits = info["limits"]
     assert limits["max_body_bytes"] == s.max_body_bytes

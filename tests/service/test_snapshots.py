@@ -10,7 +10,7 @@ from attnserve.snapshot_format import FORMAT, VERSION, digest
 from attnserve_client import wire
 from svc_helpers import rows
 
-FORMATS = [("f32", 8, 2, 32), ("turboquant", 8, 2, 64)]
+FORMATS = [("f32", 8, 2, 32), ("turboquant", 8, 2, 64), ("tq4", 8, 2, 64), ("tq3q", 4, 1, 32), ("tq4o", 4, 2, 128)]
 
 
 def _session(api, rng, fmt, h, hkv, d, layers=3):

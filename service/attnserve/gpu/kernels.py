@@ -35,7 +35,8 @@ import wgpu
 
 from ..turboquant import Codebook, qjl_scale
 from . import params as P
-from .shaders import plain_kernel
+from ..formats import TQ_SPECS
+from .shaders import plain_kernel, tqx_kernel
 from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
 
 __all__ = [
@@ -130,10 +131,34 @@ class Attend:
 @dataclass(frozen=True)
 class TqLayer:
     """What a TurboQuant attend needs of its layer besides the cache: its signs
-    (the layer's ``2 * head_dim`` values, uploaded with the batch) and codebook."""
+    (the layer's ``2 * head_dim`` values, uploaded with the batch), codebook (the
+    2-bit one of ``turboquant``; the variants' kernels carry theirs) and format
+    (``turboquant`` or one of ``formats.TQ_VARIANTS``)."""
 
     signs: Seg
     codebook: Codebook
+    kv_format: str = "turboquant"
+
+    @property
+    def variant(self) -> bool:
+        return self.kv_format != "turboquant"
+
+    def kernel(self, base: str) -> str:
+        """The kernel of this layer's format: ``base`` for ``turboquant``, its
+        ``tqx`` counterpart for a variant."""
+        if not self.variant:
+            return base
+        return tqx_kernel(_TQX_BASE[base], self.kv_format)
+
+
+_TQX_BASE = {
+    "flash_attention_tq": "flash_attention_tqx",
+    "attention_tq_tiled": "attention_tqx_tiled",
+    "attention_split_tq": "attention_split_tqx",
+    "attention_split_tq_sg": "attention_split_tqx_sg",
+    "tq_encode_keys": "tqx_encode_keys",
+    "tq_encode_values": "tqx_encode_values",
+}
 
 
 def _bind(res: Resource) -> tuple[Resource, int]:
@@ -204,16 +229,20 @@ class Rotate:
     n_queries: int
     n_heads: int
     head_dim: int
+    # tq_rotate_q ([q_rot | q_jl | sums]) or tq_rotate_q_signed ([q_rot | q * polar signs | sums]:
+    # the formats with outlier channels)
+    kernel: str = "tq_rotate_q"
 
 
 def plan_rotate_q(batch: Batch, r: Rotate) -> None:
     """Queue ``tq_rotate_q`` of ``r``: the batch's rotations run in one dispatch
     (one params block per query row), before its attention kernels."""
     (q, _), (q_out, _) = _bind(r.q), _bind(r.q_out)
-    batch.defer(PHASE_ROTATE, ("tq_rotate_q", q, q_out), r, _flush_rotate, rows=r.n_queries)
+    flush = functools.partial(_flush_rotate, r.kernel)
+    batch.defer(PHASE_ROTATE, (r.kernel, q, q_out), r, flush, rows=r.n_queries)
 
 
-def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
+def _flush_rotate(kernel: str, batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
     (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
     rows = _Rows()
@@ -225,7 +254,7 @@ def _flush_rotate(batch: Batch, items: list[Rotate]) -> None:
         )  # fmt: skip
     _dispatch_rows(
         batch,
-        "tq_rotate_q",
+        kernel,
         P.TQ_ROTATE_PARAMS,
         rows,
         {},
@@ -253,7 +282,7 @@ class _Rows:
 def _tq_common(a: Attend, tq: TqLayer) -> dict[str, Any]:
     """The fields every row of a TurboQuant attention dispatch shares: the QJL
     scale, the slab's rows, the codebook's centroids."""
-    c = tq.codebook.centroids
+    c = tq.codebook.centroids if len(tq.codebook.centroids) == 4 else (0.0,) * 4  # (a variant's are constants)
     return dict(qjl_scale=qjl_scale(a.head_dim), cache_cap=a.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3])
 
 
@@ -282,7 +311,7 @@ def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
     for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
-            "flash_attention_tq",
+            tq.kernel("flash_attention_tq"),
             {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
             (a.n_heads, rows, 1),
         )
@@ -304,19 +333,21 @@ class Encode:
     n_kv_heads: int
     head_dim: int
     t0: int
+    kv_format: str = "turboquant"
 
 
 def plan_tq_encode(batch: Batch, e: Encode) -> None:
     """Queue ``tq_encode_keys`` and ``tq_encode_values`` of ``e``'s rows: the batch's
     encodes into a slab run as one dispatch each, before any attention kernel of the batch."""
-    for kernel in ("tq_encode_keys", "tq_encode_values"):
+    for base in ("tq_encode_keys", "tq_encode_values"):
+        kernel = base if e.kv_format == "turboquant" else tqx_kernel(_TQX_BASE[base], e.kv_format)
         flush = functools.partial(_flush_encode, kernel)
         batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads), e, flush, rows=e.n_rows)
 
 
 def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
     first = items[0]
-    keys = kernel == "tq_encode_keys"
+    keys = kernel.split(".")[0] in ("tq_encode_keys", "tqx_encode_keys")
     src, _ = _bind(first.k_src)
     cache = first.cache.k if keys else first.cache.v
     c, b = first.codebook.centroids, first.codebook.boundaries
@@ -328,24 +359,18 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
             e.n_rows, t=range(e.t0, e.t0 + e.n_rows), src_off=range(base, base + e.n_rows * row_words, row_words),
             sign_off=_bind(e.signs)[1], table_off=_bind(e.pages)[1],
         )  # fmt: skip
-    common = dict(
-        n_kv_heads=first.n_kv_heads,
-        head_dim=first.head_dim,
-        cache_cap=first.cache.rows,
-        page_shift=first.page_shift,
-        c0=c[0],
-        c1=c[1],
-        c2=c[2],
-        c3=c[3],
-        b0=b[0],
-        b1=b[1],
-        b2=b[2],
+    common: dict[str, Any] = dict(
+        n_kv_heads=first.n_kv_heads, head_dim=first.head_dim, cache_cap=first.cache.rows, page_shift=first.page_shift
     )
+    block = P.TQX_ENCODE_PARAMS  # a variant's codebooks are constants of its kernels
+    if first.kv_format == "turboquant":
+        block = P.TQ_ENCODE_PARAMS
+        common.update(c0=c[0], c1=c[1], c2=c[2], c3=c[3], b0=b[0], b1=b[1], b2=b[2])
     ins = whole("in")
     _dispatch_rows(
         batch,
         kernel,
-        P.TQ_ENCODE_PARAMS,
+        block,
         rows,
         common,
         {0: src, 1: cache, 3: ins, 7: ins},
@@ -411,7 +436,7 @@ class KernelPolicy:
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
     if n_heads // n_kv_heads not in (1, 2, 4, 8):
         return False
-    if kv_format == "turboquant":
+    if kv_format in TQ_SPECS:
         return head_dim in (32, 64, 128)
     return head_dim % 4 == 0 and head_dim <= 128  # plain: vec4 columns
 
@@ -428,7 +453,7 @@ def choose_split(
     ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
     target = target_workgroups
     cap = SPLIT_MAX_SCORES // group
-    if kv_format == "turboquant":
+    if kv_format in TQ_SPECS:
         cap = min(cap, TQ_MAX_SPLIT)
     want = -(-max_seq * n_kv_heads * n_queries // target)
     s = SPLIT_TILE
@@ -472,7 +497,7 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
     if tq is None:
         kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
-        kernel = "attention_split_tq_sg" if sg else "attention_split_tq"
+        kernel = tq.kernel("attention_split_tq_sg" if sg else "attention_split_tq")
         constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
     q, _ = _bind(a.q)
     key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, a.n_kv_heads)
@@ -561,7 +586,7 @@ def _tiled_kernel(
 ) -> tuple[str, int, dict[str, int] | None]:
     """(kernel, query rows per block, override constants) of a query-block attend."""
     if tq is not None:
-        return "attention_tq_tiled", TQ_TILED_ROWS // a.group, None
+        return tq.kernel("attention_tq_tiled"), TQ_TILED_ROWS // a.group, None
     if batch.policy.prefill_f32 == "rb":
         constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
         if batch.policy.prefill_rb_specialize:
@@ -662,10 +687,13 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     """TurboQuant attention of ``a.q`` (plain queries): rotated by ``tq_rotate_q``
     into scratch, then the kernel family ``batch.policy`` picks."""
     qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
-    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim))
+    spec = TQ_SPECS[tq.kv_format]
+    rotate = "tq_rotate_q_signed" if spec.key_outliers else "tq_rotate_q"
+    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, rotate))
     a = dataclasses.replace(a, q=qrot)
-    path = batch.policy.path("turboquant", a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
+    fmt = tq.kv_format
+    path = batch.policy.path(fmt, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
     if path == "split":
-        _plan_split(batch, a, "turboquant", tq)
+        _plan_split(batch, a, fmt, tq)
     else:
-        _plan_tiled(batch, a, "turboquant", tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)
+        _plan_tiled(batch, a, fmt, tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)

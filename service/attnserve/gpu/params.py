@@ -17,6 +17,7 @@ __all__ = [
     "PREFILL_PARAMS",
     "TQ_ATTENTION_PARAMS",
     "TQ_ENCODE_PARAMS",
+    "TQX_ENCODE_PARAMS",
     "TQ_ROTATE_PARAMS",
     "SPLIT_PARAMS",
     "TQ_SPLIT_PARAMS",
@@ -99,6 +100,19 @@ TQ_ENCODE_PARAMS = _block(
     "_pad0",
 )
 
+# struct TqxEncodeParams: tqx.wgsl tqx_encode_keys / tqx_encode_values `eparams`:
+# TqEncodeParams without the codebook (a variant's kernels carry theirs as constants)
+TQX_ENCODE_PARAMS = _block(
+    "n_kv_heads",
+    "head_dim",
+    "cache_cap",
+    "t",
+    "src_off",
+    "sign_off",
+    "table_off",
+    "page_shift",
+)
+
 # struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`, one block per query
 # row: row q_row of the item whose queries start at word q_in_off (rotated: q_out_off)
 TQ_ROTATE_PARAMS = _block(
@@ -176,6 +190,7 @@ STRUCTS = {
     "PrefillParams": PREFILL_PARAMS,
     "TqAttentionParams": TQ_ATTENTION_PARAMS,
     "TqEncodeParams": TQ_ENCODE_PARAMS,
+    "TqxEncodeParams": TQX_ENCODE_PARAMS,
     "TqRotateParams": TQ_ROTATE_PARAMS,
     "SplitParams": SPLIT_PARAMS,
     "TqSplitParams": TQ_SPLIT_PARAMS,
@@ -196,6 +211,11 @@ PARAMS_OF = {
     ("flash_attention_tq_split.wgsl", "params"): TQ_SPLIT_PARAMS,
     ("flash_attention_tq_split_sg.wgsl", "params"): TQ_SPLIT_PARAMS,
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
+    ("tqx.wgsl", "eparams"): TQX_ENCODE_PARAMS,
+    ("flash_attention_tqx.wgsl", "params"): TQ_ATTENTION_PARAMS,
+    ("flash_attention_tqx_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
+    ("flash_attention_tqx_split.wgsl", "params"): TQ_SPLIT_PARAMS,
+    ("flash_attention_tqx_split_sg.wgsl", "params"): TQ_SPLIT_PARAMS,
 }
 
 

@@ -223,7 +223,8 @@ COMPONENTS: dict[str, Any] = {
             "num_kv_heads": {"type": "integer", "minimum": 1, "description": "Divides num_qo_heads (GQA)."},
             "head_dim": {
                 "type": "integer",
-                "description": "f32: 1..128; f16: even, 2..128; turboquant: 32, 64 or 128.",
+                "description": "f32: 1..128; f16: even, 2..128; "
+                "turboquant and its variants (tq4, tq3, ...): 32, 64 or 128.",
             },
             "kv_format": {
                 "anyOf": [

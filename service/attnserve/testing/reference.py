@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..turboquant import Codebook, qjl_scale
+from ..formats import TqSpec
+from ..turboquant import Codebook, codebook, qjl_scale
 
 __all__ = [
     "attention",
@@ -46,6 +47,20 @@ __all__ = [
     "rotate_q",
     "tq_scores",
     "tq_attention",
+    "pack_codes",
+    "unpack_codes",
+    "tqx_codebooks",
+    "tqx_encode",
+    "pack_tqx_key_cache",
+    "pack_tqx_value_cache",
+    "unpack_tqx_key_cache",
+    "unpack_tqx_value_cache",
+    "tqx_scores",
+    "tqx_attention",
+    "Outliers",
+    "select_outliers",
+    "outlier_values",
+    "unpack_tqx_outliers",
 ]
 
 NORM_EPS = 1e-12
@@ -332,3 +347,258 @@ def tq_attention(
     vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)  # [L, H, d] rotated space
     acc = np.einsum("hnl,lhd->nhd", p, vrot)
     return rht_inv(acc, polar_signs)
+
+
+# ── the TurboQuant variants (formats.TQ_SPECS: b-bit codes, QJL optional) ────
+#
+# Codes of b bits per coordinate, per slot ``b * d / 32`` words: first the low two
+# bits of every code as 2-bit fields (``d / 16`` words, element j at bits
+# 2(j % 16) of word j / 16: the ``turboquant`` polar layout), then one bit plane
+# per higher bit p = 2 .. b-1 (``d / 32`` words each, bit p of element j at bit
+# j % 32 of word j / 32). Regions as ``turboquant``'s: keys
+# ``[codes | jl (QJL only) | norms]``, values ``[codes | norms]``; a norm word is
+# ``pack2x16float(norm, residual_norm)`` (keys with QJL) or ``(norm, 0)``.
+
+
+def pack_codes(idx: np.ndarray, bits: int) -> np.ndarray:
+    """[..., d] b-bit codes -> [..., b * d / 32] words (low 2-bit fields, then planes)."""
+    idx = np.asarray(idx, np.uint32)
+    parts = [_pack_polar(idx & 3)] + [_pack_bits((idx >> p) & 1) for p in range(2, bits)]
+    return np.concatenate(parts, axis=-1).astype(np.uint32)
+
+
+def unpack_codes(words: np.ndarray, d: int, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`."""
+    w = np.asarray(words, np.uint32)
+    lw, pw = d // 16, d // 32
+    idx = _unpack_polar(w[..., :lw], d)
+    for p in range(2, bits):
+        o = lw + (p - 2) * pw
+        idx = idx | (_unpack_bits(w[..., o : o + pw], d) << p)
+    return idx
+
+
+def tqx_codebooks(spec: TqSpec, d: int) -> tuple[Codebook, Codebook]:
+    """(key codebook, value codebook) of a format."""
+    return codebook(d, spec.key_bits), codebook(d, spec.value_bits)
+
+
+@dataclass
+class Outliers:
+    """A vector's outlier channels (formats with ``key_outliers`` / ``value_outliers``)."""
+
+    ch: np.ndarray  # [..., n] uint32 channels, largest |x| first (ties: the lower channel)
+    half: np.ndarray  # [..., n] uint32 float16 bits of `value`
+    # [..., n] float64: (x[ch] - the codes' reconstruction at ch) * polar_signs[ch]
+    value: np.ndarray | None = None
+
+
+def select_outliers(x: np.ndarray, n: int, polar_signs: np.ndarray) -> tuple[np.ndarray, Outliers]:
+    """(the rest of ``x`` with its ``n`` largest-|x| channels zeroed, those channels,
+    their values still uncorrected: :func:`correct_outliers` gives them)."""
+    x = np.asarray(x, np.float64)
+    ch = np.argsort(-np.abs(x), axis=-1, kind="stable")[..., :n]
+    rest = x.copy()
+    np.put_along_axis(rest, ch, 0.0, axis=-1)
+    vals = np.take_along_axis(x, ch, axis=-1) * np.asarray(polar_signs, np.float64)[ch]
+    return rest, Outliers(ch.astype(np.uint32), f16_bits(vals), vals)
+
+
+def rest_signed(idx: np.ndarray, norm_bits: np.ndarray, cb: Codebook) -> np.ndarray:
+    """What a vector's codes reconstruct, times the polar signs: ``H (c[idx] * norm) / sqrt(d)``
+    with the stored (float16) norm, in float64."""
+    d = idx.shape[-1]
+    y = np.asarray(cb.centroids, np.float64)[idx] * f16_value(norm_bits)[..., None]
+    return y @ hadamard(d).T / math.sqrt(d)
+
+
+def correct_outliers(o: Outliers, x: np.ndarray, polar_signs, idx, norm_bits, cb: Codebook) -> Outliers:
+    """The stored outlier values: ``(x[ch] - the codes' reconstruction at ch) * s[ch]``,
+    so that codes plus outliers give x[ch] exactly (up to float16) at the outlier channels."""
+    x = np.asarray(x, np.float64)
+    s = np.asarray(polar_signs, np.float64)
+    ch = o.ch.astype(np.int64)
+    val = np.take_along_axis(x, ch, -1) * s[ch] - np.take_along_axis(rest_signed(idx, norm_bits, cb), ch, -1)
+    return Outliers(o.ch, f16_bits(val), val)
+
+
+def outlier_values(o: Outliers, polar_signs: np.ndarray, d: int) -> np.ndarray:
+    """The outliers as a dense ``[..., d]`` array in the original basis (zeros elsewhere)."""
+    out = np.zeros(o.ch.shape[:-1] + (d,))
+    vals = f16_value(o.half) * np.asarray(polar_signs, np.float64)[o.ch]
+    np.put_along_axis(out, o.ch.astype(np.int64), vals, axis=-1)
+    return out
+
+
+def tqx_encode(k: np.ndarray, v: np.ndarray, spec: TqSpec, polar_signs: np.ndarray, jl_signs: np.ndarray):
+    """(keys, values) encoded as ``spec`` says: keys with QJL are :class:`EncodedKeys`;
+    with outlier channels the codes are of the rest and ``.outliers`` holds them."""
+    d = k.shape[-1]
+    kcb, vcb = tqx_codebooks(spec, d)
+    k0, v0 = k, v
+    ko = vo = None
+    if spec.key_outliers:
+        k, ko = select_outliers(k, spec.key_outliers, polar_signs)
+    if spec.value_outliers:
+        v, vo = select_outliers(v, spec.value_outliers, polar_signs)
+    ek = encode_keys(k, polar_signs, jl_signs, kcb) if spec.qjl else encode_values(k, polar_signs, kcb)
+    ev = encode_values(v, polar_signs, vcb)
+    if ko is not None:
+        ko = correct_outliers(ko, k0, polar_signs, _live_idx(ek), _norm_bits(ek), kcb)
+    if vo is not None:
+        vo = correct_outliers(vo, v0, polar_signs, _live_idx(ev), _norm_bits(ev), vcb)
+    ek.outliers, ev.outliers = ko, vo  # type: ignore[attr-defined]
+    return ek, ev
+
+
+def _live_idx(enc: EncodedValues) -> np.ndarray:
+    return np.where(enc.live[..., None], enc.idx, 0).astype(np.uint32)
+
+
+def _norm_bits(enc: EncodedValues) -> np.ndarray:
+    return np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32)
+
+
+def _pack_outliers(enc: EncodedValues, cap: int, nw: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(norm words with outlier 0 in the upper half, [the outlier region in slot order])."""
+    o = getattr(enc, "outliers", None)
+    if o is None:
+        return nw, []
+    n = o.ch.shape[-1]
+    nw = nw | (o.half[..., 0] << 16)
+    halves = np.zeros(o.ch.shape[:-1] + (2 * (-(-(n - 1) // 2)),), np.uint32)
+    halves[..., : n - 1] = o.half[..., 1:]
+    hw = halves[..., 0::2] | (halves[..., 1::2] << 16)
+    chs = np.zeros(o.ch.shape[:-1] + (4 * (-(-n // 4)),), np.uint32)
+    chs[..., :n] = o.ch
+    iw = chs[..., 0::4] | (chs[..., 1::4] << 8) | (chs[..., 2::4] << 16) | (chs[..., 3::4] << 24)
+    return nw.astype(np.uint32), [_to_slots(np.concatenate([hw, iw], axis=-1).astype(np.uint32), cap).ravel()]
+
+
+def _unpack_outliers(region: np.ndarray, nw: np.ndarray, n: int) -> Outliers:
+    """Inverse of :func:`_pack_outliers` from ``[..., words]`` and the norm words."""
+    hwn = -(-(n - 1) // 2)
+    hw, iw = region[..., :hwn], region[..., hwn:]
+    halves = np.stack([hw & 0xFFFF, hw >> 16], axis=-1).reshape(*hw.shape[:-1], 2 * hwn)[..., : n - 1]
+    half = np.concatenate([(nw >> 16)[..., None], halves], axis=-1)
+    ch = np.stack([(iw >> (8 * b)) & 0xFF for b in range(4)], axis=-1).reshape(*iw.shape[:-1], -1)[..., :n]
+    return Outliers(ch.astype(np.uint32), half.astype(np.uint32))
+
+
+def pack_tqx_key_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
+    """Key cache words ``[codes | jl (QJL) | norms]`` of keys encoded from ``[L, Hkv, d]``."""
+    codes = np.where(enc.live[..., None], pack_codes(enc.idx, spec.key_bits), 0)
+    parts = [_to_slots(codes, cap).ravel()]
+    nw = f16_bits(enc.norm)
+    if spec.qjl:
+        parts.append(_to_slots(_pack_bits(enc.bits), cap).ravel())
+        nw = nw | (f16_bits(enc.residual_norm) << 16)
+    nw, extra = _pack_outliers(enc, cap, np.where(enc.live, nw, 0).astype(np.uint32))
+    parts.append(_to_slots(nw, cap).ravel())
+    return np.concatenate(parts + extra).astype(np.uint32)
+
+
+def pack_tqx_value_cache(enc: EncodedValues, cap: int, spec: TqSpec) -> np.ndarray:
+    """Value cache words ``[codes | norms]``."""
+    codes = np.where(enc.live[..., None], pack_codes(enc.idx, spec.value_bits), 0)
+    nw, extra = _pack_outliers(enc, cap, np.where(enc.live, f16_bits(enc.norm), 0).astype(np.uint32))
+    return np.concatenate([_to_slots(codes, cap).ravel(), _to_slots(nw, cap).ravel()] + extra).astype(np.uint32)
+
+
+def unpack_tqx_key_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """``(idx, bits, norm, residual_norm)`` of timesteps ``< length`` (bits and the
+    residual norm all zero without QJL)."""
+    vecs = n_kv_heads * cap
+    cw, jw = spec.key_bits * d // 32, (d // 32 if spec.qjl else 0)
+    w = np.asarray(words, np.uint32)
+    codes = w[: vecs * cw].reshape(n_kv_heads, cap, cw)[:, :length]
+    idx = np.swapaxes(unpack_codes(codes, d, spec.key_bits), 0, 1)
+    if spec.qjl:
+        jl = w[vecs * cw : vecs * (cw + jw)].reshape(n_kv_heads, cap, jw)[:, :length]
+        bits = np.swapaxes(_unpack_bits(jl, d), 0, 1)
+    else:
+        bits = np.zeros_like(idx)
+    nw = w[vecs * (cw + jw) : vecs * (cw + jw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    if spec.key_outliers:  # the upper half is outlier 0: no residual norm
+        return idx, bits, f16_value(nw & 0xFFFF).T, np.zeros(nw.T.shape)
+    return idx, bits, f16_value(nw & 0xFFFF).T, f16_value(nw >> 16).T
+
+
+def unpack_tqx_outliers(words: np.ndarray, spec: TqSpec, keys: bool, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """The outliers ``[L, Hkv, n]`` of a key (or value) cache of a format that has them, else None."""
+    n = spec.key_outliers if keys else spec.value_outliers
+    if not n:
+        return None
+    from ..formats import outlier_words
+
+    vecs = n_kv_heads * cap
+    cw = (spec.key_bits if keys else spec.value_bits) * d // 32
+    w = np.asarray(words, np.uint32)
+    nw = w[vecs * cw : vecs * (cw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    ow = outlier_words(n)
+    region = w[vecs * (cw + 1) : vecs * (cw + 1 + ow)].reshape(n_kv_heads, cap, ow)[:, :length]
+    o = _unpack_outliers(region, nw, n)
+    return Outliers(np.swapaxes(o.ch, 0, 1), np.swapaxes(o.half, 0, 1))
+
+
+def unpack_tqx_value_cache(words: np.ndarray, spec: TqSpec, *, n_kv_heads: int, cap: int, d: int, length: int):
+    """``(idx [L, Hkv, d], norm [L, Hkv])``."""
+    vecs = n_kv_heads * cap
+    cw = spec.value_bits * d // 32
+    w = np.asarray(words, np.uint32)
+    codes = w[: vecs * cw].reshape(n_kv_heads, cap, cw)[:, :length]
+    nw = w[vecs * cw : vecs * (cw + 1)].reshape(n_kv_heads, cap)[:, :length]
+    return np.swapaxes(unpack_codes(codes, d, spec.value_bits), 0, 1), f16_value(nw & 0xFFFF).T
+
+
+def tqx_scores(q_rot, q_jl, idx, bits, norm, residual_norm, spec: TqSpec) -> np.ndarray:
+    """Estimated ``<q, k>`` ``[H, n, L]`` (unscaled): the QJL term only where ``spec`` has it."""
+    kcb = codebook(q_rot.shape[-1], spec.key_bits)
+    return tq_scores(q_rot, q_jl, idx, bits, norm, residual_norm, kcb, polar_only=not spec.qjl)
+
+
+def tqx_attention(
+    q: np.ndarray,
+    key_words: np.ndarray,
+    value_words: np.ndarray,
+    spec: TqSpec,
+    *,
+    n_kv_heads: int,
+    cap: int,
+    length: int,
+    polar_signs: np.ndarray,
+    jl_signs: np.ndarray,
+    start_pos: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Attention computed from a variant's packed words, in float64 (``flash_attention_tqx``)."""
+    q = np.asarray(q, np.float64)
+    n, h, d = q.shape
+    if start_pos is None:
+        start_pos = length - n
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    dims = dict(n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
+    idx, bits, norm, rn = unpack_tqx_key_cache(key_words, spec, **dims)
+    vidx, vnorm = unpack_tqx_value_cache(value_words, spec, **dims)
+    q_rot, q_jl, _ = rotate_q(q, polar_signs, jl_signs)
+    s = tqx_scores(q_rot, q_jl, idx, bits, norm, rn, spec)  # [H, n, L]
+    group = h // n_kv_heads
+    ko = unpack_tqx_outliers(key_words, spec, True, **dims)
+    if ko is not None:  # the outlier channels' exact part of <q, k>
+        s = s + np.einsum("nhd,lhd->hnl", q, np.repeat(outlier_values(ko, polar_signs, d), group, axis=1))
+    s = s * scale
+    if causal:
+        pos = start_pos + np.arange(n)
+        s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
+    s = s - s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    c = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)
+    vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)
+    out = rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
+    vo = unpack_tqx_outliers(value_words, spec, False, **dims)
+    if vo is not None:
+        out = out + np.einsum("hnl,lhd->nhd", p, np.repeat(outlier_values(vo, polar_signs, d), group, axis=1))
+    return out

@@ -1,0 +1,203 @@
+// FlashAttention over a TurboQuant-variant cache, single pass (`flash_attention_tqx`,
+// the KernelPolicy's force="single" kernel for formats.TQ_VARIANTS). The structure,
+// bindings, params and dispatch of `flash_attention_tq.wgsl` (read it): one
+// workgroup per (head, query), online softmax over tiles of 256 timesteps, the
+// accumulator in rotated space and one inverse RHT at the end. What differs is
+// the code: b-bit codes (KB for keys, VB for values) in the layout of
+// `tqx.wgsl` (low 2-bit fields, then bit planes), centroids from the format's
+// codebooks (in workgroup memory), and the QJL term only where QJL is set:
+//
+//   score = norm * (sum_d q_rot[d] KC[idx_d] + [QJL] residual_norm * qjl_scale * signed_sum) * scale
+//
+// The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl).
+// Its float64 oracle is `attnserve.testing.reference.tqx_attention`.
+// Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
+
+{TQX_CONSTS}
+
+@group(0) @binding(0) var<storage, read> qrot: array<f32>;
+@group(0) @binding(1) var<storage, read> k_cache: array<u32>;
+@group(0) @binding(2) var<storage, read> v_cache: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out_batch: array<f32>;
+// #struct TqAttentionParams
+@group(0) @binding(4) var<storage, read> params: TqAttentionParams;
+@group(0) @binding(5) var<storage, read> signs: array<f32>;
+@group(0) @binding(6) var<storage, read> pages: array<u32>;
+// #include "paging.wgsl"
+const TILE: u32 = 256u;
+const MAX_HEAD_DIM: u32 = 128u;
+const NEG_INF: f32 = -3.402823e+38;
+const FLAG_NON_CAUSAL: u32 = 1u;
+var<workgroup> q_rot_shared: array<f32, MAX_HEAD_DIM>;
+var<workgroup> q_jl_shared: array<f32, MAX_HEAD_DIM>;
+var<workgroup> acc: array<f32, MAX_HEAD_DIM>; // rotated-space output accumulator
+var<workgroup> tile_scores: array<f32, TILE>;
+var<workgroup> tile_vnorm: array<f32, TILE>;
+var<workgroup> kc_sh: array<f32, 16>;         // key centroids
+var<workgroup> vc_sh: array<f32, 16>;         // value centroids
+// #include "single_pass_state.wgsl"
+// #include "tqx_codebooks.wgsl"
+// #include "tqx_outliers.wgsl"
+
+@compute @workgroup_size(256, 1, 1)
+fn flash_attention_tqx(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+) {
+    let head = wid.x;
+    let q_idx = wid.y;
+    let tid = lid.x;
+    let prm = params;
+    // #include "tq_attention_params.wgsl"
+    let q_global = q_base + q_idx;
+    let pos_q = start_pos + q_global;
+    var seq_len = min(pos_q + 1u, max_seq);
+    if (flags & FLAG_NON_CAUSAL) != 0u {
+        seq_len = max_seq;
+    }
+    let group_size = n_heads / n_kv_heads;
+    let kv_head = head / group_size;
+    let out_offset = out_off + q_global * out_stride + head * head_dim;
+    let q_region = q_cap * n_heads * head_dim;
+    let q_offset = q_off + (q_global * n_heads + head) * head_dim;
+    let q_jl_sum = qrot[q_off + 2u * q_region + q_global * n_heads + head];
+    // Compressed cache regions for this layer (tqx.wgsl).
+    let lw = head_dim / 16u;                  // low 2-bit field words
+    let pwd = head_dim / 32u;                 // words per bit plane (and of JL signs)
+    let kcw = KB * pwd;
+    let vcw = VB * pwd;
+    var jw = 0u;
+    if QJL { jw = pwd; }
+    let vecs = n_kv_heads * cache_cap;
+    let k_jl_off = vecs * kcw;
+    let k_norm_off = k_jl_off + vecs * jw;
+    let v_norm_off = vecs * vcw;
+    let kow = KO / 2u + (KO + 3u) / 4u;          // outlier words of a key slot (formats.outlier_words)
+    let vow = VO / 2u + (VO + 3u) / 4u;
+    let k_out_off = k_norm_off + vecs;
+    let v_out_off = v_norm_off + vecs;
+    let kv_slot_base = kv_head * cache_cap;
+    let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    if seq_len == 0u {
+        if tid < head_dim {
+            out_batch[out_offset + tid] = 0.0;
+        }
+        return;
+    }
+    if tid < head_dim {
+        q_rot_shared[tid] = qrot[q_offset + tid];
+        q_jl_shared[tid] = qrot[q_region + q_offset + tid];
+        acc[tid] = 0.0;
+    }
+    if tid < 16u {
+        var kc = key_centroids(head_dim);
+        var vc = value_centroids(head_dim);
+        kc_sh[tid] = kc[tid];
+        vc_sh[tid] = vc[tid];
+    }
+    // #include "single_pass_start.wgsl"
+    var base = 0u;
+    while base < seq_len {
+        let t = base + tid;
+        var score = NEG_INF;
+        if t < seq_len {
+            let slot = kv_slot_base + phys_row(table_off, page_shift, t);
+            let norms = unpack2x16float(k_cache[k_norm_off + slot]);
+            let norm = norms.x;
+            // codes, 32 dims per step: two low-field words and one word per plane
+            var polar_dot = 0.0;
+            let cb = slot * kcw;
+            for (var w = 0u; w < pwd; w += 1u) {
+                let lo0 = k_cache[cb + 2u * w];
+                let lo1 = k_cache[cb + 2u * w + 1u];
+                var h2 = 0u;
+                var h3 = 0u;
+                if KB > 2u { h2 = k_cache[cb + lw + w]; }
+                if KB > 3u { h3 = k_cache[cb + lw + pwd + w]; }
+                for (var k = 0u; k < 32u; k += 1u) {
+                    let lo = select(lo0, lo1, k >= 16u);
+                    let c = ((lo >> (2u * (k % 16u))) & 3u) | (((h2 >> k) & 1u) << 2u) | (((h3 >> k) & 1u) << 3u);
+                    polar_dot += q_rot_shared[32u * w + k] * kc_sh[c];
+                }
+            }
+            score = polar_dot * norm;
+            if KO > 0u {                         // the outlier channels: q * signs . the stored values
+                let ob = k_out_off + slot * kow;
+                for (var j = 0u; j < KO; j += 1u) {
+                    let o = k_outlier(ob, j, norms.y);
+                    score += q_jl_shared[o.ch] * o.val;
+                }
+            }
+            if QJL {
+                var pos_sum = 0.0;
+                let jl_base = k_jl_off + slot * jw;
+                for (var w = 0u; w < jw; w += 1u) {
+                    let word = k_cache[jl_base + w];
+                    for (var k = 0u; k < 32u; k += 1u) {
+                        pos_sum += q_jl_shared[32u * w + k] * f32((word >> k) & 1u);
+                    }
+                }
+                score += norm * norms.y * qjl_scale * (2.0 * pos_sum - q_jl_sum);
+            }
+            score = score * scale;
+            tile_vnorm[tid] = unpack2x16float(v_cache[v_norm_off + slot]).x;
+        }
+        // #include "single_tile_softmax.wgsl"
+        if tid < head_dim {
+            var a = acc[tid] * corr;
+            let vlo = tid / 16u;
+            let vsh = (tid % 16u) * 2u;
+            let vpw = tid / 32u;
+            let vpb = tid % 32u;
+            for (var jj = 0u; jj < TILE; jj += 1u) {
+                let tt = base + jj;
+                if tt < seq_len {
+                    let vb = (kv_slot_base + phys_row(table_off, page_shift, tt)) * vcw;
+                    var c = (v_cache[vb + vlo] >> vsh) & 3u;
+                    if VB > 2u { c |= ((v_cache[vb + lw + vpw] >> vpb) & 1u) << 2u; }
+                    if VB > 3u { c |= ((v_cache[vb + lw + pwd + vpw] >> vpb) & 1u) << 3u; }
+                    var x = tile_vnorm[jj] * vc_sh[c];
+                    if VO > 0u {
+                        let vslot = kv_slot_base + phys_row(table_off, page_shift, tt);
+                        let v0 = unpack2x16float(v_cache[v_norm_off + vslot]).y;
+                        let ob = v_out_off + vslot * vow;
+                        var sp = 0.0;
+                        for (var j = 0u; j < VO; j += 1u) {
+                            let o = v_outlier(ob, j, v0);
+                            sp += o.val * hsign(tid, o.ch);
+                        }
+                        x += sp * inv_sqrt_d;
+                    }
+                    a += tile_scores[jj] * x;
+                }
+            }
+            acc[tid] = a;
+        }
+        if tid == 0u {
+            st[1] = st[1] * corr + tsum;
+            st[0] = nm;
+        }
+        workgroupBarrier();
+        base += TILE;
+    }
+    // ── epilogue: normalize, then one inverse RHT back to the original basis ──
+    if tid < head_dim {
+        acc[tid] = acc[tid] / st[1] * inv_sqrt_d;
+    }
+    var stride = 1u;
+    while stride < head_dim {
+        workgroupBarrier();
+        if tid < head_dim / 2u {
+            let i = (tid / stride) * 2u * stride + (tid % stride);
+            let a = acc[i];
+            let b = acc[i + stride];
+            acc[i] = a + b;
+            acc[i + stride] = a - b;
+        }
+        stride = stride * 2u;
+    }
+    workgroupBarrier();
+    if tid < head_dim {
+        out_batch[out_offset + tid] = acc[tid] * signs[sign_off + tid];
+    }
+}
