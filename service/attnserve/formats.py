@@ -15,7 +15,8 @@ out, the kernels read them).
   ``shaders/tqx.wgsl``). A name says the key's bits per coordinate (QJL bit
   included, ``q`` when one of them is QJL) and, where they differ, the value's.
   ``tq4o`` (4.25 bits per element) keeps each vector's largest channels as float16
-  (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4).
+  (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4); ``tq3o``
+  (3.5 bits) keeps a key's 8 and codes values with 3 bits.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ TQ_VARIANTS: dict[str, TqSpec] = {
     "tq3q": TqSpec(2, True, 3),  # 3.25 (keys 2 bits + QJL)
     "tq4q": TqSpec(3, True, 4),  # 4.25 (keys 3 bits + QJL)
     "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
+    "tq3o": TqSpec(2, False, 3, 8, 0),  # 3.5 (keys 2 bits + 8 outliers, values 3 bits)
 }
 #: Every compressed format's bit budget: ``turboquant`` is (2, QJL, 2), its layout
 #: the variants' at b = 2.

@@ -24,7 +24,19 @@ def test_info(api, server, enc):
     assert info["version"] == __version__ and info["api_version"] == 1
     assert info["adapter"]["name"] == ctx.name and info["adapter"]["backend"] == ctx.backend
     assert info["backend"] == ctx.backend
-    assert info["kv_formats"] == ["f32", "f16", "turboquant", "tq4", "tq3", "tq4v2", "tq4v3", "tq3q", "tq4q", "tq4o"]
+    assert info["kv_formats"] == [
+        "f32",
+        "f16",
+        "turboquant",
+        "tq4",
+        "tq3",
+        "tq4v2",
+        "tq4v3",
+        "tq3q",
+        "tq4q",
+        "tq4o",
+        "tq3o",
+    ]
     assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
     assert info["head_dims"]["f16"] == list(range(2, 129, 2))
     assert info["kv_format_sizes"]["f16"] == [
