@@ -108,7 +108,7 @@ for name in names:
 from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
 assert os.path.realpath(shader_dir()).startswith(site + os.sep), shader_dir()
 for spec in KERNELS.values():
-    assert "#include" not in load_wgsl(spec.file), spec.file
+    assert "#include" not in load_wgsl(spec.file, spec.defines), spec.file
 for optional in ("attnserve.cli", "attnserve.app"):
     try:
         importlib.import_module(optional)
