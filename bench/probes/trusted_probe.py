@@ -54,10 +54,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.trusted:
 
-        def _module(self, file):
-            if file not in self._modules:
-                self._modules[file] = trusted_module(self._device, S.load_wgsl(file), file)
-            return self._modules[file]
+        def _module(self, spec):
+            key = (spec.file, spec.defines)
+            if key not in self._modules:
+                self._modules[key] = trusted_module(self._device, S.load_wgsl(*key), spec.file)
+            return self._modules[key]
 
         S.PipelineCache._module = _module
     eng = B.Engine.open(None)
