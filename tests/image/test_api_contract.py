@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from attnserve.formats import KV_FORMATS as ALL_FORMATS
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 from attnserve_client import Client, SessionExists, SessionNotFound, wire
@@ -110,10 +111,11 @@ def test_info(api, target, enc):
     answer_type(r, enc)
     info = r.body
     assert info["name"] == "attnserve" and info["api_version"] == 1 and info["ready"] is True, info
-    assert set(info["kv_formats"]) == set(KV_FORMATS)
+    # every format of this checkout, in its order (the ones tested below among them)
+    assert info["kv_formats"] == list(ALL_FORMATS) and set(KV_FORMATS) <= set(ALL_FORMATS)
     assert info["head_dims"]["turboquant"] == [32, 64, 128]
     assert info["head_dims"]["f16"] == list(range(2, 129, 2))
-    sizes = {fmt: {s["head_dim"]: s for s in info["kv_format_sizes"][fmt]} for fmt in KV_FORMATS}
+    sizes = {fmt: {s["head_dim"]: s for s in info["kv_format_sizes"][fmt]} for fmt in info["kv_formats"]}
     fmts = ("f32", "f16", "turboquant", "tq4", "tq3")
     assert [sizes[fmt][128]["bytes_per_token_per_kv_head"] for fmt in fmts] == [1024, 512, 88, 136, 104]
     assert [sizes[fmt][64]["bits_per_element"] for fmt in fmts] == [32, 16, 3.0, 4.5, 3.5]
