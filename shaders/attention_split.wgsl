@@ -83,6 +83,42 @@ fn attention_split(
         var sa = vec4<f32>(0.0);                 // heads 0..3
         var sb = vec4<f32>(0.0);                 // heads 4..7
         var c = 0u;
+        if KV_NARROW {
+            // a narrow slab (f16: 8 bytes a column): sixteen loads in flight per step
+            for (; c + 16u <= d4; c += 16u) {
+                let k0 = key4(r + c);
+                let k1 = key4(r + c + 1u);
+                let k2 = key4(r + c + 2u);
+                let k3 = key4(r + c + 3u);
+                let k4 = key4(r + c + 4u);
+                let k5 = key4(r + c + 5u);
+                let k6 = key4(r + c + 6u);
+                let k7 = key4(r + c + 7u);
+                let k8 = key4(r + c + 8u);
+                let k9 = key4(r + c + 9u);
+                let k10 = key4(r + c + 10u);
+                let k11 = key4(r + c + 11u);
+                let k12 = key4(r + c + 12u);
+                let k13 = key4(r + c + 13u);
+                let k14 = key4(r + c + 14u);
+                let k15 = key4(r + c + 15u);
+                sa += qk_lo(c, d4, group, k0) + qk_lo(c + 1u, d4, group, k1)
+                    + qk_lo(c + 2u, d4, group, k2) + qk_lo(c + 3u, d4, group, k3)
+                    + qk_lo(c + 4u, d4, group, k4) + qk_lo(c + 5u, d4, group, k5)
+                    + qk_lo(c + 6u, d4, group, k6) + qk_lo(c + 7u, d4, group, k7);
+                sa += qk_lo(c + 8u, d4, group, k8) + qk_lo(c + 9u, d4, group, k9)
+                    + qk_lo(c + 10u, d4, group, k10) + qk_lo(c + 11u, d4, group, k11)
+                    + qk_lo(c + 12u, d4, group, k12) + qk_lo(c + 13u, d4, group, k13)
+                    + qk_lo(c + 14u, d4, group, k14) + qk_lo(c + 15u, d4, group, k15);
+                if group > 4u {
+                    sb += qk_hi(c, d4, k0) + qk_hi(c + 1u, d4, k1) + qk_hi(c + 2u, d4, k2) + qk_hi(c + 3u, d4, k3)
+                        + qk_hi(c + 4u, d4, k4) + qk_hi(c + 5u, d4, k5) + qk_hi(c + 6u, d4, k6) + qk_hi(c + 7u, d4, k7);
+                    sb += qk_hi(c + 8u, d4, k8) + qk_hi(c + 9u, d4, k9) + qk_hi(c + 10u, d4, k10)
+                        + qk_hi(c + 11u, d4, k11) + qk_hi(c + 12u, d4, k12) + qk_hi(c + 13u, d4, k13)
+                        + qk_hi(c + 14u, d4, k14) + qk_hi(c + 15u, d4, k15);
+                }
+            }
+        }
         for (; c + 8u <= d4; c += 8u) {
             let k0 = key4(r + c);
             let k1 = key4(r + c + 1u);

@@ -16,6 +16,34 @@
     var a7 = vec4<f32>(0.0);
     if grp < n_grp {
         var t = grp;
+        if KV_NARROW {
+            // a narrow slab (f16): eight rows per step, so that a step moves f32's bytes
+            for (; t + 7u * n_grp < n_t; t += 8u * n_grp) {
+                let v0 = value4(split_row(page0, page_shift, t0 + t) * kv4 + head4 + c);
+                let v1 = value4(split_row(page0, page_shift, t0 + t + n_grp) * kv4 + head4 + c);
+                let v2 = value4(split_row(page0, page_shift, t0 + t + 2u * n_grp) * kv4 + head4 + c);
+                let v3 = value4(split_row(page0, page_shift, t0 + t + 3u * n_grp) * kv4 + head4 + c);
+                let v4 = value4(split_row(page0, page_shift, t0 + t + 4u * n_grp) * kv4 + head4 + c);
+                let v5 = value4(split_row(page0, page_shift, t0 + t + 5u * n_grp) * kv4 + head4 + c);
+                let v6 = value4(split_row(page0, page_shift, t0 + t + 6u * n_grp) * kv4 + head4 + c);
+                let v7 = value4(split_row(page0, page_shift, t0 + t + 7u * n_grp) * kv4 + head4 + c);
+                let t1 = t + n_grp;
+                let t2 = t + 2u * n_grp;
+                let t3 = t + 3u * n_grp;
+                let t4 = t + 4u * n_grp;
+                let t5 = t + 5u * n_grp;
+                let t6 = t + 6u * n_grp;
+                let t7 = t + 7u * n_grp;
+                // #include "accumulate_heads.wgsl" T=t V=v0
+                // #include "accumulate_heads.wgsl" T=t1 V=v1
+                // #include "accumulate_heads.wgsl" T=t2 V=v2
+                // #include "accumulate_heads.wgsl" T=t3 V=v3
+                // #include "accumulate_heads.wgsl" T=t4 V=v4
+                // #include "accumulate_heads.wgsl" T=t5 V=v5
+                // #include "accumulate_heads.wgsl" T=t6 V=v6
+                // #include "accumulate_heads.wgsl" T=t7 V=v7
+            }
+        }
         // four rows per step: four independent loads in flight
         for (; t + 3u * n_grp < n_t; t += 4u * n_grp) {
             let v0 = value4(split_row(page0, page_shift, t0 + t) * kv4 + head4 + c);
