@@ -15,7 +15,7 @@ from attnserve.kvcache import SessionConfig
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
-from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session
+from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session, stored
 from test_core_turboquant import check_key_words, check_value_words
 from test_core_tqx import check_tqx_words
 from attnserve.formats import TQ_SPECS
@@ -214,3 +214,30 @@ def test_a_batch_of_attends_is_one_dispatch_per_phase_and_bit_identical(engine, 
         assert a.tobytes() == b.tobytes()
     for s in sessions:
         engine.release(s).result()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16"])
+def test_the_longest_plain_split_reads_every_page_of_its_window(engine, rng, fmt):
+    """At G = 1 a plain split holds PLAIN_MAX_SCORES keys: MAX_SCORES / P pages of
+    its window in workgroup memory (split_plain_decls.wgsl's pg_sh), the most there are."""
+    import dataclasses
+
+    from attnserve.gpu.kernels import PLAIN_MAX_SCORES, choose_split
+
+    h = hkv = 1
+    d, length = 8, PLAIN_MAX_SCORES + 37
+    assert choose_split(fmt, length, hkv, 1, 1, 1) == (PLAIN_MAX_SCORES, 2)  # one full split, one short
+    assert PLAIN_MAX_SCORES // P == 256  # pg_sh's size at the shortest page (P = 16)
+    s = session(engine, fmt, h, hkv, d, max_tokens=length, seed=3)
+    k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+    engine.append(s.layers[0], k, v).result()
+    q = rows(rng, 2, h, d)
+    saved = engine.policy
+    engine.policy = dataclasses.replace(saved, force="split", target_workgroups=1)
+    try:
+        out, _ = engine.attend(s.layers[0], q, start_pos=length - 2).result()
+    finally:
+        engine.policy = saved
+    want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=length - 2, causal=True)
+    assert rel_err(out, want) <= F32_TOL
+    engine.release(s).result()

@@ -131,7 +131,7 @@ class Variant:
     def split_cap(self, group: int, head_dim: int, limit: int) -> int:
         """The longest split the pipeline takes on a device with ``limit`` bytes of
         workgroup memory (SPLIT: 512 or 256, at most the shipped cap)."""
-        ship = min(K.TQ_MAX_SPLIT, K.SPLIT_MAX_SCORES // group)
+        ship = min(K.TQ_MAX_SPLIT, K.TQ_MAX_SCORES // group)
         for s in (512, 256):
             if s <= min(ship, self.max_split) and self.smem_bytes(group, head_dim, s) <= limit:
                 return s

@@ -11,7 +11,7 @@
 
 const WG: u32 = 256u;
 const MAX_GROUP: u32 = 8u;
-const MAX_SCORES: u32 = 2048u;       // G * split_len; reused for the row-group sums
+const MAX_SCORES: u32 = 4096u;       // G * split_len (kernels.PLAIN_MAX_SCORES); reused for the row-group sums
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 
@@ -24,8 +24,8 @@ var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]
 var<workgroup> red: array<f32, WG>;
 var<workgroup> stat: array<f32, MAX_GROUP>;      // per-head split max
 
-// The split's page table entries (split_len / P of them at most, P >= 16).
-var<workgroup> pg_sh: array<u32, 128>;
+// The split's page table entries (split_len / P of them at most: MAX_SCORES / 16).
+var<workgroup> pg_sh: array<u32, 256>;
 
 // Slab row of timestep t (absolute) of this split, from pg_sh (page0: its first page).
 fn split_row(page0: u32, shift: u32, t: u32) -> u32 {

@@ -38,7 +38,9 @@ log = logging.getLogger("attnserve.gpu")
 # 6 KiB of workgroup memory, 256 invocations, and room for a useful cache.
 MIN_LIMITS = {
     "max-storage-buffers-per-shader-stage": 7,
-    "max-compute-workgroup-storage-size": 8192,
+    # the largest kernel's workgroup memory (attention_prefill_rb: 32 KiB; the plain
+    # split kernels ~21 KiB)
+    "max-compute-workgroup-storage-size": 32768,
     "max-compute-invocations-per-workgroup": 256,
     "max-compute-workgroup-size-x": 256,
     "max-storage-buffer-binding-size": 16 << 20,

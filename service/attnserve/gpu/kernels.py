@@ -382,7 +382,12 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
 SPLIT_TILE = 32  # the shortest split choose_split makes
-SPLIT_MAX_SCORES = 2048  # MAX_SCORES: group * split_len
+# group * split_len, the scores a split kernel holds in workgroup memory (MAX_SCORES
+# in shaders/include/split_plain_decls.wgsl and split_tq_common_decls.wgsl): the
+# plain kernels' 4096 (1024-key splits at G = 4) measured 8-10% faster at 32k-128k
+# than 2048 and than 8192 on the H200 (docs/benchmarks.md)
+PLAIN_MAX_SCORES = 4096
+TQ_MAX_SCORES = 2048
 TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
 
 
@@ -464,9 +469,10 @@ def choose_split(
     """(split_len, n_splits): a power-of-two split so that about
     ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
     target = target_workgroups
-    cap = SPLIT_MAX_SCORES // group
     if kv_format in TQ_SPECS:
-        cap = min(cap, TQ_MAX_SPLIT)
+        cap = min(TQ_MAX_SCORES // group, TQ_MAX_SPLIT)
+    else:
+        cap = PLAIN_MAX_SCORES // group
     want = -(-max_seq * n_kv_heads * n_queries // target)
     s = SPLIT_TILE
     while s < want and s < cap:
