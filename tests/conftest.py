@@ -51,8 +51,6 @@ def rng(request):
         "split-long",
         "split-sg",
         "split-sg-long",
-        "split-lanes",
-        "split-lanes-long",
         "tiled",
         "tiled-rb",
         "tiled-rb-prefetch",
@@ -72,14 +70,13 @@ def kernel_path(request, engine):
     import dataclasses
 
     p = request.param
-    if ("sg" in p or "lanes" in p) and "subgroup" not in engine.ctx.features:
+    if "sg" in p and "subgroup" not in engine.ctx.features:
         no_adapter(f"the adapter has no subgroup feature for {p}")
     saved = engine.policy
     engine.policy = dataclasses.replace(
         saved,
         force="tiled" if p.startswith("tiled") else p if p == "single" else "split",
         subgroups="sg" in p,
-        split_lanes="lanes" in p,
         prefill_f32="rb" if p.startswith("tiled-rb") else "tiled",
         # the register-blocked kernel's variants: register prefetch of the next
         # chunk, and the generic pipeline (shape from params, no override constants)

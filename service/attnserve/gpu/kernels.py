@@ -412,10 +412,6 @@ class KernelPolicy:
     # slower than the plain ones (one thread per key) on the H200 at every
     # context, so they run only when asked for (and the device has the feature).
     subgroups: bool = False
-    # The plain (f32, f16) split kernel's lane-group variant (attention_split_lanes:
-    # eight lanes score a key, whole 128-byte spans per load), where the device
-    # has the subgroup feature and ``subgroups`` does not ask for the sg variants.
-    split_lanes: bool = False
     # The plain (f32, f16) query-block prefill kernel behind the "tiled" path: "tiled"
     # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
@@ -431,14 +427,6 @@ class KernelPolicy:
 
     def use_subgroups(self, device) -> bool:
         return bool(self.subgroups) and "subgroup" in device.features
-
-    def plain_split_kernel(self, device) -> str:
-        """The base name of the plain split kernel this device runs."""
-        if self.use_subgroups(device):
-            return "attention_split_sg"
-        if self.split_lanes and "subgroup" in device.features:
-            return "attention_split_lanes"
-        return "attention_split"
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
         """ "split", "tiled" or "single" for this attend."""
@@ -513,7 +501,7 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
     item = _SplitItem(a, split_len, n_splits, part, tq)
     sg = batch.policy.use_subgroups(batch.device)
     if tq is None:
-        kernel, constants = plain_kernel(batch.policy.plain_split_kernel(batch.device), kv_format), None
+        kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
         kernel = tq.kernel("attention_split_tq_sg" if sg else "attention_split_tq")
         constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}

@@ -90,7 +90,6 @@ _PLAIN_KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "attention_prefill_rb": ("attention_prefill_rb.wgsl", ()),
     "attention_split": ("attention_split.wgsl", ()),
     "attention_split_sg": ("attention_split_sg.wgsl", ("subgroup",)),
-    "attention_split_lanes": ("attention_split_lanes.wgsl", ("subgroup",)),
 }
 
 
