@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Prefill kernel variants side by side (diagnostic for choosing the policy).
 
-    python bench/probes/prefill_sweep.py [--json-out FILE]
+    python bench/probes/prefill_sweep.py [--formats f32,turboquant] [--json-out FILE]
 
-Times the f32 prefill (2048 causal queries over 2048 keys, and 512 over 8192;
+Times the plain (f32, f16) prefill (2048 causal queries over 2048 keys, and 512 over 8192;
 32 query heads, 8 KV heads, d = 128) with the query-block tiled kernel and the
 register-blocked one in its variants (register prefetch on/off, pipelines
 specialized on the shape or generic), and the TurboQuant tiled prefill, as
@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
+from attnserve.formats import is_plain  # noqa: E402  (kernels.py put service/ on the path)
 
 VARIANTS = {
     "tiled": dict(prefill_f32="tiled"),
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.2)
     ap.add_argument("--adapter")
     ap.add_argument("--quick", action="store_true", help="small shapes (lavapipe)")
+    ap.add_argument("--formats", default="f32,turboquant", help="kv formats (plain ones get every variant)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
     shapes = ((256, 256),) if args.quick else SHAPES
@@ -45,13 +47,13 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     default = dataclasses.replace(eng.policy, force="tiled")
     rows = []
-    for fmt in ("f32", "turboquant"):
+    for fmt in args.formats.split(","):
         s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, max(k for _, k in shapes), 1))
         filled = 0
         for n, ctx_len in shapes:
             B.fill_layer(eng, s.layers[0], ctx_len - filled, rng)
             filled = max(filled, ctx_len)
-            for name, knobs in VARIANTS.items() if fmt == "f32" else [("tiled", {})]:
+            for name, knobs in VARIANTS.items() if is_plain(fmt) else [("tiled", {})]:
                 eng.policy = dataclasses.replace(default, **knobs)
                 ms = B.time_wgpu(eng, s.layers[0], n, ctx_len, rng, args.budget)
                 rows.append(
