@@ -141,7 +141,8 @@ class TqLayer:
 
     @property
     def variant(self) -> bool:
-        return self.kv_format != "turboquant"
+        """Does the layer run on the ``tqx`` kernels (not the turboquant-only ones)?"""
+        return self.kv_format not in OWN_KERNELS
 
     def kernel(self, base: str) -> str:
         """The kernel of this layer's format: ``base`` for ``turboquant``, its
@@ -150,6 +151,11 @@ class TqLayer:
             return base
         return tqx_kernel(_TQX_BASE[base], self.kv_format)
 
+
+#: The compressed formats served by the turboquant-only kernels (``turboquant.wgsl``,
+#: ``flash_attention_tq*.wgsl``); every other one by its ``tqx`` instance (the one
+#: place that decides it: ``TqLayer.variant`` and ``plan_tq_encode`` ask here).
+OWN_KERNELS = frozenset({"turboquant"})
 
 _TQX_BASE = {
     "flash_attention_tq": "flash_attention_tqx",
@@ -340,7 +346,7 @@ def plan_tq_encode(batch: Batch, e: Encode) -> None:
     """Queue ``tq_encode_keys`` and ``tq_encode_values`` of ``e``'s rows: the batch's
     encodes into a slab run as one dispatch each, before any attention kernel of the batch."""
     for base in ("tq_encode_keys", "tq_encode_values"):
-        kernel = base if e.kv_format == "turboquant" else tqx_kernel(_TQX_BASE[base], e.kv_format)
+        kernel = base if e.kv_format in OWN_KERNELS else tqx_kernel(_TQX_BASE[base], e.kv_format)
         flush = functools.partial(_flush_encode, kernel)
         batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads), e, flush, rows=e.n_rows)
 
@@ -363,7 +369,7 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
         n_kv_heads=first.n_kv_heads, head_dim=first.head_dim, cache_cap=first.cache.rows, page_shift=first.page_shift
     )
     block = P.TQX_ENCODE_PARAMS  # a variant's codebooks are constants of its kernels
-    if first.kv_format == "turboquant":
+    if kernel in ("tq_encode_keys", "tq_encode_values"):
         block = P.TQ_ENCODE_PARAMS
         common.update(c0=c[0], c1=c[1], c2=c[2], c3=c[3], b0=b[0], b1=b[1], b2=b[2])
     ins = whole("in")

@@ -20,7 +20,7 @@ import wgpu
 
 import numpy as np
 
-from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS, TQ_VARIANTS
+from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS
 from . import params as P
 
 __all__ = [
@@ -105,8 +105,8 @@ for _base, (_file, _features) in _PLAIN_KERNELS.items():
         )
 
 
-#: The kernels over a TurboQuant variant's slab (formats.TQ_VARIANTS), one pipeline
-#: family per variant: ``tqx_kernel(base, kv_format)`` names the one for ``kv_format``;
+#: The kernels over a TurboQuant slab (every format of formats.TQ_SPECS), one pipeline
+#: family per format: ``tqx_kernel(base, kv_format)`` names the one for ``kv_format``;
 #: the format's constants (``tqx_consts``) replace ``{TQX_CONSTS}`` in the file.
 _TQX_KERNELS: dict[str, tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]]] = {
     # base name (= entry point): (file, bindings, device features)
@@ -166,7 +166,7 @@ def tqx_consts(kv_format: str) -> str:
 TQX_WARM = ("tq4", "tq4q", "tq4o")
 
 for _base, (_file, _bindings, _features) in _TQX_KERNELS.items():
-    for _fmt in TQ_VARIANTS:
+    for _fmt in TQ_SPECS:
         KERNELS[tqx_kernel(_base, _fmt)] = KernelSpec(
             _file, _base, _bindings, _features, (("TQX_CONSTS", tqx_consts(_fmt)),), warm=_fmt in TQX_WARM
         )
