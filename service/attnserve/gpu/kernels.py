@@ -155,7 +155,7 @@ class TqLayer:
 #: The compressed formats served by the turboquant-only kernels (``turboquant.wgsl``,
 #: ``flash_attention_tq*.wgsl``); every other one by its ``tqx`` instance (the one
 #: place that decides it: ``TqLayer.variant`` and ``plan_tq_encode`` ask here).
-OWN_KERNELS = frozenset({"turboquant"})
+OWN_KERNELS: frozenset[str] = frozenset()  # none: turboquant runs on its tqx instance
 
 _TQX_BASE = {
     "flash_attention_tq": "flash_attention_tqx",

@@ -160,10 +160,11 @@ def tqx_consts(kv_format: str) -> str:
     return "\n".join(out)
 
 
-#: The variants whose tqx kernels warm_up compiles at start: every code path of the
-#: family (2-, 3- and 4-bit codes, QJL, outlier channels); the other variants' on
-#: first use (seven formats' worth tripled a start on lavapipe).
-TQX_WARM = ("tq4", "tq4q", "tq4o")
+#: The formats whose tqx kernels warm_up compiles at start: turboquant (the default
+#: compressed format) and every code path of the family (2-, 3- and 4-bit codes, QJL,
+#: outlier channels); the other variants' on first use (seven formats' worth tripled
+#: a start on lavapipe).
+TQX_WARM = ("turboquant", "tq4", "tq4q", "tq4o")
 
 for _base, (_file, _bindings, _features) in _TQX_KERNELS.items():
     for _fmt in TQ_SPECS:
