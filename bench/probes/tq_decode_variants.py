@@ -9,8 +9,9 @@ The decode step (one query row; 32 query heads, 8 KV heads, d = 128 unless
 its encode kernels), planned by the service's own code (kvcache -> kernels.py:
 tq_rotate_q, the split kernel with the params blocks _plan_split packs,
 attention_merge). A variant replaces only the split kernel's dispatches: the
-same bindings, params (TqSplitParams, whose c0..c3 the host fills with the 2-bit
-key codebook for the variants) and partials, so the shipped merge finishes it.
+same bindings, params (TqSplitParams) and partials, so the shipped merge finishes
+it; the variants are compiled with the shipped kernel's defines (turboquant's
+TQX_CONSTS: they read its 2-bit codebook from there).
 The variants (``VARIANTS``) are pipelines of ``shaders/variants/
 flash_attention_tq_split_{v2,v3}.wgsl`` with override switches; ``base`` is the
 shipped split kernel of ``turboquant``, its tqx instance
@@ -215,8 +216,9 @@ def register() -> list[str]:
     for design in DESIGNS:
         name = f"attention_split_tq_{design}"
         if name not in S.KERNELS:
+            base = S.KERNELS[BASE_KERNEL]  # its bindings, and turboquant's constants (the codebook)
             S.KERNELS[name] = S.KernelSpec(
-                f"variants/flash_attention_tq_split_{design}.wgsl", name, S.KERNELS[BASE_KERNEL].bindings
+                f"variants/flash_attention_tq_split_{design}.wgsl", name, base.bindings, defines=base.defines
             )
             added.append(name)
     return added
