@@ -3,7 +3,7 @@
 // bindings as `flash_attention_tqx_split.wgsl` (read its header). Opt-in
 // (KernelPolicy.subgroups, and the device needs the `subgroup` feature): on the
 // H200 turboquant's subgroup kernel measured 2-2.7x slower than the plain one,
-// which scores one key per thread (docs/benchmarks.md, bench/decode_sweep.py).
+// which scores one key per thread (docs/benchmarks.md, bench/probes/decode_sweep.py).
 // One subgroup scores one compressed key at a time: lane c decodes vec4 column c
 // (low-field word c/4, plane words c/8, JL word c/8 where QJL is set) and forms
 // its share of the code dot and of the signed JL sum with every query head of the

@@ -377,7 +377,7 @@ class KernelPolicy:
 
     force: str | None = None
     split_max_queries: int = 16
-    # Measured on the H200 (bench/decode_sweep.py, docs/benchmarks.md): the longest
+    # Measured on the H200 (bench/probes/decode_sweep.py, docs/benchmarks.md): the longest
     # splits win; 128 gives 512-key splits from 8k context on with 8 KV heads.
     target_workgroups: int = 128
     # The subgroup variants of the split kernels (one subgroup per key) measured
