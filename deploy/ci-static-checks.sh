@@ -58,7 +58,7 @@ server, client = (zipfile.ZipFile(path) for path in sys.argv[1:3])
 names, client_names = set(server.namelist()), set(client.namelist())
 need = [
     "attnserve/__init__.py", "attnserve/instance.py", "attnserve/shaders/attention_prefill.wgsl",
-    "attnserve/shaders/flash_attention_tq.wgsl", "attnserve/shaders/turboquant.wgsl",
+    "attnserve/shaders/flash_attention_tqx.wgsl", "attnserve/shaders/tqx.wgsl",
 ]
 missing = [n for n in need if n not in names]
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

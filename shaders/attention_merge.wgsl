@@ -1,6 +1,6 @@
 // Merge of split-KV partials (flash-decoding's second pass), for both formats.
 //
-// The split kernels (`attention_split.wgsl`, `flash_attention_tq_split.wgsl`)
+// The split kernels (`attention_split.wgsl`, `flash_attention_tqx_split.wgsl`)
 // leave, for every (query row, query head, split), the split's max m, its sum
 // of exponentials l and its unnormalized accumulator acc[d]. This pass combines
 // them with the usual rescaling:

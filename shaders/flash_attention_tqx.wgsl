@@ -1,16 +1,50 @@
-// FlashAttention over a TurboQuant-variant cache, single pass (`flash_attention_tqx`,
-// the KernelPolicy's force="single" kernel for formats.TQ_VARIANTS). The structure,
-// bindings, params and dispatch of `flash_attention_tq.wgsl` (read it): one
-// workgroup per (head, query), online softmax over tiles of 256 timesteps, the
-// accumulator in rotated space and one inverse RHT at the end. What differs is
-// the code: b-bit codes (KB for keys, VB for values) in the layout of
-// `tqx.wgsl` (low 2-bit fields, then bit planes), centroids from the format's
-// codebooks (in workgroup memory), and the QJL term only where QJL is set:
+// FlashAttention over a TurboQuant cache, single pass (`flash_attention_tqx`,
+// planned by `kernels.plan_attention_tq`; the KernelPolicy's force="single" kernel
+// and the fallback for shapes the split and tiled kernels do not take), for every
+// compressed format (formats.TQ_SPECS), compiled once per format. Its float64
+// oracles: `attnserve.testing.reference.tq_attention` (turboquant) and
+// `tqx_attention` (every format).
+//
+// Structurally `attention_prefill.wgsl` with the two f32 KV reads replaced by the
+// compressed estimators: decode dispatches a single query row, chunked prefill the
+// whole chunk. Online softmax (Dao 2022), one workgroup per (head, query), tiles of
+// 256 timesteps in workgroup memory, no materialized scores slab.
+//
+// Scores: keys are never reconstructed. With the query pre-rotated into the same
+// basis by `tq_rotate_q`, the code term is a dot against the format's centroids
+// (KC, from workgroup memory) in rotated space, and the QJL sign bits (where QJL
+// is set) add an unbiased inner-product correction (arXiv:2504.19874 §3.2):
 //
 //   score = norm * (sum_d q_rot[d] KC[idx_d] + [QJL] residual_norm * qjl_scale * signed_sum) * scale
+//   signed_sum = 2 * sum_{bit_d = 1} q_jl[d] - sum_d q_jl[d]
 //
-// The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl).
-// Its float64 oracle is `attnserve.testing.reference.tqx_attention`.
+// `qjl_scale` is a host parameter (`turboquant.qjl_scale`): sqrt(pi/2)/sqrt(head_dim)
+// for the ORTHONORMAL rotation rht(x, s) = H (s * x) / sqrt(d) (docs/turboquant.md).
+// `residual_norm` is stored in unit-key space, hence the factor norm. Key outliers
+// (KO > 0) add their part to the score; value outliers theirs to the accumulator.
+//
+// Values: the RHT is linear, so the accumulator stays in rotated space for the
+// whole pass and the inverse rotation is applied once, in the epilogue; the
+// online-softmax rescaling commutes with it.
+//
+// The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl),
+// whose header has the cache layout. Constraints (host-side): head_dim 32, 64 or
+// 128; the cache holds positions [0, max_seq), and the shader clamps
+// seq_len = min(pos_q + 1, max_seq). `cache_cap` (the slab's rows) is the per-head
+// stride of every region; `max_seq` the causal clamp: not interchangeable.
+// GQA: kv_head = head / (n_heads / n_kv_heads). All barriers sit at entry-point
+// scope (the tile step is an include, not a call: naga's SPIR-V path miscompiles
+// a barrier reached through a call inside a loop).
+//
+// Bind group 0:
+// @binding(0) qrot:      array<f32> rotated queries: [q_rot | q_jl | sums] (tq_rotate_q)
+// @binding(1) k_cache:   array<u32> the slab's key regions (tqx.wgsl)
+// @binding(2) v_cache:   array<u32> the slab's value regions
+// @binding(3) out_batch: array<f32> outputs at out_off, row stride out_stride (rw)
+// @binding(4) params:    TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS);
+//   flags bit 0 (FLAG_NON_CAUSAL): every row attends to all max_seq timesteps
+// @binding(5) signs:     array<f32> the layer's [polar | jl] signs at sign_off
+// @binding(6) pages:     array<u32> page tables (include/paging.wgsl)
 // Dispatch: (n_heads, n_queries, 1) workgroups of 256 threads.
 
 {TQX_CONSTS}

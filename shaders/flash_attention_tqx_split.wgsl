@@ -1,15 +1,46 @@
-// Split-KV attention (flash-decoding) over a TurboQuant-variant cache: the decode
-// path for formats.TQ_VARIANTS. The work split, partials, params, bindings and
-// dispatch of `flash_attention_tq_split.wgsl` (read its header): one workgroup
-// per (split, KV head, query row) serves the G query heads of the group; scores
-// one thread per key, two keys at a time; values thread (c, grp) owns vec4
-// column c of every head's rotated accumulator; `attention_merge` (ROTATE)
-// merges the splits and applies the inverse RHT. What differs is the code:
-// b-bit codes in the layout of `tqx.wgsl`, read 32 dims at a time (two
-// low-field words, one word per bit plane, one JL word where QJL is set), the
-// centroids from the format's codebooks in workgroup memory:
+// Split-KV attention (flash-decoding) over a TurboQuant cache: the decode path of
+// every compressed format (formats.TQ_SPECS, `turboquant` included), compiled once
+// per format.
+//
+// The estimator and value path of `flash_attention_tqx.wgsl` (read its header and
+// docs/turboquant.md), organized like `attention_split.wgsl`: one workgroup per
+// (split, KV head, query row) serves every query head of the GQA group, so each
+// compressed key is read once per query row, and thousands of workgroups are in
+// flight. Scores: one thread per key, two keys at a time (each query read serves
+// both); a key is read 32 dims at a time (two low-field words, one word per bit
+// plane, one JL word where QJL is set: `tqx.wgsl` has the layout), its codes
+// decoded to the format's centroids (workgroup memory) once for all G heads, the
+// rotated queries read from workgroup memory (a broadcast). No staging and no
+// barriers in this phase. Values: thread (c, grp) owns the vec4 column c of the
+// rotated accumulator of every query head of the group and reads value words
+// straight from global memory, four rows per step. The pipeline is specialized
+// per (G, head_dim) with override constants. The accumulator stays in rotated
+// space; `attention_merge` (ROTATE) merges the splits and applies the inverse RHT.
+// (The turboquant-only kernel this replaced decoded 2-bit words 16 dims at a time;
+// earlier designs staged tiles or scored one key per subgroup: docs/benchmarks.md.)
 //
 //   score = norm * (sum_d q_rot[d] KC[idx_d] + [QJL] residual_norm * qjl_scale * signed_sum) * scale
+//   signed_sum = 2 * sum_{bit_d = 1} q_jl[d] - sum_d q_jl[d]
+//
+// Constraints (checked host-side): head_dim in {32, 64, 128};
+// G = n_heads / n_kv_heads in {1, 2, 4, 8}; G * split_len <= MAX_SCORES and
+// split_len <= MAX_SPLIT.
+//
+// Bind group 0 (one dispatch serves a batch of attends, one params block per
+// query row; a single attend is the batch of one):
+// @binding(0) qrot:    array<f32>  every item's [q_rot | q_jl | sums] of q_cap rows
+//                      (tq_rotate_q), the item's at word q_off
+// @binding(1) k_cache: array<u32>  the pool slab's key regions (cache_cap rows)
+// @binding(2) v_cache: array<u32>  the slab's value regions
+// @binding(3) partial: array<f32>  every item's [acc | m | l] (attention_merge.wgsl,
+//                      q_total = q_cap), the item's at word part_off
+// @binding(4) params:  array<TqSplitParams> (gpu/params.py TQ_SPLIT_PARAMS), block
+//                      wid.z for query row q_row of its item
+// @binding(5) pages:   array<u32> page tables (include/paging.wgsl)
+//   flags bit 0: non-causal.
+//
+// Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
+// workgroups of 256 threads; a workgroup past its item's n_splits returns.
 //
 // The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl).
 

@@ -1,10 +1,16 @@
-// Split-KV attention over a TurboQuant-variant cache, subgroup variant (decode
-// path, opt-in: KernelPolicy.subgroups). `flash_attention_tq_split_sg.wgsl` (read
-// its header) over the b-bit codes of `tqx.wgsl`: one subgroup scores one key at
-// a time, lane c decoding vec4 column c (low-field word c/4, plane words c/8, JL
-// word c/8 where QJL is set), subgroupAdd finishing the dots; the value phase is
-// the plain split variant's (split_tqx_values.wgsl). Calls to subgroupAdd sit in
-// control flow uniform across the workgroup.
+// Split-KV attention over a TurboQuant cache (every format of formats.TQ_SPECS),
+// subgroup variant (decode path). Same work split, partial layout, params and
+// bindings as `flash_attention_tqx_split.wgsl` (read its header). Opt-in
+// (KernelPolicy.subgroups, and the device needs the `subgroup` feature): on the
+// H200 turboquant's subgroup kernel measured 2-2.7x slower than the plain one,
+// which scores one key per thread (docs/benchmarks.md, bench/probes/decode_sweep.py).
+// One subgroup scores one compressed key at a time: lane c decodes vec4 column c
+// (low-field word c/4, plane words c/8, JL word c/8 where QJL is set) and forms
+// its share of the code dot and of the signed JL sum with every query head of the
+// group; subgroupAdd finishes them. The value phase is the plain split kernel's
+// (split_tqx_values.wgsl). Calls to subgroupAdd sit in control flow uniform
+// across the workgroup: every subgroup runs the same number of key steps; lanes
+// past the end add zeros.
 // The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl).
 
 {TQX_CONSTS}

@@ -1,13 +1,46 @@
-// Query-block flash attention over a TurboQuant-variant cache: the prefill path
-// for formats.TQ_VARIANTS. `flash_attention_tq_tiled.wgsl` (read its header: the
-// 64-row x 32-key register tiles, the staging, the estimator as one dot product
-// of length 2 * head_dim, the epilogue's inverse RHT) over the b-bit codes of
-// `tqx.wgsl`: a polar chunk of 32 dims stages, per key, the centroids of its
-// codes (the thread's column: its low-field word and one word per bit plane);
-// the JL chunks follow only where QJL is set (then the score is one dot product
-// of length 2 * head_dim, else of head_dim). The value tile is decoded to
-// norm * centroid from VB-bit codes. Bindings, params and dispatch are the
-// TurboQuant kernel's.
+// Query-block flash attention over a TurboQuant cache: the prefill path of every
+// compressed format (formats.TQ_SPECS, `turboquant` included), compiled once per
+// format.
+//
+// `attention_prefill_tiled.wgsl`'s register-blocked tile on compressed keys and
+// values (read it first, and `flash_attention_tqx.wgsl` for the estimator). One
+// workgroup takes R = 64 rows (a block of BQ = R / G query positions times the G
+// heads of one KV head's GQA group) and walks the cache in tiles of TK = 32
+// timesteps; thread (tr, tc) owns rows {tr, tr+16, tr+32, tr+48} x keys
+// {tc, tc+16} of the scores and the same rows x vec4 columns {tc, tc+16} of the
+// rotated output, in registers. With QJL the estimator
+//   score = norm * (q_rot . c[idx] + residual_norm * qjl_scale * sum_d q_jl[d] (2 bit_d - 1)) * scale
+// is one dot product of length 2 * head_dim between the row [q_rot | q_jl] and
+// the decoded key [c[idx] | +-residual_norm * qjl_scale], so the score phase is
+// the f32 kernel's over chunks of 32 dims: the code chunks (a chunk stages, per
+// key, the centroids of its codes: the thread's column, its low-field word and
+// one word per bit plane of `tqx.wgsl`), then, where QJL is set, the JL chunks
+// (sign bits); without QJL the dot has length head_dim. The key norms go to
+// kn_sh and multiply the finished dot products. The value tile is decoded to
+// norm * centroid (rotated space) from VB-bit codes. The softmax and value phases
+// are the f32 kernel's includes. At the end every row's rotated output gets one
+// inverse RHT: strides 1 and 2 of the Walsh-Hadamard butterfly in registers, the
+// rest in `stage` (32 rows at a time), then the polar signs and 1/sqrt(d).
+// Every workgroupBarrier() sits at entry-point scope in uniform control flow.
+//
+// Constraints (checked host-side): head_dim in {32, 64, 128};
+// G = n_heads / n_kv_heads in {1, 2, 4, 8}.
+//
+// Bind group 0 (one dispatch serves a batch of attends over one pool slab, one
+// params block per workgroup; a single attend is the batch of one):
+// @binding(0) qrot:    array<f32>  every item's [q_rot | q_jl | sums] of q_cap rows
+//   (tq_rotate_q) at word q_off (the sums are not read here)
+// @binding(1) k_cache: array<u32>  the slab's key regions (cache_cap rows)
+// @binding(2) v_cache: array<u32>  the slab's value regions
+// @binding(3) out_batch: array<f32> every item's outputs at word out_off (rw)
+// @binding(4) params:  array<TqAttentionParams> (gpu/params.py TQ_ATTENTION_PARAMS),
+//   block wid.x: its item's fields, q_base = the block's first query row, q_cap the
+//   item's query rows
+// @binding(5) signs:   array<f32>  the item's layer's signs at word sign_off
+// @binding(6) pages:   array<u32> page tables (include/paging.wgsl)
+//
+// Dispatch: (the batch's blocks of BQ rows, n_kv_heads, 1) workgroups of 256
+// threads; the host puts the blocks with the longest causal windows first.
 // The placeholder line TQX_CONSTS is replaced by the format's constants (tqx.wgsl).
 
 {TQX_CONSTS}

@@ -1,7 +1,11 @@
-// TurboQuant variants, writer side: the encoders of the b-bit caches read by
-// `flash_attention_tqx*.wgsl` (formats.TQ_VARIANTS: tq4, tq3, tq4v2, tq4v3, tq3q,
-// tq4q). The queries are rotated by `tq_rotate_q` (turboquant.wgsl), as for
-// `turboquant`. docs/turboquant.md has the math and the bit accounting.
+// TurboQuant writer side: the encoders of the compressed caches read by
+// `flash_attention_tqx*.wgsl`, for every compressed format (formats.TQ_SPECS:
+// `turboquant` = 2-bit keys + QJL, 2-bit values; the variants tq4, tq3, tq4v2,
+// tq4v3, tq3q, tq4q, tq4o, tq3o), compiled once per format. The queries are
+// rotated by `tq_rotate_q` (tq_rotate.wgsl). docs/turboquant.md has the math and
+// the bit accounting (TurboQuant arXiv:2504.19874, QJL arXiv:2406.03482):
+//
+//   rht(x, s) = H (s * x) / sqrt(d)     H: unnormalized Walsh-Hadamard (+-1)
 //
 // The loader replaces the placeholder line TQX_CONSTS below (gpu/shaders.py
 // `tqx_consts`) with the format's constants: KB / VB (Lloyd-Max bits of a key /
@@ -31,12 +35,28 @@
 // Regions of one pool slab (`vecs = n_kv_heads * cap`, slot(h, r) = h * cap + r):
 //   keys:   [ codes: vecs * KB*d/32 | jl: vecs * d/32 (QJL only) | norms: vecs ]
 //   values: [ codes: vecs * VB*d/32 | norms: vecs ]
-// At b = 2 with QJL this is exactly the `turboquant` layout.
+//   (+ [ outliers: vecs * ceil((n-1)/2) + ceil(n/4) ] after the norms where KO / VO = n > 0)
+//   jl word w of a slot: vecs * KB*d/32 + slot * (d/32) + w, element j at bit j
+// `turboquant` (KB = VB = 2, QJL) is [ polar: vecs * d/16 | jl: vecs * d/32 | norms: vecs ]
+// and [ polar: vecs * d/16 | norms: vecs ]: the layout of the turboquant-only kernels
+// this family replaced, word for word (a snapshot written by them loads unchanged).
 //
-// Bindings and dispatch as tq_encode_keys / tq_encode_values (turboquant.wgsl),
-// the params block TqxEncodeParams (gpu/params.py TQX_ENCODE_PARAMS: theirs
-// without the codebook, which is constant here).
-// Every workgroupBarrier() sits in uniform control flow at entry-point scope.
+// One dispatch encodes the rows of a batch of appends into one pool slab, one
+// params block per row (a single append is the batch of one):
+// @binding(0) src:    array<f32>  the rows, row i's n_kv_heads x head_dim at word src_off
+// @binding(1) cache:  array<u32>  the pool slab's key (or value) words, cache_cap rows (rw)
+// @binding(2) eparams: array<TqxEncodeParams> (gpu/params.py TQX_ENCODE_PARAMS), block
+//   workgroup_id.y: the row goes to timestep t of the layer whose page table
+//   starts at table_off (slab row phys_row(t), include/paging.wgsl)
+// @binding(3) signs:  array<f32>  the layer's signs at word sign_off (polar, then JL)
+// @binding(7) pages:  array<u32>  page tables
+// Dispatch: (n_kv_heads, rows, 1) workgroups of 128 threads.
+// The codebooks and boundaries are the TQX_CONSTS constants (the float32 values the
+// float64 oracle compares against, boundaries b_i = (c_i + c_{i+1}) / 2 rounded once).
+// Every workgroupBarrier() sits in uniform control flow at entry-point scope and the
+// reductions / butterflies are inlined: naga's SPIR-V path miscompiles a barrier
+// reached through a function call inside a loop (see attention_prefill.wgsl).
+// Workgroup memory is not zero-initialized: every slot read is written first.
 
 {TQX_CONSTS}
 

@@ -14,7 +14,7 @@ from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
 def test_shaders_found_and_every_kernel_listed():
     files = {p.name for p in shader_dir().glob("*.wgsl")}
     assert files == {spec.file for spec in KERNELS.values()}
-    assert {"attention_prefill.wgsl", "flash_attention_tq.wgsl", "turboquant.wgsl"} <= files
+    assert {"attention_prefill.wgsl", "flash_attention_tqx.wgsl", "tqx.wgsl", "tq_rotate.wgsl"} <= files
     for name, spec in KERNELS.items():
         assert f"fn {spec.entry_point}(" in load_wgsl(spec.file, spec.defines), name
 
@@ -25,7 +25,7 @@ def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
     for spec in KERNELS.values():
         src = load_wgsl(spec.file, spec.defines)
         assert "#include" not in src and not re.search(r"\{[A-Z][A-Z0-9_]*\}", src), spec.file
-    assert "stride < head_dim" in load_wgsl("turboquant.wgsl")  # the butterfly is really inlined
+    assert "stride < head_dim" in load_wgsl("tq_rotate.wgsl")  # the butterfly is really inlined
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "x.wgsl").write_text("    let y = {VALUE};\n")
     (tmp_path / "a.wgsl").write_text('fn f() {\n    // #include "x.wgsl" VALUE="1 + 2"\n}\n')

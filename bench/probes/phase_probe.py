@@ -30,8 +30,8 @@ RETURN = "    if wid.x < 1000000u { return; }\n"
 KERNEL = {
     ("f32", False): S.plain_kernel("attention_split", "f32"),
     ("f32", True): S.plain_kernel("attention_split_sg", "f32"),
-    ("turboquant", False): "attention_split_tq",
-    ("turboquant", True): "attention_split_tq_sg",
+    ("turboquant", False): S.tqx_kernel("attention_split_tqx", "turboquant"),
+    ("turboquant", True): S.tqx_kernel("attention_split_tqx_sg", "turboquant"),
 }
 
 orig_load = S.load_wgsl

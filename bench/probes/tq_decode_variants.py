@@ -6,13 +6,17 @@
 
 The decode step (one query row; 32 query heads, 8 KV heads, d = 128 unless
 --quick) over a TurboQuant cache written by the service itself (Engine, pool,
-tq_encode kernels), planned by the service's own code (kvcache -> kernels.py:
+its encode kernels), planned by the service's own code (kvcache -> kernels.py:
 tq_rotate_q, the split kernel with the params blocks _plan_split packs,
 attention_merge). A variant replaces only the split kernel's dispatches: the
-same bindings, params and partials, so the shipped merge finishes it. The
-variants (``VARIANTS``) are pipelines of ``shaders/variants/
+same bindings, params (TqSplitParams) and partials, so the shipped merge finishes
+it; the variants are compiled with the shipped kernel's defines (turboquant's
+TQX_CONSTS: they read its 2-bit codebook from there).
+The variants (``VARIANTS``) are pipelines of ``shaders/variants/
 flash_attention_tq_split_{v2,v3}.wgsl`` with override switches; ``base`` is the
-shipped ``attention_split_tq``. Splits are the policy's (choose_split), capped
+shipped split kernel of ``turboquant``, its tqx instance
+(``attention_split_tqx.turboquant``; the turboquant-only ``attention_split_tq``
+the variants were first measured against is retired). Splits are the policy's (choose_split), capped
 at what the variant's pipeline takes on the device (``Variant.split_cap``).
 Names with ``@`` are phase cuts (the split kernel returns after its scores /
 weights / values: timing only, garbage output); ``-padN`` add N KiB of unused
@@ -67,7 +71,7 @@ from attnserve.testing import reference as ref  # noqa: E402
 from attnserve.turboquant import codebook, layer_signs  # noqa: E402
 from tools.common import rel_err, write_result  # noqa: E402
 
-BASE_KERNEL = "attention_split_tq"
+BASE_KERNEL = S.tqx_kernel("attention_split_tqx", "turboquant")  # the shipped split kernel of turboquant
 DESIGNS = ("v2", "v3")  # shaders/variants/flash_attention_tq_split_{design}.wgsl
 TOL = 1e-4  # variant vs shipped kernel, and vs the float64 oracle (max abs error / max abs)
 
@@ -212,8 +216,9 @@ def register() -> list[str]:
     for design in DESIGNS:
         name = f"attention_split_tq_{design}"
         if name not in S.KERNELS:
+            base = S.KERNELS[BASE_KERNEL]  # its bindings, and turboquant's constants (the codebook)
             S.KERNELS[name] = S.KernelSpec(
-                f"variants/flash_attention_tq_split_{design}.wgsl", name, S.KERNELS[BASE_KERNEL].bindings
+                f"variants/flash_attention_tq_split_{design}.wgsl", name, base.bindings, defines=base.defines
             )
             added.append(name)
     return added

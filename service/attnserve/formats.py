@@ -7,7 +7,8 @@ out, the kernels read them).
   the low half): half the bytes of f32, the rounding of float16 on every value.
 * ``turboquant``: per head, 2-bit PolarQuant codes + 1-bit QJL signs + two
   float16 norms for a key, 2-bit codes + a float16 norm for a value
-  (``docs/turboquant.md``, ``shaders/turboquant.wgsl``).
+  (``docs/turboquant.md``, ``shaders/tqx.wgsl``): ``TqSpec(2, True, 2)``, served by
+  the same kernels as the variants.
 * the TurboQuant variants (``TQ_VARIANTS``: ``tq4``, ``tq3``, ``tq4v2``, ``tq4v3``,
   ``tq3q``, ``tq4q``): per head, b-bit Lloyd-Max codes of the rotated key (with or
   without a 1-bit QJL residual sign per coordinate) and of the rotated value, b in
@@ -63,7 +64,8 @@ def outlier_words(n: int) -> int:
     return -(-(n - 1) // 2) + -(-n // 4) if n else 0
 
 
-#: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``).
+#: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``,
+#: as for ``turboquant``).
 TQ_VARIANTS: dict[str, TqSpec] = {
     "tq4": TqSpec(4, False, 4),  # 4.25 bits per element at d = 128
     "tq3": TqSpec(3, False, 3),  # 3.25
@@ -74,8 +76,8 @@ TQ_VARIANTS: dict[str, TqSpec] = {
     "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
     "tq3o": TqSpec(2, False, 3, 8, 0),  # 3.5 (keys 2 bits + 8 outliers, values 3 bits)
 }
-#: Every compressed format's bit budget: ``turboquant`` is (2, QJL, 2), its layout
-#: the variants' at b = 2.
+#: Every compressed format's bit budget (one tqx kernel family each): ``turboquant``
+#: is (2, QJL, 2), its layout the variants' at b = 2.
 TQ_SPECS: dict[str, TqSpec] = {"turboquant": TqSpec(2, True, 2), **TQ_VARIANTS}
 
 KV_FORMATS = ("f32", "f16", "turboquant", *TQ_VARIANTS)

@@ -25,8 +25,8 @@ import wgpu
 from .gpu.batch import Batch, Seg
 from .gpu import kernels as K
 from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
-from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, TQ_SPECS, check_head_dim, is_plain
-from .turboquant import codebook, layer_signs_bytes
+from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, check_head_dim, is_plain
+from .turboquant import layer_signs_bytes
 
 __all__ = [
     "LayerCache",
@@ -314,13 +314,12 @@ class PlainLayerCache(LayerCache):
 
 
 class TurboQuantLayerCache(LayerCache):
-    """TurboQuant K/V words in the layout of ``shaders/turboquant.wgsl`` (``turboquant``)
-    or ``shaders/tqx.wgsl`` (the variants, ``formats.TQ_VARIANTS``), in pool slabs."""
+    """TurboQuant K/V words (``turboquant`` and its variants, ``formats.TQ_SPECS``) in
+    the layout of ``shaders/tqx.wgsl``, in pool slabs."""
 
     def __init__(self, *, seed: int, **kw):
         super().__init__(**kw)
         self.seed = seed
-        self.codebook = codebook(self.head_dim, TQ_SPECS[self.kv_format].key_bits)
 
     def signs(self, batch: Batch) -> Seg:
         """This layer's rotation signs, uploaded once per batch."""
@@ -334,7 +333,7 @@ class TurboQuantLayerCache(LayerCache):
             batch,
             K.Encode(
                 batch.upload(k), batch.upload(v), self.slab, self.page_table(batch), self.pool.page_shift,
-                self.signs(batch), self.codebook, n, self.n_kv_heads, self.head_dim, self.length, self.kv_format,
+                self.signs(batch), n, self.n_kv_heads, self.head_dim, self.length, self.kv_format,
             ),
         )  # fmt: skip
         self.length += n
@@ -342,7 +341,7 @@ class TurboQuantLayerCache(LayerCache):
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
-        K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.codebook, self.kv_format))
+        K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.kv_format))
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ in docs/architecture.md, "The paged KV pool"):
 
 * A :class:`PageLayout` says, for a kv format and head shape, how the rows of a
   cache of ``cap`` timesteps are laid out in its K and V buffers (plain f32 / f16:
-  row-major ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/turboquant.wgsl,
+  row-major ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/tqx.wgsl,
   ``slot = head * cap + row``).
 * A :class:`PagePool` (one per layout, see :class:`PagePools`) holds that format's
   pages in *slabs*: a slab is one K and one V buffer laid out as a cache of

@@ -1,5 +1,5 @@
 // Helpers of the query-block prefill kernels (attention_prefill_tiled,
-// attention_prefill_rb, attention_tq_tiled): shaders/include/prefill_common.wgsl,
+// attention_prefill_rb, attention_tqx_tiled): shaders/include/prefill_common.wgsl,
 // module scope, no barriers, no bindings.
 
 fn hsum(v: vec4<f32>) -> f32 {

@@ -1,6 +1,6 @@
         // ── one tile of the online softmax (shaders/include/single_tile_softmax.wgsl,
         // shared by the two single-pass kernels, attention_prefill and
-        // flash_attention_tq; inlined by the loader, so its barriers stay at
+        // flash_attention_tqx; inlined by the loader, so its barriers stay at
         // entry-point scope). Needs `tid`, `t`, `seq_len`, this thread's `score`,
         // `tile_scores`, a 256-wide `red` and `st`; leaves tile_scores[tid] = p,
         // `nm` and `corr` (the new running max and the rescale of the old

@@ -1,6 +1,6 @@
     // ── sum the row groups (through qbuf, two heads per pass); write partials ──
-    // (shaders/include/split_tq_epilogue.wgsl, shared by flash_attention_tq_split.wgsl
-    // and flash_attention_tq_split_sg.wgsl; inlined by the loader, barriers included.)
+    // (shaders/include/split_tq_epilogue.wgsl, shared by flash_attention_tqx_split.wgsl
+    // and flash_attention_tqx_split_sg.wgsl; inlined by the loader, barriers included.)
     let n_part = q_cap * n_heads * n_splits;
     let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
     if tid < group {

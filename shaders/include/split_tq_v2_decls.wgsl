@@ -1,9 +1,9 @@
 // (shaders/include/split_tq_v2_decls.wgsl: module-scope declarations of
 // flash_attention_tq_split_v2.wgsl and _v3.wgsl: bindings, override constants,
-// and the load / decode / scoring helpers.)
+// the codebook, and the load / decode / scoring helpers.)
 //
-// The bindings are those of attention_split_tq (same bind group layout, same
-// buffers), typed wider: the cache slabs and the rotated queries as vec4 words
+// The bindings are those of turboquant's shipped split kernel (the tqx instance
+// attention_split_tqx.turboquant: same bind group layout, same buffers), typed wider: the cache slabs and the rotated queries as vec4 words
 // (every region and row the kernel reads as a vec4 starts at a multiple of four
 // words: checked in the header of flash_attention_tq_split_v2.wgsl).
 
@@ -14,6 +14,10 @@
 // #struct TqSplitParams
 @group(0) @binding(4) var<storage, read> params: array<TqSplitParams>;   // one block per query row (wid.z)
 @group(0) @binding(5) var<storage, read> pages: array<u32>;
+
+// The centroids: turboquant's constants (the kernel file's TQX_CONSTS line, replaced
+// by the probe with the shipped kernel's defines, gpu/shaders.py tqx_consts).
+// #include "tqx_codebooks.wgsl"
 
 const WG: u32 = 256u;
 const NEG_INF: f32 = -3.402823e+38;

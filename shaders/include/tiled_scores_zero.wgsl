@@ -1,5 +1,5 @@
 // The tiled kernels' score accumulators for one key tile, zeroed: 4 rows x 2
-// vec4s of keys per thread (attention_prefill_tiled.wgsl, flash_attention_tq_tiled.wgsl).
+// vec4s of keys per thread (attention_prefill_tiled.wgsl, flash_attention_tqx_tiled.wgsl).
         var a00 = vec4<f32>(0.0);
         var a01 = vec4<f32>(0.0);
         var a10 = vec4<f32>(0.0);

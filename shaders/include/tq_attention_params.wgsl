@@ -1,5 +1,5 @@
-    // (shaders/include/tq_attention_prm.wgsl: the TqAttentionParams fields,
-    // read by flash_attention_tq and attention_tq_tiled; inlined by the loader.)
+    // (shaders/include/tq_attention_params.wgsl: the TqAttentionParams fields,
+    // read by flash_attention_tqx and attention_tqx_tiled; inlined by the loader.)
     let n_heads = prm.n_heads;
     let n_kv_heads = prm.n_kv_heads;
     let head_dim = prm.head_dim;
@@ -10,10 +10,6 @@
     let out_stride = prm.out_stride;
     let qjl_scale = prm.qjl_scale;
     let sign_off = prm.sign_off;
-    let c0 = prm.c0;
-    let c1 = prm.c1;
-    let c2 = prm.c2;
-    let c3 = prm.c3;
     let q_base = prm.q_base;
     let cache_cap = prm.cache_cap;
     let flags = prm.flags;

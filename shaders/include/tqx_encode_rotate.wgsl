@@ -1,10 +1,12 @@
 // (shaders/include/tqx_encode_rotate.wgsl) The start of tqx_encode_keys and
-// tqx_encode_values (tqx.wgsl): tq_encode_rotate.wgsl with the row's {NOUT}
-// outlier channels taken out first (the largest |x|, ties to the lower channel,
-// one tree reduction each): their channels in out_ch[0..{NOUT}), their values times
-// the polar sign in out_val[], and x = 0 there, so that the norm, rotation and codes
-// are the rest's. Defines tid, ep, n_kv_heads, head_dim, cache_cap, slab_row,
-// sign_off, head, in_dim, norm, live.
+// tqx_encode_values (tqx.wgsl): one workgroup per (KV head, row), one thread per
+// dimension. Reads the row x and takes its {NOUT} outlier channels out first (the
+// largest |x|, ties to the lower channel, one tree reduction each; none where
+// {NOUT} is 0): their channels in out_ch[0..{NOUT}), their values times the polar
+// sign in out_val[], and x = 0 there, so that the norm, rotation and codes are the
+// rest's. Then the norm (tree reduction over red[]), and y = rht(x / norm, polar
+// signs) left in buf[] with inv_sqrt_d (the caller scales by it). Defines tid, ep,
+// n_kv_heads, head_dim, cache_cap, slab_row, sign_off, head, in_dim, norm, live.
     let tid = lid.x;
     let ep = eparams[wid.y];                   // this row's block (rows of many appends)
     let n_kv_heads = ep.n_kv_heads;

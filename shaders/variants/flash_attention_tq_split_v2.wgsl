@@ -1,7 +1,10 @@
 // Split-KV attention over the TurboQuant cache (decode path), second design:
-// the same work split, params, bindings and partials as
-// `flash_attention_tq_split.wgsl` (`attention_split_tq`; read its header and
-// docs/turboquant.md), so `attention_merge` (ROTATE) finishes it unchanged.
+// the same work split, params, bindings and partials as turboquant's shipped split
+// kernel (`flash_attention_tqx_split.wgsl`, compiled for turboquant:
+// `attention_split_tqx.turboquant`; read its header and docs/turboquant.md), so
+// `attention_merge` (ROTATE) finishes it unchanged. (It was designed against the
+// turboquant-only `attention_split_tq`, since retired: the same bindings, params
+// and partials; the 2-bit codebook, once params c0..c3, is turboquant's TQX_CONSTS.)
 // One workgroup of 256 threads per (split, KV head, query row) serves every
 // query head of the GQA group. What differs is how codes become numbers and how
 // loads are kept in flight:
@@ -41,15 +44,18 @@
 // rotated-query segment starts at a multiple of four words (arena alignment).
 //
 // Measured on the H200 (bench/probes/tq_decode_variants.py; step = rotation + split +
-// merge, GPU time): 32k 0.084 ms, 128k 0.308 ms against the shipped 0.097 / 0.344;
+// merge, GPU time): 32k 0.084 ms, 128k 0.308 ms against the then shipped
+// turboquant-only kernel's 0.097 / 0.344 (not re-measured against the tqx one);
 // STAGE_V = 0 (19 KiB of workgroup memory instead of 35) 0.073 / 0.265: the staging's
 // workgroup memory costs more occupancy than its single round trip saves. The
 // table lookups pay: all-ALU (JL_LUT = CODE_LUT = 0) is slower. v3 continues from
 // here (flash_attention_tq_split_v3.wgsl).
 //
-// Bind group 0: as attention_split_tq (include/split_tq_v2_decls.wgsl).
+// Bind group 0: as attention_split_tqx (include/split_tq_v2_decls.wgsl).
 // Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
 // workgroups of 256 threads; a workgroup past its item's n_splits returns.
+
+{TQX_CONSTS}
 
 // #include "split_tq_v2_decls.wgsl"
 
@@ -88,7 +94,8 @@ fn attention_split_tq_v2(
     let split_len = prm.split_len;
     let qjl_scale = prm.qjl_scale;
     let n_splits = prm.n_splits;
-    let cb = vec4<f32>(prm.c0, prm.c1, prm.c2, prm.c3);
+    let kc = key_centroids(HEAD_DIM);          // turboquant's 2-bit codebook (TQX_CONSTS)
+    let cb = vec4<f32>(kc[0], kc[1], kc[2], kc[3]);
     let q_row = prm.q_row;
     let q_idx = q_row;
     let q_off = prm.q_off;

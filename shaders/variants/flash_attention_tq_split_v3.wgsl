@@ -18,18 +18,21 @@
 //   times the value norm (no reduction of the sums at the end).
 //
 // Measured on the H200 (bench/probes/tq_decode_variants.py; step = rotation + split +
-// merge, GPU time), VPF = 0: 32k 0.073 ms, 128k 0.231 ms against the shipped
-// 0.097 / 0.345 (1.32x / 1.50x); torch bf16 SDPA 0.042 / 0.137. Phase cuts at 128k
+// merge, GPU time), VPF = 0: 32k 0.073 ms, 128k 0.231 ms against the then shipped
+// turboquant-only kernel's 0.097 / 0.345 (1.32x / 1.50x; not re-measured against
+// the tqx one); torch bf16 SDPA 0.042 / 0.137. Phase cuts at 128k
 // (split kernel alone 0.210 ms): scores 0.104 (polar dot ~60%, JL ~25%), softmax
 // + weights 0.015, values ~0.06, the row-group sums and partials ~0.02. Deeper
 // value prefetch (VPF = 2) and one key per thread (SPLIT 256) measured slower: the
 // kernel is bound by registers per thread (occupancy) and by workgroup-memory
 // reads (the polar dot's broadcast query reads and table lookups).
 //
-// Same params, bindings and partials as attention_split_tq (attention_merge
+// Same params, bindings and partials as attention_split_tqx.turboquant (attention_merge
 // finishes it). Constraints: as v2 (head_dim 32/64/128, G 1/2/4/8, split_len
 // <= SPLIT in {256, 512}, page size >= 16, the workgroup memory fits).
 // Dispatch: (the batch's largest n_splits, n_kv_heads, query rows) x 256 threads.
+
+{TQX_CONSTS}
 
 // #include "split_tq_v2_decls.wgsl"
 
@@ -87,7 +90,8 @@ fn attention_split_tq_v3(
     let split_len = prm.split_len;
     let qjl_scale = prm.qjl_scale;
     let n_splits = prm.n_splits;
-    let cb = vec4<f32>(prm.c0, prm.c1, prm.c2, prm.c3);
+    let kc = key_centroids(HEAD_DIM);          // turboquant's 2-bit codebook (TQX_CONSTS)
+    let cb = vec4<f32>(kc[0], kc[1], kc[2], kc[3]);
     let q_row = prm.q_row;
     let q_idx = q_row;
     let q_off = prm.q_off;

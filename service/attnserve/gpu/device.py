@@ -34,7 +34,7 @@ __all__ = ["GpuContext", "open_device", "list_adapters", "GpuWorker", "DeviceErr
 
 log = logging.getLogger("attnserve.gpu")
 
-# What the kernels need at least: 6 storage buffers in a stage (flash_attention_tq),
+# What the kernels need at least: 7 storage buffers in a stage (flash_attention_tqx),
 # 6 KiB of workgroup memory, 256 invocations, and room for a useful cache.
 MIN_LIMITS = {
     "max-storage-buffers-per-shader-stage": 7,

@@ -4,7 +4,7 @@ Each function records into a :class:`~.batch.Batch`; none touches the device.
 Every cache is a pool slab read through the layer's page table
 (``shaders/include/paging.wgsl``, ``pool.py``).
 
-The kernels are *batched*: ``tq_encode_*``, ``tq_rotate_q``, the split-KV
+The kernels are *batched*: ``tqx_encode_*``, ``tq_rotate_q``, the split-KV
 kernels and ``attention_merge`` take one params block per row, so the
 plans queue their work with ``Batch.defer`` and the batch records one dispatch
 per kernel, slab and shape for all its items, in phases (writes, rotations,
@@ -19,7 +19,8 @@ Array layouts (all float32, row-major):
 * queries ``[n, n_heads, head_dim]`` (``q_stride = out_stride = n_heads * head_dim``)
 * plain slabs ``[rows, n_kv_heads * head_dim]`` (slab row ``r`` at ``r * kv_dim``
   elements), float32 (kv format ``f32``) or IEEE half (``f16``)
-* TurboQuant slabs as in ``shaders/turboquant.wgsl``
+* TurboQuant slabs (``turboquant`` and the variants, ``formats.TQ_SPECS``) as in
+  ``shaders/tqx.wgsl``
 * new K/V rows ``[n, n_kv_heads, head_dim]``
 """
 
@@ -33,7 +34,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import wgpu
 
-from ..turboquant import Codebook, qjl_scale
+from ..turboquant import qjl_scale
 from . import params as P
 from ..formats import TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
@@ -131,34 +132,15 @@ class Attend:
 @dataclass(frozen=True)
 class TqLayer:
     """What a TurboQuant attend needs of its layer besides the cache: its signs
-    (the layer's ``2 * head_dim`` values, uploaded with the batch), codebook (the
-    2-bit one of ``turboquant``; the variants' kernels carry theirs) and format
-    (``turboquant`` or one of ``formats.TQ_VARIANTS``)."""
+    (the layer's ``2 * head_dim`` values, uploaded with the batch) and its format
+    (one of ``formats.TQ_SPECS``, whose tqx kernels carry its codebooks)."""
 
     signs: Seg
-    codebook: Codebook
-    kv_format: str = "turboquant"
-
-    @property
-    def variant(self) -> bool:
-        return self.kv_format != "turboquant"
+    kv_format: str
 
     def kernel(self, base: str) -> str:
-        """The kernel of this layer's format: ``base`` for ``turboquant``, its
-        ``tqx`` counterpart for a variant."""
-        if not self.variant:
-            return base
-        return tqx_kernel(_TQX_BASE[base], self.kv_format)
-
-
-_TQX_BASE = {
-    "flash_attention_tq": "flash_attention_tqx",
-    "attention_tq_tiled": "attention_tqx_tiled",
-    "attention_split_tq": "attention_split_tqx",
-    "attention_split_tq_sg": "attention_split_tqx_sg",
-    "tq_encode_keys": "tqx_encode_keys",
-    "tq_encode_values": "tqx_encode_values",
-}
+        """The tqx kernel ``base`` of this layer's format."""
+        return tqx_kernel(base, self.kv_format)
 
 
 def _bind(res: Resource) -> tuple[Resource, int]:
@@ -193,7 +175,7 @@ def _tq_attention_params(batch: Batch, a: Attend, tq: TqLayer, q_base: int) -> S
             P.TQ_ATTENTION_PARAMS,
             **a.shape_params(),
             **a.paging_params(),
-            **_tq_common(a, tq),
+            **_tq_common(a),
             q_cap=a.n_queries,
             out_stride=a.n_heads * a.head_dim,
             sign_off=0,
@@ -229,20 +211,20 @@ class Rotate:
     n_queries: int
     n_heads: int
     head_dim: int
-    # tq_rotate_q ([q_rot | q_jl | sums]) or tq_rotate_q_signed ([q_rot | q * polar signs | sums]:
-    # the formats with outlier channels)
-    kernel: str = "tq_rotate_q"
+    # [q_rot | q * polar signs | sums] in place of [q_rot | q_jl | sums]: the formats
+    # with key outlier channels (tq_rotate.wgsl SIGNED)
+    signed: bool = False
 
 
 def plan_rotate_q(batch: Batch, r: Rotate) -> None:
     """Queue ``tq_rotate_q`` of ``r``: the batch's rotations run in one dispatch
-    (one params block per query row), before its attention kernels."""
+    (one params block per query row, per ``signed``), before its attention kernels."""
     (q, _), (q_out, _) = _bind(r.q), _bind(r.q_out)
-    flush = functools.partial(_flush_rotate, r.kernel)
-    batch.defer(PHASE_ROTATE, (r.kernel, q, q_out), r, flush, rows=r.n_queries)
+    flush = functools.partial(_flush_rotate, {"SIGNED": int(r.signed)})
+    batch.defer(PHASE_ROTATE, ("tq_rotate_q", r.signed, q, q_out), r, flush, rows=r.n_queries)
 
 
-def _flush_rotate(kernel: str, batch: Batch, items: list[Rotate]) -> None:
+def _flush_rotate(constants: dict[str, int], batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
     (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
     rows = _Rows()
@@ -254,13 +236,14 @@ def _flush_rotate(kernel: str, batch: Batch, items: list[Rotate]) -> None:
         )  # fmt: skip
     _dispatch_rows(
         batch,
-        kernel,
+        "tq_rotate_q",
         P.TQ_ROTATE_PARAMS,
         rows,
         {},
         {3: signs, 4: q, 5: q_out},
         6,
         lambda rows: (max(r.n_heads for r in items), rows, 1),
+        constants,
     )
 
 
@@ -279,11 +262,10 @@ class _Rows:
         self.n += n
 
 
-def _tq_common(a: Attend, tq: TqLayer) -> dict[str, Any]:
+def _tq_common(a: Attend) -> dict[str, Any]:
     """The fields every row of a TurboQuant attention dispatch shares: the QJL
-    scale, the slab's rows, the codebook's centroids."""
-    c = tq.codebook.centroids if len(tq.codebook.centroids) == 4 else (0.0,) * 4  # (a variant's are constants)
-    return dict(qjl_scale=qjl_scale(a.head_dim), cache_cap=a.cache.rows, c0=c[0], c1=c[1], c2=c[2], c3=c[3])
+    scale and the slab's rows (the codebooks are constants of the format's kernels)."""
+    return dict(qjl_scale=qjl_scale(a.head_dim), cache_cap=a.cache.rows)
 
 
 def _dispatch_rows(
@@ -307,11 +289,11 @@ def _dispatch_rows(
 
 
 def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """``flash_attention_tq`` (single pass) from rotated queries."""
+    """``flash_attention_tqx`` (single pass) from rotated queries."""
     for q_base, rows in _chunks(a.n_queries, _limit(batch)):
         prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
-            tq.kernel("flash_attention_tq"),
+            tq.kernel("flash_attention_tqx"),
             {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
             (a.n_heads, rows, 1),
         )
@@ -320,7 +302,8 @@ def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
 @dataclass(frozen=True)
 class Encode:
     """``n_rows`` new rows ``k_src, v_src [n, Hkv, d]`` (segments) into timesteps
-    ``t0..`` of a layer whose page table is ``pages``, in ``cache`` (the slab)."""
+    ``t0..`` of a layer of ``kv_format`` whose page table is ``pages``, in ``cache``
+    (the slab)."""
 
     k_src: Seg
     v_src: Seg
@@ -328,29 +311,27 @@ class Encode:
     pages: Seg
     page_shift: int
     signs: Seg
-    codebook: Codebook
     n_rows: int
     n_kv_heads: int
     head_dim: int
     t0: int
-    kv_format: str = "turboquant"
+    kv_format: str
 
 
 def plan_tq_encode(batch: Batch, e: Encode) -> None:
-    """Queue ``tq_encode_keys`` and ``tq_encode_values`` of ``e``'s rows: the batch's
-    encodes into a slab run as one dispatch each, before any attention kernel of the batch."""
-    for base in ("tq_encode_keys", "tq_encode_values"):
-        kernel = base if e.kv_format == "turboquant" else tqx_kernel(_TQX_BASE[base], e.kv_format)
-        flush = functools.partial(_flush_encode, kernel)
+    """Queue ``tqx_encode_keys`` and ``tqx_encode_values`` (of ``e``'s format) of ``e``'s
+    rows: the batch's encodes into a slab run as one dispatch each, before any attention
+    kernel of the batch."""
+    for base in ("tqx_encode_keys", "tqx_encode_values"):
+        kernel = tqx_kernel(base, e.kv_format)
+        flush = functools.partial(_flush_encode, kernel, base == "tqx_encode_keys")
         batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads), e, flush, rows=e.n_rows)
 
 
-def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
+def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Encode]) -> None:
     first = items[0]
-    keys = kernel.split(".")[0] in ("tq_encode_keys", "tqx_encode_keys")
     src, _ = _bind(first.k_src)
     cache = first.cache.k if keys else first.cache.v
-    c, b = first.codebook.centroids, first.codebook.boundaries
     rows = _Rows()
     for e in items:
         row_words = e.n_kv_heads * e.head_dim
@@ -362,15 +343,11 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
     common: dict[str, Any] = dict(
         n_kv_heads=first.n_kv_heads, head_dim=first.head_dim, cache_cap=first.cache.rows, page_shift=first.page_shift
     )
-    block = P.TQX_ENCODE_PARAMS  # a variant's codebooks are constants of its kernels
-    if first.kv_format == "turboquant":
-        block = P.TQ_ENCODE_PARAMS
-        common.update(c0=c[0], c1=c[1], c2=c[2], c3=c[3], b0=b[0], b1=b[1], b2=b[2])
     ins = whole("in")
     _dispatch_rows(
         batch,
         kernel,
-        block,
+        P.TQX_ENCODE_PARAMS,
         rows,
         common,
         {0: src, 1: cache, 3: ins, 7: ins},
@@ -383,12 +360,12 @@ def _flush_encode(kernel: str, batch: Batch, items: list[Encode]) -> None:
 
 SPLIT_TILE = 32  # the shortest split choose_split makes
 # group * split_len, the scores a split kernel holds in workgroup memory (MAX_SCORES
-# in shaders/include/split_plain_decls.wgsl and split_tq_common_decls.wgsl): the
-# plain kernels' 4096 (1024-key splits at G = 4) measured 8-10% faster at 32k-128k
-# than 2048 and than 8192 on the H200 (docs/benchmarks.md)
+# in shaders/include/split_plain_decls.wgsl and split_tqx_decls.wgsl): the plain
+# kernels' 4096 (1024-key splits at G = 4) measured 8-10% faster at 32k-128k than
+# 2048 and than 8192 on the H200 (docs/benchmarks.md)
 PLAIN_MAX_SCORES = 4096
 TQ_MAX_SCORES = 2048
-TQ_MAX_SPLIT = 512  # MAX_SPLIT in flash_attention_tq_split.wgsl
+TQ_MAX_SPLIT = 512  # MAX_SPLIT in include/split_tqx_decls.wgsl
 
 
 @dataclass(frozen=True)
@@ -405,7 +382,7 @@ class KernelPolicy:
 
     force: str | None = None
     split_max_queries: int = 16
-    # Measured on the H200 (bench/decode_sweep.py, docs/benchmarks.md): the longest
+    # Measured on the H200 (bench/probes/decode_sweep.py, docs/benchmarks.md): the longest
     # splits win; 128 gives 512-key splits from 8k context on with 8 KV heads.
     target_workgroups: int = 128
     # The subgroup variants of the split kernels (one subgroup per key) measured
@@ -503,7 +480,7 @@ def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
     if tq is None:
         kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
-        kernel = tq.kernel("attention_split_tq_sg" if sg else "attention_split_tq")
+        kernel = tq.kernel("attention_split_tqx_sg" if sg else "attention_split_tqx")
         constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
     q, _ = _bind(a.q)
     key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, a.n_kv_heads)
@@ -531,7 +508,7 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         common.update(kv_dim=first.n_kv_heads * first.head_dim)
     else:
         block = P.TQ_SPLIT_PARAMS
-        common.update(_tq_common(first, items[0].tq))
+        common.update(_tq_common(first))
     max_splits = max(it.n_splits for it in items)
     _dispatch_rows(
         batch,
@@ -577,7 +554,7 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
 
 TILED_ROWS = 64  # R in attention_prefill_tiled.wgsl
 RB_ROWS = 64  # R in attention_prefill_rb.wgsl
-TQ_TILED_ROWS = 64  # R in flash_attention_tq_tiled.wgsl
+TQ_TILED_ROWS = 64  # R in flash_attention_tqx_tiled.wgsl
 
 
 @dataclass(frozen=True)
@@ -592,7 +569,7 @@ def _tiled_kernel(
 ) -> tuple[str, int, dict[str, int] | None]:
     """(kernel, query rows per block, override constants) of a query-block attend."""
     if tq is not None:
-        return tq.kernel("attention_tq_tiled"), TQ_TILED_ROWS // a.group, None
+        return tq.kernel("attention_tqx_tiled"), TQ_TILED_ROWS // a.group, None
     if batch.policy.prefill_f32 == "rb":
         constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
         if batch.policy.prefill_rb_specialize:
@@ -609,7 +586,7 @@ def _plan_tiled(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
     A plain slab takes ``attention_prefill_rb`` (64-key tiles, outer-product register
     blocks; specialized on G and head_dim unless the policy says otherwise) or
     ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says; TurboQuant
-    ``attention_tq_tiled`` from rotated queries."""
+    ``attention_tqx_tiled`` (of the layer's format) from rotated queries."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError(f"shape not eligible for the tiled {kv_format} kernel")
     kernel, bq, constants = _tiled_kernel(batch, a, kv_format, tq)
@@ -652,7 +629,7 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         bindings[5] = ins
     else:
         block = P.TQ_ATTENTION_PARAMS
-        common.update(_tq_common(first, items[0].tq))
+        common.update(_tq_common(first))
         bindings.update({5: ins, 6: ins})
     _dispatch_rows(
         batch,
@@ -690,12 +667,12 @@ def plan_attend_plain(batch: Batch, a: Attend, kv_format: str) -> None:
 
 
 def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
-    """TurboQuant attention of ``a.q`` (plain queries): rotated by ``tq_rotate_q``
-    into scratch, then the kernel family ``batch.policy`` picks."""
+    """TurboQuant attention of ``a.q`` (plain queries) over a layer of any
+    ``formats.TQ_SPECS`` format: rotated by ``tq_rotate_q`` into scratch, then the
+    format's tqx kernel family ``batch.policy`` picks."""
     qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
-    spec = TQ_SPECS[tq.kv_format]
-    rotate = "tq_rotate_q_signed" if spec.key_outliers else "tq_rotate_q"
-    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, rotate))
+    signed = bool(TQ_SPECS[tq.kv_format].key_outliers)
+    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, signed))
     a = dataclasses.replace(a, q=qrot)
     fmt = tq.kv_format
     path = batch.policy.path(fmt, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)

@@ -16,7 +16,6 @@ __all__ = [
     "FLAG_NON_CAUSAL",
     "PREFILL_PARAMS",
     "TQ_ATTENTION_PARAMS",
-    "TQ_ENCODE_PARAMS",
     "TQX_ENCODE_PARAMS",
     "TQ_ROTATE_PARAMS",
     "SPLIT_PARAMS",
@@ -59,17 +58,13 @@ PREFILL_PARAMS = _block(
 )
 
 
-# struct TqAttentionParams: flash_attention_tq{,_tiled}.wgsl `params` (one per block
-# in attention_tq_tiled, as PrefillParams)
+# struct TqAttentionParams: flash_attention_tqx{,_tiled}.wgsl `params` (one per block
+# in attention_tqx_tiled, as PrefillParams)
 TQ_ATTENTION_PARAMS = _block(
     *_TQ_HEAD,
     "out_stride",
     "~qjl_scale",
     "sign_off",
-    "~c0",
-    "~c1",
-    "~c2",
-    "~c3",
     "q_base",
     "cache_cap",
     "flags",
@@ -79,29 +74,9 @@ TQ_ATTENTION_PARAMS = _block(
     "out_off",
 )
 
-# struct TqEncodeParams: turboquant.wgsl tq_encode_keys / tq_encode_values `eparams`,
-# one block per row: the row at word src_off goes to timestep t of its layer
-TQ_ENCODE_PARAMS = _block(
-    "n_kv_heads",
-    "head_dim",
-    "cache_cap",
-    "t",
-    "src_off",
-    "sign_off",
-    "table_off",
-    "page_shift",
-    "~c0",
-    "~c1",
-    "~c2",
-    "~c3",
-    "~b0",
-    "~b1",
-    "~b2",
-    "_pad0",
-)
-
-# struct TqxEncodeParams: tqx.wgsl tqx_encode_keys / tqx_encode_values `eparams`:
-# TqEncodeParams without the codebook (a variant's kernels carry theirs as constants)
+# struct TqxEncodeParams: tqx.wgsl tqx_encode_keys / tqx_encode_values `eparams`, one
+# block per row: the row at word src_off goes to timestep t of its layer (the
+# format's codebooks are constants of its kernels)
 TQX_ENCODE_PARAMS = _block(
     "n_kv_heads",
     "head_dim",
@@ -113,7 +88,7 @@ TQX_ENCODE_PARAMS = _block(
     "page_shift",
 )
 
-# struct TqRotateParams: turboquant.wgsl tq_rotate_q `rparams`, one block per query
+# struct TqRotateParams: tq_rotate.wgsl tq_rotate_q `rparams`, one block per query
 # row: row q_row of the item whose queries start at word q_in_off (rotated: q_out_off)
 TQ_ROTATE_PARAMS = _block(
     "n_heads",
@@ -145,17 +120,13 @@ SPLIT_PARAMS = _block(
     "_pad2",
 )
 
-# struct TqSplitParams: flash_attention_tq_split{,_sg}.wgsl `params`, one block per
+# struct TqSplitParams: flash_attention_tqx_split{,_sg}.wgsl `params`, one block per
 # query row of a batch (as SplitParams; q_off: the item's rotated queries)
 TQ_SPLIT_PARAMS = _block(
     *_TQ_HEAD,
     "split_len",
     "~qjl_scale",
     "n_splits",
-    "~c0",
-    "~c1",
-    "~c2",
-    "~c3",
     "q_row",
     "cache_cap",
     "flags",
@@ -189,7 +160,6 @@ FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 STRUCTS = {
     "PrefillParams": PREFILL_PARAMS,
     "TqAttentionParams": TQ_ATTENTION_PARAMS,
-    "TqEncodeParams": TQ_ENCODE_PARAMS,
     "TqxEncodeParams": TQX_ENCODE_PARAMS,
     "TqRotateParams": TQ_ROTATE_PARAMS,
     "SplitParams": SPLIT_PARAMS,
@@ -202,14 +172,9 @@ PARAMS_OF = {
     ("attention_prefill.wgsl", "params"): PREFILL_PARAMS,
     ("attention_prefill_tiled.wgsl", "params"): PREFILL_PARAMS,
     ("attention_prefill_rb.wgsl", "params"): PREFILL_PARAMS,
-    ("flash_attention_tq.wgsl", "params"): TQ_ATTENTION_PARAMS,
-    ("flash_attention_tq_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
-    ("turboquant.wgsl", "eparams"): TQ_ENCODE_PARAMS,
-    ("turboquant.wgsl", "rparams"): TQ_ROTATE_PARAMS,
+    ("tq_rotate.wgsl", "rparams"): TQ_ROTATE_PARAMS,
     ("attention_split.wgsl", "params"): SPLIT_PARAMS,
     ("attention_split_sg.wgsl", "params"): SPLIT_PARAMS,
-    ("flash_attention_tq_split.wgsl", "params"): TQ_SPLIT_PARAMS,
-    ("flash_attention_tq_split_sg.wgsl", "params"): TQ_SPLIT_PARAMS,
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
     ("tqx.wgsl", "eparams"): TQX_ENCODE_PARAMS,
     ("flash_attention_tqx.wgsl", "params"): TQ_ATTENTION_PARAMS,

@@ -20,7 +20,7 @@ import wgpu
 
 import numpy as np
 
-from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS, TQ_VARIANTS
+from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS
 from . import params as P
 
 __all__ = [
@@ -54,29 +54,9 @@ class KernelSpec:
 
 
 KERNELS: dict[str, KernelSpec] = {
-    "flash_attention_tq": KernelSpec(
-        "flash_attention_tq.wgsl",
-        "flash_attention_tq",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R), (6, R)),
-    ),
-    "tq_encode_keys": KernelSpec("turboquant.wgsl", "tq_encode_keys", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
-    "tq_encode_values": KernelSpec("turboquant.wgsl", "tq_encode_values", ((0, R), (1, RW), (2, R), (3, R), (7, R))),
-    "tq_rotate_q": KernelSpec("turboquant.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
-    "tq_rotate_q_signed": KernelSpec("turboquant.wgsl", "tq_rotate_q_signed", ((3, R), (4, R), (5, RW), (6, R))),
-    "attention_tq_tiled": KernelSpec(
-        "flash_attention_tq_tiled.wgsl",
-        "attention_tq_tiled",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R), (6, R)),
-    ),
-    "attention_split_tq": KernelSpec(
-        "flash_attention_tq_split.wgsl", "attention_split_tq", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R))
-    ),
-    "attention_split_tq_sg": KernelSpec(
-        "flash_attention_tq_split_sg.wgsl",
-        "attention_split_tq_sg",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
-        ("subgroup",),
-    ),
+    # every compressed format's query rotation (constants {"SIGNED": 1}: the formats with
+    # key outlier channels)
+    "tq_rotate_q": KernelSpec("tq_rotate.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
 }
 
@@ -105,8 +85,8 @@ for _base, (_file, _features) in _PLAIN_KERNELS.items():
         )
 
 
-#: The kernels over a TurboQuant variant's slab (formats.TQ_VARIANTS), one pipeline
-#: family per variant: ``tqx_kernel(base, kv_format)`` names the one for ``kv_format``;
+#: The kernels over a TurboQuant slab (every format of formats.TQ_SPECS), one pipeline
+#: family per format: ``tqx_kernel(base, kv_format)`` names the one for ``kv_format``;
 #: the format's constants (``tqx_consts``) replace ``{TQX_CONSTS}`` in the file.
 _TQX_KERNELS: dict[str, tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]]] = {
     # base name (= entry point): (file, bindings, device features)
@@ -128,7 +108,8 @@ _TQX_KERNELS: dict[str, tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]]
 
 
 def tqx_kernel(base: str, kv_format: str) -> str:
-    """The ``KERNELS`` name of TurboQuant-variant kernel ``base`` over a ``kv_format`` slab."""
+    """The ``KERNELS`` name of the tqx kernel ``base`` over a ``kv_format`` slab (any of
+    ``formats.TQ_SPECS``)."""
     return f"{base}.{kv_format}"
 
 
@@ -138,7 +119,8 @@ def _wgsl_f32(x: float) -> str:
 
 
 def tqx_consts(kv_format: str) -> str:
-    """The WGSL constants of a TurboQuant variant: KB, VB, QJL, and per head_dim its
+    """The WGSL constants of a compressed format (``turboquant`` or a variant): KB, VB,
+    QJL, KO, VO, and per head_dim its
     key / value codebooks (KC_d, VC_d) and boundaries (KCB_d, VCB_d), padded to 16."""
     from ..turboquant import codebook
 
@@ -160,13 +142,14 @@ def tqx_consts(kv_format: str) -> str:
     return "\n".join(out)
 
 
-#: The variants whose tqx kernels warm_up compiles at start: every code path of the
-#: family (2-, 3- and 4-bit codes, QJL, outlier channels); the other variants' on
-#: first use (seven formats' worth tripled a start on lavapipe).
-TQX_WARM = ("tq4", "tq4q", "tq4o")
+#: The formats whose tqx kernels warm_up compiles at start: turboquant (the default
+#: compressed format) and every code path of the family (2-, 3- and 4-bit codes, QJL,
+#: outlier channels); the other variants' on first use (seven formats' worth tripled
+#: a start on lavapipe).
+TQX_WARM = ("turboquant", "tq4", "tq4q", "tq4o")
 
 for _base, (_file, _bindings, _features) in _TQX_KERNELS.items():
-    for _fmt in TQ_VARIANTS:
+    for _fmt in TQ_SPECS:
         KERNELS[tqx_kernel(_base, _fmt)] = KernelSpec(
             _file, _base, _bindings, _features, (("TQX_CONSTS", tqx_consts(_fmt)),), warm=_fmt in TQX_WARM
         )
@@ -282,8 +265,8 @@ class PipelineCache:
 
     def warm_up(self) -> None:
         """Compile every kernel the device can run now (at start), so a bad
-        shader fails the start: all but the TurboQuant variants outside TQX_WARM
-        (compiled on first use; their code paths are the warm variants')."""
+        shader fails the start: all but the tqx kernels of the formats outside
+        TQX_WARM (compiled on first use; their code paths are the warm formats')."""
         features = set(self._device.features)
         for name, spec in KERNELS.items():
             if spec.warm and set(spec.features) <= features:

@@ -325,7 +325,8 @@ def tq_attention(
     causal: bool = True,
     scale: float | None = None,
 ) -> np.ndarray:
-    """Attention computed from the compressed codes, in float64 (``flash_attention_tq``)."""
+    """Attention computed from ``turboquant``'s compressed codes, in float64 (the tqx
+    kernels compiled for ``turboquant``; :func:`tqx_attention` for every format)."""
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
     if start_pos is None:
