@@ -355,6 +355,12 @@ def main(argv=None) -> int:
         default=K.KernelPolicy.prefill_f32,
         help="f32 query-block prefill kernel: attention_prefill_tiled or attention_prefill_rb",
     )
+    ap.add_argument(
+        "--prefill-f16",
+        choices=["tiled", "rb"],
+        default=K.KernelPolicy.prefill_f16,
+        help="the same for f16",
+    )
     args = ap.parse_args(argv)
 
     decode_ctx = (512, 2048) if args.quick else DECODE_CONTEXTS
@@ -365,6 +371,7 @@ def main(argv=None) -> int:
         subgroups={"auto": default.subgroups, "on": True, "off": False}[args.subgroups],
         target_workgroups=args.target_workgroups or default.target_workgroups,
         prefill_f32=args.prefill_f32,
+        prefill_f16=args.prefill_f16,
     )
     engine = Engine.open(args.adapter, policy=policy, page_tokens=args.page_tokens)
     rng = np.random.default_rng(0)
@@ -400,7 +407,7 @@ def main(argv=None) -> int:
             path = policy.path(fmt, n, H, HKV, D)
             if path == "split" and policy.use_subgroups(engine.ctx):
                 path = "split-sg"
-            if path == "tiled" and is_plain(fmt) and policy.prefill_f32 == "rb":
+            if path == "tiled" and is_plain(fmt) and policy.plain_prefill(fmt) == "rb":
                 path = "tiled-rb"
             row = {
                 "kernel": kernel,

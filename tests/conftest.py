@@ -78,6 +78,7 @@ def kernel_path(request, engine):
         force="tiled" if p.startswith("tiled") else p if p == "single" else "split",
         subgroups="sg" in p,
         prefill_f32="rb" if p.startswith("tiled-rb") else "tiled",
+        prefill_f16="rb" if p.startswith("tiled-rb") else "tiled",
         # the register-blocked kernel's variants: register prefetch of the next
         # chunk, and the generic pipeline (shape from params, no override constants)
         prefill_rb_prefetch=p == "tiled-rb-prefetch",

@@ -394,6 +394,9 @@ class KernelPolicy:
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
     # "rb" measured faster on the H200 (bench/prefill_sweep.py, docs/benchmarks.md).
     prefill_f32: str = "rb"
+    # The same choice for f16: "tiled" measured faster on the H200 (2.40 against
+    # 2.75 ms at 2048 x 2048, 5.01 against 5.48 at 512 x 8192; docs/benchmarks.md).
+    prefill_f16: str = "tiled"
     # attention_prefill_rb: hold the next Q/K chunk in registers during the
     # scores (more registers, the loads' latency hidden) or load it at staging
     # (measured faster on the H200: fewer registers, more workgroups per SM).
@@ -401,6 +404,10 @@ class KernelPolicy:
     # attention_prefill_rb: specialize the pipeline on G and head_dim (override
     # constants GROUP, HEAD_DIM; one pipeline per shape) or run the generic one.
     prefill_rb_specialize: bool = True
+
+    def plain_prefill(self, kv_format: str) -> str:
+        """The query-block prefill kernel ("rb" or "tiled") of a plain format."""
+        return self.prefill_f16 if kv_format == "f16" else self.prefill_f32
 
     def use_subgroups(self, device) -> bool:
         return bool(self.subgroups) and "subgroup" in device.features
@@ -570,7 +577,7 @@ def _tiled_kernel(
     """(kernel, query rows per block, override constants) of a query-block attend."""
     if tq is not None:
         return tq.kernel("attention_tqx_tiled"), TQ_TILED_ROWS // a.group, None
-    if batch.policy.prefill_f32 == "rb":
+    if batch.policy.plain_prefill(kv_format) == "rb":
         constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
         if batch.policy.prefill_rb_specialize:
             constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
@@ -585,7 +592,7 @@ def _plan_tiled(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> 
 
     A plain slab takes ``attention_prefill_rb`` (64-key tiles, outer-product register
     blocks; specialized on G and head_dim unless the policy says otherwise) or
-    ``attention_prefill_tiled``, as ``batch.policy.prefill_f32`` says; TurboQuant
+    ``attention_prefill_tiled``, as ``batch.policy.plain_prefill`` says; TurboQuant
     ``attention_tqx_tiled`` (of the layer's format) from rotated queries."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError(f"shape not eligible for the tiled {kv_format} kernel")
