@@ -119,6 +119,9 @@ def test_layout_and_sizes():
     assert bits_per_element("tq4o", 128) == 4.25 and bytes_per_token("tq4o", 1, 128) == 136
     assert outlier_words(8) == 6 and outlier_words(2) == 2 and outlier_words(1) == 1
     assert bits_per_element("tq3o", 128) == 3.5  # keys 15 words, values 13
+    # tq2o: keys 8 code words + norm (and outlier 0) + 2 outlier words (outliers 1, 2 and
+    # the channel bytes: 3 outliers cost what 2 do), values 8 + 1
+    assert outlier_words(3) == 2 and bits_per_element("tq2o", 128) == 2.5 and bytes_per_token("tq2o", 1, 128) == 80
     rng = np.random.default_rng(5)
     for d in (32, 64, 128):
         k, v = rng.standard_normal((7, 2, d)), rng.standard_normal((7, 2, d))
@@ -224,7 +227,7 @@ def path(request, engine):
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q", "tq4o", "tq3o"])
+@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q", "tq4o", "tq3o", "tq2o"])
 def test_attention_matches_its_oracle(engine, rng, fmt, path):
     """Every kernel path, GQA 1/2/4/8, d 32/64/128 (one per case, in turn), causal and
     not, start_pos inside, capacity > length; many cases in one coalesced batch."""

@@ -9,14 +9,15 @@ out, the kernels read them).
   float16 norms for a key, 2-bit codes + a float16 norm for a value
   (``docs/turboquant.md``, ``shaders/turboquant.wgsl``).
 * the TurboQuant variants (``TQ_VARIANTS``: ``tq4``, ``tq3``, ``tq4v2``, ``tq4v3``,
-  ``tq3q``, ``tq4q``): per head, b-bit Lloyd-Max codes of the rotated key (with or
-  without a 1-bit QJL residual sign per coordinate) and of the rotated value, b in
-  {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
+  ``tq3q``, ``tq4q``, and those with outlier channels below): per head, b-bit
+  Lloyd-Max codes of the rotated key (with or without a 1-bit QJL residual sign per
+  coordinate) and of the rotated value, b in {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
   ``shaders/tqx.wgsl``). A name says the key's bits per coordinate (QJL bit
   included, ``q`` when one of them is QJL) and, where they differ, the value's.
   ``tq4o`` (4.25 bits per element) keeps each vector's largest channels as float16
   (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4); ``tq3o``
-  (3.5 bits) keeps a key's 8 and codes values with 3 bits.
+  (3.5 bits) keeps a key's 8 and codes values with 3 bits; ``tq2o`` (2.5 bits)
+  keeps a key's 3 and codes keys and values with 2 bits.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ TQ_VARIANTS: dict[str, TqSpec] = {
     "tq4q": TqSpec(3, True, 4),  # 4.25 (keys 3 bits + QJL)
     "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
     "tq3o": TqSpec(2, False, 3, 8, 0),  # 3.5 (keys 2 bits + 8 outliers, values 3 bits)
+    "tq2o": TqSpec(2, False, 2, 3, 0),  # 2.5 (keys 2 bits + 3 outliers, values 2 bits)
 }
 #: Every compressed format's bit budget: ``turboquant`` is (2, QJL, 2), its layout
 #: the variants' at b = 2.
