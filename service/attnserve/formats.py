@@ -58,10 +58,16 @@ class TqSpec:
     value_outliers: int = 0
 
 
-def outlier_words(n: int) -> int:
-    """Words of a slot's outlier region: the halves of outliers 1 .. n-1 (outlier 0
+def outlier_region(n: int) -> tuple[int, int]:
+    """(words of halves, words of channels) of a slot's outlier region of ``n`` outliers:
+    the float16 halves of outliers 1 .. n-1, two to a word, the lower first (outlier 0
     shares the norm word), then the 8-bit channel indices, four to a word."""
-    return -(-(n - 1) // 2) + -(-n // 4) if n else 0
+    return (-(-(n - 1) // 2), -(-n // 4)) if n else (0, 0)
+
+
+def outlier_words(n: int) -> int:
+    """Words of a slot's outlier region (:func:`outlier_region`)."""
+    return sum(outlier_region(n))
 
 
 #: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``).
