@@ -10,8 +10,11 @@ same q, k and v.
     python examples/decode_loop.py --url http://127.0.0.1:8000
     python examples/decode_loop.py --kv-format turboquant   # prints the error only
 
+``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
+
 Exit status: 0 on success; 1 when an f32 output is off by more than 1e-4
-(max |out - ref| / max |ref| per call); 2 when the server cannot be used.
+(max |out - ref| / max |ref| per call); 2 when the server cannot be used (or does
+not offer the format).
 """
 
 from __future__ import annotations
@@ -95,6 +98,19 @@ class TinyModel:
         return x + np.maximum(self.norm(x) @ p["w1"], 0.0) @ p["w2"]
 
 
+#: --kv-format's help: the server owns the list of formats.
+KV_FORMAT_HELP = "a kv format the server offers (GET /v1/info kv_formats: f32, f16, turboquant, tq4, ...)"
+
+
+def unoffered_kv_format(client, kv_format: str) -> str | None:
+    """Why ``kv_format`` cannot be used (the server does not list it in
+    ``GET /v1/info`` ``kv_formats``), or None."""
+    offered = client.info()["kv_formats"]
+    if kv_format in offered:
+        return None
+    return f"--kv-format {kv_format!r}: the server offers {', '.join(offered)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -106,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=37, help="prompt length in tokens")
     ap.add_argument("--chunk", type=int, default=16, help="prefill chunk length")
     ap.add_argument("--steps", type=int, default=16, help="tokens to decode")
-    ap.add_argument("--kv-format", choices=["f32", "turboquant"], default="f32")
+    ap.add_argument("--kv-format", default="f32", help=KV_FORMAT_HELP)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -133,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
         with Client(args.url, api_key=api_key) as client:
+            if why := unoffered_kv_format(client, args.kv_format):
+                print(f"error: {why}", file=sys.stderr)
+                return 2
             session = client.create_session(
                 num_qo_heads=args.heads,
                 num_kv_heads=args.kv_heads,

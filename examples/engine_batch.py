@@ -14,8 +14,11 @@ output is checked against a float64 numpy reference of the same q, k and v.
     python examples/engine_batch.py --url http://127.0.0.1:8000 --sequences 8 --layers 4
     python examples/engine_batch.py --transport http        # batched steps over plain HTTP
 
+``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
+
 Exit status: 0 on success; 1 when an f32 output is off by more than 1e-4
-(max |out - ref| / max |ref| per item); 2 when the server cannot be used.
+(max |out - ref| / max |ref| per item); 2 when the server cannot be used (or does
+not offer the format).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 from attnserve_client import AttendItem, AttnServeError, Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_loop import reference_attention  # noqa: E402  (the float64 reference, one copy)
+from decode_loop import KV_FORMAT_HELP, reference_attention, unoffered_kv_format  # noqa: E402  (one copy each)
 
 F32_TOLERANCE = 1e-4
 
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=24, help="longest prompt; sequence i has prompt - 3 * i rows (>= 1)")
     ap.add_argument("--steps", type=int, default=8, help="tokens to decode")
-    ap.add_argument("--kv-format", choices=["f32", "turboquant"], default="f32")
+    ap.add_argument("--kv-format", default="f32", help=KV_FORMAT_HELP)
     ap.add_argument("--transport", choices=["stream", "http"], default="stream")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -118,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
     try:
         with Client(args.url, api_key=api_key) as client:
+            if why := unoffered_kv_format(client, args.kv_format):
+                print(f"error: {why}", file=sys.stderr)
+                return 2
             sessions = [
                 client.create_session(
                     num_qo_heads=args.heads,

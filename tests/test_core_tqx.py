@@ -119,6 +119,9 @@ def test_layout_and_sizes():
     assert bits_per_element("tq4o", 128) == 4.25 and bytes_per_token("tq4o", 1, 128) == 136
     assert outlier_words(8) == 6 and outlier_words(2) == 2 and outlier_words(1) == 1
     assert bits_per_element("tq3o", 128) == 3.5  # keys 15 words, values 13
+    # tq2o: keys 8 code words + norm (and outlier 0) + 2 outlier words (outliers 1, 2 and
+    # the channel bytes: 3 outliers cost what 2 do), values 8 + 1
+    assert outlier_words(3) == 2 and bits_per_element("tq2o", 128) == 2.5 and bytes_per_token("tq2o", 1, 128) == 80
     rng = np.random.default_rng(5)
     for d in (32, 64, 128):
         k, v = rng.standard_normal((7, 2, d)), rng.standard_normal((7, 2, d))
@@ -224,7 +227,7 @@ def path(request, engine):
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q", "tq4o", "tq3o"])
+@pytest.mark.parametrize("fmt", ["tq4", "tq3", "tq4v2", "tq3q", "tq4q", "tq4o", "tq3o", "tq2o"])
 def test_attention_matches_its_oracle(engine, rng, fmt, path):
     """Every kernel path, GQA 1/2/4/8, d 32/64/128 (one per case, in turn), causal and
     not, start_pos inside, capacity > length; many cases in one coalesced batch."""
@@ -308,3 +311,112 @@ def test_outlier_channels_are_kept(engine):
         cos[fmt] = float(c.mean())
     print(cos)
     assert cos["tq4o"] > 0.99 and 1 - cos["tq4o"] < 0.25 * (1 - cos["tq4"]), cos
+
+
+OUTLIER_FORMATS = [f for f, s in TQ_VARIANTS.items() if s.key_outliers or s.value_outliers]
+
+
+def _overflowing_row(d: int, n: int, polar_signs: np.ndarray, rest_share: float = 0.3) -> np.ndarray:
+    """A row of norm just under MAX_NORM whose outlier 0 (channel 5) is stored past
+    float16's range by a format keeping ``n`` channels of 2-bit codes: its rest is 0 at
+    channels 5 ^ m for m < n (n <= 8: blocks of 8 in the rotated basis), and in the
+    rotated basis, times H[5], one positive block and everything else slightly
+    negative, so that the 2-bit codes reconstruct about -0.3 of the rest's norm at
+    channel 5, where x is large and positive (times its sign)."""
+    ch = 5
+    blk = 4 if n <= 4 else 8
+    w = np.full(d // blk, -1.0)
+    w[0] = d // blk - 1
+    w = np.repeat(w, blk) / np.linalg.norm(np.repeat(w, blk))
+    hn = ref.hadamard(d) / np.sqrt(d)
+    rest = hn @ (hn[ch] * np.sqrt(d) * w) * polar_signs  # rht_inv of the rotated rest
+    others = [ch ^ m for m in range(1, n)]
+    assert np.abs(rest[[ch, *others]]).max() < 1e-12
+    total = 65504.0 * 0.9999
+    rn = rest_share * total
+    b = 1.05 * np.abs(rest).max() * rn  # the other outliers: just above the rest's channels
+    x = rest * rn
+    x[others] = b
+    x[ch] = np.sqrt(total**2 - rn**2 - (n - 1) * b**2) * polar_signs[ch]
+    return x
+
+
+@pytest.mark.parametrize("fmt", OUTLIER_FORMATS)
+def test_outlier_bound_holds(rng, fmt):
+    """turboquant.outlier_bound bounds every outlier the oracle stores (Gaussian rows,
+    LLM-shaped rows with big channels, and rows built to make the codes reconstruct
+    much at an outlier channel), and the threat is real: those last rows have norms
+    under MAX_NORM, and the oracle stores an outlier of theirs as inf (at d = 64 and 128;
+    at 32 they come within 2% of it)."""
+    import warnings
+
+    from attnserve.turboquant import MAX_NORM, OUTLIER_SLACK, outlier_bound
+
+    spec = TQ_SPECS[fmt]
+    for d in (32, 64, 128):
+        ps, js = layer_signs(9, 0, d)
+        x = rows(rng, 200, 2, d, 100.0).astype(np.float64)
+        x[:100, :, rng.choice(d, 4, replace=False)] *= rng.uniform(10, 60, size=4)
+        adv = np.stack([_overflowing_row(d, max(spec.key_outliers, spec.value_outliers), ps, share)
+                        for share in (0.1, 0.2, 0.3, 0.4)])  # fmt: skip
+        assert (np.linalg.norm(adv, axis=-1) < MAX_NORM).all()
+        x = np.concatenate([x, np.stack([adv, adv], axis=1)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # float16 overflow of the stored outliers
+            ek, ev = ref.tqx_encode(x, x, spec, ps, js)
+        for enc, n, bits in ((ek, spec.key_outliers, spec.key_bits), (ev, spec.value_outliers, spec.value_bits)):
+            if not n:
+                assert enc.outliers is None
+                continue
+            stored = np.abs(enc.outliers.value).max(axis=-1)
+            bound = outlier_bound(x, n, bits)
+            assert (stored <= bound / OUTLIER_SLACK).all(), (stored / bound).max()
+            assert (stored[:100] > 0.1 * bound[:100]).all()  # LLM-shaped: the outliers are the bound's bulk
+            if bits == 2 and d >= 64:  # the built rows overflow (their codes' levels are 2-bit ones)
+                assert not np.isfinite(ref.f16_value(enc.outliers.half[200:, 0, 0])).all(), d
+
+
+@pytest.mark.parametrize("fmt", OUTLIER_FORMATS)
+def test_rows_whose_outliers_float16_cannot_hold_are_refused(engine, rng, fmt):
+    """A key (or, with value outliers, value) row whose outlier bound is over 65504 is
+    an InvalidRequest before anything is queued, though its norm is under MAX_NORM; the
+    same row scaled to just under the bound is stored, its words are the oracle's and
+    attention from them is the oracle's."""
+    from attnserve.errors import InvalidRequest
+    from attnserve.turboquant import MAX_OUTLIER, outlier_bound
+
+    spec = TQ_SPECS[fmt]
+    h, hkv, d, L = 4, 2, 128, 9
+    s = session(engine, fmt, h, hkv, d, seed=21)
+    layer = s.layers[0]
+    ps, js = layer_signs(21, 0, d)
+    bad = _overflowing_row(d, spec.key_outliers, ps)
+    k, v = rows(rng, L, hkv, d, 100.0), rows(rng, L, hkv, d, 100.0)
+    for name, n, bits in (("k", spec.key_outliers, spec.key_bits), ("v", spec.value_outliers, spec.value_bits)):
+        kk, vv = k.copy(), v.copy()
+        (kk if name == "k" else vv)[3, 1] = bad
+        if n:
+            assert outlier_bound(bad[None, None], n, bits)[0, 0] > MAX_OUTLIER
+            with pytest.raises(InvalidRequest, match=rf"{name}\[3, 1\]: {fmt} keeps its {n} largest channels"):
+                engine.check_kv_rows(s.config, kk, vv, fmt)
+        else:  # values without outliers: codes and a norm under MAX_NORM hold it
+            assert engine.check_kv_rows(s.config, kk, vv, fmt) == L
+    assert layer.length == 0
+    # just under the bound: stored, as the oracle stores it
+    k[3, 1] = bad * (0.9999 * MAX_OUTLIER / outlier_bound(bad[None, None], spec.key_outliers, spec.key_bits)[0, 0])
+    if spec.value_outliers:
+        v[4, 0] = bad * (
+            0.9999 * MAX_OUTLIER / outlier_bound(bad[None, None], spec.value_outliers, spec.value_bits)[0, 0]
+        )
+    k, v = k.astype(np.float32), v.astype(np.float32)
+    assert engine.check_kv_rows(s.config, k, v, fmt) == L
+    engine.append(layer, k, v).result()
+    kw, vw = read_words(engine, layer)
+    assert check_tqx_words(kw, vw, k, v, spec, ps, js, layer.capacity) <= 2
+    o = ref.unpack_tqx_outliers(kw, spec, True, n_kv_heads=hkv, cap=layer.capacity, d=d, length=L)
+    assert np.isfinite(ref.f16_value(o.half)).all() and np.abs(ref.f16_value(o.half[3, 1])).max() > 30000
+    q = rows(rng, 2, h, d)
+    out, _ = engine.attend(layer, q).result()
+    want = ref.tqx_attention(q, kw, vw, spec, n_kv_heads=hkv, cap=layer.capacity, length=L, polar_signs=ps,
+                             jl_signs=js)  # fmt: skip
+    assert np.isfinite(out).all() and rel_err(out, want) <= TQ_TOL

@@ -24,7 +24,7 @@ class SessionInfo:
         head_dim: size of one head.
         kv_format: how the cache is stored (``"f32"``, ``"f16"``, ``"turboquant"`` or a
             TurboQuant variant: ``"tq4"``, ``"tq3"``, ``"tq4v2"``, ``"tq4v3"``, ``"tq3q"``, ``"tq4q"``,
-            ``"tq4o"``, ``"tq3o"``), as
+            ``"tq4o"``, ``"tq3o"``, ``"tq2o"``), as
             created: one format for every layer, or a tuple of one per layer.
         layer_formats: each layer's format.
         max_tokens: cap on each layer's length, or ``None`` if the server gave none.

@@ -25,7 +25,7 @@ from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
 from .formats import F16_MAX, TQ_SPECS
-from .turboquant import MAX_NORM, largest_norm
+from .turboquant import MAX_NORM, MAX_OUTLIER, largest_norm, largest_outlier_bound, outlier_rest_factor
 
 __all__ = ["Engine", "AttendResult"]
 
@@ -140,6 +140,22 @@ class Engine:
                     raise InvalidRequest(
                         f"{name}[{i}, {h}]: norm {norm:.6g} is over {MAX_NORM:g}, the largest norm "
                         f"{kv_format} stores (float16); scale the rows down"
+                    )
+            # a stored outlier channel past float16's range would be inf (formats with outliers)
+            spec = TQ_SPECS[kv_format]
+            for name, a, n, bits in (
+                ("k", k, spec.key_outliers, spec.key_bits),
+                ("v", v, spec.value_outliers, spec.value_bits),
+            ):
+                if not n:
+                    continue
+                bound, (i, h) = largest_outlier_bound(a, n, bits)
+                if not bound <= MAX_OUTLIER:
+                    factor = outlier_rest_factor(config.head_dim, bits)
+                    raise InvalidRequest(
+                        f"{name}[{i}, {h}]: {kv_format} keeps its {n} largest channels as float16, and one "
+                        f"of them could be stored as up to {bound:.6g} (its largest |value| + {factor:.4g} x "
+                        f"the norm of the rest of the row), over {MAX_OUTLIER:g}; scale the rows down"
                     )
         elif kv_format == "f16":
             # a value past float16's range would be stored as inf

@@ -10,14 +10,15 @@ out, the kernels read them).
   (``docs/turboquant.md``, ``shaders/tqx.wgsl``): ``TqSpec(2, True, 2)``, served by
   the same kernels as the variants.
 * the TurboQuant variants (``TQ_VARIANTS``: ``tq4``, ``tq3``, ``tq4v2``, ``tq4v3``,
-  ``tq3q``, ``tq4q``): per head, b-bit Lloyd-Max codes of the rotated key (with or
-  without a 1-bit QJL residual sign per coordinate) and of the rotated value, b in
-  {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
+  ``tq3q``, ``tq4q``, and those with outlier channels below): per head, b-bit
+  Lloyd-Max codes of the rotated key (with or without a 1-bit QJL residual sign per
+  coordinate) and of the rotated value, b in {2, 3, 4}, each with a float16 norm word (``docs/turboquant.md``,
   ``shaders/tqx.wgsl``). A name says the key's bits per coordinate (QJL bit
   included, ``q`` when one of them is QJL) and, where they differ, the value's.
   ``tq4o`` (4.25 bits per element) keeps each vector's largest channels as float16
   (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4); ``tq3o``
-  (3.5 bits) keeps a key's 8 and codes values with 3 bits.
+  (3.5 bits) keeps a key's 8 and codes values with 3 bits; ``tq2o`` (2.5 bits)
+  keeps a key's 3 and codes keys and values with 2 bits.
 """
 
 from __future__ import annotations
@@ -58,10 +59,16 @@ class TqSpec:
     value_outliers: int = 0
 
 
-def outlier_words(n: int) -> int:
-    """Words of a slot's outlier region: the halves of outliers 1 .. n-1 (outlier 0
+def outlier_region(n: int) -> tuple[int, int]:
+    """(words of halves, words of channels) of a slot's outlier region of ``n`` outliers:
+    the float16 halves of outliers 1 .. n-1, two to a word, the lower first (outlier 0
     shares the norm word), then the 8-bit channel indices, four to a word."""
-    return -(-(n - 1) // 2) + -(-n // 4) if n else 0
+    return (-(-(n - 1) // 2), -(-n // 4)) if n else (0, 0)
+
+
+def outlier_words(n: int) -> int:
+    """Words of a slot's outlier region (:func:`outlier_region`)."""
+    return sum(outlier_region(n))
 
 
 #: The TurboQuant variants (kernels ``shaders/tqx.wgsl`` and ``flash_attention_tqx*.wgsl``,
@@ -75,6 +82,7 @@ TQ_VARIANTS: dict[str, TqSpec] = {
     "tq4q": TqSpec(3, True, 4),  # 4.25 (keys 3 bits + QJL)
     "tq4o": TqSpec(2, False, 4, 8, 2),  # 4.25 (keys 2 bits + 8 outliers, values 4 bits + 2)
     "tq3o": TqSpec(2, False, 3, 8, 0),  # 3.5 (keys 2 bits + 8 outliers, values 3 bits)
+    "tq2o": TqSpec(2, False, 2, 3, 0),  # 2.5 (keys 2 bits + 3 outliers, values 2 bits)
 }
 #: Every compressed format's bit budget (one tqx kernel family each): ``turboquant``
 #: is (2, QJL, 2), its layout the variants' at b = 2.

@@ -26,7 +26,7 @@ import numpy as np
 
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
-from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, value_words
+from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, outlier_region, value_words
 from .kvcache import SessionConfig, SessionKV
 from .session_spec import parse_create
 
@@ -81,6 +81,35 @@ def _check_tq_norms(i: int, fmt: str, config: SessionConfig, n: int, cap: int, k
         halves = np.stack([words & 0xFFFF, words >> 16]).astype(np.uint16).view(np.float16)
         if not np.isfinite(halves).all():
             raise InvalidSnapshot(f"layers[{i}].{name}: non-finite norms")
+
+
+def _check_tq_outliers(i: int, fmt: str, config: SessionConfig, n: int, cap: int, kb: bytes, vb: bytes) -> None:
+    """Formats with outlier channels: the outliers of the used slots must have channels
+    under head_dim (the kernels index the query and the rotation by them) and finite
+    halves (outlier 0's is in the norm word, checked with the norms); the outlier region
+    is the one after the norms."""
+    d, hkv, spec = config.head_dim, config.num_kv_heads, TQ_SPECS[fmt]
+    vecs = hkv * cap
+    for name, buf, regions, count in (
+        ("k", kb, key_words(fmt, hkv, d), spec.key_outliers),
+        ("v", vb, value_words(fmt, hkv, d), spec.value_outliers),
+    ):
+        if not count:
+            continue
+        hw, cw = outlier_region(count)
+        words = np.frombuffer(buf, "<u4", count=vecs * (hw + cw), offset=4 * vecs * sum(regions[:-1]))
+        words = words.reshape(hkv, cap, hw + cw)[:, :n]
+        halves = np.stack([words[..., :hw] & 0xFFFF, words[..., :hw] >> 16], axis=-1).reshape(hkv, n, 2 * hw)
+        if not np.isfinite(halves[..., : count - 1].astype(np.uint16).view(np.float16)).all():
+            raise InvalidSnapshot(f"layers[{i}].{name}: non-finite outlier values")
+        channels = np.stack([(words[..., hw:] >> (8 * b)) & 0xFF for b in range(4)], axis=-1)
+        channels = channels.reshape(hkv, n, 4 * cw)[..., :count]
+        if (channels >= d).any():
+            h, t, j = (int(x) for x in np.argwhere(channels >= d)[0])
+            raise InvalidSnapshot(
+                f"layers[{i}].{name}: outlier {j} of head {h} at timestep {t} names channel {int(channels[h, t, j])}, "
+                f"past head_dim {d}"
+            )
 
 
 def parse_blob(
@@ -143,6 +172,7 @@ def parse_blob(
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
         if fmt in TQ_SPECS and n:
             _check_tq_norms(i, fmt, config, n, cap, kb, vb)
+            _check_tq_outliers(i, fmt, config, n, cap, kb, vb)
         out.append((n, cap, kb, vb))
     if doc["checksum"] != digest(doc["format"], doc["version"], cfg, layers):
         raise InvalidSnapshot("checksum: the blob does not match its checksum (corrupted or truncated)")

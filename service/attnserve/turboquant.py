@@ -201,3 +201,43 @@ def largest_norm(rows: np.ndarray) -> tuple[float, tuple[int, int]]:
     norms = np.sqrt(np.einsum("nhd,nhd->nh", rows, rows))
     i, h = np.unravel_index(int(norms.argmax()), norms.shape)
     return float(norms[i, h]), (int(i), int(h))
+
+
+#: The bound :func:`outlier_bound` puts on a stored outlier may be at most this:
+#: outliers are kept as float16.
+MAX_OUTLIER = MAX_NORM
+#: Slack on :func:`outlier_bound` for what the encoder rounds: the float16 norm of the
+#: rest (relative 2^-11) and the float32 sums and butterfly (under 2^-16 at d <= 128).
+OUTLIER_SLACK = 1.0 + 2.0**-10
+
+
+def outlier_bound(rows: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """An upper bound ``[rows, heads]`` of the magnitude of every outlier a format that
+    keeps ``n`` outlier channels and codes the rest with ``bits`` stores for ``rows
+    [rows, heads, d]``. A stored outlier is ``(x[ch] - rest_hat[ch]) * s[ch]`` with
+    ``rest_hat = rht_inv(c[idx] * f16(norm_rest))`` (docs/turboquant.md), and
+
+        |rest_hat[ch]| = f16(norm_rest) |sum_i H[ch][i] c[idx_i]| / sqrt(d)
+                       <= f16(norm_rest) * d * max|c| / sqrt(d),
+
+    so ``|stored| <= (max|x| + sqrt(d) * max|c| * norm_rest) * OUTLIER_SLACK``, with
+    ``norm_rest`` the norm of the row without its n largest-|x| channels (the same
+    whichever of equal channels the encoder takes)."""
+    x = np.asarray(rows, np.float64)
+    d = x.shape[-1]
+    sq = x * x
+    rest = np.sqrt(np.partition(sq, d - n, axis=-1)[..., : d - n].sum(axis=-1))
+    return (np.abs(x).max(axis=-1) + outlier_rest_factor(d, bits) * rest) * OUTLIER_SLACK
+
+
+def outlier_rest_factor(d: int, bits: int) -> float:
+    """``sqrt(d) * max|c|`` of the ``bits`` codebook: the most the codes of a rest of norm 1
+    reconstruct at one channel (:func:`outlier_bound`)."""
+    return math.sqrt(d) * float(np.abs(codebook(d, bits).centroids_f32()).max())
+
+
+def largest_outlier_bound(rows: np.ndarray, n: int, bits: int) -> tuple[float, tuple[int, int]]:
+    """The largest :func:`outlier_bound` of ``rows [n, heads, d]`` and its ``(row, head)``."""
+    bound = outlier_bound(rows, n, bits)
+    i, h = np.unravel_index(int(bound.argmax()), bound.shape)
+    return float(bound[i, h]), (int(i), int(h))

@@ -66,6 +66,16 @@ def test_decode_loop_fails_on_a_wrong_answer(example, fake, monkeypatch, capsys)
     assert "FAIL: error above 0.0001" in capsys.readouterr().err
 
 
+def test_decode_loop_takes_the_formats_the_server_offers(example, fake, capsys):
+    """--kv-format is checked against GET /v1/info kv_formats before any session exists."""
+    assert example.main([*ARGS, "--kv-format", "turboquant"]) == 0
+    capsys.readouterr()
+    before = len(fake.requests)
+    assert example.main([*ARGS, "--kv-format", "tq2o"]) == 2  # the fake offers f32 and turboquant
+    assert "error: --kv-format 'tq2o': the server offers f32, turboquant" in capsys.readouterr().err
+    assert [r.url.path for r in fake.requests[before:]] == ["/v1/info"] and fake.sessions == {}
+
+
 def test_decode_loop_reports_an_unusable_server(example, fake, capsys):
     fake.fail("answer", status=507, slug="out-of-memory")
     assert example.main(ARGS) == 2

@@ -116,9 +116,9 @@ def test_info(api, target, enc):
     assert info["head_dims"]["turboquant"] == [32, 64, 128]
     assert info["head_dims"]["f16"] == list(range(2, 129, 2))
     sizes = {fmt: {s["head_dim"]: s for s in info["kv_format_sizes"][fmt]} for fmt in info["kv_formats"]}
-    fmts = ("f32", "f16", "turboquant", "tq4", "tq3")
-    assert [sizes[fmt][128]["bytes_per_token_per_kv_head"] for fmt in fmts] == [1024, 512, 88, 136, 104]
-    assert [sizes[fmt][64]["bits_per_element"] for fmt in fmts] == [32, 16, 3.0, 4.5, 3.5]
+    fmts = ("f32", "f16", "turboquant", "tq4", "tq3", "tq2o")
+    assert [sizes[fmt][128]["bytes_per_token_per_kv_head"] for fmt in fmts] == [1024, 512, 88, 136, 104, 80]
+    assert [sizes[fmt][64]["bits_per_element"] for fmt in fmts] == [32, 16, 3.0, 4.5, 3.5, 3.0]
     assert info["adapter"]["name"] and info["backend"], info
     if target.adapter:
         assert target.adapter.lower() in info["adapter"]["name"].lower(), info["adapter"]

@@ -1,5 +1,5 @@
 """examples/engine_batch.py against the real server: batched steps over the stream
-and over HTTP, both kv formats, checked against float64 inside the example."""
+and over HTTP, plain and compressed kv formats, checked against float64 inside the example."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ ARGS = [
 
 
 @pytest.mark.parametrize("transport", ["stream", "http"])
-@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "turboquant", "f16", "tq2o"])
 def test_engine_loop_passes(example, server, capsys, transport, fmt):
     assert example.main([*ARGS, "--url", server.url, "--transport", transport, "--kv-format", fmt]) == 0
     out = capsys.readouterr().out
@@ -51,3 +51,11 @@ def test_engine_loop_fails_on_a_wrong_answer(example, server, monkeypatch, capsy
     monkeypatch.setattr(example, "reference_attention", lambda *a: real(*a) * (1 + 1e-3))
     assert example.main([*ARGS, "--url", server.url]) == 1
     assert "FAIL: error above 0.0001" in capsys.readouterr().err
+
+
+def test_engine_loop_takes_only_the_servers_formats(example, server, capsys):
+    """--kv-format is any format GET /v1/info lists; another is exit 2 naming them."""
+    from attnserve.formats import KV_FORMATS
+
+    assert example.main([*ARGS, "--url", server.url, "--kv-format", "tq9"]) == 2
+    assert f"error: --kv-format 'tq9': the server offers {', '.join(KV_FORMATS)}" in capsys.readouterr().err

@@ -36,6 +36,7 @@ def test_info(api, server, enc):
         "tq4q",
         "tq4o",
         "tq3o",
+        "tq2o",
     ]
     assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
     assert info["head_dims"]["f16"] == list(range(2, 129, 2))

@@ -10,7 +10,14 @@ from attnserve.snapshot_format import FORMAT, VERSION, digest
 from attnserve_client import wire
 from svc_helpers import rows
 
-FORMATS = [("f32", 8, 2, 32), ("turboquant", 8, 2, 64), ("tq4", 8, 2, 64), ("tq3q", 4, 1, 32), ("tq4o", 4, 2, 128)]
+FORMATS = [
+    ("f32", 8, 2, 32),
+    ("turboquant", 8, 2, 64),
+    ("tq4", 8, 2, 64),
+    ("tq3q", 4, 1, 32),
+    ("tq4o", 4, 2, 128),
+    ("tq2o", 4, 2, 64),
+]
 
 
 def _session(api, rng, fmt, h, hkv, d, layers=3):
@@ -139,6 +146,55 @@ def test_invalid_snapshots_create_nothing(api, server, rng):
     assert api.call("GET", "/v1/sessions/never-created").status == 404
     assert api.info(sid) == before
     assert _snapshot(api, sid) == blob
+    api.delete(sid)
+
+
+@pytest.mark.parametrize("fmt, h, hkv, d", [("tq2o", 4, 2, 64), ("tq4o", 4, 2, 128)])
+def test_corrupt_outlier_regions_create_nothing(api, rng, fmt, h, hkv, d):
+    """Formats with outlier channels: a snapshot whose used slot names an outlier channel
+    past head_dim, or holds a non-finite outlier half, is a 422 invalid-snapshot that
+    names the layer and part, and creates nothing; the blob itself restores."""
+    from attnserve.formats import TQ_SPECS, key_words, outlier_region, value_words
+
+    spec = TQ_SPECS[fmt]
+    sid = _session(api, rng, fmt, h, hkv, d)
+    blob = _snapshot(api, sid)
+    doc = wire.unpackb(blob, max_bytes=1 << 30)
+    cap = doc["layers"][1]["capacity"]
+    vecs = hkv * cap
+
+    def corrupt(part: str, word: int, byte: int, value: bytes) -> bytes:
+        """Layer 1 (5 timesteps), head 1, timestep 4: ``value`` at ``byte`` of outlier word ``word``."""
+        regions = key_words(fmt, hkv, d) if part == "k" else value_words(fmt, hkv, d)
+        at = 4 * (vecs * sum(regions[:-1]) + (1 * cap + 4) * regions[-1] + word) + byte
+        buf = bytearray(doc["layers"][1][part])
+        buf[at : at + len(value)] = value
+        return _reseal(_mutate(doc, ("layers", 1, part), bytes(buf)))
+
+    nan = np.array([np.nan], np.float16).tobytes()
+    cases = {}
+    for part, n in (("k", spec.key_outliers), ("v", spec.value_outliers)):
+        if n:
+            hw, _ = outlier_region(n)
+            cases[f"{part}: channel {d}"] = (
+                corrupt(part, hw, 1, bytes([d])),
+                f"layers[1].{part}: outlier 1 of head 1 at timestep 4 names channel {d}, past head_dim {d}",
+            )
+            cases[f"{part}: channel 255"] = (corrupt(part, hw, n - 1 if n < 4 else 3, bytes([255])), "channel 255")
+            cases[f"{part}: nan"] = (corrupt(part, 0, 0, nan), f"layers[1].{part}: non-finite outlier values")
+            cases[f"{part}: inf"] = (
+                corrupt(part, 0, 2 if n > 2 else 0, np.array([-np.inf], np.float16).tobytes()),
+                "non-finite outlier",
+            )
+    assert len(cases) == (8 if spec.value_outliers else 4)
+    for name, (bad, detail) in cases.items():
+        r = _restore(api, "never-created", bad)
+        assert r.status == 422 and r.body["type"] == "/problems/invalid-snapshot", (name, r.status, r.body)
+        assert detail in r.body["detail"], (name, r.body["detail"])
+        assert api.call("GET", "/v1/sessions/never-created").status == 404, name
+    r = _restore(api, "never-created", blob)
+    assert r.status == 201, r.body
+    api.delete("never-created")
     api.delete(sid)
 
 

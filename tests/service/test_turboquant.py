@@ -143,3 +143,41 @@ def test_turboquant_refuses_rows_whose_norm_float16_cannot_hold(server):
             assert httpx.get(f"{server.url}/v1/sessions/nan-norms").status_code == 404
         finally:
             s.delete()
+
+
+@pytest.mark.parametrize("fmt, name", [("tq2o", "k"), ("tq4o", "v")])
+def test_outlier_formats_refuse_rows_whose_outliers_float16_cannot_hold(server, fmt, name):
+    """An outlier format stores its outliers as float16: a row whose outlier bound
+    (turboquant.outlier_bound) is over 65504 is a 422 naming the row and head (append
+    and fused attend; nothing appended), though its norm is under 65504; the same row
+    scaled to just under the bound is stored and answers finite values."""
+    import attnserve_client as ac
+    from attnserve.formats import TQ_SPECS
+    from attnserve.turboquant import MAX_NORM, MAX_OUTLIER, outlier_bound
+
+    spec = TQ_SPECS[fmt]
+    n, bits = (spec.key_outliers, spec.key_bits) if name == "k" else (spec.value_outliers, spec.value_bits)
+    rng = np.random.default_rng(4)
+    hkv, d = 2, 32
+    big = np.zeros(d)
+    big[0], big[1:n], big[n:] = 40000.0, 5000.0, 20000.0 / np.sqrt(d - n)  # one channel, the rest of norm 20000
+    assert np.linalg.norm(big) < MAX_NORM and outlier_bound(big[None, None], n, bits)[0, 0] > MAX_OUTLIER
+    with ac.Client(server.url, max_retries=0) as c:
+        s = c.create_session(num_qo_heads=4, num_kv_heads=hkv, head_dim=d, kv_format=fmt)
+        try:
+            k = rng.standard_normal((3, hkv, d)).astype(np.float32)
+            v = rng.standard_normal((3, hkv, d)).astype(np.float32)
+            kk, vv = k.copy(), v.copy()
+            (kk if name == "k" else vv)[1, 0] = big
+            with pytest.raises(ac.InvalidRequest, match=re.escape(f"{name}[1, 0]: {fmt} keeps its {n} largest")):
+                s.append(0, kk, vv)
+            with pytest.raises(ac.InvalidRequest, match=re.escape(f"{name}[1, 0]")):
+                s.attend(0, rng.standard_normal((1, 4, d)), k=kk[:2], v=vv[:2])
+            assert s.info().lengths == (0,)
+            ok = big * (0.999 * MAX_OUTLIER / outlier_bound(big[None, None], n, bits)[0, 0])
+            (kk if name == "k" else vv)[1, 0] = ok
+            assert s.append(0, kk, vv) == 3
+            out = s.attend(0, rng.standard_normal((2, 4, d)))
+            assert np.isfinite(out).all()
+        finally:
+            s.delete()

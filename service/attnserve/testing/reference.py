@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats import TqSpec
+from ..formats import TqSpec, outlier_region, outlier_words
 from ..turboquant import Codebook, codebook, qjl_scale
 
 __all__ = [
@@ -467,10 +467,11 @@ def _pack_outliers(enc: EncodedValues, cap: int, nw: np.ndarray) -> tuple[np.nda
         return nw, []
     n = o.ch.shape[-1]
     nw = nw | (o.half[..., 0] << 16)
-    halves = np.zeros(o.ch.shape[:-1] + (2 * (-(-(n - 1) // 2)),), np.uint32)
+    hwn, cwn = outlier_region(n)
+    halves = np.zeros(o.ch.shape[:-1] + (2 * hwn,), np.uint32)
     halves[..., : n - 1] = o.half[..., 1:]
     hw = halves[..., 0::2] | (halves[..., 1::2] << 16)
-    chs = np.zeros(o.ch.shape[:-1] + (4 * (-(-n // 4)),), np.uint32)
+    chs = np.zeros(o.ch.shape[:-1] + (4 * cwn,), np.uint32)
     chs[..., :n] = o.ch
     iw = chs[..., 0::4] | (chs[..., 1::4] << 8) | (chs[..., 2::4] << 16) | (chs[..., 3::4] << 24)
     return nw.astype(np.uint32), [_to_slots(np.concatenate([hw, iw], axis=-1).astype(np.uint32), cap).ravel()]
@@ -478,7 +479,7 @@ def _pack_outliers(enc: EncodedValues, cap: int, nw: np.ndarray) -> tuple[np.nda
 
 def _unpack_outliers(region: np.ndarray, nw: np.ndarray, n: int) -> Outliers:
     """Inverse of :func:`_pack_outliers` from ``[..., words]`` and the norm words."""
-    hwn = -(-(n - 1) // 2)
+    hwn, _ = outlier_region(n)
     hw, iw = region[..., :hwn], region[..., hwn:]
     halves = np.stack([hw & 0xFFFF, hw >> 16], axis=-1).reshape(*hw.shape[:-1], 2 * hwn)[..., : n - 1]
     half = np.concatenate([(nw >> 16)[..., None], halves], axis=-1)
@@ -530,8 +531,6 @@ def unpack_tqx_outliers(words: np.ndarray, spec: TqSpec, keys: bool, *, n_kv_hea
     n = spec.key_outliers if keys else spec.value_outliers
     if not n:
         return None
-    from ..formats import outlier_words
-
     vecs = n_kv_heads * cap
     cw = (spec.key_bits if keys else spec.value_bits) * d // 32
     w = np.asarray(words, np.uint32)
