@@ -45,7 +45,8 @@
 //
 // Measured on the H200 (bench/probes/tq_decode_variants.py; step = rotation + split +
 // merge, GPU time): 32k 0.084 ms, 128k 0.308 ms against the then shipped
-// turboquant-only kernel's 0.097 / 0.344 (not re-measured against the tqx one);
+// turboquant-only kernel's 0.097 / 0.344 (against the tqx kernel at a6389aa, v2 with
+// STAGE_V = 0: 0.073 / 0.264 against 0.085 / 0.306);
 // STAGE_V = 0 (19 KiB of workgroup memory instead of 35) 0.073 / 0.265: the staging's
 // workgroup memory costs more occupancy than its single round trip saves. The
 // table lookups pay: all-ALU (JL_LUT = CODE_LUT = 0) is slower. v3 continues from

@@ -19,8 +19,8 @@
 //
 // Measured on the H200 (bench/probes/tq_decode_variants.py; step = rotation + split +
 // merge, GPU time), VPF = 0: 32k 0.073 ms, 128k 0.231 ms against the then shipped
-// turboquant-only kernel's 0.097 / 0.345 (1.32x / 1.50x; not re-measured against
-// the tqx one); torch bf16 SDPA 0.042 / 0.137. Phase cuts at 128k
+// turboquant-only kernel's 0.097 / 0.345 (1.32x / 1.50x; against the tqx kernel at
+// a6389aa: 0.074 / 0.230 against 0.085 / 0.306, 1.15x / 1.33x); torch bf16 SDPA 0.042 / 0.137. Phase cuts at 128k
 // (split kernel alone 0.210 ms): scores 0.104 (polar dot ~60%, JL ~25%), softmax
 // + weights 0.015, values ~0.06, the row-group sums and partials ~0.02. Deeper
 // value prefetch (VPF = 2) and one key per thread (SPLIT 256) measured slower: the
