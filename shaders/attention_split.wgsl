@@ -70,6 +70,30 @@ fn qk_hi(c: u32, d4: u32, k: vec4<f32>) -> vec4<f32> {
                      dot(q_sh[6u * d4 + c], k), dot(q_sh[7u * d4 + c], k));
 }
 
+// Eight consecutive vec4 columns of a key row, from slab vec4 index i.
+struct Keys8 {
+    k0: vec4<f32>, k1: vec4<f32>, k2: vec4<f32>, k3: vec4<f32>,
+    k4: vec4<f32>, k5: vec4<f32>, k6: vec4<f32>, k7: vec4<f32>,
+}
+
+fn keys8(i: u32) -> Keys8 {
+    return Keys8(key4(i), key4(i + 1u), key4(i + 2u), key4(i + 3u),
+                 key4(i + 4u), key4(i + 5u), key4(i + 6u), key4(i + 7u));
+}
+
+// Columns c .. c+7 of a key (ks) dotted with query heads 0..3 (lo) and 4..7 (hi).
+fn qk8_lo(c: u32, d4: u32, group: u32, ks: Keys8) -> vec4<f32> {
+    return qk_lo(c, d4, group, ks.k0) + qk_lo(c + 1u, d4, group, ks.k1)
+        + qk_lo(c + 2u, d4, group, ks.k2) + qk_lo(c + 3u, d4, group, ks.k3)
+        + qk_lo(c + 4u, d4, group, ks.k4) + qk_lo(c + 5u, d4, group, ks.k5)
+        + qk_lo(c + 6u, d4, group, ks.k6) + qk_lo(c + 7u, d4, group, ks.k7);
+}
+
+fn qk8_hi(c: u32, d4: u32, ks: Keys8) -> vec4<f32> {
+    return qk_hi(c, d4, ks.k0) + qk_hi(c + 1u, d4, ks.k1) + qk_hi(c + 2u, d4, ks.k2) + qk_hi(c + 3u, d4, ks.k3)
+        + qk_hi(c + 4u, d4, ks.k4) + qk_hi(c + 5u, d4, ks.k5) + qk_hi(c + 6u, d4, ks.k6) + qk_hi(c + 7u, d4, ks.k7);
+}
+
 @compute @workgroup_size(256, 1, 1)
 fn attention_split(
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -86,56 +110,20 @@ fn attention_split(
         if KV_NARROW {
             // a narrow slab (f16: 8 bytes a column): sixteen loads in flight per step
             for (; c + 16u <= d4; c += 16u) {
-                let k0 = key4(r + c);
-                let k1 = key4(r + c + 1u);
-                let k2 = key4(r + c + 2u);
-                let k3 = key4(r + c + 3u);
-                let k4 = key4(r + c + 4u);
-                let k5 = key4(r + c + 5u);
-                let k6 = key4(r + c + 6u);
-                let k7 = key4(r + c + 7u);
-                let k8 = key4(r + c + 8u);
-                let k9 = key4(r + c + 9u);
-                let k10 = key4(r + c + 10u);
-                let k11 = key4(r + c + 11u);
-                let k12 = key4(r + c + 12u);
-                let k13 = key4(r + c + 13u);
-                let k14 = key4(r + c + 14u);
-                let k15 = key4(r + c + 15u);
-                sa += qk_lo(c, d4, group, k0) + qk_lo(c + 1u, d4, group, k1)
-                    + qk_lo(c + 2u, d4, group, k2) + qk_lo(c + 3u, d4, group, k3)
-                    + qk_lo(c + 4u, d4, group, k4) + qk_lo(c + 5u, d4, group, k5)
-                    + qk_lo(c + 6u, d4, group, k6) + qk_lo(c + 7u, d4, group, k7);
-                sa += qk_lo(c + 8u, d4, group, k8) + qk_lo(c + 9u, d4, group, k9)
-                    + qk_lo(c + 10u, d4, group, k10) + qk_lo(c + 11u, d4, group, k11)
-                    + qk_lo(c + 12u, d4, group, k12) + qk_lo(c + 13u, d4, group, k13)
-                    + qk_lo(c + 14u, d4, group, k14) + qk_lo(c + 15u, d4, group, k15);
+                let ka = keys8(r + c);
+                let kb = keys8(r + c + 8u);
+                sa += qk8_lo(c, d4, group, ka);
+                sa += qk8_lo(c + 8u, d4, group, kb);
                 if group > 4u {
-                    sb += qk_hi(c, d4, k0) + qk_hi(c + 1u, d4, k1) + qk_hi(c + 2u, d4, k2) + qk_hi(c + 3u, d4, k3)
-                        + qk_hi(c + 4u, d4, k4) + qk_hi(c + 5u, d4, k5) + qk_hi(c + 6u, d4, k6) + qk_hi(c + 7u, d4, k7);
-                    sb += qk_hi(c + 8u, d4, k8) + qk_hi(c + 9u, d4, k9) + qk_hi(c + 10u, d4, k10)
-                        + qk_hi(c + 11u, d4, k11) + qk_hi(c + 12u, d4, k12) + qk_hi(c + 13u, d4, k13)
-                        + qk_hi(c + 14u, d4, k14) + qk_hi(c + 15u, d4, k15);
+                    sb += qk8_hi(c, d4, ka);
+                    sb += qk8_hi(c + 8u, d4, kb);
                 }
             }
         }
         for (; c + 8u <= d4; c += 8u) {
-            let k0 = key4(r + c);
-            let k1 = key4(r + c + 1u);
-            let k2 = key4(r + c + 2u);
-            let k3 = key4(r + c + 3u);
-            let k4 = key4(r + c + 4u);
-            let k5 = key4(r + c + 5u);
-            let k6 = key4(r + c + 6u);
-            let k7 = key4(r + c + 7u);
-            sa += qk_lo(c, d4, group, k0) + qk_lo(c + 1u, d4, group, k1)
-                + qk_lo(c + 2u, d4, group, k2) + qk_lo(c + 3u, d4, group, k3)
-                + qk_lo(c + 4u, d4, group, k4) + qk_lo(c + 5u, d4, group, k5)
-                + qk_lo(c + 6u, d4, group, k6) + qk_lo(c + 7u, d4, group, k7);
-            if group > 4u {
-                sb += qk_hi(c, d4, k0) + qk_hi(c + 1u, d4, k1) + qk_hi(c + 2u, d4, k2) + qk_hi(c + 3u, d4, k3)
-                    + qk_hi(c + 4u, d4, k4) + qk_hi(c + 5u, d4, k5) + qk_hi(c + 6u, d4, k6) + qk_hi(c + 7u, d4, k7);
-            }
+            let ka = keys8(r + c);
+            sa += qk8_lo(c, d4, group, ka);
+            if group > 4u { sb += qk8_hi(c, d4, ka); }
         }
         for (; c < d4; c += 1u) {
             let k = key4(r + c);
