@@ -1,7 +1,7 @@
 // TurboQuant writer side: the encoders of the compressed caches read by
 // `flash_attention_tqx*.wgsl`, for every compressed format (formats.TQ_SPECS:
-// `turboquant` = 2-bit keys + QJL, 2-bit values; the variants tq4, tq3, tq4v2,
-// tq4v3, tq3q, tq4q, tq4o, tq3o), compiled once per format. The queries are
+// `turboquant` = 2-bit keys + QJL, 2-bit values; the variants, formats.TQ_VARIANTS:
+// tq4, tq3, tq4v2, tq4v3, tq3q, tq4q, tq4o, tq3o, tq2o), compiled once per format. The queries are
 // rotated by `tq_rotate_q` (tq_rotate.wgsl). docs/turboquant.md has the math and
 // the bit accounting (TurboQuant arXiv:2504.19874, QJL arXiv:2406.03482):
 //
