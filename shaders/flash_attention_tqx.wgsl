@@ -95,21 +95,7 @@ fn flash_attention_tqx(
     let q_region = q_cap * n_heads * head_dim;
     let q_offset = q_off + (q_global * n_heads + head) * head_dim;
     let q_jl_sum = qrot[q_off + 2u * q_region + q_global * n_heads + head];
-    // Compressed cache regions for this layer (tqx.wgsl).
-    let lw = head_dim / 16u;                  // low 2-bit field words
-    let pwd = head_dim / 32u;                 // words per bit plane (and of JL signs)
-    let kcw = KB * pwd;
-    let vcw = VB * pwd;
-    var jw = 0u;
-    if QJL { jw = pwd; }
-    let vecs = n_kv_heads * cache_cap;
-    let k_jl_off = vecs * kcw;
-    let k_norm_off = k_jl_off + vecs * jw;
-    let v_norm_off = vecs * vcw;
-    let kow = KO / 2u + (KO + 3u) / 4u;          // outlier words of a key slot (formats.outlier_words)
-    let vow = VO / 2u + (VO + 3u) / 4u;
-    let k_out_off = k_norm_off + vecs;
-    let v_out_off = v_norm_off + vecs;
+    // #include "tqx_regions.wgsl"
     let kv_slot_base = kv_head * cache_cap;
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
     if seq_len == 0u {

@@ -137,20 +137,7 @@ fn attention_tqx_tiled(
     let group = n_heads / n_kv_heads;
     let bq = R / group;
     let d4 = head_dim / 4u;
-    let lw = head_dim / 16u;                         // low 2-bit field words of a slot (tqx.wgsl)
-    let pwd = head_dim / 32u;                        // words of a bit plane (and of JL signs)
-    let kcw = KB * pwd;
-    let vcw = VB * pwd;
-    var jw = 0u;
-    if QJL { jw = pwd; }
-    let vecs = n_kv_heads * cache_cap;
-    let k_jl_off = vecs * kcw;
-    let k_norm_off = k_jl_off + vecs * jw;
-    let v_norm_off = vecs * vcw;
-    let kow = KO / 2u + (KO + 3u) / 4u;              // outlier words of a slot (formats.outlier_words)
-    let vow = VO / 2u + (VO + 3u) / 4u;
-    let k_out_off = k_norm_off + vecs;
-    let v_out_off = v_norm_off + vecs;
+    // #include "tqx_regions.wgsl"
     let isd = 1.0 / sqrt(f32(head_dim));
     if tid < 16u {
         var kc = key_centroids(head_dim);

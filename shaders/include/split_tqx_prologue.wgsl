@@ -43,25 +43,13 @@
         n_t = min(split_len, seq_len - t0);
     }
 
-    // Compressed regions of this layer (tqx.wgsl).
-    let lw = head_dim / 16u;                     // low 2-bit field words of a slot
-    let pwd = head_dim / 32u;                    // words of a bit plane (and of JL signs)
-    let kcw = KB * pwd;                          // code words of a key slot
-    let vcw = VB * pwd;                          // ... of a value slot
-    var jw = 0u;
-    if QJL { jw = pwd; }
-    let vecs = n_kv_heads * cache_cap;
-    let k_jl_off = vecs * kcw;
-    let k_norm_off = k_jl_off + vecs * jw;
-    let v_norm_off = vecs * vcw;
-    let kow = KO / 2u + (KO + 3u) / 4u;          // outlier words of a key slot (formats.outlier_words)
-    let k_out_off = k_norm_off + vecs;
+    // #include "tqx_regions.wgsl"
     g_vcw = vcw;
     g_lw = lw;
     g_pwd = pwd;
     g_vn_off = v_norm_off;
-    g_vo_off = v_norm_off + vecs;
-    g_vow = VO / 2u + (VO + 3u) / 4u;
+    g_vo_off = v_out_off;
+    g_vow = vow;
     g_isd = 1.0 / sqrt(f32(head_dim));
     if tid < 16u {
         var kc = key_centroids(head_dim);
