@@ -64,7 +64,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attnserve.testing import reference as ref  # noqa: E402
-from attnserve.turboquant import codebook, layer_signs  # noqa: E402
+from attnserve.formats import TQ_SPECS  # noqa: E402
+from attnserve.turboquant import layer_signs  # noqa: E402
 from attnserve_client import wire  # noqa: E402
 
 from tools.common import free_port, metric_sum, parse_prometheus, rel_err  # noqa: E402
@@ -540,16 +541,16 @@ class Worker:
                 else:
                     st = snap["layers"][layer]
                     polar, jl = layer_signs(snap["config"]["seed"], layer, s.d)
-                    want = ref.tq_attention(
+                    want = ref.tqx_attention(
                         q,
                         np.frombuffer(st["k"], np.uint32),
                         np.frombuffer(st["v"], np.uint32),
+                        TQ_SPECS["turboquant"],
                         n_kv_heads=s.hkv,
                         cap=st["capacity"],
                         length=st["length"],
                         polar_signs=polar,
                         jl_signs=jl,
-                        cb=codebook(s.d),
                         causal=causal,
                     )
                     err = rel_err(out, want)

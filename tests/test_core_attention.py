@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from attnserve.testing import reference as ref
-from attnserve.turboquant import codebook, layer_signs
+from attnserve.formats import TQ_SPECS
+from attnserve.turboquant import layer_signs
 
 from _core import read_words, rel_err, reserve, rows, session, stored
 
@@ -76,16 +77,16 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
         out, length = fut.result()
         kw, vw = read_words(engine, layer)
         ps, js = layer_signs(s.config.seed, layer.layer, d)
-        want = ref.tq_attention(
+        want = ref.tqx_attention(
             q,
             kw,
             vw,
+            TQ_SPECS["turboquant"],
             n_kv_heads=layer.n_kv_heads,
             cap=layer.capacity,
             length=length,
             polar_signs=ps,
             jl_signs=js,
-            cb=codebook(d),
             start_pos=sp,
             causal=causal,
             scale=scale,
@@ -299,16 +300,16 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
         else:
             kw, vw = read_words(engine, layer)
             ps, js = layer_signs(s.config.seed, layer.layer, case[0])
-            want = ref.tq_attention(
+            want = ref.tqx_attention(
                 q,
                 kw,
                 vw,
+                TQ_SPECS["turboquant"],
                 n_kv_heads=layer.n_kv_heads,
                 cap=layer.capacity,
                 length=length,
                 polar_signs=ps,
                 jl_signs=js,
-                cb=codebook(case[0]),
                 start_pos=sp,
                 causal=causal,
                 scale=scale,

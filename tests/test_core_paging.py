@@ -36,14 +36,9 @@ def _oracle(fmt, engine, s, layer, q, k, v, length):
         return ref.attention(q, k[:length], v[:length], start_pos=sp, causal=True, scale=scale)
     kw, vw = read_words(engine, layer)
     ps, js = layer_signs(s.config.seed, layer.layer, q.shape[2])
-    if fmt != "turboquant":  # a variant
-        return ref.tqx_attention(
-            q, kw, vw, TQ_SPECS[fmt], n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
-            polar_signs=ps, jl_signs=js, start_pos=sp, causal=True, scale=scale,
-        )  # fmt: skip
-    return ref.tq_attention(
-        q, kw, vw, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length, polar_signs=ps,
-        jl_signs=js, cb=codebook(q.shape[2]), start_pos=sp, causal=True, scale=scale,
+    return ref.tqx_attention(
+        q, kw, vw, TQ_SPECS[fmt], n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
+        polar_signs=ps, jl_signs=js, start_pos=sp, causal=True, scale=scale,
     )  # fmt: skip
 
 

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from attnserve import snapshot_format as SF
-from attnserve.formats import key_words, value_words
+from attnserve.formats import TQ_SPECS, key_words, value_words
 from attnserve.testing import reference as ref
-from attnserve.turboquant import codebook, layer_signs
+from attnserve.turboquant import layer_signs
 
 from _core import no_adapter, read_words, rel_err
 
@@ -139,9 +139,9 @@ def test_an_old_turboquant_snapshot_gives_the_same_answers(engine, path):
                 ps, js = layer_signs(seed, li, d)
                 for q, (n, sp, causal) in zip(qs[li], _queries(length)):
                     scale = (1.0 if causal else 0.7) / np.sqrt(d)
-                    want = ref.tq_attention(
-                        q, kw, vw, n_kv_heads=hkv, cap=layer.capacity, length=length, polar_signs=ps,
-                        jl_signs=js, cb=codebook(d), start_pos=sp, causal=causal, scale=scale,
+                    want = ref.tqx_attention(
+                        q, kw, vw, TQ_SPECS["turboquant"], n_kv_heads=hkv, cap=layer.capacity, length=length,
+                        polar_signs=ps, jl_signs=js, start_pos=sp, causal=causal, scale=scale,
                     )  # fmt: skip
                     e_oracle, e_stored = rel_err(outs[j], want), rel_err(outs[j], data[f"s{i}.out{j}"])
                     assert e_oracle <= TQ_TOL and e_stored <= TQ_TOL, (i, li, sp, causal, e_oracle, e_stored)

@@ -24,7 +24,7 @@ workgroup memory (occupancy test).
 
 Per context it checks every variant's output against the shipped kernel's
 (max abs difference over the output's max abs, <= 1e-4) and against a float64
-numpy oracle of the decoded cache (``attnserve.testing.reference.tq_attention``,
+numpy oracle of the decoded cache (``attnserve.testing.reference.tqx_attention``,
 one KV head at a time), then times each: the whole step (rotation + split +
 merge) and the split kernel alone (the rotation and merge dispatches dropped),
 many steps recorded into one submission: GPU time from timestamps written
@@ -68,7 +68,8 @@ from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.testing import reference as ref  # noqa: E402
-from attnserve.turboquant import codebook, layer_signs  # noqa: E402
+from attnserve.formats import TQ_SPECS  # noqa: E402
+from attnserve.turboquant import layer_signs  # noqa: E402
 from tools.common import rel_err, write_result  # noqa: E402
 
 BASE_KERNEL = S.tqx_kernel("attention_split_tqx", "turboquant")  # the shipped split kernel of turboquant
@@ -283,7 +284,7 @@ def attend(engine, layer, q, *, variant=None, start_pos=None, causal=True, scale
 
 def oracle(engine, session, layer, q, *, start_pos=None, causal=True, scale=None) -> np.ndarray:
     """The float64 attention of ``q`` over the layer's TurboQuant words as they are on
-    the GPU (reference.tq_attention, one KV head at a time: bounded host memory)."""
+    the GPU (reference.tqx_attention, one KV head at a time: bounded host memory)."""
     kb, vb = engine.call(lambda ctx: layer.read_words(ctx.device)).result()
     kw, vw = np.frombuffer(kb, np.uint32), np.frombuffer(vb, np.uint32)
     cap, hkv, d = layer.capacity, layer.n_kv_heads, layer.head_dim
@@ -302,9 +303,9 @@ def oracle(engine, session, layer, q, *, start_pos=None, causal=True, scale=None
         vh = np.concatenate(
             [vw[h * cap * pw : (h + 1) * cap * pw], vw[vecs * pw + h * cap : vecs * pw + (h + 1) * cap]]
         )
-        out[:, h * g : (h + 1) * g] = ref.tq_attention(
-            q[:, h * g : (h + 1) * g], kh, vh, n_kv_heads=1, cap=cap, length=layer.length,
-            polar_signs=ps, jl_signs=js, cb=codebook(d), start_pos=start_pos, causal=causal, scale=scale,
+        out[:, h * g : (h + 1) * g] = ref.tqx_attention(
+            q[:, h * g : (h + 1) * g], kh, vh, TQ_SPECS["turboquant"], n_kv_heads=1, cap=cap, length=layer.length,
+            polar_signs=ps, jl_signs=js, start_pos=start_pos, causal=causal, scale=scale,
         )  # fmt: skip
     return out
 

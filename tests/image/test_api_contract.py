@@ -19,9 +19,9 @@ import httpx
 import numpy as np
 import pytest
 
-from attnserve.formats import KV_FORMATS as ALL_FORMATS
+from attnserve.formats import KV_FORMATS as ALL_FORMATS, TQ_SPECS
 from attnserve.testing import reference as ref
-from attnserve.turboquant import codebook, layer_signs
+from attnserve.turboquant import layer_signs
 from attnserve_client import Client, SessionExists, SessionNotFound, wire
 from image_helpers import (
     ENCODINGS,
@@ -246,16 +246,16 @@ def _tq_oracle(snapshot: dict, layer: int, q: np.ndarray, **kw) -> np.ndarray:
     state = snapshot["layers"][layer]
     d = cfg["head_dim"]
     polar, jl = layer_signs(cfg["seed"], layer, d)
-    return ref.tq_attention(
+    return ref.tqx_attention(
         q,
         np.frombuffer(state["k"], np.uint32),
         np.frombuffer(state["v"], np.uint32),
+        TQ_SPECS["turboquant"],
         n_kv_heads=cfg["num_kv_heads"],
         cap=state["capacity"],
         length=state["length"],
         polar_signs=polar,
         jl_signs=jl,
-        cb=codebook(d),
         **kw,
     )
 

@@ -46,7 +46,7 @@ __all__ = [
     "unpack_value_cache",
     "rotate_q",
     "tq_scores",
-    "tq_attention",
+    "softmax_rows",
     "pack_codes",
     "unpack_codes",
     "tqx_codebooks",
@@ -91,15 +91,20 @@ def attention(
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # [L, H, d]
     vh = np.repeat(v, group, axis=1)
-    s = np.einsum("nhd,lhd->hnl", q, kh) * scale  # [H, n, L]
+    p = softmax_rows(np.einsum("nhd,lhd->hnl", q, kh) * scale, start_pos, causal)  # [H, n, L]
+    return np.einsum("hnl,lhd->nhd", p, vh)
+
+
+def softmax_rows(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
+    """Softmax over the last axis of scaled scores ``[H, n, L]`` whose query row ``i``
+    sits at ``start_pos + i``; ``causal`` masks the keys past it."""
     if causal:
-        pos = start_pos + np.arange(n)
-        mask = np.arange(length)[None, :] > pos[:, None]  # [n, L]
+        n, length = s.shape[-2:]
+        mask = np.arange(length)[None, :] > (start_pos + np.arange(n))[:, None]  # [n, L]
         s = np.where(mask[None], -np.inf, s)
     s = s - s.max(axis=-1, keepdims=True)
     p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hnl,lhd->nhd", p, vh)
+    return p / p.sum(axis=-1, keepdims=True)
 
 
 # ── randomized Hadamard transform ───────────────────────────────────────────
@@ -308,46 +313,6 @@ def tq_scores(q_rot, q_jl, idx, bits, norm, residual_norm, cb: Codebook, *, pola
         rn = np.repeat(residual_norm, group, axis=1).T[:, None, :]  # [H, 1, L]
         est = polar + rn * qjl_scale(d) * signed
     return est * np.repeat(norm, group, axis=1).T[:, None, :]
-
-
-def tq_attention(
-    q: np.ndarray,
-    key_words: np.ndarray,
-    value_words: np.ndarray,
-    *,
-    n_kv_heads: int,
-    cap: int,
-    length: int,
-    polar_signs: np.ndarray,
-    jl_signs: np.ndarray,
-    cb: Codebook,
-    start_pos: int | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-) -> np.ndarray:
-    """Attention computed from ``turboquant``'s compressed codes, in float64 (the tqx
-    kernels compiled for ``turboquant``; :func:`tqx_attention` for every format)."""
-    q = np.asarray(q, np.float64)
-    n, h, d = q.shape
-    if start_pos is None:
-        start_pos = length - n
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    idx, bits, norm, rn = unpack_key_cache(key_words, n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
-    vidx, vnorm = unpack_value_cache(value_words, n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
-    q_rot, q_jl, _ = rotate_q(q, polar_signs, jl_signs)
-    s = tq_scores(q_rot, q_jl, idx, bits, norm, rn, cb) * scale  # [H, n, L]
-    if causal:
-        pos = start_pos + np.arange(n)
-        s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    group = h // n_kv_heads
-    c = np.asarray(cb.centroids, np.float64)
-    vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)  # [L, H, d] rotated space
-    acc = np.einsum("hnl,lhd->nhd", p, vrot)
-    return rht_inv(acc, polar_signs)
 
 
 # ── the TurboQuant variants (formats.TQ_SPECS: b-bit codes, QJL optional) ────
@@ -588,13 +553,7 @@ def tqx_attention(
     ko = unpack_tqx_outliers(key_words, spec, True, **dims)
     if ko is not None:  # the outlier channels' exact part of <q, k>
         s = s + np.einsum("nhd,lhd->hnl", q, np.repeat(outlier_values(ko, polar_signs, d), group, axis=1))
-    s = s * scale
-    if causal:
-        pos = start_pos + np.arange(n)
-        s = np.where((np.arange(length)[None, :] > pos[:, None])[None], -np.inf, s)
-    s = s - s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
+    p = softmax_rows(s * scale, start_pos, causal)
     c = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)
     vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)
     out = rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
