@@ -16,12 +16,15 @@ import os
 import sys
 from collections.abc import Mapping
 from types import FrameType
-from typing import Any, Literal, Sequence, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Sequence, get_args, get_origin
 
 import uvicorn
 from pydantic import SecretStr
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .config import Settings
+
+__all__ = ["main", "server_config"]
 
 log = logging.getLogger("attnserve")
 
@@ -60,17 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "set ATTNSERVE_API_KEYS or ATTNSERVE_API_KEYS_FILE (docs/deploy.md)",
                 extra={"host": settings.host, "port": settings.port},
             )
-        config = uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
-            server_header=False,
-            ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
-        )
+        config = server_config(app, settings)
         server = _Server(config, rt, settings.drain_delay_s)
         log.info("starting", extra={"host": settings.host, "port": settings.port})
         try:
@@ -81,6 +74,27 @@ def _serve(args: argparse.Namespace) -> int:
         engine.close()
     # uvicorn leaves started False when the start failed (port taken, restore failed): exit non-zero.
     return 0 if server.started else 3
+
+
+def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration ``attnserve serve`` runs ``app`` under (tests start
+    their servers from it too, with ``overrides`` such as the port)."""
+    options: dict[str, Any] = dict(
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
+        server_header=False,
+        ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
+        # No permessage-deflate on /v1/stream: a generic client (Python websockets)
+        # offers it by default, and compressing float arrays costs ~2.5 ms per step
+        # for a few percent of bytes (docs/api.md, "The stream").
+        ws_per_message_deflate=False,
+    )
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
 
 
 def is_loopback(host: str) -> bool:

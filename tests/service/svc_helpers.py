@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from attnserve.testing import reference as ref
 from _core import CORE_PAGE_TOKENS
 from attnserve.app import create_app
+from attnserve.cli import server_config
 from attnserve.config import Settings
 from attnserve_client import wire
 from tools.common import free_port  # noqa: F401  (the tests import it from here)
@@ -37,11 +38,9 @@ class LiveServer:
         self.runtime = self.app.state.runtime
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", access_log=False
-            )
-        )
+        # the configuration `attnserve serve` runs under, on a free loopback port
+        config = server_config(self.app, self.runtime.settings, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"attnserve-{self.port}", daemon=True)
 
     def start(self) -> "LiveServer":

@@ -147,6 +147,18 @@ def test_malformed_frames_get_problems_and_the_connection_stays(server, rng):
         client.delete_session(s.session_id)
 
 
+def test_a_client_offering_compression_gets_none(server):
+    """websockets offers permessage-deflate by default; the server declines it, so
+    frames go uncompressed (compressing float arrays costs more than it saves)."""
+    url = server.url.replace("http://", "ws://") + "/v1/stream"
+    with connect(url) as ws:  # the library's defaults, as a user's client has them
+        assert "permessage-deflate" in ws.request.headers.get("Sec-WebSocket-Extensions", "")
+        assert "Sec-WebSocket-Extensions" not in ws.response.headers
+        assert ws.protocol.extensions == []
+        ws.send(wire.packb({"id": 1, "op": "ping"}))
+        assert wire.unpackb(ws.recv(timeout=30), max_bytes=1 << 20)["status"] == 200
+
+
 def test_stream_needs_a_key_and_sees_only_the_tenants_sessions(engine, rng):
     srv = LiveServer(Settings(api_keys="key-a,key-b"), engine=engine).start()
     try:
