@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=0, help="cProfile rows of the event loop to print (0: no profile)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
-    settings = Settings(adapter=args.adapter or None, max_batch_items=max(int(b) for b in args.batches.split(",")))
+    settings = Settings(
+        adapter=args.adapter or None,
+        max_batch_items=max(int(b) for b in args.batches.split(",")),
+        memory_budget_bytes=0,  # the largest batch's sessions may pass the default 8 GiB
+    )
     app = create_app(settings)
     port = free_port()
     server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=port, log_level="warning"))
