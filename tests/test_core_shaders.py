@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.gpu import params as P
-from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
+from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir, wgsl_files
 
 
 def test_shaders_found_and_every_kernel_listed():
@@ -18,6 +18,20 @@ def test_shaders_found_and_every_kernel_listed():
     assert {"attention_prefill.wgsl", "flash_attention_tqx.wgsl", "tqx.wgsl", "tq_rotate.wgsl"} <= files
     for name, spec in KERNELS.items():
         assert f"fn {spec.entry_point}(" in load_wgsl(spec.file, spec.defines), name
+
+
+def test_every_shipped_wgsl_is_built_by_a_kernel():
+    """What ships under shaders/ (the wheel's attnserve/shaders) is exactly the files
+    the kernels the server can build are made of: each kernel's file and its includes,
+    transitively (research kernels live in bench/probes/shaders)."""
+    root = shader_dir()
+    shipped = {p.relative_to(root).as_posix() for p in root.rglob("*.wgsl")}
+    used = set()
+    for spec in KERNELS.values():
+        used |= {p.relative_to(root).as_posix() for p in wgsl_files(spec.file, spec.defines, spec.folder)}
+    assert not shipped - used, f"shipped but built by no kernel: {sorted(shipped - used)}"
+    assert used <= shipped
+    assert {"tqx.wgsl", "include/tqx_codebooks.wgsl", "include/kv_vec4_f16.wgsl"} <= used
 
 
 def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
