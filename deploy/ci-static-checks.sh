@@ -9,9 +9,11 @@
 #   4. the image's build path without the image: the wheels that the Dockerfile's
 #      builder stage makes (`pip wheel ./client .`), the server's checked for its
 #      package, the shaders and the entry point and for NOT holding attnserve_client
-#      (the client wheel's alone, which the server requires), then both installed
-#      together into a folder of their own and imported from there, not the checkout,
-#      their files exactly the checkout's (deploy/image/image_matches_checkout.py).
+#      (the client wheel's alone, which the server requires), nor the research kernels
+#      of bench/probes/shaders, then both installed together into a folder of their
+#      own and imported from there, not the checkout, their WGSL exactly the files the
+#      kernels the server builds are made of, their files exactly the checkout's
+#      (deploy/image/image_matches_checkout.py).
 # Idempotent; installs what it needs (into $VIRTUAL_ENV or .venv, else with --user).
 # Runs in about 15 s on 2 cores once the tools are installed.
 set -euo pipefail
@@ -50,6 +52,7 @@ CLIENT_WHEEL="$(ls "$WORK"/wheels/attnserve_client-*.whl)"
 echo "built $(basename "$WHEEL") and $(basename "$CLIENT_WHEEL")"
 "$PY" - "$WHEEL" "$CLIENT_WHEEL" <<'PYEOF'
 import email, sys, zipfile
+from pathlib import Path
 try:
     from packaging.requirements import Requirement
 except ModuleNotFoundError:
@@ -71,6 +74,14 @@ if "attnserve = attnserve.cli:main" not in text:
 shipped = sorted(n for n in names if n.startswith("attnserve_client"))
 if shipped:
     sys.exit(f"the server wheel ships the client package's files: {shipped[:5]}")
+# the research kernels (and their includes) stay beside their probes
+research = Path("bench/probes/shaders")
+research = {p.relative_to(research).as_posix() for p in research.rglob("*.wgsl")}
+if not research:
+    sys.exit("no research kernels in bench/probes/shaders: update this check")
+leaked = sorted(n for n in names if n.startswith("attnserve/shaders/") and n.split("/", 2)[2] in research)
+if leaked:
+    sys.exit(f"the server wheel ships research kernels: {leaked}")
 client_need = ["attnserve_client/__init__.py", "attnserve_client/wire.py", "attnserve_client/problems.py",
                "attnserve_client/py.typed"]
 missing = [n for n in client_need if n not in client_names]
@@ -105,10 +116,17 @@ assert names, "no .wgsl shaders in the installed package"
 for name in names:
     assert "@compute" in shaders.joinpath(name).read_text(), name
 # every kernel's source, includes expanded, loads from the installed package
-from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
+from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir, wgsl_files
 assert os.path.realpath(shader_dir()).startswith(site + os.sep), shader_dir()
 for spec in KERNELS.values():
     assert "#include" not in load_wgsl(spec.file, spec.defines), spec.file
+# the WGSL installed is exactly what those kernels are made of (their files and includes)
+root = shader_dir()
+installed = {p.relative_to(root).as_posix() for p in root.rglob("*.wgsl")}
+used = set()
+for spec in KERNELS.values():
+    used |= {p.relative_to(root).as_posix() for p in wgsl_files(spec.file, spec.defines, spec.folder)}
+assert installed == used, f"installed but built by no kernel: {sorted(installed - used)}; missing: {sorted(used - installed)}"
 for optional in ("attnserve.cli", "attnserve.app"):
     try:
         importlib.import_module(optional)
@@ -116,7 +134,8 @@ for optional in ("attnserve.cli", "attnserve.app"):
         if exc.name != optional:
             raise
         print(f"note: {optional} not in the package yet")
-print(f"ok -- imported from the installed wheel; shaders: {', '.join(names)}")
+print(f"ok -- imported from the installed wheel; shaders: {', '.join(names)}; {len(installed)} WGSL files, "
+      "each built into a kernel")
 PYEOF
 )
 # the installed files are exactly this checkout's (what deploy/test-image.sh checks in the image)

@@ -8,15 +8,30 @@ import numpy as np
 import pytest
 
 from attnserve.gpu import params as P
-from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir
+from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir, wgsl_files
 
 
 def test_shaders_found_and_every_kernel_listed():
     files = {p.name for p in shader_dir().glob("*.wgsl")}
     assert files == {spec.file for spec in KERNELS.values()}
+    assert all(spec.folder is None for spec in KERNELS.values())  # the server builds shipped kernels only
     assert {"attention_prefill.wgsl", "flash_attention_tqx.wgsl", "tqx.wgsl", "tq_rotate.wgsl"} <= files
     for name, spec in KERNELS.items():
         assert f"fn {spec.entry_point}(" in load_wgsl(spec.file, spec.defines), name
+
+
+def test_every_shipped_wgsl_is_built_by_a_kernel():
+    """What ships under shaders/ (the wheel's attnserve/shaders) is exactly the files
+    the kernels the server can build are made of: each kernel's file and its includes,
+    transitively (research kernels live in bench/probes/shaders)."""
+    root = shader_dir()
+    shipped = {p.relative_to(root).as_posix() for p in root.rglob("*.wgsl")}
+    used = set()
+    for spec in KERNELS.values():
+        used |= {p.relative_to(root).as_posix() for p in wgsl_files(spec.file, spec.defines, spec.folder)}
+    assert not shipped - used, f"shipped but built by no kernel: {sorted(shipped - used)}"
+    assert used <= shipped
+    assert {"tqx.wgsl", "include/tqx_codebooks.wgsl", "include/kv_vec4_f16.wgsl"} <= used
 
 
 def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
@@ -39,6 +54,23 @@ def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
     (tmp_path / "c.wgsl").write_text('// {KV}\n// #include "kv_{KV}.wgsl" VALUE=3\n')
     got = shaders._expand((tmp_path / "c.wgsl").read_text(), {"KV": "f16", "VALUE": "9"})
     assert got == "// f16\n    let z = f16 + 3;\n"
+    # a kernel of another folder includes from its own include/ and the shipped one;
+    # a shipped kernel sees only the shipped includes, and one name in both is refused
+    research = tmp_path / "research"
+    (research / "include").mkdir(parents=True)
+    (research / "include" / "own.wgsl").write_text('    // #include "x.wgsl" VALUE=5\n')
+    (research / "r.wgsl").write_text('fn g() {\n    // #include "own.wgsl"\n}\n')
+    assert shaders._expand((research / "r.wgsl").read_text(), folder=research) == "fn g() {\n    let y = 5;\n}\n"
+    assert shaders.wgsl_files("r.wgsl", folder=research) == {
+        research / "r.wgsl",
+        research / "include" / "own.wgsl",
+        tmp_path / "include" / "x.wgsl",
+    }
+    with pytest.raises(FileNotFoundError):
+        shaders._expand((research / "r.wgsl").read_text())
+    (research / "include" / "x.wgsl").write_text("    let y = 0;\n")
+    with pytest.raises(ValueError, match="x.wgsl is both in"):
+        shaders._expand((research / "r.wgsl").read_text(), folder=research)
 
 
 def test_plain_kernels_read_their_format():

@@ -1,5 +1,5 @@
 """The TurboQuant split-kernel variants of bench/probes/tq_decode_variants.py
-(shaders/flash_attention_tq_split_v2.wgsl, _v3.wgsl) against the float64 oracle
+(bench/probes/shaders/flash_attention_tq_split_v2.wgsl, _v3.wgsl) against the float64 oracle
 of the GPU's packed cache and against the shipped split kernel, at awkward sizes.
 
 Each variant replaces only the split kernel's dispatches (same params, bindings and
@@ -89,7 +89,7 @@ def test_variant_params_reads_keep_the_host_names():
     from attnserve.gpu.shaders import load_wgsl
 
     for design in TV.DESIGNS:
-        src = load_wgsl(f"variants/flash_attention_tq_split_{design}.wgsl")
+        src = load_wgsl(f"flash_attention_tq_split_{design}.wgsl", folder=TV.SHADERS)
         assert "struct TqSplitParams {" in src and "var<storage, read> params: array<TqSplitParams>;" in src
         reads = re.findall(r"let (\w+) = prm\.(\w+);", src)
         assert reads and all(a == b for a, b in reads), reads

@@ -54,7 +54,7 @@ def variant(kernel: str, cut: str) -> str:
     return name
 
 
-S.load_wgsl = lambda name, defines=(): texts.get(name) or orig_load(name, defines)
+S.load_wgsl = lambda name, defines=(), folder=None: texts.get(name) or orig_load(name, defines, folder)
 for _name in (*KERNEL.values(), "attention_merge", "tq_rotate_q"):
     if _name not in S.KERNELS:  # a case below would silently time the full step
         sys.exit(f"phase_probe: no kernel {_name!r} any more: update the probe")

@@ -12,8 +12,10 @@ attention_merge). A variant replaces only the split kernel's dispatches: the
 same bindings, params (TqSplitParams) and partials, so the shipped merge finishes
 it; the variants are compiled with the shipped kernel's defines (turboquant's
 TQX_CONSTS: they read its 2-bit codebook from there).
-The variants (``VARIANTS``) are pipelines of ``shaders/variants/
-flash_attention_tq_split_{v2,v3}.wgsl`` with override switches; ``base`` is the
+The variants (``VARIANTS``) are pipelines of ``bench/probes/shaders/
+flash_attention_tq_split_{v2,v3}.wgsl`` (research kernels: not shipped; they include
+from ``bench/probes/shaders/include`` and the shipped ``shaders/include``) with
+override switches; ``base`` is the
 shipped split kernel of ``turboquant``, its tqx instance
 (``attention_split_tqx.turboquant``; the turboquant-only ``attention_split_tq``
 the variants were first measured against is retired). Splits are the policy's (choose_split), capped
@@ -73,7 +75,8 @@ from attnserve.turboquant import layer_signs  # noqa: E402
 from tools.common import rel_err, write_result  # noqa: E402
 
 BASE_KERNEL = S.tqx_kernel("attention_split_tqx", "turboquant")  # the shipped split kernel of turboquant
-DESIGNS = ("v2", "v3")  # shaders/variants/flash_attention_tq_split_{design}.wgsl
+DESIGNS = ("v2", "v3")  # SHADERS / flash_attention_tq_split_{design}.wgsl
+SHADERS = Path(__file__).resolve().parent / "shaders"  # the research kernels (KernelSpec.folder)
 TOL = 1e-4  # variant vs shipped kernel, and vs the float64 oracle (max abs error / max abs)
 
 
@@ -85,7 +88,7 @@ class Variant:
     doc: str
     switches: tuple[tuple[str, int], ...] = ()
     max_split: int = 512  # SPLIT at most this (256: one key per thread)
-    design: str = "v2"  # shaders/variants/flash_attention_tq_split_{design}.wgsl
+    design: str = "v2"  # SHADERS / flash_attention_tq_split_{design}.wgsl
 
     @property
     def kernel(self) -> str:
@@ -219,7 +222,7 @@ def register() -> list[str]:
         if name not in S.KERNELS:
             base = S.KERNELS[BASE_KERNEL]  # its bindings, and turboquant's constants (the codebook)
             S.KERNELS[name] = S.KernelSpec(
-                f"variants/flash_attention_tq_split_{design}.wgsl", name, base.bindings, defines=base.defines
+                f"flash_attention_tq_split_{design}.wgsl", name, base.bindings, defines=base.defines, folder=SHADERS
             )
             added.append(name)
     return added

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     if args.trusted:
 
         def _module(self, spec):
-            key = (spec.file, spec.defines)
+            key = (spec.file, spec.defines, spec.folder)
             if key not in self._modules:
                 self._modules[key] = trusted_module(self._device, S.load_wgsl(*key), spec.file)
             return self._modules[key]

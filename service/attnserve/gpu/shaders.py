@@ -4,7 +4,10 @@ Shaders ship as package data (``attnserve.shaders``, mapped to the top-level
 ``shaders/`` folder by pyproject.toml); in a plain checkout they are read from
 ``<repo>/shaders``. Every kernel is described once in ``KERNELS``: its file, its
 entry point and its bindings (number and access), from which an explicit bind
-group layout is made, so the host and the WGSL cannot disagree silently.
+group layout is made, so the host and the WGSL cannot disagree silently. Only
+what ``KERNELS`` builds ships; a kernel kept elsewhere (the research kernels of
+``bench/probes/shaders``) names its folder (``KernelSpec.folder``) and includes
+from that folder's ``include/`` and the shipped one alike (``include_path``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ __all__ = [
     "PLAIN_FORMATS",
     "KernelSpec",
     "load_wgsl",
+    "include_path",
+    "wgsl_files",
     "plain_kernel",
     "tqx_kernel",
     "tqx_consts",
@@ -51,6 +56,9 @@ class KernelSpec:
     # compiled by PipelineCache.warm_up at start (else on first use; every kernel is
     # compiled by the tests either way)
     warm: bool = True
+    # the folder that holds ``file`` (and its own ``include/``); None: the shipped
+    # shaders (shader_dir())
+    folder: Path | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {
@@ -176,7 +184,7 @@ def shader_dir() -> Path:
 
 
 # `// #include "file.wgsl" KEY=value KEY="value with spaces"` on a line of its own
-# inlines shaders/include/file.wgsl with each {KEY} replaced. WGSL has no includes,
+# inlines include/file.wgsl (include_path) with each {KEY} replaced. WGSL has no includes,
 # and a block with barriers cannot become a function (naga's SPIR-V path
 # miscompiles a barrier reached through a call in a loop): textual inclusion keeps
 # such blocks at entry-point scope while writing them once.
@@ -188,7 +196,28 @@ _PLACEHOLDER = re.compile(r"\{([A-Z][A-Z0-9_]*)\}")
 _STRUCT = re.compile(r"^[ \t]*//[ \t]*#struct[ \t]+(\w+)[ \t]*$", re.M)
 
 
-def _expand(text: str, defines: dict[str, str] | None = None, depth: int = 0) -> str:
+def include_path(name: str, folder: Path | None = None) -> Path:
+    """The file that ``// #include "name"`` inlines into a shader of ``folder`` (None:
+    the shipped shaders): ``folder/include/name``, else the shipped
+    ``include/name``; a name in both is refused (one file per name)."""
+    shipped = shader_dir() / "include" / name
+    own = folder / "include" / name if folder is not None else None
+    if own is None or own == shipped or not own.is_file():
+        return shipped
+    if shipped.is_file():
+        raise ValueError(f"include {name} is both in {own.parent} and in the shipped {shipped.parent}")
+    return own
+
+
+def _expand(
+    text: str,
+    defines: dict[str, str] | None = None,
+    depth: int = 0,
+    folder: Path | None = None,
+    used: set[Path] | None = None,
+) -> str:
+    """``text`` with ``defines`` replaced and its includes (``include_path``) and
+    structs expanded; each include file read is added to ``used`` when given."""
     defines = defines or {}
     if depth > 4:
         raise ValueError("shader includes nested too deeply")
@@ -196,23 +225,35 @@ def _expand(text: str, defines: dict[str, str] | None = None, depth: int = 0) ->
         text = text.replace("{" + k + "}", v)
 
     def one(m: re.Match) -> str:
-        snippet = (shader_dir() / "include" / m.group(1)).read_text(encoding="utf-8")
+        path = include_path(m.group(1), folder)
+        if used is not None:
+            used.add(path)
+        snippet = path.read_text(encoding="utf-8")
         args = {k: (q if q else u) for k, q, u in _ARG.findall(m.group(2))}
         missing = set(_PLACEHOLDER.findall(snippet)) - set(args) - set(defines)
         if missing:
             raise ValueError(f"include {m.group(1)} needs {sorted(missing)}")
         for k, v in args.items():
             snippet = snippet.replace("{" + k + "}", v)
-        return _expand(snippet.rstrip("\n"), defines, depth + 1)
+        return _expand(snippet.rstrip("\n"), defines, depth + 1, folder, used)
 
     return _STRUCT.sub(lambda m: P.wgsl_struct(m.group(1)), _INCLUDE.sub(one, text))
 
 
 @functools.lru_cache(maxsize=None)
-def load_wgsl(name: str, defines: tuple[tuple[str, str], ...] = ()) -> str:
-    """The source of one shader file with its includes expanded and ``defines``
-    (``{NAME}`` placeholders) replaced, read once."""
-    return _expand((shader_dir() / name).read_text(encoding="utf-8"), dict(defines))
+def load_wgsl(name: str, defines: tuple[tuple[str, str], ...] = (), folder: Path | None = None) -> str:
+    """The source of one shader file of ``folder`` (None: the shipped shaders) with
+    its includes expanded and ``defines`` (``{NAME}`` placeholders) replaced, read once."""
+    return _expand(((folder or shader_dir()) / name).read_text(encoding="utf-8"), dict(defines), folder=folder)
+
+
+def wgsl_files(name: str, defines: tuple[tuple[str, str], ...] = (), folder: Path | None = None) -> set[Path]:
+    """The files the source of ``load_wgsl(name, defines, folder)`` is made of: the
+    shader file and every include it expands, transitively."""
+    top = (folder or shader_dir()) / name
+    used = {top}
+    _expand(top.read_text(encoding="utf-8"), dict(defines), folder=folder, used=used)
+    return used
 
 
 class PipelineCache:
@@ -225,7 +266,7 @@ class PipelineCache:
         self._lock = threading.Lock()
 
     def _module(self, spec: KernelSpec) -> wgpu.GPUShaderModule:
-        key = (spec.file, spec.defines)
+        key = (spec.file, spec.defines, spec.folder)
         if key not in self._modules:
             label = spec.file + "".join(f" {k}={v}" for k, v in spec.defines)
             self._modules[key] = self._device.create_shader_module(label=label, code=load_wgsl(*key))

@@ -1,4 +1,4 @@
-// (shaders/include/split_tq_v2_decls.wgsl: module-scope declarations of
+// (bench/probes/shaders/include/split_tq_v2_decls.wgsl: module-scope declarations of
 // flash_attention_tq_split_v2.wgsl and _v3.wgsl: bindings, override constants,
 // the codebook, and the load / decode / scoring helpers.)
 //

@@ -1,4 +1,4 @@
-        // (shaders/include/split_tq_v2_accumulate.wgsl: row {T}'s value word {W}
+        // (bench/probes/shaders/include/split_tq_v2_accumulate.wgsl: row {T}'s value word {W}
         // into a0..a7: its four codes at bit vsh decoded, times each head's weight.)
         {
             let cv = dec4v({W}, vsh, cb);

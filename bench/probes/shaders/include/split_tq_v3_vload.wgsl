@@ -1,4 +1,4 @@
-        // (shaders/include/split_tq_v3_vload.wgsl: this thread's value words of rows
+        // (bench/probes/shaders/include/split_tq_v3_vload.wgsl: this thread's value words of rows
         // 8 {J} .. 8 {J} + 7 of its own (grp + n_grp * r) into {DST}0..{DST}7. When
         // the eight rows lie in one page (P >= 8 * n_grp: always at P = 64, d = 128)
         // their words are one page lookup and fixed strides apart.)
