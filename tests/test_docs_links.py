@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "client" / "README.md"])
+DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "client" / "README.md"])
 REPO_MD = {p.name for p in ROOT.rglob("*.md") if ".venv" not in p.parts and ".git" not in p.parts}
 
 
