@@ -82,15 +82,16 @@ def test_github_slug_follows_github_rules():
         tmp.unlink()
 
 
-def citing_files() -> list[Path]:
+def citing_files(suffixes: set[str] = frozenset()) -> list[Path]:
     """The repository's code, scripts and configuration (and Markdown outside
-    ``DOCS``), without virtual environments, git's own files and this file."""
+    ``DOCS``; and files ending in ``suffixes``), without virtual environments, git's
+    own files and this file."""
     found = []
     for folder, subfolders, files in os.walk(ROOT):
         subfolders[:] = [d for d in subfolders if d not in {".venv", ".git", "node_modules", "__pycache__"}]
         for name in files:
             path = Path(folder) / name
-            if path.suffix in {".py", ".sh", ".yml", ".conf", ".md", ".toml"} and path not in DOCS:
+            if path.suffix in {".py", ".sh", ".yml", ".conf", ".md", ".toml", *suffixes} and path not in DOCS:
                 found.append(path)
     return sorted(set(found) - {Path(__file__).resolve()})
 
@@ -131,4 +132,29 @@ def test_code_citing_doc_anchors_resolves():
                 target = path.parent / m.group(1)
             if not (target.exists() and m.group(2) in anchors(target)):
                 dead.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert dead == []
+
+
+def test_code_citing_doc_headings_by_name_resolves():
+    """Code, scripts and result files that cite a heading by its name
+    (``docs/deploy.md, "Health check start period"``, across comment lines too) name
+    a heading that exists."""
+    cited = re.compile(r"""((?:[\w.-]+/)*[\w-]+\.md)[,:]?\s+(["'])([^"'\n]{3,120})\2""")
+    dead = []
+    found = 0
+    for path in citing_files(suffixes={".json"}):
+        try:
+            text = re.sub(r"\n\s*#\s*", " ", path.read_text())
+        except UnicodeDecodeError:
+            continue
+        for m in cited.finditer(text):
+            target = ROOT / m.group(1)
+            if not target.exists():
+                target = path.parent / m.group(1)
+            if not target.exists():
+                continue  # a file name in a sentence; the link tests cover names
+            found += 1
+            if github_slug(m.group(3)) not in anchors(target):
+                dead.append(f"{path.relative_to(ROOT)}: {m.group(1)} {m.group(3)!r}")
+    assert found > 0
     assert dead == []
