@@ -1,5 +1,5 @@
 """How fast a server restores its sessions at start: the number the image's
-HEALTHCHECK start period is sized with (docs/deploy.md, "Start period").
+HEALTHCHECK start period is sized with (docs/deploy.md, "Health check start period").
 
 Runs ``python -m attnserve serve`` with a snapshot directory, fills it with
 ``--sessions`` f32 sessions over HTTP, stops it (SIGTERM: every session written),
