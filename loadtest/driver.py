@@ -427,10 +427,12 @@ class LoadTest:
         now = time.perf_counter() - self.t0
         window = max(now - last_t, 1e-9)
         steps = sorted(lat for _, lat in self.rec.samples["decode_step"][seen_steps:])
+        attends = (self.rec.attends - last_attends) / window
+        tokens = (self.rec.decode_tokens - last_tokens) / window
         return (
             f"[{now:6.1f}s/{self.cfg.duration:.0f}s] sessions {self.rec.live_sessions} live "
-            f"{self.rec.sessions_started} started | attends {(self.rec.attends - last_attends) / window:7.1f}/s "
-            f"| tokens {(self.rec.decode_tokens - last_tokens) / window:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
+            f"{self.rec.sessions_started} started | attends {attends:7.1f}/s "
+            f"| tokens {tokens:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
             f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
         )
 

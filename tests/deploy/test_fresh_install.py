@@ -47,6 +47,11 @@ def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return r
 
 
+def license_expression(bin_: Path, distribution: str, cwd: Path) -> str:
+    code = f"import importlib.metadata as m; print(m.metadata({distribution!r})['License-Expression'])"
+    return run([str(bin_ / "python"), "-c", code], cwd=cwd).stdout.strip()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="venv's bin/ layout")
 def test_pip_install_dot_gives_the_server_and_the_client(tmp_path):
     checkout = copy_checkout(tmp_path / "checkout")
@@ -61,11 +66,7 @@ def test_pip_install_dot_gives_the_server_and_the_client(tmp_path):
         cwd=tmp_path,
     ).stdout.strip()
     assert where.startswith(str(tmp_path / "venv")), where
-    licence = run(
-        [str(bin_ / "python"), "-c", "import importlib.metadata as m; print(m.metadata('attnserve')['License-Expression'])"],
-        cwd=tmp_path,
-    ).stdout.strip()
-    assert licence == "Apache-2.0"
+    assert license_expression(bin_, "attnserve", tmp_path) == "Apache-2.0"
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="venv's bin/ layout")
@@ -81,8 +82,4 @@ def test_pip_install_client_alone(tmp_path):
     )
     where = run([str(bin_ / "python"), "-c", code], cwd=tmp_path).stdout.strip()
     assert where.startswith(str(tmp_path / "venv")), where
-    licence = run(
-        [str(bin_ / "python"), "-c", "import importlib.metadata as m; print(m.metadata('attnserve-client')['License-Expression'])"],
-        cwd=tmp_path,
-    ).stdout.strip()
-    assert licence == "Apache-2.0"
+    assert license_expression(bin_, "attnserve-client", tmp_path) == "Apache-2.0"

@@ -89,7 +89,8 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path, transport):
 def test_batched_mode_progress_line_counts_the_attends(server, tmp_path):
     # the live line counts the attends and tokens of batched steps as the summary
     # does (it used to count only single attends: "attends 0.0/s" under --batched)
-    report, log = _run_logged(server, tmp_path, "--batched", "--duration", "6", "--decode-steps", "0", "--progress", "log")
+    extra = ("--batched", "--duration", "6", "--decode-steps", "0", "--progress", "log")
+    report, log = _run_logged(server, tmp_path, *extra)
     assert report["error_count"] == 0, report["errors"]
     lines = [ln for ln in log.splitlines() if "attends" in ln and "/s" in ln]
     assert lines, log
