@@ -49,7 +49,7 @@ from .errors import (
 from .gpu.device import DeviceError
 from .gpu.kernels import KernelPolicy
 from .persistence import SnapshotDir
-from .routes import batch, kv, probes, sessions, snapshots, stream
+from .routes import batch, kv, problem_pages, probes, sessions, snapshots, stream
 from .middleware import PROBLEM_KEY, RequestMiddleware
 from .runtime import Runtime, install_gauges
 from .routes.schemas import COMPONENTS
@@ -188,6 +188,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(stream.router)
     app.include_router(snapshots.router)
     app.include_router(probes.router)
+    app.include_router(problem_pages.router)
     _install_error_handlers(app)
     install_gauges(rt)
     app.add_middleware(RequestMiddleware, runtime=rt)
