@@ -1,14 +1,18 @@
 """The pages a person opens in a browser: the problem types' pages at their ``type``
-URIs (``/problems/<slug>``)."""
+URIs (``/problems/<slug>``), and the API pages (``/docs``, ``/redoc``) with every
+asset served by the server itself, none from a CDN."""
 
 from __future__ import annotations
 
-from urllib.parse import urljoin
+import re
+from html.parser import HTMLParser
+from urllib.parse import urljoin, urlsplit
 
 import httpx
 import pytest
 
 from attnserve import errors as server_errors
+from attnserve.app import DOCS_ASSETS
 from attnserve_client.problems import PROBLEM_HELP, PROBLEM_TYPES
 
 
@@ -72,3 +76,35 @@ def test_an_unknown_problem_type_is_a_404_problem(server):
         assert index.status_code == 200
         for slug in PROBLEM_TYPES:
             assert f'href="/problems/{slug}"' in index.text
+
+
+class _Refs(HTMLParser):
+    """Every src= and href= of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.refs += [value for name, value in attrs if name in ("src", "href") and value]
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_api_pages_load_only_local_assets(server, page):
+    with httpx.Client(base_url=server.url) as http:
+        r = http.get(page)
+        assert r.status_code == 200
+        parser = _Refs()
+        parser.feed(r.text)
+        # the scripts' own URLs too (Swagger UI's url: '/openapi.json', ReDoc's spec-url)
+        quoted = re.findall(r"""(?:url|spec-url)\s*[:=]\s*['"]([^'"]+)['"]""", r.text)
+        refs = parser.refs + quoted
+        assert refs, r.text
+        for ref in refs:
+            assert not urlsplit(ref).netloc and not urlsplit(ref).scheme, f"{page} loads {ref} from elsewhere"
+        assets = [ref for ref in parser.refs if ref.startswith(DOCS_ASSETS + "/")]
+        assert any(a.endswith(".js") for a in assets), parser.refs
+        for asset in assets:
+            got = http.get(asset)
+            assert got.status_code == 200 and len(got.content) > 1000, asset
+        assert http.get("/openapi.json").status_code == 200
