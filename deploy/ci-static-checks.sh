@@ -6,14 +6,14 @@
 #      debian:bookworm-slim, non-root user, HEALTHCHECK on /readyz, Vulkan packages and
 #      the NVIDIA ICD, COPY sources pass .dockerignore, one compose replica per GPU
 #      and the same list in the nginx upstreams, the router mounting the routing file;
-#   4. the image's build path without the image: the wheels that the Dockerfile's
-#      builder stage makes (`pip wheel ./client .`), the server's checked for its
-#      package, the shaders and the entry point and for NOT holding attnserve_client
-#      (the client wheel's alone, which the server requires), nor the research kernels
-#      of bench/probes/shaders, then both installed together into a folder of their
-#      own and imported from there, not the checkout, their WGSL exactly the files the
-#      kernels the server builds are made of, their files exactly the checkout's
-#      (deploy/image/image_matches_checkout.py).
+#   4. the image's build path without the image: the wheel that the Dockerfile's
+#      builder stage makes (`pip wheel .`), checked for its packages (attnserve_client
+#      included), the shaders and the entry point and for NOT holding the research
+#      kernels of bench/probes/shaders, then installed into a folder of its own and
+#      imported from there, not the checkout, its WGSL exactly the files the kernels
+#      the server builds are made of, its files exactly the checkout's
+#      (deploy/image/image_matches_checkout.py); and the client's own wheel
+#      (`pip wheel ./client`) for holding attnserve_client and nothing else.
 # Idempotent; installs what it needs (into $VIRTUAL_ENV or .venv, else with --user).
 # Runs in about 15 s on 2 cores once the tools are installed.
 set -euo pipefail
@@ -46,9 +46,10 @@ trap 'rm -rf "$WORK"' EXIT
 # setuptools builds in build/ and keeps what an earlier build put there (a module
 # since moved would ship again): start from none, as the image's clean copy does
 rm -rf build client/build
-"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" ./client . >/dev/null
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" . >/dev/null
+"$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/client-wheel" ./client >/dev/null
 WHEEL="$(ls "$WORK"/wheels/attnserve-0*.whl)"
-CLIENT_WHEEL="$(ls "$WORK"/wheels/attnserve_client-*.whl)"
+CLIENT_WHEEL="$(ls "$WORK"/client-wheel/attnserve_client-*.whl)"
 echo "built $(basename "$WHEEL") and $(basename "$CLIENT_WHEEL")"
 "$PY" - "$WHEEL" "$CLIENT_WHEEL" <<'PYEOF'
 import email, sys, zipfile
@@ -70,10 +71,6 @@ if missing or not entry:
 text = server.read(entry[0]).decode()
 if "attnserve = attnserve.cli:main" not in text:
     sys.exit(f"wheel has no attnserve console script: {text!r}")
-# one owner of each file: attnserve_client is the client wheel's alone
-shipped = sorted(n for n in names if n.startswith("attnserve_client"))
-if shipped:
-    sys.exit(f"the server wheel ships the client package's files: {shipped[:5]}")
 # the research kernels (and their includes) stay beside their probes
 research = Path("bench/probes/shaders")
 research = {p.relative_to(research).as_posix() for p in research.rglob("*.wgsl")}
@@ -82,11 +79,14 @@ if not research:
 leaked = sorted(n for n in names if n.startswith("attnserve/shaders/") and n.split("/", 2)[2] in research)
 if leaked:
     sys.exit(f"the server wheel ships research kernels: {leaked}")
+# the client package, in both wheels: `pip install .` gives the server and the
+# client, `pip install ./client` the client alone
 client_need = ["attnserve_client/__init__.py", "attnserve_client/wire.py", "attnserve_client/problems.py",
                "attnserve_client/py.typed"]
-missing = [n for n in client_need if n not in client_names]
-if missing:
-    sys.exit(f"client wheel lacks {missing}")
+for label, wheel_names in (("server", names), ("client", client_names)):
+    missing = [n for n in client_need if n not in wheel_names]
+    if missing:
+        sys.exit(f"{label} wheel lacks {missing}")
 if any(not n.startswith("attnserve_client") for n in client_names):
     sys.exit(f"the client wheel ships files outside attnserve_client: {sorted(client_names)[:5]}")
 def metadata(wheel):
@@ -95,14 +95,17 @@ def metadata(wheel):
 client_meta = metadata(client)
 wants = [Requirement(r) for r in metadata(server).get_all("Requires-Dist") or []]
 wants = [r for r in wants if r.name == client_meta["Name"]]
-if len(wants) != 1 or client_meta["Version"] not in wants[0].specifier:
-    sys.exit(f"the server wheel does not require this client ({client_meta['Name']} {client_meta['Version']}): {wants}")
-print(f"ok -- server wheel {len(names)} files, shaders inside, console script attnserve, no attnserve_client; "
-      f"client wheel {len(client_names)} files; the server requires {wants[0]}, met by the client wheel")
+if wants:
+    sys.exit(f"the server wheel requires {wants}, a distribution no index has; it ships attnserve_client itself")
+for label, meta in (("server", metadata(server)), ("client", client_meta)):
+    if meta["License-Expression"] != "Apache-2.0":
+        sys.exit(f"{label} wheel: License-Expression {meta['License-Expression']!r}, not Apache-2.0")
+print(f"ok -- server wheel {len(names)} files, shaders, attnserve_client and the console script attnserve inside; "
+      f"client wheel {len(client_names)} files, attnserve_client alone")
 PYEOF
-# Install the two together (their other dependencies come from $PY's environment)
-# into a folder, and import them from there, from a folder outside the checkout.
-"$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$WORK/site" "$WHEEL" "$CLIENT_WHEEL" >/dev/null
+# Install the server's wheel (its dependencies come from $PY's environment) into a
+# folder, and import it from there, from a folder outside the checkout.
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --target "$WORK/site" "$WHEEL" >/dev/null
 (cd "$WORK" && PYTHONPATH="$WORK/site" XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" "$PY" - "$WORK/site" <<'PYEOF'
 import importlib, importlib.resources, os, sys
 site = os.path.realpath(sys.argv[1])

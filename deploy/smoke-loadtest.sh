@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/service:$ROOT/client${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c 'import fastapi, uvicorn, wgpu, numpy, msgpack, httpx, pydantic_settings' 2>/dev/null; then
   echo "smoke: installing the project's dependencies"
-  pip_install -e ./client -e .
+  pip_install -e .
 fi
 if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
   echo "smoke: installing matplotlib (the project's [bench] extra)"

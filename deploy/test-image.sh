@@ -143,7 +143,7 @@ step "python for the tests"
 . deploy/_python.sh
 if ! "$PY" -c 'import pytest, pytest_timeout, numpy, httpx, msgpack' 2>/dev/null; then
   echo "installing the project's test dependencies"
-  pip_install -e ./client -e ".[test]"
+  pip_install -e ".[test]"
 fi
 "$PY" --version
 if ! type -P "$SCRIPTS/podman-compose" >/dev/null 2>&1; then

@@ -11,6 +11,9 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# the one list of the kv formats (loadtest.py puts the checkout's service/ on the path)
+from attnserve.formats import KV_FORMATS
+
 
 #: The operations measured, in report order. decode_step is one token through all
 #: layers (its latency counts from when it was due in open loop).
@@ -24,6 +27,16 @@ class UsageError(Exception):
 
 
 # ── configuration ────────────────────────────────────────────────────────────
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows an option's default where it has one: not ``(default: None)``
+    nor ``(default: [])``, which an option's own help explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 @dataclass
@@ -69,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         prog="loadtest.py",
         description="Load test of an attnserve server: sessions that prefill a prompt in chunks, "
         "then run fused decode steps over several layers.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)"
@@ -107,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--qo-heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (GQA)")
     p.add_argument("--head-dim", type=int, default=64, help="head size (turboquant: 32, 64, 128)")
-    p.add_argument("--kv-format", default="f32", help="f32 or turboquant (what the server offers)")
+    p.add_argument(
+        "--kv-format", default="f32", metavar="FORMAT", help=f"one of {', '.join(KV_FORMATS)} (the server checks it)"
+    )
     p.add_argument("--create", choices=("put", "post"), default="put", help="PUT with own ids (router-safe) or POST")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument(

@@ -412,24 +412,29 @@ class LoadTest:
         if mode == "off":
             return
         every = 1.0 if mode == "line" else 5.0
-        seen = {op: 0 for op in OPERATIONS}
-        last_t = 0.0
+        seen = 0
+        last_t, last_attends, last_tokens = 0.0, 0, 0
         while True:
             await asyncio.sleep(every)
-            now = time.perf_counter() - self.t0
-            window = max(now - last_t, 1e-9)
-            recent = {op: self.rec.samples[op][seen[op] :] for op in OPERATIONS}
-            seen = {op: len(self.rec.samples[op]) for op in OPERATIONS}
-            last_t = now
-            steps = sorted(lat for _, lat in recent["decode_step"])
-            attends = len(recent["decode"]) + len(recent["prefill_chunk"])
-            line = (
-                f"[{now:6.1f}s/{self.cfg.duration:.0f}s] sessions {self.rec.live_sessions} live "
-                f"{self.rec.sessions_started} started | attends {attends / window:7.1f}/s "
-                f"| tokens {len(steps) / window:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
-                f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
-            )
-            write_progress(mode, line)
+            write_progress(mode, self.progress_line(seen, last_t, last_attends, last_tokens))
+            seen, last_t = len(self.rec.samples["decode_step"]), time.perf_counter() - self.t0
+            last_attends, last_tokens = self.rec.attends, self.rec.decode_tokens
+
+    def progress_line(self, seen_steps: int, last_t: float, last_attends: int, last_tokens: int) -> str:
+        """The live line: rates since ``last_t`` from the running totals the summary
+        counts too (``attends``, ``decode_tokens``: per session, batched or not), the
+        step latencies of the decode steps after the first ``seen_steps``."""
+        now = time.perf_counter() - self.t0
+        window = max(now - last_t, 1e-9)
+        steps = sorted(lat for _, lat in self.rec.samples["decode_step"][seen_steps:])
+        attends = (self.rec.attends - last_attends) / window
+        tokens = (self.rec.decode_tokens - last_tokens) / window
+        return (
+            f"[{now:6.1f}s/{self.cfg.duration:.0f}s] sessions {self.rec.live_sessions} live "
+            f"{self.rec.sessions_started} started | attends {attends:7.1f}/s "
+            f"| tokens {tokens:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
+            f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
+        )
 
 
 def write_progress(mode: str, line: str) -> None:

@@ -55,6 +55,10 @@ try:
     import attnserve_client  # noqa: F401
 except ImportError:  # a plain checkout: use the client from the repository
     sys.path.insert(0, str(ROOT / "client"))
+try:
+    import attnserve.formats  # noqa: F401  (the kv formats' names, for --help)
+except ImportError:  # only the client installed: the server package of the repository
+    sys.path.insert(0, str(ROOT / "service"))
 
 from attnserve_client import AsyncClient, AttnServeError  # noqa: E402
 

@@ -13,7 +13,7 @@ See ``docs/client.md`` for the whole guide.
 from . import wire
 from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session, new_session_id
 from ._steps import AttendItem, BatchError
-from ._streams import AsyncStream, Stream
+from ._streams import AsyncStream, AsyncStreamOpening, Stream
 from ._types import SessionInfo
 from ._version import __version__
 from .errors import (
@@ -54,6 +54,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSession",
     "AsyncStream",
+    "AsyncStreamOpening",
     "AttendItem",
     "BatchError",
     "AttnServeError",

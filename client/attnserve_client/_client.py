@@ -30,7 +30,7 @@ import numpy as np
 
 from . import wire
 from ._routing import ROUTE_HEADER, ReplicaMap
-from ._streams import AsyncStream, Groups, Stream
+from ._streams import AsyncStream, AsyncStreamOpening, Groups, Stream
 from ._steps import (
     AttendItem,
     StackedOptions,
@@ -1036,15 +1036,19 @@ class AsyncClient(_BaseClient):
         """As :meth:`Client.attend_stacked`."""
         return await self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
-    async def stream(self, route: Any = None) -> AsyncStream:
+    def stream(self, route: Any = None) -> AsyncStreamOpening:
         """Open a streaming connection (``/v1/stream``); concurrent awaits of its
-        methods pipeline on it. ``async with await client.stream() as s: ...``
+        methods pipeline on it. ``async with client.stream() as s: ...`` closes it on
+        exit; ``s = await client.stream()`` leaves closing it to the caller.
         ``route``: as for :meth:`Client.stream`."""
-        return await AsyncStream.open(
-            self.base_url,
-            self._stream_headers(route),
-            self.timeout.connect,
-            lambda ids: self._run(self._places_flow(ids)),
+        headers = self._stream_headers(route)
+        return AsyncStreamOpening(
+            lambda: AsyncStream.open(
+                self.base_url,
+                headers,
+                self.timeout.connect,
+                lambda ids: self._run(self._places_flow(ids)),
+            )
         )
 
     async def health(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -416,6 +416,27 @@ class _AsyncLink:
         await self._ws.close()
         if self._reader is not None:
             await self._reader
+
+
+class AsyncStreamOpening:
+    """What :meth:`AsyncClient.stream` returns: the opening of an :class:`AsyncStream`,
+    both awaitable (``stream = await client.stream()``, closed by the caller) and an
+    async context manager (``async with client.stream() as stream:``, closed on exit)."""
+
+    def __init__(self, open_stream: Callable[[], Awaitable[AsyncStream]]):
+        self._open_stream = open_stream
+        self._stream: AsyncStream | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncStream]:
+        return self._open_stream().__await__()
+
+    async def __aenter__(self) -> AsyncStream:
+        self._stream = await self._open_stream()
+        return self._stream
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._stream is not None:
+            await self._stream.close()
 
 
 class AsyncStream:

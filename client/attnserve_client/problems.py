@@ -1,7 +1,8 @@
 """The problem types of the API contract (docs/api.md, "Errors"): the one list of them.
 
 An error answer is a problem document whose ``type`` is ``"/problems/<slug>"``,
-with the ``status`` and ``title`` given here. The server's error classes
+with the ``status`` and ``title`` given here; :data:`PROBLEM_HELP` says when each
+happens and what to do, the page the server answers at that ``type`` URI. The server's error classes
 (``attnserve.errors``, the server depends on this package) take their slug,
 status and title from these constants, the client's exception classes
 (:mod:`attnserve_client.errors`) their slug, so that each slug is written once.
@@ -18,6 +19,8 @@ from typing import NamedTuple
 __all__ = [
     "ProblemType",
     "PROBLEM_TYPES",
+    "ProblemHelp",
+    "PROBLEM_HELP",
     "MALFORMED_BODY",
     "UNAUTHORIZED",
     "SESSION_NOT_FOUND",
@@ -96,4 +99,104 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         TIMEOUT,
         OUT_OF_MEMORY,
     )
+}
+
+
+class ProblemHelp(NamedTuple):
+    """What a problem type's page says: when it happens, and what to do about it."""
+
+    when: str
+    action: str
+
+
+#: when each problem type happens and what to do, by slug (the server's page at
+#: ``/problems/<slug>``)
+PROBLEM_HELP: dict[str, ProblemHelp] = {
+    MALFORMED_BODY.slug: ProblemHelp(
+        "The body could not be decoded as its declared Content-Type: bad MessagePack or JSON, a truncated "
+        "body, trailing bytes, or an empty body with a declared type. Nothing was changed.",
+        "Send a complete body that matches its Content-Type (application/msgpack or application/json).",
+    ),
+    UNAUTHORIZED.slug: ProblemHelp(
+        "API keys are configured and the /v1 request carried no Authorization: Bearer header with one of them.",
+        "Send one of the server's API keys as a bearer token (Authorization: Bearer <key>).",
+    ),
+    SESSION_NOT_FOUND.slug: ProblemHelp(
+        "No session has this id, or it belongs to another API key's tenant (deleted, expired after idling, "
+        "or never created).",
+        "Create the session (PUT or POST /v1/sessions), or check the id and the API key.",
+    ),
+    LAYER_NOT_FOUND.slug: ProblemHelp(
+        "The layer in the path is not an integer from 0 to num_layers - 1 of the session.",
+        "Use a layer index below the session's num_layers (the num_layers member says how many it has).",
+    ),
+    NOT_FOUND.slug: ProblemHelp(
+        "No route has this path.",
+        "Check the URL against the API description at /openapi.json (or /docs).",
+    ),
+    METHOD_NOT_ALLOWED.slug: ProblemHelp(
+        "The route exists but not with this HTTP method; the Allow header lists the methods it has.",
+        "Use one of the methods of the Allow header.",
+    ),
+    BODY_TIMEOUT.slug: ProblemHelp(
+        "The request body stopped arriving before it was complete; the connection was closed and nothing was changed.",
+        "Send the whole body without long pauses; retrying the request is safe.",
+    ),
+    OFFSET_MISMATCH.slug: ProblemHelp(
+        "The request's offset is not the layer's current length (another append came first, or one was "
+        "lost); nothing was appended.",
+        "Resend with offset set to the length member of the problem, after appending any rows you are missing.",
+    ),
+    SESSION_EXISTS.slug: ProblemHelp(
+        "A PUT (of a session or of a snapshot) named an id that is already in use.",
+        "Pick another id, or delete the existing session first.",
+    ),
+    CAPACITY_EXCEEDED.slug: ProblemHelp(
+        "The append (or an attend's fused append) would take the layer past the session's max_tokens.",
+        "Create the session with a larger max_tokens, or fork or restart the sequence.",
+    ),
+    PAYLOAD_TOO_LARGE.slug: ProblemHelp(
+        "The body is larger than the server's max_body_bytes (the max_body_bytes member says how large it may be).",
+        "Split the work into smaller requests (fewer rows or items per request).",
+    ),
+    UNSUPPORTED_MEDIA_TYPE.slug: ProblemHelp(
+        "The body has a Content-Type the route does not take, or none.",
+        "Send application/msgpack or application/json (a snapshot: application/msgpack).",
+    ),
+    INVALID_SNAPSHOT.slug: ProblemHelp(
+        "The snapshot blob is not one this server can restore (format, version, configuration or sizes); "
+        "nothing was created.",
+        "Send a snapshot taken by GET /v1/sessions/{id}/snapshot of a compatible server, unmodified.",
+    ),
+    INVALID_REQUEST.slug: ProblemHelp(
+        "A field is unknown, missing or of the wrong type, shape or dtype; a value is out of range or not "
+        "finite; or the request is too large for the GPU. The detail names the field.",
+        "Fix the request as the detail says; the API reference lists every field and limit.",
+    ),
+    INTERNAL_ERROR.slug: ProblemHelp(
+        "A bug in the server. No traceback is sent; the detail names a request id found in the server's log.",
+        "Report it with the request id from the detail.",
+    ),
+    GPU_ERROR.slug: ProblemHelp(
+        "The GPU device failed while running the request. The detail names a request id found in the log.",
+        "Retry later; report it with the request id if it persists.",
+    ),
+    OVERLOADED.slug: ProblemHelp(
+        "The server's GPU queue is full; nothing was done.",
+        "Retry after the Retry-After header's seconds, or send fewer requests at once.",
+    ),
+    NOT_READY.slug: ProblemHelp(
+        "The GPU device is not open yet, or the server is draining before it stops.",
+        "Retry after the Retry-After header's seconds (or on another replica).",
+    ),
+    TIMEOUT.slug: ProblemHelp(
+        "The request waited in the GPU queue past the server's request timeout and was dropped; nothing was applied.",
+        "Retry after the Retry-After header's seconds; retrying is safe.",
+    ),
+    OUT_OF_MEMORY.slug: ProblemHelp(
+        "The request would pass the GPU memory budget, the device could not allocate, the session limit is "
+        "reached, or the API key's quota (of sessions or bytes) is.",
+        "Delete sessions you no longer need, use a smaller kv_format or max_tokens, or raise the limit named "
+        "in the problem's members.",
+    ),
 }

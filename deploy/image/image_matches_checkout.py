@@ -6,10 +6,10 @@
 
 stdin: one ``<sha256> <path>`` line per file of the installed packages, the path
 relative to site-packages (what ``--print-lister`` prints is a program that lists
-them inside the image). The checkout's side comes from the pyproject.toml of each
-distribution the image installs from this checkout (the server's, ``attnserve``,
-and the client's, ``client/``, ``attnserve-client``): each package's folder
-(``package-dir``), its ``*.py`` files and its ``package-data``.
+them inside the image). The checkout's side comes from the pyproject.toml of the
+distribution the image installs from this checkout (``attnserve``: the server and
+the client package, ``attnserve_client``): each package's folder (``package-dir``),
+its ``*.py`` files and its ``package-data``.
 Exit 0 when both sides hold the same files with the same contents, else 1 with
 the differences.
 
@@ -45,8 +45,8 @@ for top in ("attnserve", "attnserve_client"):
 """
 
 
-# the folders of this checkout's distributions, each with its own pyproject.toml
-PROJECTS = (ROOT, ROOT / "client")
+# the folders of the distributions the image installs, each with its own pyproject.toml
+PROJECTS = (ROOT,)
 
 
 def checkout_files() -> dict[str, str]:

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
@@ -49,12 +50,15 @@ from .errors import (
 from .gpu.device import DeviceError
 from .gpu.kernels import KernelPolicy
 from .persistence import SnapshotDir
-from .routes import batch, kv, probes, sessions, snapshots, stream
+from .routes import batch, kv, problem_pages, probes, sessions, snapshots, stream
 from .middleware import PROBLEM_KEY, RequestMiddleware
 from .runtime import Runtime, install_gauges
 from .routes.schemas import COMPONENTS
 
-__all__ = ["create_app", "open_engine"]
+__all__ = ["create_app", "open_engine", "DOCS_ASSETS"]
+
+#: where the API pages' (/docs, /redoc) scripts, styles and icon are served
+DOCS_ASSETS = "/docs-assets"
 
 log = logging.getLogger("attnserve")
 
@@ -165,7 +169,11 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 eng.worker.on_batch, eng.worker.on_job_start = previous_hooks
             log.info("stopped")
 
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc with their scripts, styles and icon served from
+    # the fastapi-offline package under DOCS_ASSETS, not from a CDN: the pages work
+    # on a host with no internet access
+    app = FastAPIOffline(
+        static_url=DOCS_ASSETS,
         title="attnserve",
         version=__version__,
         description=DESCRIPTION,
@@ -188,6 +196,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(stream.router)
     app.include_router(snapshots.router)
     app.include_router(probes.router)
+    app.include_router(problem_pages.router)
     _install_error_handlers(app)
     install_gauges(rt)
     app.add_middleware(RequestMiddleware, runtime=rt)

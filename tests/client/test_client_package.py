@@ -27,6 +27,7 @@ PUBLIC = {
     "AsyncClient",
     "AsyncSession",
     "AsyncStream",
+    "AsyncStreamOpening",
     "AttendItem",
     "BatchError",
     "Stream",

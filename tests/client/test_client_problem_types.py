@@ -60,6 +60,6 @@ def test_the_one_list_is_consistent():
         assert p.slug == slug and 400 <= p.status < 600 and p.title
     constants = [v for k, v in vars(problems).items() if k.isupper() and isinstance(v, problems.ProblemType)]
     assert sorted(constants) == sorted(problems.PROBLEM_TYPES.values())
-    assert set(problems.__all__) == {"ProblemType", "PROBLEM_TYPES"} | {
+    assert set(problems.__all__) == {"ProblemType", "PROBLEM_TYPES", "ProblemHelp", "PROBLEM_HELP"} | {
         k for k, v in vars(problems).items() if isinstance(v, problems.ProblemType)
     }

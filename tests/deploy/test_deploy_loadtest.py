@@ -5,7 +5,10 @@ from __future__ import annotations
 import http.server
 import importlib.util
 import math
+import os
+import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -89,6 +92,27 @@ def test_usage_errors_exit_2():
         with pytest.raises(SystemExit) as info:
             loadtest.parse_args(argv)
         assert info.value.code == 2, argv
+
+
+def test_help_names_the_formats_and_no_empty_defaults():
+    from attnserve.formats import KV_FORMATS
+
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400"},  # one line per option
+    )
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    assert "(default: None)" not in text and "(default: [])" not in text, text
+    assert "never shown" in text  # --api-key still says where its default comes from
+    assert "(default: 30.0)" in text  # a real default is still shown
+    kv_format = next(line for line in text.splitlines() if line.strip().startswith("--kv-format"))
+    for name in KV_FORMATS:
+        assert re.search(rf"\b{re.escape(name)}\b", kv_format), (name, kv_format)
 
 
 def test_reference_decode_matches_a_plain_loop():

