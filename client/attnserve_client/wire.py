@@ -14,6 +14,7 @@ An array on the wire is, in MessagePack, the map::
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,8 @@ __all__ = [
     "decode_array",
     "encode_array",
     "is_msgpack",
+    "loads_json",
+    "max_containers",
     "packb",
     "unpackb",
 ]
@@ -56,6 +59,15 @@ MAX_NDIM = 8
 MAX_ELEMENTS = 1 << 28
 
 _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
+
+#: Bytes of a document per array or map (object) it may hold, past the first 1024
+#: (:func:`max_containers`). An empty container is one byte of MessagePack and two
+#: of JSON but some 60 bytes of Python, so without a cap a 64 MiB body of them takes
+#: gigabytes to parse. MessagePack arrays are maps with one ``bin``: real documents
+#: hold a handful. JSON arrays are nested lists, one per row of ``head_dim``
+#: numbers (``[0,0,0],`` is 8 bytes): one per 8 bytes admits them, and caps a
+#: document's containers near what its numbers would cost.
+BYTES_PER_CONTAINER = {"msgpack": 32, "json": 8}
 
 
 class WireError(ValueError):
@@ -267,10 +279,8 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_contain
     deeper than the parser's limit is refused.
 
     The document may hold at most ``max_containers`` arrays and maps (default
-    ``1024 + len(data) // 32``): an empty map is one byte of MessagePack but some
-    60 bytes of Python, so without a cap a 64 MiB body of them would take about
-    4 GiB to parse. Arrays on the wire are maps with one ``bin``, so real
-    documents hold a handful; the parse stops as soon as the cap is passed.
+    :func:`max_containers`, ``1024 + len(data) // 32``; see
+    :data:`BYTES_PER_CONTAINER`); the parse stops as soon as the cap is passed.
 
     Raises:
         WireError: the body is too long, malformed, truncated, has trailing data,
@@ -279,7 +289,7 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_contain
     size = memoryview(data).nbytes
     if size > max_bytes:
         raise WireError(f"body: expected at most {max_bytes} bytes of MessagePack, got {size}")
-    cap = 1024 + size // 32 if max_containers is None else max_containers
+    cap = _max_containers(size, "msgpack") if max_containers is None else max_containers
     count = 0
 
     def container(obj: Any) -> Any:
@@ -314,6 +324,73 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_contain
 
 class _TooManyContainers(Exception):
     pass
+
+
+def max_containers(size: int, kind: str) -> int:
+    """Most arrays and maps a ``kind`` (``"msgpack"``, ``"json"``) document of
+    ``size`` bytes may hold: ``1024 + size // BYTES_PER_CONTAINER[kind]``."""
+    return 1024 + size // BYTES_PER_CONTAINER[kind]
+
+
+_max_containers = max_containers  # unpackb's parameter of that name shadows it
+
+
+def loads_json(data: bytes, *, max_bytes: int) -> Any:
+    """Parse one JSON document of at most ``max_bytes`` bytes, safely: its arrays
+    and objects are counted (outside strings) before any is built, and a document
+    with more than :func:`max_containers` is refused at once.
+
+    Raises:
+        WireError: the body is too long, holds too many arrays and objects, is not
+            JSON, or nests too deeply.
+    """
+    size = len(data)
+    if size > max_bytes:
+        raise WireError(f"body: expected at most {max_bytes} bytes of JSON, got {size}")
+    cap = max_containers(size, "json")
+    buf = np.frombuffer(data, dtype=np.uint8)
+    openers = np.count_nonzero(buf == _OPENERS[0]) + np.count_nonzero(buf == _OPENERS[1])
+    if openers > cap and count_json_containers(data) > cap:  # only strings can hold the difference
+        raise WireError(f"body: expected at most {cap} arrays and objects in {size} bytes of JSON, got more")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise WireError("body: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise WireError(f"body: expected valid JSON, got {type(e).__name__}: {e}") from None
+
+
+_QUOTE, _BACKSLASH, _OPENERS = ord('"'), ord("\\"), (ord("["), ord("{"))
+_SCAN_CHUNK = 1 << 20
+
+
+def count_json_containers(data: bytes) -> int:
+    """How many ``[`` and ``{`` of ``data`` open an array or object: those outside
+    JSON strings (a quote preceded by an odd run of backslashes does not end a
+    string). Exact up to the first byte that is not valid JSON, where any parser
+    stops; vectorized, a MiB at a time."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    count, in_string, run = 0, 0, 0  # carried: inside a string, backslashes ending the last chunk
+    for start in range(0, buf.size, _SCAN_CHUNK):
+        c = buf[start : start + _SCAN_CHUNK]
+        quotes = np.flatnonzero(c == _QUOTE)
+        backslash = c == _BACKSLASH
+        if quotes.size and (run or backslash.any()):
+            idx = np.arange(c.size)
+            # the length of the run of backslashes ending at each byte (0 at others)
+            runs = idx - np.maximum.accumulate(np.where(backslash, -1 - run, idx))
+            before = np.concatenate(([run], runs[:-1]))
+            quotes = quotes[before[quotes] % 2 == 0]  # the unescaped ones
+            run = int(runs[-1])
+        elif backslash.all():
+            run += c.size
+        else:
+            run = int(np.argmin(backslash[::-1]))  # the backslashes ending the chunk
+        openers = np.flatnonzero((c == _OPENERS[0]) | (c == _OPENERS[1]))
+        inside = (np.searchsorted(quotes, openers) + in_string) % 2
+        count += int(openers.size - np.count_nonzero(inside))
+        in_string = (in_string + int(quotes.size)) % 2
+    return count
 
 
 # The parser used by unpackb; the C extension when available (tests swap in the

@@ -18,8 +18,12 @@ The first frame is the header ``{"format": "attnserve-journal", "version": 1,
 ``{"layer", "page", "k", "v"}``, whose ``k``/``v`` are the page's ``P`` rows in the
 contiguous layout of a cache of ``P`` rows (``pool.PageLayout``). A layer's pages
 come in order from 0. Reading stops at the first frame that is short or fails its
-CRC: a write torn by a crash loses only that frame and those after it, and the
-file is cut back to its last good frame before anything is appended to it again.
+CRC (or is not MessagePack). When that frame is the end of the file, it is a write
+torn by a crash: only that frame is lost, and the file is cut back to its last good
+frame before anything is appended to it again. When bytes follow it, the file is
+corrupt (a crash only tears the last write): ``Journal.bytes_after_bad`` says how
+many, ``Journal.frames_after_bad`` how many good frames follow it, and the snapshot
+directory keeps a copy of the file before cutting it.
 """
 
 from __future__ import annotations
@@ -71,23 +75,53 @@ class Journal:
     page_tokens: int
     pages: list[list[tuple[bytes, bytes]]] = field(default_factory=list)
     valid_bytes: int = 0  # where the last good frame ends (the file is cut back to it)
+    bytes_after_bad: int = 0  # bytes past the end of the first bad frame: > 0 is corruption, not a torn tail
+    frames_after_bad: int = 0  # good frames right after the first bad one (lost by the cut)
+
+    @property
+    def corrupt(self) -> bool:
+        """A bad frame with more of the file after it (a torn write is the file's end)."""
+        return self.bytes_after_bad > 0
+
+
+def _read_frame(data: bytes, off: int) -> tuple[Any, int] | None:
+    """The document of the frame at ``off`` and where the frame ends, or None when
+    it is short, fails its CRC or is not MessagePack; the end is also returned for
+    a bad frame whose declared length fits in ``data``, as ``(None, end)``."""
+    if off + _FRAME.size > len(data):
+        return None
+    n, crc = _FRAME.unpack_from(data, off)
+    end = off + _FRAME.size + n
+    payload = data[off + _FRAME.size : end]
+    if len(payload) != n:
+        return None
+    if zlib.crc32(payload) != crc:
+        return None, end
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True), end
+    except Exception:
+        return None, end
 
 
 def parse_journal(data: bytes, limit_for: Callable[[tuple[str, ...], int, int], int]) -> Journal:
     """The journal in ``data``, read up to its first torn frame. Raises InvalidSnapshot
     when the header itself is missing or wrong (nothing can be restored from it)."""
     frames, off = [], 0
-    while off + _FRAME.size <= len(data):
-        n, crc = _FRAME.unpack_from(data, off)
-        payload = data[off + _FRAME.size : off + _FRAME.size + n]
-        if len(payload) != n or zlib.crc32(payload) != crc:
+    bad_end: int | None = None  # where the first bad frame ends, when its length fits in the file
+    while off < len(data):
+        read = _read_frame(data, off)
+        if read is None or read[0] is None:
+            bad_end = None if read is None else read[1]
             break
-        try:
-            doc = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception:
-            break
-        frames.append(doc)
-        off += _FRAME.size + n
+        frames.append(read[0])
+        off = read[1]
+    after, bytes_after = 0, 0
+    if off < len(data):
+        # a frame short of the file's end is a torn write; one with bytes after it is not
+        bytes_after = len(data) - bad_end if bad_end is not None else 0
+        at = bad_end
+        while at is not None and (read := _read_frame(data, at)) is not None and read[0] is not None:
+            after, at = after + 1, read[1]
     if not frames:
         raise InvalidSnapshot("not a journal: no header frame")
     head = frames[0]
@@ -112,7 +146,7 @@ def parse_journal(data: bytes, limit_for: Callable[[tuple[str, ...], int, int], 
         req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed
     )
     want = [config.layer_layout(i).buffer_bytes(page_tokens) for i in range(config.num_layers)]
-    journal = Journal(sid, owner, config, page_tokens, [[] for _ in range(config.num_layers)], valid_bytes=off)
+    journal = Journal(sid, owner, config, page_tokens, [[] for _ in range(config.num_layers)], off, bytes_after, after)
     for doc in frames[1:]:
         if not isinstance(doc, dict) or set(doc) != {"layer", "page", "k", "v"}:
             raise InvalidSnapshot("journal: a page record with the wrong members")

@@ -48,6 +48,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import re
 import time
 from pathlib import Path
@@ -348,7 +349,24 @@ class SnapshotDir:
         except InvalidSnapshot as e:
             self._move_aside(path, e.detail)
             return None
-        if journal.valid_bytes < len(data):
+        if journal.corrupt:
+            # a crash tears only the last write: what follows a bad frame was written after it
+            bad = self._bad_path(path)
+            await asyncio.to_thread(shutil.copyfile, path, bad)
+            log.error(
+                "a journal is corrupt: a frame in its middle fails its check; the file is kept aside and "
+                "the session restored from the frames before it (the frames after it are lost)",
+                extra={
+                    "file": path.name,
+                    "copied_to": bad.name,
+                    "bytes": len(data),
+                    "kept": journal.valid_bytes,
+                    "bytes_after_bad_frame": journal.bytes_after_bad,
+                    "good_frames_after_bad_frame": journal.frames_after_bad,
+                },
+            )
+            os.truncate(path, journal.valid_bytes)
+        elif journal.valid_bytes < len(data):
             log.warning(
                 "a journal ends in a torn frame (a crash mid-write): cut back to its last good frame",
                 extra={"file": path.name, "bytes": len(data), "kept": journal.valid_bytes},
@@ -440,12 +458,18 @@ class SnapshotDir:
             os.replace(journal_path, self.journal_for(session))
         return "ok"
 
-    def _move_aside(self, path: Path, why: str) -> None:
+    @staticmethod
+    def _bad_path(path: Path) -> Path:
+        """``<name>.bad``, or ``<name>.<n>.bad`` with the first ``n`` not taken."""
         bad = path.with_name(path.name + ".bad")
         n = 1
         while bad.exists():
             bad = path.with_name(f"{path.name}.{n}.bad")
             n += 1
+        return bad
+
+    def _move_aside(self, path: Path, why: str) -> None:
+        bad = self._bad_path(path)
         try:
             os.replace(path, bad)
         except OSError as e:  # pragma: no cover

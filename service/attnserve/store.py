@@ -199,10 +199,13 @@ class Store:
             session_id = new_session_id()  # 128 random bits
         return session_id
 
-    def hold(self, session_id: str, nbytes: int, owner: Owner = None, *, quotas: bool = True) -> tuple[Owner, str]:
+    def hold(
+        self, session_id: str, nbytes: int, owner: Owner = None, *, quotas: bool = True, what: str = "the snapshot"
+    ) -> tuple[Owner, str]:
         """Take an id and ``nbytes`` of the budget (and of the owner's quota) for a
-        session being restored; returns the key to give to :meth:`unhold`.
-        ``quotas=False`` (restores at start) checks the server's limits only.
+        session being restored or forked; returns the key to give to :meth:`unhold`.
+        ``quotas=False`` (restores at start) checks the server's limits only;
+        ``what`` names the session being placed in a refusal.
 
         Raises:
             SessionExists, OutOfMemory: as :meth:`create` and :meth:`check_budget`.
@@ -211,7 +214,7 @@ class Store:
         budget = self.memory_budget_bytes
         if budget and nbytes > 0 and self.used_bytes + nbytes > budget:
             raise OutOfMemory(
-                f"the snapshot needs {nbytes} GPU bytes; {self.used_bytes} of the budget of {budget} are in use",
+                f"{what} needs {nbytes} GPU bytes; {self.used_bytes} of the budget of {budget} are in use",
                 budget_bytes=budget,
                 used_bytes=self.used_bytes,
                 requested_bytes=nbytes,

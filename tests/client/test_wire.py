@@ -255,4 +255,58 @@ def test_wire_imports_only_numpy_and_msgpack():
         alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
     }
     roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert roots <= {"__future__", "collections", "math", "typing", "msgpack", "numpy"}
+    assert roots <= {"__future__", "collections", "json", "math", "typing", "msgpack", "numpy"}
+
+
+def _containers_by_parsing(doc) -> int:
+    if isinstance(doc, dict):
+        return 1 + sum(_containers_by_parsing(v) for v in doc.values())
+    if isinstance(doc, list):
+        return 1 + sum(_containers_by_parsing(v) for v in doc)
+    return 0
+
+
+_TRICKY_TEXT = st.text(alphabet='[]{}"\\:,a0', max_size=8)
+_JSON_DOCS = st.recursive(
+    st.none() | st.integers() | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=_JSON_DOCS, chunk=st.sampled_from([1, 2, 3, 7, 1 << 20]))
+def test_json_containers_are_counted_outside_strings_across_chunks(doc, chunk):
+    # brackets, quotes and runs of backslashes inside strings, cut at every chunk size
+    import attnserve_client.wire as w
+
+    old = w._SCAN_CHUNK
+    w._SCAN_CHUNK = chunk
+    try:
+        data = json.dumps(doc).encode()
+        assert wire.count_json_containers(data) == _containers_by_parsing(doc), data
+    finally:
+        w._SCAN_CHUNK = old
+
+
+def test_loads_json_refuses_container_bombs_before_building_them(monkeypatch):
+    n = 200_000
+    bomb = b'{"k": [' + b"[]," * (n - 1) + b"[]]}"
+    assert wire.max_containers(len(bomb), "json") < n
+    built = []
+    monkeypatch.setattr(json, "loads", lambda *a, **k: built.append(1))
+    with pytest.raises(WireError, match="arrays and objects"):
+        wire.loads_json(bomb, max_bytes=len(bomb))
+    assert not built  # refused before the parser ran
+    monkeypatch.undo()
+    # as many brackets inside a string are text, not containers
+    text = json.dumps({"s": "[]," * n, "k": [[1.5, 2.5], [3.5, 4.5]]}).encode()
+    assert wire.loads_json(text, max_bytes=len(text))["k"] == [[1.5, 2.5], [3.5, 4.5]]
+    # float32 rows as JSON writes them pass, even at one head of head_dim 1 (two lists a row)
+    k = np.random.default_rng(0).standard_normal((n, 1, 1)).astype(np.float32)
+    rows = json.dumps({"k": k.tolist()}, separators=(",", ":")).encode()
+    assert np.array_equal(np.array(wire.loads_json(rows, max_bytes=len(rows))["k"], dtype=np.float32), k)
+    with pytest.raises(WireError, match="at most 10 bytes"):
+        wire.loads_json(b"[1, 2, 3, 4, 5]", max_bytes=10)
+    with pytest.raises(WireError, match="valid JSON"):
+        wire.loads_json(b"[1, 2", max_bytes=10)

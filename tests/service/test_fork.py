@@ -6,6 +6,10 @@ holds; snapshots of a fork are self-contained; bad forks change nothing."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import numpy as np
 import pytest
 
@@ -166,3 +170,56 @@ def test_the_client_forks(server, rng):
         assert g.lengths == (3,)
         for x in (s, f, g):
             x.delete()
+
+
+def test_a_fork_whose_source_is_deleted_while_its_body_arrives_is_not_found(api, server, rng):
+    """The source is looked up again once the body is read: deleted between the
+    body's first and last byte, the fork is 404 session-not-found and nothing is made."""
+    h, hkv, d = 2, 1, 8
+    for length in (None, 3):  # the default length, and one the deleted source held
+        src = _twin(api, dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d), [(0, *[rows(rng, 5, hkv, d)] * 2)])
+        body = json.dumps({"session_id": "fork-of-deleted", "length": length}).encode()
+        n = len(api.call("GET", "/v1/sessions").body["sessions"])
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(
+                (
+                    f"POST /v1/sessions/{src}/fork HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n"
+                ).encode()
+                + body[:-1]
+            )
+            time.sleep(0.2)  # the route has looked the source up and waits for the body's last byte
+            assert api.delete(src).status == 204
+            sock.sendall(body[-1:])
+            head, _, rest = _read_response(sock)
+        assert head.startswith(b"HTTP/1.1 404"), head
+        assert json.loads(rest)["type"] == "/problems/session-not-found"
+        assert api.call("GET", "/v1/sessions/fork-of-deleted").status == 404
+        assert len(api.call("GET", "/v1/sessions").body["sessions"]) == n - 1
+
+
+def _read_response(sock: socket.socket) -> tuple[bytes, bytes, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, b"", body
+
+
+def test_a_fork_past_the_budget_names_the_fork_and_its_source(api, server, rng):
+    h, hkv, d = 2, 1, 8
+    src = _twin(api, dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d), [(0, *[rows(rng, 5, hkv, d)] * 2)])
+    store = server.runtime.store
+    budget = store.memory_budget_bytes
+    store.memory_budget_bytes = store.used_bytes  # the fork's copy of the partial page does not fit
+    try:
+        r = _fork(api, src, {"session_id": "fork-past-budget"})
+    finally:
+        store.memory_budget_bytes = budget
+    assert r.status == 507 and r.problem_type == "/problems/out-of-memory", r.body
+    assert f"the fork 'fork-past-budget' of session {src!r} needs" in r.body["detail"], r.body["detail"]
+    assert api.call("GET", "/v1/sessions/fork-past-budget").status == 404
+    api.delete(src)

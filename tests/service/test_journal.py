@@ -188,6 +188,64 @@ def test_a_torn_journal_keeps_its_whole_frames():
     assert (n, cap) == (2 * P, 2 * P) and k == pages[0][0] + pages[1][0]
 
 
+def _journal_of_pages(n: int) -> tuple[bytes, list[tuple[bytes, bytes]], list[bytes]]:
+    layout = PageLayout("f32", 1, 8)
+    config = SessionConfig(1, 2, 1, 8, "f32", 1000, 7)
+    kb, vb = layout.buffer_bytes(P)
+    pages = [(bytes([i]) * kb, bytes([100 + i]) * vb) for i in range(n)]
+    frames = [J.header_frame("s", None, config, P)] + [J.page_frame(0, i, *pg) for i, pg in enumerate(pages)]
+    return b"".join(frames), pages, frames
+
+
+def test_a_bad_frame_in_the_middle_is_corruption_not_a_torn_tail():
+    data, pages, frames = _journal_of_pages(4)
+    at = sum(map(len, frames[:2]))  # page 1's frame: a flipped bit, two good frames after it
+    flipped = bytearray(data)
+    flipped[at + 20] ^= 1
+    j = J.parse_journal(bytes(flipped), lambda *a: 10**6)
+    assert j.pages[0] == pages[:1] and j.valid_bytes == at
+    assert j.corrupt and j.bytes_after_bad == len(frames[3]) + len(frames[4]) and j.frames_after_bad == 2
+    flipped[at] ^= 1  # and its length by one: no good frame where it says the next one starts
+    j = J.parse_journal(bytes(flipped), lambda *a: 10**6)
+    assert j.pages[0] == pages[:1] and j.corrupt and j.frames_after_bad == 0
+    for torn in (data[:-9], data[:-1] + bytes([data[-1] ^ 1]), data + b"\x00" * 5):  # the last write torn
+        j = J.parse_journal(torn, lambda *a: 10**6)
+        assert not j.corrupt and j.bytes_after_bad == 0 and j.pages[0] == pages[: 4 if len(torn) > len(data) else 3]
+
+
+def test_a_corrupt_journal_is_kept_aside_and_its_good_prefix_restored(tmp_path, caplog):
+    """Corruption keeps a copy of the whole file as ``.bad`` and says so at ERROR; a
+    torn tail is cut with a warning and no copy, as before."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from attnserve.persistence import SnapshotDir
+
+    caplog.set_level(logging.WARNING, logger="attnserve.persistence")
+    data, pages, frames = _journal_of_pages(4)
+    at = sum(map(len, frames[:3]))
+    corrupt = bytearray(data)
+    corrupt[at + 30] ^= 1  # page 2 of 4
+    path = tmp_path / "s.journal"
+    path.write_bytes(bytes(corrupt))
+    snapdir = SnapshotDir(tmp_path, runtime=None)
+    engine = SimpleNamespace(max_tokens_limit=lambda *a: 10**6)
+    journal = asyncio.run(snapdir._read_journal(path, engine))
+    assert journal.pages[0] == pages[:2] and path.read_bytes() == data[:at]
+    assert (tmp_path / "s.journal.bad").read_bytes() == bytes(corrupt)  # nothing lost without a copy
+    [rec] = [r for r in caplog.records if "journal" in r.getMessage()]
+    assert rec.levelno == logging.ERROR and "corrupt" in rec.getMessage() and "torn" not in rec.getMessage()
+    assert rec.good_frames_after_bad_frame == 1 and rec.copied_to == "s.journal.bad"
+    caplog.clear()
+    path.write_bytes(data[:-7])  # a torn tail: cut, no copy
+    journal = asyncio.run(snapdir._read_journal(path, engine))
+    assert journal.pages[0] == pages[:3] and path.read_bytes() == data[: -len(frames[-1])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.journal", "s.journal.bad"]
+    [rec] = [r for r in caplog.records if "journal" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "torn" in rec.getMessage()
+
+
 def test_a_snapshot_and_its_journal_give_each_layer_the_longer(tmp_path):
     """At a start with both files, each layer comes from whichever holds more rows;
     a journal of another page size is deleted and starts again."""

@@ -10,6 +10,7 @@ import json
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 from websockets.sync.client import connect
@@ -299,3 +300,29 @@ def test_a_closed_stream_refuses_new_operations(server, rng):
         asyncio.run(go())
         assert s.info().lengths == (1,)
         s.delete()
+
+
+def test_a_json_container_bomb_is_refused_before_it_is_built(server):
+    """A JSON body or text frame of empty arrays, far past one per 8 bytes, is 400
+    malformed-body at once (as MessagePack's is), on HTTP and on the stream."""
+    with Client(server.url) as client:
+        s = client.create_session(num_qo_heads=1, num_kv_heads=1, head_dim=4)
+    n = 1_000_000
+    bomb = b'{"k": [' + b"[]," * (n - 1) + b'[]], "v": [], "offset": 0}'
+    r = httpx.post(
+        f"{server.url}/v1/sessions/{s.session_id}/layers/0/kv",
+        content=bomb,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["type"] == "/problems/malformed-body", r.text
+    assert "arrays and objects" in r.json()["detail"]
+    frame = b'{"id": 1, "op": "append", "session_id": "%s", "layer": 0, "k": [' % s.session_id.encode()
+    with connect(server.url.replace("http://", "ws://") + "/v1/stream", max_size=None) as ws:
+        ws.send((frame + b"[]," * (n - 1) + b"[]]}").decode())
+        reply = json.loads(ws.recv(timeout=60))
+        assert reply["status"] == 400 and reply["error"]["type"] == "/problems/malformed-body", reply
+        assert "arrays and objects" in reply["error"]["detail"]
+    with Client(server.url) as client:
+        assert client.get_session(s.session_id).info().lengths == (0,)
+        client.delete_session(s.session_id)

@@ -158,6 +158,8 @@ async def fork_session(
         _decode_fork, raw, wire.request if raw else None, rt.settings.max_body_bytes, size=len(raw)
     )
     store = rt.store
+    # the source as it is now the body is read: it may have been deleted meanwhile (404)
+    session = store.get(session.id, owner)
     store.check_room(new_id, owner)
     new_id = store.unused_id(owner) if new_id is None else new_id
     # From here to the queueing: no await, so the checks below hold.
@@ -174,7 +176,8 @@ async def fork_session(
     kv = engine.session_kv(session.config)
     # charged for what it does not share: each layer's partly filled last page, copied
     page = kv.layers[0].page_tokens
-    hold = store.hold(new_id, sum(c.bytes_for(n % page) for c, n in zip(kv.layers, lengths)), owner)  # 409 / 507
+    need = sum(c.bytes_for(n % page) for c, n in zip(kv.layers, lengths))
+    hold = store.hold(new_id, need, owner, what=f"the fork {new_id!r} of session {session.id!r}")  # 409 / 507
     # the fork runs after the jobs queued on its source
     forked = await place_session(rt, engine, kv, lambda: engine.fork(session.kv, kv, lengths), hold)
     store.join(session, forked)
