@@ -90,7 +90,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
         # No permessage-deflate on /v1/stream: a generic client (Python websockets)
         # offers it by default, and compressing float arrays costs ~2.5 ms per step
-        # for a few percent of bytes (docs/api.md, "The stream").
+        # for a few percent of bytes (docs/api.md#streaming-transport-v1stream-websocket).
         ws_per_message_deflate=False,
     )
     options.update(overrides)
