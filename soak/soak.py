@@ -700,7 +700,7 @@ def run(
     def rss() -> int | None:
         return process_rss(pid) if pid else None
 
-    info = httpx.get(url + "/v1/info", timeout=30, trust_env=False).json()
+    info = probe.get("/v1/info").raise_for_status().json()  # with keys, /v1/info needs one too
     # On a CPU adapter (lavapipe) GPU buffers are the server's own memory: a KV pool
     # slab that doubles for a longer or busier session than the warm-up saw, or an
     # arena or readback buffer that grows for a larger batch (both kept for reuse),
@@ -708,12 +708,14 @@ def run(
     # apart from the rest.
     cpu_adapter = (info.get("adapter") or {}).get("adapter_type") == "CPU"
 
-    def gpu_buffers() -> tuple[int, int]:
-        """(bytes of the KV pool's slabs and the arenas, KV pool pages in use)."""
-        now = httpx.get(url + "/v1/info", timeout=30, trust_env=False).json()
+    def gpu_buffers() -> tuple[int, int, int]:
+        """(bytes of the KV pool's slabs and the arenas, KV pool pages in use,
+        compute pipelines compiled)."""
+        now = probe.get("/v1/info").raise_for_status().json()
         pools = (now.get("pool") or {}).get("pools", [])
         held = sum(int(p.get("bytes", 0)) for p in pools) + int((now.get("arenas") or {}).get("bytes", 0))
-        return held, sum(int(p.get("used_pages", 0)) for p in pools)
+        pipelines = int((now.get("pipelines") or {}).get("compiled", 0))
+        return held, sum(int(p.get("used_pages", 0)) for p in pools), pipelines
 
     registry = Registry()
     if keys[0] is not None:
@@ -763,7 +765,7 @@ def run(
     peak_warm = churn(warmup)
     clear()
     gpu_base = settle((gpu_start[0], gpu_start[1]))
-    rss_base, (pool_base, _) = rss(), gpu_buffers()
+    rss_base, (pool_base, _, pipelines_base) = rss(), gpu_buffers()
     warm_requests = sum(stats.requests.values())
     print(
         f"soak: warm-up done ({warm_requests} requests); baseline RSS "
@@ -804,7 +806,7 @@ def run(
                 stats.fail(f"tenant {t} lists {len(listed)} sessions, holds {len(mine)}, or sees another's")
     clear()
     gpu_end = settle((gpu_start[0], gpu_start[1]))
-    rss_end, (pool_end, pages_end) = rss(), gpu_buffers()
+    rss_end, (pool_end, pages_end, pipelines_end) = rss(), gpu_buffers()
     for w in workers:
         w.close()
 
@@ -863,6 +865,8 @@ def run(
             "rss_end_mib": mib(rss_end),
             "rss_growth_mib": None if rss_growth is None else round(rss_growth, 1),
             "gpu_buffer_growth_mib_in_rss": round(pool_growth, 1),
+            "pipelines_after_warmup": pipelines_base,
+            "pipelines_end": pipelines_end,
             "rss_tolerance_mib": args.rss_tolerance_mb,
             "gpu_kv_bytes_start": gpu_start[0],
             "gpu_kv_bytes_with_live_sessions": gpu_live[0],

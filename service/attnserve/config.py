@@ -121,8 +121,9 @@ class Settings(BaseSettings):
     stream_max_in_flight: int = Field(
         256,
         ge=1,
-        description="Most operations one /v1/stream connection may have in flight; past it the "
-        "server reads no further frame of that connection until one finishes (backpressure).",
+        description="Most operations one /v1/stream connection may have in flight, an operation "
+        "counting until its reply is written; past it the server reads no further frame of that "
+        "connection until one is answered (backpressure).",
     )
     max_batch_items: int = Field(
         1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."

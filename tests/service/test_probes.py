@@ -67,6 +67,9 @@ def test_info(api, server, enc):
     arenas = server.runtime.engine.worker.arenas
     bufs = [*arenas.buffers.values(), *[b for b in arenas.staging if b is not None]]
     assert api.call("GET", "/v1/info").body["arenas"]["bytes"] == sum(b.size for b in bufs) > 0
+    pipelines = server.runtime.engine.worker.ctx.pipelines
+    assert api.call("GET", "/v1/info").body["pipelines"] == {"compiled": len(pipelines._pipelines)}
+    assert len(pipelines) > 0
     api.delete(sid)
 
 

@@ -27,7 +27,8 @@ from attnserve_client import (
     wire,
 )
 from attnserve_client.errors import APIConnectionError
-from svc_helpers import F32_TOL, LiveServer, Model, rel_err, rows
+from svc_helpers import F32_TOL, LiveServer, Model, from_wire, rel_err, rows
+from tools.raw_stream import RawStream, flood
 
 SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "turboquant")]
 
@@ -213,6 +214,64 @@ def test_backpressure_stops_reading_past_the_in_flight_limit(engine, rng):
                 assert engine.worker.queue_depth == 3  # the others wait unread
             assert [f.result(timeout=30) for f in futs] == [1, 2, 3, 4]
             s.delete()
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_does_not_read_its_replies_stops_being_read(engine, rng):
+    """A peer that sends frame after frame and reads nothing: each operation holds
+    its in-flight slot until its reply is written, so once the socket buffers hold
+    the unread replies the server reads no further frame (its memory stays bounded;
+    before, it read every frame and kept every reply: bench/probes/unread_stream.py
+    measures the server's memory). When the peer reads again, every reply comes,
+    right against the oracle."""
+    h, hkv, d, queries, frames, every = 8, 2, 64, 64, 2000, 10  # a reply: 128 KiB
+    srv = LiveServer(Settings(stream_max_in_flight=8), engine=engine).start()
+    try:
+        with Client(srv.url) as client, RawStream(srv.port) as raw:
+            s = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
+            model = Model(h, hkv, d)
+            k, v = rows(rng, queries, hkv, d), rows(rng, queries, hkv, d)
+            s.append(0, k, v)
+            model.add(0, k, v)
+            docs, wants, group = [], [], []  # group: the attends since the last append
+
+            def want_group() -> None:  # one oracle call for the attends between two appends
+                if group:
+                    want = model.attention(0, np.concatenate([q for _, q in group]), causal=False)
+                    wants.extend(zip((i for i, _ in group), want.reshape(len(group), queries, h, d)))
+                    group.clear()
+
+            head = {"session_id": s.session_id, "layer": 0}
+            for doc, arrays in flood(head, rng, frames=frames, every=every, queries=queries, h=h, hkv=hkv, d=d):
+                docs.append(doc)
+                if doc["op"] == "append":
+                    want_group()
+                    model.add(0, *arrays)
+                    wants.append((doc["id"], {"length": model.lengths[0]}))
+                else:
+                    group.append((doc["id"], arrays[0]))
+            want_group()
+            frames_out = raw.frames(docs)
+
+            sent, part = raw.send_until_stalled(frames_out)  # phase one: nothing read
+            taken = [-1]  # one appended row per `every` frames the server took
+            while True:  # the frames it took finish; then it takes no more
+                time.sleep(0.5)
+                taken.append(s.info().lengths[0] - queries)
+                if taken[-1] == taken[-2]:
+                    break
+            assert sent < frames, "the server read every frame of a peer that reads nothing"
+            assert 0 < taken[-1] * every < frames // 20, taken
+
+            replies = raw.read_replies(frames, part, frames_out[sent + bool(part) :])  # phase two: every reply
+            assert s.info().lengths == (queries + frames // every,)
+        for i, want in wants:
+            assert replies[i]["status"] == 200, replies[i]
+            if isinstance(want, dict):
+                assert replies[i]["result"] == want
+            else:
+                assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
     finally:
         srv.stop()
 

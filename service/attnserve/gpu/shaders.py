@@ -304,6 +304,11 @@ class PipelineCache:
                 self._pipelines[key] = (pipe, bgl)
             return self._pipelines[key]
 
+    def __len__(self) -> int:
+        """How many pipelines have been compiled (each a distinct kernel and constants)."""
+        with self._lock:
+            return len(self._pipelines)
+
     def warm_up(self) -> None:
         """Compile every kernel the device can run now (at start), so a bad
         shader fails the start: all but the tqx kernels of the formats outside

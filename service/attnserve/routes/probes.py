@@ -100,6 +100,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "persistence": rt.persistence is not None,
         "pool": eng.pools.describe() if eng is not None else None,
         "arenas": {"bytes": eng.worker.arenas.held_bytes} if eng is not None else None,
+        "pipelines": {"compiled": len(eng.worker.ctx.pipelines)} if eng is not None else None,
         "journal": rt.persistence.journal_info() if rt.persistence is not None else None,
         "ready": bool(rt.ready and not rt.draining),
     }

@@ -390,6 +390,12 @@ COMPONENTS: dict[str, Any] = {
                 "(they grow to the largest batch and are kept).",
                 "additionalProperties": True,
             },
+            "pipelines": {
+                "type": ["object", "null"],
+                "description": "compiled: how many compute pipelines the device holds (a kernel and its "
+                "constants each; compiled at start or on first use, and kept).",
+                "additionalProperties": True,
+            },
             "journal": {
                 "type": ["object", "null"],
                 "description": "With a snapshot directory: sync_interval_s, and the last journal sync's "

@@ -17,9 +17,11 @@ arrive; replies come as each finishes (match them by ``id``).
 
 Authentication: the bearer key of the handshake (``Authorization`` header); a
 missing or wrong key closes the handshake (HTTP 403, close code 1008). At most
-``stream_max_in_flight`` operations of one connection are in flight: past that
-the server reads no further frame until one finishes (the socket's flow control
-pushes back; nothing is buffered without bound). A full GPU queue is a 503
+``stream_max_in_flight`` operations of one connection are in flight, an operation
+counting until its reply is written: past that the server reads no further frame
+until one is answered (the socket's flow control pushes back both ways; a peer
+that does not read its replies stops being read, and nothing is buffered without
+bound). A full GPU queue is a 503
 ``overloaded`` reply. An operation whose reply was sent is applied; a connection
 that drops loses no queued operation (it completes; its reply is lost).
 """
@@ -128,8 +130,10 @@ class _Connection:
                 try:
                     waiter = await self.start(raw, kind)
                 except _Reply as r:
-                    self.slots.release()
-                    await self.send(r.doc, kind, t0)
+                    try:
+                        await self.send(r.doc, kind, t0)
+                    finally:
+                        self.slots.release()
                     continue
                 task = asyncio.create_task(self.finish(waiter, kind, t0))
                 self.tasks.add(task)
@@ -202,18 +206,22 @@ class _Connection:
         return rid, result
 
     async def finish(self, waiter, kind: MediaKind, t0: float) -> None:
+        """Await one operation's result and write its reply; its in-flight slot is
+        held until the reply is written, so a peer that does not read its replies
+        stops being read (its unsent replies are bounded by the slots)."""
         rid, result = waiter
         try:
-            r = await result(kind)
-            doc = _error(rid, r) if isinstance(r, ApiError) else {"id": rid, "status": 200, "result": r}
-        except ApiError as e:
-            doc = _error(rid, e)
-        except Exception:
-            log.exception("stream operation failed", extra={"request_id": rid})
-            doc = _error(rid, InternalError("an internal error occurred; it was logged"))
+            try:
+                r = await result(kind)
+                doc = _error(rid, r) if isinstance(r, ApiError) else {"id": rid, "status": 200, "result": r}
+            except ApiError as e:
+                doc = _error(rid, e)
+            except Exception:
+                log.exception("stream operation failed", extra={"request_id": rid})
+                doc = _error(rid, InternalError("an internal error occurred; it was logged"))
+            await self.send(doc, kind, t0)
         finally:
             self.slots.release()
-        await self.send(doc, kind, t0)
 
     async def send(self, doc: dict[str, Any], kind: MediaKind, t0: float) -> None:
         rt = self.rt
