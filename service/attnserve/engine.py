@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .pool import PageLayout, PagePools
 from .formats import F16_MAX, TQ_SPECS
 from .turboquant import MAX_NORM, MAX_OUTLIER, largest_norm, largest_outlier_bound, outlier_rest_factor
 
-__all__ = ["Engine", "AttendResult"]
+__all__ = ["Engine", "AttendResult", "StackedResult"]
 
 
 def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
@@ -49,6 +49,17 @@ class AttendResult(tuple):
     @property
     def length(self) -> int:
         return self[1]
+
+
+class StackedResult(NamedTuple):
+    """What a stacked step's job gives: ``out [B, n, H, d]`` float32 (zeros for a
+    failed item), ``lengths [B]`` (the layer's length each item attended over; -1
+    for a failed item) and ``errors`` (item index -> the exception that failed it
+    while it was planned; the item changed nothing)."""
+
+    out: np.ndarray
+    lengths: np.ndarray
+    errors: dict[int, BaseException]
 
 
 class Engine:
@@ -258,6 +269,84 @@ class Engine:
             def finish(out):
                 arr = np.frombuffer(out, dtype="<f4", count=seg.size // 4, offset=seg.offset)
                 return AttendResult((arr.reshape(q.shape), length))
+
+            return finish
+
+        return plan
+
+    def plan_stacked(
+        self,
+        layers: Sequence[LayerCache | None],
+        q: np.ndarray,
+        *,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
+        start_pos: Sequence[int | None],
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> PlanFn:
+        """One job for a stacked step: item ``i`` is :meth:`plan_attend` of
+        ``q[i]`` (``k[i]``, ``v[i]``: a fused append) on ``layers[i]`` at
+        ``start_pos[i]`` (an item whose layer is None is skipped: one refused
+        before), the items planned in order into one batch. The arrays are
+        uploaded once (an aligned segment per item) and the outputs are one array;
+        an item that fails to plan is rolled back alone. The future gives a
+        :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``, ``errors``)."""
+        q = np.ascontiguousarray(q, dtype="<f4")
+        b, n, _, d = q.shape
+        if len(layers) != b or len(start_pos) != b or (k is None) != (v is None):
+            raise ValueError("one layer and start_pos per stacked item, and k and v together")
+        if k is not None:
+            k, v = np.ascontiguousarray(k, dtype="<f4"), np.ascontiguousarray(v, dtype="<f4")
+            if k.shape[0] != b or v.shape != k.shape:
+                raise ValueError(f"k/v must both be [{b}, m, Hkv, d], got {k.shape} and {v.shape}")
+        taking = [layer for layer in layers if layer is not None]
+        if k is not None:
+            for layer in {id(l): l for l in taking}.values():
+                self._check_rows(layer, k[0], v[0])
+        for layer in taking:
+            if layer.head_dim != d:
+                raise ValueError(f"q head_dim {d} != cache head_dim {layer.head_dim}")
+        sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+
+        def plan(batch):
+            qs = batch.upload_items(q)
+            outs = batch.output_items(b, q[0].nbytes)
+            rows = {}  # the fused rows, once per row dtype the layers take (before any item can roll back)
+            if k is not None:
+                for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
+                    rows[dtype] = tuple(batch.upload_items(a.astype(dtype, copy=False)) for a in (k, v))
+            lengths = np.full(b, -1, dtype=np.int64)
+            errors: dict[int, BaseException] = {}
+            for i, layer in enumerate(layers):
+                if layer is None:
+                    continue
+                mark = batch.mark()
+                try:
+                    batch.on_rollback(functools.partial(layer.restore, layer.state()))
+                    if k is not None:
+                        ks, vs = rows[layer.row_dtype]
+                        layer.plan_append_rows(batch, ks.seg(i), vs.seg(i), k.shape[1])
+                    length = layer.length
+                    sp = length - n if start_pos[i] is None else int(start_pos[i])
+                    if sp < 0 or sp + n > length:
+                        raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
+                    layer.plan_attend_rows(
+                        batch, qs.seg(i), q.shape[1:], out=outs.seg(i), length=length,
+                        start_pos=sp, causal=causal, scale=sc,
+                    )  # fmt: skip
+                    lengths[i] = length
+                except Exception as e:  # this item alone: its commands and host state are undone
+                    batch.rollback(mark)
+                    errors[i] = e
+
+            def finish(out):
+                arr = outs.view(out, "<f4", q.shape[1:])
+                unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
+                if unanswered.any():
+                    arr = arr.copy()
+                    arr[unanswered] = 0.0
+                return StackedResult(arr, lengths, errors)
 
             return finish
 

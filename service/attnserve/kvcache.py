@@ -138,8 +138,17 @@ class LayerCache:
         pages = tuple(self.pages)
         return batch.upload_once(("pages", self.slab, pages), np.asarray(pages, dtype="<u4"))
 
+    #: The dtype of the rows an append uploads (the k, v arrays are converted to it).
+    row_dtype = "<f4"
+
     def plan_append(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> int:
         """Record the append of rows ``[n, Hkv, d]``; returns the new length."""
+        k, v = (np.ascontiguousarray(a, self.row_dtype) for a in (k, v))
+        return self.plan_append_rows(batch, batch.upload(k), batch.upload(v), k.shape[0])
+
+    def plan_append_rows(self, batch: Batch, k: Seg, v: Seg, n: int) -> int:
+        """Record the append of ``n`` uploaded rows (``row_dtype``, ``[n, Hkv, d]``);
+        returns the new length."""
         raise NotImplementedError
 
     def plan_attend(self, batch: Batch, q: np.ndarray, *, start_pos: int, causal: bool, scale: float) -> Seg:
@@ -290,12 +299,12 @@ class PlainLayerCache(LayerCache):
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    def plan_append(self, batch, k, v):
-        n = k.shape[0]
+    @property
+    def row_dtype(self) -> str:
+        return PLAIN_DTYPES[self.kv_format]
+
+    def plan_append_rows(self, batch, ks, vs, n):
         self._ensure_pages(batch, self.length + n)
-        dtype = PLAIN_DTYPES[self.kv_format]
-        k, v = np.ascontiguousarray(k, dtype), np.ascontiguousarray(v, dtype)
-        ks, vs = batch.upload(k), batch.upload(v)
         row, P, slab = self.kv_dim * PLAIN_ELEMENT_BYTES[self.kv_format], self.pool.page_tokens, self.slab
         t = self.length
         while t < self.length + n:  # one copy per page the rows touch
@@ -326,13 +335,12 @@ class TurboQuantLayerCache(LayerCache):
         return batch.upload_once(("signs", self.seed, self.layer, self.head_dim),
                                  layer_signs_bytes(self.seed, self.layer, self.head_dim))  # fmt: skip
 
-    def plan_append(self, batch, k, v):
-        n = k.shape[0]
+    def plan_append_rows(self, batch, ks, vs, n):
         self._ensure_pages(batch, self.length + n)
         K.plan_tq_encode(
             batch,
             K.Encode(
-                batch.upload(k), batch.upload(v), self.slab, self.page_table(batch), self.pool.page_shift,
+                ks, vs, self.slab, self.page_table(batch), self.pool.page_shift,
                 self.signs(batch), n, self.n_kv_heads, self.head_dim, self.length, self.kv_format,
             ),
         )  # fmt: skip

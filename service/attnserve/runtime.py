@@ -18,6 +18,7 @@ import contextvars
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -162,14 +163,22 @@ class Runtime:
         always completes, and its request answers normally.
         """
         self.store.commit(res)
-        self.watch_all([fut], [res])
+        self.watch_all([fut], [(res,)])
 
-    def watch_all(self, futs: list[Future], reservations: list[Reservation]) -> asyncio.Future:
+    def watch_all(
+        self,
+        futs: list[Future],
+        reservations: list[tuple[Reservation, ...]],
+        item_errors: Callable[[Any], Sequence[BaseException | None]] | None = None,
+    ) -> asyncio.Future:
         """:meth:`track` for jobs queued together whose reservations are already
         committed (a batched step commits each item as it is checked, so later items
-        see it). One wake-up of the event loop settles them all when the last is
+        see it); ``reservations[i]`` are job ``i``'s (a stacked step is one job with
+        one per item: ``item_errors(result)`` gives each its error, None where it
+        succeeded). One wake-up of the event loop settles them all when the last is
         done (a job that the timeout cancels settles at once); the returned future
-        is done then. One timer serves the group's timeout, cancelling from the tail."""
+        is done then. One timer serves the group's timeout, cancelling from the tail
+        (a job only when every one of its reservations may be dropped)."""
         loop = self.loop or asyncio.get_running_loop()
         all_done: asyncio.Future = loop.create_future()
         jobs = [_Watched(f, r) for f, r in zip(futs, reservations)]
@@ -181,7 +190,13 @@ class Runtime:
             if not job.settled:
                 job.settled = True
                 f = job.fut
-                self.store.finish(job.res, asyncio.CancelledError() if f.cancelled() else f.exception())
+                error = asyncio.CancelledError() if f.cancelled() else f.exception()
+                if error is None and item_errors is not None:
+                    errors = item_errors(f.result())
+                else:
+                    errors = [error] * len(job.res)
+                for res, e in zip(job.res, errors, strict=True):
+                    self.store.finish(res, e)
 
         def settle_all() -> None:  # on the event loop
             if timer is not None:
@@ -221,7 +236,7 @@ class Runtime:
                     f = job.fut
                     if f.done() or f.running():
                         continue
-                    if not self.store.cancellable(job.res):
+                    if not all(self.store.cancellable(r) for r in job.res):
                         again = True
                         continue
                     job.cancelling = True
@@ -250,7 +265,7 @@ class _Watched:
 
     __slots__ = ("fut", "res", "cancelling", "settled")
 
-    def __init__(self, fut: Future, res: Reservation):
+    def __init__(self, fut: Future, res: tuple[Reservation, ...]):
         self.fut = fut
         self.res = res
         self.cancelling = False

@@ -86,6 +86,46 @@ def test_stacked_is_bit_identical_to_single_calls(api, rng, enc, shape):
         api.delete(b)
 
 
+def test_stacked_mixes_formats_and_lengths_across_pages(api, rng):
+    """One stacked step over sessions of several kv formats (a per-layer mix too)
+    at lengths on both sides of page boundaries (16 timesteps a page), layer after
+    layer with fused appends that open new pages, and a session twice in a step:
+    bit-identical to the same attends sent one by one to twin sessions, step after
+    step."""
+    h, hkv, d = 4, 2, 32
+    formats = ["f32", "f16", "turboquant", "tq4", "tq2o", ["f32", "tq4o"], "tq3q"]
+    lengths = [15, 16, 17, 1, 31, 33, 0]  # prefilled rows of each: around page edges
+    pairs = []
+    for fmt, length in zip(formats, lengths):
+        spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=fmt, num_layers=2)
+        spec["seed"] = int(rng.integers(1 << 30))
+        a, b = api.create(**spec)["session_id"], api.create(**spec)["session_id"]
+        for layer in (0, 1):
+            if length:
+                k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+                for sid in (a, b):
+                    assert api.append(sid, layer, k, v).status == 200
+        pairs.append((a, b))
+    ids = [a for a, _ in pairs] + [pairs[2][0]]  # turboquant twice: its items in order
+    twins = [b for _, b in pairs] + [pairs[2][1]]
+    for step in range(3):
+        for layer in (0, 1):
+            m = 2 if step == 0 else 1  # a first step of two rows, then decode
+            q = _stack(rng, len(ids), m, h, d)
+            k, v = _stack(rng, len(ids), m, hkv, d), _stack(rng, len(ids), m, hkv, d)
+            r = _stacked(api, {"session_ids": ids, "layer": layer, "q": q, "k": k, "v": v})
+            assert r.status == 200 and r.body["errors"] == [], r.body
+            for i, b in enumerate(twins):
+                single = api.attend(b, layer, q[i], k=k[i], v=v[i])
+                assert single.status == 200, single.body
+                assert r.body["lengths"][i] == single.body["length"]
+                assert r.body["out"][i].tobytes() == single.body["out"].tobytes(), (formats[i % len(formats)], i)
+    for a, b in pairs:
+        assert api.info(a)["lengths"] == api.info(b)["lengths"]
+        api.delete(a)
+        api.delete(b)
+
+
 def test_stacked_is_one_gpu_submission(api, server, rng):
     worker = server.runtime.engine.worker
     ids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"] for _ in range(6)]

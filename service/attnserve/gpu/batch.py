@@ -38,7 +38,7 @@ import wgpu
 
 from .shaders import PipelineCache
 
-__all__ = ["Seg", "Batch", "Arenas", "whole", "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE"]
+__all__ = ["Seg", "Items", "Batch", "Arenas", "whole", "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE"]
 
 # The phases of deferred work, recorded in this order after the batch's commands.
 PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE = range(4)
@@ -57,6 +57,27 @@ class Seg:
     arena: str
     offset: int
     size: int
+
+
+@dataclass(frozen=True)
+class Items:
+    """``count`` segments of ``nbytes`` each, ``stride`` bytes apart from ``base``
+    in one arena (:meth:`Batch.upload_items`, :meth:`Batch.output_items`)."""
+
+    arena: str
+    base: int
+    stride: int
+    nbytes: int
+    count: int
+
+    def seg(self, i: int) -> Seg:
+        return Seg(self.arena, self.base + i * self.stride, self.nbytes)
+
+    def view(self, data: memoryview | bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The items in ``data`` (the arena's bytes) as one array ``[count, *shape]``
+        of ``dtype``: a view, strided when the items are padded."""
+        rows = np.frombuffer(data, np.uint8, count=self.count * self.stride, offset=self.base)
+        return rows.reshape(self.count, self.stride)[:, : self.nbytes].view(dtype).reshape(self.count, *shape)
 
 
 Resource = Union[wgpu.GPUBuffer, Seg]
@@ -210,6 +231,33 @@ class Batch:
         self._upload.extend(b"\0" * (seg.offset - len(self._upload)))
         self._upload.extend(mv)
         return seg
+
+    def upload_items(self, data: np.ndarray) -> "Items":
+        """The items ``data[0], data[1], ...`` of a C-contiguous array into the input
+        arena, each its own aligned segment, in one copy (a stacked step's queries
+        or rows)."""
+        items = self._reserve_items("in", data.shape[0], data[0].nbytes if data.shape[0] else 0)
+        flat = np.ascontiguousarray(data).view(np.uint8).reshape(items.count, items.nbytes)
+        self._upload.extend(b"\0" * (items.base - len(self._upload)))
+        if items.stride == items.nbytes:
+            self._upload.extend(memoryview(flat).cast("B"))
+        else:
+            padded = np.zeros((items.count, items.stride), np.uint8)
+            padded[:, : items.nbytes] = flat
+            self._upload.extend(memoryview(padded).cast("B"))
+        return items
+
+    def output_items(self, count: int, nbytes: int) -> "Items":
+        """``count`` output segments of ``nbytes`` each, evenly spaced (read back as
+        one array with :meth:`Items.view`)."""
+        return self._reserve_items("out", count, nbytes)
+
+    def _reserve_items(self, arena: str, count: int, nbytes: int) -> "Items":
+        if count <= 0 or nbytes <= 0:
+            raise ValueError("items need at least one item of one byte")
+        stride = _round_up(nbytes, self.align)
+        base = self._reserve(arena, stride * count).offset
+        return Items(arena, base, stride, nbytes, count)
 
     def upload_once(self, key: object, data: bytes | np.ndarray) -> Seg:
         """``upload(data)`` once per batch for ``key`` (a layer's signs or page table

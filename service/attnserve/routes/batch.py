@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request, Response
 import numpy as np
 
 from ..codec import Fields, MediaKind, array_out, check_finite, decode_document, encode, read_body, respond
-from ..engine import Engine
+from ..engine import Engine, StackedResult
 from ..errors import ApiError, InternalError, InvalidRequest, RequestTimeout
 from ..store import Owner
 from .deps import EngineDep, OwnerDep, Runtime, RuntimeDep, WireDep
@@ -39,6 +39,7 @@ from .operations import (
     fused_kv,
     layer_index,
     max_elements,
+    reserve_attend,
 )
 from .schemas import ok, problems, request_body
 
@@ -47,12 +48,17 @@ __all__ = [
     "BatchItem",
     "ParsedBatch",
     "QueuedBatch",
+    "QueuedStacked",
+    "StackedItems",
     "parse_batch",
     "parse_batch_document",
     "parse_items",
     "parse_stacked",
     "queue_batch",
     "finish_batch",
+    "finish_stacked",
+    "finish_any",
+    "queue_stacked",
     "settled",
     "answer_document",
     "results_document",
@@ -81,12 +87,36 @@ class BatchItem:
 
 
 @dataclass(frozen=True)
-class ParsedBatch:
-    """A batch body's items and, for the stacked form, the shape ``(n, H, d)`` of
-    one item's output (its answer is stacked too)."""
+class StackedItems:
+    """The stacked form, kept as arrays: item ``i`` is the attend of ``q[i]``
+    (``k[i]``, ``v[i]``) on session ``session_ids[i]`` at ``offsets[i]`` and
+    ``start_pos[i]`` (None: not given); ``errors`` holds the items the parse
+    refused (a bad id, a non-finite row, a bad integer)."""
 
-    items: list[BatchItem]
-    out_shape: tuple[int, ...] | None = None
+    session_ids: list[Any]
+    layer: int
+    q: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    offsets: list[int | None]
+    start_pos: list[int | None]
+    causal: bool
+    scale: float | None
+    errors: dict[int, ApiError]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """One item's output shape ``(n, H, d)``."""
+        return tuple(self.q.shape[1:])
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    """A batch body: its ``items``, or the stacked form (``stacked``), whose answer
+    is stacked too."""
+
+    items: list[BatchItem] | None = None
+    stacked: StackedItems | None = None
 
 
 def parse_batch(raw: bytes, kind: MediaKind | None, max_bytes: int, max_items: int) -> ParsedBatch:
@@ -142,29 +172,29 @@ def parse_stacked(f: Fields, max_bytes: int, max_items: int) -> ParsedBatch:
             )
     per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
     causal, scale = f.bool("causal", True), attend_scale(f)
-    finite = {name: np.isfinite(a.reshape(b, -1)).all(axis=1) for name, a in arrays}
-    items: list[BatchItem] = []
+    errors: dict[int, ApiError] = {}
+    for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
+        for i in np.flatnonzero(~np.isfinite(a.reshape(b, -1)).all(axis=1)).tolist():
+            try:
+                check_finite(a[i], name)
+            except ApiError as e:
+                errors.setdefault(i, e)
     for i, sid in enumerate(ids):
-        try:
-            if not isinstance(sid, str):
-                raise InvalidRequest(f"session_ids[{i}]: expected a string, got {type(sid).__name__}")
-            for name, a in arrays:
-                if not finite[name][i]:
-                    check_finite(a[i], name)
-            offset, start_pos = (_item_int(per_item[name], i, name) for name in ("offsets", "start_pos"))
-            attend = AttendRequest(
-                q[i],
-                None if k is None else k[i],
-                None if v is None else v[i],
-                offset=offset,
-                start_pos=start_pos,
-                causal=causal,
-                scale=scale,
-            )
-            items.append(BatchItem(sid, layer, attend))
-        except ApiError as e:
-            items.append(BatchItem(error=e))
-    return ParsedBatch(items, tuple(q.shape[1:]))
+        if not isinstance(sid, str):
+            errors[i] = InvalidRequest(f"session_ids[{i}]: expected a string, got {type(sid).__name__}")
+    ints = {}
+    for name in ("offsets", "start_pos"):
+        values = per_item[name]
+        ints[name] = [None] * b if values is None else values
+        if values is None:
+            continue
+        for i, value in enumerate(values):
+            if value is not None and (type(value) is not int or value < 0):
+                errors.setdefault(
+                    i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
+                )
+    offsets, start_pos, errors = ints["offsets"], ints["start_pos"], dict(sorted(errors.items()))
+    return ParsedBatch(stacked=StackedItems(ids, layer, q, k, v, offsets, start_pos, causal, scale, errors))
 
 
 def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
@@ -172,15 +202,6 @@ def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
     if values is not None and len(values) != b:
         raise InvalidRequest(f"{name}: expected {b} values (one per session id, null for none), got {len(values)}")
     return values
-
-
-def _item_int(values: list[Any] | None, i: int, name: str) -> int | None:
-    value = None if values is None else values[i]
-    if value is None:
-        return None
-    if type(value) is not int or value < 0:
-        raise InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
-    return value
 
 
 def parse_item(doc: Any, i: int, max_bytes: int) -> BatchItem:
@@ -213,10 +234,15 @@ class QueuedBatch:
     done: asyncio.Future | None = None
 
 
-def queue_batch(rt: Runtime, engine: Engine, owner: Owner, items: list[BatchItem]) -> QueuedBatch:
-    """Check every item in order and queue those that pass as one GPU group. No
+def queue_batch(rt: Runtime, engine: Engine, owner: Owner, parsed: ParsedBatch) -> "QueuedBatch | QueuedStacked":
+    """Check every item in order and queue those that pass: the items form as one
+    GPU group of jobs, the stacked form as one job (:func:`queue_stacked`). No
     ``await``: the checks see each other's reservations, and nothing else can come
     between the first check and the queueing."""
+    if parsed.stacked is not None:
+        return queue_stacked(rt, engine, owner, parsed.stacked)
+    assert parsed.items is not None
+    items = parsed.items
     outcome: list[Any] = [None] * len(items)
     checked: list[tuple[int, Checked]] = []
     for i, item in enumerate(items):
@@ -236,8 +262,83 @@ def queue_batch(rt: Runtime, engine: Engine, owner: Owner, items: list[BatchItem
             rt.store.finish(op.res, e)
             outcome[i] = e
         return QueuedBatch(outcome, [], [])
-    done = rt.watch_all(futures, [op.res for _, op in checked])
+    done = rt.watch_all(futures, [(op.res,) for _, op in checked])
     return QueuedBatch(outcome, futures, checked, done)
+
+
+@dataclass(eq=False)
+class QueuedStacked:
+    """A stacked step checked and queued as one job: ``errors`` (item -> the
+    problem that refused it), ``ops`` (the items that passed, in order: their
+    index and :class:`Checked`), the job's ``future`` and ``done`` (as
+    :class:`QueuedBatch`'s)."""
+
+    stacked: StackedItems
+    errors: dict[int, ApiError]
+    ops: list[tuple[int, Checked]]
+    future: Future | None = None
+    done: asyncio.Future | None = None
+
+
+def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> QueuedStacked:
+    """Check each item of a stacked step as :func:`queue_batch` does (in order,
+    each against the reservations of those before it), then queue every item that
+    passed as one job (``Engine.plan_stacked``): one future for the step."""
+    errors = dict(st.errors)
+    b = len(st.session_ids)
+    layers: list[Any] = [None] * b
+    start_pos: list[int | None] = [None] * b
+    ops: list[tuple[int, Checked]] = []
+    k, v = st.k, st.v
+    for i, sid in enumerate(st.session_ids):
+        if i in errors:
+            continue
+        try:
+            session = rt.store.get(sid, owner)
+            li = layer_index(session, st.layer)
+            op = reserve_attend(
+                rt, engine, session, li, st.q[i], None if k is None else k[i], None if v is None else v[i],
+                st.offsets[i], st.start_pos[i],
+            )  # fmt: skip
+        except ApiError as e:
+            errors[i] = e
+            continue
+        rt.store.commit(op.res)
+        layers[i], start_pos[i] = session.cache(li), op.start_pos
+        ops.append((i, op))
+    queued = QueuedStacked(st, errors, ops)
+    if not ops:
+        return queued
+    plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
+    try:
+        queued.future = engine.worker.submit_plan(plan)
+    except ApiError as e:  # Overloaded: nothing was queued; give every reservation back
+        for i, op in ops:
+            rt.store.finish(op.res, e)
+            errors[i] = e
+        queued.ops = []
+        return queued
+    item_errors = lambda result: [result.errors.get(i) for i, _ in ops]  # noqa: E731
+    queued.done = rt.watch_all([queued.future], [tuple(op.res for _, op in ops)], item_errors)
+    return queued
+
+
+async def finish_stacked(rt: Runtime, queued: QueuedStacked) -> tuple[StackedResult | None, dict[int, ApiError]]:
+    """Await a queued stacked step. Returns the job's :class:`StackedResult` (None
+    if no item was queued or the job failed as a whole) and every failed item's
+    problem."""
+    errors, fut = queued.errors, queued.future
+    if queued.done is None or fut is None:
+        return None, errors
+    await asyncio.shield(queued.done)
+    failed = None if fut.cancelled() else fut.exception()
+    result = None if fut.cancelled() or failed is not None else fut.result()
+    for i, op in queued.ops:
+        item = failed if result is None else result.errors.get(i)
+        r = settled(rt, fut, op, item if item is not None else result)
+        if isinstance(r, ApiError):
+            errors[i] = r
+    return result, errors
 
 
 async def finish_batch(rt: Runtime, queued: QueuedBatch) -> list[Any]:
@@ -268,12 +369,21 @@ def settled(rt: Runtime, fut: Future, op: Checked, result: Any) -> Any:
     return result
 
 
-def answer_document(parsed: ParsedBatch, outcome: list[Any], kind: MediaKind, instance: str) -> dict[str, Any]:
+async def finish_any(rt: Runtime, queued: "QueuedBatch | QueuedStacked") -> Any:
+    """:func:`finish_batch` or :func:`finish_stacked`, as the batch was queued;
+    what it gives is what :func:`answer_document` answers from."""
+    if isinstance(queued, QueuedStacked):
+        return await finish_stacked(rt, queued)
+    return await finish_batch(rt, queued)
+
+
+def answer_document(parsed: ParsedBatch, outcome: Any, kind: MediaKind, instance: str) -> dict[str, Any]:
     """The answer to a batch, in the form of its body: ``{"results": [...]}`` for
     items, stacked ``{"out", "lengths", "errors"}`` for the stacked form."""
-    if parsed.out_shape is None:
+    if parsed.stacked is None:
         return results_document(outcome, kind, instance)
-    return stacked_document(outcome, parsed.out_shape, kind, instance)
+    result, errors = outcome
+    return stacked_document(parsed.stacked, result, errors, kind, instance)
 
 
 def _problem(err: ApiError, i: int, instance: str) -> dict[str, Any]:
@@ -291,20 +401,24 @@ def results_document(outcome: list[Any], kind: MediaKind, instance: str) -> dict
     return {"results": results}
 
 
-def stacked_document(outcome: list[Any], out_shape: tuple[int, ...], kind: MediaKind, instance: str) -> dict[str, Any]:
+def stacked_document(
+    st: StackedItems, result: StackedResult | None, errors: dict[int, ApiError], kind: MediaKind, instance: str
+) -> dict[str, Any]:
     """``out [B, n, H, d]`` (zeros in the rows of a failed item), ``lengths`` (null
     for a failed item) and ``errors`` (the failed items' problems, with ``item``)."""
-    out = np.zeros((len(outcome), *out_shape), dtype="<f4")
-    lengths: list[int | None] = []
-    errors: list[dict[str, Any]] = []
-    for i, r in enumerate(outcome):
-        if isinstance(r, ApiError):
-            errors.append(_problem(r, i, instance))
-            lengths.append(None)
-        else:
-            out[i], length = r
-            lengths.append(length)
-    return {"out": array_out(out, kind), "lengths": lengths, "errors": errors}
+    b = len(st.session_ids)
+    if result is None:
+        out = np.zeros((b, *st.out_shape), dtype="<f4")
+        lengths: list[int | None] = [None] * b
+    else:
+        out = result.out
+        late = [i for i in errors if result.lengths[i] >= 0]  # failed after planning: a timeout, say
+        if late:
+            out = out.copy()
+            out[late] = 0.0
+        lengths = [None if i in errors else length for i, length in enumerate(result.lengths.tolist())]
+    problems = [_problem(errors[i], i, instance) for i in sorted(errors)]
+    return {"out": array_out(np.ascontiguousarray(out), kind), "lengths": lengths, "errors": problems}
 
 
 @router.post(
@@ -327,15 +441,17 @@ async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: 
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     parsed = await rt.offload(parse_batch, raw, wire.request, max_bytes, rt.settings.max_batch_items, size=len(raw))
-    outcome = await finish_batch(rt, queue_batch(rt, engine, owner, parsed.items))
+    outcome = await finish_any(rt, queue_batch(rt, engine, owner, parsed))
     count_errors(rt, outcome)
     size = len(raw) * (1 if wire.response == "msgpack" else 6)
     body = await rt.offload(_encode_answer, parsed, outcome, wire.response, request.url.path, size=size)
     return respond(None, wire, body=body)
 
 
-def count_errors(rt: Runtime, outcome: list[Any]) -> None:
-    for r in outcome:
+def count_errors(rt: Runtime, outcome: Any) -> None:
+    """Count the failed items of a finished batch (either form) by problem."""
+    failed = outcome[1].values() if isinstance(outcome, tuple) else outcome
+    for r in failed:
         if isinstance(r, ApiError):
             rt.metrics.errors.inc(r.slug)
 

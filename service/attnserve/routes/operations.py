@@ -50,6 +50,7 @@ __all__ = [
     "layer_index",
     "check_append",
     "check_attend",
+    "reserve_attend",
     "queue_one",
     "attend_document",
     "count_rows",
@@ -146,11 +147,12 @@ class Checked:
     """One operation that passed every check: its GPU job (not queued yet), its
     reservation (not committed yet), and what its answer and metrics need."""
 
-    plan: PlanFn
+    plan: PlanFn | None  # None: planned with others (a stacked step's item)
     res: Reservation
     kv_format: str
     rows: int  # appended rows
     queries: int  # query rows (0: an append)
+    start_pos: int = 0  # an attend's first query position
 
 
 def check_append(rt: Runtime, engine: Engine, session: Session, li: int, req: AppendRequest) -> Checked:
@@ -163,18 +165,40 @@ def check_append(rt: Runtime, engine: Engine, session: Session, li: int, req: Ap
 
 
 def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: AttendRequest) -> Checked:
+    op = reserve_attend(rt, engine, session, li, req.q, req.k, req.v, req.offset, req.start_pos)
+    op.plan = engine.plan_attend(
+        session.cache(li), req.q, k=req.k, v=req.v, start_pos=op.start_pos, causal=req.causal, scale=req.scale
+    )
+    return op
+
+
+def reserve_attend(
+    rt: Runtime,
+    engine: Engine,
+    session: Session,
+    li: int,
+    q: np.ndarray,
+    k: np.ndarray | None,
+    v: np.ndarray | None,
+    offset: int | None,
+    start_pos: int | None,
+) -> Checked:
+    """Every check of an attend (and its fused append): the reservation, not
+    committed, and no plan (:func:`check_attend` adds it; a stacked step plans
+    its items together)."""
     fmt = session.config.layer_formats[li]
-    n = engine.check_query_rows(session.config, req.q, fmt)
+    n = engine.check_query_rows(session.config, q, fmt)
     rows = 0
-    if req.k is not None:
-        rows = engine.check_kv_rows(session.config, req.k, req.v, fmt)
-        res = rt.store.plan_append(session, li, rows, req.offset)
+    if k is not None:
+        rows = engine.check_kv_rows(session.config, k, v, fmt)
+        res = rt.store.plan_append(session, li, rows, offset)
     else:
-        res = rt.store.plan_read(session, li, req.offset)
+        res = rt.store.plan_read(session, li, offset)
     length = res.new_length
-    start_pos = length - n if req.start_pos is None else req.start_pos
+    given = start_pos
+    start_pos = length - n if given is None else given
     if start_pos < 0 or start_pos + n > length:
-        if req.start_pos is None:
+        if given is None:
             detail = (
                 f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
                 f"start_pos, length - n, would be {start_pos}); give start_pos or fewer rows"
@@ -186,10 +210,7 @@ def check_attend(rt: Runtime, engine: Engine, session: Session, li: int, req: At
             )
         raise InvalidRequest(detail, length=length)
     rt.store.check_budget(res)
-    plan = engine.plan_attend(
-        session.cache(li), req.q, k=req.k, v=req.v, start_pos=start_pos, causal=req.causal, scale=req.scale
-    )
-    return Checked(plan, res, fmt, rows, n)
+    return Checked(None, res, fmt, rows, n, start_pos)
 
 
 def queue_one(rt: Runtime, engine: Engine, op: Checked) -> Future:

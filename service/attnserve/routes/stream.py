@@ -44,7 +44,7 @@ from .batch import (
     STACKED_FIELDS,
     answer_document,
     count_errors,
-    finish_batch,
+    finish_any,
     parse_batch_document,
     queue_batch,
     settled,
@@ -172,10 +172,10 @@ class _Connection:
         engine = ready_engine(rt)
         if op == "attend_batch":
             parsed = parse_batch_document(doc, _HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
-            queued = queue_batch(rt, engine, self.owner, parsed.items)
+            queued = queue_batch(rt, engine, self.owner, parsed)
 
             async def batch_result(kind: MediaKind) -> dict[str, Any]:
-                outcome = await finish_batch(rt, queued)
+                outcome = await finish_any(rt, queued)
                 count_errors(rt, outcome)
                 return answer_document(parsed, outcome, kind, STREAM_PATH)
 
