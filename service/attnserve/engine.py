@@ -25,7 +25,14 @@ from .gpu.kernels import KernelPolicy, rotated_q_bytes
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
 from .formats import F16_MAX, TQ_SPECS
-from .turboquant import MAX_NORM, MAX_OUTLIER, largest_norm, largest_outlier_bound, outlier_rest_factor
+from .turboquant import (
+    MAX_NORM,
+    MAX_OUTLIER,
+    largest_norm,
+    largest_outlier_bound,
+    outlier_bound,
+    outlier_rest_factor,
+)
 
 __all__ = ["Engine", "AttendResult", "StackedResult"]
 
@@ -135,15 +142,41 @@ class Engine:
 
     # ── request checks (InvalidRequest, before anything is queued) ───────────
 
-    def check_kv_rows(self, config: SessionConfig, k: np.ndarray, v: np.ndarray, kv_format: str) -> int:
+    @staticmethod
+    def kv_values_clear(k: np.ndarray, v: np.ndarray, kv_format: str) -> np.ndarray:
+        """For stacked rows ``k, v [B, m, Hkv, d]``: per item, whether its values
+        clearly pass :meth:`check_kv_rows`' value checks for ``kv_format`` (with a
+        margin, so float rounding cannot disagree with the per-item check; an item
+        that is not clear is checked alone, which names its bad row)."""
+        b = k.shape[0]
+        clear = np.ones(b, dtype=bool)
+        margin = 1.0 - 1e-5
+        if kv_format in TQ_SPECS:
+            spec = TQ_SPECS[kv_format]
+            for a, n, bits in ((k, spec.key_outliers, spec.key_bits), (v, spec.value_outliers, spec.value_bits)):
+                norms = np.sqrt(np.einsum("...d,...d->...", a, a, dtype=np.float64)).reshape(b, -1)
+                clear &= norms.max(axis=1) <= MAX_NORM * margin
+                if n:
+                    clear &= outlier_bound(a, n, bits).reshape(b, -1).max(axis=1) <= MAX_OUTLIER * margin
+        elif kv_format == "f16":
+            for a in (k, v):
+                clear &= np.abs(a).reshape(b, -1).max(axis=1) <= F16_MAX
+        return clear
+
+    def check_kv_rows(
+        self, config: SessionConfig, k: np.ndarray, v: np.ndarray, kv_format: str, *, values_clear: bool = False
+    ) -> int:
         """``k, v`` fit a layer of ``kv_format`` of a session of ``config`` and this
-        adapter; returns their rows."""
+        adapter; returns their rows (``values_clear``: :meth:`kv_values_clear`
+        passed them, so only their shapes are checked here)."""
         want = (config.num_kv_heads, config.head_dim)
         if k.shape[0] < 1 or k.shape[1:] != want:
             raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
         if v.shape != k.shape:
             raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
-        if kv_format in TQ_SPECS:
+        if values_clear:
+            pass
+        elif kv_format in TQ_SPECS:
             # a norm past float16's range would be stored as inf and turn the layer's answers into NaN
             for name, a in (("k", k), ("v", v)):
                 norm, (i, h) = largest_norm(a)

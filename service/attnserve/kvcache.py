@@ -54,6 +54,11 @@ class LayerCache:
         self.slab: Slab | None = None
         self.pages: list[int] = []
         self.paid_pages = 0  # of its pages, those it pays for (the pool keeps it: pool.Holder)
+        # the page table as u32 words, rebuilt when ``pages`` is another list (every
+        # change assigns a new list: never changed in place), numbered for the batch memo
+        self._table_of: list[int] | None = None
+        self._table = np.zeros(0, dtype="<u4")
+        self._table_version = 0
 
     # ── sizing (pure) ───────────────────────────────────────────────────────
 
@@ -134,9 +139,12 @@ class LayerCache:
         self._ensure_pages(batch, min(capacity, self.max_tokens))
 
     def page_table(self, batch: Batch) -> Seg:
-        """The page table as it is now, uploaded with the batch (u32 words)."""
-        pages = tuple(self.pages)
-        return batch.upload_once(("pages", self.slab, pages), np.asarray(pages, dtype="<u4"))
+        """The page table as it is now, uploaded with the batch (u32 words; once per
+        batch while the pages stay the same)."""
+        if self._table_of is not self.pages:
+            self._table_of, self._table = self.pages, np.asarray(self.pages, dtype="<u4")
+            self._table_version += 1
+        return batch.upload_once(("pages", self, self._table_version), self._table)
 
     #: The dtype of the rows an append uploads (the k, v arrays are converted to it).
     row_dtype = "<f4"

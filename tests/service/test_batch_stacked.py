@@ -126,6 +126,34 @@ def test_stacked_mixes_formats_and_lengths_across_pages(api, rng):
         api.delete(b)
 
 
+def test_stacked_value_refusals_match_single_calls(api, rng):
+    """k, v values a format cannot store (a TurboQuant norm past float16, an f16
+    value past its range, a tq2o outlier past float16) are checked for the whole
+    stacked step at once; the refused items get the very problem the single
+    attend gets (naming the row), the others go through, nothing else changes."""
+    h, hkv, d = 4, 2, 32
+    formats = ["turboquant", "f16", "tq2o", "f32", "turboquant"]
+    ids = [api.create(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=f)["session_id"] for f in formats]
+    q, k, v = _stack(rng, 5, 2, h, d), _stack(rng, 5, 2, hkv, d), _stack(rng, 5, 2, hkv, d)
+    k[0, 1, 1] *= 1e5  # a norm past 65504
+    v[1, 0, 0, 3] = 7e4  # past f16's range
+    k[2, 1, 0, 5], k[2, 1, 0, 8:28] = 5e4, 3e3  # norm 51,769: an outlier tq2o would store past float16
+    v[4, 1, 1] *= 1e5  # a value row's norm
+    r = _stacked(api, {"session_ids": ids, "layer": 0, "q": q, "k": k, "v": v})
+    assert r.status == 200, r.body
+    got = {e["item"]: e["detail"] for e in r.body["errors"]}
+    assert sorted(got) == [0, 1, 2, 4], r.body["errors"]
+    for i, sid in enumerate(ids):
+        single = api.attend(sid, 0, q[i], k=k[i], v=v[i])
+        if i in got:
+            assert single.status == 422 and single.body["detail"] == got[i]
+            assert api.info(sid)["lengths"][0] == 0
+        else:
+            assert r.body["lengths"][i] == 2 and single.status == 200
+    for sid in ids:
+        api.delete(sid)
+
+
 def test_stacked_is_one_gpu_submission(api, server, rng):
     worker = server.runtime.engine.worker
     ids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"] for _ in range(6)]

@@ -87,7 +87,7 @@ _WHOLE = -1
 
 def whole(arena: str) -> Seg:
     """The whole of an arena as one binding (batched kernels address items by offset)."""
-    return Seg(arena, 0, _WHOLE)
+    return _WHOLES[arena]
 
 
 _ARENA_USAGE = {
@@ -99,6 +99,9 @@ _ARENA_USAGE = {
     "partial": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
     "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
 }
+
+
+_WHOLES = {arena: Seg(arena, 0, _WHOLE) for arena in _ARENA_USAGE}
 
 
 def _round_up(x: int, a: int) -> int:

@@ -257,8 +257,16 @@ class _Rows:
     def add(self, n: int, **fields: Any) -> None:
         """``n`` rows: a ``range`` field gives each row its own value, any other
         value is the same in all ``n``."""
-        for name, value in fields.items():
-            self.cols.setdefault(name, []).extend(value if isinstance(value, range) else [value] * n)
+        cols = self.cols
+        if n == 1:  # a decode step's rows: one value each
+            for name, value in fields.items():
+                col = cols.get(name)
+                if col is None:
+                    col = cols[name] = []
+                col.append(value[0] if isinstance(value, range) else value)
+        else:
+            for name, value in fields.items():
+                cols.setdefault(name, []).extend(value if isinstance(value, range) else [value] * n)
         self.n += n
 
 

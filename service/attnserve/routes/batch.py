@@ -290,15 +290,19 @@ def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -
     start_pos: list[int | None] = [None] * b
     ops: list[tuple[int, Checked]] = []
     k, v = st.k, st.v
+    clear: dict[str, np.ndarray] = {}  # per kv format: the items whose k, v values pass at once
     for i, sid in enumerate(st.session_ids):
         if i in errors:
             continue
         try:
             session = rt.store.get(sid, owner)
             li = layer_index(session, st.layer)
+            fmt = session.config.layer_formats[li]
+            if k is not None and fmt not in clear:
+                clear[fmt] = engine.kv_values_clear(k, v, fmt)
             op = reserve_attend(
                 rt, engine, session, li, st.q[i], None if k is None else k[i], None if v is None else v[i],
-                st.offsets[i], st.start_pos[i],
+                st.offsets[i], st.start_pos[i], values_clear=k is not None and bool(clear[fmt][i]),
             )  # fmt: skip
         except ApiError as e:
             errors[i] = e

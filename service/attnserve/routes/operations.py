@@ -182,15 +182,16 @@ def reserve_attend(
     v: np.ndarray | None,
     offset: int | None,
     start_pos: int | None,
+    values_clear: bool = False,
 ) -> Checked:
     """Every check of an attend (and its fused append): the reservation, not
     committed, and no plan (:func:`check_attend` adds it; a stacked step plans
-    its items together)."""
+    its items together, having checked their values at once: ``values_clear``)."""
     fmt = session.config.layer_formats[li]
     n = engine.check_query_rows(session.config, q, fmt)
     rows = 0
     if k is not None:
-        rows = engine.check_kv_rows(session.config, k, v, fmt)
+        rows = engine.check_kv_rows(session.config, k, v, fmt, values_clear=values_clear)
         res = rt.store.plan_append(session, li, rows, offset)
     else:
         res = rt.store.plan_read(session, li, offset)
