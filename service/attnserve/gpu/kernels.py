@@ -26,7 +26,6 @@ Array layouts (all float32, row-major):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -82,6 +81,28 @@ class Cache(Protocol):
     def rows(self) -> int: ...
 
 
+# (params field, Attend attribute) of the fields every attention params block starts from
+_SHAPE_FIELDS = (
+    ("n_heads", "n_heads"),
+    ("n_kv_heads", "n_kv_heads"),
+    ("head_dim", "head_dim"),
+    ("max_seq", "length"),
+    ("start_pos", "start_pos"),
+    ("scale", "scale"),
+    ("flags", "flags"),
+)
+
+
+def _shape_columns(attends: list["Attend"]) -> dict[str, list]:
+    """:meth:`Attend.shape_params` of each of ``attends``, as columns."""
+    return {field: [getattr(a, attr) for a in attends] for field, attr in _SHAPE_FIELDS}
+
+
+def _word(res: Resource) -> int:
+    """The word offset of ``res`` in what :func:`_bind` binds."""
+    return res.offset // 4 if isinstance(res, Seg) else 0
+
+
 @dataclass(frozen=True)
 class Attend:
     """One attend, as every attention plan takes it: queries ``q [n, H, d]`` (for
@@ -114,15 +135,12 @@ class Attend:
 
     def shape_params(self) -> dict[str, float | int]:
         """The fields every attention params block starts from (plain blocks add ``kv_dim``)."""
-        return dict(
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            head_dim=self.head_dim,
-            max_seq=self.length,
-            start_pos=self.start_pos,
-            scale=self.scale,
-            flags=self.flags,
-        )
+        return {field: getattr(self, attr) for field, attr in _SHAPE_FIELDS}
+
+    def with_q(self, q: Resource) -> "Attend":
+        """This attend reading its queries from ``q`` (TurboQuant: the rotated ones)."""
+        return Attend(q, self.out, self.cache, self.pages, self.page_shift, self.n_queries, self.n_heads,
+                      self.n_kv_heads, self.head_dim, self.length, self.start_pos, self.causal, self.scale)  # fmt: skip
 
     def paging_params(self) -> dict[str, int]:
         """The page table fields of a single-attend block (the table bound as its own segment)."""
@@ -227,13 +245,16 @@ def plan_rotate_q(batch: Batch, r: Rotate) -> None:
 def _flush_rotate(constants: dict[str, int], batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
     (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
-    rows = _Rows()
-    for r in items:
-        n = r.n_queries
-        rows.add(
-            n, n_heads=r.n_heads, head_dim=r.head_dim, q_cap=n, sign_off=_bind(r.signs)[1], q_row=range(n),
-            q_stride=r.n_heads * r.head_dim, q_in_off=_bind(r.q)[1], q_out_off=_bind(r.q_out)[1],
-        )  # fmt: skip
+    counts = [r.n_queries for r in items]
+    rows = _Rows.of(
+        counts,
+        dict(
+            n_heads=[r.n_heads for r in items], head_dim=[r.head_dim for r in items], q_cap=counts,
+            sign_off=[_word(r.signs) for r in items], q_stride=[r.n_heads * r.head_dim for r in items],
+            q_in_off=[_word(r.q) for r in items], q_out_off=[_word(r.q_out) for r in items],
+        ),
+        dict(q_row=([0] * len(items), [1] * len(items))),
+    )  # fmt: skip
     _dispatch_rows(
         batch,
         "tq_rotate_q",
@@ -251,23 +272,31 @@ class _Rows:
     """The params columns of a batched dispatch, one entry per row (or block)."""
 
     def __init__(self) -> None:
-        self.cols: dict[str, list] = {}
+        self.cols: dict[str, Any] = {}
         self.n = 0
 
-    def add(self, n: int, **fields: Any) -> None:
-        """``n`` rows: a ``range`` field gives each row its own value, any other
-        value is the same in all ``n``."""
-        cols = self.cols
-        if n == 1:  # a decode step's rows: one value each
-            for name, value in fields.items():
-                col = cols.get(name)
-                if col is None:
-                    col = cols[name] = []
-                col.append(value[0] if isinstance(value, range) else value)
-        else:
-            for name, value in fields.items():
-                cols.setdefault(name, []).extend(value if isinstance(value, range) else [value] * n)
-        self.n += n
+    @classmethod
+    def of(
+        cls, counts: list[int], per_item: dict[str, list], ramps: dict[str, tuple[list, list]] | None = None
+    ) -> "_Rows":
+        """The rows of items of ``counts[i]`` rows each, built as arrays: a
+        ``per_item`` field holds one value per item (the same in its rows); a ramp
+        ``(first, step)`` gives row ``j`` of item ``i`` ``first[i] + j * step[i]``."""
+        rows = cls()
+        n = np.asarray(counts, dtype=np.int64)
+        rows.n = int(n.sum())
+        if all(c == 1 for c in counts):
+            rows.cols = {name: values for name, values in per_item.items()}
+            for name, (first, _) in (ramps or {}).items():
+                rows.cols[name] = first
+            return rows
+        j = np.arange(rows.n) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its item
+        rows.cols = {name: np.repeat(np.asarray(values), n) for name, values in per_item.items()}
+        for name, (first, step) in (ramps or {}).items():
+            rows.cols[name] = np.repeat(np.asarray(first, dtype=np.int64), n) + j * np.repeat(
+                np.asarray(step, dtype=np.int64), n
+            )
+        return rows
 
 
 def _tq_common(a: Attend) -> dict[str, Any]:
@@ -340,14 +369,14 @@ def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Encode]) ->
     first = items[0]
     src, _ = _bind(first.k_src)
     cache = first.cache.k if keys else first.cache.v
-    rows = _Rows()
-    for e in items:
-        row_words = e.n_kv_heads * e.head_dim
-        base = _bind(e.k_src if keys else e.v_src)[1]
-        rows.add(
-            e.n_rows, t=range(e.t0, e.t0 + e.n_rows), src_off=range(base, base + e.n_rows * row_words, row_words),
-            sign_off=_bind(e.signs)[1], table_off=_bind(e.pages)[1],
-        )  # fmt: skip
+    rows = _Rows.of(
+        [e.n_rows for e in items],
+        dict(sign_off=[_word(e.signs) for e in items], table_off=[_word(e.pages) for e in items]),
+        dict(
+            t=([e.t0 for e in items], [1] * len(items)),
+            src_off=([_word(e.k_src if keys else e.v_src) for e in items], [e.n_kv_heads * e.head_dim for e in items]),
+        ),
+    )  # fmt: skip
     common: dict[str, Any] = dict(
         n_kv_heads=first.n_kv_heads, head_dim=first.head_dim, cache_cap=first.cache.rows, page_shift=first.page_shift
     )
@@ -508,15 +537,19 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
     first = items[0].a
     q, _ = _bind(first.q)
     plain = items[0].tq is None
-    rows = _Rows()
-    for it in items:
-        a, n = it.a, it.a.n_queries
-        # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
-        per_item = dict(q_total=n, q_stride=a.n_heads * a.head_dim) if plain else dict(q_cap=n)
-        rows.add(
-            n, **a.shape_params(), **per_item, split_len=it.split_len, n_splits=it.n_splits, q_row=range(n),
-            q_off=_bind(a.q)[1], part_off=_bind(it.part)[1], table_off=_bind(a.pages)[1],
-        )  # fmt: skip
+    attends = [it.a for it in items]
+    counts = [a.n_queries for a in attends]
+    # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
+    per_item = dict(q_total=counts, q_stride=[a.n_heads * a.head_dim for a in attends]) if plain else dict(q_cap=counts)
+    rows = _Rows.of(
+        counts,
+        dict(
+            **_shape_columns(attends), **per_item, split_len=[it.split_len for it in items],
+            n_splits=[it.n_splits for it in items], q_off=[_word(a.q) for a in attends],
+            part_off=[_word(it.part) for it in items], table_off=[_word(a.pages) for a in attends],
+        ),
+        dict(q_row=([0] * len(items), [1] * len(items))),
+    )  # fmt: skip
     common: dict[str, Any] = dict(page_shift=first.page_shift)
     if plain:
         block = P.SPLIT_PARAMS
@@ -543,14 +576,19 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
     applies the inverse rotation with its layer's signs."""
     first = items[0].a
     out, _ = _bind(first.out)
-    rows = _Rows()
-    for it in items:
-        a, n = it.a, it.a.n_queries
-        rows.add(
-            n, n_heads=a.n_heads, n_splits=it.n_splits, q_total=n, q_row=range(n), out_stride=a.n_heads * a.head_dim,
-            sign_off=_bind(it.tq.signs)[1] if it.tq is not None else 0,
-            flags=0 if it.tq is None else P.FLAG_ROTATE, part_off=_bind(it.part)[1], out_off=_bind(a.out)[1],
-        )  # fmt: skip
+    attends = [it.a for it in items]
+    counts = [a.n_queries for a in attends]
+    rows = _Rows.of(
+        counts,
+        dict(
+            n_heads=[a.n_heads for a in attends], n_splits=[it.n_splits for it in items], q_total=counts,
+            out_stride=[a.n_heads * a.head_dim for a in attends],
+            sign_off=[_word(it.tq.signs) if it.tq is not None else 0 for it in items],
+            flags=[0 if it.tq is None else P.FLAG_ROTATE for it in items],
+            part_off=[_word(it.part) for it in items], out_off=[_word(a.out) for a in attends],
+        ),
+        dict(q_row=([0] * len(items), [1] * len(items))),
+    )  # fmt: skip
     max_heads = max(it.a.n_heads for it in items)
     _dispatch_rows(
         batch,
@@ -620,19 +658,20 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
             last = min(q_first + it.bq, a.n_queries) - 1
             blocks.append((a.length if not a.causal else min(a.start_pos + last + 1, a.length), it, q_first))
     blocks.sort(key=lambda b: -b[0])  # longest windows first: the tail of the dispatch is short blocks
-    rows = _Rows()
-    for _, it, q_first in blocks:
-        a = it.a
-        # the item's query rows: n_queries (plain block), q_cap (TurboQuant block)
-        per_item = (
-            dict(n_queries=a.n_queries, q_stride=a.n_heads * a.head_dim)
-            if it.tq is None
-            else dict(q_cap=a.n_queries, sign_off=_bind(it.tq.signs)[1])
-        )
-        rows.add(
-            1, **a.shape_params(), **per_item, q_base=q_first, q_off=_bind(a.q)[1], out_off=_bind(a.out)[1],
-            table_off=_bind(a.pages)[1], out_stride=a.n_heads * a.head_dim,
-        )  # fmt: skip
+    attends = [it.a for _, it, _ in blocks]
+    # the item's query rows: n_queries (plain block), q_cap (TurboQuant block)
+    if items[0].tq is None:
+        per_item = dict(n_queries=[a.n_queries for a in attends], q_stride=[a.n_heads * a.head_dim for a in attends])
+    else:
+        per_item = dict(q_cap=[a.n_queries for a in attends], sign_off=[_word(it.tq.signs) for _, it, _ in blocks])
+    rows = _Rows.of(
+        [1] * len(blocks),
+        dict(
+            **_shape_columns(attends), **per_item, q_base=[q_first for _, _, q_first in blocks],
+            q_off=[_word(a.q) for a in attends], out_off=[_word(a.out) for a in attends],
+            table_off=[_word(a.pages) for a in attends], out_stride=[a.n_heads * a.head_dim for a in attends],
+        ),
+    )  # fmt: skip
     q, _ = _bind(first.q)
     out, _ = _bind(first.out)
     ins = whole("in")
@@ -688,7 +727,7 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
     signed = bool(TQ_SPECS[tq.kv_format].key_outliers)
     plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, signed))
-    a = dataclasses.replace(a, q=qrot)
+    a = a.with_q(qrot)
     fmt = tq.kv_format
     path = batch.policy.path(fmt, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
     if path == "split":
