@@ -236,7 +236,7 @@ class Runtime:
                     f = job.fut
                     if f.done() or f.running():
                         continue
-                    if not all(self.store.cancellable(r) for r in job.res):
+                    if not self.store.cancellable(job.res):
                         again = True
                         continue
                     job.cancelling = True
@@ -247,7 +247,7 @@ class Runtime:
                     if cancelled:
                         if state is not None:
                             state.timed_out = True
-                        self.metrics.timeouts.inc()
+                        self.metrics.timeouts.inc(amount=len(job.res))  # a stacked step: each item
                 if again and not all_done.done():
                     timer = loop.call_later(min(0.05, timeout), expire)
 

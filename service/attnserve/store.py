@@ -389,12 +389,24 @@ class Store:
         ls.inflight.append(res)
         res.committed = True
 
-    def cancellable(self, res: Reservation) -> bool:
-        """Whether the job may be dropped before it runs without changing what any
-        other queued job was checked against: it appends nothing, or it is the last
-        job still queued for its layer."""
-        inflight = res.layer.inflight
-        return res.rows == 0 or bool(inflight) and inflight[-1] is res
+    def cancellable(self, reservations: tuple[Reservation, ...]) -> bool:
+        """Whether a job with these reservations (one per item: a stacked step has
+        several) may be dropped before it runs without changing what any other
+        queued job was checked against: each of them appends nothing, or is followed
+        in its layer's queue only by reservations of the same job."""
+        ours = {id(r) for r in reservations}
+        for res in reservations:
+            if res.rows == 0:
+                continue
+            inflight = res.layer.inflight
+            for i in range(len(inflight) - 1, -1, -1):
+                if inflight[i] is res:
+                    break
+                if id(inflight[i]) not in ours:
+                    return False
+            else:
+                return False  # not queued (cannot happen for a committed reservation)
+        return True
 
     def finish(self, res: Reservation, error: BaseException | None) -> None:
         """The job is done, failed or was cancelled (on the event loop, right after)."""

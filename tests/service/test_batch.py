@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.config import Settings
-from svc_helpers import F32_TOL, Api, LiveServer, Model, from_wire, rel_err, rows
+from svc_helpers import F32_TOL, Api, LiveServer, Model, from_wire, rel_err, rows, to_wire
 
 BATCH = "/v1/batch/attend"
 
@@ -243,3 +243,36 @@ def test_queue_full_fails_every_item_and_changes_nothing(api, engine, rng):
     assert _batch(api, items).status == 200
     assert api.info(sid)["lengths"] == [3]
     api.delete(sid)
+
+
+def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
+    """Items alike (one layer, shapes, causal, scale) are one GPU job, as the stacked
+    form is; items that differ run as a group of jobs; both answer per item, in the
+    items form, and a refused item keeps its problem."""
+    from attnserve.routes.batch import parse_batch_document
+
+    ids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)["session_id"] for _ in range(3)]
+
+    def item(sid, layer=0, **kw):
+        return {"session_id": sid, "layer": layer, "q": rows(rng, 1, 4, 16), "k": rows(rng, 1, 2, 16),
+                "v": rows(rng, 1, 2, 16), **kw}  # fmt: skip
+
+    alike = [item(s) for s in ids] + [item("no-such-session")]
+    mixed_layers = [item(ids[0]), item(ids[1], layer=1)]
+    mixed_causal = [item(ids[0]), item(ids[1], causal=False)]
+    max_bytes = server.runtime.settings.max_body_bytes
+    assert parse_batch_document(to_wire({"items": alike}, "msgpack"), (), "batch", max_bytes, 64).stacked is not None
+    for items in (mixed_layers, mixed_causal):
+        assert parse_batch_document(to_wire({"items": items}, "msgpack"), (), "batch", max_bytes, 64).stacked is None
+    jobs = server.runtime.metrics.gpu_jobs
+    for items, want_jobs in ((alike, 1), (mixed_layers, 2)):
+        before = jobs.value()
+        r = _batch(api, items)
+        assert r.status == 200
+        assert jobs.value() - before == want_jobs
+    assert r.body["results"][1]["length"] == 1  # ids[1]'s layer 1
+    r = _batch(api, alike)
+    assert [res.get("length") for res in r.body["results"][:3]] == [3, 2, 2]
+    assert r.body["results"][3]["error"]["type"] == "/problems/session-not-found"
+    for s in ids:
+        api.delete(s)

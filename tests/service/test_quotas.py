@@ -196,9 +196,10 @@ def test_a_job_queued_past_the_timeout_is_dropped_unapplied(engine, rng, caplog)
 
 
 def test_a_batched_step_queued_past_the_timeout_is_dropped_unapplied(engine, rng):
-    """A group times out as its items would one by one: from the tail, so an append
-    checked against an earlier item of the same layer is dropped first; one wake-up
-    settles them all, and nothing is applied."""
+    """A stacked step is one job: it times out whole, its items together (the same
+    session twice included: its second append was checked against its first, and
+    both are dropped), one wake-up settles them all, and nothing is applied; each
+    item counts as a timed-out request."""
     with serving(engine, request_timeout_s=0.3) as srv:
         api = _api(srv)
         a, b = (api.create(**SHAPE)["session_id"] for _ in range(2))
@@ -208,7 +209,7 @@ def test_a_batched_step_queued_past_the_timeout_is_dropped_unapplied(engine, rng
         with ThreadPoolExecutor(1) as pool, gpu_held(engine):
             t0 = time.monotonic()
             fut = pool.submit(_api(srv).call, "POST", "/v1/batch/attend", body, enc="msgpack")
-            _wait_depth(engine, 4)
+            _wait_depth(engine, 2)  # the held job and the step's one job
             r = fut.result()
             waited = time.monotonic() - t0
             assert r.status == 200, r.body

@@ -169,10 +169,11 @@ CallFn = Callable[[GpuContext], Any]
 
 
 class _Job:
-    __slots__ = ("kind", "fn", "future", "enqueued", "started", "taken", "group")
+    __slots__ = ("kind", "fn", "future", "enqueued", "started", "taken", "group", "weight")
 
-    def __init__(self, kind: str, fn: Callable, future: Future, group: object = None):
+    def __init__(self, kind: str, fn: Callable, future: Future, group: object = None, weight: int = 1):
         self.kind = kind
+        self.weight = weight  # what it counts against max_queue: a stacked step's items
         self.fn = fn
         self.future = future
         self.enqueued = time.perf_counter()  # submitted (the request parsed)
@@ -218,6 +219,7 @@ class GpuWorker:
         self.arenas = Arenas(ctx.device, ctx.max_binding)
         self.policy = policy if policy is not None else KernelPolicy()  # the engine's; read per batch
         self._jobs: collections.deque[_Job] = collections.deque()
+        self._queued = 0  # the weights of the jobs in _jobs
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False
@@ -248,8 +250,10 @@ class GpuWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop
 
-    def submit_plan(self, plan: PlanFn) -> Future:
-        return self._enqueue([_Job("plan", plan, Future())])[0]
+    def submit_plan(self, plan: PlanFn, weight: int = 1) -> Future:
+        """Queue ``plan``; it counts ``weight`` against ``max_queue`` (a stacked step:
+        its items, as if they were queued one by one)."""
+        return self._enqueue([_Job("plan", plan, Future(), weight=weight)])[0]
 
     def submit_plans(self, plans: list[PlanFn]) -> list[Future]:
         """Queue ``plans`` as one group: all at once (or none: Overloaded), taken into
@@ -273,16 +277,17 @@ class GpuWorker:
     def _enqueue(self, jobs: list[_Job]) -> list[Future]:
         """Queue ``jobs`` all at once, or none (Overloaded: the worker is stopping, or
         they do not all fit in ``max_queue``)."""
-        n = len(jobs)
         with self._cv:
             if self._stop:
                 raise Overloaded("the GPU worker is shutting down", headers={"Retry-After": "1"})
-            if len(self._jobs) + n > self.max_queue:
-                more = "" if n == 1 else f"; {len(self._jobs)} are, and this batch has {n}"
+            n = sum(j.weight for j in jobs)
+            if self._queued + n > self.max_queue:
+                more = "" if n == 1 else f"; {self._queued} are, and this batch has {n}"
                 raise Overloaded(
                     f"the GPU queue is full ({self.max_queue} jobs waiting{more})", headers={"Retry-After": "1"}
                 )
             self._jobs.extend(jobs)
+            self._queued += n
             self._cv.notify()
         return [j.future for j in jobs]
 
@@ -295,6 +300,7 @@ class GpuWorker:
                     return None
                 self._cv.wait()
             first = self._jobs.popleft()
+            self._queued -= first.weight
             jobs = [first]
             if first.kind == "plan":
                 while (
@@ -306,6 +312,7 @@ class GpuWorker:
                     )
                 ):
                     jobs.append(self._jobs.popleft())
+                    self._queued -= jobs[-1].weight
             self._busy = True
             return jobs
 
@@ -404,6 +411,7 @@ class GpuWorker:
                 batch.rollback(mark)
                 with self._cv:
                     self._jobs.extendleft(reversed(jobs[i:]))
+                    self._queued += sum(j.weight for j in jobs[i:])
                 break
             planned.append((job, finish))
         try:

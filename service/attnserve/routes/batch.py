@@ -53,6 +53,7 @@ __all__ = [
     "parse_batch",
     "parse_batch_document",
     "parse_items",
+    "as_stacked",
     "parse_stacked",
     "queue_batch",
     "finish_batch",
@@ -112,8 +113,9 @@ class StackedItems:
 
 @dataclass(frozen=True)
 class ParsedBatch:
-    """A batch body: its ``items``, or the stacked form (``stacked``), whose answer
-    is stacked too."""
+    """A batch body: its ``items`` (None: the stacked form, whose answer is stacked
+    too), and ``stacked``: the stacked form, or the items as one (:func:`as_stacked`:
+    one layer and shape) to run as one job; None: the items run one job each."""
 
     items: list[BatchItem] | None = None
     stacked: StackedItems | None = None
@@ -132,7 +134,54 @@ def parse_batch_document(doc: Any, head: tuple[str, ...], what: str, max_bytes: 
     ``head`` (a stream frame's ``id`` and ``op``)."""
     if isinstance(doc, dict) and "session_ids" in doc:
         return parse_stacked(Fields(doc, (*head, *STACKED_FIELDS), what), max_bytes, max_items)
-    return ParsedBatch(parse_items(Fields(doc, (*head, "items"), what), max_bytes, max_items))
+    items = parse_items(Fields(doc, (*head, "items"), what), max_bytes, max_items)
+    return ParsedBatch(items, as_stacked(items))
+
+
+def as_stacked(items: list[BatchItem]) -> StackedItems | None:
+    """The items as the stacked form when every item that parsed attends the same
+    layer with the same shapes, ``causal`` and ``scale`` (an engine's step of one
+    layer sent as items), so they run as one job; else None."""
+    good = [it.attend for it in items if it.attend is not None]
+    if not good:
+        return None
+    first, layer = good[0], next(it.layer for it in items if it.attend is not None)
+    kv_shape = None if first.k is None else first.k.shape
+    for it in items:
+        a = it.attend
+        if a is None:
+            continue
+        if (
+            it.layer != layer
+            or a.q.shape != first.q.shape
+            or (None if a.k is None else a.k.shape) != kv_shape
+            or a.causal != first.causal
+            or a.scale != first.scale
+        ):
+            return None
+    b = len(items)
+
+    def stack(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.zeros((b, *shape), dtype="<f4")  # a refused item's rows stay zero (never read)
+        for i, it in enumerate(items):
+            if it.attend is not None:
+                out[i] = getattr(it.attend, name)
+        return out
+
+    q = stack("q", first.q.shape)
+    k, v = (None, None) if kv_shape is None else (stack("k", kv_shape), stack("v", kv_shape))
+    return StackedItems(
+        session_ids=[it.session_id for it in items],
+        layer=layer,
+        q=q,
+        k=k,
+        v=v,
+        offsets=[None if it.attend is None else it.attend.offset for it in items],
+        start_pos=[None if it.attend is None else it.attend.start_pos for it in items],
+        causal=first.causal,
+        scale=first.scale,
+        errors={i: it.error for i, it in enumerate(items) if it.error is not None},
+    )
 
 
 def _check_count(n: int, max_items: int, name: str) -> None:
@@ -315,7 +364,7 @@ def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -
         return queued
     plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
     try:
-        queued.future = engine.worker.submit_plan(plan)
+        queued.future = engine.worker.submit_plan(plan, weight=len(ops))  # counts as its items
     except ApiError as e:  # Overloaded: nothing was queued; give every reservation back
         for i, op in ops:
             rt.store.finish(op.res, e)
@@ -384,10 +433,15 @@ async def finish_any(rt: Runtime, queued: "QueuedBatch | QueuedStacked") -> Any:
 def answer_document(parsed: ParsedBatch, outcome: Any, kind: MediaKind, instance: str) -> dict[str, Any]:
     """The answer to a batch, in the form of its body: ``{"results": [...]}`` for
     items, stacked ``{"out", "lengths", "errors"}`` for the stacked form."""
-    if parsed.stacked is None:
-        return results_document(outcome, kind, instance)
-    result, errors = outcome
-    return stacked_document(parsed.stacked, result, errors, kind, instance)
+    if parsed.items is None:
+        result, errors = outcome
+        return stacked_document(parsed.stacked, result, errors, kind, instance)
+    if isinstance(outcome, tuple):  # the items ran as one stacked job
+        result, errors = outcome
+        outcome = [
+            errors[i] if i in errors else (result.out[i], int(result.lengths[i])) for i in range(len(parsed.items))
+        ]
+    return results_document(outcome, kind, instance)
 
 
 def _problem(err: ApiError, i: int, instance: str) -> dict[str, Any]:
