@@ -236,3 +236,61 @@ def test_the_longest_plain_split_reads_every_page_of_its_window(engine, rng, fmt
     want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=length - 2, causal=True)
     assert rel_err(out, want) <= F32_TOL
     engine.release(s).result()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_a_layer_moved_mid_batch_keeps_the_rows_an_earlier_item_wrote(fmt, rng):
+    """One batch appends to a layer twice (a session twice in a stacked step); the
+    second append finds its slab full at its largest and moves the layer: the move
+    must carry the row the first item wrote in the same batch (TurboQuant's encodes
+    are recorded after the batch's commands). Against a twin appended step by step."""
+    from attnserve.pool import PageLayout
+
+    h, hkv, d = 2, 1, 32
+    adapter = os.environ.get("ATTNSERVE_ADAPTER") or None
+    slab_bytes = max(PageLayout(fmt, hkv, d).buffer_bytes(8 * P))
+    eng = Engine.open(adapter, page_tokens=P, pool_slab_bytes=slab_bytes)
+    try:
+        assert eng.max_tokens_limit(fmt, hkv, d) == 8 * P
+        a, other, twin = (eng.session_kv(SessionConfig(1, h, hkv, d, fmt, 8 * P, 7)) for _ in range(3))
+        k0, v0 = rows(rng, 5 * P - 1, hkv, d), rows(rng, 5 * P - 1, hkv, d)
+        eng.append(a.layers[0], k0, v0).result()
+        eng.append(other.layers[0], rows(rng, 3 * P, hkv, d), rows(rng, 3 * P, hkv, d)).result()
+        eng.append(twin.layers[0], k0, v0).result()
+        slab = a.layers[0].slab
+        assert other.layers[0].slab is slab and slab.free_pages == 0 and slab.pages == 8  # full, at its largest
+        q, k, v = rows(rng, 2, h, d)[:, None], rows(rng, 2, hkv, d)[:, None], rows(rng, 2, hkv, d)[:, None]
+        layer = a.layers[0]
+        plan = eng.plan_stacked([layer, layer], q, k=k, v=v, start_pos=[None, None])
+        got = eng.worker.submit_plan(plan).result()
+        assert not got.errors and layer.slab is not slab and list(got.lengths) == [5 * P, 5 * P + 1]
+        for i in range(2):
+            want, length = eng.attend(twin.layers[0], q[i], k=k[i], v=v[i]).result()
+            assert length == got.lengths[i]
+            np.testing.assert_array_equal(got.out[i], want)
+        for mine, theirs in zip(read_words(eng, a.layers[0]), read_words(eng, twin.layers[0])):
+            np.testing.assert_array_equal(mine, theirs)
+        # the second append of a batch starts in the partial last page it then moves
+        # (its first rows land in the moved copy of that page): a group of jobs
+        b, twin_b = (eng.session_kv(SessionConfig(1, h, hkv, d, fmt, 8 * P, 9)) for _ in range(2))
+        k0, v0 = rows(rng, 3 * P - 3, hkv, d), rows(rng, 3 * P - 3, hkv, d)
+        for s in (b, twin_b):
+            eng.append(s.layers[0], k0, v0).result()
+        slab = b.layers[0].slab
+        assert other.layers[0].slab is slab and other.layers[0].length % P == 0
+        fill = slab.free_pages * P  # other takes the slab's last free pages
+        eng.append(other.layers[0], rows(rng, fill, hkv, d), rows(rng, fill, hkv, d)).result()
+        assert slab.free_pages == 0 and slab.pages == 8
+        parts = [(rows(rng, n, hkv, d), rows(rng, n, hkv, d)) for n in (1, 3)]
+        q = rows(rng, 1, h, d)
+        layer = b.layers[0]
+        futs = eng.submit_group([*(eng.plan_append(layer, kk, vv) for kk, vv in parts), eng.plan_attend(layer, q)])
+        assert [f.result() for f in futs[:2]] == [3 * P - 2, 3 * P + 1] and layer.slab is not slab
+        for kk, vv in parts:
+            eng.append(twin_b.layers[0], kk, vv).result()
+        want, _ = eng.attend(twin_b.layers[0], q).result()
+        np.testing.assert_array_equal(futs[2].result()[0], want)
+        for mine, theirs in zip(read_words(eng, layer), read_words(eng, twin_b.layers[0])):
+            np.testing.assert_array_equal(mine, theirs)
+    finally:
+        eng.close()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import wgpu
 
-from .gpu.batch import Batch, Seg
+from .gpu.batch import PHASE_WRITE, Batch, Seg
 from .gpu import kernels as K
 from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
 from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, check_head_dim, is_plain
@@ -129,7 +129,13 @@ class LayerCache:
         pool, old_slab, old = self.pool, self.slab, self.pages
         slab, pages = pool.take(batch, batch.device, None, len(old) + more, self, exclude=old_slab)
         batch.on_rollback(lambda: pool.untake(slab, pages))
-        pool.copy_pages(batch, old_slab, old, slab, pages)
+        if self.writes_deferred:
+            # its appends earlier in this batch are deferred writes into the old slab:
+            # the copy runs after them and before the writes deferred from now on
+            batch.defer(PHASE_WRITE, object(), None, lambda b, _: pool.copy_pages(b, old_slab, old, slab, pages))
+            batch.write_epoch += 1
+        else:  # its appends are copies recorded in order: so is this one
+            pool.copy_pages(batch, old_slab, old, slab, pages)
         pool.drop(old_slab, old, self)
         batch.on_rollback(lambda: pool.share(old_slab, old, self))
         self.slab, self.pages = slab, pages
@@ -148,6 +154,9 @@ class LayerCache:
 
     #: The dtype of the rows an append uploads (the k, v arrays are converted to it).
     row_dtype = "<f4"
+    #: Whether its appends are deferred writes (``Batch.defer``, recorded after the
+    #: batch's commands) rather than copies recorded in order.
+    writes_deferred = False
 
     def plan_append(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> int:
         """Record the append of rows ``[n, Hkv, d]``; returns the new length."""
@@ -333,6 +342,8 @@ class PlainLayerCache(LayerCache):
 class TurboQuantLayerCache(LayerCache):
     """TurboQuant K/V words (``turboquant`` and its variants, ``formats.TQ_SPECS``) in
     the layout of ``shaders/tqx.wgsl``, in pool slabs."""
+
+    writes_deferred = True  # encodes (gpu/kernels.py plan_tq_encode)
 
     def __init__(self, *, seed: int, **kw):
         super().__init__(**kw)

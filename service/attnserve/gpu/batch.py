@@ -217,6 +217,10 @@ class Batch:
         self._deferred: list[tuple[int, object, object, Callable]] = []
         self._deferred_in = 0
         self._memo: dict[object, Seg] = {}
+        # deferred writes (encodes) group by it: a layer moved to another slab during
+        # the batch copies its pages after the writes deferred before the move and
+        # before those deferred after it (``LayerCache._move``)
+        self.write_epoch = 0
 
     # ── planning ────────────────────────────────────────────────────────────
 

@@ -362,7 +362,7 @@ def plan_tq_encode(batch: Batch, e: Encode) -> None:
     for base in ("tqx_encode_keys", "tqx_encode_values"):
         kernel = tqx_kernel(base, e.kv_format)
         flush = functools.partial(_flush_encode, kernel, base == "tqx_encode_keys")
-        batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads), e, flush, rows=e.n_rows)
+        batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads, batch.write_epoch), e, flush, rows=e.n_rows)
 
 
 def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Encode]) -> None:
