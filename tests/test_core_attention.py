@@ -317,3 +317,37 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
             tol = TQ_TOL
         err = rel_err(out, want)
         assert err <= tol, (case, causal, err)
+
+
+def test_a_stacked_step_past_the_binding_limit_fails_its_tail_cleanly(engine, rng):
+    """A stacked step is one job: the items that would push an arena past the binding
+    limit (after the first) are refused with a problem that says so, from there on,
+    and change nothing; the items before stay exact."""
+    from attnserve.errors import InvalidRequest
+
+    h, hkv, d = 8, 2, 64
+    limits = engine.ctx.limits
+    saved = limits["max-storage-buffer-binding-size"]
+    sessions = [session(engine, "f32", h, hkv, d) for _ in range(6)]
+    for s in sessions:
+        engine.append(s.layers[0], rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)).result()
+    q = np.stack([rows(rng, 30, h, d) for _ in sessions])
+    k, v = np.stack([rows(rng, 2, hkv, d) for _ in sessions]), np.stack([rows(rng, 2, hkv, d) for _ in sessions])
+    layers = [s.layers[0] for s in sessions]
+    try:
+        limits["max-storage-buffer-binding-size"] = 40 * h * d * 4  # ~2 items' queries
+        plan = engine.plan_stacked(layers, q, k=k, v=v, start_pos=[None] * 6)
+        got = engine.worker.submit_plan(plan).result()
+    finally:
+        limits["max-storage-buffer-binding-size"] = saved
+    done = [i for i in range(6) if i not in got.errors]
+    assert done == list(range(len(done))) and 1 <= len(done) < 6, got.errors
+    for i in range(len(done), 6):
+        assert isinstance(got.errors[i], InvalidRequest) and "binding limit" in str(got.errors[i])
+        assert layers[i].length == 40 and got.lengths[i] == -1 and not got.out[i].any()
+    for i in done:
+        assert layers[i].length == 42 == got.lengths[i]
+        kw, vw = engine.call(lambda ctx, l=layers[i]: l.read_words(ctx.device)).result()
+        kall = np.frombuffer(kw, np.float32).reshape(-1, hkv, d)[:42]
+        vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
+        assert rel_err(got.out[i], ref.attention(q[i], kall, vall)) <= F32_TOL

@@ -351,8 +351,13 @@ class Engine:
                     rows[dtype] = tuple(batch.upload_items(a.astype(dtype, copy=False)) for a in (k, v))
             lengths = np.full(b, -1, dtype=np.int64)
             errors: dict[int, BaseException] = {}
+            cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
+            full: InvalidRequest | None = None
             for i, layer in enumerate(layers):
                 if layer is None:
+                    continue
+                if full is not None:
+                    errors[i] = full
                     continue
                 mark = batch.mark()
                 try:
@@ -368,6 +373,12 @@ class Engine:
                         batch, qs.seg(i), q.shape[1:], out=outs.seg(i), length=length,
                         start_pos=sp, causal=causal, scale=sc,
                     )  # fmt: skip
+                    if batch.largest_arena > cap and (lengths >= 0).any():  # the first item may use it all
+                        full = InvalidRequest(
+                            f"this batched step's GPU buffers pass the adapter's binding limit ({cap} bytes) at "
+                            f"item {i}: it and the items after it were not applied; send them in a later step"
+                        )
+                        raise full
                     lengths[i] = length
                 except Exception as e:  # this item alone: its commands and host state are undone
                     batch.rollback(mark)
