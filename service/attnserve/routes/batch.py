@@ -362,13 +362,16 @@ def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -
     queued = QueuedStacked(st, errors, ops)
     if not ops:
         return queued
-    plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
     try:
+        plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
         queued.future = engine.worker.submit_plan(plan, weight=len(ops))  # counts as its items
-    except ApiError as e:  # Overloaded: nothing was queued; give every reservation back
+    except Exception as e:  # Overloaded (or a bug): nothing was queued; give every reservation back
+        if not isinstance(e, ApiError):
+            log.exception("stacked step failed to queue")
+        err = e if isinstance(e, ApiError) else InternalError("an internal error occurred; it was logged")
         for i, op in ops:
             rt.store.finish(op.res, e)
-            errors[i] = e
+            errors[i] = err
         queued.ops = []
         return queued
     item_errors = lambda result: [result.errors.get(i) for i, _ in ops]  # noqa: E731
