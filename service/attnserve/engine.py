@@ -22,6 +22,7 @@ import numpy as np
 from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, rotated_q_bytes
+from .gpu.batch import Batch, Seg
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
 from .formats import F16_MAX, TQ_SPECS
@@ -56,6 +57,33 @@ class AttendResult(tuple):
     @property
     def length(self) -> int:
         return self[1]
+
+
+def _plan_attend_item(
+    batch: Batch,
+    layer: LayerCache,
+    q: Seg,
+    shape: tuple[int, ...],
+    out: Seg,
+    rows: tuple[Seg, Seg, int] | None,
+    start_pos: int | None,
+    causal: bool,
+    scale: float,
+) -> int:
+    """Plan one attend of uploaded queries ``q`` (``shape`` ``[n, H, d]``) into
+    ``out`` on ``layer``, after its fused append of uploaded ``rows`` ``(k, v,
+    n_rows)`` if any, at ``start_pos`` (default ``length - n``); returns the length
+    it attends over. Atomic: if the job (or the item) is rolled back, the layer is
+    put back as it was."""
+    batch.on_rollback(functools.partial(layer.restore, layer.state()))
+    if rows is not None:
+        layer.plan_append_rows(batch, *rows)
+    n, length = shape[0], layer.length
+    sp = length - n if start_pos is None else int(start_pos)
+    if sp < 0 or sp + n > length:
+        raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
+    layer.plan_attend_rows(batch, q, shape, out=out, length=length, start_pos=sp, causal=causal, scale=scale)
+    return length
 
 
 class StackedResult(NamedTuple):
@@ -282,22 +310,15 @@ class Engine:
         if k is not None:
             k, v = _as_rows(k, "k"), _as_rows(v, "v")
             self._check_rows(layer, k, v)
-        n, _, d = q.shape
+        d = q.shape[2]
         if d != layer.head_dim:
             raise ValueError(f"q head_dim {d} != cache head_dim {layer.head_dim}")
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
         def plan(batch):
-            # Atomic: if this job is rolled back (it raised below, or the batch
-            # pushed it to the next one), the layer is put back as it was.
-            batch.on_rollback(functools.partial(layer.restore, layer.state()))
-            if k is not None:
-                layer.plan_append(batch, k, v)
-            length = layer.length
-            sp = length - n if start_pos is None else int(start_pos)
-            if sp < 0 or sp + n > length:
-                raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
-            seg = layer.plan_attend(batch, q, start_pos=sp, causal=causal, scale=sc)
+            rows = None if k is None else (*layer.upload_rows(batch, k, v), k.shape[0])
+            seg = batch.output(q.nbytes)
+            length = _plan_attend_item(batch, layer, batch.upload(q), q.shape, seg, rows, start_pos, causal, sc)
 
             def finish(out):
                 arr = np.frombuffer(out, dtype="<f4", count=seg.size // 4, offset=seg.offset)
@@ -326,7 +347,7 @@ class Engine:
         an item that fails to plan is rolled back alone. The future gives a
         :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``, ``errors``)."""
         q = np.ascontiguousarray(q, dtype="<f4")
-        b, n, _, d = q.shape
+        b, _, _, d = q.shape
         if len(layers) != b or len(start_pos) != b or (k is None) != (v is None):
             raise ValueError("one layer and start_pos per stacked item, and k and v together")
         if k is not None:
@@ -361,18 +382,10 @@ class Engine:
                     continue
                 mark = batch.mark()
                 try:
-                    batch.on_rollback(functools.partial(layer.restore, layer.state()))
-                    if k is not None:
-                        ks, vs = rows[layer.row_dtype]
-                        layer.plan_append_rows(batch, ks.seg(i), vs.seg(i), k.shape[1])
-                    length = layer.length
-                    sp = length - n if start_pos[i] is None else int(start_pos[i])
-                    if sp < 0 or sp + n > length:
-                        raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
-                    layer.plan_attend_rows(
-                        batch, qs.seg(i), q.shape[1:], out=outs.seg(i), length=length,
-                        start_pos=sp, causal=causal, scale=sc,
-                    )  # fmt: skip
+                    item_rows = None if k is None else (*(a.seg(i) for a in rows[layer.row_dtype]), k.shape[1])
+                    length = _plan_attend_item(
+                        batch, layer, qs.seg(i), q.shape[1:], outs.seg(i), item_rows, start_pos[i], causal, sc
+                    )
                     if batch.largest_arena > cap and (lengths >= 0).any():  # the first item may use it all
                         full = InvalidRequest(
                             f"this batched step's GPU buffers pass the adapter's binding limit ({cap} bytes) at "

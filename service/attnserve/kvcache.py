@@ -158,30 +158,20 @@ class LayerCache:
     #: batch's commands) rather than copies recorded in order.
     writes_deferred = False
 
+    def upload_rows(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> tuple[Seg, Seg]:
+        """Rows ``k, v [n, Hkv, d]`` uploaded as an append of this layer takes them
+        (``row_dtype``)."""
+        ks, vs = (batch.upload(np.ascontiguousarray(a, self.row_dtype)) for a in (k, v))
+        return ks, vs
+
     def plan_append(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> int:
         """Record the append of rows ``[n, Hkv, d]``; returns the new length."""
-        k, v = (np.ascontiguousarray(a, self.row_dtype) for a in (k, v))
-        return self.plan_append_rows(batch, batch.upload(k), batch.upload(v), k.shape[0])
+        return self.plan_append_rows(batch, *self.upload_rows(batch, k, v), k.shape[0])
 
     def plan_append_rows(self, batch: Batch, k: Seg, v: Seg, n: int) -> int:
         """Record the append of ``n`` uploaded rows (``row_dtype``, ``[n, Hkv, d]``);
         returns the new length."""
         raise NotImplementedError
-
-    def plan_attend(self, batch: Batch, q: np.ndarray, *, start_pos: int, causal: bool, scale: float) -> Seg:
-        """Record attention for ``q[n, H, d]``; returns the output segment ``[n, H, d]``."""
-        out = batch.output(q.nbytes)
-        self.plan_attend_rows(
-            batch,
-            batch.upload(q),
-            q.shape,
-            out=out,
-            length=self.length,
-            start_pos=start_pos,
-            causal=causal,
-            scale=scale,
-        )
-        return out
 
     def _attend(self, batch: Batch, q, shape: tuple, out, length: int, start_pos: int, causal: bool, scale: float):
         n, h, d = shape

@@ -164,9 +164,7 @@ class TqLayer:
 def _bind(res: Resource) -> tuple[Resource, int]:
     """(what to bind, the word offset of ``res`` in it): a segment's whole arena, so
     that one dispatch reaches every item of a batch; a buffer as it is."""
-    if isinstance(res, Seg):
-        return whole(res.arena), res.offset // 4
-    return res, 0
+    return (whole(res.arena) if isinstance(res, Seg) else res), _word(res)
 
 
 def _prefill_params(batch: Batch, a: Attend, q_base: int, n_queries: int) -> Seg:

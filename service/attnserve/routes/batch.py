@@ -242,7 +242,7 @@ def parse_stacked(f: Fields, max_bytes: int, max_items: int) -> ParsedBatch:
                 errors.setdefault(
                     i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
                 )
-    offsets, start_pos, errors = ints["offsets"], ints["start_pos"], dict(sorted(errors.items()))
+    offsets, start_pos = ints["offsets"], ints["start_pos"]
     return ParsedBatch(stacked=StackedItems(ids, layer, q, k, v, offsets, start_pos, causal, scale, errors))
 
 
@@ -472,11 +472,7 @@ def stacked_document(
         out = np.zeros((b, *st.out_shape), dtype="<f4")
         lengths: list[int | None] = [None] * b
     else:
-        out = result.out
-        late = [i for i in errors if result.lengths[i] >= 0]  # failed after planning: a timeout, say
-        if late:
-            out = out.copy()
-            out[late] = 0.0
+        out = result.out  # zero in the rows of every item that failed (its length is -1)
         lengths = [None if i in errors else length for i, length in enumerate(result.lengths.tolist())]
     problems = [_problem(errors[i], i, instance) for i in sorted(errors)]
     return {"out": array_out(np.ascontiguousarray(out), kind), "lengths": lengths, "errors": problems}
