@@ -33,7 +33,7 @@ import numpy as np
 from _server import serving
 from websockets.sync.client import connect
 
-from tools.common import write_result
+from tools.common import percentiles, write_result
 
 H, HKV, D = 32, 8, 128
 MSGPACK = "application/vnd.msgpack"
@@ -43,12 +43,6 @@ def wire(a: np.ndarray) -> dict:
     """The wire form of a float32 array, as docs/api.md describes it."""
     a = np.ascontiguousarray(a, dtype="<f4")
     return {"dtype": "<f4", "shape": list(a.shape), "data": a.tobytes()}
-
-
-def percentiles(lat: list[float]) -> dict:
-    ms = sorted(1e3 * x for x in lat)
-    pick = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
-    return {"p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3)}
 
 
 def call(http: httpx.Client, method: str, path: str, doc: dict | None = None) -> dict:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from _server import serving
 
-from tools.common import metric_sum, parse_prometheus, write_result
+from tools.common import metric_sum, parse_prometheus, percentiles, write_result
 
 from attnserve_client import AttendItem, Client
 
@@ -66,12 +65,6 @@ def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
             rng.standard_normal((m, HKV, D), dtype=np.float32),
             rng.standard_normal((m, HKV, D), dtype=np.float32),
         )
-
-
-def percentiles(lat: list[float]) -> dict:
-    lat_ms = sorted(1e3 * x for x in lat)
-    p = lambda f: lat_ms[min(len(lat_ms) - 1, int(f * len(lat_ms)))]  # noqa: E731
-    return {"p50_ms": round(p(0.5), 3), "p99_ms": round(p(0.99), 3), "mean_ms": round(statistics.mean(lat_ms), 3)}
 
 
 def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: str = "http") -> dict:

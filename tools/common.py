@@ -1,6 +1,6 @@
 """One copy of the small helpers the tools and tests all need: a free loopback
-port, Prometheus text parsing, and the relative error of a result against a
-float64 reference. Standard library and numpy only."""
+port, Prometheus text parsing, the relative error of a result against a
+float64 reference, latency percentiles. Standard library and numpy only."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import math
 import re
 import socket
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,13 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     """max |got - want| / max |want|, in float64."""
     want = np.asarray(want, np.float64)
     return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def percentiles(lat: list[float]) -> dict[str, float]:
+    """p50, p99 and mean of latencies in seconds, as milliseconds (3 decimals)."""
+    ms = sorted(1e3 * x for x in lat)
+    pick = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
+    return {"p50_ms": round(pick(0.5), 3), "p99_ms": round(pick(0.99), 3), "mean_ms": round(statistics.mean(ms), 3)}
 
 
 def write_result(path: Path | None, doc: object, *, indent: int = 2) -> None:
