@@ -41,7 +41,9 @@ from tools.common import write_result  # noqa: E402
 H, HKV, D = 32, 8, 128
 
 
-def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, read_only: bool = False) -> dict:
+def run(
+    engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, read_only: bool = False, stacked: bool = False
+) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
     sessions = [engine.session_kv(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i)) for i in range(n)]
@@ -50,6 +52,7 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, re
         engine.append(s.layers[0], k, k).result()
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    qb, kb = np.broadcast_to(q, (n, *q.shape)).copy(), np.broadcast_to(k1, (n, *k1.shape)).copy()
     arenas = engine.worker.arenas
 
     def step(prof: cProfile.Profile | None) -> tuple[float, float, float]:
@@ -57,8 +60,13 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, re
         if prof:
             prof.enable()
         batch = Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align, engine.policy)
-        fused = {} if read_only else {"k": k1, "v": k1}
-        finishes = [engine.plan_attend(s.layers[0], q, **fused)(batch) for s in sessions]
+        if stacked:  # one job for the step, its items planned as columns (Engine.plan_stacked)
+            fused = {} if read_only else {"k": kb, "v": kb}
+            layers = [s.layers[0] for s in sessions]
+            finishes = [engine.plan_stacked(layers, qb, start_pos=[None] * n, **fused)(batch)]
+        else:
+            fused = {} if read_only else {"k": k1, "v": k1}
+            finishes = [engine.plan_attend(s.layers[0], q, **fused)(batch) for s in sessions]
         t1 = time.perf_counter()
         encoded = batch.encode()
         if prof:
@@ -92,6 +100,7 @@ def run(engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, re
         "items": n,
         "context": context,
         "fused_append": not read_only,
+        "stacked": stacked,
         "steps": steps,
         "plan_ms": round(float(med[0]), 3),
         "encode_ms": round(float(med[1]), 3),
@@ -121,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--read-only", action="store_true", help="attend without the fused append")
+    ap.add_argument("--stacked", action="store_true", help="the step as one stacked job (plan_stacked)")
     ap.add_argument("--top", type=int, default=25, help="cProfile rows to print (0: none)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
@@ -130,7 +140,9 @@ def main(argv=None) -> int:
         print(f"# adapter: {engine.ctx.describe()}", flush=True)
         for fmt in args.formats.split(","):
             for n in sorted({1, args.sessions}):
-                r = run(engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only)
+                r = run(
+                    engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked
+                )
                 results.append(r)
                 prof = r.pop("profile_tottime", None)
                 print(json.dumps(r), flush=True)

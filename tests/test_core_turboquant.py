@@ -168,7 +168,7 @@ def test_rotate_q_matches_oracle(engine, rng, d):
     def plan(batch):
         signs = s.layers[1].signs(batch)
         out = batch.output(rotated_q_bytes(n, h, d))
-        plan_rotate_q(batch, Rotate(batch.upload(q), out, signs, n, h, d))
+        plan_rotate_q(batch, Rotate.one(batch.upload(q), out, signs, n, h, d))
         return lambda data: np.frombuffer(data, np.float32, count=out.size // 4, offset=out.offset).copy()
 
     got = engine.worker.execute(plan)

@@ -40,7 +40,7 @@ to bench/results/tq-decode-variants-<adapter>.json (tools.common.write_result).
 Exit status 1 when an output check failed or a variant could not run.
 
 Everything that swaps kernels is monkeypatching inside this process
-(Batch.dispatch, kernels.choose_split and entries of shaders.KERNELS, restored on
+(Batch.dispatch, kernels.split_sizes and entries of shaders.KERNELS, restored on
 exit; device.OPTIONAL_FEATURES gains timestamp-query): no service file is changed.
 """
 
@@ -241,7 +241,7 @@ def routed(engine, variant: str | None, head_dim: int, drop: tuple[str, ...] = (
     added = register()
     v = VARIANTS.get(variant) if variant else None
     limit = workgroup_limit(engine)
-    orig_dispatch, orig_choose = Batch.dispatch, K.choose_split
+    orig_dispatch, orig_sizes = Batch.dispatch, K.split_sizes
 
     def dispatch(self, kernel, bindings, grid, constants=None):
         if kernel in drop:
@@ -250,19 +250,19 @@ def routed(engine, variant: str | None, head_dim: int, drop: tuple[str, ...] = (
             kernel, constants = v.kernel, v.constants(constants, limit)
         return orig_dispatch(self, kernel, bindings, grid, constants)
 
-    def choose(kv_format, max_seq, n_kv_heads, n_queries, group, *args, **kw):
-        s, n = orig_choose(kv_format, max_seq, n_kv_heads, n_queries, group, *args, **kw)
+    def sizes(kv_format, max_seq, n_kv_heads, n_queries, group, *args, **kw):
+        s, n = orig_sizes(kv_format, max_seq, n_kv_heads, n_queries, group, *args, **kw)
         if v is not None and kv_format == "turboquant":
             cap = v.split_cap(group, head_dim, limit)
-            if s > cap:
-                s, n = cap, -(-max_seq // cap)
+            over = s > cap
+            s, n = np.where(over, cap, s), np.where(over, -(-np.asarray(max_seq) // cap), n)
         return s, n
 
-    Batch.dispatch, K.choose_split = dispatch, choose
+    Batch.dispatch, K.split_sizes = dispatch, sizes
     try:
         yield
     finally:
-        Batch.dispatch, K.choose_split = orig_dispatch, orig_choose
+        Batch.dispatch, K.split_sizes = orig_dispatch, orig_sizes
         for name in added:
             S.KERNELS.pop(name, None)
 

@@ -22,7 +22,7 @@ import numpy as np
 from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, rotated_q_bytes
-from .gpu.batch import Batch, Seg
+from .gpu.batch import Batch, Items, Seg
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
 from .formats import F16_MAX, TQ_SPECS
@@ -84,6 +84,10 @@ def _plan_attend_item(
         raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
     layer.plan_attend_rows(batch, q, shape, out=out, length=length, start_pos=sp, causal=causal, scale=scale)
     return length
+
+
+class _OneByOne(Exception):
+    """The columns of a stacked step passed the binding limit: plan it item by item."""
 
 
 class StackedResult(NamedTuple):
@@ -373,10 +377,20 @@ class Engine:
             lengths = np.full(b, -1, dtype=np.int64)
             errors: dict[int, BaseException] = {}
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
+            mark = batch.mark()
+            try:  # the common case as columns; anything unusual is planned item by item below
+                one_by_one = self._plan_columns(
+                    batch, layers, qs, outs, rows, k, q.shape[1:], start_pos, causal, sc, lengths
+                )
+                if batch.largest_arena > cap:
+                    raise _OneByOne
+            except Exception:
+                batch.rollback(mark)
+                lengths[:] = -1
+                one_by_one = [i for i, layer in enumerate(layers) if layer is not None]
             full: InvalidRequest | None = None
-            for i, layer in enumerate(layers):
-                if layer is None:
-                    continue
+            for i in one_by_one:
+                layer = layers[i]
                 if full is not None:
                     errors[i] = full
                     continue
@@ -408,6 +422,57 @@ class Engine:
             return finish
 
         return plan
+
+    @staticmethod
+    def _plan_columns(
+        batch: Batch,
+        layers: Sequence[LayerCache | None],
+        qs: Items,
+        outs: Items,
+        rows: dict[str, tuple[Items, Items]],
+        k: np.ndarray | None,
+        shape: tuple[int, int, int],
+        start_pos: Sequence[int | None],
+        causal: bool,
+        scale: float,
+        lengths: np.ndarray,
+    ) -> list[int]:
+        """Plan a stacked step's items as columns where it can: when its layers are
+        distinct, every item whose layer's kind takes the split path, in one group per
+        pool (``LayerCache.plan_stacked``); sets their ``lengths`` and returns the
+        items left to plan one by one (every item, if a layer appears twice: items of
+        one layer apply in order, each against the one before)."""
+        taking = [i for i, layer in enumerate(layers) if layer is not None]
+        if len({id(layers[i]) for i in taking}) != len(taking):
+            return taking
+        n, h, d = shape
+        groups: dict[int, list[int]] = {}
+        for i in taking:
+            groups.setdefault(id(layers[i].pool), []).append(i)  # type: ignore[union-attr]
+        left: list[int] = []
+        sp_all = np.fromiter((-1 if p is None else p for p in start_pos), np.int64, len(start_pos))
+        for idx in groups.values():
+            first = layers[idx[0]]
+            assert first is not None
+            if batch.policy.path(first.kv_format, n, h, first.n_kv_heads, d) != "split":
+                left += idx
+                continue
+            items = np.asarray(idx)
+            group = [layers[i] for i in idx]
+            item_rows = None if k is None else (*rows[first.row_dtype], k.shape[1])
+            lengths[items] = first.plan_stacked(
+                batch,
+                group,
+                items,
+                qs,
+                outs,
+                item_rows,
+                shape,
+                sp_all[items],
+                causal,
+                scale,  # type: ignore[arg-type]
+            )
+        return sorted(left)
 
     def submit_group(self, plans: list[PlanFn]) -> list[Future]:
         """Queue ``plans`` together: they run in order in one GPU submission with one

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import wgpu
 
-from .gpu.batch import PHASE_WRITE, Batch, Seg
+from .gpu.batch import PHASE_WRITE, Batch, Items, Seg, whole
 from .gpu import kernels as K
 from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
-from .formats import PLAIN_DTYPES, PLAIN_ELEMENT_BYTES, check_head_dim, is_plain
+from .formats import PLAIN_DTYPES, check_head_dim, is_plain
 from .turboquant import layer_signs_bytes
 
 __all__ = [
@@ -129,13 +129,10 @@ class LayerCache:
         pool, old_slab, old = self.pool, self.slab, self.pages
         slab, pages = pool.take(batch, batch.device, None, len(old) + more, self, exclude=old_slab)
         batch.on_rollback(lambda: pool.untake(slab, pages))
-        if self.writes_deferred:
-            # its appends earlier in this batch are deferred writes into the old slab:
-            # the copy runs after them and before the writes deferred from now on
-            batch.defer(PHASE_WRITE, object(), None, lambda b, _: pool.copy_pages(b, old_slab, old, slab, pages))
-            batch.write_epoch += 1
-        else:  # its appends are copies recorded in order: so is this one
-            pool.copy_pages(batch, old_slab, old, slab, pages)
+        # its appends earlier in this batch are deferred writes into the old slab: the
+        # copy runs after them and before the writes deferred from now on
+        batch.defer(PHASE_WRITE, object(), None, lambda b, _: pool.copy_pages(b, old_slab, old, slab, pages))
+        batch.write_epoch += 1
         pool.drop(old_slab, old, self)
         batch.on_rollback(lambda: pool.share(old_slab, old, self))
         self.slab, self.pages = slab, pages
@@ -144,19 +141,21 @@ class LayerCache:
         """Take the pages of ``capacity`` timesteps now (never gives any back; capped at max_tokens)."""
         self._ensure_pages(batch, min(capacity, self.max_tokens))
 
-    def page_table(self, batch: Batch) -> Seg:
-        """The page table as it is now, uploaded with the batch (u32 words; once per
-        batch while the pages stay the same)."""
+    def table_words(self) -> np.ndarray:
+        """The page table as it is now (u32 words), rebuilt only when the pages change."""
         if self._table_of is not self.pages:
             self._table_of, self._table = self.pages, np.asarray(self.pages, dtype="<u4")
             self._table_version += 1
-        return batch.upload_once(("pages", self, self._table_version), self._table)
+        return self._table
+
+    def page_table(self, batch: Batch) -> Seg:
+        """The page table as it is now, uploaded with the batch (u32 words; once per
+        batch while the pages stay the same)."""
+        table = self.table_words()
+        return batch.upload_once(("pages", self, self._table_version), table)
 
     #: The dtype of the rows an append uploads (the k, v arrays are converted to it).
     row_dtype = "<f4"
-    #: Whether its appends are deferred writes (``Batch.defer``, recorded after the
-    #: batch's commands) rather than copies recorded in order.
-    writes_deferred = False
 
     def upload_rows(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> tuple[Seg, Seg]:
         """Rows ``k, v [n, Hkv, d]`` uploaded as an append of this layer takes them
@@ -172,6 +171,98 @@ class LayerCache:
         """Record the append of ``n`` uploaded rows (``row_dtype``, ``[n, Hkv, d]``);
         returns the new length."""
         raise NotImplementedError
+
+    def _append(self, batch: Batch, n_rows, t0, k_off, v_off) -> K.Append:
+        """This layer's append of uploaded rows (word offsets in the input arena), as
+        the one entry of an :class:`~attnserve.gpu.kernels.Append`."""
+        table = (self.page_table(batch).offset // 4,)
+        return K.Append(
+            self.kv_format, self.slab, self.pool.page_shift, self.n_kv_heads, self.head_dim,
+            n_rows, t0, k_off, v_off, table, self.sign_words(batch, [self]),
+        )  # fmt: skip
+
+    @staticmethod
+    def sign_words(batch: Batch, layers: Sequence["LayerCache"]) -> Sequence[int]:
+        """Where each of ``layers``' rotation signs are in the batch's input arena
+        (word offsets; plain layers have none)."""
+        return ()
+
+    @staticmethod
+    def plan_split_attends(batch: Batch, a: K.Attends, kv_format: str) -> None:
+        """Queue split-KV attends over layers of this kind (``a``: plain queries)."""
+        K.plan_split(batch, a, kv_format)
+
+    @staticmethod
+    def plan_stacked(
+        batch: Batch,
+        layers: Sequence["LayerCache"],
+        items: np.ndarray,
+        q: Items,
+        out: Items,
+        rows: tuple[Items, Items, int] | None,
+        shape: tuple[int, int, int],
+        start_pos: np.ndarray,
+        causal: bool,
+        scale: float,
+    ) -> np.ndarray:
+        """Plan the attends of a stacked step's items ``items`` on ``layers`` (one
+        each: distinct layers of one pool, every attend on the split path) as columns,
+        after their fused appends of ``rows`` ``(k, v, m)`` if any: item ``i``'s
+        queries ``q.seg(i)`` ``[n, H, d]`` (``shape``) into ``out.seg(i)``, from
+        ``start_pos[i]`` (-1: ``length - n``). The group's pages are taken and its page
+        tables uploaded as one CSR (indptr from the tables' sizes); its writes and
+        attends join the batch's deferred kernels as one entry each per slab. Returns
+        the length each item attends over. Raises (ValueError, CapacityExceeded) where
+        one item alone would; the caller then plans the items one by one, so the
+        columns never decide an item's problem. Atomic: on rollback every layer is
+        put back."""
+        first = layers[0]
+        pool, kind = first.pool, type(first)
+        count = len(layers)
+        saved = [(layer, layer.length, layer.slab, layer.pages) for layer in layers]
+
+        def restore() -> None:
+            for layer, length, slab, pages in saved:
+                layer.length, layer.slab, layer.pages = length, slab, pages
+
+        batch.on_rollback(restore)
+        before = np.fromiter((layer.length for layer in layers), np.int64, count)
+        m = 0 if rows is None else rows[2]
+        after = before + m
+        if m:
+            held = np.fromiter((len(layer.pages) for layer in layers), np.int64, count)
+            for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
+                layers[i]._ensure_pages(batch, int(after[i]))
+        n = shape[0]
+        sp = np.where(start_pos < 0, after - n, start_pos)
+        if (sp < 0).any() or (sp + n > after).any():
+            raise ValueError("start_pos + n rows exceeds a layer's length")
+        slabs = [layer.slab for layer in layers]
+        if any(slab is None for slab in slabs):
+            raise ValueError("attend over a layer that holds no timestep")
+        tables = [layer.table_words() for layer in layers]
+        sizes = np.fromiter((len(t) for t in tables), np.int64, count)
+        table_off = batch.upload(np.concatenate(tables)).offset // 4 + np.cumsum(sizes) - sizes
+        signs = np.asarray(kind.sign_words(batch, layers), dtype=np.int64)
+        words = lambda it, idx: (it.base + items[idx] * it.stride) // 4  # noqa: E731
+        ids = [id(slab) for slab in slabs]
+        parts = [np.arange(count)] if ids.count(ids[0]) == count else _by_value(ids)
+        h, d = shape[1], first.head_dim
+        for idx in parts:
+            slab, sg = slabs[idx[0]], (signs[idx] if len(signs) else ())
+            if rows is not None:
+                k, v, _ = rows
+                K.plan_append(batch, K.Append(
+                    first.kv_format, slab, pool.page_shift, first.n_kv_heads, d,
+                    np.full(len(idx), m), before[idx], words(k, idx), words(v, idx), table_off[idx], sg,
+                ))  # fmt: skip
+            kind.plan_split_attends(batch, K.Attends(
+                whole("in"), whole("out"), slab, pool.page_shift, n, h, first.n_kv_heads, d, causal, scale,
+                after[idx], sp[idx], words(q, idx), words(out, idx), table_off[idx], sg,
+            ), first.kv_format)  # fmt: skip
+        for layer, length in zip(layers, after.tolist()):
+            layer.length = length
+        return after
 
     def _attend(self, batch: Batch, q, shape: tuple, out, length: int, start_pos: int, causal: bool, scale: float):
         n, h, d = shape
@@ -312,15 +403,7 @@ class PlainLayerCache(LayerCache):
 
     def plan_append_rows(self, batch, ks, vs, n):
         self._ensure_pages(batch, self.length + n)
-        row, P, slab = self.kv_dim * PLAIN_ELEMENT_BYTES[self.kv_format], self.pool.page_tokens, self.slab
-        t = self.length
-        while t < self.length + n:  # one copy per page the rows touch
-            m = min(P - t % P, self.length + n - t)
-            dst = (self.pages[t // P] * P + t % P) * row
-            src = (t - self.length) * row
-            batch.copy(ks, src, slab.k, dst, m * row)
-            batch.copy(vs, src, slab.v, dst, m * row)
-            t += m
+        K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
         self.length += n
         return self.length
 
@@ -333,8 +416,6 @@ class TurboQuantLayerCache(LayerCache):
     """TurboQuant K/V words (``turboquant`` and its variants, ``formats.TQ_SPECS``) in
     the layout of ``shaders/tqx.wgsl``, in pool slabs."""
 
-    writes_deferred = True  # encodes (gpu/kernels.py plan_tq_encode)
-
     def __init__(self, *, seed: int, **kw):
         super().__init__(**kw)
         self.seed = seed
@@ -344,21 +425,40 @@ class TurboQuantLayerCache(LayerCache):
         return batch.upload_once(("signs", self.seed, self.layer, self.head_dim),
                                  layer_signs_bytes(self.seed, self.layer, self.head_dim))  # fmt: skip
 
+    @staticmethod
+    def sign_words(batch: Batch, layers: Sequence[LayerCache]) -> Sequence[int]:
+        known: dict[tuple[int, int], int] = {}
+        words = []
+        for layer in layers:
+            assert isinstance(layer, TurboQuantLayerCache)
+            key = (layer.seed, layer.layer)
+            w = known.get(key)
+            if w is None:
+                w = known[key] = layer.signs(batch).offset // 4
+            words.append(w)
+        return words
+
+    @staticmethod
+    def plan_split_attends(batch: Batch, a: K.Attends, kv_format: str) -> None:
+        K.plan_split_turboquant(batch, a, kv_format)
+
     def plan_append_rows(self, batch, ks, vs, n):
         self._ensure_pages(batch, self.length + n)
-        K.plan_tq_encode(
-            batch,
-            K.Encode(
-                ks, vs, self.slab, self.page_table(batch), self.pool.page_shift,
-                self.signs(batch), n, self.n_kv_heads, self.head_dim, self.length, self.kv_format,
-            ),
-        )  # fmt: skip
+        K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
         self.length += n
         return self.length
 
     def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
         a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
         K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.kv_format))
+
+
+def _by_value(keys: list[int]) -> list[np.ndarray]:
+    """The indices of ``keys`` grouped by value, in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return [np.asarray(g) for g in groups.values()]
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from .errors import CapacityExceeded, InvalidRequest, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
 from .kvcache import LayerCache, SessionConfig, SessionKV
 
@@ -80,6 +82,7 @@ class Session:
         self.pending = 0
         self.closed = False
         self.dirty = False
+        self.failed = False  # a job failed since the last resync (resync every layer)
         self.created = time.time()
         self.last_used = time.monotonic()
         # the sessions that may share pages with this one (forks of forks): one set, shared
@@ -118,17 +121,29 @@ class Session:
         }
 
 
-@dataclass(eq=False)
 class Reservation:
-    """What one queued job will do to a session: ``rows`` appended to ``layer``."""
+    """What one queued job will do to a session: ``rows`` appended to ``layer``
+    (a plain class with slots: a stacked step makes one per item)."""
 
-    session: Session
-    layer: LayerState
-    rows: int = 0
-    new_length: int = 0
-    new_capacity: int = 0
-    delta_bytes: int = 0
-    committed: bool = field(default=False, repr=False)
+    __slots__ = ("session", "layer", "rows", "new_length", "new_capacity", "delta_bytes", "committed")
+
+    def __init__(
+        self, session: Session, layer: LayerState, rows: int = 0, new_length: int = 0, new_capacity: int = 0,
+        delta_bytes: int = 0,
+    ):  # fmt: skip
+        self.session = session
+        self.layer = layer
+        self.rows = rows
+        self.new_length = new_length
+        self.new_capacity = new_capacity
+        self.delta_bytes = delta_bytes
+        self.committed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"Reservation(session={self.session.id!r}, rows={self.rows}, new_length={self.new_length}, "
+            f"new_capacity={self.new_capacity}, delta_bytes={self.delta_bytes})"
+        )
 
 
 class Store:
@@ -365,6 +380,46 @@ class Store:
             raise OffsetMismatch(f"offset {offset} is not the layer's length {ls.length}", length=ls.length)
         return Reservation(session, ls, 0, ls.length, ls.capacity, 0)
 
+    def plan_step(
+        self, sessions: list[Session], layer: int, rows: int, offsets: list[int | None]
+    ) -> list[Reservation] | None:
+        """:meth:`plan_append` (``rows`` > 0) or :meth:`plan_read` of ``layer`` of
+        each of ``sessions`` (distinct, one owner) at ``offsets[i]``, and
+        :meth:`check_budget` of them all, checked as columns. None when any of them
+        would be refused: the caller checks them one by one, which names each problem.
+        Nothing changes until each is committed."""
+        states = [s.layers[layer] for s in sessions]
+        count = len(states)
+        length = np.fromiter((ls.length for ls in states), np.int64, count)
+        if any(o is not None for o in offsets):
+            given = np.fromiter((-1 if o is None else o for o in offsets), np.int64, count)
+            if ((given >= 0) & (given != length)).any():
+                return None
+        new_length = length + rows
+        capacity = np.fromiter((ls.capacity for ls in states), np.int64, count)
+        delta = np.zeros(count, np.int64)
+        if rows:
+            caches = [ls.cache for ls in states]
+            if (new_length > np.fromiter((c.max_tokens for c in caches), np.int64, count)).any():
+                return None
+            page = caches[0].page_tokens  # one page size for every pool of the engine
+            held = capacity // page  # a capacity is whole pages
+            need = np.maximum(held, -(-new_length // page))
+            page_bytes = np.fromiter((c.pool.page_bytes for c in caches), np.int64, count)
+            capacity = need * page
+            delta = (need - held) * page_bytes
+            total = int(delta.sum())
+            budget = self.memory_budget_bytes
+            if total > 0 and budget and self.used_bytes + total > budget:
+                return None
+            quota = self.quota_bytes_per_key
+            if total > 0 and quota and self.tenant_bytes(sessions[0].owner) + total > quota:
+                return None
+        return [
+            Reservation(s, ls, rows, n, c, d)
+            for s, ls, n, c, d in zip(sessions, states, new_length.tolist(), capacity.tolist(), delta.tolist())
+        ]
+
     def check_budget(self, res: Reservation) -> None:
         """Raises OutOfMemory when the reservation would pass the memory budget, or
         the owner's byte quota."""
@@ -413,20 +468,35 @@ class Store:
         s = res.session
         s.pending -= 1
         inflight = res.layer.inflight
-        for i in range(len(inflight) - 1, -1, -1):
-            if inflight[i] is res:
-                del inflight[i]
-                break
+        if inflight and inflight[0] is res:  # jobs finish in queue order
+            del inflight[0]
+        else:
+            for i in range(len(inflight) - 1, -1, -1):
+                if inflight[i] is res:
+                    del inflight[i]
+                    break
         if error is not None and res.rows:
             res.layer.length -= res.rows  # later queued jobs were checked against it; resynced below
             s.dirty = True
+        if error is not None:
+            s.failed = True
         if s.pending == 0 and not s.closed:
-            self.resync(s)
+            if s.dirty or s.failed:
+                s.failed = False
+                self.resync(s)
+            else:  # every job since the last resync succeeded: each layer is as reserved
+                ls = res.layer
+                ls.length, ls.capacity = ls.cache.length, ls.cache.capacity
+                if res.delta_bytes:
+                    self._resync_bytes(s)
 
     def resync(self, s: Session) -> None:
         """Set the reserved state from the caches (only while no job is in flight)."""
         for ls in s.layers:
             ls.length, ls.capacity = ls.cache.length, ls.cache.capacity
+        self._resync_bytes(s)
+
+    def _resync_bytes(self, s: Session) -> None:
         real = s.kv.nbytes
         if real != s.reserved_bytes and not s.dirty:
             log.warning(

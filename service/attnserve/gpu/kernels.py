@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -35,7 +36,7 @@ import wgpu
 
 from ..turboquant import qjl_scale
 from . import params as P
-from ..formats import TQ_SPECS
+from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
 from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
 
@@ -44,17 +45,21 @@ __all__ = [
     "Cache",
     "TqLayer",
     "Rotate",
-    "Encode",
+    "Append",
+    "Attends",
     "plan_attention_plain",
     "plan_rotate_q",
     "plan_attention_tq",
-    "plan_tq_encode",
+    "plan_append",
+    "plan_split",
+    "plan_split_turboquant",
     "rotated_q_bytes",
     "KernelPolicy",
     "plan_attend_plain",
     "plan_attend_turboquant",
     "split_eligible",
     "choose_split",
+    "split_sizes",
 ]
 
 
@@ -219,11 +224,18 @@ def rotated_q_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class Rotate:
-    """``tq_rotate_q`` of one attend's queries ``q [n, H, d]`` into ``q_out``."""
+    """``tq_rotate_q`` of the queries of one or more attends of one shape, as
+    columns (one entry per attend): attend ``i``'s ``n_queries`` rows ``[n, H, d]``
+    at word ``q_off[i]`` of ``q`` into ``[q_rot | q_jl | sums]`` at word
+    ``out_off[i]`` of ``q_out``, with its layer's signs at word ``sign_off[i]`` of
+    ``signs`` (``q``, ``q_out``, ``signs``: what is bound, an arena whole or a buffer)."""
 
     q: Resource
     q_out: Resource
-    signs: Seg
+    signs: Resource
+    q_off: Sequence[int]
+    out_off: Sequence[int]
+    sign_off: Sequence[int]
     n_queries: int
     n_heads: int
     head_dim: int
@@ -231,27 +243,42 @@ class Rotate:
     # with key outlier channels (tq_rotate.wgsl SIGNED)
     signed: bool = False
 
+    @classmethod
+    def one(
+        cls,
+        q: Resource,
+        q_out: Resource,
+        signs: Resource,
+        n_queries: int,
+        n_heads: int,
+        head_dim: int,
+        signed: bool = False,
+    ) -> "Rotate":
+        """The rotation of one attend's queries ``q`` into ``q_out`` (segments or buffers)."""
+        (qb, qo), (ob, oo), (sb, so) = _bind(q), _bind(q_out), _bind(signs)
+        return cls(qb, ob, sb, (qo,), (oo,), (so,), n_queries, n_heads, head_dim, signed)  # fmt: skip
+
 
 def plan_rotate_q(batch: Batch, r: Rotate) -> None:
     """Queue ``tq_rotate_q`` of ``r``: the batch's rotations run in one dispatch
     (one params block per query row, per ``signed``), before its attention kernels."""
-    (q, _), (q_out, _) = _bind(r.q), _bind(r.q_out)
     flush = functools.partial(_flush_rotate, {"SIGNED": int(r.signed)})
-    batch.defer(PHASE_ROTATE, ("tq_rotate_q", r.signed, q, q_out), r, flush, rows=r.n_queries)
+    key = ("tq_rotate_q", r.signed, r.q, r.q_out, r.signs)
+    batch.defer(PHASE_ROTATE, key, r, flush, rows=r.n_queries * len(r.q_off))
 
 
 def _flush_rotate(constants: dict[str, int], batch: Batch, items: list[Rotate]) -> None:
     first = items[0]
-    (q, _), (q_out, _), (signs, _) = _bind(first.q), _bind(first.q_out), _bind(first.signs)
-    counts = [r.n_queries for r in items]
     rows = _Rows.of(
-        counts,
+        _per_entry(items, lambda r: r.n_queries, "q_off"),
         dict(
-            n_heads=[r.n_heads for r in items], head_dim=[r.head_dim for r in items], q_cap=counts,
-            sign_off=[_word(r.signs) for r in items], q_stride=[r.n_heads * r.head_dim for r in items],
-            q_in_off=[_word(r.q) for r in items], q_out_off=[_word(r.q_out) for r in items],
+            n_heads=_per_entry(items, lambda r: r.n_heads, "q_off"),
+            head_dim=_per_entry(items, lambda r: r.head_dim, "q_off"),
+            q_cap=_per_entry(items, lambda r: r.n_queries, "q_off"),
+            q_stride=_per_entry(items, lambda r: r.n_heads * r.head_dim, "q_off"),
+            sign_off=_cat(items, "sign_off"), q_in_off=_cat(items, "q_off"), q_out_off=_cat(items, "out_off"),
         ),
-        dict(q_row=([0] * len(items), [1] * len(items))),
+        dict(q_row=(0, 1)),
     )  # fmt: skip
     _dispatch_rows(
         batch,
@@ -259,11 +286,27 @@ def _flush_rotate(constants: dict[str, int], batch: Batch, items: list[Rotate]) 
         P.TQ_ROTATE_PARAMS,
         rows,
         {},
-        {3: signs, 4: q, 5: q_out},
+        {3: first.signs, 4: first.q, 5: first.q_out},
         6,
         lambda rows: (max(r.n_heads for r in items), rows, 1),
         constants,
     )
+
+
+def _cat(items: Sequence[Any], column: str) -> np.ndarray:
+    """Column ``column`` of every item (each a sequence, one entry per attend or
+    layer), joined: one entry per attend of the group."""
+    if len(items) == 1:
+        return np.asarray(getattr(items[0], column), dtype=np.int64)
+    return np.concatenate([np.asarray(getattr(it, column), dtype=np.int64) for it in items])
+
+
+def _per_entry(items: Sequence[Any], value: Callable[[Any], Any], like: str) -> np.ndarray:
+    """``value(item)`` (the same for all of an item's entries) once per entry of
+    column ``like``: one entry per attend or layer of the group."""
+    if len(items) == 1:
+        return np.full(len(getattr(items[0], like)), value(items[0]))
+    return np.concatenate([np.full(len(getattr(it, like)), value(it)) for it in items])
 
 
 class _Rows:
@@ -275,25 +318,25 @@ class _Rows:
 
     @classmethod
     def of(
-        cls, counts: list[int], per_item: dict[str, list], ramps: dict[str, tuple[list, list]] | None = None
+        cls, counts: Sequence[int], per_item: dict[str, Any], ramps: dict[str, tuple[Any, Any]] | None = None
     ) -> "_Rows":
         """The rows of items of ``counts[i]`` rows each, built as arrays: a
         ``per_item`` field holds one value per item (the same in its rows); a ramp
-        ``(first, step)`` gives row ``j`` of item ``i`` ``first[i] + j * step[i]``."""
+        ``(first, step)`` gives row ``j`` of item ``i`` ``first[i] + j * step[i]``
+        (``first``, ``step``: one per item, or one for all)."""
         rows = cls()
         n = np.asarray(counts, dtype=np.int64)
         rows.n = int(n.sum())
-        if all(c == 1 for c in counts):
-            rows.cols = {name: values for name, values in per_item.items()}
+        if rows.n == len(n):  # one row per item (every count is 1)
+            rows.cols = dict(per_item)
             for name, (first, _) in (ramps or {}).items():
-                rows.cols[name] = first
+                rows.cols[name] = np.broadcast_to(np.asarray(first, dtype=np.int64), n.shape)
             return rows
         j = np.arange(rows.n) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its item
         rows.cols = {name: np.repeat(np.asarray(values), n) for name, values in per_item.items()}
         for name, (first, step) in (ramps or {}).items():
-            rows.cols[name] = np.repeat(np.asarray(first, dtype=np.int64), n) + j * np.repeat(
-                np.asarray(step, dtype=np.int64), n
-            )
+            first, step = (np.broadcast_to(np.asarray(x, dtype=np.int64), n.shape) for x in (first, step))
+            rows.cols[name] = np.repeat(first, n) + j * np.repeat(step, n)
         return rows
 
 
@@ -335,46 +378,78 @@ def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
 
 
 @dataclass(frozen=True)
-class Encode:
-    """``n_rows`` new rows ``k_src, v_src [n, Hkv, d]`` (segments) into timesteps
-    ``t0..`` of a layer of ``kv_format`` whose page table is ``pages``, in ``cache``
-    (the slab)."""
+class Append:
+    """Rows appended to layers of one slab and kv format, as columns (one entry per
+    layer): layer ``i``'s ``n_rows[i]`` rows (``[n, Hkv, d]`` of the layer's row
+    dtype), keys at word ``k_off[i]`` and values at word ``v_off[i]`` of the input
+    arena, into its timesteps ``t0[i]..`` through its page table at word
+    ``table_off[i]``; a TurboQuant layer's signs at word ``sign_off[i]``."""
 
-    k_src: Seg
-    v_src: Seg
+    kv_format: str
     cache: Cache
-    pages: Seg
     page_shift: int
-    signs: Seg
-    n_rows: int
     n_kv_heads: int
     head_dim: int
-    t0: int
-    kv_format: str
+    n_rows: Sequence[int]
+    t0: Sequence[int]
+    k_off: Sequence[int]
+    v_off: Sequence[int]
+    table_off: Sequence[int]
+    sign_off: Sequence[int] = ()
+
+    @property
+    def row_words(self) -> int:
+        """Words of one timestep's keys (or values) as uploaded."""
+        if self.kv_format in TQ_SPECS:
+            return self.n_kv_heads * self.head_dim  # float32 rows, encoded on the GPU
+        return self.n_kv_heads * self.head_dim * PLAIN_ELEMENT_BYTES[self.kv_format] // 4
 
 
-def plan_tq_encode(batch: Batch, e: Encode) -> None:
-    """Queue ``tqx_encode_keys`` and ``tqx_encode_values`` (of ``e``'s format) of ``e``'s
-    rows: the batch's encodes into a slab run as one dispatch each, before any attention
-    kernel of the batch."""
+def plan_append(batch: Batch, a: Append) -> None:
+    """Queue the writes of ``a``'s rows: a plain format's ``kv_write_rows``, a
+    TurboQuant format's ``tqx_encode_keys`` and ``tqx_encode_values``. The batch's
+    writes into one slab run as one dispatch per kernel, before any attention kernel
+    of the batch (and, within a write epoch, in no particular order: they write
+    disjoint rows)."""
+    rows = int(np.sum(a.n_rows))
+    if a.kv_format not in TQ_SPECS:
+        key = ("kv_write_rows", id(a.cache), batch.write_epoch)
+        batch.defer(PHASE_WRITE, key, a, _flush_write, rows=rows)
+        return
     for base in ("tqx_encode_keys", "tqx_encode_values"):
-        kernel = tqx_kernel(base, e.kv_format)
+        kernel = tqx_kernel(base, a.kv_format)
         flush = functools.partial(_flush_encode, kernel, base == "tqx_encode_keys")
-        batch.defer(PHASE_WRITE, (kernel, id(e.cache), e.n_kv_heads, batch.write_epoch), e, flush, rows=e.n_rows)
+        batch.defer(PHASE_WRITE, (kernel, id(a.cache), a.n_kv_heads, batch.write_epoch), a, flush, rows=rows)
 
 
-def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Encode]) -> None:
+def _flush_write(batch: Batch, items: list[Append]) -> None:
     first = items[0]
-    src, _ = _bind(first.k_src)
-    cache = first.cache.k if keys else first.cache.v
+    words = first.row_words
     rows = _Rows.of(
-        [e.n_rows for e in items],
-        dict(sign_off=[_word(e.signs) for e in items], table_off=[_word(e.pages) for e in items]),
-        dict(
-            t=([e.t0 for e in items], [1] * len(items)),
-            src_off=([_word(e.k_src if keys else e.v_src) for e in items], [e.n_kv_heads * e.head_dim for e in items]),
-        ),
-    )  # fmt: skip
+        _cat(items, "n_rows"),
+        dict(table_off=_cat(items, "table_off")),
+        dict(t=(_cat(items, "t0"), 1), src_off=(_cat(items, "k_off"), words), v_off=(_cat(items, "v_off"), words)),
+    )
+    ins = whole("in")
+    _dispatch_rows(
+        batch,
+        "kv_write_rows",
+        P.KV_WRITE_PARAMS,
+        rows,
+        dict(row_words=words, page_shift=first.page_shift),
+        {0: ins, 1: first.cache.k, 2: first.cache.v, 4: ins},
+        3,
+        lambda rows: (1, rows, 1),
+    )
+
+
+def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Append]) -> None:
+    first = items[0]
+    rows = _Rows.of(
+        _cat(items, "n_rows"),
+        dict(sign_off=_cat(items, "sign_off"), table_off=_cat(items, "table_off")),
+        dict(t=(_cat(items, "t0"), 1), src_off=(_cat(items, "k_off" if keys else "v_off"), first.row_words)),
+    )
     common: dict[str, Any] = dict(
         n_kv_heads=first.n_kv_heads, head_dim=first.head_dim, cache_cap=first.cache.rows, page_shift=first.page_shift
     )
@@ -385,7 +460,7 @@ def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Encode]) ->
         P.TQX_ENCODE_PARAMS,
         rows,
         common,
-        {0: src, 1: cache, 3: ins, 7: ins},
+        {0: ins, 1: first.cache.k if keys else first.cache.v, 3: ins, 7: ins},
         2,
         lambda rows: (first.n_kv_heads, rows, 1),
     )
@@ -473,96 +548,183 @@ def choose_split(
     group: int,
     target_workgroups: int = KernelPolicy.target_workgroups,
 ) -> tuple[int, int]:
-    """(split_len, n_splits): a power-of-two split so that about
-    ``target_workgroups`` workgroups run, within the kernels' workgroup memory."""
-    target = target_workgroups
+    """(split_len, n_splits) of one attend over ``max_seq`` timesteps (:func:`split_sizes`)."""
+    split_len, n_splits = split_sizes(kv_format, np.asarray([max_seq]), n_kv_heads, n_queries, group, target_workgroups)
+    return int(split_len[0]), int(n_splits[0])
+
+
+def split_sizes(
+    kv_format: str,
+    max_seq: np.ndarray,
+    n_kv_heads: int,
+    n_queries: int,
+    group: int,
+    target_workgroups: int = KernelPolicy.target_workgroups,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(split_len, n_splits) per attend over ``max_seq[i]`` timesteps: a power-of-two
+    split so that about ``target_workgroups`` workgroups run, within the kernels'
+    workgroup memory (the shortest SPLIT_TILE)."""
     if kv_format in TQ_SPECS:
         cap = min(TQ_MAX_SCORES // group, TQ_MAX_SPLIT)
     else:
         cap = PLAIN_MAX_SCORES // group
-    want = -(-max_seq * n_kv_heads * n_queries // target)
-    s = SPLIT_TILE
-    while s < want and s < cap:
-        s *= 2
-    s = min(s, cap)
+    max_seq = np.asarray(max_seq, dtype=np.int64)
+    want = -(-max_seq * (n_kv_heads * n_queries) // target_workgroups)
+    s = np.full(max_seq.shape, SPLIT_TILE, dtype=np.int64)
+    grow = (s < want) & (s < cap)
+    while grow.any():
+        s[grow] *= 2
+        grow &= (s < want) & (s < cap)
+    s = np.minimum(s, cap)
     return s, -(-max_seq // s)
 
 
-def partial_bytes(n_queries: int, n_heads: int, n_splits: int, head_dim: int) -> int:
+def partial_bytes(n_queries: int, n_heads: int, n_splits: Any, head_dim: int) -> Any:
     """[acc | m | l] of every (query, head, split), rounded up to whole vec4s
-    (the merge kernel binds it as ``array<vec4<f32>>``)."""
+    (the merge kernel binds it as ``array<vec4<f32>>``); ``n_splits`` may be an array."""
     n = n_queries * n_heads * n_splits * (head_dim + 2) * 4
     return -(-n // 16) * 16
 
 
 @dataclass(frozen=True)
+class Attends:
+    """Split-KV attends of one shape over one slab, as columns (one entry per
+    attend): attend ``i``'s ``n_queries`` query rows at word ``q_off[i]`` of ``q``
+    (TurboQuant: rotated, ``[q_rot | q_jl | sums]``), its output ``[n, H, d]`` at word
+    ``out_off[i]`` of ``out``, over the first ``length[i]`` timesteps of its layer with
+    row ``j`` at ``start_pos[i] + j``, through its page table at word ``table_off[i]``
+    of the input arena; a TurboQuant attend's layer signs at word ``sign_off[i]``
+    (``q``, ``out``: what is bound, an arena whole or a buffer)."""
+
+    q: Resource
+    out: Resource
+    cache: Cache
+    page_shift: int
+    n_queries: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    causal: bool
+    scale: float
+    length: Sequence[int]
+    start_pos: Sequence[int]
+    q_off: Sequence[int]
+    out_off: Sequence[int]
+    table_off: Sequence[int]
+    sign_off: Sequence[int] = ()
+
+    @classmethod
+    def of(cls, a: Attend, sign_off: Sequence[int] = ()) -> "Attends":
+        """The one attend ``a``."""
+        (q, q_off), (out, out_off) = _bind(a.q), _bind(a.out)
+        return cls(q, out, a.cache, a.page_shift, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim, a.causal,
+                   a.scale, (a.length,), (a.start_pos,), (q_off,), (out_off,), (_word(a.pages),), sign_off)  # fmt: skip
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def flags(self) -> int:
+        return 0 if self.causal else P.FLAG_NON_CAUSAL
+
+
+@dataclass(frozen=True)
 class _SplitItem:
-    """One attend on the split path: its split, its partials, and (TurboQuant) its layer."""
+    """Split attends of one slab and shape: their splits, their partials' word
+    offsets, and whether they read a TurboQuant slab."""
 
-    a: Attend
-    split_len: int
-    n_splits: int
-    part: Seg
-    tq: TqLayer | None
+    a: Attends
+    split_len: np.ndarray
+    n_splits: np.ndarray
+    part_off: np.ndarray
+    tq: bool
 
 
-def _plan_split(batch: Batch, a: Attend, kv_format: str, tq: TqLayer | None) -> None:
-    """Queue a split-KV attend: its split kernel and its merge join the batch's
-    (one dispatch each per slab and shape for the whole batch)."""
+def plan_split(batch: Batch, a: Attends, kv_format: str) -> None:
+    """Queue split-KV attends: their split kernel and their merge join the batch's
+    (one dispatch each per slab and shape for the whole batch). TurboQuant attends
+    read rotated queries (:func:`plan_split_turboquant` rotates them first)."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the split kernel")
-    split_len, n_splits = choose_split(
+    tq = kv_format in TQ_SPECS
+    split_len, n_splits = split_sizes(
         kv_format, a.length, a.n_kv_heads, a.n_queries, a.group, batch.policy.target_workgroups
     )
-    if n_splits > _limit(batch):
-        raise ValueError(f"{n_splits} splits pass the dispatch limit")
-    part = batch.scratch(partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim), arena="partial")
-    item = _SplitItem(a, split_len, n_splits, part, tq)
+    if int(n_splits.max()) > _limit(batch):
+        raise ValueError(f"{int(n_splits.max())} splits pass the dispatch limit")
+    nbytes = partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim)
+    first = batch.scratch(int(nbytes.sum()), arena="partial").offset
+    part_off = (first + np.cumsum(nbytes) - nbytes) // 4
+    item = _SplitItem(a, split_len, n_splits, part_off, tq)
     sg = batch.policy.use_subgroups(batch.device)
-    if tq is None:
+    if not tq:
         kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
-        kernel = tq.kernel("attention_split_tqx_sg" if sg else "attention_split_tqx")
+        kernel = tqx_kernel("attention_split_tqx_sg" if sg else "attention_split_tqx", kv_format)
         constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
-    q, _ = _bind(a.q)
-    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), q, a.n_kv_heads)
-    batch.defer(PHASE_ATTEND, key, item, functools.partial(_flush_split, kernel, constants), rows=a.n_queries)
-    out, _ = _bind(a.out)
-    batch.defer(PHASE_MERGE, ("attention_merge", out, a.head_dim), item, _flush_merge, rows=a.n_queries)
+    rows = a.n_queries * len(a.length)
+    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads)
+    batch.defer(PHASE_ATTEND, key, item, functools.partial(_flush_split, kernel, constants), rows=rows)
+    batch.defer(PHASE_MERGE, ("attention_merge", a.out, a.head_dim), item, _flush_merge, rows=rows)
+
+
+def plan_split_turboquant(batch: Batch, a: Attends, kv_format: str) -> None:
+    """TurboQuant split attends of plain queries ``a.q``: rotated by ``tq_rotate_q``
+    into scratch (each attend's ``[q_rot | q_jl | sums]``), then :func:`plan_split`."""
+    each = -(-rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim) // 16) * 16
+    count = len(a.q_off)
+    first = batch.scratch(each * count).offset
+    rot_off = (first + each * np.arange(count, dtype=np.int64)) // 4
+    signed = bool(TQ_SPECS[kv_format].key_outliers)
+    plan_rotate_q(
+        batch,
+        Rotate(a.q, whole("scratch"), whole("in"), a.q_off, rot_off, a.sign_off, a.n_queries, a.n_heads,
+               a.head_dim, signed),
+    )  # fmt: skip
+    rotated = Attends(
+        whole("scratch"), a.out, a.cache, a.page_shift, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim,
+        a.causal, a.scale, a.length, a.start_pos, rot_off, a.out_off, a.table_off, a.sign_off,
+    )  # fmt: skip
+    plan_split(batch, rotated, kv_format)
 
 
 def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_SplitItem]) -> None:
     first = items[0].a
-    q, _ = _bind(first.q)
-    plain = items[0].tq is None
     attends = [it.a for it in items]
-    counts = [a.n_queries for a in attends]
+    counts = _per_entry(attends, lambda a: a.n_queries, "length")
+    cols: dict[str, Any] = dict(
+        n_heads=_per_entry(attends, lambda a: a.n_heads, "length"),
+        n_kv_heads=_per_entry(attends, lambda a: a.n_kv_heads, "length"),
+        head_dim=_per_entry(attends, lambda a: a.head_dim, "length"),
+        max_seq=_cat(attends, "length"),
+        start_pos=_cat(attends, "start_pos"),
+        scale=_per_entry(attends, lambda a: a.scale, "length"),
+        flags=_per_entry(attends, lambda a: a.flags, "length"),
+        split_len=_cat(items, "split_len"),
+        n_splits=_cat(items, "n_splits"),
+        q_off=_cat(attends, "q_off"),
+        part_off=_cat(items, "part_off"),
+        table_off=_cat(attends, "table_off"),
+    )
     # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
-    per_item = dict(q_total=counts, q_stride=[a.n_heads * a.head_dim for a in attends]) if plain else dict(q_cap=counts)
-    rows = _Rows.of(
-        counts,
-        dict(
-            **_shape_columns(attends), **per_item, split_len=[it.split_len for it in items],
-            n_splits=[it.n_splits for it in items], q_off=[_word(a.q) for a in attends],
-            part_off=[_word(it.part) for it in items], table_off=[_word(a.pages) for a in attends],
-        ),
-        dict(q_row=([0] * len(items), [1] * len(items))),
-    )  # fmt: skip
-    common: dict[str, Any] = dict(page_shift=first.page_shift)
-    if plain:
+    if not items[0].tq:
+        cols.update(q_total=counts, q_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"))
         block = P.SPLIT_PARAMS
-        common.update(kv_dim=first.n_kv_heads * first.head_dim)
+        common: dict[str, Any] = dict(page_shift=first.page_shift, kv_dim=first.n_kv_heads * first.head_dim)
     else:
+        cols.update(q_cap=counts)
         block = P.TQ_SPLIT_PARAMS
-        common.update(_tq_common(first))
-    max_splits = max(it.n_splits for it in items)
+        common = dict(page_shift=first.page_shift, qjl_scale=qjl_scale(first.head_dim), cache_cap=first.cache.rows)
+    rows = _Rows.of(counts, cols, dict(q_row=(0, 1)))
+    max_splits = max(int(it.n_splits.max()) for it in items)
     _dispatch_rows(
         batch,
         kernel,
         block,
         rows,
         common,
-        {0: q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: whole("in")},
+        {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: whole("in")},
         4,
         lambda rows: (max_splits, first.n_kv_heads, rows),
         constants,
@@ -573,21 +735,20 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
     """``attention_merge`` of the batch's split attends; a TurboQuant item's merge also
     applies the inverse rotation with its layer's signs."""
     first = items[0].a
-    out, _ = _bind(first.out)
     attends = [it.a for it in items]
-    counts = [a.n_queries for a in attends]
+    counts = _per_entry(attends, lambda a: a.n_queries, "length")
     rows = _Rows.of(
         counts,
         dict(
-            n_heads=[a.n_heads for a in attends], n_splits=[it.n_splits for it in items], q_total=counts,
-            out_stride=[a.n_heads * a.head_dim for a in attends],
-            sign_off=[_word(it.tq.signs) if it.tq is not None else 0 for it in items],
-            flags=[0 if it.tq is None else P.FLAG_ROTATE for it in items],
-            part_off=[_word(it.part) for it in items], out_off=[_word(a.out) for a in attends],
+            n_heads=_per_entry(attends, lambda a: a.n_heads, "length"), n_splits=_cat(items, "n_splits"),
+            q_total=counts, out_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"),
+            sign_off=np.concatenate([it.a.sign_off if it.tq else np.zeros(len(it.a.length), np.int64) for it in items]),
+            flags=_per_entry(items, lambda it: P.FLAG_ROTATE if it.tq else 0, "part_off"),
+            part_off=_cat(items, "part_off"), out_off=_cat(attends, "out_off"),
         ),
-        dict(q_row=([0] * len(items), [1] * len(items))),
+        dict(q_row=(0, 1)),
     )  # fmt: skip
-    max_heads = max(it.a.n_heads for it in items)
+    max_heads = max(a.n_heads for a in attends)
     _dispatch_rows(
         batch,
         "attention_merge",
@@ -595,7 +756,7 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
         rows,
         {"head_dim": first.head_dim},
         # plain merges read no signs: the input arena is bound as them (read-only)
-        {0: whole("partial"), 1: out, 3: whole("in")},
+        {0: whole("partial"), 1: first.out, 3: whole("in")},
         2,
         lambda rows: (max_heads, rows, 1),
     )
@@ -711,7 +872,7 @@ def plan_attend_plain(batch: Batch, a: Attend, kv_format: str) -> None:
     split attends), the query-block tiled prefill, or the single-pass kernel."""
     path = batch.policy.path(kv_format, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
     if path == "split":
-        _plan_split(batch, a, kv_format, None)
+        plan_split(batch, Attends.of(a), kv_format)
     elif path == "tiled":
         _plan_tiled(batch, a, kv_format, None)
     else:
@@ -722,13 +883,13 @@ def plan_attend_turboquant(batch: Batch, a: Attend, tq: TqLayer) -> None:
     """TurboQuant attention of ``a.q`` (plain queries) over a layer of any
     ``formats.TQ_SPECS`` format: rotated by ``tq_rotate_q`` into scratch, then the
     format's tqx kernel family ``batch.policy`` picks."""
-    qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
-    signed = bool(TQ_SPECS[tq.kv_format].key_outliers)
-    plan_rotate_q(batch, Rotate(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, signed))
-    a = a.with_q(qrot)
     fmt = tq.kv_format
     path = batch.policy.path(fmt, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
     if path == "split":
-        _plan_split(batch, a, fmt, tq)
-    else:
-        _plan_tiled(batch, a, fmt, tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)
+        plan_split_turboquant(batch, Attends.of(a, (_word(tq.signs),)), fmt)
+        return
+    qrot = batch.scratch(rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim))
+    signed = bool(TQ_SPECS[fmt].key_outliers)
+    plan_rotate_q(batch, Rotate.one(a.q, qrot, tq.signs, a.n_queries, a.n_heads, a.head_dim, signed))
+    a = a.with_q(qrot)
+    _plan_tiled(batch, a, fmt, tq) if path == "tiled" else _plan_one(batch, plan_attention_tq, a, tq)

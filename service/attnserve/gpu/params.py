@@ -21,6 +21,7 @@ __all__ = [
     "SPLIT_PARAMS",
     "TQ_SPLIT_PARAMS",
     "MERGE_PARAMS",
+    "KV_WRITE_PARAMS",
     "PARAMS_OF",
     "STRUCTS",
     "pack",
@@ -86,6 +87,20 @@ TQX_ENCODE_PARAMS = _block(
     "sign_off",
     "table_off",
     "page_shift",
+)
+
+# struct KvWriteParams: kv_write.wgsl kv_write_rows `wparams`, one block per row: the
+# row's keys at word src_off and values at v_off go to timestep t of its layer
+# (row_words words each; the plain kv formats)
+KV_WRITE_PARAMS = _block(
+    "row_words",
+    "t",
+    "src_off",
+    "v_off",
+    "table_off",
+    "page_shift",
+    "_pad0",
+    "_pad1",
 )
 
 # struct TqRotateParams: tq_rotate.wgsl tq_rotate_q `rparams`, one block per query
@@ -165,6 +180,7 @@ STRUCTS = {
     "SplitParams": SPLIT_PARAMS,
     "TqSplitParams": TQ_SPLIT_PARAMS,
     "MergeParams": MERGE_PARAMS,
+    "KvWriteParams": KV_WRITE_PARAMS,
 }
 
 # (shader file, the params variable) -> block, for the layout test
@@ -177,6 +193,7 @@ PARAMS_OF = {
     ("attention_split_sg.wgsl", "params"): SPLIT_PARAMS,
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
     ("tqx.wgsl", "eparams"): TQX_ENCODE_PARAMS,
+    ("kv_write.wgsl", "wparams"): KV_WRITE_PARAMS,
     ("flash_attention_tqx.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_split.wgsl", "params"): TQ_SPLIT_PARAMS,

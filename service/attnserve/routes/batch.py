@@ -36,6 +36,7 @@ from .operations import (
     attend_scale,
     check_attend,
     count_rows,
+    count_rows_of,
     fused_kv,
     layer_index,
     max_elements,
@@ -335,30 +336,17 @@ def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -
     passed as one job (``Engine.plan_stacked``): one future for the step."""
     errors = dict(st.errors)
     b = len(st.session_ids)
+    ops = _reserve_columns(rt, engine, owner, st)
+    if ops is None:
+        ops = _reserve_items(rt, engine, owner, st, errors)
+    else:
+        for _, op in ops:
+            rt.store.commit(op.res)
     layers: list[Any] = [None] * b
     start_pos: list[int | None] = [None] * b
-    ops: list[tuple[int, Checked]] = []
+    for i, op in ops:
+        layers[i], start_pos[i] = op.res.layer.cache, op.start_pos
     k, v = st.k, st.v
-    clear: dict[str, np.ndarray] = {}  # per kv format: the items whose k, v values pass at once
-    for i, sid in enumerate(st.session_ids):
-        if i in errors:
-            continue
-        try:
-            session = rt.store.get(sid, owner)
-            li = layer_index(session, st.layer)
-            fmt = session.config.layer_formats[li]
-            if k is not None and fmt not in clear:
-                clear[fmt] = engine.kv_values_clear(k, v, fmt)
-            op = reserve_attend(
-                rt, engine, session, li, st.q[i], None if k is None else k[i], None if v is None else v[i],
-                st.offsets[i], st.start_pos[i], values_clear=k is not None and bool(clear[fmt][i]),
-            )  # fmt: skip
-        except ApiError as e:
-            errors[i] = e
-            continue
-        rt.store.commit(op.res)
-        layers[i], start_pos[i] = session.cache(li), op.start_pos
-        ops.append((i, op))
     queued = QueuedStacked(st, errors, ops)
     if not ops:
         return queued
@@ -379,6 +367,88 @@ def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -
     return queued
 
 
+def _reserve_items(
+    rt: Runtime, engine: Engine, owner: Owner, st: StackedItems, errors: dict[int, ApiError]
+) -> list[tuple[int, Checked]]:
+    """Check each item of a stacked step in order, each against the reservations of
+    those before it (committed as it passes); a refused item's problem goes in
+    ``errors``. Returns the items that passed."""
+    ops: list[tuple[int, Checked]] = []
+    k, v = st.k, st.v
+    clear: dict[str, np.ndarray] = {}  # per kv format: the items whose k, v values pass at once
+    for i, sid in enumerate(st.session_ids):
+        if i in errors:
+            continue
+        try:
+            session = rt.store.get(sid, owner)
+            li = layer_index(session, st.layer)
+            fmt = session.config.layer_formats[li]
+            if k is not None and fmt not in clear:
+                clear[fmt] = engine.kv_values_clear(k, v, fmt)
+            op = reserve_attend(
+                rt, engine, session, li, st.q[i], None if k is None else k[i], None if v is None else v[i],
+                st.offsets[i], st.start_pos[i], values_clear=k is not None and bool(clear[fmt][i]),
+            )  # fmt: skip
+        except ApiError as e:
+            errors[i] = e
+            continue
+        rt.store.commit(op.res)
+        ops.append((i, op))
+    return ops
+
+
+def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> list[tuple[int, Checked]] | None:
+    """Every item of a stacked step checked at once, as :func:`reserve_attend` checks
+    each (shapes once per kv format, values per format over the whole step, offsets,
+    capacities and the budget as columns): the items' reservations, not committed.
+    None when the step is not the common case (an item refused by the parse, a session
+    named twice or not found, a layer out of range, sessions of other shapes, or
+    anything that would refuse an item): then :func:`queue_stacked` checks item by
+    item, and each problem is the one a single attend gets."""
+    if st.errors:
+        return None
+    store = rt.store
+    try:
+        sessions = [store.get(sid, owner) for sid in st.session_ids]
+    except ApiError:
+        return None
+    if len({id(s) for s in sessions}) != len(sessions):
+        return None
+    config = sessions[0].config
+    shape = (config.num_layers, config.num_qo_heads, config.num_kv_heads, config.head_dim)
+    for s in sessions:
+        c = s.config
+        if c is not config and (c.num_layers, c.num_qo_heads, c.num_kv_heads, c.head_dim) != shape:
+            return None
+    li = st.layer
+    if li >= config.num_layers:
+        return None
+    formats = [s.layers[li].cache.kv_format for s in sessions]
+    k, v, q = st.k, st.v, st.q
+    try:
+        for fmt in set(formats):
+            engine.check_query_rows(config, q[0], fmt)
+            if k is not None:
+                engine.check_kv_rows(config, k[0], v[0], fmt, values_clear=True)
+                mine = np.fromiter((f == fmt for f in formats), bool, len(formats))
+                if not engine.kv_values_clear(k[mine], v[mine], fmt).all():
+                    return None
+    except ApiError:
+        return None
+    rows = 0 if k is None else k.shape[1]
+    reservations = store.plan_step(sessions, li, rows, st.offsets)
+    if reservations is None:
+        return None
+    n = q.shape[1]
+    ops = []
+    for i, (res, fmt, given) in enumerate(zip(reservations, formats, st.start_pos)):
+        sp = res.new_length - n if given is None else given
+        if sp < 0 or sp + n > res.new_length:
+            return None
+        ops.append((i, Checked(None, res, fmt, rows, n, sp)))
+    return ops
+
+
 async def finish_stacked(rt: Runtime, queued: QueuedStacked) -> tuple[StackedResult | None, dict[int, ApiError]]:
     """Await a queued stacked step. Returns the job's :class:`StackedResult` (None
     if no item was queued or the job failed as a whole) and every failed item's
@@ -389,11 +459,17 @@ async def finish_stacked(rt: Runtime, queued: QueuedStacked) -> tuple[StackedRes
     await asyncio.shield(queued.done)
     failed = None if fut.cancelled() else fut.exception()
     result = None if fut.cancelled() or failed is not None else fut.result()
-    for i, op in queued.ops:
-        item = failed if result is None else result.errors.get(i)
-        r = settled(rt, fut, op, item if item is not None else result)
-        if isinstance(r, ApiError):
-            errors[i] = r
+    if result is None:
+        for i, op in queued.ops:
+            errors[i] = settled(rt, fut, op, failed)
+        return result, errors
+    done = queued.ops
+    if result.errors:
+        for i, op in done:
+            if i in result.errors:
+                errors[i] = settled(rt, fut, op, result.errors[i])
+        done = [(i, op) for i, op in done if i not in result.errors]
+    count_rows_of(rt, [op for _, op in done])
     return result, errors
 
 

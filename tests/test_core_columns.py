@@ -1,0 +1,173 @@
+"""A stacked step planned as columns (``Engine.plan_stacked`` -> ``LayerCache.plan_stacked``):
+bit-identical to the same attends sent one by one, in outputs, lengths and the
+packed words of every cache, at awkward batches (several formats in one step,
+lengths across page boundaries, fused appends of 1 and of several rows, steps
+without an append, an item refused before it was planned, layers that take new
+pages between the steps of several layers, a layer that moves while the group is
+planned), and the cases that go back to item by item (a layer twice, an item the
+columns cannot plan) with the same answers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from attnserve.engine import Engine
+from attnserve.kvcache import LayerCache, SessionConfig
+
+from _core import CORE_PAGE_TOKENS as P, read_words, rows
+
+pytestmark = pytest.mark.gpu
+
+H, HKV, D = 4, 2, 32
+
+
+@pytest.fixture
+def columns(monkeypatch):
+    """Counts the items that ``LayerCache.plan_stacked`` planned as columns."""
+    planned = []
+    original = LayerCache.plan_stacked
+
+    def spy(batch, layers, *args, **kw):
+        planned.append(len(layers))
+        return original(batch, layers, *args, **kw)
+
+    monkeypatch.setattr(LayerCache, "plan_stacked", staticmethod(spy))
+    return planned
+
+
+def _pairs(engine, formats, lengths, rng, layers=2):
+    """For each (format, length): a session and its twin, both prefilled alike."""
+    out = []
+    for i, (fmt, length) in enumerate(zip(formats, lengths)):
+        pair = [engine.session_kv(SessionConfig(layers, H, HKV, D, fmt, 4096, 100 + i)) for _ in range(2)]
+        for li in range(layers):
+            if length:
+                k, v = rows(rng, length, HKV, D), rows(rng, length, HKV, D)
+                for s in pair:
+                    engine.append(s.layers[li], k, v).result()
+        out.append(pair)
+    return out
+
+
+def _check_step(engine, pairs, li, q, k, v, skip=()):
+    """One stacked step on the sessions' layer ``li`` against their twins' one by one."""
+    b = len(pairs)
+    layers = [None if i in skip else pairs[i][0].layers[li] for i in range(b)]
+    plan = engine.plan_stacked(layers, q, k=k, v=v, start_pos=[None] * b)
+    got = engine.worker.submit_plan(plan).result()
+    assert not got.errors
+    for i in range(b):
+        if i in skip:
+            assert got.lengths[i] == -1 and not got.out[i].any()
+            continue
+        fused = {} if k is None else {"k": k[i], "v": v[i]}
+        want, length = engine.attend(pairs[i][1].layers[li], q[i], **fused).result()
+        assert got.lengths[i] == length
+        np.testing.assert_array_equal(got.out[i], want)
+    return got
+
+
+def _same_words(engine, pairs):
+    for mine, twin in pairs:
+        for a, b in zip(mine.layers, twin.layers):
+            assert a.length == b.length
+            for x, y in zip(read_words(engine, a), read_words(engine, b)):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns):
+    formats = ["f32", "turboquant", "f16", "tq4", "f32", "turboquant", "tq2o", "f32", "f16"]
+    lengths = [P - 1, P, 1, 2 * P + 3, P + 1, 0, 3 * P - 2, 5, 2 * P - 1]
+    pairs = _pairs(engine, formats, lengths, rng)
+    b = len(pairs)
+    for step, m in enumerate((1, 3, 1, 0, P + 2)):  # rows appended per item (0: no append)
+        for li in range(2):  # every layer of the step: pages opened by the appends before
+            q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
+            k = v = None
+            if m:
+                k = rng.standard_normal((b, m, HKV, D)).astype(np.float32)
+                v = rng.standard_normal((b, m, HKV, D)).astype(np.float32)
+            skip = {4} if step == 2 else ()  # an item refused before it was planned
+            _check_step(engine, pairs, li, q, k, v, skip)
+    # every item went through the columns (one group per pool): none planned alone
+    assert sum(columns) == 2 * (5 * b - 1)
+    _same_words(engine, pairs)
+
+
+def test_several_query_rows_and_a_step_without_appends(engine, rng, columns):
+    pairs = _pairs(engine, ["f32", "turboquant", "f16"], [3 * P + 1, 2 * P, P + 7], rng, layers=1)
+    q = rng.standard_normal((3, 4, H, D)).astype(np.float32)  # 4 query rows: still the split path
+    k = rng.standard_normal((3, 4, HKV, D)).astype(np.float32)
+    _check_step(engine, pairs, 0, q, k, k)
+    _check_step(engine, pairs, 0, q, None, None)
+    assert sum(columns) == 6
+    _same_words(engine, pairs)
+
+
+def test_a_layer_twice_is_planned_item_by_item(engine, rng, columns):
+    pairs = _pairs(engine, ["f32", "turboquant"], [P - 1, P], rng, layers=1)
+    a, b = pairs[0][0].layers[0], pairs[1][0].layers[0]
+    q = rng.standard_normal((3, 1, H, D)).astype(np.float32)
+    k = rng.standard_normal((3, 1, HKV, D)).astype(np.float32)
+    got = engine.worker.submit_plan(engine.plan_stacked([a, b, a], q, k=k, v=k, start_pos=[None] * 3)).result()
+    assert not got.errors and columns == []  # items of one layer apply in order: one by one
+    for i, twin in ((0, pairs[0][1]), (1, pairs[1][1]), (2, pairs[0][1])):
+        want, length = engine.attend(twin.layers[0], q[i], k=k[i], v=k[i]).result()
+        assert got.lengths[i] == length
+        np.testing.assert_array_equal(got.out[i], want)
+    _same_words(engine, pairs)
+
+
+def test_an_item_the_columns_cannot_plan_fails_alone(engine, rng, columns):
+    pairs = _pairs(engine, ["f32", "f32", "turboquant"], [P, 2 * P + 1, P + 3], rng, layers=1)
+    layers = [p[0].layers[0] for p in pairs]
+    q = rng.standard_normal((3, 2, H, D)).astype(np.float32)
+    k = rng.standard_normal((3, 1, HKV, D)).astype(np.float32)
+    # item 1's start_pos passes its length: the columns raise, the step goes item by item
+    plan = engine.plan_stacked(layers, q, k=k, v=k, start_pos=[None, 2 * P + 1, None])
+    got = engine.worker.submit_plan(plan).result()
+    assert list(got.errors) == [1] and isinstance(got.errors[1], ValueError)
+    assert got.lengths[1] == -1 and not got.out[1].any() and layers[1].length == 2 * P + 1  # unchanged
+    assert columns == [2]  # the f32 group raised (item 1's start_pos) before it planned anything
+    for i in (0, 2):
+        want, length = engine.attend(pairs[i][1].layers[0], q[i], k=k[i], v=k[i]).result()
+        assert got.lengths[i] == length
+        np.testing.assert_array_equal(got.out[i], want)
+    np.testing.assert_array_equal(read_words(engine, layers[1])[0], read_words(engine, pairs[1][1].layers[0])[0])
+
+
+@pytest.mark.parametrize("fmt", ["f32", "turboquant"])
+def test_a_layer_that_moves_while_its_group_is_planned(fmt, rng, columns):
+    """The slab is full at its largest: one item of the group moves its layer to
+    another slab (a copy deferred after the writes before it); the others write
+    into the old slab. Against twins appended one by one, words and outputs."""
+    from attnserve.pool import PageLayout
+
+    adapter = os.environ.get("ATTNSERVE_ADAPTER") or None
+    slab_bytes = max(PageLayout(fmt, HKV, D).buffer_bytes(8 * P))
+    eng = Engine.open(adapter, page_tokens=P, pool_slab_bytes=slab_bytes)
+    try:
+        sessions = [eng.session_kv(SessionConfig(1, H, HKV, D, fmt, 8 * P, 7)) for _ in range(4)]
+        a, other, twin_a, twin_other = sessions
+        ka, kb = rows(rng, 5 * P, HKV, D), rows(rng, 3 * P - 1, HKV, D)
+        for s, kk in ((a, ka), (other, kb), (twin_a, ka), (twin_other, kb)):
+            eng.append(s.layers[0], kk, kk).result()
+        assert a.layers[0].slab is other.layers[0].slab and a.layers[0].slab.free_pages == 0
+        slab = a.layers[0].slab
+        q = rng.standard_normal((2, 1, H, D)).astype(np.float32)
+        k = rng.standard_normal((2, 1, HKV, D)).astype(np.float32)
+        layers = [other.layers[0], a.layers[0]]  # other writes its partial page; a needs a new page: it moves
+        got = eng.worker.submit_plan(eng.plan_stacked(layers, q, k=k, v=k, start_pos=[None, None])).result()
+        assert not got.errors and columns == [2] and a.layers[0].slab is not slab
+        for i, twin in enumerate((twin_other, twin_a)):
+            want, length = eng.attend(twin.layers[0], q[i], k=k[i], v=k[i]).result()
+            assert got.lengths[i] == length
+            np.testing.assert_array_equal(got.out[i], want)
+        for mine, twin in ((a, twin_a), (other, twin_other)):
+            for x, y in zip(read_words(eng, mine.layers[0]), read_words(eng, twin.layers[0])):
+                np.testing.assert_array_equal(x, y)
+    finally:
+        eng.close()
