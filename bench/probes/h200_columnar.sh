@@ -6,9 +6,11 @@
 # each tree runs bench/service.py (stacked steps of 64 sessions x 4k: HTTP, the
 # stream, 4 batches in flight; single fused steps) and bench/step_profile.py
 # (16, 64 and 256 sessions: host time per stage and its fit), then this tree runs
-# bench/generic_clients.py (plain websockets and httpx clients). JSON lands in OUT_DIR.
+# bench/generic_clients.py (plain websockets and httpx clients) and
+# bench/worker_profile.py --stacked (the GPU thread's plan / encode / submit +
+# readback of one stacked step). OLD_TREE "-": this tree only. JSON lands in OUT_DIR.
 set -u
-OLD=$(cd "${1:?old tree}" && pwd)
+OLD=${1:?old tree, or -}
 OUTDIR=${2:?out dir}
 NEW=$(pwd)
 export PYTHONUNBUFFERED=1
@@ -21,7 +23,10 @@ bench() {  # bench TREE LABEL
   (cd "$tree" && PYTHONPATH="$PYTHONPATH:$tree/service:$tree/client:$tree" timeout 300 python3 bench/step_profile.py \
     --adapter nvidia --batches 16,64,256 --context 4096 --steps 30 --json-out "$OUTDIR/profile-$label.json" | tail -n 12)
 }
-bench "$OLD" old
+[ "$OLD" = - ] || bench "$(cd "$OLD" && pwd)" old
 bench "$NEW" new
+(cd "$NEW" && PYTHONPATH="$PYTHONPATH:$NEW/service:$NEW/client:$NEW" timeout 150 python3 bench/worker_profile.py \
+  --adapter nvidia --stacked --sessions 64 --context 4096 --steps 30 --top 25 --json-out "$OUTDIR/worker-new.json" \
+  | grep -v '^#' | head -n 60)
 (cd "$NEW" && PYTHONPATH="$PYTHONPATH:$NEW/service:$NEW/client:$NEW" timeout 200 python3 bench/generic_clients.py \
   --adapter nvidia --json-out "$OUTDIR/generic-new.json" | tail -n 20)

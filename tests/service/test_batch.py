@@ -249,7 +249,7 @@ def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
     """Items alike (one layer, shapes, causal, scale) are one GPU job, as the stacked
     form is; items that differ run as a group of jobs; both answer per item, in the
     items form, and a refused item keeps its problem."""
-    from attnserve.routes.batch import parse_batch_document
+    from attnserve.steps import parse_batch_document
 
     ids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)["session_id"] for _ in range(3)]
 

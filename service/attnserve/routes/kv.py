@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request, Response
 from ..codec import MediaKind, Wire, encode, read_body, respond
 from ..store import Session
 from .deps import EngineDep, LayerPath, OwnerDep, Runtime, RuntimeDep, SessionDep, WireDep
-from .operations import (
+from ..operations import (
     attend_document,
     check_append,
     check_attend,

@@ -13,7 +13,7 @@ from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from .operations import place_session
+from ..operations import place_session
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]

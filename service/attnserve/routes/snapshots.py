@@ -12,7 +12,7 @@ from ..errors import UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from .operations import place_session
+from ..operations import place_session
 from .schemas import ok, problems
 
 __all__ = ["router"]

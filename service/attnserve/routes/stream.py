@@ -39,7 +39,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from ..codec import Fields, MediaKind, decode_document, encode
 from ..errors import ApiError, InternalError, InvalidRequest, Unauthorized
 from ..store import Owner
-from .batch import (
+from ..steps import (
     BATCH_ITEM_FIELDS,
     STACKED_FIELDS,
     answer_document,
@@ -51,7 +51,7 @@ from .batch import (
 )
 from ..runtime import OWNER_KEY, Runtime
 from .deps import ready_engine
-from .operations import (
+from ..operations import (
     APPEND_FIELDS,
     ATTEND_FIELDS,
     append_fields,

@@ -1,6 +1,7 @@
-"""Append and attend, whatever carries them: the HTTP routes, the batched step and
-the WebSocket stream all parse, check and queue through these functions, so the
-three transports cannot drift apart (and answer bit-identically).
+"""Append and attend, whatever carries them: the HTTP routes, the batched step
+(``steps.py``) and the WebSocket stream all parse, check and queue through these
+functions, so the transports cannot drift apart (and answer bit-identically). It
+imports nothing of ``routes/``: the transports call it.
 
 Each operation is checked against the session's *reserved* state (see
 :mod:`attnserve.store`) and turned into a GPU job plan plus a reservation:
@@ -26,13 +27,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..codec import Fields, MediaKind, array_out, decode_document
-from ..engine import Engine
-from ..errors import InvalidRequest, LayerNotFound
-from ..gpu.device import PlanFn
-from ..kvcache import SessionKV
-from ..store import Reservation, Session
-from .deps import Runtime
+from .codec import Fields, MediaKind, array_out, decode_document
+from .engine import Engine
+from .errors import InvalidRequest, LayerNotFound
+from .gpu.device import PlanFn
+from .kvcache import SessionKV
+from .store import Reservation, Session
+from .runtime import Runtime
 
 __all__ = [
     "AppendRequest",

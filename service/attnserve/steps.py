@@ -1,0 +1,562 @@
+"""The batched step, whatever carries it (``POST /v1/batch/attend``, the stream's
+``attend_batch``): one layer's attention for many sessions in one request.
+
+``POST /v1/batch/attend`` carries ``{"items": [item, ...]}``; an item is an attend
+(the members of ``POST .../attend``) plus ``session_id`` and ``layer``. Every item
+is checked as the single attend checks it, in item order against the state the
+items before it leave (so items of one session and layer apply in order); an
+item that fails gets its own problem in its slot and changes nothing. The items
+that pass go to the GPU together: one submission, one readback. The answer,
+``{"results": [...]}`` in item order, holds ``{"out", "length"}`` or
+``{"error": <problem>}`` per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .codec import Fields, MediaKind, array_out, check_finite, decode_document, encode
+from .engine import Engine, StackedResult
+from .errors import ApiError, InternalError, InvalidRequest, RequestTimeout
+from .store import Owner
+from .runtime import Runtime
+from .operations import (
+    ATTEND_FIELDS,
+    AttendRequest,
+    Checked,
+    attend_document,
+    attend_fields,
+    attend_scale,
+    check_attend,
+    count_rows,
+    count_rows_of,
+    fused_kv,
+    layer_index,
+    max_elements,
+    reserve_attend,
+)
+
+__all__ = [
+    "BatchItem",
+    "ParsedBatch",
+    "QueuedBatch",
+    "QueuedStacked",
+    "StackedItems",
+    "parse_batch",
+    "parse_batch_document",
+    "parse_items",
+    "as_stacked",
+    "parse_stacked",
+    "queue_batch",
+    "finish_batch",
+    "finish_stacked",
+    "finish_any",
+    "queue_stacked",
+    "settled",
+    "answer_document",
+    "results_document",
+    "stacked_document",
+    "count_errors",
+    "BATCH_ITEM_FIELDS",
+    "STACKED_FIELDS",
+    "encode_answer",
+]
+
+log = logging.getLogger("attnserve")
+
+BATCH_ITEM_FIELDS = ("session_id", "layer", *ATTEND_FIELDS)
+STACKED_FIELDS = ("session_ids", "layer", "q", "k", "v", "offsets", "start_pos", "causal", "scale")
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One parsed item: its target and attend, or the problem that refused it."""
+
+    session_id: str | None = None
+    layer: int = 0
+    attend: AttendRequest | None = None
+    error: ApiError | None = None
+
+
+@dataclass(frozen=True)
+class StackedItems:
+    """The stacked form, kept as arrays: item ``i`` is the attend of ``q[i]``
+    (``k[i]``, ``v[i]``) on session ``session_ids[i]`` at ``offsets[i]`` and
+    ``start_pos[i]`` (None: not given); ``errors`` holds the items the parse
+    refused (a bad id, a non-finite row, a bad integer)."""
+
+    session_ids: list[Any]
+    layer: int
+    q: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    offsets: list[int | None]
+    start_pos: list[int | None]
+    causal: bool
+    scale: float | None
+    errors: dict[int, ApiError]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """One item's output shape ``(n, H, d)``."""
+        return tuple(self.q.shape[1:])
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    """A batch body: its ``items`` (None: the stacked form, whose answer is stacked
+    too), and ``stacked``: the stacked form, or the items as one (:func:`as_stacked`:
+    one layer and shape) to run as one job; None: the items run one job each."""
+
+    items: list[BatchItem] | None = None
+    stacked: StackedItems | None = None
+
+
+def parse_batch(raw: bytes, kind: MediaKind | None, max_bytes: int, max_items: int) -> ParsedBatch:
+    """The items of a batch body, in either form. A body that is malformed as a
+    whole (not a map, no ``items`` list or ``session_ids``, too many items, stacked
+    arrays of the wrong shape) raises; a malformed item is kept as an item with its
+    problem."""
+    return parse_batch_document(decode_document(raw, kind, max_bytes), (), "batch", max_bytes, max_items)
+
+
+def parse_batch_document(doc: Any, head: tuple[str, ...], what: str, max_bytes: int, max_items: int) -> ParsedBatch:
+    """:func:`parse_batch` of a decoded document whose members may also include
+    ``head`` (a stream frame's ``id`` and ``op``)."""
+    if isinstance(doc, dict) and "session_ids" in doc:
+        return parse_stacked(Fields(doc, (*head, *STACKED_FIELDS), what), max_bytes, max_items)
+    items = parse_items(Fields(doc, (*head, "items"), what), max_bytes, max_items)
+    return ParsedBatch(items, as_stacked(items))
+
+
+def as_stacked(items: list[BatchItem]) -> StackedItems | None:
+    """The items as the stacked form when every item that parsed attends the same
+    layer with the same shapes, ``causal`` and ``scale`` (an engine's step of one
+    layer sent as items), so they run as one job; else None."""
+    good = [it.attend for it in items if it.attend is not None]
+    if not good:
+        return None
+    first, layer = good[0], next(it.layer for it in items if it.attend is not None)
+    kv_shape = None if first.k is None else first.k.shape
+    for it in items:
+        a = it.attend
+        if a is None:
+            continue
+        if (
+            it.layer != layer
+            or a.q.shape != first.q.shape
+            or (None if a.k is None else a.k.shape) != kv_shape
+            or a.causal != first.causal
+            or a.scale != first.scale
+        ):
+            return None
+    b = len(items)
+
+    def stack(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.zeros((b, *shape), dtype="<f4")  # a refused item's rows stay zero (never read)
+        for i, it in enumerate(items):
+            if it.attend is not None:
+                out[i] = getattr(it.attend, name)
+        return out
+
+    q = stack("q", first.q.shape)
+    k, v = (None, None) if kv_shape is None else (stack("k", kv_shape), stack("v", kv_shape))
+    return StackedItems(
+        session_ids=[it.session_id for it in items],
+        layer=layer,
+        q=q,
+        k=k,
+        v=v,
+        offsets=[None if it.attend is None else it.attend.offset for it in items],
+        start_pos=[None if it.attend is None else it.attend.start_pos for it in items],
+        causal=first.causal,
+        scale=first.scale,
+        errors={i: it.error for i, it in enumerate(items) if it.error is not None},
+    )
+
+
+def _check_count(n: int, max_items: int, name: str) -> None:
+    if not n:
+        raise InvalidRequest(f"{name}: expected a non-empty array")
+    if n > max_items:
+        raise InvalidRequest(
+            f"{name}: {n} items are more than this server takes in one batch ({max_items}); split it",
+            max_batch_items=max_items,
+        )
+
+
+def parse_items(f: Fields, max_bytes: int, max_items: int) -> list[BatchItem]:
+    items = f.list("items")
+    _check_count(len(items), max_items, "items")
+    return [parse_item(doc, i, max_bytes) for i, doc in enumerate(items)]
+
+
+def parse_stacked(f: Fields, max_bytes: int, max_items: int) -> ParsedBatch:
+    """The stacked form: ``session_ids`` (B), one ``layer``, ``q [B, n, H, d]``,
+    optional ``k``, ``v [B, m, Hkv, d]``, optional per-item ``offsets`` and
+    ``start_pos`` (arrays of B integers or nulls), and ``causal``, ``scale`` for all.
+    Item ``i`` is the attend of ``q[i]`` (and ``k[i]``, ``v[i]``) on session
+    ``session_ids[i]``, checked as an item of the other form."""
+    ids = f.list("session_ids")
+    _check_count(len(ids), max_items, "session_ids")
+    b = len(ids)
+    layer = f.int("layer", lo=0)
+    me = max_elements(max_bytes)
+    q = f.array("q", max_elements=me, ndim=4, finite=False)
+    k, v = fused_kv(f, me, ndim=4, finite=False)
+    arrays = [(name, a) for name, a in (("q", q), ("k", k), ("v", v)) if a is not None]
+    for name, a in arrays:
+        if a.shape[0] != b:
+            raise InvalidRequest(
+                f"{name}: expected {b} stacked items (one per session id) in dimension 0, got shape {list(a.shape)}"
+            )
+    per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
+    causal, scale = f.bool("causal", True), attend_scale(f)
+    errors: dict[int, ApiError] = {}
+    for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
+        for i in np.flatnonzero(~np.isfinite(a.reshape(b, -1)).all(axis=1)).tolist():
+            try:
+                check_finite(a[i], name)
+            except ApiError as e:
+                errors.setdefault(i, e)
+    for i, sid in enumerate(ids):
+        if not isinstance(sid, str):
+            errors[i] = InvalidRequest(f"session_ids[{i}]: expected a string, got {type(sid).__name__}")
+    ints = {}
+    for name in ("offsets", "start_pos"):
+        values = per_item[name]
+        ints[name] = [None] * b if values is None else values
+        if values is None:
+            continue
+        for i, value in enumerate(values):
+            if value is not None and (type(value) is not int or value < 0):
+                errors.setdefault(
+                    i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
+                )
+    offsets, start_pos = ints["offsets"], ints["start_pos"]
+    return ParsedBatch(stacked=StackedItems(ids, layer, q, k, v, offsets, start_pos, causal, scale, errors))
+
+
+def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
+    values = f.list(name, None)
+    if values is not None and len(values) != b:
+        raise InvalidRequest(f"{name}: expected {b} values (one per session id, null for none), got {len(values)}")
+    return values
+
+
+def parse_item(doc: Any, i: int, max_bytes: int) -> BatchItem:
+    try:
+        f = Fields(doc, BATCH_ITEM_FIELDS, f"items[{i}]")
+        session_id = f.str("session_id")
+        layer = f.int("layer", lo=0)
+        return BatchItem(session_id, layer, attend_fields(f, max_bytes))
+    except ApiError as e:
+        return BatchItem(error=e)
+
+
+def _check(rt: Runtime, engine: Engine, owner: Owner, item: BatchItem) -> Checked:
+    if item.error is not None:
+        raise item.error
+    assert item.session_id is not None and item.attend is not None
+    session = rt.store.get(item.session_id, owner)
+    return check_attend(rt, engine, session, layer_index(session, item.layer), item.attend)
+
+
+@dataclass(eq=False)
+class QueuedBatch:
+    """A batch whose items are checked and queued: per item the :class:`ApiError`
+    that refused it, or its slot in ``futures``/``ops``; ``done`` is the event-loop
+    future that is done when every queued item is done and settled."""
+
+    outcome: list[Any]
+    futures: list[Future]
+    ops: list[tuple[int, Checked]]
+    done: asyncio.Future | None = None
+
+
+def queue_batch(rt: Runtime, engine: Engine, owner: Owner, parsed: ParsedBatch) -> "QueuedBatch | QueuedStacked":
+    """Check every item in order and queue those that pass: the items form as one
+    GPU group of jobs, the stacked form as one job (:func:`queue_stacked`). No
+    ``await``: the checks see each other's reservations, and nothing else can come
+    between the first check and the queueing."""
+    if parsed.stacked is not None:
+        return queue_stacked(rt, engine, owner, parsed.stacked)
+    assert parsed.items is not None
+    items = parsed.items
+    outcome: list[Any] = [None] * len(items)
+    checked: list[tuple[int, Checked]] = []
+    for i, item in enumerate(items):
+        try:
+            op = _check(rt, engine, owner, item)
+        except ApiError as e:
+            outcome[i] = e
+            continue
+        rt.store.commit(op.res)
+        checked.append((i, op))
+    if not checked:
+        return QueuedBatch(outcome, [], [])
+    try:
+        futures = engine.submit_group([op.plan for _, op in checked])
+    except ApiError as e:  # Overloaded: nothing was queued; give every reservation back
+        for i, op in checked:
+            rt.store.finish(op.res, e)
+            outcome[i] = e
+        return QueuedBatch(outcome, [], [])
+    done = rt.watch_all(futures, [(op.res,) for _, op in checked])
+    return QueuedBatch(outcome, futures, checked, done)
+
+
+@dataclass(eq=False)
+class QueuedStacked:
+    """A stacked step checked and queued as one job: ``errors`` (item -> the
+    problem that refused it), ``ops`` (the items that passed, in order: their
+    index and :class:`Checked`), the job's ``future`` and ``done`` (as
+    :class:`QueuedBatch`'s)."""
+
+    stacked: StackedItems
+    errors: dict[int, ApiError]
+    ops: list[tuple[int, Checked]]
+    future: Future | None = None
+    done: asyncio.Future | None = None
+
+
+def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> QueuedStacked:
+    """Check each item of a stacked step as :func:`queue_batch` does (in order,
+    each against the reservations of those before it), then queue every item that
+    passed as one job (``Engine.plan_stacked``): one future for the step."""
+    errors = dict(st.errors)
+    b = len(st.session_ids)
+    ops = _reserve_columns(rt, engine, owner, st)
+    if ops is None:
+        ops = _reserve_items(rt, engine, owner, st, errors)
+    else:
+        for _, op in ops:
+            rt.store.commit(op.res)
+    layers: list[Any] = [None] * b
+    start_pos: list[int | None] = [None] * b
+    for i, op in ops:
+        layers[i], start_pos[i] = op.res.layer.cache, op.start_pos
+    k, v = st.k, st.v
+    queued = QueuedStacked(st, errors, ops)
+    if not ops:
+        return queued
+    try:
+        plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
+        queued.future = engine.worker.submit_plan(plan, weight=len(ops))  # counts as its items
+    except Exception as e:  # Overloaded (or a bug): nothing was queued; give every reservation back
+        if not isinstance(e, ApiError):
+            log.exception("stacked step failed to queue")
+        err = e if isinstance(e, ApiError) else InternalError("an internal error occurred; it was logged")
+        for i, op in ops:
+            rt.store.finish(op.res, e)
+            errors[i] = err
+        queued.ops = []
+        return queued
+    item_errors = lambda result: [result.errors.get(i) for i, _ in ops]  # noqa: E731
+    queued.done = rt.watch_all([queued.future], [tuple(op.res for _, op in ops)], item_errors)
+    return queued
+
+
+def _reserve_items(
+    rt: Runtime, engine: Engine, owner: Owner, st: StackedItems, errors: dict[int, ApiError]
+) -> list[tuple[int, Checked]]:
+    """Check each item of a stacked step in order, each against the reservations of
+    those before it (committed as it passes); a refused item's problem goes in
+    ``errors``. Returns the items that passed."""
+    ops: list[tuple[int, Checked]] = []
+    k, v = st.k, st.v
+    clear: dict[str, np.ndarray] = {}  # per kv format: the items whose k, v values pass at once
+    for i, sid in enumerate(st.session_ids):
+        if i in errors:
+            continue
+        try:
+            session = rt.store.get(sid, owner)
+            li = layer_index(session, st.layer)
+            fmt = session.config.layer_formats[li]
+            if k is not None and fmt not in clear:
+                clear[fmt] = engine.kv_values_clear(k, v, fmt)
+            op = reserve_attend(
+                rt, engine, session, li, st.q[i], None if k is None else k[i], None if v is None else v[i],
+                st.offsets[i], st.start_pos[i], values_clear=k is not None and bool(clear[fmt][i]),
+            )  # fmt: skip
+        except ApiError as e:
+            errors[i] = e
+            continue
+        rt.store.commit(op.res)
+        ops.append((i, op))
+    return ops
+
+
+def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> list[tuple[int, Checked]] | None:
+    """Every item of a stacked step checked at once, as :func:`reserve_attend` checks
+    each (shapes once per kv format, values per format over the whole step, offsets,
+    capacities and the budget as columns): the items' reservations, not committed.
+    None when the step is not the common case (an item refused by the parse, a session
+    named twice or not found, a layer out of range, sessions of other shapes, or
+    anything that would refuse an item): then :func:`queue_stacked` checks item by
+    item, and each problem is the one a single attend gets."""
+    if st.errors:
+        return None
+    store = rt.store
+    try:
+        sessions = [store.get(sid, owner) for sid in st.session_ids]
+    except ApiError:
+        return None
+    if len({id(s) for s in sessions}) != len(sessions):
+        return None
+    config = sessions[0].config
+    shape = (config.num_layers, config.num_qo_heads, config.num_kv_heads, config.head_dim)
+    for s in sessions:
+        c = s.config
+        if c is not config and (c.num_layers, c.num_qo_heads, c.num_kv_heads, c.head_dim) != shape:
+            return None
+    li = st.layer
+    if li >= config.num_layers:
+        return None
+    formats = [s.layers[li].cache.kv_format for s in sessions]
+    k, v, q = st.k, st.v, st.q
+    try:
+        for fmt in set(formats):
+            engine.check_query_rows(config, q[0], fmt)
+            if k is not None:
+                engine.check_kv_rows(config, k[0], v[0], fmt, values_clear=True)
+                mine = np.fromiter((f == fmt for f in formats), bool, len(formats))
+                if not engine.kv_values_clear(k[mine], v[mine], fmt).all():
+                    return None
+    except ApiError:
+        return None
+    rows = 0 if k is None else k.shape[1]
+    reservations = store.plan_step(sessions, li, rows, st.offsets)
+    if reservations is None:
+        return None
+    n = q.shape[1]
+    ops = []
+    for i, (res, fmt, given) in enumerate(zip(reservations, formats, st.start_pos)):
+        sp = res.new_length - n if given is None else given
+        if sp < 0 or sp + n > res.new_length:
+            return None
+        ops.append((i, Checked(None, res, fmt, rows, n, sp)))
+    return ops
+
+
+async def finish_stacked(rt: Runtime, queued: QueuedStacked) -> tuple[StackedResult | None, dict[int, ApiError]]:
+    """Await a queued stacked step. Returns the job's :class:`StackedResult` (None
+    if no item was queued or the job failed as a whole) and every failed item's
+    problem."""
+    errors, fut = queued.errors, queued.future
+    if queued.done is None or fut is None:
+        return None, errors
+    await asyncio.shield(queued.done)
+    failed = None if fut.cancelled() else fut.exception()
+    result = None if fut.cancelled() or failed is not None else fut.result()
+    if result is None:
+        for i, op in queued.ops:
+            errors[i] = settled(rt, fut, op, failed)
+        return result, errors
+    done = queued.ops
+    if result.errors:
+        for i, op in done:
+            if i in result.errors:
+                errors[i] = settled(rt, fut, op, result.errors[i])
+        done = [(i, op) for i, op in done if i not in result.errors]
+    count_rows_of(rt, [op for _, op in done])
+    return result, errors
+
+
+async def finish_batch(rt: Runtime, queued: QueuedBatch) -> list[Any]:
+    """Await a queued batch. Returns per item ``AttendResult`` or the
+    :class:`ApiError` that failed it."""
+    outcome = queued.outcome
+    if queued.done is not None:
+        await asyncio.shield(queued.done)
+        for fut, (i, op) in zip(queued.futures, queued.ops):
+            result = None if fut.cancelled() else (fut.exception() or fut.result())
+            outcome[i] = settled(rt, fut, op, result)
+    return outcome
+
+
+def settled(rt: Runtime, fut: Future, op: Checked, result: Any) -> Any:
+    if fut.cancelled():  # the request timeout dropped it from the queue: nothing applied
+        return RequestTimeout(
+            f"the item waited more than {rt.settings.request_timeout_s:g} s for the GPU and was dropped; "
+            "nothing was applied, so it is safe to retry",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(result, ApiError):
+        return result
+    if isinstance(result, BaseException):
+        log.error("batch item failed", exc_info=result)
+        return InternalError("an internal error occurred in this item; it was logged")
+    count_rows(rt, op)
+    return result
+
+
+async def finish_any(rt: Runtime, queued: "QueuedBatch | QueuedStacked") -> Any:
+    """:func:`finish_batch` or :func:`finish_stacked`, as the batch was queued;
+    what it gives is what :func:`answer_document` answers from."""
+    if isinstance(queued, QueuedStacked):
+        return await finish_stacked(rt, queued)
+    return await finish_batch(rt, queued)
+
+
+def answer_document(parsed: ParsedBatch, outcome: Any, kind: MediaKind, instance: str) -> dict[str, Any]:
+    """The answer to a batch, in the form of its body: ``{"results": [...]}`` for
+    items, stacked ``{"out", "lengths", "errors"}`` for the stacked form."""
+    if parsed.items is None:
+        result, errors = outcome
+        return stacked_document(parsed.stacked, result, errors, kind, instance)
+    if isinstance(outcome, tuple):  # the items ran as one stacked job
+        result, errors = outcome
+        outcome = [
+            errors[i] if i in errors else (result.out[i], int(result.lengths[i])) for i in range(len(parsed.items))
+        ]
+    return results_document(outcome, kind, instance)
+
+
+def _problem(err: ApiError, i: int, instance: str) -> dict[str, Any]:
+    return err.problem(instance) | {"item": i}
+
+
+def results_document(outcome: list[Any], kind: MediaKind, instance: str) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    for i, r in enumerate(outcome):
+        if isinstance(r, ApiError):
+            results.append({"error": _problem(r, i, instance)})
+        else:
+            out, length = r
+            results.append(attend_document(out, length, kind))
+    return {"results": results}
+
+
+def stacked_document(
+    st: StackedItems, result: StackedResult | None, errors: dict[int, ApiError], kind: MediaKind, instance: str
+) -> dict[str, Any]:
+    """``out [B, n, H, d]`` (zeros in the rows of a failed item), ``lengths`` (null
+    for a failed item) and ``errors`` (the failed items' problems, with ``item``)."""
+    b = len(st.session_ids)
+    if result is None:
+        out = np.zeros((b, *st.out_shape), dtype="<f4")
+        lengths: list[int | None] = [None] * b
+    else:
+        out = result.out  # zero in the rows of every item that failed (its length is -1)
+        lengths = [None if i in errors else length for i, length in enumerate(result.lengths.tolist())]
+    problems = [_problem(errors[i], i, instance) for i in sorted(errors)]
+    return {"out": array_out(np.ascontiguousarray(out), kind), "lengths": lengths, "errors": problems}
+
+
+def count_errors(rt: Runtime, outcome: Any) -> None:
+    """Count the failed items of a finished batch (either form) by problem."""
+    failed = outcome[1].values() if isinstance(outcome, tuple) else outcome
+    for r in failed:
+        if isinstance(r, ApiError):
+            rt.metrics.errors.inc(r.slug)
+
+
+def encode_answer(parsed: ParsedBatch, outcome: list[Any], kind: MediaKind, instance: str) -> bytes:
+    return encode(answer_document(parsed, outcome, kind, instance), kind)
