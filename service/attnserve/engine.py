@@ -360,11 +360,10 @@ class Engine:
                 raise ValueError(f"k/v must both be [{b}, m, Hkv, d], got {k.shape} and {v.shape}")
         taking = [layer for layer in layers if layer is not None]
         if k is not None:
-            for layer in {id(l): l for l in taking}.values():
+            for layer in {(l.n_kv_heads, l.head_dim): l for l in taking}.values():  # once per layer shape
                 self._check_rows(layer, k[0], v[0])
-        for layer in taking:
-            if layer.head_dim != d:
-                raise ValueError(f"q head_dim {d} != cache head_dim {layer.head_dim}")
+        if any(layer.head_dim != d for layer in taking):
+            raise ValueError(f"q head_dim {d} != a cache's head_dim")
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
         def plan(batch):
