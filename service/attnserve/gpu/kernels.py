@@ -72,7 +72,12 @@ def _chunks(n: int, limit: int):
 
 
 def _limit(batch: Batch) -> int:
-    return int(batch.device.limits.get("max-compute-workgroups-per-dimension", 65535))
+    limit = batch.__dict__.get("_workgroups_limit")
+    if limit is None:  # the device's limits are a new dict on every read: once per batch
+        limit = batch.__dict__["_workgroups_limit"] = int(
+            batch.device.limits.get("max-compute-workgroups-per-dimension", 65535)
+        )
+    return limit
 
 
 class Cache(Protocol):
@@ -327,16 +332,16 @@ class _Rows:
         rows = cls()
         n = np.asarray(counts, dtype=np.int64)
         rows.n = int(n.sum())
-        if rows.n == len(n):  # one row per item (every count is 1)
+        if rows.n == len(n):  # one row per item (every count is 1): a ramp is its first value
             rows.cols = dict(per_item)
             for name, (first, _) in (ramps or {}).items():
-                rows.cols[name] = np.broadcast_to(np.asarray(first, dtype=np.int64), n.shape)
+                rows.cols[name] = first
             return rows
         j = np.arange(rows.n) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its item
         rows.cols = {name: np.repeat(np.asarray(values), n) for name, values in per_item.items()}
         for name, (first, step) in (ramps or {}).items():
-            first, step = (np.broadcast_to(np.asarray(x, dtype=np.int64), n.shape) for x in (first, step))
-            rows.cols[name] = np.repeat(first, n) + j * np.repeat(step, n)
+            first, step = (x if np.isscalar(x) else np.repeat(np.asarray(x, dtype=np.int64), n) for x in (first, step))
+            rows.cols[name] = first + j * step
         return rows
 
 
@@ -361,7 +366,7 @@ def _dispatch_rows(
     row's params block (its ``rows`` columns and the ``common`` fields) in an array
     bound at ``params_binding``."""
     for base, n in _chunks(rows.n, _limit(batch)):
-        part = {k: v[base : base + n] for k, v in rows.cols.items()}
+        part = {k: v if np.isscalar(v) else v[base : base + n] for k, v in rows.cols.items()}
         prm = batch.upload(P.pack_rows(block, n, **part, **common))
         batch.dispatch(kernel, {**bindings, params_binding: prm}, grid(n), constants=constants)
 
@@ -570,12 +575,10 @@ def split_sizes(
         cap = PLAIN_MAX_SCORES // group
     max_seq = np.asarray(max_seq, dtype=np.int64)
     want = -(-max_seq * (n_kv_heads * n_queries) // target_workgroups)
-    s = np.full(max_seq.shape, SPLIT_TILE, dtype=np.int64)
-    grow = (s < want) & (s < cap)
-    while grow.any():
-        s[grow] *= 2
-        grow &= (s < want) & (s < cap)
-    s = np.minimum(s, cap)
+    # the least power of two >= want (log2 of an integer below 2**52 rounds the right
+    # way at a power of two), at least SPLIT_TILE, at most cap (a power of two)
+    s = np.left_shift(1, np.ceil(np.log2(np.maximum(want, 1))).astype(np.int64))
+    s = np.minimum(np.maximum(s, SPLIT_TILE), cap)
     return s, -(-max_seq // s)
 
 
