@@ -29,20 +29,29 @@ import numpy as np
 import wgpu
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT / "bench"), str(ROOT)]
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 
+from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
 from tools.common import write_result  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 
 
 def run(
-    engine: Engine, fmt: str, n: int, context: int, steps: int, top: int, read_only: bool = False, stacked: bool = False
+    engine: Engine,
+    fmt: str,
+    n: int,
+    context: int,
+    steps: int,
+    top: int,
+    read_only: bool = False,
+    stacked: bool = False,
+    gpu_phases: bool = False,
 ) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
@@ -55,18 +64,23 @@ def run(
     qb, kb = np.broadcast_to(q, (n, *q.shape)).copy(), np.broadcast_to(k1, (n, *k1.shape)).copy()
     arenas = engine.worker.arenas
 
+    def plan(batch: Batch, stacked: bool, read_only: bool) -> list:
+        if stacked:  # one job for the step, its items planned as columns (Engine.plan_stacked)
+            fused = {} if read_only else {"k": kb, "v": kb}
+            layers = [s.layers[0] for s in sessions]
+            return [engine.plan_stacked(layers, qb, start_pos=[None] * n, **fused)(batch)]
+        fused = {} if read_only else {"k": k1, "v": k1}
+        return [engine.plan_attend(s.layers[0], q, **fused)(batch) for s in sessions]
+
+    def new_batch() -> Batch:
+        return Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align, engine.policy)
+
     def step(prof: cProfile.Profile | None) -> tuple[float, float, float]:
         t0 = time.perf_counter()
         if prof:
             prof.enable()
-        batch = Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align, engine.policy)
-        if stacked:  # one job for the step, its items planned as columns (Engine.plan_stacked)
-            fused = {} if read_only else {"k": kb, "v": kb}
-            layers = [s.layers[0] for s in sessions]
-            finishes = [engine.plan_stacked(layers, qb, start_pos=[None] * n, **fused)(batch)]
-        else:
-            fused = {} if read_only else {"k": k1, "v": k1}
-            finishes = [engine.plan_attend(s.layers[0], q, **fused)(batch) for s in sessions]
+        batch = new_batch()
+        finishes = plan(batch, stacked, read_only)
         t1 = time.perf_counter()
         encoded = batch.encode()
         if prof:
@@ -113,12 +127,67 @@ def run(
             "submit_readback": round(1e3 * med[2] / n, 1),
         },
     }
+    if gpu_phases and "timestamp-query" in ctx.features:
+        res["gpu_phases"] = phases(new_batch, plan, stacked, read_only, sessions, q)
     if top:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
         res["profile_tottime"] = buf.getvalue().splitlines()
     for s in sessions:
         engine.release(s).result()
+    return res
+
+
+def phases(new_batch, plan, stacked: bool, read_only: bool, sessions: list, q: np.ndarray, repeats: int = 7) -> dict:
+    """Where the GPU time of one step goes: the step as served (whole, then each
+    dispatch timed in a pass of its own), without its appends, and bench/kernels.py's
+    batched plan of the same layers (one query upload shared, outputs left on the GPU,
+    no readback): per dispatch the median GPU µs over ``repeats`` steps, and each
+    plan's whole GPU span and wall time of submit + readback."""
+    timer = GpuTimer(new_batch().device)
+
+    def kernels_plan(batch: Batch) -> list:
+        q_seg = batch.upload(q)
+        d = q.shape[-1]
+        for s in sessions:
+            out = batch.scratch(q.nbytes)
+            s.layers[0].plan_attend_rows(
+                batch, q_seg, q.shape, out=out, length=s.layers[0].length, start_pos=s.layers[0].length - 1,
+                causal=True, scale=1 / d**0.5,
+            )  # fmt: skip
+        sync = batch.output(4)
+        batch.copy(out, 0, sync, 0, 4)
+        return []
+
+    plans = {
+        "served": lambda b: plan(b, stacked, read_only),
+        "served_read_only": lambda b: plan(b, stacked, True),
+        "bench_kernels": kernels_plan,
+    }
+    res = {}
+    for name, make in plans.items():
+        whole, walls, per = [], [], []
+        for _ in range(repeats):
+            batch = new_batch()
+            make(batch)
+            encoded = batch.encode()
+            t0 = time.perf_counter()
+            whole.append(timer.run(encoded[0]))
+            batch.read_back(encoded)
+            walls.append(1e3 * (time.perf_counter() - t0))
+            batch = new_batch()
+            make(batch)
+            per.append(dispatch_times(batch)[0])
+        rows = per[0]
+        for i, row in enumerate(rows):
+            row["gpu_us"] = float(np.median([p[i]["gpu_us"] for p in per]))
+            row["start_us"] = float(np.median([p[i]["start_us"] for p in per]))
+        res[name] = {
+            "whole_gpu_ms": round(float(np.median(whole)), 3),
+            "whole_wall_ms": round(float(np.median(walls)), 3),
+            "sum_dispatch_gpu_ms": round(sum(r["gpu_us"] for r in rows) / 1e3, 3),
+            "dispatches": rows,
+        }
     return res
 
 
@@ -132,8 +201,15 @@ def main(argv=None) -> int:
     ap.add_argument("--read-only", action="store_true", help="attend without the fused append")
     ap.add_argument("--stacked", action="store_true", help="the step as one stacked job (plan_stacked)")
     ap.add_argument("--top", type=int, default=25, help="cProfile rows to print (0: none)")
+    ap.add_argument(
+        "--gpu-phases",
+        action="store_true",
+        help="GPU timestamps per dispatch of the step (device feature timestamp-query)",
+    )
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
+    if args.gpu_phases:
+        request_timestamps()
     engine = Engine.open(args.adapter or None)
     results = []
     try:
@@ -141,8 +217,9 @@ def main(argv=None) -> int:
         for fmt in args.formats.split(","):
             for n in sorted({1, args.sessions}):
                 r = run(
-                    engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked
-                )
+                    engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked,
+                    args.gpu_phases and n > 1,
+                )  # fmt: skip
                 results.append(r)
                 prof = r.pop("profile_tottime", None)
                 print(json.dumps(r), flush=True)

@@ -63,9 +63,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
 import kernels as B  # noqa: E402  (bench/kernels.py: Engine, fill_layer, copy_gbps, torch peers)
-import wgpu  # noqa: E402
+from gpu_timing import GpuTimer, request_timestamps  # noqa: E402
 
-from attnserve.gpu import device as DEV  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
@@ -316,38 +315,6 @@ def oracle(engine, session, layer, q, *, start_pos=None, causal=True, scale=None
 # ── timing ───────────────────────────────────────────────────────────────────
 
 
-class GpuTimer:
-    """GPU time of a command buffer: timestamps of two empty compute passes
-    submitted before and after it (needs the device feature ``timestamp-query``)."""
-
-    def __init__(self, device):
-        self.device = device
-        self.qs = device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
-        self.buf = device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
-        self.period = 1.0  # ns per tick
-        try:
-            from wgpu.backends.wgpu_native._api import lib
-
-            self.period = float(lib.wgpuQueueGetTimestampPeriod(device.queue._internal)) or 1.0
-        except Exception:
-            pass
-
-    def _mark(self, index: int, resolve: bool):
-        enc = self.device.create_command_encoder()
-        key = "beginning_of_pass_write_index" if index == 0 else "end_of_pass_write_index"
-        cpass = enc.begin_compute_pass(timestamp_writes={"query_set": self.qs, key: index})
-        cpass.end()
-        if resolve:
-            enc.resolve_query_set(self.qs, 0, 2, self.buf, 0)
-        return enc.finish()
-
-    def run(self, cmd) -> float:
-        """Submit ``cmd`` between the marks, wait; GPU milliseconds."""
-        self.device.queue.submit([self._mark(0, False), cmd, self._mark(1, True)])
-        t = np.frombuffer(self.device.queue.read_buffer(self.buf), np.uint64)
-        return float(t[1] - t[0]) * self.period / 1e6
-
-
 def time_step(engine, layer, q, budget_s: float, timer_box: list) -> tuple[float, float | None]:
     """(wall ms, GPU ms or None) per decode step: ``iters`` steps of ``q`` over the
     whole layer recorded into one submission (each its own dispatches), as many as
@@ -441,8 +408,7 @@ def main(argv=None) -> int:
     if "base" not in variants:
         variants.insert(0, "base")  # the reference every output is checked against
 
-    if "timestamp-query" not in DEV.OPTIONAL_FEATURES:  # asked for when the adapter has it
-        DEV.OPTIONAL_FEATURES = (*DEV.OPTIONAL_FEATURES, "timestamp-query")
+    request_timestamps()  # asked for when the adapter has it
     eng = B.Engine.open(args.adapter, page_tokens=args.page_tokens)
     policy0 = dataclasses.replace(eng.policy, force="split")
     targets = [int(x) for x in args.targets.split(",") if x] or [policy0.target_workgroups]

@@ -82,6 +82,7 @@ def open_engine(settings: Settings, **kw: Any) -> Engine:
     )
     return Engine.open(
         settings.adapter,
+        settings.cuda_context,
         max_batch_jobs=settings.max_batch_jobs,
         max_queue=settings.max_queue,
         policy=policy,

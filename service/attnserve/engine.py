@@ -140,11 +140,12 @@ class Engine:
         self.worker.policy = policy
 
     @classmethod
-    def open(cls, adapter: str | None = None, **kw) -> "Engine":
-        return cls(open_device(adapter), **kw)
+    def open(cls, adapter: str | None = None, cuda_context: str = "auto", **kw) -> "Engine":
+        return cls(open_device(adapter, cuda_context), **kw)
 
     def close(self) -> None:
         self.worker.stop()
+        self.ctx.close()
 
     # ── the device ──────────────────────────────────────────────────────────
 

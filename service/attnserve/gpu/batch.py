@@ -369,10 +369,13 @@ class Batch:
             return buf, res.offset, _round_up(res.size, 4)
         return res, 0, res.size
 
-    def encode(self, slot: int = 0):
+    def encode(self, slot: int = 0, timestamps: wgpu.GPUQuerySet | None = None):
         """Write the upload arena and encode every command (CPU work), reading the
         output back through staging buffer ``slot``; returns what :meth:`submit`
-        needs. Split out so benchmarks can time the GPU part."""
+        needs. Split out so benchmarks can time the GPU part. With ``timestamps`` (a
+        timestamp query set of at least 2 per dispatch), each dispatch is a compute
+        pass of its own whose GPU start and end land at query 2i and 2i + 1
+        (profiling: ``bench/worker_profile.py --gpu-phases``)."""
         self.flush()
         if not self.ops:
             return None
@@ -382,6 +385,7 @@ class Batch:
             queue.write_buffer(bufs["in"], 0, self._upload)
         enc = self.device.create_command_encoder()
         cpass = None
+        n_timed = 0
         for op in self.ops:
             if op[0] == "dispatch":
                 _, kernel, bindings, grid, constants = op
@@ -389,11 +393,23 @@ class Batch:
                 bg = self.arenas.bind_group(
                     bgl, tuple((b, *self._resolve(res, bufs)) for b, res in sorted(bindings.items()))
                 )
-                if cpass is None:
+                if timestamps is not None:
+                    cpass = enc.begin_compute_pass(
+                        timestamp_writes={
+                            "query_set": timestamps,
+                            "beginning_of_pass_write_index": 2 * n_timed,
+                            "end_of_pass_write_index": 2 * n_timed + 1,
+                        }
+                    )
+                    n_timed += 1
+                elif cpass is None:
                     cpass = enc.begin_compute_pass()
                 cpass.set_pipeline(pipe)
                 cpass.set_bind_group(0, bg)
                 cpass.dispatch_workgroups(*grid)
+                if timestamps is not None:
+                    cpass.end()
+                    cpass = None
             else:
                 if cpass is not None:
                     cpass.end()

@@ -329,7 +329,8 @@ COMPONENTS: dict[str, Any] = {
             "adapter": {
                 "type": "object",
                 "description": "The wgpu adapter: name, backend, adapter_type, vendor, description, and "
-                "its max_storage_buffer_binding_size and max_buffer_size.",
+                "its max_storage_buffer_binding_size and max_buffer_size; cuda_context: the CUDA "
+                "context held for full clocks on NVIDIA ({cuda_device, name}), or null.",
                 "properties": {"name": {"type": "string"}, "backend": {"type": "string"}},
                 "additionalProperties": True,
             },
