@@ -95,12 +95,12 @@ class LayerCache:
     def state(self) -> tuple:
         """What planning may change: restore it with :meth:`restore` when a job
         that already planned into this layer fails (its ops are rolled back; the
-        pool takes its pages back through the batch's own undo)."""
-        return (self.length, self.slab, list(self.pages))
+        pool takes its pages back through the batch's own undo). ``pages`` is kept
+        by reference: the layer only ever replaces its list, never changes it."""
+        return (self.length, self.slab, self.pages)
 
     def restore(self, state: tuple) -> None:
-        self.length, self.slab, pages = state
-        self.pages = list(pages)
+        self.length, self.slab, self.pages = state
 
     def _ensure_pages(self, batch: Batch, new_length: int) -> None:
         if new_length > self.max_tokens:
@@ -219,13 +219,8 @@ class LayerCache:
         first = layers[0]
         pool, kind = first.pool, type(first)
         count = len(layers)
-        saved = [(layer, layer.length, layer.slab, layer.pages) for layer in layers]
-
-        def restore() -> None:
-            for layer, length, slab, pages in saved:
-                layer.length, layer.slab, layer.pages = length, slab, pages
-
-        batch.on_rollback(restore)
+        saved = [layer.state() for layer in layers]
+        batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
         before = np.fromiter((layer.length for layer in layers), np.int64, count)
         m = 0 if rows is None else rows[2]
         after = before + m
