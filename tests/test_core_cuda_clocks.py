@@ -79,8 +79,10 @@ def driver(monkeypatch):
     return box
 
 
-def test_an_nvidia_adapter_holds_the_only_device_and_releases_it_once(driver):
+def test_an_nvidia_adapter_holds_the_only_device_and_releases_it_once(driver, caplog):
+    caplog.set_level(logging.INFO, "attnserve.gpu")
     held = DEV.hold_cuda_context(NVIDIA, "auto")
+    assert caplog.records[-1].cuda_device == 0 and caplog.records[-1].cuda_name == "NVIDIA H200"
     assert held is not None and held.describe() == {"cuda_device": 0, "name": "NVIDIA H200"}
     assert driver[0].retained == 1 and "cuCtxSetCurrent" not in driver[0].calls  # retained is enough
     held.release()

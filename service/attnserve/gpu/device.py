@@ -170,7 +170,7 @@ def hold_cuda_context(info: dict[str, Any], cuda_context: str) -> cuda_clocks.Ho
             extra={"reason": str(e)},
         )
         return None
-    log.info("cuda context held for full clocks", extra=held.describe())
+    log.info("cuda context held for full clocks", extra={"cuda_device": held.ordinal, "cuda_name": held.name})
     return held
 
 
