@@ -117,9 +117,33 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
     return 1e3 * min(times)
 
 
-def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float, iters: int | None = None) -> float:
+def plan_batched_steps(batch: Batch, layers: list, q: np.ndarray, steps: int = 1, room: float | None = None) -> int:
+    """``steps`` batched decode steps into ``batch``: the query row ``q`` uploaded once,
+    for each of ``layers`` over its whole length, each step flushed (every item's split
+    in one dispatch, merges in one), the outputs left on the GPU (scratch) and 4 bytes
+    of the first read back to wait on; stops before the arenas pass ``room`` bytes
+    (they are bound whole). Returns the steps planned."""
+    q_seg = batch.upload(q)
+    outs = [batch.scratch(q.nbytes) for _ in layers]
+    planned = 0
+    for _ in range(steps):
+        if room is not None and batch.largest_arena > room:
+            break
+        planned += 1
+        for layer, out in zip(layers, outs):
+            layer.plan_attend_rows(
+                batch, q_seg, q.shape, out=out, length=layer.length, start_pos=layer.length - q.shape[0],
+                causal=True, scale=1 / math.sqrt(q.shape[-1]),
+            )  # fmt: skip
+        batch.flush()
+    sync = batch.output(4)
+    batch.copy(outs[0], 0, sync, 0, 4)
+    return planned
+
+
+def time_batched(engine: Engine, layers: list, rng, budget_s: float, iters: int | None = None) -> float:
     """Milliseconds per batched decode step: one query row for each of ``layers``
-    (each ``length`` long) planned together, so the batch records one dispatch per
+    (over its whole length) planned together, so the batch records one dispatch per
     phase for all of them (the engine's batched step); ``iters`` steps per submission
     (default: as many as ``budget_s`` allows, at most 200)."""
     q = rng.standard_normal((1, H, D), dtype=np.float32)
@@ -129,21 +153,7 @@ def time_batched(engine: Engine, layers: list, length: int, rng, budget_s: float
 
         def job(ctx):
             batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align, engine.policy)
-            q_seg = batch.upload(q)
-            outs = [batch.scratch(q.nbytes) for _ in layers]  # GPU-only: no readback of the outputs
-            room = 0.8 * ctx.max_binding  # arenas are bound whole: stay within one binding
-            for _ in range(iters):
-                if batch.largest_arena > room:
-                    break
-                steps[0] += 1
-                for layer, out in zip(layers, outs):
-                    layer.plan_attend_rows(
-                        batch, q_seg, q.shape, out=out, length=length, start_pos=length - 1, causal=True,
-                        scale=1 / math.sqrt(D),
-                    )  # fmt: skip
-                batch.flush()  # one step: every item's split in one dispatch, merges in one
-            sync = batch.output(4)
-            batch.copy(outs[0], 0, sync, 0, 4)
+            steps[0] = plan_batched_steps(batch, layers, q, iters, room=0.8 * ctx.max_binding)
             encoded = batch.encode()
             t0 = time.perf_counter()
             batch.submit(encoded)
@@ -171,7 +181,7 @@ def batched_rows(engine: Engine, fmt: str, n_sessions: int, length: int, rng, bu
         fill_layer(engine, s.layers[0], length, rng)
     layers = [s.layers[0] for s in sessions]
     slabs = {id(layer.slab) for layer in layers}
-    batch_ms = time_batched(engine, layers, length, rng, budget_s)
+    batch_ms = time_batched(engine, layers, rng, budget_s)
     for s in sessions:
         engine.release(s).result()
     nbytes = big_len * bytes_per_token(fmt, HKV, D) + n_sessions * H * D * 4

@@ -37,9 +37,8 @@ from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
+from kernels import D, H, HKV, plan_batched_steps  # noqa: E402
 from tools.common import write_result  # noqa: E402
-
-H, HKV, D = 32, 8, 128
 
 
 def run(
@@ -147,16 +146,7 @@ def phases(new_batch, plan, stacked: bool, read_only: bool, sessions: list, q: n
     timer = GpuTimer(new_batch().device)
 
     def kernels_plan(batch: Batch) -> list:
-        q_seg = batch.upload(q)
-        d = q.shape[-1]
-        for s in sessions:
-            out = batch.scratch(q.nbytes)
-            s.layers[0].plan_attend_rows(
-                batch, q_seg, q.shape, out=out, length=s.layers[0].length, start_pos=s.layers[0].length - 1,
-                causal=True, scale=1 / d**0.5,
-            )  # fmt: skip
-        sync = batch.output(4)
-        batch.copy(out, 0, sync, 0, 4)
+        plan_batched_steps(batch, [s.layers[0] for s in sessions], q)
         return []
 
     plans = {

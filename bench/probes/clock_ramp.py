@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT / "bench")
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
-from kernels import D, H, HKV, fill_layer  # noqa: E402
+from kernels import D, H, HKV, fill_layer, plan_batched_steps  # noqa: E402
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
@@ -75,17 +74,7 @@ def main() -> None:
 
     def batch_of(steps: int) -> Batch:
         batch = Batch(ctx.device, ctx.pipelines, engine.worker.arenas, ctx.offset_align, engine.policy)
-        q_seg = batch.upload(q)
-        outs = [batch.scratch(q.nbytes) for _ in sessions]
-        for _ in range(steps):
-            for s, out in zip(sessions, outs):
-                s.layers[0].plan_attend_rows(
-                    batch, q_seg, q.shape, out=out, length=args.context, start_pos=args.context - 1, causal=True,
-                    scale=1 / math.sqrt(D),
-                )  # fmt: skip
-            batch.flush()
-        sync = batch.output(4)
-        batch.copy(outs[0], 0, sync, 0, 4)
+        plan_batched_steps(batch, [s.layers[0] for s in sessions], q, steps)
         return batch
 
     def job(_ctx):

@@ -43,10 +43,7 @@ def main() -> None:
         for s in sessions:
             fill_layer(engine, s.layers[0], args.context, rng)
         layers = [s.layers[0] for s in sessions]
-        row = {
-            f"iters={i}": round(i * time_batched(engine, layers, args.context, rng, 0, iters=i), 3)
-            for i in (1, 2, 4, 16)
-        }
+        row = {f"iters={i}": round(i * time_batched(engine, layers, rng, 0, iters=i), 3) for i in (1, 2, 4, 16)}
         print(f"{n} x {args.context}: ms per submission {row}; slabs {len({id(x.slab) for x in layers})}", flush=True)
         for s in sessions:
             engine.release(s).result()

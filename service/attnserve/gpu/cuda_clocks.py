@@ -18,12 +18,9 @@ or the adapter is not NVIDIA's, nothing is held.
 from __future__ import annotations
 
 import ctypes
-import logging
 from dataclasses import dataclass
 
 __all__ = ["Hold", "hold", "CudaUnavailable"]
-
-log = logging.getLogger("attnserve.gpu")
 
 
 class CudaUnavailable(RuntimeError):
