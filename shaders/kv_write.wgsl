@@ -11,7 +11,7 @@
 // @binding(3) wparams: array<KvWriteParams> (gpu/params.py KV_WRITE_PARAMS), block
 //   workgroup_id.y for one row: its keys at word src_off, its values at v_off, its
 //   timestep t of the layer whose page table starts at word table_off
-// @binding(4) pages:  array<u32>  page tables (the input arena)
+// @binding(4) pages:  array<u32>  page tables (pool.PageTables)
 // Dispatch: (1, rows, 1) workgroups of 256 threads.
 
 @group(0) @binding(0) var<storage, read> src: array<u32>;

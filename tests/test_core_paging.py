@@ -15,9 +15,10 @@ from attnserve.kvcache import SessionConfig
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
-from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session, stored
+from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session, small_slab_engine, stored
 from test_core_turboquant import check_key_words, check_value_words
 from test_core_tqx import check_tqx_words
+from test_core_page_tables import check_gpu_tables
 from attnserve.formats import TQ_SPECS
 
 pytestmark = pytest.mark.gpu
@@ -106,9 +107,7 @@ def test_every_boundary_length_matches_the_oracle(engine, rng, fmt):
 
 @pytest.fixture(scope="module")
 def small_slabs():
-    """An engine whose slabs hold 8 pages of a [16, 1, 8] f32 layout: layers fill them fast."""
-    adapter = os.environ.get("ATTNSERVE_ADAPTER") or None
-    eng = Engine.open(adapter, page_tokens=P, pool_slab_bytes=8 * P * 8 * 4)
+    eng = small_slab_engine()
     yield eng
     eng.close()
 
@@ -129,6 +128,7 @@ def test_a_full_slab_moves_the_layer_and_nothing_changes(small_slabs, rng):
     more_k, more_v = rows(rng, P + 5, hkv, d), rows(rng, P + 5, hkv, d)  # two more pages: a must move
     eng.append(a.layers[0], more_k, more_v).result()
     assert a.layers[0].slab is not slab and len(eng.pools.get(a.config.layer_layout(0)).slabs) == 2
+    check_gpu_tables(eng, [a.layers[0], b.layers[0]])
     k, v = np.concatenate([ka, more_k]), np.concatenate([va, more_v])
     out, length = eng.attend(a.layers[0], q, start_pos=len(ka) - 2).result()
     np.testing.assert_array_equal(out, before)  # the moved rows answer bit for bit as before

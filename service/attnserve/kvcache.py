@@ -16,6 +16,7 @@ rows, ``pool.PageLayout``): ``read_words`` gathers the pages into it and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,9 @@ import wgpu
 
 from .gpu.batch import PHASE_WRITE, Batch, Items, Seg, whole
 from .gpu import kernels as K
-from .pool import DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, copy_host_rows, copy_rows
+from .pool import (
+    DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, TableRegion, copy_host_rows, copy_rows,
+)  # fmt: skip
 from .formats import PLAIN_DTYPES, check_head_dim, is_plain
 from .turboquant import layer_signs_bytes
 
@@ -54,11 +57,10 @@ class LayerCache:
         self.slab: Slab | None = None
         self.pages: list[int] = []
         self.paid_pages = 0  # of its pages, those it pays for (the pool keeps it: pool.Holder)
-        # the page table as u32 words, rebuilt when ``pages`` is another list (every
-        # change assigns a new list: never changed in place), numbered for the batch memo
-        self._table_of: list[int] | None = None
-        self._table = np.zeros(0, dtype="<u4")
-        self._table_version = 0
+        # where its page table is on the GPU (pool.PageTables) and the page list whose
+        # entries are there (every change assigns a new list: never changed in place)
+        self._region: TableRegion | None = None
+        self._synced: list[int] = self.pages
 
     # ── sizing (pure) ───────────────────────────────────────────────────────
 
@@ -141,18 +143,33 @@ class LayerCache:
         """Take the pages of ``capacity`` timesteps now (never gives any back; capped at max_tokens)."""
         self._ensure_pages(batch, min(capacity, self.max_tokens))
 
-    def table_words(self) -> np.ndarray:
-        """The page table as it is now (u32 words), rebuilt only when the pages change."""
-        if self._table_of is not self.pages:
-            self._table_of, self._table = self.pages, np.asarray(self.pages, dtype="<u4")
-            self._table_version += 1
-        return self._table
+    def table_offset(self, batch: Batch) -> int:
+        """The word offset of the layer's page table, as it is now, in the page tables
+        the batch binds (``whole("tables")``). Only what changed since the table was
+        last written goes to the GPU: the entries of new pages, into the layer's
+        region; a table changed otherwise (a move, a restore, a fork) is written whole
+        into a new region, and the old one stays as it was for the attends planned
+        before (``pool.PageTables``)."""
+        tables = self.pool.tables
+        batch.attach("tables", tables.sync)
+        pages, old, region = self.pages, self._synced, self._region
+        if pages is old and region is not None:
+            return region.offset
+        batch.on_rollback(functools.partial(self._restore_table, region, old))
+        n_old = len(old)
+        if region is not None and n_old <= len(pages) <= region.size and pages[:n_old] == old:
+            tables.write(region.offset + n_old, pages[n_old:])
+        else:
+            new = tables.take(len(pages), batch.on_rollback)
+            tables.write(new.offset, pages)
+            if region is not None:
+                tables.drop(region, batch.on_rollback)
+            self._region = region = new
+        self._synced = pages
+        return region.offset
 
-    def page_table(self, batch: Batch) -> Seg:
-        """The page table as it is now, uploaded with the batch (u32 words; once per
-        batch while the pages stay the same)."""
-        table = self.table_words()
-        return batch.upload_once(("pages", self, self._table_version), table)
+    def _restore_table(self, region: "TableRegion | None", synced: list[int]) -> None:
+        self._region, self._synced = region, synced
 
     #: The dtype of the rows an append uploads (the k, v arrays are converted to it).
     row_dtype = "<f4"
@@ -175,7 +192,7 @@ class LayerCache:
     def _append(self, batch: Batch, n_rows, t0, k_off, v_off) -> K.Append:
         """This layer's append of uploaded rows (word offsets in the input arena), as
         the one entry of an :class:`~attnserve.gpu.kernels.Append`."""
-        table = (self.page_table(batch).offset // 4,)
+        table = (self.table_offset(batch),)
         return K.Append(
             self.kv_format, self.slab, self.pool.page_shift, self.n_kv_heads, self.head_dim,
             n_rows, t0, k_off, v_off, table, self.sign_words(batch, [self]),
@@ -210,7 +227,8 @@ class LayerCache:
         after their fused appends of ``rows`` ``(k, v, m)`` if any: item ``i``'s
         queries ``q.seg(i)`` ``[n, H, d]`` (``shape``) into ``out.seg(i)``, from
         ``start_pos[i]`` (-1: ``length - n``). The group's pages are taken and its page
-        tables uploaded as one CSR (indptr from the tables' sizes); its writes and
+        tables brought up to date on the GPU (each layer's new entries only: the
+        tables stay there between batches, ``pool.PageTables``); its writes and
         attends join the batch's deferred kernels as one entry each per slab. Returns
         the length each item attends over. Raises (ValueError, CapacityExceeded) where
         one item alone would; the caller then plans the items one by one, so the
@@ -235,9 +253,7 @@ class LayerCache:
         slabs = [layer.slab for layer in layers]
         if any(slab is None for slab in slabs):
             raise ValueError("attend over a layer that holds no timestep")
-        tables = [layer.table_words() for layer in layers]
-        sizes = np.fromiter((len(t) for t in tables), np.int64, count)
-        table_off = batch.upload(np.concatenate(tables)).offset // 4 + np.cumsum(sizes) - sizes
+        table_off = np.fromiter((layer.table_offset(batch) for layer in layers), np.int64, count)
         signs = np.asarray(kind.sign_words(batch, layers), dtype=np.int64)
         words = lambda it, idx: (it.base + items[idx] * it.stride) // 4  # noqa: E731
         ids = [id(slab) for slab in slabs]
@@ -264,7 +280,7 @@ class LayerCache:
         if self.slab is None or length > self.capacity:
             raise ValueError(f"attend over {length} timesteps of a layer holding {self.length}")
         return K.Attend(
-            q, out, self.slab, self.page_table(batch), self.pool.page_shift,
+            q, out, self.slab, self.table_offset(batch), self.pool.page_shift,
             n, h, self.n_kv_heads, d, length, start_pos, causal, scale,
         )  # fmt: skip
 
@@ -380,7 +396,10 @@ class LayerCache:
     def release(self) -> None:
         if self.pages:
             self.pool.drop(self.slab, self.pages, self)
+        if self._region is not None:
+            self.pool.tables.drop(self._region)
         self.slab, self.pages, self.length = None, [], 0
+        self._region, self._synced = None, self.pages
 
 
 class PlainLayerCache(LayerCache):

@@ -17,6 +17,11 @@ in docs/architecture.md, "The paged KV pool"):
   doubling (one copy of the slab, amortized) up to the adapter's binding limit;
   past it a new slab starts, and a layer whose slab is full moves its pages to a
   slab with room (the only copy of a layer, and only then).
+* Every layer's page table lives on the GPU in one buffer, :class:`PageTables`,
+  kept between batches and written by differences: a layer's region of it gets
+  the entries of its new pages as they come; a table that changes otherwise (a
+  move, a restore) is written whole into a new region. Every kernel reads the
+  tables from that buffer (``whole("tables")``); a batch uploads none.
 * Every page knows the layers that hold it (a fork shares pages) and the one that
   *pays* for it: the layer that took it, then, when the payer lets it go, the
   next holder. A session is charged for the pages it pays for, so budgets and
@@ -33,6 +38,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import wgpu
 
 from . import formats
@@ -42,6 +48,8 @@ __all__ = [
     "Slab",
     "PagePool",
     "PagePools",
+    "PageTables",
+    "TableRegion",
     "DirectCopies",
     "Copier",
     "Holder",
@@ -215,8 +223,9 @@ class PoolFull(Exception):
 class PagePool:
     """The pages of one layout, in slabs of at most ``max_slab_pages`` pages."""
 
-    def __init__(self, layout: PageLayout, page_tokens: int, max_slab_bytes: int):
+    def __init__(self, layout: PageLayout, page_tokens: int, max_slab_bytes: int, tables: "PageTables"):
         self.layout = layout
+        self.tables = tables  # where its layers' page tables live (every pool's: PagePools')
         self.page_tokens = check_page_tokens(page_tokens)
         self.page_shift = page_tokens.bit_length() - 1
         self.page_bytes = layout.bytes_per_token * page_tokens
@@ -360,31 +369,160 @@ class PagePool:
         self._limbo.clear()
 
 
-class PagePools:
-    """Every layout's pool on one device (owned by the engine)."""
+@dataclass(frozen=True)
+class TableRegion:
+    """``size`` words of :class:`PageTables` from word ``offset``: one layer's table."""
 
-    def __init__(self, page_tokens: int, max_slab_bytes: int):
+    offset: int
+    size: int
+
+
+class PageTables:
+    """Every layer's page table in one GPU buffer that persists across batches.
+
+    The host keeps a mirror of the buffer's words; a layer writes entries into its
+    region of the mirror as it plans (:meth:`write`), and :meth:`sync`, called as a
+    batch is encoded, uploads the words written since the last batch (one
+    ``queue.write_buffer`` per run of them) before the batch's commands. Queue order
+    makes that safe beside batches still running: a write lands after every batch
+    submitted before it. A layer only ever appends entries to its region while the
+    entries it has stay the same; any other change takes a new region
+    (:meth:`take`) and the old one is freed only after the batch that let it go was
+    submitted (:meth:`drop`, :meth:`settle`), so an attend planned earlier still
+    reads the table it was planned with. Regions come in power-of-two sizes of at
+    least ``MIN_WORDS`` words, reused by size; the buffer grows by doubling (a new
+    buffer written whole from the mirror; batches in flight keep the old one).
+
+    Runs on the GPU owner thread.
+    """
+
+    MIN_WORDS = 16
+
+    def __init__(self, max_bytes: int = 1 << 27):
+        self.max_words = int(max_bytes) // 4
+        self.words = np.zeros(1 << 12, dtype="<u4")  # the mirror
+        self.top = 0  # words below it belong to a region (in use, free or in limbo)
+        self.free: dict[int, list[int]] = {}  # region size -> free offsets
+        self.buffer: wgpu.GPUBuffer | None = None
+        self._dirty: list[tuple[int, int]] = []  # [start, end) written since the last sync
+        self._limbo: list[TableRegion] = []
+        self.written_words = 0  # words uploaded by sync (differences, or the whole mirror on growth)
+        self.in_use_words = 0
+
+    @staticmethod
+    def size_for(entries: int) -> int:
+        return max(PageTables.MIN_WORDS, 1 << max(0, entries - 1).bit_length())
+
+    def take(self, entries: int, undo=None) -> TableRegion:
+        """A region for a table of ``entries`` pages (``undo``: a batch's
+        ``on_rollback``; a rolled-back job's region is free again at once)."""
+        size = self.size_for(entries)
+        free = self.free.get(size)
+        if free:
+            off = free.pop()
+        else:
+            off = self.top
+            if off + size > self.max_words:
+                from .errors import OutOfMemory
+
+                raise OutOfMemory(
+                    f"the page tables need more than the {4 * self.max_words} bytes one GPU binding covers"
+                )
+            self.top = off + size
+            if self.top > len(self.words):
+                grown = np.zeros(max(2 * len(self.words), self.top), dtype="<u4")
+                grown[: len(self.words)] = self.words
+                self.words = grown
+        region = TableRegion(off, size)
+        self.in_use_words += size
+        if undo is not None:
+            undo(functools.partial(self._give_back, region))
+        return region
+
+    def _give_back(self, region: TableRegion) -> None:
+        self.free.setdefault(region.size, []).append(region.offset)
+        self.in_use_words -= region.size
+
+    def write(self, offset: int, entries: list[int]) -> None:
+        """Entries into the mirror at word ``offset``, uploaded at the next :meth:`sync`."""
+        if entries:
+            self.words[offset : offset + len(entries)] = entries
+            self._dirty.append((offset, offset + len(entries)))
+
+    def drop(self, region: TableRegion, undo=None) -> None:
+        """A layer lets ``region`` go: free after the current batch is submitted."""
+        self._limbo.append(region)
+        if undo is not None:
+            undo(lambda: self._limbo.remove(region))
+
+    def settle(self) -> None:
+        """After a batch was submitted: the regions let go while it was planned are free."""
+        for region in self._limbo:
+            self._give_back(region)
+        self._limbo.clear()
+
+    def sync(self, device: wgpu.GPUDevice) -> wgpu.GPUBuffer:
+        """The buffer, with every word written since the last call uploaded."""
+        nbytes = 4 * len(self.words)
+        if self.buffer is None or self.buffer.size < nbytes:
+            usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+            self.buffer = device.create_buffer(label="page-tables", size=nbytes, usage=usage)
+            self._dirty = [(0, self.top)] if self.top else []
+        if self._dirty:
+            queue = device.queue
+            for start, end in _runs(self._dirty):
+                queue.write_buffer(self.buffer, 4 * start, memoryview(self.words[start:end]).cast("B"))
+                self.written_words += end - start
+            self._dirty = []
+        return self.buffer
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.size
+
+
+def _runs(spans: list[tuple[int, int]], gap: int = 64) -> list[tuple[int, int]]:
+    """``spans`` merged into sorted runs (spans less than ``gap`` words apart join:
+    one write of a few unchanged words costs less than another write call)."""
+    out: list[list[int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(s, e) for s, e in out]
+
+
+class PagePools:
+    """Every layout's pool on one device (owned by the engine), and the page
+    tables of all their layers (``tables``; at most ``max_table_bytes``, the
+    adapter's binding limit, since every kernel binds them whole)."""
+
+    def __init__(self, page_tokens: int, max_slab_bytes: int, max_table_bytes: int | None = None):
         self.page_tokens = check_page_tokens(page_tokens)
         self.max_slab_bytes = int(max_slab_bytes)
+        self.tables = PageTables(max_table_bytes or max_slab_bytes)
         self._pools: dict[PageLayout, PagePool] = {}
 
     def get(self, layout: PageLayout) -> PagePool:
         pool = self._pools.get(layout)
         if pool is None:
-            pool = self._pools[layout] = PagePool(layout, self.page_tokens, self.max_slab_bytes)
+            pool = self._pools[layout] = PagePool(layout, self.page_tokens, self.max_slab_bytes, self.tables)
         return pool
 
     def settle(self) -> None:
         for pool in self._pools.values():
             pool.settle()
+        self.tables.settle()
 
     @property
     def held_bytes(self) -> int:
-        return sum(p.held_bytes for p in self._pools.values())
+        return sum(p.held_bytes for p in self._pools.values()) + self.tables.held_bytes
 
     def describe(self) -> dict:
         return {
             "page_tokens": self.page_tokens,
+            "page_table_bytes": self.tables.held_bytes,
             "pools": [
                 {
                     "kv_format": l.kv_format,

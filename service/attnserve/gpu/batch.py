@@ -9,6 +9,8 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
   persistent ``MAP_READ`` staging buffer and read back once per batch;
 * ``dispatch(kernel, bindings, grid)`` and ``copy(...)`` record commands in
   order, referring to real buffers or to arena segments;
+* ``attach(name, provider)`` binds a buffer that outlives batches (the page
+  tables: ``pool.PageTables``) as ``whole(name)``, brought up to date at encode;
 * ``defer(phase, key, item, flush)`` queues an item for a batched kernel: at
   ``flush()`` (``encode()`` calls it) every phase's groups of items are recorded,
   after the commands above, each group by its ``flush(batch, items)`` (one
@@ -38,7 +40,10 @@ import wgpu
 
 from .shaders import PipelineCache
 
-__all__ = ["Seg", "Items", "Batch", "Arenas", "whole", "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE"]
+__all__ = [
+    "Seg", "Items", "Batch", "Arenas", "whole", "PERSISTENT",
+    "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE",
+]  # fmt: skip
 
 # The phases of deferred work, recorded in this order after the batch's commands.
 PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE = range(4)
@@ -52,7 +57,8 @@ if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other
 
 @dataclass(frozen=True)
 class Seg:
-    """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out")."""
+    """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out"),
+    or of a persistent buffer (``PERSISTENT``)."""
 
     arena: str
     offset: int
@@ -101,7 +107,12 @@ _ARENA_USAGE = {
 }
 
 
-_WHOLES = {arena: Seg(arena, 0, _WHOLE) for arena in _ARENA_USAGE}
+# Buffers that outlive batches, bound whole by name like an arena: a batch binds
+# the buffer its provider gives at encode (``Batch.attach``); "tables": every
+# layer's page table (``pool.PageTables``).
+PERSISTENT = ("tables",)
+
+_WHOLES = {arena: Seg(arena, 0, _WHOLE) for arena in (*_ARENA_USAGE, *PERSISTENT)}
 
 
 def _round_up(x: int, a: int) -> int:
@@ -217,6 +228,7 @@ class Batch:
         self._deferred: list[tuple[int, object, object, Callable]] = []
         self._deferred_in = 0
         self._memo: dict[object, Seg] = {}
+        self._persistent: dict[str, Callable[[wgpu.GPUDevice], wgpu.GPUBuffer]] = {}
         # deferred writes (encodes) group by it: a layer moved to another slab during
         # the batch copies its pages after the writes deferred before the move and
         # before those deferred after it (``LayerCache._move``)
@@ -265,6 +277,12 @@ class Batch:
         stride = _round_up(nbytes, self.align)
         base = self._reserve(arena, stride * count).offset
         return Items(arena, base, stride, nbytes, count)
+
+    def attach(self, name: str, provider: Callable[[wgpu.GPUDevice], wgpu.GPUBuffer]) -> None:
+        """Bind ``whole(name)`` (one of ``PERSISTENT``) to ``provider(device)``, called
+        once as the batch is encoded, before its upload: a buffer that outlives
+        batches and is brought up to date then (the page tables)."""
+        self._persistent[name] = provider
 
     def upload_once(self, key: object, data: bytes | np.ndarray) -> Seg:
         """``upload(data)`` once per batch for ``key`` (a layer's signs or page table
@@ -380,6 +398,8 @@ class Batch:
         if not self.ops:
             return None
         bufs = {a: self.arenas.get(a, max(n, 4)) for a, n in self._sizes.items()}  # bound whole: all exist
+        for name, provider in self._persistent.items():
+            bufs[name] = provider(self.device)
         queue = self.device.queue
         if self._upload:
             queue.write_buffer(bufs["in"], 0, self._upload)

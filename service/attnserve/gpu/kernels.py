@@ -2,7 +2,8 @@
 
 Each function records into a :class:`~.batch.Batch`; none touches the device.
 Every cache is a pool slab read through the layer's page table
-(``shaders/include/paging.wgsl``, ``pool.py``).
+(``shaders/include/paging.wgsl``, ``pool.py``); every kernel binds the page tables
+as ``TABLES``, the buffer that keeps them between batches (``pool.PageTables``).
 
 The kernels are *batched*: ``tqx_encode_*``, ``tq_rotate_q``, the split-KV
 kernels and ``attention_merge`` take one params block per row, so the
@@ -39,6 +40,8 @@ from . import params as P
 from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
 from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
+
+TABLES = whole("tables")  # every layer's page table (pool.PageTables), bound whole
 
 __all__ = [
     "Attend",
@@ -119,12 +122,13 @@ class Attend:
     TurboQuant: rotated, ``[q_rot | q_jl | sums]``) over the first ``length``
     timesteps of a layer, into ``out [n, H, d]``; row ``i`` at ``start_pos + i``.
     The layer's timestep ``t`` is row ``pages[t >> page_shift] << page_shift | t % P``
-    of ``cache`` (``pages``: its page table, u32 words in the input arena)."""
+    of ``cache`` (``pages``: its page table, u32 words from word ``table_off`` of the
+    page tables, ``whole("tables")``)."""
 
     q: Resource
     out: Resource
     cache: Cache
-    pages: Seg
+    table_off: int
     page_shift: int
     n_queries: int
     n_heads: int
@@ -149,12 +153,12 @@ class Attend:
 
     def with_q(self, q: Resource) -> "Attend":
         """This attend reading its queries from ``q`` (TurboQuant: the rotated ones)."""
-        return Attend(q, self.out, self.cache, self.pages, self.page_shift, self.n_queries, self.n_heads,
+        return Attend(q, self.out, self.cache, self.table_off, self.page_shift, self.n_queries, self.n_heads,
                       self.n_kv_heads, self.head_dim, self.length, self.start_pos, self.causal, self.scale)  # fmt: skip
 
     def paging_params(self) -> dict[str, int]:
-        """The page table fields of a single-attend block (the table bound as its own segment)."""
-        return dict(table_off=0, page_shift=self.page_shift)
+        """The page table fields of a single-attend block."""
+        return dict(table_off=self.table_off, page_shift=self.page_shift)
 
 
 @dataclass(frozen=True)
@@ -217,7 +221,7 @@ def plan_attention_plain(batch: Batch, a: Attend, kv_format: str) -> None:
         prm = _prefill_params(batch, a, q_base, a.n_queries)
         batch.dispatch(
             plain_kernel("attention_prefill", kv_format),
-            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: a.pages},
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: TABLES},
             (a.n_heads, rows, 1),
         )
 
@@ -377,7 +381,7 @@ def plan_attention_tq(batch: Batch, a: Attend, tq: TqLayer) -> None:
         prm = _tq_attention_params(batch, a, tq, q_base)
         batch.dispatch(
             tq.kernel("flash_attention_tqx"),
-            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: a.pages},
+            {0: a.q, 1: a.cache.k, 2: a.cache.v, 3: a.out, 4: prm, 5: tq.signs, 6: TABLES},
             (a.n_heads, rows, 1),
         )
 
@@ -388,7 +392,8 @@ class Append:
     layer): layer ``i``'s ``n_rows[i]`` rows (``[n, Hkv, d]`` of the layer's row
     dtype), keys at word ``k_off[i]`` and values at word ``v_off[i]`` of the input
     arena, into its timesteps ``t0[i]..`` through its page table at word
-    ``table_off[i]``; a TurboQuant layer's signs at word ``sign_off[i]``."""
+    ``table_off[i]`` of the page tables; a TurboQuant layer's signs at word
+    ``sign_off[i]``."""
 
     kv_format: str
     cache: Cache
@@ -442,7 +447,7 @@ def _flush_write(batch: Batch, items: list[Append]) -> None:
         P.KV_WRITE_PARAMS,
         rows,
         dict(row_words=words, page_shift=first.page_shift),
-        {0: ins, 1: first.cache.k, 2: first.cache.v, 4: ins},
+        {0: ins, 1: first.cache.k, 2: first.cache.v, 4: TABLES},
         3,
         lambda rows: (1, rows, 1),
     )
@@ -465,7 +470,7 @@ def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Append]) ->
         P.TQX_ENCODE_PARAMS,
         rows,
         common,
-        {0: ins, 1: first.cache.k if keys else first.cache.v, 3: ins, 7: ins},
+        {0: ins, 1: first.cache.k if keys else first.cache.v, 3: ins, 7: TABLES},
         2,
         lambda rows: (first.n_kv_heads, rows, 1),
     )
@@ -596,7 +601,7 @@ class Attends:
     (TurboQuant: rotated, ``[q_rot | q_jl | sums]``), its output ``[n, H, d]`` at word
     ``out_off[i]`` of ``out``, over the first ``length[i]`` timesteps of its layer with
     row ``j`` at ``start_pos[i] + j``, through its page table at word ``table_off[i]``
-    of the input arena; a TurboQuant attend's layer signs at word ``sign_off[i]``
+    of the page tables; a TurboQuant attend's layer signs at word ``sign_off[i]``
     (``q``, ``out``: what is bound, an arena whole or a buffer)."""
 
     q: Resource
@@ -621,7 +626,7 @@ class Attends:
         """The one attend ``a``."""
         (q, q_off), (out, out_off) = _bind(a.q), _bind(a.out)
         return cls(q, out, a.cache, a.page_shift, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim, a.causal,
-                   a.scale, (a.length,), (a.start_pos,), (q_off,), (out_off,), (_word(a.pages),), sign_off)  # fmt: skip
+                   a.scale, (a.length,), (a.start_pos,), (q_off,), (out_off,), (a.table_off,), sign_off)  # fmt: skip
 
     @property
     def group(self) -> int:
@@ -727,7 +732,7 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         block,
         rows,
         common,
-        {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: whole("in")},
+        {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: TABLES},
         4,
         lambda rows: (max_splits, first.n_kv_heads, rows),
         constants,
@@ -831,7 +836,7 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         dict(
             **_shape_columns(attends), **per_item, q_base=[q_first for _, _, q_first in blocks],
             q_off=[_word(a.q) for a in attends], out_off=[_word(a.out) for a in attends],
-            table_off=[_word(a.pages) for a in attends], out_stride=[a.n_heads * a.head_dim for a in attends],
+            table_off=[a.table_off for a in attends], out_stride=[a.n_heads * a.head_dim for a in attends],
         ),
     )  # fmt: skip
     q, _ = _bind(first.q)
@@ -842,11 +847,11 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
     if items[0].tq is None:
         block = P.PREFILL_PARAMS
         common.update(kv_dim=first.n_kv_heads * first.head_dim)
-        bindings[5] = ins
+        bindings[5] = TABLES
     else:
         block = P.TQ_ATTENTION_PARAMS
         common.update(_tq_common(first))
-        bindings.update({5: ins, 6: ins})
+        bindings.update({5: ins, 6: TABLES})
     _dispatch_rows(
         batch,
         kernel,

@@ -380,7 +380,8 @@ COMPONENTS: dict[str, Any] = {
             "persistence": {"type": "boolean", "description": "Whether sessions are snapshotted at shutdown."},
             "pool": {
                 "type": ["object", "null"],
-                "description": "The paged KV pool, server-wide: page_tokens, and per layout (kv_format, "
+                "description": "The paged KV pool, server-wide: page_tokens, page_table_bytes (GPU bytes of "
+                "the buffer that holds every layer's page table), and per layout (kv_format, "
                 "num_kv_heads, head_dim) its slabs, pages, used_pages (pages shared by forks count once) "
                 "and bytes (GPU bytes of its slabs).",
                 "additionalProperties": True,
