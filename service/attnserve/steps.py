@@ -404,30 +404,38 @@ def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems
     if st.errors:
         return None
     store = rt.store
-    try:
-        sessions = [store.get(sid, owner) for sid in st.session_ids]
-    except ApiError:
+    group = store.step_group(st.session_ids, owner)  # resolved once for every layer and step
+    if group is None:
         return None
-    if len({id(s) for s in sessions}) != len(sessions):
-        return None
+    sessions, memo = group.sessions, group.memo
     config = sessions[0].config
-    shape = (config.num_layers, config.num_qo_heads, config.num_kv_heads, config.head_dim)
-    for s in sessions:
-        c = s.config
-        if c is not config and (c.num_layers, c.num_qo_heads, c.num_kv_heads, c.head_dim) != shape:
-            return None
+    if "same_shape" not in memo:
+        shape = (config.num_layers, config.num_qo_heads, config.num_kv_heads, config.head_dim)
+        memo["same_shape"] = all(
+            s.config is config or (s.config.num_layers, s.config.num_qo_heads, s.config.num_kv_heads,
+                                   s.config.head_dim) == shape
+            for s in sessions
+        )  # fmt: skip
     li = st.layer
-    if li >= config.num_layers:
+    if not memo["same_shape"] or li >= config.num_layers:
         return None
-    formats = [s.layers[li].cache.kv_format for s in sessions]
+    by_format = memo.get(("formats", li))
+    if by_format is None:  # the layer's formats, and per format the items of it
+        formats = [s.layers[li].cache.kv_format for s in sessions]
+        by_format = memo["formats", li] = (
+            formats,
+            {fmt: np.fromiter((f == fmt for f in formats), bool, len(formats)) for fmt in set(formats)},
+        )
+    formats, masks = by_format
     k, v, q = st.k, st.v, st.q
     try:
-        for fmt in set(formats):
+        for fmt, mine in masks.items():
             engine.check_query_rows(config, q[0], fmt)
             if k is not None:
                 engine.check_kv_rows(config, k[0], v[0], fmt, values_clear=True)
-                mine = np.fromiter((f == fmt for f in formats), bool, len(formats))
-                if not engine.kv_values_clear(k[mine], v[mine], fmt).all():
+                if not engine.kv_values_clear(
+                    k if len(masks) == 1 else k[mine], v if len(masks) == 1 else v[mine], fmt
+                ).all():
                     return None
     except ApiError:
         return None

@@ -146,8 +146,26 @@ class Reservation:
         )
 
 
+class StepGroup:
+    """The sessions one stacked step names, resolved once and kept while no session
+    is added or removed (``generation``): an engine's step sends the same batch of
+    sessions for every layer, and step after step (vLLM's persistent batch). ``memo``
+    holds what callers derive from the sessions alone (their shapes, a layer's
+    formats), which cannot change while the group is valid."""
+
+    __slots__ = ("generation", "sessions", "memo")
+
+    def __init__(self, generation: int, sessions: list["Session"]):
+        self.generation = generation
+        self.sessions = sessions
+        self.memo: dict[Any, Any] = {}
+
+
 class Store:
     """All sessions of this replica, with the global limits."""
+
+    #: Step groups kept (the least recently made dropped past it).
+    STEP_GROUPS = 64
 
     def __init__(
         self,
@@ -168,6 +186,8 @@ class Store:
         self.reserved_bytes = 0  # reserved GPU bytes of live sessions
         self.releasing_bytes = 0  # bytes of deleted sessions whose release is still queued
         self.holds: dict[tuple[Owner, str], int] = {}  # (owner, id) of sessions being restored: their bytes
+        self.generation = 0  # counts every session added or removed (StepGroup's validity)
+        self._steps: dict[tuple, StepGroup] = {}
 
     # ── sessions ────────────────────────────────────────────────────────────
 
@@ -254,6 +274,7 @@ class Store:
         return session
 
     def _add(self, session: Session) -> None:
+        self.generation += 1
         self.sessions[session.key] = session
         self._by_owner.setdefault(session.owner, {})[session.id] = session
 
@@ -266,6 +287,28 @@ class Store:
         s.touch()
         return s
 
+    def step_group(self, session_ids: list[str], owner: Owner) -> StepGroup | None:
+        """The owner's sessions named by ``session_ids`` (strings), in order, each
+        counted as a use (as :meth:`get` counts one); None when one is not there or is
+        named twice (the caller then looks each up with :meth:`get`, which names the
+        problem). Resolved once per set of ids while no session is added or removed."""
+        key = (owner, tuple(session_ids))
+        group = self._steps.get(key)
+        if group is None or group.generation != self.generation:
+            get = self.sessions.get
+            found = [get((owner, sid)) for sid in session_ids]
+            if any(s is None for s in found) or len({id(s) for s in found}) != len(found):
+                return None
+            group = StepGroup(self.generation, found)  # type: ignore[arg-type]
+            self._steps.pop(key, None)
+            self._steps[key] = group
+            while len(self._steps) > self.STEP_GROUPS:
+                del self._steps[next(iter(self._steps))]
+        now = time.monotonic()
+        for s in group.sessions:
+            s.last_used = now
+        return group
+
     def list(self, owner: Owner) -> list[Session]:
         return list(self._by_owner.get(owner, {}).values())
 
@@ -273,6 +316,7 @@ class Store:
         """Drop the session from the store (its release is queued by the caller);
         returns the bytes to give back once the release is done (:meth:`released`)."""
         if self.sessions.get(session.key) is session:
+            self.generation += 1
             del self.sessions[session.key]
             mine = self._by_owner.get(session.owner)
             if mine is not None:

@@ -209,6 +209,41 @@ def test_failed_items_get_their_problem_zeros_and_change_nothing(api, rng):
         api.delete(s)
 
 
+def test_the_sessions_a_step_names_follow_deletes_and_new_sessions(api, rng):
+    """A step's sessions are resolved once and kept for the steps after it (every
+    layer, step after step): deleting one, or creating another under its id, is seen
+    by the very next step, with the problem a single attend gets or the new session."""
+    h, hkv, d = 4, 2, 16
+    spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2)
+    a, b = (api.create(**spec)["session_id"] for _ in range(2))
+    models = {a: Model(h, hkv, d, layers=2), b: Model(h, hkv, d, layers=2)}
+
+    def step(layer, ids, expect_ok):
+        q, k, v = _stack(rng, len(ids), 1, h, d), _stack(rng, len(ids), 1, hkv, d), _stack(rng, len(ids), 1, hkv, d)
+        r = _stacked(api, {"session_ids": ids, "layer": layer, "q": q, "k": k, "v": v})
+        assert r.status == 200, r.body
+        for i, sid in enumerate(ids):
+            if sid not in expect_ok:
+                assert r.body["lengths"][i] is None
+                continue
+            models[sid].add(layer, k[i], v[i])
+            assert r.body["lengths"][i] == models[sid].lengths[layer]
+            assert rel_err(r.body["out"][i], models[sid].attention(layer, q[i])) <= F32_TOL
+        return r
+
+    for layer in (0, 1, 0, 1):  # two steps of two layers over the same sessions
+        step(layer, [a, b], {a, b})
+    api.delete(b)
+    r = step(0, [a, b], {a})
+    assert [e["item"] for e in r.body["errors"]] == [1] and r.body["errors"][0]["type"].endswith("session-not-found")
+    api.create(session_id=b, **spec)  # a new session under the deleted one's id: length 0
+    models[b] = Model(h, hkv, d, layers=2)
+    step(1, [a, b], {a, b})
+    assert api.info(b)["lengths"] == [0, 1] and api.info(a)["lengths"] == [3, 3]
+    for sid in (a, b):
+        api.delete(sid)
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [
