@@ -215,6 +215,13 @@ def small_slabs():
 
 
 @pytest.mark.gpu
+def test_small_slabs_do_not_bound_the_page_tables(small_slabs):
+    """``pool_slab_bytes`` bounds the slabs; the tables are bound by the binding limit."""
+    slab_bytes = small_slabs.pools.max_slab_bytes
+    assert slab_bytes <= 4096 and small_slabs.pools.tables.max_words * 4 >= (1 << 27)  # WebGPU's least limit
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("first", ["moved", "other"])
 def test_a_moved_layer_table_is_rewritten_only_where_it_changed(small_slabs, rng, first):
     """A full slab moves a layer to a new slab, where its pages take new indices. When

@@ -116,8 +116,11 @@ class Engine:
     ):
         self.ctx = ctx
         limit = min(ctx.max_binding, int(ctx.limits.get("max-buffer-size", ctx.max_binding)))
-        # every session's pages, per layout (touched only on the GPU thread)
-        self.pools = PagePools(page_tokens, min(limit, pool_slab_bytes) if pool_slab_bytes else limit)
+        # every session's pages, per layout, and their page tables (touched only on the GPU
+        # thread); pool_slab_bytes bounds the slabs, the binding limit the tables
+        self.pools = PagePools(
+            page_tokens, min(limit, pool_slab_bytes) if pool_slab_bytes else limit, max_table_bytes=limit
+        )
         self.worker = GpuWorker(
             ctx,
             max_batch_jobs=max_batch_jobs,
