@@ -171,3 +171,31 @@ def test_a_layer_that_moves_while_its_group_is_planned(fmt, rng, columns):
                 np.testing.assert_array_equal(x, y)
     finally:
         eng.close()
+
+
+@pytest.mark.gpu
+def test_a_steps_layer_signs_are_one_upload_shared_with_single_attends(engine):
+    """``Batch.upload_once_each``: the keys not in the batch yet go up in one copy, each
+    its own aligned segment; a key named twice, or uploaded before by ``upload_once``,
+    gets the segment it has; a rolled-back job's segments are forgotten."""
+    from attnserve.gpu.batch import Batch
+
+    w = engine.worker
+    batch = Batch(engine.ctx.device, engine.ctx.pipelines, w.arenas, engine.ctx.offset_align, engine.policy)
+    data = {k: bytes([k]) * 64 for k in range(4)}
+    first = batch.upload_once(3, data[3])
+    mark = batch.mark()
+    segs = batch.upload_once_each([0, 1, 0, 3, 2], data.__getitem__)
+    assert segs[0] is segs[2] and segs[3] is first
+    fresh = [segs[i] for i in (0, 1, 4)]
+    stride = -(-64 // batch.align) * batch.align
+    assert [s.offset - fresh[0].offset for s in fresh] == [0, stride, 2 * stride]  # one upload, in key order
+    assert all(s.offset % batch.align == 0 and s.size == 64 for s in fresh)
+    assert batch.upload_once(1, b"x" * 64) is segs[1]
+    upload = bytes(batch._upload)
+    for k, s in zip((0, 1, 2), fresh):
+        assert upload[s.offset : s.offset + 64] == data[k]
+    batch.rollback(mark)
+    assert batch.upload_once_each([3], data.__getitem__) == [first]
+    again = batch.upload_once_each([0], data.__getitem__)[0]
+    assert bytes(batch._upload)[again.offset : again.offset + 64] == data[0]

@@ -434,23 +434,19 @@ class TurboQuantLayerCache(LayerCache):
         super().__init__(**kw)
         self.seed = seed
 
+    @property
+    def _signs_key(self) -> tuple:
+        return ("signs", self.seed, self.layer, self.head_dim)
+
     def signs(self, batch: Batch) -> Seg:
         """This layer's rotation signs, uploaded once per batch."""
-        return batch.upload_once(("signs", self.seed, self.layer, self.head_dim),
-                                 layer_signs_bytes(self.seed, self.layer, self.head_dim))  # fmt: skip
+        return batch.upload_once(self._signs_key, layer_signs_bytes(self.seed, self.layer, self.head_dim))
 
     @staticmethod
     def sign_words(batch: Batch, layers: Sequence[LayerCache]) -> Sequence[int]:
-        known: dict[tuple[int, int], int] = {}
-        words = []
-        for layer in layers:
-            assert isinstance(layer, TurboQuantLayerCache)
-            key = (layer.seed, layer.layer)
-            w = known.get(key)
-            if w is None:
-                w = known[key] = layer.signs(batch).offset // 4
-            words.append(w)
-        return words
+        keys = [layer._signs_key for layer in layers]  # type: ignore[attr-defined]
+        segs = batch.upload_once_each(keys, lambda key: layer_signs_bytes(*key[1:]))
+        return [seg.offset // 4 for seg in segs]
 
     @staticmethod
     def plan_split_attends(batch: Batch, a: K.Attends, kv_format: str) -> None:

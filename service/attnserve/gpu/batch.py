@@ -293,6 +293,24 @@ class Batch:
             self.on_rollback(lambda: self._memo.pop(key, None))
         return seg
 
+    def upload_once_each(self, keys: list, data: Callable[[object], bytes]) -> list[Seg]:
+        """:meth:`upload_once` for each of ``keys`` (``data(key)``: its bytes), the ones
+        not uploaded yet in one copy, each its own aligned segment (a stacked step's
+        layer signs: one upload, not one per layer)."""
+        memo = self._memo
+        missing = list(dict.fromkeys(k for k in keys if k not in memo))
+        if missing:
+            blobs = [data(k) for k in missing]
+            if len({len(b) for b in blobs}) == 1:
+                rows = np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), -1)
+                items = self.upload_items(rows)
+                segs = [items.seg(i) for i in range(len(missing))]
+            else:
+                segs = [self.upload(b) for b in blobs]
+            memo.update(zip(missing, segs))
+            self.on_rollback(lambda: [memo.pop(k, None) for k in missing])
+        return [memo[k] for k in keys]
+
     def scratch(self, nbytes: int, arena: str = "scratch") -> Seg:
         """GPU-only space: ``arena`` is "scratch" or "partial" (split-KV partials)."""
         if arena not in ("scratch", "partial"):
