@@ -285,23 +285,19 @@ class Batch:
         self._persistent[name] = provider
 
     def upload_once(self, key: object, data: bytes | np.ndarray) -> Seg:
-        """``upload(data)`` once per batch for ``key`` (a layer's signs or page table
-        as it is now): later calls with the same key get the same segment."""
-        seg = self._memo.get(key)
-        if seg is None:
-            seg = self._memo[key] = self.upload(data)
-            self.on_rollback(lambda: self._memo.pop(key, None))
-        return seg
+        """``upload(data)`` once per batch for ``key`` (a layer's signs as they are
+        now): later calls with the same key get the same segment."""
+        return self.upload_once_each([key], lambda _: data)[0]
 
-    def upload_once_each(self, keys: list, data: Callable[[object], bytes]) -> list[Seg]:
+    def upload_once_each(self, keys: list, data: Callable[[object], bytes | np.ndarray]) -> list[Seg]:
         """:meth:`upload_once` for each of ``keys`` (``data(key)``: its bytes), the ones
         not uploaded yet in one copy, each its own aligned segment (a stacked step's
         layer signs: one upload, not one per layer)."""
         memo = self._memo
         missing = list(dict.fromkeys(k for k in keys if k not in memo))
         if missing:
-            blobs = [data(k) for k in missing]
-            if len({len(b) for b in blobs}) == 1:
+            blobs = [memoryview(data(k)).cast("B") for k in missing]
+            if len(blobs) > 1 and len({b.nbytes for b in blobs}) == 1:
                 rows = np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), -1)
                 items = self.upload_items(rows)
                 segs = [items.seg(i) for i in range(len(missing))]
