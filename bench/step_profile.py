@@ -45,6 +45,7 @@ import uvicorn  # noqa: E402
 from attnserve.app import create_app  # noqa: E402
 from attnserve.cli import server_config  # noqa: E402
 from attnserve.config import Settings  # noqa: E402
+from attnserve.gc_policy import apply_gc_policy  # noqa: E402
 from attnserve_client import Client  # noqa: E402
 from tools.common import free_port, metric_sum, parse_prometheus, write_result  # noqa: E402
 
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     def start_driver() -> None:  # once the lifespan has opened the engine
         while not server.started:
             time.sleep(0.05)
+        gc_thresholds.extend(apply_gc_policy(settings.gc_threshold))  # as `attnserve serve` does once started
         rt = app.state.runtime
         driver = Driver(f"http://127.0.0.1:{port}", server, args, rt.engine.worker._thread)  # noqa: SLF001
         driver.loop = rt.loop
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         driver.run()
 
     drivers: list[Driver] = []
+    gc_thresholds: list[int] = []
     t = threading.Thread(target=start_driver, name="bench-client")
     t.start()
     server.run()
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "step_profile",
         "device": device,
         "args": {**vars(args), "json_out": None},
+        "gc_threshold": gc_thresholds,
         "formats": driver.rows,
     }
     for r in driver.rows:

@@ -164,6 +164,16 @@ class _Server(uvicorn.Server):
         self._drain_delay_s = drain_delay_s
         self._signalled = False
 
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the app is up: what is alive now lives as long as the process
+            import gc
+
+            from .gc_policy import apply_gc_policy
+
+            thresholds = apply_gc_policy(self._rt.settings.gc_threshold)
+            log.info("garbage collector", extra={"gc_thresholds": list(thresholds), "frozen": gc.get_freeze_count()})
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._rt.begin_drain()
         loop = self._rt.loop

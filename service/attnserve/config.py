@@ -141,6 +141,14 @@ class Settings(BaseSettings):
         description="Bodies (and answers) larger than this are decoded (encoded) on a worker "
         "thread, so the event loop never stalls on a large body.",
     )
+    gc_threshold: int = Field(
+        50_000,
+        ge=0,
+        description="Once started, freeze the objects alive (gc.freeze) and collect the youngest "
+        "generation every this many allocations (Python's default: 700 on 3.12), so a batched "
+        "step's short-lived objects do not set off collections that walk the server's state; "
+        "0 leaves the collector as Python sets it.",
+    )
     drain_timeout_s: float = Field(30.0, ge=0, description="On shutdown, how long to wait for requests in flight.")
     drain_delay_s: float = Field(
         0.0,

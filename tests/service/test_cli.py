@@ -51,6 +51,7 @@ def test_serve_settings_logs_and_drain():
         ATTNSERVE_DEFAULT_MAX_TOKENS="500",
         ATTNSERVE_DRAIN_DELAY_S="1.5",
         ATTNSERVE_LOG_LEVEL="INFO",
+        ATTNSERVE_GC_THRESHOLD="12345",
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -114,6 +115,8 @@ def test_serve_settings_logs_and_drain():
     assert missing["route"] == "unmatched" and missing["problem"] == "not-found"
     assert "s3cr3t" not in err and "0.123456789" not in err  # no auth headers, no bodies
     assert any(ln["msg"] == "ready" for ln in lines) and any(ln["msg"] == "stopped" for ln in lines)
+    collector = next(ln for ln in lines if ln["msg"] == "garbage collector")  # once started: gc_policy
+    assert collector["gc_thresholds"][0] == 12345 and collector["frozen"] > 1000
     assert not [ln for ln in lines if ln["level"] == "warning"]  # loopback, no stray variables: no warning
 
 
