@@ -55,7 +55,7 @@ __all__ = [
     "queue_one",
     "attend_document",
     "count_rows",
-    "count_rows_of",
+    "count_step_rows",
 ]
 
 APPEND_FIELDS = ("k", "v", "offset")
@@ -231,20 +231,15 @@ def count_rows(rt: Runtime, op: Checked) -> None:
         rt.metrics.rows.inc("query", op.kv_format, amount=op.queries)
 
 
-def count_rows_of(rt: Runtime, ops: list[Checked]) -> None:
-    """:func:`count_rows` of many completed operations, one increment per kv format."""
-    rows: dict[str, list[int]] = {}
-    for op in ops:
-        r = rows.get(op.kv_format)
-        if r is None:
-            r = rows[op.kv_format] = [0, 0]
-        r[0] += op.rows
-        r[1] += op.queries
-    for fmt, (appended, queries) in rows.items():
-        if appended:
-            rt.metrics.rows.inc("append", fmt, amount=appended)
-        if queries:
-            rt.metrics.rows.inc("query", fmt, amount=queries)
+def count_step_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries: int) -> None:
+    """:func:`count_rows` of a stacked step's completed items, ``per_format[fmt]``
+    of each kv format, each of ``rows`` appended and ``queries`` query rows: one
+    increment per format."""
+    for fmt, count in per_format.items():
+        if count and rows:
+            rt.metrics.rows.inc("append", fmt, amount=rows * count)
+        if count and queries:
+            rt.metrics.rows.inc("query", fmt, amount=queries * count)
 
 
 def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from .config import Settings
 from .engine import Engine
 from .formats import KV_FORMATS
 from .metrics import Gauge, Metrics
-from .store import Reservation, Session, Store
+from .store import JobReservations, Reservation, Session, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
 
@@ -168,14 +168,15 @@ class Runtime:
     def watch_all(
         self,
         futs: list[Future],
-        reservations: list[tuple[Reservation, ...]],
-        item_errors: Callable[[Any], Sequence[BaseException | None]] | None = None,
+        reservations: list[JobReservations],
+        item_errors: Callable[[Any], Sequence[BaseException | None] | None] | None = None,
     ) -> asyncio.Future:
         """:meth:`track` for jobs queued together whose reservations are already
         committed (a batched step commits each item as it is checked, so later items
-        see it); ``reservations[i]`` are job ``i``'s (a stacked step is one job with
-        one per item: ``item_errors(result)`` gives each its error, None where it
-        succeeded). One wake-up of the event loop settles them all when the last is
+        see it); ``reservations[i]`` are job ``i``'s (a stacked step is one job whose
+        items' reservations are one ``StepReservation``, or one per item:
+        ``item_errors(result)`` gives each item its error, None where it succeeded,
+        or None when every item succeeded). One wake-up of the event loop settles them all when the last is
         done (a job that the timeout cancels settles at once); the returned future
         is done then. One timer serves the group's timeout, cancelling from the tail
         (a job only when every one of its reservations may be dropped)."""
@@ -191,12 +192,12 @@ class Runtime:
                 job.settled = True
                 f = job.fut
                 error = asyncio.CancelledError() if f.cancelled() else f.exception()
+                errors: Sequence[BaseException | None] | None
                 if error is None and item_errors is not None:
                     errors = item_errors(f.result())
                 else:
-                    errors = [error] * len(job.res)
-                for res, e in zip(job.res, errors, strict=True):
-                    self.store.finish(res, e)
+                    errors = None if error is None else [error] * len(job.res)
+                self.store.finish_job(job.res, errors)
 
         def settle_all() -> None:  # on the event loop
             if timer is not None:
@@ -265,7 +266,7 @@ class _Watched:
 
     __slots__ = ("fut", "res", "cancelling", "settled")
 
-    def __init__(self, fut: Future, res: tuple[Reservation, ...]):
+    def __init__(self, fut: Future, res: JobReservations):
         self.fut = fut
         self.res = res
         self.cancelling = False

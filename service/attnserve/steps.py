@@ -17,6 +17,7 @@ import asyncio
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import numpy as np
 from .codec import Fields, MediaKind, array_out, check_finite, decode_document, encode
 from .engine import Engine, StackedResult
 from .errors import ApiError, InternalError, InvalidRequest, RequestTimeout
-from .store import Owner
+from .store import JobReservations, LayerState, Owner, Reservation, StepReservation
 from .runtime import Runtime
 from .operations import (
     ATTEND_FIELDS,
@@ -35,7 +36,7 @@ from .operations import (
     attend_scale,
     check_attend,
     count_rows,
-    count_rows_of,
+    count_step_rows,
     fused_kv,
     layer_index,
     max_elements,
@@ -47,6 +48,7 @@ __all__ = [
     "ParsedBatch",
     "QueuedBatch",
     "QueuedStacked",
+    "ReservedStep",
     "StackedItems",
     "parse_batch",
     "parse_batch_document",
@@ -313,15 +315,33 @@ def queue_batch(rt: Runtime, engine: Engine, owner: Owner, parsed: ParsedBatch) 
 
 
 @dataclass(eq=False)
+class ReservedStep:
+    """The items of a stacked step that passed every check, reserved as one job:
+    their indices (``items``), layers and first query positions; every item's kv
+    format (``formats[i]`` for item ``i``, None for one refused) and how many passed
+    per format; ``rows`` and ``queries`` (one value for the step); and the job's
+    reservations (``job``: one ``StepReservation`` when the step was checked as
+    columns, else one ``Reservation`` per item, committed as each was checked)."""
+
+    items: list[int]
+    layers: list[LayerState]
+    start_pos: list[int]
+    formats: Sequence[str | None]
+    per_format: dict[str, int]
+    rows: int
+    queries: int
+    job: JobReservations
+
+
+@dataclass(eq=False)
 class QueuedStacked:
     """A stacked step checked and queued as one job: ``errors`` (item -> the
-    problem that refused it), ``ops`` (the items that passed, in order: their
-    index and :class:`Checked`), the job's ``future`` and ``done`` (as
-    :class:`QueuedBatch`'s)."""
+    problem that refused it), ``reserved`` (the items that passed), the job's
+    ``future`` and ``done`` (as :class:`QueuedBatch`'s)."""
 
     stacked: StackedItems
     errors: dict[int, ApiError]
-    ops: list[tuple[int, Checked]]
+    reserved: ReservedStep | None
     future: Future | None = None
     done: asyncio.Future | None = None
 
@@ -329,48 +349,58 @@ class QueuedStacked:
 def queue_stacked(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> QueuedStacked:
     """Check each item of a stacked step as :func:`queue_batch` does (in order,
     each against the reservations of those before it), then queue every item that
-    passed as one job (``Engine.plan_stacked``): one future for the step."""
+    passed as one job (``Engine.plan_stacked``): one future for the step. The common
+    case is checked, reserved and committed as columns (:func:`_reserve_columns`)."""
     errors = dict(st.errors)
     b = len(st.session_ids)
-    ops = _reserve_columns(rt, engine, owner, st)
-    if ops is None:
-        ops = _reserve_items(rt, engine, owner, st, errors)
+    reserved = _reserve_columns(rt, engine, owner, st)
+    if reserved is None:
+        reserved = _reserve_items(rt, engine, owner, st, errors)
     else:
-        for _, op in ops:
-            rt.store.commit(op.res)
-    layers: list[Any] = [None] * b
-    start_pos: list[int | None] = [None] * b
-    for i, op in ops:
-        layers[i], start_pos[i] = op.res.layer.cache, op.start_pos
-    k, v = st.k, st.v
-    queued = QueuedStacked(st, errors, ops)
-    if not ops:
+        assert isinstance(reserved.job, StepReservation)
+        rt.store.commit_step(reserved.job)
+    queued = QueuedStacked(st, errors, reserved)
+    if not reserved.items:
+        queued.reserved = None
         return queued
+    if len(reserved.items) == b:
+        layers: list[Any] = [ls.cache for ls in reserved.layers]
+        start_pos: list[int | None] = list(reserved.start_pos)
+    else:
+        layers, start_pos = [None] * b, [None] * b
+        for i, ls, sp in zip(reserved.items, reserved.layers, reserved.start_pos):
+            layers[i], start_pos[i] = ls.cache, sp
     try:
-        plan = engine.plan_stacked(layers, st.q, k=k, v=v, start_pos=start_pos, causal=st.causal, scale=st.scale)
-        queued.future = engine.worker.submit_plan(plan, weight=len(ops))  # counts as its items
+        plan = engine.plan_stacked(layers, st.q, k=st.k, v=st.v, start_pos=start_pos, causal=st.causal, scale=st.scale)
+        queued.future = engine.worker.submit_plan(plan, weight=len(reserved.items))  # counts as its items
     except Exception as e:  # Overloaded (or a bug): nothing was queued; give every reservation back
         if not isinstance(e, ApiError):
             log.exception("stacked step failed to queue")
         err = e if isinstance(e, ApiError) else InternalError("an internal error occurred; it was logged")
-        for i, op in ops:
-            rt.store.finish(op.res, e)
+        rt.store.finish_job(reserved.job, [e] * len(reserved.items))
+        for i in reserved.items:
             errors[i] = err
-        queued.ops = []
+        queued.reserved = None
         return queued
-    item_errors = lambda result: [result.errors.get(i) for i, _ in ops]  # noqa: E731
-    queued.done = rt.watch_all([queued.future], [tuple(op.res for _, op in ops)], item_errors)
+    items = reserved.items
+
+    def item_errors(result: StackedResult) -> list[BaseException | None] | None:
+        return [result.errors.get(i) for i in items] if result.errors else None
+
+    queued.done = rt.watch_all([queued.future], [reserved.job], item_errors)
     return queued
 
 
 def _reserve_items(
     rt: Runtime, engine: Engine, owner: Owner, st: StackedItems, errors: dict[int, ApiError]
-) -> list[tuple[int, Checked]]:
+) -> ReservedStep:
     """Check each item of a stacked step in order, each against the reservations of
     those before it (committed as it passes); a refused item's problem goes in
     ``errors``. Returns the items that passed."""
-    ops: list[tuple[int, Checked]] = []
     k, v = st.k, st.v
+    b = len(st.session_ids)
+    reserved = ReservedStep([], [], [], [None] * b, {}, 0 if k is None else k.shape[1], st.q.shape[1], ())
+    job: list[Reservation] = []
     clear: dict[str, np.ndarray] = {}  # per kv format: the items whose k, v values pass at once
     for i, sid in enumerate(st.session_ids):
         if i in errors:
@@ -389,18 +419,25 @@ def _reserve_items(
             errors[i] = e
             continue
         rt.store.commit(op.res)
-        ops.append((i, op))
-    return ops
+        job.append(op.res)
+        reserved.items.append(i)
+        reserved.layers.append(op.res.layer)
+        reserved.start_pos.append(op.start_pos)
+        reserved.formats[i] = fmt
+        reserved.per_format[fmt] = reserved.per_format.get(fmt, 0) + 1
+    reserved.job = tuple(job)
+    return reserved
 
 
-def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> list[tuple[int, Checked]] | None:
+def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems) -> ReservedStep | None:
     """Every item of a stacked step checked at once, as :func:`reserve_attend` checks
     each (shapes once per kv format, values per format over the whole step, offsets,
-    capacities and the budget as columns): the items' reservations, not committed.
-    None when the step is not the common case (an item refused by the parse, a session
-    named twice or not found, a layer out of range, sessions of other shapes, or
-    anything that would refuse an item): then :func:`queue_stacked` checks item by
-    item, and each problem is the one a single attend gets."""
+    capacities and the budget as columns): one ``StepReservation`` for the step, not
+    committed, and no object per item. None when the step is not the common case (an
+    item refused by the parse, a session named twice or not found, a layer out of
+    range, sessions of other shapes, or anything that would refuse an item): then
+    :func:`queue_stacked` checks item by item, and each problem is the one a single
+    attend gets."""
     if st.errors:
         return None
     store = rt.store
@@ -420,13 +457,11 @@ def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems
     if not memo["same_shape"] or li >= config.num_layers:
         return None
     by_format = memo.get(("formats", li))
-    if by_format is None:  # the layer's formats, and per format the items of it
+    if by_format is None:  # the layer's formats, per format the items of it, and how many
         formats = [s.layers[li].cache.kv_format for s in sessions]
-        by_format = memo["formats", li] = (
-            formats,
-            {fmt: np.fromiter((f == fmt for f in formats), bool, len(formats)) for fmt in set(formats)},
-        )
-    formats, masks = by_format
+        masks = {fmt: np.fromiter((f == fmt for f in formats), bool, len(formats)) for fmt in set(formats)}
+        by_format = memo["formats", li] = (formats, masks, {fmt: int(m.sum()) for fmt, m in masks.items()})
+    formats, masks, per_format = by_format
     k, v, q = st.k, st.v, st.q
     try:
         for fmt, mine in masks.items():
@@ -440,40 +475,47 @@ def _reserve_columns(rt: Runtime, engine: Engine, owner: Owner, st: StackedItems
     except ApiError:
         return None
     rows = 0 if k is None else k.shape[1]
-    reservations = store.plan_step(sessions, li, rows, st.offsets)
-    if reservations is None:
+    step = store.plan_step(sessions, li, rows, st.offsets)
+    if step is None:
         return None
     n = q.shape[1]
-    ops = []
-    for i, (res, fmt, given) in enumerate(zip(reservations, formats, st.start_pos)):
-        sp = res.new_length - n if given is None else given
-        if sp < 0 or sp + n > res.new_length:
-            return None
-        ops.append((i, Checked(None, res, fmt, rows, n, sp)))
-    return ops
+    new_length = np.asarray(step.new_length, np.int64)
+    if any(p is not None for p in st.start_pos):
+        given = np.fromiter((-1 if p is None else p for p in st.start_pos), np.int64, len(sessions))
+        start_pos = np.where(given < 0, new_length - n, given)
+    else:
+        start_pos = new_length - n
+    if (start_pos < 0).any() or (start_pos + n > new_length).any():
+        return None
+    return ReservedStep(
+        list(range(len(sessions))), step.layers, start_pos.tolist(), formats, per_format, rows, n, step
+    )  # fmt: skip
 
 
 async def finish_stacked(rt: Runtime, queued: QueuedStacked) -> tuple[StackedResult | None, dict[int, ApiError]]:
     """Await a queued stacked step. Returns the job's :class:`StackedResult` (None
     if no item was queued or the job failed as a whole) and every failed item's
     problem."""
-    errors, fut = queued.errors, queued.future
-    if queued.done is None or fut is None:
+    errors, fut, reserved = queued.errors, queued.future, queued.reserved
+    if queued.done is None or fut is None or reserved is None:
         return None, errors
     await asyncio.shield(queued.done)
     failed = None if fut.cancelled() else fut.exception()
     result = None if fut.cancelled() or failed is not None else fut.result()
     if result is None:
-        for i, op in queued.ops:
-            errors[i] = settled(rt, fut, op, failed)
+        problem = failure(rt, fut, failed)
+        for i in reserved.items:
+            errors[i] = problem
         return result, errors
-    done = queued.ops
+    per_format = reserved.per_format
     if result.errors:
-        for i, op in done:
-            if i in result.errors:
-                errors[i] = settled(rt, fut, op, result.errors[i])
-        done = [(i, op) for i, op in done if i not in result.errors]
-    count_rows_of(rt, [op for _, op in done])
+        per_format = dict(per_format)
+        for i, e in result.errors.items():
+            errors[i] = failure(rt, fut, e)
+            fmt = reserved.formats[i]
+            assert fmt is not None
+            per_format[fmt] -= 1
+    count_step_rows(rt, per_format, reserved.rows, reserved.queries)
     return result, errors
 
 
@@ -490,19 +532,26 @@ async def finish_batch(rt: Runtime, queued: QueuedBatch) -> list[Any]:
 
 
 def settled(rt: Runtime, fut: Future, op: Checked, result: Any) -> Any:
+    """An item's outcome: its result (its rows counted), or the problem that failed it."""
+    if fut.cancelled() or isinstance(result, BaseException):
+        return failure(rt, fut, result)
+    count_rows(rt, op)
+    return result
+
+
+def failure(rt: Runtime, fut: Future, error: BaseException | None) -> ApiError:
+    """The problem of an item whose job was dropped by the request timeout, or
+    that failed with ``error``."""
     if fut.cancelled():  # the request timeout dropped it from the queue: nothing applied
         return RequestTimeout(
             f"the item waited more than {rt.settings.request_timeout_s:g} s for the GPU and was dropped; "
             "nothing was applied, so it is safe to retry",
             headers={"Retry-After": "1"},
         )
-    if isinstance(result, ApiError):
-        return result
-    if isinstance(result, BaseException):
-        log.error("batch item failed", exc_info=result)
-        return InternalError("an internal error occurred in this item; it was logged")
-    count_rows(rt, op)
-    return result
+    if isinstance(error, ApiError):
+        return error
+    log.error("batch item failed", exc_info=error)
+    return InternalError("an internal error occurred in this item; it was logged")
 
 
 async def finish_any(rt: Runtime, queued: "QueuedBatch | QueuedStacked") -> Any:

@@ -28,7 +28,8 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class LayerState:
     length: int = 0
     capacity: int = 0
     # committed jobs not yet done, in queue order (the last one may be cancelled safely)
-    inflight: list["Reservation"] = field(default_factory=list)
+    inflight: list["Reservation | StepReservation"] = field(default_factory=list)
 
     @property
     def max_tokens(self) -> int:
@@ -144,6 +145,47 @@ class Reservation:
             f"Reservation(session={self.session.id!r}, rows={self.rows}, new_length={self.new_length}, "
             f"new_capacity={self.new_capacity}, delta_bytes={self.delta_bytes})"
         )
+
+    def layer_states(self) -> tuple[LayerState]:
+        """The layers it stands in the ``inflight`` queue of."""
+        return (self.layer,)
+
+
+class StepReservation:
+    """What one stacked step's job will do to its sessions, as columns: ``rows``
+    appended to one layer of each of ``sessions`` (distinct, one owner), and per item
+    the layer's new length, capacity and bytes (``new_length[i]``, ...). One object
+    for the whole step: it stands in each of its layers' ``inflight`` queues where a
+    :class:`Reservation` would, so the step makes no object per item."""
+
+    __slots__ = ("sessions", "layers", "rows", "new_length", "new_capacity", "delta_bytes", "total_bytes", "committed")
+
+    def __init__(
+        self, sessions: list[Session], layers: list[LayerState], rows: int, new_length: list[int],
+        new_capacity: list[int], delta_bytes: list[int], total_bytes: int,
+    ):  # fmt: skip
+        self.sessions = sessions
+        self.layers = layers
+        self.rows = rows
+        self.new_length = new_length
+        self.new_capacity = new_capacity
+        self.delta_bytes = delta_bytes
+        self.total_bytes = total_bytes
+        self.committed = False
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def __repr__(self) -> str:
+        return f"StepReservation(items={len(self)}, rows={self.rows}, total_bytes={self.total_bytes})"
+
+    def layer_states(self) -> list[LayerState]:
+        return self.layers
+
+
+#: The reservations of one queued job: one per operation (a batched step's items
+#: are jobs of one each), or a stacked step's as one :class:`StepReservation`.
+JobReservations = Union[tuple[Reservation, ...], StepReservation]
 
 
 class StepGroup:
@@ -426,12 +468,12 @@ class Store:
 
     def plan_step(
         self, sessions: list[Session], layer: int, rows: int, offsets: list[int | None]
-    ) -> list[Reservation] | None:
+    ) -> StepReservation | None:
         """:meth:`plan_append` (``rows`` > 0) or :meth:`plan_read` of ``layer`` of
         each of ``sessions`` (distinct, one owner) at ``offsets[i]``, and
         :meth:`check_budget` of them all, checked as columns. None when any of them
         would be refused: the caller checks them one by one, which names each problem.
-        Nothing changes until each is committed."""
+        Nothing changes until the step is committed (:meth:`commit_step`)."""
         states = [s.layers[layer] for s in sessions]
         count = len(states)
         length = np.fromiter((ls.length for ls in states), np.int64, count)
@@ -442,6 +484,7 @@ class Store:
         new_length = length + rows
         capacity = np.fromiter((ls.capacity for ls in states), np.int64, count)
         delta = np.zeros(count, np.int64)
+        total = 0
         if rows:
             caches = [ls.cache for ls in states]
             if (new_length > np.fromiter((c.max_tokens for c in caches), np.int64, count)).any():
@@ -459,10 +502,9 @@ class Store:
             quota = self.quota_bytes_per_key
             if total > 0 and quota and self.tenant_bytes(sessions[0].owner) + total > quota:
                 return None
-        return [
-            Reservation(s, ls, rows, n, c, d)
-            for s, ls, n, c, d in zip(sessions, states, new_length.tolist(), capacity.tolist(), delta.tolist())
-        ]
+        return StepReservation(
+            sessions, states, rows, new_length.tolist(), capacity.tolist(), delta.tolist(), total
+        )  # fmt: skip
 
     def check_budget(self, res: Reservation) -> None:
         """Raises OutOfMemory when the reservation would pass the memory budget, or
@@ -488,30 +530,65 @@ class Store:
         ls.inflight.append(res)
         res.committed = True
 
-    def cancellable(self, reservations: tuple[Reservation, ...]) -> bool:
-        """Whether a job with these reservations (one per item: a stacked step has
-        several) may be dropped before it runs without changing what any other
-        queued job was checked against: each of them appends nothing, or is followed
-        in its layer's queue only by reservations of the same job."""
-        ours = {id(r) for r in reservations}
-        for res in reservations:
+    def commit_step(self, step: StepReservation) -> None:
+        """:meth:`commit` of every item of a stacked step's job at once."""
+        for s, ls, n, c, d in zip(step.sessions, step.layers, step.new_length, step.new_capacity, step.delta_bytes):
+            ls.length, ls.capacity = n, c
+            s.reserved_bytes += d
+            s.pending += 1
+            ls.inflight.append(step)
+        self.reserved_bytes += step.total_bytes
+        step.committed = True
+
+    def cancellable(self, job: JobReservations) -> bool:
+        """Whether a job with these reservations may be dropped before it runs
+        without changing what any other queued job was checked against: each of them
+        appends nothing, or is followed in its layers' queues only by reservations of
+        the same job."""
+        entries: tuple = (job,) if isinstance(job, StepReservation) else job
+        ours = {id(r) for r in entries}
+        for res in entries:
             if res.rows == 0:
                 continue
-            inflight = res.layer.inflight
-            for i in range(len(inflight) - 1, -1, -1):
-                if inflight[i] is res:
-                    break
-                if id(inflight[i]) not in ours:
-                    return False
-            else:
-                return False  # not queued (cannot happen for a committed reservation)
+            for layer in res.layer_states():
+                inflight = layer.inflight
+                for i in range(len(inflight) - 1, -1, -1):
+                    if inflight[i] is res:
+                        break
+                    if id(inflight[i]) not in ours:
+                        return False
+                else:
+                    return False  # not queued (cannot happen for a committed reservation)
         return True
 
     def finish(self, res: Reservation, error: BaseException | None) -> None:
         """The job is done, failed or was cancelled (on the event loop, right after)."""
-        s = res.session
+        self._finish_item(res.session, res.layer, res, res.rows, res.delta_bytes, error)
+
+    def finish_step(self, step: StepReservation, errors: Sequence[BaseException | None] | None) -> None:
+        """:meth:`finish` of every item of a stacked step's job: ``errors[i]`` is item
+        ``i``'s (None: it succeeded), or None when every item succeeded."""
+        rows, items = step.rows, zip(step.sessions, step.layers, step.delta_bytes)
+        if errors is None:
+            for s, ls, d in items:
+                self._finish_item(s, ls, step, rows, d, None)
+        else:
+            for (s, ls, d), e in zip(items, errors, strict=True):
+                self._finish_item(s, ls, step, rows, d, e)
+
+    def finish_job(self, job: JobReservations, errors: Sequence[BaseException | None] | None) -> None:
+        """:meth:`finish` of each of a job's reservations (``errors`` as :meth:`finish_step`'s)."""
+        if isinstance(job, StepReservation):
+            self.finish_step(job, errors)
+            return
+        for i, res in enumerate(job):
+            self.finish(res, None if errors is None else errors[i])
+
+    def _finish_item(
+        self, s: Session, ls: LayerState, res: object, rows: int, delta_bytes: int, error: BaseException | None
+    ) -> None:
         s.pending -= 1
-        inflight = res.layer.inflight
+        inflight = ls.inflight
         if inflight and inflight[0] is res:  # jobs finish in queue order
             del inflight[0]
         else:
@@ -519,19 +596,18 @@ class Store:
                 if inflight[i] is res:
                     del inflight[i]
                     break
-        if error is not None and res.rows:
-            res.layer.length -= res.rows  # later queued jobs were checked against it; resynced below
-            s.dirty = True
         if error is not None:
+            if rows:
+                ls.length -= rows  # later queued jobs were checked against it; resynced below
+                s.dirty = True
             s.failed = True
         if s.pending == 0 and not s.closed:
             if s.dirty or s.failed:
                 s.failed = False
                 self.resync(s)
             else:  # every job since the last resync succeeded: each layer is as reserved
-                ls = res.layer
                 ls.length, ls.capacity = ls.cache.length, ls.cache.capacity
-                if res.delta_bytes:
+                if delta_bytes:
                     self._resync_bytes(s)
 
     def resync(self, s: Session) -> None:

@@ -59,3 +59,110 @@ def test_groups_kept_are_bounded():
     for i in range(Store.STEP_GROUPS + 10):
         assert store.step_group([f"s{i}"], None) is not None
     assert len(store._steps) == Store.STEP_GROUPS
+
+
+# ── a stacked step's reservations as columns (StepReservation) ──────────────
+
+P, PAGE_BYTES = 4, 100
+
+
+class _Cache:
+    """A layer cache as the store sees it: length and capacity as the GPU left them."""
+
+    def __init__(self, length: int = 0):
+        self.length, self.capacity = length, -(-length // P) * P
+        self.max_tokens, self.page_tokens, self.kv_format = 64, P, "f32"
+        self.pool = SimpleNamespace(page_bytes=PAGE_BYTES)
+
+    def capacity_after(self, capacity: int, new_length: int) -> int:
+        return max(capacity, -(-new_length // P) * P)
+
+    def bytes_for(self, capacity: int) -> int:
+        return capacity // P * PAGE_BYTES
+
+    def applied(self, rows: int) -> None:  # what the GPU thread does when the job runs
+        self.length += rows
+        self.capacity = max(self.capacity, -(-self.length // P) * P)
+
+
+def _session_kv(length: int):
+    cache = _Cache(length)
+    kv = SimpleNamespace(config=SimpleNamespace(num_layers=1), layers=[cache])
+    kv.nbytes = 0
+    return kv
+
+
+def _sessions(store: Store, lengths: list[int]):
+    sessions = []
+    for i, n in enumerate(lengths):
+        s = store.create(_session_kv(n), owner=None, session_id=f"s{i}")
+        s.kv.nbytes = s.reserved_bytes = s.kv.layers[0].capacity // P * PAGE_BYTES
+        store.reserved_bytes += s.reserved_bytes
+        s.layers[0].length, s.layers[0].capacity = s.kv.layers[0].length, s.kv.layers[0].capacity
+        sessions.append(s)
+    return sessions
+
+
+def test_a_step_reserves_commits_and_finishes_as_columns_with_one_object():
+    store = _store()
+    sessions = _sessions(store, [3, 4, 0])  # the first and last open a page with one row, the second not
+    before = store.reserved_bytes
+    step = store.plan_step(sessions, 0, 1, [3, None, 0])
+    assert step is not None and len(step) == 3
+    assert step.new_length == [4, 5, 1] and step.new_capacity == [4, 8, 4]
+    assert step.delta_bytes == [0, PAGE_BYTES, PAGE_BYTES] and step.total_bytes == 2 * PAGE_BYTES
+    assert [ls.length for s in sessions for ls in s.layers] == [3, 4, 0]  # nothing until committed
+    store.commit_step(step)
+    assert step.committed and store.reserved_bytes == before + 2 * PAGE_BYTES
+    for s, n in zip(sessions, [4, 5, 1]):
+        assert s.layers[0].length == n and s.pending == 1 and s.layers[0].inflight == [step]
+    for s in sessions:
+        s.kv.layers[0].applied(1)
+        s.kv.nbytes = s.kv.layers[0].capacity // P * PAGE_BYTES
+    store.finish_step(step, None)
+    for s, n, c in zip(sessions, [4, 5, 1], [4, 8, 4]):
+        assert s.pending == 0 and s.layers[0].inflight == [] and (s.layers[0].length, s.layers[0].capacity) == (n, c)
+        assert s.reserved_bytes == s.kv.nbytes
+    assert store.reserved_bytes == before + 2 * PAGE_BYTES
+
+
+def test_a_step_is_refused_as_columns_where_any_item_would_be():
+    store = _store()
+    sessions = _sessions(store, [3, 64])
+    assert store.plan_step(sessions, 0, 1, [None, None]) is None  # the second passes max_tokens
+    assert store.plan_step(sessions[:1], 0, 1, [2]) is None  # an offset that is not the length
+    tight = Store(max_sessions=10, memory_budget_bytes=PAGE_BYTES)
+    assert tight.plan_step(_sessions(tight, [4, 4]), 0, 1, [None, None]) is None  # two new pages: past the budget
+
+
+def test_a_failed_item_of_a_step_gives_its_rows_back_and_the_others_keep_theirs():
+    store = _store()
+    sessions = _sessions(store, [2, 2])
+    step = store.plan_step(sessions, 0, 1, [None, None])
+    store.commit_step(step)
+    later = store.plan_append(sessions[1], 0, 1, None)  # a single append queued behind the step
+    store.commit(later)
+    assert sessions[1].layers[0].inflight == [step, later]
+    assert not store.cancellable(step)  # another job was checked against it
+    assert store.cancellable((later,))
+    sessions[0].kv.layers[0].applied(1)  # item 0 ran; item 1 failed while planned
+    store.finish_job(step, [None, RuntimeError("planned badly")])
+    assert sessions[0].pending == 0 and sessions[0].layers[0].length == 3
+    assert sessions[1].pending == 1 and sessions[1].layers[0].inflight == [later]
+    assert sessions[1].layers[0].length == 3 and sessions[1].dirty  # its reserved row given back, under `later`'s
+    sessions[1].kv.layers[0].applied(1)  # `later` ran
+    store.finish(later, None)
+    assert sessions[1].pending == 0 and sessions[1].layers[0].length == 3  # resynced from the cache
+    assert not sessions[1].dirty and not sessions[1].failed
+
+
+def test_a_step_dropped_by_the_timeout_is_cancellable_when_last_in_every_layer():
+    store = _store()
+    sessions = _sessions(store, [1, 1, 1])
+    step = store.plan_step(sessions, 0, 1, [None] * 3)
+    store.commit_step(step)
+    assert store.cancellable(step)
+    store.finish_job(step, [TimeoutError()] * 3)  # cancelled: nothing applied
+    assert [s.layers[0].length for s in sessions] == [1, 1, 1] and all(s.pending == 0 for s in sessions)
+    read = store.plan_step(sessions, 0, 0, [1, 1, 1])  # an attend without rows: no bytes, no capacity
+    assert read.new_length == [1, 1, 1] and read.total_bytes == 0
