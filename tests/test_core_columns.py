@@ -78,6 +78,16 @@ def _same_words(engine, pairs):
                 np.testing.assert_array_equal(x, y)
 
 
+@pytest.fixture(params=["gathered", "direct"])
+def uploads(request, monkeypatch):
+    """Inputs gathered into one host buffer (the default for small arrays), or every
+    array written to the GPU straight from its own memory (as large ones are)."""
+    if request.param == "direct":
+        monkeypatch.setattr("attnserve.gpu.batch.DIRECT_UPLOAD_BYTES", 1)
+    return request.param
+
+
+@pytest.mark.usefixtures("uploads")
 def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns):
     formats = ["f32", "turboquant", "f16", "tq4", "f32", "turboquant", "tq2o", "f32", "f16"]
     lengths = [P - 1, P, 1, 2 * P + 3, P + 1, 0, 3 * P - 2, 5, 2 * P - 1]
@@ -192,10 +202,37 @@ def test_a_steps_layer_signs_are_one_upload_shared_with_single_attends(engine):
     assert [s.offset - fresh[0].offset for s in fresh] == [0, stride, 2 * stride]  # one upload, in key order
     assert all(s.offset % batch.align == 0 and s.size == 64 for s in fresh)
     assert batch.upload_once(1, b"x" * 64) is segs[1]
-    upload = bytes(batch._upload)
+    upload = batch._uploads.image()
     for k, s in zip((0, 1, 2), fresh):
         assert upload[s.offset : s.offset + 64] == data[k]
     batch.rollback(mark)
     assert batch.upload_once_each([3], data.__getitem__) == [first]
     again = batch.upload_once_each([0], data.__getitem__)[0]
-    assert bytes(batch._upload)[again.offset : again.offset + 64] == data[0]
+    assert batch._uploads.image()[again.offset : again.offset + 64] == data[0]
+
+
+def test_uploads_gather_small_arrays_and_keep_large_ones_as_they_are(monkeypatch):
+    """``batch._Uploads``: small uploads share one host buffer, zero-padded to their
+    offsets; a large one is the caller's memory itself, never copied; a rollback
+    drops what came after its mark, in a gathered run and across direct ones."""
+    from attnserve.gpu import batch as B
+
+    monkeypatch.setattr(B, "DIRECT_UPLOAD_BYTES", 16)
+    up = B._Uploads()
+    up.add(0, memoryview(b"abc"))
+    up.add(8, memoryview(b"defg"))  # gathered, after 5 zero bytes
+    big = np.arange(8, dtype="<f4")
+    up.add(16, memoryview(big).cast("B"))  # 32 bytes: its own run
+    mark = up.mark()
+    up.add(48, memoryview(b"hi"))
+    assert [off for off, _ in up.runs] == [0, 16, 48]
+    assert up.runs[1][1].obj is big  # the array's memory, not a copy
+    assert up.image() == b"abc" + bytes(5) + b"defg" + bytes(4) + big.tobytes() + b"hi"
+    up.rollback(mark)
+    assert up.image() == b"abc" + bytes(5) + b"defg" + bytes(4) + big.tobytes()
+    up.add(48, memoryview(b"jk"))
+    first = up.mark()
+    up.add(52, memoryview(b"lm"))  # gathered into the same run as "jk"
+    up.add(64, memoryview(big).cast("B"))
+    up.rollback(first)
+    assert up.image()[48:] == b"jk" and len(up.runs) == 3

@@ -3,7 +3,10 @@
 Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
 
 * ``upload(data)`` places host bytes (queries, new K/V rows, params blocks) in
-  the batch's input arena, written with one ``queue.write_buffer``;
+  the batch's input arena: small ones gathered and written with one
+  ``queue.write_buffer``, large arrays (a stacked step's queries and rows) written
+  straight from the caller's memory (no host copy; the copy into wgpu's staging
+  runs without the GIL);
 * ``scratch(nbytes)`` reserves GPU-only space (e.g. rotated queries);
 * ``output(nbytes)`` reserves space in the output arena, copied to one
   persistent ``MAP_READ`` staging buffer and read back once per batch;
@@ -50,6 +53,11 @@ PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE = range(4)
 # Params bytes a deferred item may upload at flush, counted when it is deferred
 # (so the input arena's size is known while jobs are planned).
 DEFERRED_ROW_BYTES = 128
+
+# An upload of at least this many bytes is written to the input arena straight from
+# the caller's array (its own ``queue.write_buffer``); smaller ones are gathered into
+# one host buffer, so a batch of small jobs stays one write.
+DIRECT_UPLOAD_BYTES = 64 * 1024
 
 if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other way round
     from .kernels import KernelPolicy
@@ -209,6 +217,56 @@ class Arenas:
         return old
 
 
+class _Uploads:
+    """What a batch writes into its input arena: runs of ``(offset, bytes)``, each
+    one ``queue.write_buffer`` at encode. Small uploads are gathered into the last
+    run (a host buffer, zero-padded to each one's offset); a large one is a run of
+    its own, the caller's memory itself (kept alive, never copied on the host)."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, bytearray | memoryview]] = []
+
+    def add(self, offset: int, data: memoryview) -> None:
+        runs = self.runs
+        if data.nbytes >= DIRECT_UPLOAD_BYTES:
+            runs.append((offset, data))
+            return
+        if not runs or not isinstance(runs[-1][1], bytearray):
+            runs.append((offset, bytearray()))
+        start, gathered = runs[-1]
+        assert isinstance(gathered, bytearray)
+        gathered.extend(b"\0" * (offset - start - len(gathered)))
+        gathered.extend(data)
+
+    def mark(self) -> tuple[int, int]:
+        runs = self.runs
+        return len(runs), (len(runs[-1][1]) if runs and isinstance(runs[-1][1], bytearray) else -1)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        n, last = mark
+        del self.runs[n:]
+        if last >= 0:
+            gathered = self.runs[-1][1]
+            assert isinstance(gathered, bytearray)
+            del gathered[last:]
+
+    def write(self, queue: wgpu.GPUQueue, buffer: wgpu.GPUBuffer) -> None:
+        for offset, data in self.runs:
+            if len(data):
+                queue.write_buffer(buffer, offset, data)
+
+    def image(self) -> bytes:
+        """The input arena's bytes as the runs will write them (tests)."""
+        end = max((offset + len(data) for offset, data in self.runs), default=0)
+        out = bytearray(end)
+        for offset, data in self.runs:
+            out[offset : offset + len(data)] = data
+        return bytes(out)
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+
 class Batch:
     """Commands of several jobs, planned on the GPU owner thread."""
 
@@ -220,7 +278,7 @@ class Batch:
         self.pipelines = pipelines
         self.arenas = arenas
         self.align = max(int(align), 16)
-        self._upload = bytearray()
+        self._uploads = _Uploads()
         self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
         self.ops: list[tuple] = []
         self.n_dispatches = 0
@@ -247,8 +305,7 @@ class Batch:
         """Host bytes (a C-contiguous array or bytes) into the input arena."""
         mv = memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
         seg = self._reserve("in", mv.nbytes)
-        self._upload.extend(b"\0" * (seg.offset - len(self._upload)))
-        self._upload.extend(mv)
+        self._uploads.add(seg.offset, mv)
         return seg
 
     def upload_items(self, data: np.ndarray) -> "Items":
@@ -257,13 +314,11 @@ class Batch:
         or rows)."""
         items = self._reserve_items("in", data.shape[0], data[0].nbytes if data.shape[0] else 0)
         flat = np.ascontiguousarray(data).view(np.uint8).reshape(items.count, items.nbytes)
-        self._upload.extend(b"\0" * (items.base - len(self._upload)))
-        if items.stride == items.nbytes:
-            self._upload.extend(memoryview(flat).cast("B"))
-        else:
+        if items.stride != items.nbytes:
             padded = np.zeros((items.count, items.stride), np.uint8)
             padded[:, : items.nbytes] = flat
-            self._upload.extend(memoryview(padded).cast("B"))
+            flat = padded
+        self._uploads.add(items.base, memoryview(flat).cast("B"))
         return items
 
     def output_items(self, count: int, nbytes: int) -> "Items":
@@ -363,7 +418,7 @@ class Batch:
         return (
             len(self.ops),
             self.n_dispatches,
-            len(self._upload),
+            self._uploads.mark(),
             dict(self._sizes),
             len(self._undo),
             len(self._deferred),
@@ -376,7 +431,7 @@ class Batch:
         del self.ops[n_ops:]
         del self._deferred[n_deferred:]
         self._deferred_in = deferred_in
-        del self._upload[n_up:]
+        self._uploads.rollback(n_up)
         self.n_dispatches = n_disp
         self._sizes = sizes
         while len(self._undo) > n_undo:
@@ -415,8 +470,7 @@ class Batch:
         for name, provider in self._persistent.items():
             bufs[name] = provider(self.device)
         queue = self.device.queue
-        if self._upload:
-            queue.write_buffer(bufs["in"], 0, self._upload)
+        self._uploads.write(queue, bufs["in"])
         enc = self.device.create_command_encoder()
         cpass = None
         n_timed = 0
@@ -479,8 +533,8 @@ class Batch:
         if staging is None:
             return None
         staging.map_sync(wgpu.MapMode.READ, 0, n_out)
-        try:
-            data = memoryview(bytes(staging.read_mapped(0, n_out, copy=False)))
+        try:  # numpy copies large arrays without the GIL (bytes() holds it): the event loop runs meanwhile
+            data = memoryview(np.frombuffer(staging.read_mapped(0, n_out, copy=False), np.uint8).copy())
         finally:
             staging.unmap()
         return data
