@@ -235,7 +235,9 @@ class _Uploads:
             runs.append((offset, bytearray()))
         start, gathered = runs[-1]
         assert isinstance(gathered, bytearray)
-        gathered.extend(b"\0" * (offset - start - len(gathered)))
+        pad = offset - start - len(gathered)
+        assert pad >= 0, "uploads come at rising offsets"
+        gathered.extend(b"\0" * pad)
         gathered.extend(data)
 
     def mark(self) -> tuple[int, int]:
