@@ -265,9 +265,6 @@ class _Uploads:
             out[offset : offset + len(data)] = data
         return bytes(out)
 
-    def __bool__(self) -> bool:
-        return bool(self.runs)
-
 
 class Batch:
     """Commands of several jobs, planned on the GPU owner thread."""
