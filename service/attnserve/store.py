@@ -522,23 +522,23 @@ class Store:
 
     def commit(self, res: Reservation) -> None:
         """The job is queued: move the reserved state forward."""
-        s, ls = res.session, res.layer
-        ls.length, ls.capacity = res.new_length, res.new_capacity
-        s.reserved_bytes += res.delta_bytes
+        self._commit_item(res.session, res.layer, res, res.new_length, res.new_capacity, res.delta_bytes)
         self.reserved_bytes += res.delta_bytes
-        s.pending += 1
-        ls.inflight.append(res)
         res.committed = True
 
     def commit_step(self, step: StepReservation) -> None:
         """:meth:`commit` of every item of a stacked step's job at once."""
         for s, ls, n, c, d in zip(step.sessions, step.layers, step.new_length, step.new_capacity, step.delta_bytes):
-            ls.length, ls.capacity = n, c
-            s.reserved_bytes += d
-            s.pending += 1
-            ls.inflight.append(step)
+            self._commit_item(s, ls, step, n, c, d)
         self.reserved_bytes += step.total_bytes
         step.committed = True
+
+    @staticmethod
+    def _commit_item(s: Session, ls: LayerState, res: object, new_length: int, new_capacity: int, delta: int) -> None:
+        ls.length, ls.capacity = new_length, new_capacity
+        s.reserved_bytes += delta
+        s.pending += 1
+        ls.inflight.append(res)  # type: ignore[arg-type]
 
     def cancellable(self, job: JobReservations) -> bool:
         """Whether a job with these reservations may be dropped before it runs
