@@ -176,10 +176,11 @@ class Runtime:
         see it); ``reservations[i]`` are job ``i``'s (a stacked step is one job whose
         items' reservations are one ``StepReservation``, or one per item:
         ``item_errors(result)`` gives each item its error, None where it succeeded,
-        or None when every item succeeded). One wake-up of the event loop settles them all when the last is
-        done (a job that the timeout cancels settles at once); the returned future
-        is done then. One timer serves the group's timeout, cancelling from the tail
-        (a job only when every one of its reservations may be dropped)."""
+        or None when every item succeeded). One wake-up of the event loop settles
+        them all when the last is done (a job that the timeout cancels settles at
+        once); the returned future is done then. One timer serves the group's
+        timeout, cancelling from the tail (a job only when every one of its
+        reservations may be dropped)."""
         loop = self.loop or asyncio.get_running_loop()
         all_done: asyncio.Future = loop.create_future()
         jobs = [_Watched(f, r) for f, r in zip(futs, reservations)]
