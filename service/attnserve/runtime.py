@@ -27,6 +27,7 @@ from .auth import KeyRing
 from .codec import offload
 from .config import Settings
 from .engine import Engine
+from .errors import NotReady
 from .formats import KV_FORMATS
 from .metrics import Gauge, Metrics
 from .store import JobReservations, Reservation, Session, Store
@@ -81,6 +82,15 @@ class Runtime:
         if not self.draining:
             log.info("draining", extra={"in_flight": self.in_flight})
         self.draining = True
+
+    def ready_engine(self) -> Engine:
+        """The engine, if the server takes work now (else 503 not-ready)."""
+        if self.engine is None or not self.ready or self.draining:
+            raise NotReady(
+                "the server is draining" if self.draining else "the GPU device is not ready",
+                headers={"Retry-After": "1"},
+            )
+        return self.engine
 
     def request_started(self) -> None:
         self.in_flight += 1

@@ -14,7 +14,6 @@ from fastapi import Depends, Path, Request
 
 from ..codec import Wire, negotiate
 from ..engine import Engine
-from ..errors import NotReady
 from ..runtime import OWNER_KEY, Runtime
 from ..store import Session
 
@@ -24,7 +23,6 @@ __all__ = [
     "get_owner",
     "get_wire",
     "get_engine",
-    "ready_engine",
     "get_session",
     "RuntimeDep",
     "OwnerDep",
@@ -70,18 +68,8 @@ async def get_wire(request: Request, rt: RuntimeDep) -> Wire:
 WireDep = Annotated[Wire, Depends(get_wire)]
 
 
-def ready_engine(rt: Runtime) -> Engine:
-    """The engine, if the server takes work now (else 503 not-ready)."""
-    if rt.engine is None or not rt.ready or rt.draining:
-        raise NotReady(
-            "the server is draining" if rt.draining else "the GPU device is not ready",
-            headers={"Retry-After": "1"},
-        )
-    return rt.engine
-
-
 async def get_engine(rt: RuntimeDep) -> Engine:
-    return ready_engine(rt)
+    return rt.ready_engine()
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -36,48 +36,18 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from ..codec import Fields, MediaKind, decode_document, encode
-from ..errors import ApiError, InternalError, InvalidRequest, Unauthorized
-from ..store import Owner
-from ..steps import (
-    BATCH_ITEM_FIELDS,
-    STACKED_FIELDS,
-    answer_document,
-    count_errors,
-    finish_any,
-    parse_batch_document,
-    queue_batch,
-    settled,
-)
+from ..codec import MediaKind, decode_document, encode
+from ..errors import ApiError, Unauthorized
 from ..runtime import OWNER_KEY, Runtime
-from .deps import ready_engine
-from ..operations import (
-    APPEND_FIELDS,
-    ATTEND_FIELDS,
-    append_fields,
-    attend_document,
-    attend_fields,
-    check_append,
-    check_attend,
-    layer_index,
-    queue_one,
-)
+from ..store import Owner
+from ..stream_ops import Pending, Reply, begin, error_document
 
-__all__ = ["router", "STREAM_PATH", "OPS"]
+__all__ = ["router", "STREAM_PATH"]
 
 log = logging.getLogger("attnserve")
 
 router = APIRouter()
 STREAM_PATH = "/v1/stream"
-OPS = ("attend", "append", "attend_batch", "session", "ping")
-_HEAD = ("id", "op")
-
-
-class _Reply(Exception):
-    """Raised inside a frame's handling to answer it at once."""
-
-    def __init__(self, doc: dict[str, Any]):
-        self.doc = doc
 
 
 @router.websocket(STREAM_PATH)
@@ -128,14 +98,14 @@ class _Connection:
                 if raw is None:
                     raw, kind = (msg.get("text") or "").encode(), "json"
                 try:
-                    waiter = await self.start(raw, kind)
-                except _Reply as r:
+                    pending = await self.start(raw, kind)
+                except Reply as r:
                     try:
                         await self.send(r.doc, kind, t0)
                     finally:
                         self.slots.release()
                     continue
-                task = asyncio.create_task(self.finish(waiter, kind, t0))
+                task = asyncio.create_task(self.finish(pending, kind, t0))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
         except WebSocketDisconnect:
@@ -146,80 +116,21 @@ class _Connection:
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def start(self, raw: bytes, kind: MediaKind):
-        """Decode, check and queue one frame (in arrival order); returns a
-        coroutine function that awaits its result, or raises :class:`_Reply`."""
+    async def start(self, raw: bytes, kind: MediaKind) -> Pending:
+        """Decode, check and queue one frame (in arrival order), or raise :class:`Reply`."""
         rt = self.rt
-        max_bytes = rt.settings.max_body_bytes
-        rid: Any = None
         try:
-            doc = await rt.offload(decode_document, raw, kind, max_bytes, size=len(raw))
-            if isinstance(doc, dict):
-                rid = doc.get("id")
-                if not isinstance(rid, (int, str)) or isinstance(rid, bool):
-                    rid = None
-                    raise InvalidRequest("id: expected an integer or a string that names the request")
-            op = Fields(doc, (*_HEAD, *BATCH_ITEM_FIELDS, *STACKED_FIELDS, "items"), "frame").str("op", choices=OPS)
-            return self.dispatch(op, doc, rid)
+            doc = await rt.offload(decode_document, raw, kind, rt.settings.max_body_bytes, size=len(raw))
         except ApiError as e:
-            raise _Reply(_error(rid, e)) from None
+            raise Reply(error_document(None, e, STREAM_PATH)) from None
+        return begin(rt, self.owner, doc, STREAM_PATH)
 
-    def dispatch(self, op: str, doc: dict[str, Any], rid: Any):
-        rt = self.rt
-        max_bytes = rt.settings.max_body_bytes
-        if op == "ping":
-            raise _Reply({"id": rid, "status": 200, "result": {}})
-        engine = ready_engine(rt)
-        if op == "attend_batch":
-            parsed = parse_batch_document(doc, _HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
-            queued = queue_batch(rt, engine, self.owner, parsed)
-
-            async def batch_result(kind: MediaKind) -> dict[str, Any]:
-                outcome = await finish_any(rt, queued)
-                count_errors(rt, outcome)
-                return answer_document(parsed, outcome, kind, STREAM_PATH)
-
-            return rid, batch_result
-        if op == "session":
-            f = Fields(doc, (*_HEAD, "session_id"), "session")
-            raise _Reply({"id": rid, "status": 200, "result": rt.store.get(f.str("session_id"), self.owner).info()})
-        fields = (*_HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
-        f = Fields(doc, fields, op)
-        session = rt.store.get(f.str("session_id"), self.owner)
-        li = layer_index(session, f.int("layer", lo=0))
-        if op == "append":
-            checked = check_append(rt, engine, session, li, append_fields(f, max_bytes))
-        else:
-            checked = check_attend(rt, engine, session, li, attend_fields(f, max_bytes))
-        fut = queue_one(rt, engine, checked)
-
-        async def result(kind: MediaKind) -> Any:
-            done = await asyncio.gather(asyncio.wrap_future(fut), return_exceptions=True)
-            r = settled(rt, fut, checked, done[0])
-            if isinstance(r, ApiError):
-                return r
-            if op == "append":
-                return {"length": r}
-            out, length = r
-            return attend_document(out, length, kind)
-
-        return rid, result
-
-    async def finish(self, waiter, kind: MediaKind, t0: float) -> None:
+    async def finish(self, pending: Pending, kind: MediaKind, t0: float) -> None:
         """Await one operation's result and write its reply; its in-flight slot is
         held until the reply is written, so a peer that does not read its replies
         stops being read (its unsent replies are bounded by the slots)."""
-        rid, result = waiter
         try:
-            try:
-                r = await result(kind)
-                doc = _error(rid, r) if isinstance(r, ApiError) else {"id": rid, "status": 200, "result": r}
-            except ApiError as e:
-                doc = _error(rid, e)
-            except Exception:
-                log.exception("stream operation failed", extra={"request_id": rid})
-                doc = _error(rid, InternalError("an internal error occurred; it was logged"))
-            await self.send(doc, kind, t0)
+            await self.send(await pending.reply(kind), kind, t0)
         finally:
             self.slots.release()
 
@@ -240,10 +151,6 @@ class _Connection:
                     await self.ws.send_bytes(body)
         except Exception:  # the peer went away: its operations still complete
             self.open = False
-
-
-def _error(rid: Any, err: ApiError) -> dict[str, Any]:
-    return {"id": rid, "status": err.status, "error": err.problem(STREAM_PATH)}
 
 
 def _encode_frame(doc: dict[str, Any], kind: MediaKind) -> bytes:

@@ -1,0 +1,160 @@
+"""The operations of a pipelined connection, whatever carries its frames: the
+WebSocket stream (``routes/stream.py``) and the TCP frame transport
+(``frames.py``) turn each received frame into a request document, and this module
+checks and queues it and turns its outcome into the reply document.
+
+A request document is a map ``{"id": <int or string>, "op": <name>, ...members}``:
+
+* ``attend``: ``session_id``, ``layer`` and the members of ``POST .../attend``;
+* ``append``: ``session_id``, ``layer`` and the members of ``POST .../kv``;
+* ``attend_batch``: ``items``, or the stacked form, as ``POST /v1/batch/attend``;
+* ``session``: ``session_id``: the session's info; ``ping``: nothing.
+
+Its reply is ``{"id", "status": 200, "result": {...}}`` (the HTTP answer's body) or
+``{"id", "status": <4xx/5xx>, "error": <problem>}``. :func:`begin` checks and
+queues a document (in arrival order, with no ``await``) and returns a
+:class:`Pending` whose :meth:`Pending.reply` awaits the outcome, or raises
+:class:`Reply` with an answer that needs no GPU (a problem, ``ping``, ``session``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Awaitable, Callable
+
+from .codec import Fields, MediaKind
+from .errors import ApiError, InternalError, InvalidRequest
+from .operations import (
+    APPEND_FIELDS,
+    ATTEND_FIELDS,
+    append_fields,
+    attend_document,
+    attend_fields,
+    check_append,
+    check_attend,
+    layer_index,
+    queue_one,
+)
+from .runtime import Runtime
+from .steps import (
+    BATCH_ITEM_FIELDS,
+    STACKED_FIELDS,
+    answer_document,
+    count_errors,
+    finish_any,
+    parse_batch_document,
+    queue_batch,
+    settled,
+)
+from .store import Owner
+
+__all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document"]
+
+log = logging.getLogger("attnserve")
+
+OPS = ("attend", "append", "attend_batch", "session", "ping")
+HEAD = ("id", "op")
+
+
+class Reply(Exception):
+    """Raised by :func:`begin` to answer a frame at once (``doc`` is the reply)."""
+
+    def __init__(self, doc: dict[str, Any]):
+        self.doc = doc
+
+
+class Pending:
+    """An operation checked and queued; :meth:`reply` awaits it and gives its reply
+    document (a problem document if it failed)."""
+
+    __slots__ = ("rid", "instance", "_result")
+
+    def __init__(self, rid: Any, instance: str, result: Callable[[MediaKind], Awaitable[Any]]):
+        self.rid, self.instance, self._result = rid, instance, result
+
+    async def reply(self, kind: MediaKind) -> dict[str, Any]:
+        try:
+            r = await self._result(kind)
+        except ApiError as e:
+            r = e
+        except Exception:
+            log.exception("stream operation failed", extra={"request_id": self.rid})
+            r = InternalError("an internal error occurred; it was logged")
+        if isinstance(r, ApiError):
+            return error_document(self.rid, r, self.instance)
+        return {"id": self.rid, "status": 200, "result": r}
+
+
+def error_document(rid: Any, err: ApiError, instance: str) -> dict[str, Any]:
+    return {"id": rid, "status": err.status, "error": err.problem(instance)}
+
+
+def request_id(doc: Any) -> Any:
+    """The ``id`` of a request document (``None`` where it has none usable).
+
+    Raises:
+        InvalidRequest: the id is neither an integer nor a string.
+    """
+    if not isinstance(doc, dict):
+        return None
+    rid = doc.get("id")
+    if not isinstance(rid, (int, str)) or isinstance(rid, bool):
+        raise InvalidRequest("id: expected an integer or a string that names the request")
+    return rid
+
+
+def begin(rt: Runtime, owner: Owner, doc: Any, instance: str) -> Pending:
+    """Check and queue one request document (no ``await`` inside).
+
+    Raises:
+        Reply: the answer is ready now (a problem, ``ping``, ``session``).
+    """
+    rid: Any = None
+    try:
+        rid = request_id(doc)
+        op = Fields(doc, (*HEAD, *BATCH_ITEM_FIELDS, *STACKED_FIELDS, "items"), "frame").str("op", choices=OPS)
+        return _dispatch(rt, owner, op, doc, rid, instance)
+    except ApiError as e:
+        raise Reply(error_document(rid, e, instance)) from None
+
+
+def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any, instance: str) -> Pending:
+    max_bytes = rt.settings.max_body_bytes
+    if op == "ping":
+        raise Reply({"id": rid, "status": 200, "result": {}})
+    engine = rt.ready_engine()
+    if op == "attend_batch":
+        parsed = parse_batch_document(doc, HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
+        queued = queue_batch(rt, engine, owner, parsed)
+
+        async def batch_result(kind: MediaKind) -> dict[str, Any]:
+            outcome = await finish_any(rt, queued)
+            count_errors(rt, outcome)
+            return answer_document(parsed, outcome, kind, instance)
+
+        return Pending(rid, instance, batch_result)
+    if op == "session":
+        f = Fields(doc, (*HEAD, "session_id"), "session")
+        raise Reply({"id": rid, "status": 200, "result": rt.store.get(f.str("session_id"), owner).info()})
+    fields = (*HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
+    f = Fields(doc, fields, op)
+    session = rt.store.get(f.str("session_id"), owner)
+    li = layer_index(session, f.int("layer", lo=0))
+    if op == "append":
+        checked = check_append(rt, engine, session, li, append_fields(f, max_bytes))
+    else:
+        checked = check_attend(rt, engine, session, li, attend_fields(f, max_bytes))
+    fut = queue_one(rt, engine, checked)
+
+    async def result(kind: MediaKind) -> Any:
+        done = await asyncio.gather(asyncio.wrap_future(fut), return_exceptions=True)
+        r = settled(rt, fut, checked, done[0])
+        if isinstance(r, ApiError):
+            return r
+        if op == "append":
+            return {"length": r}
+        out, length = r
+        return attend_document(out, length, kind)
+
+    return Pending(rid, instance, result)
