@@ -13,15 +13,19 @@ child process, then for each kv format:
    (``attnserve_gpu_submission_seconds``: record + submit + readback), i.e.
    how much of a step is GPU work;
 2. the same fused decode steps over the streaming transport (``/v1/stream``,
-   one WebSocket, one step in flight): p50 / p99;
+   one WebSocket, one step in flight) and over the frame transport (plain TCP,
+   arrays as raw bytes): p50 / p99;
 3. ``--sessions`` sessions (64) stepping concurrently from as many client
    threads, each prefilled to ``--concurrent-context``: attends per second, and
    jobs per GPU submission (coalescing) from the metrics;
 4. the same sessions stepped as an engine does: one batched step
    (``attend_batch``, one fused decode item per session; and ``attend_stacked``,
-   the same with the arrays stacked) at a time, over HTTP and over the stream,
-   and over the stream with ``--pipeline`` batches in flight (e.g. independent
-   micro-batches): attends per second and batch p50 / p99.
+   the same with the arrays stacked) at a time, over HTTP, over the stream and
+   over the frame transport, and over the stream and the frames with
+   ``--pipeline`` batches in flight (e.g. independent micro-batches): attends per
+   second and batch p50 / p99.
+
+``--transports`` picks among http, stream and frames.
 
 Traffic goes only to the loopback server it starts.
 """
@@ -67,12 +71,20 @@ def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
         )
 
 
+def open_stream(c: Client, transport: str):
+    """The client's stream over ``transport`` (``stream``: the WebSocket; ``frames``:
+    the frame transport), or None for plain HTTP."""
+    if transport == "http":
+        return None
+    return c.stream(transport="frames" if transport == "frames" else "websocket")
+
+
 def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: str = "http") -> dict:
     sess = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
     prefill(sess, 0, context, rng)
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, D), dtype=np.float32)
-    stream = c.stream() if transport == "stream" else None
+    stream = open_stream(c, transport)
     step = (lambda: stream.attend(sess, 0, q, k=k, v=k)) if stream else (lambda: sess.attend(0, q, k=k, v=k))
     for _ in range(10):  # warm-up
         step()
@@ -126,7 +138,7 @@ def batched(
         groups.append(sessions)
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, D), dtype=np.float32)
-    stream = c.stream() if transport == "stream" else None
+    stream = open_stream(c, transport)
     if form == "stacked":
         qs, ks = np.repeat(q, n_sessions, 0), np.repeat(k, n_sessions, 0)
         ids = [[s.session_id for s in g] for g in groups]
@@ -254,10 +266,17 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="items,stacked", help="batched-step body forms to run (items, stacked)")
     ap.add_argument("--skip-single", action="store_true", help="leave out the single-session runs")
     ap.add_argument("--skip-threads", action="store_true", help="leave out the thread-per-session run")
+    ap.add_argument("--transports", default="http,stream,frames", help="transports to run (http, stream, frames)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
 
-    budget = {"ATTNSERVE_MEMORY_BUDGET_BYTES": str(64 << 30), "ATTNSERVE_DEFAULT_MAX_TOKENS": "200000"}
+    budget = {
+        "ATTNSERVE_MEMORY_BUDGET_BYTES": str(64 << 30),
+        "ATTNSERVE_DEFAULT_MAX_TOKENS": "200000",
+        "ATTNSERVE_FRAMES_PORT": "0",  # the frame transport on a free port
+    }
+    transports = args.transports.split(",")
+    runs = [(t, 1) for t in transports] + [(t, args.pipeline) for t in transports if t != "http" and args.pipeline > 1]
     with serving(args.adapter, **budget) as (_, url), Client(url, timeout=300) as c:
         info = c.info()
         rng = np.random.default_rng(0)
@@ -272,13 +291,13 @@ def main(argv=None) -> int:
         print(f"# adapter: {info.get('adapter')}", flush=True)
         formats = args.formats.split(",")
         for fmt in formats if not args.skip_single else ():
-            for transport in ("http", "stream"):
+            for transport in transports:
                 r = one_session(c, fmt, args.context, args.steps, rng, transport)
                 result["single"].append(r)
                 print(json.dumps(r), flush=True)
         for fmt in formats:
             for form in args.forms.split(","):
-                for transport, pipeline in (("http", 1), ("stream", 1), ("stream", args.pipeline)):
+                for transport, pipeline in runs:
                     r = batched(
                         c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline, form
                     )

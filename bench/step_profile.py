@@ -10,7 +10,8 @@ cost per item over several batch sizes.
 The server runs in this process (uvicorn on 127.0.0.1, the event loop on the main
 thread, the configuration of ``attnserve serve``); a client thread drives the
 stacked fused decode step (one query row and one K/V row per session, one layer)
-over ``/v1/stream``, one step in flight. Each thread's CPU time comes from its own
+over ``/v1/stream`` (``--transport stream``) or the frame transport (``frames``),
+one step in flight. Each thread's CPU time comes from its own
 clock (``pthread_getcpuclockid``), so the split holds however the threads overlap;
 the GPU's share is the server's ``attnserve_gpu_submission_seconds`` (record,
 submit and readback on the worker). With ``--top``, the event loop is profiled
@@ -123,7 +124,7 @@ class Driver:
                 s.append(0, kv, kv)
             sessions.append(s)
         per_batch = []
-        with c.stream() as stream:
+        with c.stream(transport="frames" if a.transport == "frames" else "websocket") as stream:
             for b in batches:
                 ids = [s.session_id for s in sessions[:b]]
                 q = rng.standard_normal((b, 1, H, D), dtype=np.float32)
@@ -150,7 +151,7 @@ class Driver:
                 print("\n".join(profile), flush=True)
         for s in sessions:
             s.delete()
-        out = {"kv_format": fmt, "context": a.context, "steps": a.steps, "batches": per_batch}
+        out = {"kv_format": fmt, "transport": a.transport, "context": a.context, "steps": a.steps, "batches": per_batch}
         for k in ("step_ms", "loop_cpu_ms", "worker_cpu_ms", "client_cpu_ms", "gpu_submission_ms"):
             out[f"fit_{k.removesuffix('_ms')}"] = fit([r["batch"] for r in per_batch], [r[k] for r in per_batch])
         if profile:
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--transport", choices=("stream", "frames"), default="stream")
     ap.add_argument("--top", type=int, default=0, help="cProfile rows of the event loop to print (0: no profile)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter=args.adapter or None,
         max_batch_items=max(int(b) for b in args.batches.split(",")),
         memory_budget_bytes=0,  # the largest batch's sessions may pass the default 8 GiB
+        frames_port=0 if args.transport == "frames" else None,
     )
     app = create_app(settings)
     port = free_port()

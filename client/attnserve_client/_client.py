@@ -30,7 +30,7 @@ import numpy as np
 
 from . import wire
 from ._routing import ROUTE_HEADER, ReplicaMap
-from ._streams import AsyncStream, AsyncStreamOpening, Groups, Stream
+from ._streams import STREAM_TRANSPORTS, AsyncStream, AsyncStreamOpening, FrameTarget, Groups, Stream
 from ._steps import (
     AttendItem,
     StackedOptions,
@@ -226,6 +226,7 @@ class _BaseClient:
         self._headers = {"Accept": wire.MSGPACK, "User-Agent": f"attnserve-client/{__version__}"}
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._api_key = api_key
         self._headers.update(headers or {})
         self._replicas = ReplicaMap()  # where each session lives, behind a router
 
@@ -401,6 +402,25 @@ class _BaseClient:
         if not isinstance(body, dict):
             raise InvalidResponse(f"server info: expected an object, got {type(body).__name__}")
         return body
+
+    def _frame_target_flow(self, transport: str, address: tuple[str, int] | None) -> Flow[FrameTarget | None]:
+        """Where a stream over the frame transport connects (``None``: the WebSocket)."""
+        if transport not in STREAM_TRANSPORTS:
+            raise InvalidInput(f"transport: expected one of {', '.join(STREAM_TRANSPORTS)}, got {transport!r}")
+        if transport == "websocket":
+            if address is not None:
+                raise InvalidInput("frames_address: only with transport='frames'")
+            return None
+        if address is None:
+            info = yield from self._server_info_flow()
+            frames = info.get("frames")
+            if not isinstance(frames, dict) or type(frames.get("port")) is not int:
+                raise InvalidInput(
+                    "transport='frames': the server does not serve the frame transport "
+                    "(start it with --frames-port or ATTNSERVE_FRAMES_PORT)"
+                )
+            address = (httpx.URL(self.base_url).host, frames["port"])
+        return FrameTarget((str(address[0]), int(address[1])), self._api_key)
 
     def _stream_headers(self, route: Any) -> dict[str, str]:
         if route is None:
@@ -857,19 +877,29 @@ class Client(_BaseClient):
         items that were applied, the errors of those that changed nothing)."""
         return self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
-    def stream(self, route: Any = None) -> Stream:
-        """Open a streaming connection (``/v1/stream``): the same operations over one
-        WebSocket, pipelined (see :class:`Stream`). Use it as a context manager.
+    def stream(
+        self, route: Any = None, *, transport: str = "websocket", frames_address: tuple[str, int] | None = None
+    ) -> Stream:
+        """Open a streaming connection: the same operations over one connection,
+        pipelined (see :class:`Stream`). Use it as a context manager.
 
-        Behind a router of several replicas the stream opens one connection per
-        replica as it needs them and sends each operation to its session's replica
-        (a batched step is split, its answers merged in item order). ``route`` (a
-        session or its id) pins its first connection to that session's replica."""
+        ``transport="websocket"`` (the default) is ``/v1/stream``. Behind a router of
+        several replicas the stream opens one connection per replica as it needs them
+        and sends each operation to its session's replica (a batched step is split,
+        its answers merged in item order). ``route`` (a session or its id) pins its
+        first connection to that session's replica.
+
+        ``transport="frames"`` is the frame transport (``docs/api.md``): plain TCP with
+        arrays as raw bytes, the fastest data plane, to one server (no router): at
+        ``frames_address`` (host, port), by default the port ``GET /v1/info`` names
+        on the host of ``base_url``."""
+        target = self._run(self._frame_target_flow(transport, frames_address))
         return Stream(
             self.base_url,
             self._stream_headers(route),
             self.timeout.connect,
             lambda ids: self._run(self._places_flow(ids)),
+            frames=target,
         )
 
     def health(self) -> bool:
@@ -1036,20 +1066,26 @@ class AsyncClient(_BaseClient):
         """As :meth:`Client.attend_stacked`."""
         return await self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
-    def stream(self, route: Any = None) -> AsyncStreamOpening:
-        """Open a streaming connection (``/v1/stream``); concurrent awaits of its
-        methods pipeline on it. ``async with client.stream() as s: ...`` closes it on
-        exit; ``s = await client.stream()`` leaves closing it to the caller.
-        ``route``: as for :meth:`Client.stream`."""
+    def stream(
+        self, route: Any = None, *, transport: str = "websocket", frames_address: tuple[str, int] | None = None
+    ) -> AsyncStreamOpening:
+        """Open a streaming connection; concurrent awaits of its methods pipeline on
+        it. ``async with client.stream() as s: ...`` closes it on exit;
+        ``s = await client.stream()`` leaves closing it to the caller. ``route``,
+        ``transport``, ``frames_address``: as for :meth:`Client.stream`."""
         headers = self._stream_headers(route)
-        return AsyncStreamOpening(
-            lambda: AsyncStream.open(
+
+        async def open_stream() -> AsyncStream:
+            target = await self._run(self._frame_target_flow(transport, frames_address))
+            return await AsyncStream.open(
                 self.base_url,
                 headers,
                 self.timeout.connect,
                 lambda ids: self._run(self._places_flow(ids)),
+                frames=target,
             )
-        )
+
+        return AsyncStreamOpening(open_stream)
 
     async def health(self) -> bool:
         """See :meth:`Client.health`."""

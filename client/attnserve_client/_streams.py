@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
+from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import wire
+from . import framing, wire
 from ._routing import ROUTE_HEADER
 from ._steps import (
     AttendItem,
@@ -48,9 +50,11 @@ from .errors import APIConnectionError, InvalidInput, InvalidResponse, parse_pro
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
 
-__all__ = ["Stream", "AsyncStream", "STREAM_PATH", "Groups"]
+__all__ = ["Stream", "AsyncStream", "STREAM_PATH", "Groups", "FrameTarget", "STREAM_TRANSPORTS"]
 
 STREAM_PATH = "/v1/stream"
+#: What a stream can travel over: ``/v1/stream``, or the frame transport.
+STREAM_TRANSPORTS = ("websocket", "frames")
 
 # The client's answer to "where do these sessions live": per replica (None: the
 # stream's first connection), the indexes of the ids it holds.
@@ -65,30 +69,155 @@ def _ws_url(base_url: str) -> str:
     raise InvalidInput(f"base_url: expected http:// or https://, got {base_url!r}")
 
 
-class _Frames:
-    """Request ids and the decoding of replies, shared by both stream drivers."""
+def _reply(doc: Any) -> tuple[Any, Any]:
+    """``(id, result doc or APIError)`` of one decoded reply."""
+    if not isinstance(doc, Mapping) or type(doc.get("status")) is not int:
+        raise InvalidResponse(f"stream: expected {{id, status, ...}}, got {doc!r:.200}")
+    if doc["status"] != 200:
+        return doc.get("id"), parse_problem(doc["status"], doc.get("error") or {})
+    return doc.get("id"), doc.get("result")
 
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
 
-    def frame(self, op: str, members: Mapping[str, Any]) -> tuple[int, bytes]:
-        rid = next(self._ids)
-        return rid, wire.packb({"id": rid, "op": op, **members})
+def _unpack(raw: Any, what: str) -> Any:
+    try:
+        return wire.unpackb(raw, max_bytes=1 << 31)
+    except wire.WireError as exc:
+        raise InvalidResponse(f"{what}: undecodable frame ({exc})") from None
 
-    @staticmethod
-    def reply(raw: Any) -> tuple[Any, Any]:
-        """``(id, result doc or APIError)`` of one reply frame."""
+
+# -- channels: how one connection's documents travel --------------------------
+
+
+class _WebSocketChannel:
+    """``/v1/stream``: one MessagePack document per binary WebSocket message."""
+
+    what = "stream"
+
+    def __init__(self, base_url: str, headers: Mapping[str, str], open_timeout: float | None):
+        from websockets.sync.client import connect
+
+        try:
+            # entered as a context manager: what every websockets release from 13 on accepts
+            self._ws = connect(
+                _ws_url(base_url),
+                additional_headers=dict(headers),
+                max_size=None,
+                open_timeout=open_timeout,
+                compression=None,
+            ).__enter__()
+        except Exception as exc:
+            raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
+
+    def send(self, doc: dict[str, Any]) -> None:
+        self._ws.send(wire.packb(doc))
+
+    def receive(self) -> Any:
+        """The next document, or ``None`` once the connection closed cleanly."""
+        from websockets.exceptions import ConnectionClosedOK
+
+        try:
+            raw = self._ws.recv()
+        except ConnectionClosedOK:
+            return None
         if not isinstance(raw, (bytes, bytearray)):
             raise InvalidResponse("stream: expected a binary (MessagePack) frame")
+        return _unpack(raw, "stream")
+
+    def close(self) -> None:
+        self._ws.close()
+
+    def release(self) -> None:
+        """Nothing left to free once :meth:`close` returned."""
+
+
+class _FrameChannel:
+    """The frame transport: a TCP connection carrying length-prefixed frames whose
+    arrays are raw bytes (:mod:`attnserve_client.framing`). Arrays are sent from the
+    caller's memory (``sendmsg``) and answers are views of the received frame."""
+
+    what = "frames"
+
+    def __init__(self, address: tuple[str, int], key: str | None, open_timeout: float | None):
+        host, port = address
+        self._where = f"{host}:{port}"
         try:
-            doc = wire.unpackb(bytes(raw), max_bytes=1 << 31)
+            self._sock = socket.create_connection((host, port), timeout=open_timeout)
+        except OSError as exc:
+            raise APIConnectionError(f"frames: cannot connect to {self._where}: {exc}") from exc
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello: dict[str, Any] = {"id": 0, "op": "hello", "version": framing.VERSION}
+            if key is not None:
+                hello["key"] = key
+            self.send(hello)
+            _, result = _reply(self.receive())
+        except OSError as exc:
+            self._sock.close()
+            raise APIConnectionError(f"frames: no hello from {self._where}: {exc}") from exc
+        except BaseException:
+            self._sock.close()
+            raise
+        if isinstance(result, BaseException):
+            self._sock.close()
+            raise result
+        self.limits = result
+        self._sock.settimeout(None)
+
+    def send(self, doc: dict[str, Any]) -> None:
+        _send_all(self._sock, framing.frame_buffers(doc, wire.packb))
+
+    def receive(self) -> Any:
+        prefix = bytearray(framing.PREFIX.size)
+        if not _recv_exactly(self._sock, memoryview(prefix), eof_ok=True):
+            return None
+        try:
+            head_len, body_len = framing.read_prefix(prefix)
         except wire.WireError as exc:
-            raise InvalidResponse(f"stream: undecodable frame ({exc})") from None
-        if not isinstance(doc, Mapping) or type(doc.get("status")) is not int:
-            raise InvalidResponse(f"stream: expected {{id, status, ...}}, got {doc!r:.200}")
-        if doc["status"] != 200:
-            return doc.get("id"), parse_problem(doc["status"], doc.get("error") or {})
-        return doc.get("id"), doc.get("result")
+            raise InvalidResponse(str(exc)) from None
+        view = memoryview(bytearray(head_len + body_len))
+        _recv_exactly(self._sock, view)
+        doc = _unpack(view[:head_len], "frames")
+        try:
+            framing.resolve_arrays(doc, view[head_len:])
+        except wire.WireError as exc:
+            raise InvalidResponse(f"frames: {exc}") from None
+        return doc
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)  # the server answers what it read, then closes
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        self._sock.close()
+
+
+def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        sent = sock.sendmsg(views[:512])  # below every platform's IOV_MAX
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+        while views and not views[0].nbytes:
+            views.pop(0)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if not n:
+            if eof_ok and not got:
+                return False
+            raise ConnectionError("the connection closed mid-frame")
+        got += n
+    return True
 
 
 def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None) -> dict[str, Any]:
@@ -126,6 +255,15 @@ def _settle(fut: Any, finish: Any, result: Any) -> None:
         fut.set_exception(exc)
 
 
+@dataclass(frozen=True)
+class FrameTarget:
+    """Where a stream over the frame transport connects: ``(host, port)``, and the
+    API key its hello sends (``None``: none)."""
+
+    address: tuple[str, int]
+    key: str | None = field(default=None, repr=False)
+
+
 def _one_place(ids: list[str]) -> Groups:
     return [(None, list(range(len(ids))))]
 
@@ -134,33 +272,21 @@ def _one_place(ids: list[str]) -> Groups:
 
 
 class _Link:
-    """One WebSocket and its reader thread."""
+    """One connection (a channel) and its reader thread."""
 
-    def __init__(self, base_url: str, headers: Mapping[str, str], open_timeout: float | None):
-        from websockets.sync.client import connect
-
-        self._frames = _Frames()
+    def __init__(self, channel: _WebSocketChannel | _FrameChannel):
+        self._channel = channel
+        self._ids = itertools.count(1)
         self._pending: dict[int, tuple[Future[Any], Any]] = {}
         self._lock = threading.Lock()
         self._closed: BaseException | None = None
-        try:
-            # entered as a context manager: what every websockets release from 13 on accepts
-            self._ws = connect(
-                _ws_url(base_url),
-                additional_headers=dict(headers),
-                max_size=None,
-                open_timeout=open_timeout,
-                compression=None,
-            ).__enter__()
-        except Exception as exc:
-            raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
-        self._reader = threading.Thread(target=self._read, name="attnserve-stream", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"attnserve-{channel.what}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         try:
-            for raw in self._ws:
-                rid, result = _Frames.reply(raw)
+            while (doc := self._channel.receive()) is not None:
+                rid, result = _reply(doc)
                 with self._lock:
                     fut, finish = self._pending.pop(rid, (None, None))
                 if fut is not None:
@@ -172,7 +298,7 @@ class _Link:
 
     def _fail(self, exc: BaseException | None) -> None:
         err = APIConnectionError(
-            f"stream: the connection closed{f' ({exc})' if exc else ''}; operations whose "
+            f"{self._channel.what}: the connection closed{f' ({exc})' if exc else ''}; operations whose "
             "reply did not arrive may or may not have been applied"
         )
         with self._lock:
@@ -186,13 +312,13 @@ class _Link:
         with self._lock:
             if self._closed is not None:
                 raise self._closed
-            rid, frame = self._frames.frame(op, members)
+            rid = next(self._ids)
             self._pending[rid] = (fut, finish)
             try:
-                self._ws.send(frame)
+                self._channel.send({"id": rid, "op": op, **members})
             except Exception as exc:
                 self._pending.pop(rid, None)
-                raise APIConnectionError(f"stream: send failed: {exc}") from exc
+                raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return fut
 
     def close(self) -> None:
@@ -204,8 +330,9 @@ class _Link:
                 f.exception()
             except BaseException:
                 pass
-        self._ws.close()
+        self._channel.close()
         self._reader.join(timeout=10)
+        self._channel.release()
 
 
 def _joined(parts: list[Future[Any]], merge: Callable[[list[Any]], Any]) -> Future[Any]:
@@ -244,12 +371,20 @@ class Stream:
         headers: Mapping[str, str],
         open_timeout: float | None,
         groups: Callable[[list[str]], Groups] = _one_place,
+        *,
+        frames: FrameTarget | None = None,
     ):
         self._base_url, self._headers, self._open_timeout = base_url, dict(headers), open_timeout
-        self._groups = groups
+        self._frames = frames
+        self._groups = groups if frames is None else _one_place  # frames: one server, no router
         self._lock = threading.Lock()
         self._closed = False
-        self._links: dict[Any, _Link] = {None: _Link(base_url, headers, open_timeout)}
+        self._links: dict[Any, _Link] = {None: self._open(self._headers)}
+
+    def _open(self, headers: Mapping[str, str]) -> _Link:
+        if self._frames is not None:
+            return _Link(_FrameChannel(self._frames.address, self._frames.key, self._open_timeout))
+        return _Link(_WebSocketChannel(self._base_url, headers, self._open_timeout))
 
     def _link(self, place: Any, route: str) -> _Link:
         with self._lock:
@@ -257,7 +392,7 @@ class Stream:
                 raise APIConnectionError("stream: closed")
             link = self._links.get(place)
             if link is None:
-                link = _Link(self._base_url, {**self._headers, ROUTE_HEADER: route}, self._open_timeout)
+                link = self._open({**self._headers, ROUTE_HEADER: route})
                 self._links[place] = link
             return link
 
@@ -350,23 +485,22 @@ class Stream:
 # -- asyncio ------------------------------------------------------------------
 
 
-class _AsyncLink:
-    """One WebSocket and its reader task."""
+class _AsyncWebSocketChannel:
+    """:class:`_WebSocketChannel` for asyncio."""
 
-    def __init__(self) -> None:
-        self._frames = _Frames()
-        self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
-        self._closed: BaseException | None = None
-        self._ws: Any = None
-        self._reader: asyncio.Task[None] | None = None
+    what = "stream"
+
+    def __init__(self, ws: Any):
+        self._ws = ws
 
     @classmethod
-    async def open(cls, base_url: str, headers: Mapping[str, str], open_timeout: float | None) -> _AsyncLink:
+    async def open(
+        cls, base_url: str, headers: Mapping[str, str], open_timeout: float | None
+    ) -> _AsyncWebSocketChannel:
         from websockets.asyncio.client import connect
 
-        self = cls()
         try:
-            self._ws = await connect(
+            ws = await connect(
                 _ws_url(base_url),
                 additional_headers=dict(headers),
                 max_size=None,
@@ -375,22 +509,112 @@ class _AsyncLink:
             )
         except Exception as exc:
             raise APIConnectionError(f"stream: cannot connect to {base_url}{STREAM_PATH}: {exc}") from exc
-        self._reader = asyncio.create_task(self._read())
+        return cls(ws)
+
+    async def send(self, doc: dict[str, Any]) -> None:
+        await self._ws.send(wire.packb(doc))
+
+    async def receive(self) -> Any:
+        from websockets.exceptions import ConnectionClosedOK
+
+        try:
+            raw = await self._ws.recv()
+        except ConnectionClosedOK:
+            return None
+        if not isinstance(raw, (bytes, bytearray)):
+            raise InvalidResponse("stream: expected a binary (MessagePack) frame")
+        return _unpack(raw, "stream")
+
+    async def close(self) -> None:
+        await self._ws.close()
+
+
+class _AsyncFrameChannel:
+    """:class:`_FrameChannel` for asyncio."""
+
+    what = "frames"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader, self._writer = reader, writer
+        self.limits: Any = None
+
+    @classmethod
+    async def open(cls, target: FrameTarget, open_timeout: float | None) -> _AsyncFrameChannel:
+        host, port = target.address
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), open_timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise APIConnectionError(f"frames: cannot connect to {host}:{port}: {exc!r}") from exc
+        self = cls(reader, writer)
+        try:
+            hello: dict[str, Any] = {"id": 0, "op": "hello", "version": framing.VERSION}
+            if target.key is not None:
+                hello["key"] = target.key
+            await self.send(hello)
+            _, result = _reply(await asyncio.wait_for(self.receive(), open_timeout))
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            writer.close()
+            raise APIConnectionError(f"frames: no hello from {host}:{port}: {exc!r}") from exc
+        except BaseException:
+            writer.close()
+            raise
+        if isinstance(result, BaseException):
+            writer.close()
+            raise result
+        self.limits = result
         return self
+
+    async def send(self, doc: dict[str, Any]) -> None:
+        self._writer.writelines(framing.frame_buffers(doc, wire.packb))
+        await self._writer.drain()
+
+    async def receive(self) -> Any:
+        try:
+            prefix = await self._reader.readexactly(framing.PREFIX.size)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise
+        try:
+            head_len, body_len = framing.read_prefix(prefix)
+        except wire.WireError as exc:
+            raise InvalidResponse(str(exc)) from None
+        view = memoryview(await self._reader.readexactly(head_len + body_len))
+        doc = _unpack(view[:head_len], "frames")
+        try:
+            framing.resolve_arrays(doc, view[head_len:])
+        except wire.WireError as exc:
+            raise InvalidResponse(f"frames: {exc}") from None
+        return doc
+
+    async def close(self) -> None:
+        if self._writer.can_write_eof():
+            self._writer.write_eof()  # the server answers what it read, then closes
+
+
+class _AsyncLink:
+    """One connection (a channel) and its reader task."""
+
+    def __init__(self, channel: _AsyncWebSocketChannel | _AsyncFrameChannel):
+        self._channel = channel
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], Any]] = {}
+        self._closed: BaseException | None = None
+        self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         err: BaseException | None = None
         try:
-            async for raw in self._ws:
-                rid, result = _Frames.reply(raw)
+            while (doc := await self._channel.receive()) is not None:
+                rid, result = _reply(doc)
                 fut, finish = self._pending.pop(rid, (None, None))
                 if fut is not None and not fut.done():
                     _settle(fut, finish, result)
         except Exception as exc:
             err = exc
         self._closed = APIConnectionError(
-            f"stream: the connection closed{f' ({err})' if err else ''}; operations whose reply did not "
-            "arrive may or may not have been applied"
+            f"{self._channel.what}: the connection closed{f' ({err})' if err else ''}; operations whose reply "
+            "did not arrive may or may not have been applied"
         )
         pending, self._pending = self._pending, {}
         for fut, _ in pending.values():
@@ -400,22 +624,21 @@ class _AsyncLink:
     async def call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
         if self._closed is not None:
             raise self._closed
-        rid, frame = self._frames.frame(op, members)
+        rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, finish)
         try:
-            await self._ws.send(frame)
+            await self._channel.send({"id": rid, "op": op, **members})
         except Exception as exc:
             self._pending.pop(rid, None)
-            raise APIConnectionError(f"stream: send failed: {exc}") from exc
+            raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return await fut
 
     async def close(self) -> None:
         if self._pending:
             await asyncio.gather(*(f for f, _ in self._pending.values()), return_exceptions=True)
-        await self._ws.close()
-        if self._reader is not None:
-            await self._reader
+        await self._channel.close()
+        await self._reader
 
 
 class AsyncStreamOpening:
@@ -450,9 +673,12 @@ class AsyncStream:
         headers: Mapping[str, str],
         open_timeout: float | None,
         groups: Callable[[list[str]], Awaitable[Groups]] | None = None,
+        *,
+        frames: FrameTarget | None = None,
     ):
         self._base_url, self._headers, self._open_timeout = base_url, dict(headers), open_timeout
-        self._groups = groups
+        self._frames = frames
+        self._groups = groups if frames is None else None  # frames: one server, no router
         self._closed = False
         self._links: dict[Any, asyncio.Future[_AsyncLink]] = {}
 
@@ -463,10 +689,17 @@ class AsyncStream:
         headers: Mapping[str, str],
         open_timeout: float | None,
         groups: Callable[[list[str]], Awaitable[Groups]] | None = None,
+        *,
+        frames: FrameTarget | None = None,
     ) -> AsyncStream:
-        self = cls(base_url, headers, open_timeout, groups)
+        self = cls(base_url, headers, open_timeout, groups, frames=frames)
         await self._link(None, None)
         return self
+
+    async def _open(self, headers: Mapping[str, str]) -> _AsyncLink:
+        if self._frames is not None:
+            return _AsyncLink(await _AsyncFrameChannel.open(self._frames, self._open_timeout))
+        return _AsyncLink(await _AsyncWebSocketChannel.open(self._base_url, headers, self._open_timeout))
 
     async def _link(self, place: Any, route: str | None) -> _AsyncLink:
         if self._closed:
@@ -476,7 +709,7 @@ class AsyncStream:
             fut = self._links[place] = asyncio.get_running_loop().create_future()
             headers = self._headers if route is None else {**self._headers, ROUTE_HEADER: route}
             try:
-                fut.set_result(await _AsyncLink.open(self._base_url, headers, self._open_timeout))
+                fut.set_result(await self._open(headers))
             except BaseException as exc:
                 del self._links[place]
                 fut.set_exception(exc)

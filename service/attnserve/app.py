@@ -40,6 +40,7 @@ from .codec import problem_response
 from .instance import InstanceHeaderMiddleware
 from .config import Settings, get_settings
 from .engine import Engine
+from .frames import FrameServer
 from .errors import (
     ApiError,
     InvalidRequest,
@@ -117,12 +118,17 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             eng.worker.on_batch, eng.worker.on_job_start = rt.metrics.on_batch, rt.metrics.on_job_start
         rt.engine = eng
         expiry: asyncio.Task | None = None
+        frames: FrameServer | None = None
         try:
             if settings.snapshot_dir:
                 rt.persistence = SnapshotDir(settings.snapshot_dir, rt, settings.sync_interval_s)
                 rt.persistence.open()
                 await rt.persistence.restore_all(eng)
                 rt.persistence.start_sync(eng)
+            if settings.frames_port is not None:
+                frames = FrameServer(rt)
+                await frames.start(settings.host, settings.frames_port)
+                rt.frames_port = frames.port
             if settings.session_ttl_seconds > 0:
                 expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
         except BaseException:
@@ -150,8 +156,12 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             rt.ready = False
             if expiry is not None:
                 expiry.cancel()
+            if frames is not None:
+                frames.stop_listening()
             if not await rt.wait_idle(settings.drain_timeout_s):
                 log.warning("drain timeout: requests still in flight", extra={"in_flight": rt.in_flight})
+            if frames is not None:
+                frames.close_connections()
             if rt.persistence is not None:
                 try:
                     await rt.persistence.stop_sync()

@@ -249,7 +249,7 @@ def _metavar(name: str, field: Any) -> str:
         return "SIZE"
     if field.annotation is float:
         return "SECONDS"
-    return "N" if field.annotation is int else name.upper()
+    return "N" if field.annotation in (int, int | None) else name.upper()
 
 
 def add_setting_options(parser: argparse.ArgumentParser) -> None:

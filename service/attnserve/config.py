@@ -82,6 +82,17 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address `attnserve serve` binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port `attnserve serve` binds.")
+    frames_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the frame transport (the stream's operations over plain TCP, arrays as raw "
+        "bytes: the fastest data plane, docs/api.md#frame-transport) on the same host; unset: off; "
+        "0: a free port (GET /v1/info names it).",
+    )
+    frames_max_connections: int = Field(
+        1024, ge=1, description="Most frame-transport connections at once (past it a new one is refused)."
+    )
     adapter: str | None = Field(
         None,
         description="Which wgpu adapter: an index, a backend (vulkan, metal, dx12), an adapter "
@@ -210,7 +221,7 @@ class Settings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.strip().lower() if isinstance(v, str) else v
 
-    @field_validator("adapter", "api_keys_file", "snapshot_dir", mode="before")
+    @field_validator("adapter", "api_keys_file", "snapshot_dir", "frames_port", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
@@ -232,6 +243,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _keys_readable(self) -> "Settings":
+        if self.frames_port and self.frames_port == self.port:
+            raise ValueError(f"frames_port: must differ from port ({self.port}): the frame transport has its own")
         self.api_key_list()  # a missing file or a malformed key stops the start, with the reason
         return self
 

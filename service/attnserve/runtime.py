@@ -73,6 +73,7 @@ class Runtime:
         self.draining = False
         self.in_flight = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.frames_port: int | None = None  # where the frame transport listens, once it does
         self._idle: asyncio.Event | None = None
 
     # ── lifecycle ───────────────────────────────────────────────────────────

@@ -103,6 +103,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "pipelines": {"compiled": len(eng.worker.ctx.pipelines)} if eng is not None else None,
         "journal": rt.persistence.journal_info() if rt.persistence is not None else None,
         "ready": bool(rt.ready and not rt.draining),
+        "frames": {"port": rt.frames_port} if rt.frames_port is not None else None,
     }
 
 

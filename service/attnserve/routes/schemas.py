@@ -405,6 +405,12 @@ COMPONENTS: dict[str, Any] = {
                 "additionalProperties": True,
             },
             "ready": {"type": "boolean"},
+            "frames": {
+                "type": ["object", "null"],
+                "description": "The frame transport (docs/api.md#frame-transport): {port} on this "
+                "server's host, or null when it is off.",
+                "properties": {"port": {"type": "integer"}},
+            },
         },
     },
     "Problem": {

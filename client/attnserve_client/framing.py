@@ -1,0 +1,113 @@
+"""The frame transport's framing, for the client and the server alike.
+
+Every frame, either way, on a plain TCP connection::
+
+    b"ATF1" | u32 head_len | u32 body_len | head | body
+
+(lengths little-endian). ``head`` is one MessagePack map (a request or reply
+document of the stream); its arrays are *references* into ``body``::
+
+    {"dtype": "<f4", "shape": [d0, ...], "at": [offset, nbytes]}
+
+(``offset`` a multiple of 4), so array bytes are never copied into or out of
+MessagePack: a sender hands its arrays' memory to the socket, a receiver views
+them in the buffer it received the frame into. An array may also be the usual
+inline wire map (``data`` as ``bin``). The first frame of a connection is
+``{"op": "hello", "id", "version": 1, "key"?}``, answered with the server's
+limits or with a problem that closes the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from .wire import WireError
+
+__all__ = ["MAGIC", "PREFIX", "VERSION", "MAX_HEAD_BYTES", "frame_buffers", "read_prefix", "resolve_arrays"]
+
+MAGIC = b"ATF1"
+#: magic, head length, body length
+PREFIX = struct.Struct("<4sII")
+#: The protocol version a hello names.
+VERSION = 1
+#: Most bytes of one frame's head (its arrays travel in the body).
+MAX_HEAD_BYTES = 1 << 20
+#: How deep in a document arrays are looked for: a request's member (``q``) or a
+#: member of one of its items (``items[i].q``); a reply's ``result.out`` or
+#: ``result.results[i].out``.
+_DEPTH = 4
+_ARRAY = frozenset({"dtype", "shape", "data"})
+_ARRAY_REF = frozenset({"dtype", "shape", "at"})
+
+
+def frame_buffers(doc: dict[str, Any], pack: Any) -> list[Any]:
+    """The buffers of one frame carrying ``doc`` (``pack``: the MessagePack packer):
+    the prefix, the head, then each array's bytes as they are (no copy). ``doc`` is
+    not changed (the maps and lists that hold arrays are copied)."""
+    parts: list[memoryview] = []
+    head = pack(_refer(doc, parts, [0], 0))
+    body_len = sum(p.nbytes for p in parts)
+    return [PREFIX.pack(MAGIC, len(head), body_len), head, *parts]
+
+
+def _refer(obj: Any, parts: list[memoryview], offset: list[int], depth: int) -> Any:
+    if isinstance(obj, dict):
+        if obj.keys() == _ARRAY and isinstance(obj["data"], (bytes, bytearray, memoryview)):
+            data = memoryview(obj["data"]).cast("B")
+            parts.append(data)
+            ref = {"dtype": obj["dtype"], "shape": obj["shape"], "at": [offset[0], data.nbytes]}
+            offset[0] += data.nbytes
+            return ref
+        if depth < _DEPTH:
+            return {k: _refer(v, parts, offset, depth + 1) for k, v in obj.items()}
+    elif isinstance(obj, list) and depth < _DEPTH:
+        return [_refer(v, parts, offset, depth + 1) for v in obj]
+    return obj
+
+
+def read_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """``(head_len, body_len)`` of a frame's first :data:`PREFIX` bytes.
+
+    Raises:
+        WireError: they do not start with :data:`MAGIC`.
+    """
+    magic, head_len, body_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise WireError(
+            f"frame: expected the magic {MAGIC!r} that starts every frame of attnserve's frame transport, "
+            f"got {bytes(magic)!r} (HTTP and WebSocket clients use the HTTP port)"
+        )
+    return head_len, body_len
+
+
+def resolve_arrays(doc: Any, body: memoryview, depth: int = 0) -> None:
+    """Replace, in place, each array reference of a received head by the wire map
+    whose ``data`` is its range of ``body`` (a view, no copy).
+
+    Raises:
+        WireError: a reference is malformed or outside the body; the message names it.
+    """
+    if depth >= _DEPTH:
+        return
+    members = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for name, value in list(members):
+        if isinstance(value, dict) and "at" in value:
+            doc[name] = _array_of(value, body, str(name))
+        elif isinstance(value, (dict, list)):
+            resolve_arrays(value, body, depth + 1)
+
+
+def _array_of(ref: dict[str, Any], body: memoryview, name: str) -> dict[str, Any]:
+    if ref.keys() != _ARRAY_REF:
+        raise WireError(f"{name}: expected exactly the keys ['at', 'dtype', 'shape'], got {sorted(map(str, ref))}")
+    at = ref["at"]
+    if not (isinstance(at, list) and len(at) == 2 and all(type(x) is int and x >= 0 for x in at)):
+        raise WireError(f"{name}: at: expected [offset, nbytes], two integers >= 0, got {at!r:.60}")
+    offset, nbytes = at
+    if offset % 4 or offset + nbytes > body.nbytes:
+        raise WireError(
+            f"{name}: at: expected a range of the body's {body.nbytes} bytes starting at a multiple of 4, "
+            f"got [{offset}, {nbytes}]"
+        )
+    return {"dtype": ref["dtype"], "shape": ref["shape"], "data": body[offset : offset + nbytes]}

@@ -1,0 +1,316 @@
+"""The frame transport: the stream's operations over a plain TCP connection, with
+arrays carried as raw bytes beside a small MessagePack head, so the server reads
+each frame into one buffer and hands the operations numpy views of it (no
+WebSocket framing, masking or MessagePack ``bin`` copies on the data path).
+
+Served on ``frames_port`` (``ATTNSERVE_FRAMES_PORT``; off when unset) of the same
+host, in the same process and event loop as the HTTP server. ``docs/api.md``
+("Frame transport") is the contract; in short, every frame either way is::
+
+    "ATF1" | u32 head_len | u32 body_len | head (MessagePack map) | body (bytes)
+
+(little-endian lengths). A request's head is a request document of the stream
+(:mod:`attnserve.stream_ops`) whose arrays are references into the body,
+``{"dtype": "<f4", "shape": [...], "at": [offset, nbytes]}`` (offset a multiple
+of 4); a reply's arrays are references into its body the same way. The first
+frame of a connection is ``{"op": "hello", "id", "version": 1, "key"?}``: the API
+key when the server has keys. Heads are at most :data:`MAX_HEAD_BYTES`, bodies at
+most ``max_body_bytes``.
+
+Flow control is the stream's: at most ``stream_max_in_flight`` operations of a
+connection are in flight, one counting until its reply is handed to a socket that
+is not over its write limit; past that the server reads nothing more from that
+connection. A frame that stalls for ``BODY_IDLE_TIMEOUT_S`` mid-way, or a
+connection that sends no hello in that time, is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from typing import Any
+
+import numpy as np
+from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, VERSION, frame_buffers, read_prefix, resolve_arrays
+
+from . import __version__
+from .codec import BODY_IDLE_TIMEOUT_S, wire
+from .instance import instance_name
+from .errors import ApiError, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge, Unauthorized
+from .runtime import Runtime
+from .store import Owner
+from .stream_ops import Pending, Reply, begin, error_document, request_id
+
+__all__ = ["FrameServer", "FRAMES_INSTANCE"]
+
+log = logging.getLogger("attnserve")
+
+#: The ``instance`` of the transport's problems, and its label in the metrics.
+FRAMES_INSTANCE = "/v1/frames"
+
+
+class FrameServer:
+    """The listening socket and its connections."""
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.connections: set[_Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("frame transport listening", extra={"host": host, "port": self.port})
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def close_connections(self) -> None:
+        """Close every connection (after the drain: what was in flight is answered)."""
+        for conn in list(self.connections):
+            conn.close()
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One client's connection: reads frames into buffers of their own size, checks
+    and queues each, writes the replies as they finish."""
+
+    def __init__(self, server: FrameServer):
+        self.server = server
+        self.rt = server.rt
+        self.transport: asyncio.Transport | None = None
+        self.owner: Owner = None
+        self.greeted = False
+        self.open = True
+        self.in_flight = 0
+        self.reading = True
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.tasks: set[asyncio.Task] = set()
+        self.prefix = bytearray(PREFIX.size)
+        self.frame: np.ndarray | None = None
+        self.view = memoryview(self.prefix)
+        self.filled = 0
+        self.head_len = 0
+        self.last_byte = time.monotonic()
+        self.started = time.monotonic()
+        self.watchdog: asyncio.TimerHandle | None = None
+
+    # ── asyncio callbacks ───────────────────────────────────────────────────
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a TCP transport (uvloop's is no subclass)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if len(self.server.connections) >= self.rt.settings.frames_max_connections:
+            self.refuse(None, NotReady("too many frame connections; try again later", headers={"Retry-After": "1"}))
+            return
+        self.server.connections.add(self)
+        self._arm_watchdog()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        self.last_byte = time.monotonic()
+        if self.filled < len(self.view):
+            return
+        if self.frame is None:
+            self._prefix_done()
+        else:
+            self._frame_done()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self.writable.set()  # replies still being produced are dropped, their slots freed
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        if not self.tasks:
+            self.server.connections.discard(self)
+
+    # ── frames in ───────────────────────────────────────────────────────────
+
+    def _prefix_done(self) -> None:
+        try:
+            head_len, body_len = read_prefix(self.prefix)
+        except wire.WireError as e:
+            self.refuse(None, MalformedBody(str(e)))
+            return
+        if head_len > MAX_HEAD_BYTES:
+            self.refuse(None, PayloadTooLarge(f"frame head: expected at most {MAX_HEAD_BYTES} bytes, got {head_len}"))
+            return
+        max_body = self.rt.settings.max_body_bytes
+        if body_len > max_body:
+            self.refuse(None, PayloadTooLarge(f"frame body: expected at most {max_body} bytes, got {body_len}"))
+            return
+        self.head_len = head_len
+        self.frame = np.empty(head_len + body_len, np.uint8)
+        self.view = memoryview(self.frame).cast("B")
+        self.filled = 0
+        if not len(self.view):
+            self._frame_done()
+
+    def _frame_done(self) -> None:
+        assert self.frame is not None
+        t0 = time.perf_counter()
+        view, head_len = self.view, self.head_len
+        self.frame, self.view, self.filled = None, memoryview(self.prefix), 0
+        if not self.greeted:
+            self._hello(view[:head_len], t0)
+            return
+        rid: Any = None
+        try:
+            doc = _decode_head(view[:head_len])
+            rid = request_id(doc)
+            _resolve_arrays(doc, view[head_len:])
+            pending = begin(self.rt, self.owner, doc, FRAMES_INSTANCE)
+        except Reply as r:
+            self.send(r.doc, t0)
+            return
+        except ApiError as e:
+            self.send(error_document(rid, e, FRAMES_INSTANCE), t0)
+            return
+        self._hold_slot()
+        task = asyncio.get_running_loop().create_task(self._finish(pending, t0))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _hello(self, head: memoryview, t0: float) -> None:
+        """The first frame: the version and the key; any failure closes the connection."""
+        rt = self.rt
+        rid: Any = None
+        try:
+            doc = _decode_head(head)
+            rid = request_id(doc)
+            if not isinstance(doc, dict) or doc.get("op") != "hello":
+                raise InvalidRequest("frame: the first frame of a connection must be {op: hello, version: 1}")
+            unknown = sorted(str(k) for k in doc if k not in ("id", "op", "version", "key"))
+            if unknown:
+                raise InvalidRequest(f"hello: unknown field(s) {', '.join(unknown)}", fields=unknown)
+            if doc.get("version") != VERSION:
+                raise InvalidRequest(f"hello: version: expected {VERSION}, got {doc.get('version')!r}")
+            key = doc.get("key")
+            if key is not None and not isinstance(key, str):
+                raise InvalidRequest("hello: key: expected a string")
+            if rt.keys.enabled:
+                try:
+                    self.owner = rt.keys.authenticate(b"Bearer " + key.encode() if key else None)
+                except Unauthorized as e:
+                    rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
+                    raise
+            rt.ready_engine()
+        except ApiError as e:
+            self.refuse(rid, e, t0)
+            return
+        self.greeted = True
+        result = {
+            "version": VERSION,
+            "server": __version__,
+            "instance": instance_name(rt.settings.instance_name),
+            "max_head_bytes": MAX_HEAD_BYTES,
+            "max_body_bytes": rt.settings.max_body_bytes,
+            "max_in_flight": rt.settings.stream_max_in_flight,
+        }
+        self.send({"id": rid, "status": 200, "result": result}, t0)
+
+    # ── flow control ────────────────────────────────────────────────────────
+
+    def _hold_slot(self) -> None:
+        self.in_flight += 1
+        self.rt.request_started()
+        if self.in_flight >= self.rt.settings.stream_max_in_flight and self.reading and self.open:
+            self.reading = False
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    def _release_slot(self) -> None:
+        self.in_flight -= 1
+        self.rt.request_finished()
+        if not self.reading and self.open and self.in_flight < self.rt.settings.stream_max_in_flight:
+            self.reading = True
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not self.open and not self.tasks:
+            self.server.connections.discard(self)
+
+    async def _finish(self, pending: Pending, t0: float) -> None:
+        """Await one operation and write its reply; the slot is held until the socket
+        takes more (a peer that reads nothing stops being read)."""
+        try:
+            self.send(await pending.reply("msgpack"), t0)
+            if not self.writable.is_set():
+                await self.writable.wait()
+        finally:
+            self._release_slot()
+
+    def _arm_watchdog(self) -> None:
+        self.watchdog = asyncio.get_running_loop().call_later(BODY_IDLE_TIMEOUT_S / 4, self._watch)
+
+    def _watch(self) -> None:
+        """Close a connection with no hello, or a frame stalled mid-way, after
+        ``BODY_IDLE_TIMEOUT_S``."""
+        if not self.open:
+            return
+        now = time.monotonic()
+        if not self.greeted and now - self.started > BODY_IDLE_TIMEOUT_S:
+            log.info("frame connection closed: no hello", extra={"seconds": BODY_IDLE_TIMEOUT_S})
+            self.close()
+            return
+        if self.filled and now - self.last_byte > BODY_IDLE_TIMEOUT_S:
+            log.info("frame connection closed: a frame stalled", extra={"seconds": BODY_IDLE_TIMEOUT_S})
+            self.close()
+            return
+        self._arm_watchdog()
+
+    # ── frames out ──────────────────────────────────────────────────────────
+
+    def send(self, doc: dict[str, Any], t0: float) -> None:
+        rt = self.rt
+        rt.metrics.observe_request(FRAMES_INSTANCE, "TCP", int(doc["status"]), time.perf_counter() - t0)
+        if "error" in doc:
+            rt.metrics.errors.inc(doc["error"]["type"].rsplit("/", 1)[-1])
+        if not self.open or self.transport is None or self.transport.is_closing():
+            return
+        self.transport.writelines(frame_buffers(doc, wire.packb))
+
+    def refuse(self, rid: Any, err: ApiError, t0: float | None = None) -> None:
+        """Answer ``err`` and close the connection (the frames after it cannot be read)."""
+        self.send(error_document(rid, err, FRAMES_INSTANCE), time.perf_counter() if t0 is None else t0)
+        self.close()
+
+    def close(self) -> None:
+        self.open = False
+        self.filled = 0
+        if self.transport is not None:
+            self.transport.close()  # after what is buffered is written
+
+
+def _decode_head(head: memoryview) -> Any:
+    try:
+        return wire.unpackb(head, max_bytes=MAX_HEAD_BYTES)
+    except wire.WireError as e:
+        raise MalformedBody(f"frame head: {e}") from None
+
+
+def _resolve_arrays(doc: Any, body: memoryview) -> None:
+    try:
+        resolve_arrays(doc, body.toreadonly())
+    except wire.WireError as e:
+        raise InvalidRequest(str(e)) from None
