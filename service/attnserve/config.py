@@ -87,7 +87,7 @@ class Settings(BaseSettings):
         ge=0,
         le=65535,
         description="Port of the frame transport (the stream's operations over plain TCP, arrays as raw "
-        "bytes: the fastest data plane, docs/api.md#frame-transport) on the same host; unset: off; "
+        "bytes: the fastest data plane; docs/api.md, Frame transport) on the same host; unset: off; "
         "0: a free port (GET /v1/info names it).",
     )
     frames_max_connections: int = Field(

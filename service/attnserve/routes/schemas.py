@@ -407,8 +407,9 @@ COMPONENTS: dict[str, Any] = {
             "ready": {"type": "boolean"},
             "frames": {
                 "type": ["object", "null"],
-                "description": "The frame transport (docs/api.md#frame-transport): {port} on this "
-                "server's host, or null when it is off.",
+                "description": "The frame transport "
+                "(docs/api.md#frame-transport-plain-tcp-arrays-as-raw-bytes): {port} on this server's "
+                "host, or null when it is off.",
                 "properties": {"port": {"type": "integer"}},
             },
         },
