@@ -61,9 +61,15 @@ def _refer(obj: Any, parts: list[memoryview], offset: list[int], depth: int) -> 
             return ref
         if depth < _DEPTH:
             return {k: _refer(v, parts, offset, depth + 1) for k, v in obj.items()}
-    elif isinstance(obj, list) and depth < _DEPTH:
+    elif _holds_containers(obj) and depth < _DEPTH:
         return [_refer(v, parts, offset, depth + 1) for v in obj]
     return obj
+
+
+def _holds_containers(obj: Any) -> bool:
+    """Whether ``obj`` is a list whose items may hold arrays (maps or lists): a list
+    of ids or lengths is passed over whole, without a look at each item."""
+    return isinstance(obj, list) and bool(obj) and isinstance(obj[0], (dict, list))
 
 
 def read_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
@@ -90,7 +96,7 @@ def resolve_arrays(doc: Any, body: memoryview, depth: int = 0) -> None:
     """
     if depth >= _DEPTH:
         return
-    members = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    members = doc.items() if isinstance(doc, dict) else enumerate(doc) if _holds_containers(doc) else ()
     for name, value in list(members):
         if isinstance(value, dict) and "at" in value:
             doc[name] = _array_of(value, body, str(name))
