@@ -109,6 +109,8 @@ class SessionSpec(TypedDict, total=False):
     head_dim: Required[int]
     num_layers: int
     kv_format: str | Sequence[str]
+    exact_layers: Sequence[int] | None
+    exact_format: str | None
     max_tokens: int | None
     seed: int | None
     session_id: str | None
@@ -327,6 +329,8 @@ class _BaseClient:
         head_dim: int,
         num_layers: int = 1,
         kv_format: str | Sequence[str] = "f32",
+        exact_layers: Sequence[int] | None = None,
+        exact_format: str | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
         session_id: str | None = None,
@@ -346,6 +350,14 @@ class _BaseClient:
             raise refused(
                 InvalidRequest, f"kv_format: expected a str or a sequence of str (one per layer), got {kv_format!r}"
             )
+        if exact_layers is not None:
+            if isinstance(exact_layers, (str, bytes)) or not isinstance(exact_layers, Sequence):
+                raise refused(
+                    InvalidRequest, f"exact_layers: expected a sequence of layer indexes, got {exact_layers!r}"
+                )
+            body["exact_layers"] = [_int_arg(f"exact_layers[{i}]", x) for i, x in enumerate(exact_layers)]
+        if exact_format is not None:
+            body["exact_format"] = exact_format
         if max_tokens is not None:
             body["max_tokens"] = _int_arg("max_tokens", max_tokens)
         if seed is not None:
@@ -817,7 +829,9 @@ class Client(_BaseClient):
         ``server_assigned_id=True``: ``POST /v1/sessions`` instead, the server picks
         the id; through a router such a session can land on any replica, and the
         ``POST`` is retried only when it surely did not arrive.
-        ``max_tokens`` and ``seed`` default to the server's choice.
+        ``max_tokens`` and ``seed`` default to the server's choice. ``exact_layers``
+        (e.g. ``[0, -1]``, negative from the last layer) keeps those layers in
+        ``exact_format`` (``"f16"`` unless given) whatever ``kv_format`` says.
 
         Raises:
             SessionExists: ``session_id`` is taken.

@@ -10,12 +10,24 @@ from .errors import InvalidRequest
 from .formats import KV_FORMATS, check_head_dim
 from .kvcache import layer_formats
 
-__all__ = ["MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "CREATE_FIELDS", "CreateRequest", "parse_create"]
+__all__ = ["MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "CREATE_FIELDS", "EXACT_FORMATS", "CreateRequest", "parse_create"]
 
 MAX_LAYERS = 256
 MAX_QO_HEADS = 256
 MAX_SEED = (1 << 64) - 1
-CREATE_FIELDS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+CREATE_FIELDS = (
+    "num_layers",
+    "num_qo_heads",
+    "num_kv_heads",
+    "head_dim",
+    "kv_format",
+    "exact_layers",
+    "exact_format",
+    "max_tokens",
+    "seed",
+)
+#: The formats a layer kept exact by ``exact_layers`` may take.
+EXACT_FORMATS = ("f16", "f32")
 
 
 @dataclass(frozen=True)
@@ -49,10 +61,31 @@ def _kv_format(f: Fields, num_layers: int) -> str | tuple[str, ...]:
     return tuple(value)
 
 
+def _exact_layers(f: Fields, num_layers: int, kv_format: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """``exact_layers`` (layer indexes, negative ones counted from the last layer) in
+    ``exact_format``: the per-layer formats they make, or ``kv_format`` unchanged."""
+    exact_format = f.str("exact_format", "f16", choices=EXACT_FORMATS)
+    given = f.list("exact_layers", None)
+    if given is None:
+        if f.doc.get("exact_format") is not None:
+            raise InvalidRequest("exact_format: applies to exact_layers, which is not given")
+        return kv_format
+    chosen = set()
+    for i, value in enumerate(given):
+        if type(value) is not int or not -num_layers <= value < num_layers:
+            raise InvalidRequest(
+                f"exact_layers[{i}]: expected a layer index in {-num_layers}..{num_layers - 1} "
+                f"(negative: from the last layer), got {value!r:.40}"
+            )
+        chosen.add(value % num_layers)
+    formats = layer_formats(kv_format, num_layers)
+    return tuple(exact_format if i in chosen else fmt for i, fmt in enumerate(formats))
+
+
 def parse_create(doc: object) -> CreateRequest:
     f = Fields(doc, CREATE_FIELDS, "session")
     num_layers = f.int("num_layers", 1, lo=1, hi=MAX_LAYERS)
-    kv_format = _kv_format(f, num_layers)
+    kv_format = _exact_layers(f, num_layers, _kv_format(f, num_layers))
     num_qo_heads = f.int("num_qo_heads", lo=1, hi=MAX_QO_HEADS)
     num_kv_heads = f.int("num_kv_heads", lo=1, hi=MAX_QO_HEADS)
     if num_qo_heads % num_kv_heads:

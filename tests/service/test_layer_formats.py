@@ -119,3 +119,56 @@ def test_client_creates_and_reads_layer_formats(server, rng):
         assert s.append(1, k, k) == 3 and s.info().lengths == (0, 3, 0, 0)
         s.delete()
         uniform.delete()
+
+
+def test_exact_layers_are_the_per_layer_formats_they_stand_for(api, rng, enc):
+    """``exact_layers`` (negative from the end) in ``exact_format`` is the per-layer
+    array it stands for: the same info, and every layer answers bit for bit as the
+    session created with that array."""
+    seed = int(rng.integers(1 << 30))
+    short = api.create(
+        enc, num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=4,
+        kv_format="turboquant", exact_layers=[0, -1, 3], seed=seed,
+    )  # fmt: skip
+    want = ["f16", "turboquant", "turboquant", "f16"]
+    assert short["kv_format"] == short["layer_formats"] == want
+    spelled = _create(api, want, seed)
+    f32 = api.create(enc, num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=4,
+                     kv_format=["tq4", "f16", "tq4", "tq4"], exact_layers=[-3], exact_format="f32")  # fmt: skip
+    assert f32["layer_formats"] == ["tq4", "f32", "tq4", "tq4"]
+    for layer in range(4):
+        q, k, v = rows(rng, PAGE + 1, H, D), rows(rng, PAGE + 1, HKV, D), rows(rng, PAGE + 1, HKV, D)
+        a = api.attend(short["session_id"], layer, q, k=k, v=v, enc=enc)
+        b = api.attend(spelled, layer, q, k=k, v=v, enc=enc)
+        assert a.status == b.status == 200 and a.body["out"].tobytes() == b.body["out"].tobytes()
+    for sid in (short["session_id"], spelled, f32["session_id"]):
+        api.delete(sid)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"exact_layers": [4]}, "exact_layers[0]: expected a layer index in -4..3"),
+        ({"exact_layers": [0, -5]}, "exact_layers[1]: expected a layer index in -4..3"),
+        ({"exact_layers": ["0"]}, "exact_layers[0]: expected a layer index"),
+        ({"exact_layers": 0}, "exact_layers: expected an array"),
+        ({"exact_layers": [0], "exact_format": "tq4"}, "exact_format: expected one of 'f16', 'f32'"),
+        ({"exact_format": "f32"}, "exact_format: applies to exact_layers"),
+    ],
+)
+def test_bad_exact_layers_are_refused(api, enc, fields, needle):
+    before = len(api.call("GET", "/v1/sessions").body["sessions"])
+    spec = dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=4, kv_format="turboquant", **fields)
+    r = api.call("POST", "/v1/sessions", spec, enc=enc)
+    assert r.status == 422 and r.body["type"] == "/problems/invalid-request", r.body
+    assert needle in r.body["detail"], r.body["detail"]
+    assert len(api.call("GET", "/v1/sessions").body["sessions"]) == before
+
+
+def test_client_sends_exact_layers(server):
+    with Client(server.url) as client:
+        s = client.create_session(
+            num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=3, kv_format="tq4", exact_layers=(0, -1)
+        )
+        assert s.info().layer_formats == ("f16", "tq4", "f16")
+        s.delete()

@@ -235,6 +235,19 @@ COMPONENTS: dict[str, Any] = {
                 "description": "One format for every layer, or an array of num_layers formats, one per layer "
                 "(e.g. the first and last two layers f16, the rest turboquant).",
             },
+            "exact_layers": {
+                "type": ["array", "null"],
+                "items": {"type": "integer"},
+                "description": "Layers kept exact, in exact_format, whatever kv_format says: layer indexes, "
+                "negative ones counted from the last layer (e.g. [0, -1]: the first and the last). "
+                "Shorthand for a per-layer kv_format array, which the session's info then shows.",
+            },
+            "exact_format": {
+                "type": ["string", "null"],
+                "enum": ["f16", "f32", None],
+                "default": "f16",
+                "description": "The format of the exact_layers.",
+            },
             "max_tokens": {
                 "type": ["integer", "null"],
                 "minimum": 1,
