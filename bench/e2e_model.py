@@ -44,7 +44,12 @@ next token in the text, against the exact model:
 Any format the server lists in ``GET /v1/info`` ``kv_formats`` is accepted (one whose
 ``head_dims`` does not include 64 is skipped, with a note); ``NAME@3+7`` puts only
 layers 3 and 7 in NAME and the others in f32 (a per-layer ``kv_format``), and
-``--one-layer NAME`` adds ``NAME@L`` for every layer L: where a format's loss comes from. Traffic goes only to the
+``--one-layer NAME`` adds ``NAME@L`` for every layer L: where a format's loss comes from;
+``NAME~0+-1`` puts every layer in NAME but layers 0 and -1 (the last), which the
+session keeps in f16 (``exact_layers``). ``--texts moby-dick,pride-and-prejudice``
+are the long texts (2,856 and 3,881 tokens, ``bench/texts/``); ``--decode-tail N``
+feeds each text's last N tokens one at a time, as an engine decodes. Each row gives
+the setting's cache bits per element averaged over the layers. Traffic goes only to the
 loopback server the script starts, or to ``--url``.
 """
 
@@ -110,6 +115,23 @@ TEXTS = {
         "reproduction; Variability from the indirect and direct action of the conditions of life."
     ),
 }
+
+
+# Longer public-domain texts (>= 2,000 tokens each), in bench/texts/: the first chapter
+# of Moby-Dick (Melville, 1851) and the first chapters of Pride and Prejudice (Austen,
+# 1813, to the middle of chapter 3), from Project Gutenberg's editions.
+LONG_TEXTS = {
+    "moby-dick": "melville-moby-dick-ch1.txt",
+    "pride-and-prejudice": "austen-pride-and-prejudice-ch1-3.txt",
+}
+
+
+def text_of(name: str) -> str:
+    if name in TEXTS:
+        return TEXTS[name]
+    if name in LONG_TEXTS:
+        return (Path(__file__).resolve().parent / "texts" / LONG_TEXTS[name]).read_text(encoding="utf-8")
+    raise SystemExit(f"--texts: no text {name!r}; the texts are {', '.join([*TEXTS, *LONG_TEXTS])}")
 
 
 # -- the weights: a GGUF file, read and dequantized here ---------------------------
@@ -366,10 +388,14 @@ class Llama:
             x = x + ((g / (1.0 + np.exp(-g))) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
         return rms_norm(x, w["output_norm.weight"], c.eps) @ self.head.T
 
-    def run(self, tokens, attention, chunk: int = 0) -> np.ndarray:
-        """Logits of every position, fed ``chunk`` tokens at a time (0: all at once)."""
-        chunk = chunk or len(tokens)
-        return np.concatenate([self.forward(tokens[s : s + chunk], s, attention) for s in range(0, len(tokens), chunk)])
+    def run(self, tokens, attention, chunk: int = 0, decode_tail: int = 0) -> np.ndarray:
+        """Logits of every position, fed ``chunk`` tokens at a time (0: all at once),
+        the last ``decode_tail`` tokens one at a time (the order an engine decodes in)."""
+        head = max(0, len(tokens) - decode_tail)
+        chunk = chunk or head or 1
+        starts = [*range(0, head, chunk), *range(head, len(tokens))]
+        ends = [*starts[1:], len(tokens)]
+        return np.concatenate([self.forward(tokens[s:e], s, attention) for s, e in zip(starts, ends)])
 
 
 class ExactAttention:
@@ -397,13 +423,22 @@ class ExactAttention:
 class ServiceAttention:
     """The same through one attnserve session: a fused append+attend call per layer."""
 
-    def __init__(self, client: Client, cfg: Config, kv_format: str | list[str], max_tokens: int, seed: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        cfg: Config,
+        kv_format: str | list[str],
+        max_tokens: int,
+        seed: int,
+        exact_layers: list[int] | None = None,
+    ) -> None:
         self.session = client.create_session(
             num_layers=cfg.n_layers,
             num_qo_heads=cfg.n_heads,
             num_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim,
             kv_format=kv_format,
+            exact_layers=exact_layers,
             max_tokens=max_tokens,
             seed=seed,
         )
@@ -489,41 +524,67 @@ def _fmt_range(xs: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| format | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed |",
-        "|---|---:|---:|---:|---:|---|---|---|",
+        "| format | bits | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         if r["kv_format"] == "exact":
-            out.append(f"| exact (float64) | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - |")
+            out.append(f"| exact (float64) | 64 | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - |")
             continue
         lo, hi = r["dppl_ci95"]
         out.append(
-            f"| {r['kv_format']} | {r['seeds']} | {r['top1']:.4f} ± {r['top1_se']:.4f} | {r['kl']:.2e} ± {r['kl_se']:.1e}"
+            f"| {r['kv_format']} | {r.get('bits_per_element', float('nan')):.3g} | {r['seeds']} | {r['top1']:.4f} ± {r['top1_se']:.4f} | {r['kl']:.2e} ± {r['kl_se']:.1e}"
             f" | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['dppl']:+.3f} ({lo:+.3f}, {hi:+.3f})"
             f" | {_fmt_range(r['per_text']['kl'])} | {_fmt_range(r['per_seed']['kl'])} |"
         )
     return "\n".join(out)
 
 
-def layer_formats(spec: str, n_layers: int) -> tuple[str, str | list[str]]:
+def layer_formats(spec: str, n_layers: int) -> tuple[str, str | list[str], list[int] | None]:
     """``NAME`` -> every layer in NAME; ``NAME@3+7`` -> layers 3 and 7 in NAME, the
-    others in f32 (a per-layer ``kv_format`` array). Returns (base format, kv_format)."""
+    others in f32 (a per-layer ``kv_format`` array); ``NAME~0+-1`` -> every layer in
+    NAME but layers 0 and -1 (the last), kept in f16 (the session's ``exact_layers``).
+    Returns (base format, kv_format, exact_layers)."""
+    if "~" in spec:
+        name, _, layers = spec.partition("~")
+        exact = [int(x) for x in layers.split("+")]
+        if not all(-n_layers <= i < n_layers for i in exact):
+            raise SystemExit(f"{spec}: layers are {-n_layers}..{n_layers - 1}")
+        return name, name, exact
     name, _, layers = spec.partition("@")
     if not layers:
-        return name, name
+        return name, name, None
     chosen = {int(x) for x in layers.split("+")}
     if not chosen <= set(range(n_layers)):
         raise SystemExit(f"{spec}: layers are 0..{n_layers - 1}")
-    return name, [name if i in chosen else "f32" for i in range(n_layers)]
+    return name, [name if i in chosen else "f32" for i in range(n_layers)], None
 
 
-def evaluate(client: Client, model: Llama, texts: dict[str, list[int]], formats, seeds, chunk, boot, log=print) -> dict:
+def average_bits(info: dict, base: str, kv_format: str | list[str], exact: list[int] | None, cfg: Config) -> float:
+    """Cache bits per element of a session of these layer formats, averaged over its
+    layers (from the server's ``kv_format_sizes`` at the model's head_dim)."""
+
+    def bits(fmt: str) -> float:
+        for size in info.get("kv_format_sizes", {}).get(fmt, []):
+            if size["head_dim"] == cfg.head_dim:
+                return float(size["bits_per_element"])
+        return float("nan")
+
+    formats = [kv_format] * cfg.n_layers if isinstance(kv_format, str) else list(kv_format)
+    for i in exact or ():
+        formats[i % cfg.n_layers] = "f16"
+    return sum(bits(f) for f in formats) / len(formats)
+
+
+def evaluate(
+    client: Client, model: Llama, texts: dict[str, list[int]], formats, seeds, chunk, boot, log=print, decode_tail=0
+) -> dict:
     """The exact run and every format's runs over ``texts`` (name -> token ids)."""
     info = client.info()
     cfg = model.cfg
     exact, text_idx = {}, []
     for t, (name, toks) in enumerate(texts.items()):
-        exact[name] = model.run(toks, ExactAttention(cfg), chunk)
+        exact[name] = model.run(toks, ExactAttention(cfg), chunk, decode_tail)
         text_idx += [t] * (len(toks) - 1)
     exact_nll = np.concatenate([position_stats(exact[name], exact[name], toks)["nll"] for name, toks in texts.items()])
     n_pos = exact_nll.size
@@ -542,7 +603,7 @@ def evaluate(client: Client, model: Llama, texts: dict[str, list[int]], formats,
     log(f"exact: ppl {rows[0]['ppl']:.3f} over {n_pos} positions", flush=True)
     skipped = {}
     for fmt in formats:
-        base, kv_format = layer_formats(fmt, cfg.n_layers)
+        base, kv_format, exact_layers = layer_formats(fmt, cfg.n_layers)
         if base not in info.get("kv_formats", []):
             raise SystemExit(f"the server offers no kv format {base!r}: {info.get('kv_formats')}")
         dims = info.get("head_dims", {}).get(base)
@@ -555,9 +616,9 @@ def evaluate(client: Client, model: Llama, texts: dict[str, list[int]], formats,
             t0 = time.perf_counter()
             stats = []
             for name, toks in texts.items():
-                attn = ServiceAttention(client, cfg, kv_format, len(toks), seed)
+                attn = ServiceAttention(client, cfg, kv_format, len(toks), seed, exact_layers)
                 try:
-                    logits = model.run(toks, attn, chunk)
+                    logits = model.run(toks, attn, chunk, decode_tail)
                 finally:
                     attn.close()
                 stats.append(position_stats(exact[name], logits, toks))
@@ -567,8 +628,14 @@ def evaluate(client: Client, model: Llama, texts: dict[str, list[int]], formats,
                 f"ppl {np.exp(runs[-1]['nll'].mean()):.3f} ({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
-        row = {"kv_format": fmt, **summarize(runs, exact_nll, text_idx, boot, 0)}
-        if "@" not in fmt:  # for paired comparisons with later runs: the seeds' mean at each position
+        row = {
+            "kv_format": fmt,
+            "bits_per_element": round(average_bits(info, base, kv_format, exact_layers, cfg), 4),
+            **summarize(runs, exact_nll, text_idx, boot, 0),
+        }
+        if (
+            "@" not in fmt and "~" not in fmt
+        ):  # for paired comparisons with later runs: the seeds' mean at each position
             row["per_position"] = {k: [_g(x) for x in np.mean([r[k] for r in runs], 0)] for k in ("agree", "kl", "nll")}
         rows.append(row)
     return {"rows": rows, "skipped": skipped, "exact_nll": [_g(x) for x in exact_nll]}
@@ -586,7 +653,10 @@ def main(argv=None) -> int:
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER", ""), help="for the server started here")
     ap.add_argument("--url", help="use this running server instead of starting one")
     ap.add_argument("--chunk", type=int, default=0, help="tokens per call (0: the whole text at once; 1: decode)")
-    ap.add_argument("--texts", default=",".join(TEXTS), help="which bundled texts")
+    ap.add_argument(
+        "--texts", default=",".join(TEXTS), help=f"which bundled texts ({', '.join([*TEXTS, *LONG_TEXTS])})"
+    )
+    ap.add_argument("--decode-tail", type=int, default=0, help="feed each text's last N tokens one at a time")
     ap.add_argument("--max-tokens", type=int, default=0, help="cut each text to this many tokens (0: whole)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples over positions")
     ap.add_argument("--gguf", type=Path, help="a llama GGUF file instead of the package's")
@@ -598,7 +668,7 @@ def main(argv=None) -> int:
     model, tok = Llama.from_gguf(path)
     texts = {}
     for name in args.texts.split(","):
-        ids = tok.encode(TEXTS[name])
+        ids = tok.encode(text_of(name))
         texts[name] = ids[: args.max_tokens] if args.max_tokens else ids
     print(f"# {path.name}: {model.cfg} loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"# texts: {', '.join(f'{n} {len(t)}' for n, t in texts.items())} tokens", flush=True)
@@ -617,9 +687,12 @@ def main(argv=None) -> int:
                 "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
                 "texts": {n: len(t) for n, t in texts.items()},
                 "chunk": args.chunk,
+                "decode_tail": args.decode_tail,
                 "seeds": seeds,
                 "bootstrap": args.bootstrap,
-                **evaluate(client, model, texts, formats, seeds, args.chunk, args.bootstrap),
+                **evaluate(
+                    client, model, texts, formats, seeds, args.chunk, args.bootstrap, decode_tail=args.decode_tail
+                ),
             }
         out = args.json_out or ROOT / "bench" / "results" / f"e2e-model-{adapter_tag(info.get('adapter') or {})}.json"
         write_result(out, result)

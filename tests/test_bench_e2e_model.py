@@ -189,13 +189,17 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
     texts = {"a": toks[:24], "b": toks[24:]}
     exact = model.run(texts["a"], e2e.ExactAttention(model.cfg))
     with e2e.serving(os.environ.get("ATTNSERVE_ADAPTER", "")) as (_, url), Client(url, timeout=120) as client:
-        for chunk in (0, 1):
+        for chunk, tail in ((0, 0), (1, 0), (7, 5)):  # prefill, decode, chunks then a decoded tail
             attn = e2e.ServiceAttention(client, model.cfg, "f32", 24, seed=1)
-            got = model.run(texts["a"], attn, chunk)
+            got = model.run(texts["a"], attn, chunk, decode_tail=tail)
             attn.close()
             assert np.abs(got - exact).max() <= 1e-4 * np.abs(exact).max(), chunk
-        fmts = ["f32", "turboquant", "turboquant@1"]
+        fmts = ["f32", "turboquant", "turboquant@1", "turboquant~0"]
         res = e2e.evaluate(client, model, texts, fmts, [0, 1], 0, 200, log=lambda *a, **k: None)
+        exact_layer = e2e.ServiceAttention(client, model.cfg, "turboquant", 24, seed=1, exact_layers=[-2])
+        assert exact_layer.session.info().layer_formats == ("f16", "turboquant")
+        exact_layer.close()
+        sizes = client.info()["kv_format_sizes"]["turboquant"]
     rows = {r["kv_format"]: r for r in res["rows"]}
     assert rows["exact"]["positions"] == 38
     f32, tq = rows["f32"], rows["turboquant"]
@@ -204,8 +208,14 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
     assert 1e-6 < tq["kl"] < 10 and np.isfinite(tq["ppl"]) and tq["dppl_ci95"][0] <= tq["dppl"] <= tq["dppl_ci95"][1]
     assert 1e-6 < rows["turboquant@1"]["kl"] < tq["kl"]  # one layer of two compressed: part of the loss
     assert "| turboquant@1 |" in e2e.table(res["rows"])
-    assert e2e.layer_formats("turboquant@0+2", 3) == ("turboquant", ["turboquant", "f32", "turboquant"])
-    assert e2e.layer_formats("f16", 3) == ("f16", "f16")
+    # layer 0 in f16 and layer 1 in turboquant: about turboquant@1's loss, not the whole format's
+    assert 1e-6 < rows["turboquant~0"]["kl"] < tq["kl"]
+    info_bits = next(x["bits_per_element"] for x in sizes if x["head_dim"] == model.cfg.head_dim)
+    assert tq["bits_per_element"] == info_bits and rows["turboquant~0"]["bits_per_element"] == (16 + info_bits) / 2
+    assert f"| turboquant~0 | {(16 + info_bits) / 2:.3g} |" in e2e.table(res["rows"])
+    assert e2e.layer_formats("turboquant@0+2", 3) == ("turboquant", ["turboquant", "f32", "turboquant"], None)
+    assert e2e.layer_formats("f16", 3) == ("f16", "f16", None)
+    assert e2e.layer_formats("tq4~0+-1", 3) == ("tq4", "tq4", [0, -1])
 
 
 def test_real_model(tmp_path):
@@ -223,6 +233,9 @@ def test_real_model(tmp_path):
     assert tok.decode([int(model.run(p, e2e.ExactAttention(model.cfg))[-1].argmax())]) == " Paris"
     for text in e2e.TEXTS.values():
         assert tok.decode(tok.encode(text)) == text
+    for name in e2e.LONG_TEXTS:  # the long texts: >= 2,000 tokens each, read back whole
+        text = e2e.text_of(name)
+        assert len(tok.encode(text)) >= 2000 and tok.decode(tok.encode(text)) == text
     out = tmp_path / "real.json"
     assert e2e.main(["--formats", "f32", "--seeds", "0", "--max-tokens", "48", "--json-out", str(out)]) == 0
     import json
