@@ -146,10 +146,7 @@ class _FrameChannel:
             raise APIConnectionError(f"frames: cannot connect to {self._where}: {exc}") from exc
         try:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello: dict[str, Any] = {"id": 0, "op": "hello", "version": framing.VERSION}
-            if key is not None:
-                hello["key"] = key
-            self.send(hello)
+            self.send(_hello(key))
             _, result = _reply(self.receive())
         except OSError as exc:
             self._sock.close()
@@ -170,18 +167,10 @@ class _FrameChannel:
         prefix = bytearray(framing.PREFIX.size)
         if not _recv_exactly(self._sock, memoryview(prefix), eof_ok=True):
             return None
-        try:
-            head_len, body_len = framing.read_prefix(prefix)
-        except wire.WireError as exc:
-            raise InvalidResponse(str(exc)) from None
+        head_len, body_len = _frame_lengths(prefix)
         view = memoryview(bytearray(head_len + body_len))
         _recv_exactly(self._sock, view)
-        doc = _unpack(view[:head_len], "frames")
-        try:
-            framing.resolve_arrays(doc, view[head_len:])
-        except wire.WireError as exc:
-            raise InvalidResponse(f"frames: {exc}") from None
-        return doc
+        return _frame_document(view, head_len)
 
     def close(self) -> None:
         try:
@@ -191,6 +180,31 @@ class _FrameChannel:
 
     def release(self) -> None:
         self._sock.close()
+
+
+def _hello(key: str | None) -> dict[str, Any]:
+    """The first frame of a frame-transport connection."""
+    hello: dict[str, Any] = {"id": 0, "op": "hello", "version": framing.VERSION}
+    if key is not None:
+        hello["key"] = key
+    return hello
+
+
+def _frame_lengths(prefix: bytes | bytearray) -> tuple[int, int]:
+    try:
+        return framing.read_prefix(prefix)
+    except wire.WireError as exc:
+        raise InvalidResponse(str(exc)) from None
+
+
+def _frame_document(frame: memoryview, head_len: int) -> Any:
+    """A received frame's head, its array references resolved into its body."""
+    doc = _unpack(frame[:head_len], "frames")
+    try:
+        framing.resolve_arrays(doc, frame[head_len:])
+    except wire.WireError as exc:
+        raise InvalidResponse(f"frames: {exc}") from None
+    return doc
 
 
 def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
@@ -547,10 +561,7 @@ class _AsyncFrameChannel:
             raise APIConnectionError(f"frames: cannot connect to {host}:{port}: {exc!r}") from exc
         self = cls(reader, writer)
         try:
-            hello: dict[str, Any] = {"id": 0, "op": "hello", "version": framing.VERSION}
-            if target.key is not None:
-                hello["key"] = target.key
-            await self.send(hello)
+            await self.send(_hello(target.key))
             _, result = _reply(await asyncio.wait_for(self.receive(), open_timeout))
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
             writer.close()
@@ -575,17 +586,8 @@ class _AsyncFrameChannel:
             if not exc.partial:
                 return None
             raise
-        try:
-            head_len, body_len = framing.read_prefix(prefix)
-        except wire.WireError as exc:
-            raise InvalidResponse(str(exc)) from None
-        view = memoryview(await self._reader.readexactly(head_len + body_len))
-        doc = _unpack(view[:head_len], "frames")
-        try:
-            framing.resolve_arrays(doc, view[head_len:])
-        except wire.WireError as exc:
-            raise InvalidResponse(f"frames: {exc}") from None
-        return doc
+        head_len, body_len = _frame_lengths(prefix)
+        return _frame_document(memoryview(await self._reader.readexactly(head_len + body_len)), head_len)
 
     async def close(self) -> None:
         if self._writer.can_write_eof():

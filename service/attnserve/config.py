@@ -139,7 +139,7 @@ class Settings(BaseSettings):
     stream_max_in_flight: int = Field(
         256,
         ge=1,
-        description="Most operations one /v1/stream connection may have in flight, an operation "
+        description="Most operations one /v1/stream or frame-transport connection may have in flight, an operation "
         "counting until its reply is written; past it the server reads no further frame of that "
         "connection until one is answered (backpressure).",
     )

@@ -252,25 +252,6 @@ def test_frames_need_a_key_and_see_only_the_tenants_sessions(engine, rng):
         srv.stop()
 
 
-def test_backpressure_stops_reading_past_the_in_flight_limit(engine, rng):
-    """stream_max_in_flight=2, the GPU held: the third operation is not even read."""
-    from test_quotas import _wait_depth, gpu_held
-
-    srv = LiveServer(Settings(stream_max_in_flight=2, frames_port=0), engine=engine).start()
-    try:
-        with Client(srv.url) as client, client.stream(transport="frames") as fs:
-            s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            with gpu_held(engine):
-                futs = [fs.submit_append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) for _ in range(4)]
-                _wait_depth(engine, 3)  # the held job and two appends
-                time.sleep(0.3)
-                assert engine.worker.queue_depth == 3  # the others wait unread
-            assert [f.result(timeout=30) for f in futs] == [1, 2, 3, 4]
-            s.delete()
-    finally:
-        srv.stop()
-
-
 def test_a_peer_that_does_not_read_its_replies_stops_being_read(engine, rng):
     """A raw peer sends attend after attend (each reply 128 KiB) and reads nothing:
     the server stops reading once the unread replies fill the socket and the slots,

@@ -198,14 +198,16 @@ def test_full_gpu_queue_is_an_overload_reply(server, engine, rng):
         s.delete()
 
 
-def test_backpressure_stops_reading_past_the_in_flight_limit(engine, rng):
+@pytest.mark.parametrize("transport", ["websocket", "frames"])
+def test_backpressure_stops_reading_past_the_in_flight_limit(engine, rng, transport):
     """With stream_max_in_flight=2 and the GPU held, the third operation is not even
-    read: it is not queued until one of the first two finishes."""
+    read: it is not queued until one of the first two finishes (over the WebSocket and
+    over the frame transport alike)."""
     from test_quotas import _wait_depth, gpu_held
 
-    srv = LiveServer(Settings(stream_max_in_flight=2), engine=engine).start()
+    srv = LiveServer(Settings(stream_max_in_flight=2, frames_port=0), engine=engine).start()
     try:
-        with Client(srv.url) as client, client.stream() as stream:
+        with Client(srv.url) as client, client.stream(transport=transport) as stream:
             s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
             with gpu_held(engine):
                 futs = [stream.submit_append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) for _ in range(4)]
