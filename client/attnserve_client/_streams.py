@@ -85,6 +85,13 @@ def _unpack(raw: Any, what: str) -> Any:
         raise InvalidResponse(f"{what}: undecodable frame ({exc})") from None
 
 
+def _ws_document(raw: Any) -> Any:
+    """The document of one received WebSocket message (a binary MessagePack frame)."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise InvalidResponse("stream: expected a binary (MessagePack) frame")
+    return _unpack(raw, "stream")
+
+
 # -- channels: how one connection's documents travel --------------------------
 
 
@@ -116,12 +123,9 @@ class _WebSocketChannel:
         from websockets.exceptions import ConnectionClosedOK
 
         try:
-            raw = self._ws.recv()
+            return _ws_document(self._ws.recv())
         except ConnectionClosedOK:
             return None
-        if not isinstance(raw, (bytes, bytearray)):
-            raise InvalidResponse("stream: expected a binary (MessagePack) frame")
-        return _unpack(raw, "stream")
 
     def close(self) -> None:
         self._ws.close()
@@ -157,7 +161,6 @@ class _FrameChannel:
         if isinstance(result, BaseException):
             self._sock.close()
             raise result
-        self.limits = result
         self._sock.settimeout(None)
 
     def send(self, doc: dict[str, Any]) -> None:
@@ -532,15 +535,15 @@ class _AsyncWebSocketChannel:
         from websockets.exceptions import ConnectionClosedOK
 
         try:
-            raw = await self._ws.recv()
+            return _ws_document(await self._ws.recv())
         except ConnectionClosedOK:
             return None
-        if not isinstance(raw, (bytes, bytearray)):
-            raise InvalidResponse("stream: expected a binary (MessagePack) frame")
-        return _unpack(raw, "stream")
 
     async def close(self) -> None:
         await self._ws.close()
+
+    async def release(self) -> None:
+        """Nothing left to free once :meth:`close` returned."""
 
 
 class _AsyncFrameChannel:
@@ -550,7 +553,6 @@ class _AsyncFrameChannel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
-        self.limits: Any = None
 
     @classmethod
     async def open(cls, target: FrameTarget, open_timeout: float | None) -> _AsyncFrameChannel:
@@ -572,7 +574,6 @@ class _AsyncFrameChannel:
         if isinstance(result, BaseException):
             writer.close()
             raise result
-        self.limits = result
         return self
 
     async def send(self, doc: dict[str, Any]) -> None:
@@ -592,6 +593,13 @@ class _AsyncFrameChannel:
     async def close(self) -> None:
         if self._writer.can_write_eof():
             self._writer.write_eof()  # the server answers what it read, then closes
+
+    async def release(self) -> None:
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:  # the server closed first
+            pass
 
 
 class _AsyncLink:
@@ -641,6 +649,7 @@ class _AsyncLink:
             await asyncio.gather(*(f for f, _ in self._pending.values()), return_exceptions=True)
         await self._channel.close()
         await self._reader
+        await self._channel.release()
 
 
 class AsyncStreamOpening:

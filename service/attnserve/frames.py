@@ -36,12 +36,12 @@ import numpy as np
 from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, VERSION, frame_buffers, read_prefix, resolve_arrays
 
 from . import __version__
-from .codec import BODY_IDLE_TIMEOUT_S, wire
+from .codec import BODY_IDLE_TIMEOUT_S, Fields, wire
 from .instance import instance_name
 from .errors import ApiError, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge, Unauthorized
 from .runtime import Runtime
 from .store import Owner
-from .stream_ops import Pending, Reply, begin, error_document, request_id
+from .stream_ops import Pending, Reply, begin, count_reply, error_document, request_id
 
 __all__ = ["FrameServer", "FRAMES_INSTANCE"]
 
@@ -198,14 +198,9 @@ class _Connection(asyncio.BufferedProtocol):
             rid = request_id(doc)
             if not isinstance(doc, dict) or doc.get("op") != "hello":
                 raise InvalidRequest("frame: the first frame of a connection must be {op: hello, version: 1}")
-            unknown = sorted(str(k) for k in doc if k not in ("id", "op", "version", "key"))
-            if unknown:
-                raise InvalidRequest(f"hello: unknown field(s) {', '.join(unknown)}", fields=unknown)
-            if doc.get("version") != VERSION:
-                raise InvalidRequest(f"hello: version: expected {VERSION}, got {doc.get('version')!r}")
-            key = doc.get("key")
-            if key is not None and not isinstance(key, str):
-                raise InvalidRequest("hello: key: expected a string")
+            f = Fields(doc, ("id", "op", "version", "key"), "hello")
+            f.int("version", lo=VERSION, hi=VERSION)
+            key = f.str("key", "")
             if rt.keys.enabled:
                 try:
                     self.owner = rt.keys.authenticate(b"Bearer " + key.encode() if key else None)
@@ -282,10 +277,7 @@ class _Connection(asyncio.BufferedProtocol):
     # ── frames out ──────────────────────────────────────────────────────────
 
     def send(self, doc: dict[str, Any], t0: float) -> None:
-        rt = self.rt
-        rt.metrics.observe_request(FRAMES_INSTANCE, "TCP", int(doc["status"]), time.perf_counter() - t0)
-        if "error" in doc:
-            rt.metrics.errors.inc(doc["error"]["type"].rsplit("/", 1)[-1])
+        count_reply(self.rt, doc, FRAMES_INSTANCE, "TCP", time.perf_counter() - t0)
         if not self.open or self.transport is None or self.transport.is_closing():
             return
         self.transport.writelines(frame_buffers(doc, wire.packb))

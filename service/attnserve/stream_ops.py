@@ -49,7 +49,7 @@ from .steps import (
 )
 from .store import Owner
 
-__all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document"]
+__all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document", "count_reply"]
 
 log = logging.getLogger("attnserve")
 
@@ -88,6 +88,13 @@ class Pending:
 
 def error_document(rid: Any, err: ApiError, instance: str) -> dict[str, Any]:
     return {"id": rid, "status": err.status, "error": err.problem(instance)}
+
+
+def count_reply(rt: Runtime, doc: dict[str, Any], route: str, method: str, seconds: float) -> None:
+    """The metrics of one reply document: its request, latency and problem type."""
+    rt.metrics.observe_request(route, method, int(doc["status"]), seconds)
+    if "error" in doc:
+        rt.metrics.errors.inc(doc["error"]["type"].rsplit("/", 1)[-1])
 
 
 def request_id(doc: Any) -> Any:

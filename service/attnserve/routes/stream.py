@@ -40,7 +40,7 @@ from ..codec import MediaKind, decode_document, encode
 from ..errors import ApiError, Unauthorized
 from ..runtime import OWNER_KEY, Runtime
 from ..store import Owner
-from ..stream_ops import Pending, Reply, begin, error_document
+from ..stream_ops import Pending, Reply, begin, count_reply, error_document
 
 __all__ = ["router", "STREAM_PATH"]
 
@@ -135,11 +135,7 @@ class _Connection:
             self.slots.release()
 
     async def send(self, doc: dict[str, Any], kind: MediaKind, t0: float) -> None:
-        rt = self.rt
-        status = int(doc["status"])
-        rt.metrics.observe_request(STREAM_PATH, "WS", status, time.perf_counter() - t0)
-        if "error" in doc:
-            rt.metrics.errors.inc(doc["error"]["type"].rsplit("/", 1)[-1])
+        count_reply(self.rt, doc, STREAM_PATH, "WS", time.perf_counter() - t0)
         if not self.open:
             return
         try:
