@@ -383,7 +383,18 @@ def test_async_frames_pipeline(fserver, rng):
     asyncio.run(main())
 
 
-def test_the_client_says_when_the_server_has_no_frames(server):
+def test_the_client_says_when_the_server_has_no_frames(engine):
+    # a server of its own, started and stopped inside this module's: the session's
+    # shared `server` first made here would take its metrics hooks from `fserver`'s
+    # and lose them when `fserver` stops (test_probes then counted nothing)
+    server = LiveServer(Settings(), engine=engine).start()
+    try:
+        _no_frames(server)
+    finally:
+        server.stop()
+
+
+def _no_frames(server) -> None:
     with Client(server.url) as client:
         assert client.info()["frames"] is None
         with pytest.raises(InvalidInput, match="frames-port"):
