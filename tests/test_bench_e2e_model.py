@@ -217,10 +217,47 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
     assert 1e-6 < rows["turboquant~0"]["kl"] < tq["kl"]
     info_bits = next(x["bits_per_element"] for x in sizes if x["head_dim"] == model.cfg.head_dim)
     assert tq["bits_per_element"] == info_bits and rows["turboquant~0"]["bits_per_element"] == (16 + info_bits) / 2
-    assert f"| turboquant~0 | {(16 + info_bits) / 2:.3g} |" in e2e.table(res["rows"])
+    assert f"| turboquant~0 | {(16 + info_bits) / 2:.3g} / {(16 + info_bits) / 2:.3g} |" in e2e.table(res["rows"])
+    # the float64 oracle backend computes what the service does: the same loss per position
+    oracle = e2e.evaluate(None, model, texts, ["turboquant"], [0, 1], 0, 200, log=lambda *a, **k: None)
+    got = np.asarray(oracle["rows"][1]["per_position"]["kl"])
+    np.testing.assert_allclose(got, tq["per_position"]["kl"], rtol=0.05, atol=1e-5)
     assert e2e.layer_formats("turboquant@0+2", 3) == ("turboquant", ["turboquant", "f32", "turboquant"], None)
     assert e2e.layer_formats("f16", 3) == ("f16", "f16", None)
     assert e2e.layer_formats("tq4~0+-1", 3) == ("tq4", "tq4", [0, -1])
+
+
+def test_oracle_backend_sinks_and_window(tmp_path):
+    """``--oracle``: the float64 backend with exact sinks and a window. A window that
+    covers every position is the exact model up to float16 rows; no sinks and no
+    window is the format alone; sinks and a window between them lose less than the
+    format alone; the bits count the exact rows at 2k and 32k."""
+    rng = np.random.default_rng(3)
+    tiny_model(tmp_path / "tiny.gguf", rng)
+    model, tok = e2e.Llama.from_gguf(tmp_path / "tiny.gguf")
+    toks = list(rng.integers(0, len(tok.tokens), 40))
+    texts = {"a": toks[:24], "b": toks[24:]}
+    fmts = ["f16", "turboquant", "turboquant/s0w64", "turboquant/s2w4"]
+    res = e2e.evaluate(None, model, texts, fmts, [0], 5, 200, log=lambda *a, **k: None, decode_tail=6)
+    rows = {r["kv_format"]: r for r in res["rows"]}
+    f16, tq, every, some = (rows[f] for f in fmts)
+    assert f16["kl"] < 1e-5 and f16["top1"] == 1.0
+    assert every["kl"] == pytest.approx(f16["kl"], rel=1e-6, abs=1e-12)  # every row read exactly, as f16
+    assert f16["kl"] < some["kl"] < tq["kl"], (some["kl"], tq["kl"])
+    tq_bits = tq["bits_per_element"]
+    assert tq["bits_per_element_2k"] == tq_bits
+    assert some["bits_per_element"] == pytest.approx(tq_bits + 16 * 6 / 32768, abs=1e-4)
+    assert some["bits_per_element_2k"] == pytest.approx(tq_bits + 16 * 6 / 2048, abs=1e-4)
+    assert e2e.window_setting("tq4/s4w128") == ("tq4", 4, 128) and e2e.window_setting("tq4~0") == ("tq4~0", 0, 0)
+    with pytest.raises(SystemExit, match="--oracle"):
+        e2e.evaluate(_NoServer(), model, texts, ["turboquant/s2w4"], [0], 0, 10, log=lambda *a, **k: None)
+
+
+class _NoServer:
+    """A client whose info lists every format (window settings are refused before any call)."""
+
+    def info(self) -> dict:
+        return e2e.oracle_info()
 
 
 def test_real_model(tmp_path):

@@ -61,6 +61,9 @@ __all__ = [
     "select_outliers",
     "outlier_values",
     "unpack_tqx_outliers",
+    "tqx_decoded_rows",
+    "exact_rows_mask",
+    "windowed_attention",
 ]
 
 NORM_EPS = 1e-12
@@ -561,3 +564,98 @@ def tqx_attention(
     if vo is not None:
         out = out + np.einsum("hnl,lhd->nhd", p, np.repeat(outlier_values(vo, polar_signs, d), group, axis=1))
     return out
+
+
+# ── exact sinks and recent window over a compressed cache (issue 27) ─────────
+
+
+def tqx_decoded_rows(
+    key_words: np.ndarray,
+    value_words: np.ndarray,
+    spec: TqSpec,
+    *,
+    n_kv_heads: int,
+    cap: int,
+    d: int,
+    length: int,
+    polar_signs: np.ndarray,
+    jl_signs: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values ``[L, Hkv, d]`` (float64) that a variant's packed words
+    stand for: ``q . k_hat`` is :func:`tqx_attention`'s score estimate of ``<q, k>``
+    (codes, QJL term and outliers) and ``p @ v_hat`` its output, for every ``q`` and
+    ``p``: both estimators are linear, so ``attention(q, k_hat, v_hat)`` is
+    :func:`tqx_attention` up to float64 rounding (a test checks it). The rotations
+    move onto the rows: ``rht(q, s) . a = q . rht_inv(a, s)``."""
+    ps = np.asarray(polar_signs, np.float64)
+    dims = dict(n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
+    idx, bits, norm, rn = unpack_tqx_key_cache(key_words, spec, **dims)
+    kc = np.asarray(codebook(d, spec.key_bits).centroids, np.float64)[idx]
+    if spec.qjl:
+        signed = rht_inv(2.0 * bits.astype(np.float64) - 1.0, np.asarray(jl_signs, np.float64))
+        kc = kc + rn[..., None] * qjl_scale(d) * signed
+    k_hat = rht_inv(kc * norm[..., None], ps)
+    ko = unpack_tqx_outliers(key_words, spec, True, **dims)
+    if ko is not None:
+        k_hat = k_hat + outlier_values(ko, ps, d)
+    vidx, vnorm = unpack_tqx_value_cache(value_words, spec, **dims)
+    vc = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)[vidx]
+    v_hat = rht_inv(vc * vnorm[..., None], ps)
+    vo = unpack_tqx_outliers(value_words, spec, False, **dims)
+    if vo is not None:
+        v_hat = v_hat + outlier_values(vo, ps, d)
+    return k_hat, v_hat
+
+
+def exact_rows_mask(n: int, length: int, start_pos: int, sinks: int, window: int) -> np.ndarray:
+    """``[n, L]`` bool: the timesteps query row ``i`` (at ``p = start_pos + i``) reads
+    exactly: the first ``sinks`` and its own most recent ``window`` (``p + 1 - window
+    .. p``); it reads the others from the compressed cache. Per query, so a position's
+    result does not depend on how the rows were chunked into appends."""
+    t = np.arange(length)[None, :]
+    pos = (start_pos + np.arange(n))[:, None]
+    return (t < sinks) | (t > pos - window)
+
+
+def windowed_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    k_hat: np.ndarray,
+    v_hat: np.ndarray,
+    *,
+    sinks: int,
+    window: int,
+    start_pos: int | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+) -> np.ndarray:
+    """Attention in float64 where each query row reads its :func:`exact_rows_mask`
+    timesteps from ``k, v`` (the exact rows, as stored: f16 or f32) and the rest from
+    ``k_hat, v_hat`` (:func:`tqx_decoded_rows` of the compressed cache), all under
+    one softmax. ``[n, H, d]`` from rows ``[L, Hkv, d]``."""
+    q = np.asarray(q, np.float64)
+    n, h, d = q.shape
+    length, hkv, _ = k.shape
+    if start_pos is None:
+        start_pos = length - n
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    group = h // hkv
+
+    def heads(a: np.ndarray) -> np.ndarray:  # [L, Hkv, d] -> [H, L, d]
+        return np.repeat(np.asarray(a, np.float64), group, axis=1).transpose(1, 0, 2)
+
+    # every row from the compressed cache, then the exact rows put in: only the
+    # columns some query row reads exactly (the sinks and the window's band) are
+    # computed twice, so a long context costs one pass (batched BLAS per head)
+    exact = exact_rows_mask(n, length, start_pos, sinks, window)
+    cols = np.flatnonzero(exact.any(axis=0))
+    mask = exact[:, cols][None]  # [1, n, C]
+    qh = q.transpose(1, 0, 2)  # [H, n, d]
+    kh, vh = heads(k_hat), heads(v_hat)
+    s = qh @ kh.transpose(0, 2, 1)  # [H, n, L]
+    s[:, :, cols] = np.where(mask, qh @ heads(k[cols]).transpose(0, 2, 1), s[:, :, cols])
+    p = softmax_rows(s * scale, start_pos, causal)
+    out = p @ vh + np.where(mask, p[:, :, cols], 0.0) @ (heads(v[cols]) - vh[:, cols])
+    return out.transpose(1, 0, 2)

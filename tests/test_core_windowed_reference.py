@@ -1,0 +1,109 @@
+"""The oracles of exact sinks and a recent window over a compressed cache (issue 27),
+checked against first principles: the decoded rows give the compressed oracle's
+attention, and the windowed attention is a per-row choice of rows under one softmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnserve.formats import TQ_SPECS
+from attnserve.testing import reference as ref
+from attnserve.turboquant import layer_signs
+
+
+def packed(rng, fmt: str, length: int, hkv: int, d: int, cap: int, seed: int = 7):
+    """Random rows encoded in ``fmt`` by the oracle and packed with ``cap`` slots."""
+    spec = TQ_SPECS[fmt]
+    ps, js = layer_signs(seed, 2, d)
+    k = rng.standard_normal((length, hkv, d)) * (1.0 + 3.0 * (rng.random((length, hkv, 1)) < 0.1))
+    v = rng.standard_normal((length, hkv, d))
+    ek, ev = ref.tqx_encode(k, v, spec, ps, js)
+    kw, vw = ref.pack_tqx_key_cache(ek, cap, spec), ref.pack_tqx_value_cache(ev, cap, spec)
+    return spec, k, v, kw, vw, ps, js
+
+
+@pytest.mark.parametrize("fmt", sorted(TQ_SPECS))
+@pytest.mark.parametrize("d", [32, 64])
+def test_decoded_rows_give_the_compressed_oracle(rng, fmt, d):
+    length, hkv, h, cap = 37, 3, 9, 48
+    spec, _, _, kw, vw, ps, js = packed(rng, fmt, length, hkv, d, cap)
+    q = rng.standard_normal((5, h, d))
+    dims = dict(n_kv_heads=hkv, cap=cap, length=length, polar_signs=ps, jl_signs=js)
+    k_hat, v_hat = ref.tqx_decoded_rows(kw, vw, spec, d=d, **dims)
+    assert k_hat.shape == v_hat.shape == (length, hkv, d)
+    for start_pos, causal in ((32, True), (3, True), (0, False)):
+        want = ref.tqx_attention(q, kw, vw, spec, start_pos=start_pos, causal=causal, scale=0.21, **dims)
+        got = ref.attention(q, k_hat, v_hat, start_pos=start_pos, causal=causal, scale=0.21)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
+
+
+def naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, window, causal, scale):
+    """Row by row and head by head: the keys and values each query row reads."""
+    n, h, d = q.shape
+    length, hkv, _ = k.shape
+    out = np.zeros((n, h, d))
+    for i in range(n):
+        pos = start_pos + i
+        end = pos + 1 if causal else length
+        exact = [t < sinks or t > pos - window for t in range(end)]
+        for hh in range(h):
+            g = hh // (h // hkv)
+            ks = np.array([k[t, g] if exact[t] else k_hat[t, g] for t in range(end)])
+            vs = np.array([v[t, g] if exact[t] else v_hat[t, g] for t in range(end)])
+            s = ks @ q[i, hh] * scale
+            p = np.exp(s - s.max())
+            out[i, hh] = p @ vs / p.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "sinks,window,start_pos,causal",
+    [(0, 0, 14, True), (3, 0, 14, True), (0, 5, 14, True), (2, 4, 14, True), (4, 7, 0, True), (30, 30, 14, True),
+     (2, 3, 14, False), (5, 1, 9, True)],
+)  # fmt: skip
+def test_windowed_attention_matches_rows_chosen_one_by_one(rng, sinks, window, start_pos, causal):
+    n, h, hkv, d, length = 5, 6, 2, 8, 19
+    q = rng.standard_normal((n, h, d))
+    k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
+    got = ref.windowed_attention(
+        q, k, v, k_hat, v_hat, sinks=sinks, window=window, start_pos=start_pos, causal=causal, scale=0.4
+    )
+    want = naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, window, causal, 0.4)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_windowed_attention_limits(rng):
+    n, h, hkv, d, length = 4, 4, 2, 16, 23
+    q = rng.standard_normal((n, h, d))
+    k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
+    none = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, window=0)
+    np.testing.assert_allclose(none, ref.attention(q, k_hat, v_hat), rtol=1e-12, atol=1e-12)
+    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, window=length)
+    np.testing.assert_allclose(every, ref.attention(q, k, v), rtol=1e-12, atol=1e-12)
+    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=length, window=0)
+    np.testing.assert_allclose(every, ref.attention(q, k, v), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(none, every, atol=1e-3)  # the two kinds of rows differ: the limits say something
+
+
+def test_a_positions_result_does_not_depend_on_chunking(rng):
+    """Row i's window is its own most recent rows: the rows of one call of n queries
+    are the rows of n calls of one query each."""
+    h, hkv, d, length, sinks, window = 4, 1, 8, 17, 2, 5
+    q = rng.standard_normal((length, h, d))
+    k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
+    whole = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=sinks, window=window, start_pos=0)
+    for p in range(length):
+        one = ref.windowed_attention(
+            q[p : p + 1], k[: p + 1], v[: p + 1], k_hat[: p + 1], v_hat[: p + 1], sinks=sinks, window=window
+        )
+        np.testing.assert_allclose(one[0], whole[p], rtol=1e-12, atol=1e-12)
+
+
+def test_exact_rows_mask():
+    m = ref.exact_rows_mask(3, 10, 6, sinks=2, window=3)
+    assert m.tolist() == [
+        [True, True, False, False, True, True, True, True, True, True],
+        [True, True, False, False, False, True, True, True, True, True],
+        [True, True, False, False, False, False, True, True, True, True],
+    ]  # row 0 sits at 6: 4..6 exact (and 7.. masked by causality, not by this)
