@@ -46,9 +46,9 @@ Any format the server lists in ``GET /v1/info`` ``kv_formats`` is accepted (one 
 layers 3 and 7 in NAME and the others in f32 (a per-layer ``kv_format``), and
 ``--one-layer NAME`` adds ``NAME@L`` for every layer L: where a format's loss comes from;
 ``NAME~0+-1`` puts every layer in NAME but layers 0 and -1 (the last), which the
-session keeps in f16 (``exact_layers``); ``NAME/s4w128`` keeps each query's first 4
-timesteps (sinks) and its own last 128 (the window) exact in f16 and the rest in
-NAME: with ``--oracle``, which computes every setting with the float64 oracles
+session keeps in f16 (``exact_layers``); ``NAME/s4w128`` reads the first 4 timesteps
+(sinks), each call's own rows and the 128 before them (the window) exactly, in f16,
+and the rest from NAME's codes: with ``--oracle``, which computes every setting with the float64 oracles
 instead of a server (``OracleAttention``: the prediction of issue 27's design before
 the service has it). ``--texts moby-dick,pride-and-prejudice``
 are the long texts (2,856 and 3,881 tokens, ``bench/texts/``); ``--decode-tail N``
@@ -461,10 +461,11 @@ class OracleAttention:
     """What the service computes, in float64 without a server (the float64 oracles of
     ``attnserve.testing.reference``): each layer's rows (float32, as the client sends
     them) encoded by the oracle in that layer's format and attended from what the
-    codes stand for; with ``sinks``/``window``, each query row reads the first
-    ``sinks`` timesteps and its own last ``window`` exactly (as float16) and the rest
-    from the codes (``reference.windowed_attention``: issue 27's exact sinks and
-    recent window, which predicts what that design gains before it is built)."""
+    codes stand for; with ``sinks``/``window``, an attend reads the first ``sinks``
+    timesteps, its own rows and the ``window`` before its first one exactly (as
+    float16) and the rest from the codes (``reference.windowed_attention`` and
+    ``exact_from``: issue 27's exact sinks and recent window, predicted before the
+    service has them)."""
 
     def __init__(self, cfg: Config, layer_formats: list[str], seed: int, sinks: int = 0, window: int = 0) -> None:
         from attnserve.formats import PLAIN_DTYPES, TQ_SPECS
@@ -495,8 +496,9 @@ class OracleAttention:
         f32 = np.float32
         self.rows[layer].append(self._coded(layer, k.astype(f32), v.astype(f32)))
         kx, vx, kh, vh = (np.concatenate(part) for part in zip(*self.rows[layer]))
+        start = kx.shape[0] - q.shape[0]  # the fused append's rows: its first query row sits at the old length
         return ref.windowed_attention(
-            q.astype(f32), kx, vx, kh, vh, sinks=self.sinks, window=self.window
+            q.astype(f32), kx, vx, kh, vh, sinks=self.sinks, exact_from=ref.exact_from(start, self.sinks, self.window)
         )  # fmt: skip
 
     def close(self) -> None:

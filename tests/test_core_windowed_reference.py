@@ -38,15 +38,14 @@ def test_decoded_rows_give_the_compressed_oracle(rng, fmt, d):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
 
 
-def naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, window, causal, scale):
+def naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, exact_from, causal, scale):
     """Row by row and head by head: the keys and values each query row reads."""
     n, h, d = q.shape
     length, hkv, _ = k.shape
     out = np.zeros((n, h, d))
     for i in range(n):
-        pos = start_pos + i
-        end = pos + 1 if causal else length
-        exact = [t < sinks or t > pos - window for t in range(end)]
+        end = start_pos + i + 1 if causal else length
+        exact = [t < sinks or t >= exact_from for t in range(end)]
         for hh in range(h):
             g = hh // (h // hkv)
             ks = np.array([k[t, g] if exact[t] else k_hat[t, g] for t in range(end)])
@@ -58,18 +57,18 @@ def naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, window, causal, scal
 
 
 @pytest.mark.parametrize(
-    "sinks,window,start_pos,causal",
-    [(0, 0, 14, True), (3, 0, 14, True), (0, 5, 14, True), (2, 4, 14, True), (4, 7, 0, True), (30, 30, 14, True),
-     (2, 3, 14, False), (5, 1, 9, True)],
+    "sinks,exact_from,start_pos,causal",
+    [(0, ref.NO_WINDOW, 14, True), (3, ref.NO_WINDOW, 14, True), (0, 10, 14, True), (2, 11, 14, True),
+     (4, 4, 0, True), (30, 0, 14, True), (2, 12, 14, False), (5, 5, 9, True), (0, 19, 14, True)],
 )  # fmt: skip
-def test_windowed_attention_matches_rows_chosen_one_by_one(rng, sinks, window, start_pos, causal):
+def test_windowed_attention_matches_rows_chosen_one_by_one(rng, sinks, exact_from, start_pos, causal):
     n, h, hkv, d, length = 5, 6, 2, 8, 19
     q = rng.standard_normal((n, h, d))
     k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
     got = ref.windowed_attention(
-        q, k, v, k_hat, v_hat, sinks=sinks, window=window, start_pos=start_pos, causal=causal, scale=0.4
+        q, k, v, k_hat, v_hat, sinks=sinks, exact_from=exact_from, start_pos=start_pos, causal=causal, scale=0.4
     )
-    want = naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, window, causal, 0.4)
+    want = naive_windowed(q, k, v, k_hat, v_hat, start_pos, sinks, exact_from, causal, 0.4)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -77,33 +76,19 @@ def test_windowed_attention_limits(rng):
     n, h, hkv, d, length = 4, 4, 2, 16, 23
     q = rng.standard_normal((n, h, d))
     k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
-    none = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, window=0)
+    none = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, exact_from=ref.NO_WINDOW)
     np.testing.assert_allclose(none, ref.attention(q, k_hat, v_hat), rtol=1e-12, atol=1e-12)
-    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, window=length)
+    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=0, exact_from=0)
     np.testing.assert_allclose(every, ref.attention(q, k, v), rtol=1e-12, atol=1e-12)
-    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=length, window=0)
+    every = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=length, exact_from=ref.NO_WINDOW)
     np.testing.assert_allclose(every, ref.attention(q, k, v), rtol=1e-12, atol=1e-12)
     assert not np.allclose(none, every, atol=1e-3)  # the two kinds of rows differ: the limits say something
 
 
-def test_a_positions_result_does_not_depend_on_chunking(rng):
-    """Row i's window is its own most recent rows: the rows of one call of n queries
-    are the rows of n calls of one query each."""
-    h, hkv, d, length, sinks, window = 4, 1, 8, 17, 2, 5
-    q = rng.standard_normal((length, h, d))
-    k, v, k_hat, v_hat = (rng.standard_normal((length, hkv, d)) for _ in range(4))
-    whole = ref.windowed_attention(q, k, v, k_hat, v_hat, sinks=sinks, window=window, start_pos=0)
-    for p in range(length):
-        one = ref.windowed_attention(
-            q[p : p + 1], k[: p + 1], v[: p + 1], k_hat[: p + 1], v_hat[: p + 1], sinks=sinks, window=window
-        )
-        np.testing.assert_allclose(one[0], whole[p], rtol=1e-12, atol=1e-12)
-
-
-def test_exact_rows_mask():
-    m = ref.exact_rows_mask(3, 10, 6, sinks=2, window=3)
-    assert m.tolist() == [
-        [True, True, False, False, True, True, True, True, True, True],
-        [True, True, False, False, False, True, True, True, True, True],
-        [True, True, False, False, False, False, True, True, True, True],
-    ]  # row 0 sits at 6: 4..6 exact (and 7.. masked by causality, not by this)
+def test_exact_from():
+    # a decode step at 99 with a window of 8 reads 92..99 exactly; a chunk from 96 reads
+    # 89.. (8 back from its first row) and all of its own rows
+    assert ref.exact_from(99, 4, 8) == 92 and ref.exact_from(96, 4, 8) == 89
+    assert ref.exact_from(5, 4, 8) == 4  # the window reaches into the sinks: from the sinks on
+    assert ref.exact_from(99, 4, 8, held_from=95) == 95  # rows the layer no longer holds exactly: codes
+    assert ref.exact_from(99, 4, 0) == ref.NO_WINDOW  # no window: only the sinks

@@ -62,7 +62,7 @@ __all__ = [
     "outlier_values",
     "unpack_tqx_outliers",
     "tqx_decoded_rows",
-    "exact_rows_mask",
+    "exact_from",
     "windowed_attention",
 ]
 
@@ -607,14 +607,19 @@ def tqx_decoded_rows(
     return k_hat, v_hat
 
 
-def exact_rows_mask(n: int, length: int, start_pos: int, sinks: int, window: int) -> np.ndarray:
-    """``[n, L]`` bool: the timesteps query row ``i`` (at ``p = start_pos + i``) reads
-    exactly: the first ``sinks`` and its own most recent ``window`` (``p + 1 - window
-    .. p``); it reads the others from the compressed cache. Per query, so a position's
-    result does not depend on how the rows were chunked into appends."""
-    t = np.arange(length)[None, :]
-    pos = (start_pos + np.arange(n))[:, None]
-    return (t < sinks) | (t > pos - window)
+#: :func:`exact_from` of a layer without a window: no timestep past the sinks is exact.
+NO_WINDOW = 2**62
+
+
+def exact_from(start_pos: int, sinks: int, window: int, held_from: int = 0) -> int:
+    """The first timestep past the sinks that an attend whose first query row sits at
+    ``start_pos`` reads exactly: its window reaches ``window`` rows back from that row
+    (so every row of the attend's own chunk is exact too), but not before the rows the
+    layer still holds exactly (``held_from``: rows older than a window are dropped as
+    the session grows) nor into the sinks. Timesteps in ``[sinks, exact_from)`` are
+    read from the codes. One value per attend, for all its query rows (as
+    Hugging Face's quantized cache reads a prefill's own rows exactly)."""
+    return max(sinks, start_pos + 1 - window, held_from) if window else NO_WINDOW
 
 
 def windowed_attention(
@@ -625,15 +630,15 @@ def windowed_attention(
     v_hat: np.ndarray,
     *,
     sinks: int,
-    window: int,
+    exact_from: int,
     start_pos: int | None = None,
     causal: bool = True,
     scale: float | None = None,
 ) -> np.ndarray:
-    """Attention in float64 where each query row reads its :func:`exact_rows_mask`
-    timesteps from ``k, v`` (the exact rows, as stored: f16 or f32) and the rest from
-    ``k_hat, v_hat`` (:func:`tqx_decoded_rows` of the compressed cache), all under
-    one softmax. ``[n, H, d]`` from rows ``[L, Hkv, d]``."""
+    """Attention in float64 that reads timesteps ``t < sinks`` and ``t >= exact_from``
+    from ``k, v`` (the exact rows, as stored: float16 or float32) and the others from
+    ``k_hat, v_hat`` (:func:`tqx_decoded_rows` of the compressed cache), under one
+    softmax. ``[n, H, d]`` from rows ``[L, Hkv, d]``."""
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
     length, hkv, _ = k.shape
@@ -646,16 +651,12 @@ def windowed_attention(
     def heads(a: np.ndarray) -> np.ndarray:  # [L, Hkv, d] -> [H, L, d]
         return np.repeat(np.asarray(a, np.float64), group, axis=1).transpose(1, 0, 2)
 
-    # every row from the compressed cache, then the exact rows put in: only the
-    # columns some query row reads exactly (the sinks and the window's band) are
-    # computed twice, so a long context costs one pass (batched BLAS per head)
-    exact = exact_rows_mask(n, length, start_pos, sinks, window)
-    cols = np.flatnonzero(exact.any(axis=0))
-    mask = exact[:, cols][None]  # [1, n, C]
+    # every row from the codes, then the exact rows put in (only those are computed twice)
+    cols = np.r_[0 : min(sinks, length), max(exact_from, sinks) : length]
     qh = q.transpose(1, 0, 2)  # [H, n, d]
     kh, vh = heads(k_hat), heads(v_hat)
     s = qh @ kh.transpose(0, 2, 1)  # [H, n, L]
-    s[:, :, cols] = np.where(mask, qh @ heads(k[cols]).transpose(0, 2, 1), s[:, :, cols])
+    s[:, :, cols] = qh @ heads(k[cols]).transpose(0, 2, 1)
     p = softmax_rows(s * scale, start_pos, causal)
-    out = p @ vh + np.where(mask, p[:, :, cols], 0.0) @ (heads(v[cols]) - vh[:, cols])
+    out = p @ vh + p[:, :, cols] @ (heads(v[cols]) - vh[:, cols])
     return out.transpose(1, 0, 2)
