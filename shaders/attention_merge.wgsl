@@ -16,7 +16,10 @@
 //
 // With flags bit 0 (ROTATE) it then applies the TurboQuant epilogue to the
 // rotated-space result: out = s * (H out) / sqrt(d) with the layer's polar signs
-// (one Walsh-Hadamard butterfly in workgroup memory). f32 attends leave the bit
+// (one Walsh-Hadamard butterfly in workgroup memory). The splits from `n_rotated` on
+// (a windowed attend's exact rows: the sinks and the recent window, read by the
+// plain split kernel with the plain queries) share the max and the sum but are
+// added after the rotation, in the original basis. f32 attends leave the bit
 // clear and may bind any read-only buffer as `signs`.
 //
 // Bind group 0 (one dispatch merges a batch of attends, one params block per
@@ -46,7 +49,9 @@ const FLAG_ROTATE: u32 = 1u;
 var<workgroup> gm: array<f32, WG>;
 var<workgroup> gl: array<f32, WG>;
 var<workgroup> gacc: array<vec4<f32>, WG>;
+var<workgroup> gacc_x: array<vec4<f32>, WG>;   // the splits past n_rotated (a windowed attend's exact rows)
 var<workgroup> acc_sh: array<f32, MAX_HEAD_DIM>;
+var<workgroup> exact_sh: array<f32, MAX_HEAD_DIM>;
 
 // One float of the partial buffer (bound as vec4; the m and l regions start at
 // multiples of four floats).
@@ -87,9 +92,13 @@ fn attention_merge(
     let g = tid / d4;
 
     // ── each group merges its splits online: four per step ──
+    // splits [0, n_rotated) accumulate in acc (rotated space with ROTATE), the others
+    // in acc_x (a windowed attend's exact rows, never rotated); one max and sum for all
+    let n_rotated = mp.n_rotated;
     var m = NEG_INF;
     var l = 0.0;
     var acc = vec4<f32>(0.0);
+    var acc_x = vec4<f32>(0.0);
     if g < n_grp {
         var s = g;
         for (; s + 3u * n_grp < n_splits; s += 4u * n_grp) {
@@ -106,7 +115,12 @@ fn attention_merge(
             let r = exp(m - mn);
             let w = exp(ms - vec4<f32>(mn));
             l = l * r + dot(ls, w);
-            acc = acc * r + (v0 * w.x + v1 * w.y) + (v2 * w.z + v3 * w.w);
+            // 1 or 0 per split: the products are w's bits or zero
+            let kr = select(vec4<f32>(0.0), vec4<f32>(1.0), vec4<u32>(s, s1, s2, s3) < vec4<u32>(n_rotated));
+            let wr = w * kr;
+            let wx = w * (vec4<f32>(1.0) - kr);
+            acc = acc * r + (v0 * wr.x + v1 * wr.y) + (v2 * wr.z + v3 * wr.w);
+            acc_x = acc_x * r + (v0 * wx.x + v1 * wx.y) + (v2 * wx.z + v3 * wx.w);
             m = mn;
         }
         for (; s < n_splits; s += n_grp) {
@@ -115,18 +129,29 @@ fn attention_merge(
             let r = exp(m - mn);
             let w = exp(ms - mn);
             l = l * r + pf(l_off + s) * w;
-            acc = acc * r + partial[acc4 + (base + s) * d4 + c] * w;
+            let v = partial[acc4 + (base + s) * d4 + c];
+            if s < n_rotated {
+                acc = acc * r + v * w;
+                acc_x = acc_x * r;
+            } else {
+                acc = acc * r;
+                acc_x = acc_x * r + v * w;
+            }
             m = mn;
         }
     }
     gm[tid] = m;
     gl[tid] = l;
     gacc[tid] = acc;
+    gacc_x[tid] = acc_x;
     workgroupBarrier();
 
     // ── combine the groups: thread c < d4 owns column c ──
     let rotate = (flags & FLAG_ROTATE) != 0u;
+    let mixed = n_rotated < n_splits;        // uniform: exact splits to add after the rotation
     var o = vec4<f32>(0.0);
+    var ox = vec4<f32>(0.0);
+    var inv_l = 0.0;
     if tid < d4 {
         var mx = NEG_INF;
         for (var k = 0u; k < n_grp; k += 1u) {
@@ -137,12 +162,17 @@ fn attention_merge(
             let w = exp(gm[k * d4] - mx);
             lt += gl[k * d4] * w;
             o += gacc[k * d4 + tid] * w;
+            ox += gacc_x[k * d4 + tid] * w;
         }
-        var inv = 1.0 / lt;
+        inv_l = 1.0 / lt;
+        var inv = inv_l;
         if rotate {
             inv = inv / sqrt(f32(head_dim));
         }
         o *= inv;
+        if !rotate && mixed {
+            o += ox * inv_l;
+        }
         if !rotate {
             let ob = out_off + q_idx * out_stride + head * head_dim + 4u * tid;
             out_batch[ob] = o.x;
@@ -155,6 +185,11 @@ fn attention_merge(
     // ── TurboQuant: inverse RHT of the rotated-space result ──
     if rotate {
         if tid < d4 {
+            let e = ox * inv_l;                  // read after the butterfly's first barrier
+            exact_sh[4u * tid] = e.x;
+            exact_sh[4u * tid + 1u] = e.y;
+            exact_sh[4u * tid + 2u] = e.z;
+            exact_sh[4u * tid + 3u] = e.w;
             acc_sh[4u * tid] = o.x;
             acc_sh[4u * tid + 1u] = o.y;
             acc_sh[4u * tid + 2u] = o.z;
@@ -162,7 +197,11 @@ fn attention_merge(
         }
     // #include "butterfly.wgsl" ARR=acc_sh
         if tid < head_dim {
-            out_batch[out_off + q_idx * out_stride + head * head_dim + tid] = acc_sh[tid] * signs[sign_off + tid];
+            var y = acc_sh[tid] * signs[sign_off + tid];
+            if mixed {
+                y += exact_sh[tid];                 // the exact rows' part, in the original basis
+            }
+            out_batch[out_off + q_idx * out_stride + head * head_dim + tid] = y;
         }
     }
 }

@@ -65,10 +65,10 @@
     }
 
     // ── sum the row groups (through `scores`, two heads per pass); write partials ──
-    let n_part = q_total * n_heads * n_splits;
-    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;  // head 0 of the group
+    let n_part = q_total * n_heads * split_total;
+    let pbase = (q_idx * n_heads + kv_head * group) * split_total + split_at;  // head 0 of the group
     if tid < group {
-        let pi = pbase + tid * n_splits;
+        let pi = pbase + tid * split_total;
         partial[part_off + n_part * head_dim + pi] = stat[tid];                 // m (NEG_INF if empty)
         partial[part_off + n_part * (head_dim + 1u) + pi] = red[tid * seg];     // l (0 if empty)
     }
@@ -100,7 +100,7 @@
                 for (var g = 0u; g < n_grp; g += 1u) {
                     sum += scores[hx * 4u * WG + 4u * g * d4 + e];
                 }
-                partial[part_off + (pbase + (h0 + hx) * n_splits) * head_dim + e] = sum;
+                partial[part_off + (pbase + (h0 + hx) * split_total) * head_dim + e] = sum;
             }
         }
     }

@@ -1,10 +1,10 @@
     // ── sum the row groups (through qbuf, two heads per pass); write partials ──
     // (shaders/include/split_tq_epilogue.wgsl, shared by flash_attention_tqx_split.wgsl
     // and flash_attention_tqx_split_sg.wgsl; inlined by the loader, barriers included.)
-    let n_part = q_cap * n_heads * n_splits;
-    let pbase = (q_idx * n_heads + kv_head * group) * n_splits + split;
+    let n_part = q_cap * n_heads * split_total;
+    let pbase = (q_idx * n_heads + kv_head * group) * split_total + split_at;
     if tid < group {
-        let pi = pbase + tid * n_splits;
+        let pi = pbase + tid * split_total;
         partial[part_off + n_part * head_dim + pi] = stat[tid];
         partial[part_off + n_part * (head_dim + 1u) + pi] = red[tid * seg];
     }
@@ -22,7 +22,7 @@
             for (var g = 0u; g < n_grp; g += 1u) {
                 sum += qbuf[hh * WG + g * d4 + cc];
             }
-            let po = part_off + (pbase + (h0 + hh) * n_splits) * head_dim + 4u * cc;
+            let po = part_off + (pbase + (h0 + hh) * split_total) * head_dim + 4u * cc;
             partial[po] = sum.x;
             partial[po + 1u] = sum.y;
             partial[po + 2u] = sum.z;

@@ -29,7 +29,12 @@
     if split >= n_splits {
         return;                                // a shorter item of the batch
     }
-    let group = GROUP;                         // = n_heads / n_kv_heads, fixed per pipeline
+    // the item's partials hold split_total splits (every part of a windowed attend);
+    // this dispatch's are split_base .. split_base + n_splits - 1 of them
+    let split_total = prm.split_total;
+    let split_at = prm.split_base + split;
+    let group = GROUP;                         // query heads per workgroup, fixed per pipeline
+    let cache_head = kv_head * group / prm.kv_group;  // the cache's KV head they read (kv_group: its GQA group)
     let seg = WG / group;
     let d4 = head_dim / 4u;
     let pos_q = start_pos + q_idx;
@@ -37,11 +42,14 @@
     if (flags & FLAG_NON_CAUSAL) != 0u {
         seq_len = max_seq;
     }
-    let t0 = split * split_len;
+    // this split's keys: timesteps t_first .. (logical; a part of a windowed attend
+    // starts at t_lo), read from cache rows t0 .. (the cache's row 0 holds timestep row_base)
+    let t_first = prm.t_lo + split * split_len;
     var n_t = 0u;
-    if t0 < seq_len {
-        n_t = min(split_len, seq_len - t0);
+    if t_first < seq_len {
+        n_t = min(split_len, seq_len - t_first);
     }
+    let t0 = t_first - prm.row_base;
 
     // #include "tqx_regions.wgsl"
     g_vcw = vcw;
@@ -57,7 +65,7 @@
         kc_sh[tid] = kc[tid];
         vc_sh[tid] = vc[tid];
     }
-    let hslot = kv_head * cache_cap;             // slot of this head's slab row 0
+    let hslot = cache_head * cache_cap;          // slot of this head's slab row 0
     // the pages this split reads, in workgroup memory: a key's row is then one
     // shared-memory read away instead of a dependent global load (split_row)
     let page0 = t0 >> page_shift;

@@ -27,6 +27,7 @@ Array layouts (all float32, row-major):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from collections.abc import Sequence
@@ -56,6 +57,8 @@ __all__ = [
     "plan_append",
     "plan_split",
     "plan_split_turboquant",
+    "plan_split_windowed",
+    "ExactRows",
     "rotated_q_bytes",
     "KernelPolicy",
     "plan_attend_plain",
@@ -479,6 +482,7 @@ def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Append]) ->
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
 SPLIT_TILE = 32  # the shortest split choose_split makes
+SPLIT_GROUPS = (1, 2, 4, 8)  # the GQA groups a split workgroup serves whole
 # group * split_len, the scores a split kernel holds in workgroup memory (MAX_SCORES
 # in shaders/include/split_plain_decls.wgsl and split_tqx_decls.wgsl): the plain
 # kernels' 4096 (1024-key splits at G = 4) measured 8-10% faster at 32k-128k than
@@ -542,8 +546,11 @@ class KernelPolicy:
         return "split" if n_queries <= self.split_max_queries else "tiled"
 
 
-def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-    if n_heads // n_kv_heads not in (1, 2, 4, 8):
+def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int, any_group: bool = False) -> bool:
+    """Whether the split kernels take this shape: by default a GQA group they serve
+    whole in one workgroup (the policy's rule, also the tiled kernels'); with
+    ``any_group``, any (one query head per workgroup otherwise)."""
+    if n_heads % n_kv_heads or (not any_group and n_heads // n_kv_heads not in SPLIT_GROUPS):
         return False
     if kv_format in TQ_SPECS:
         return head_dim in (32, 64, 128)
@@ -630,7 +637,15 @@ class Attends:
 
     @property
     def group(self) -> int:
+        """Query heads per KV head (GQA)."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def wg_group(self) -> int:
+        """Query heads one split workgroup serves: the GQA group where the split
+        kernels take it whole (1, 2, 4, 8), else one (any other group: each head
+        reads its KV head alone)."""
+        return self.group if self.group in SPLIT_GROUPS else 1
 
     @property
     def flags(self) -> int:
@@ -640,13 +655,37 @@ class Attends:
 @dataclass(frozen=True)
 class _SplitItem:
     """Split attends of one slab and shape: their splits, their partials' word
-    offsets, and whether they read a TurboQuant slab."""
+    offsets, and whether they read a TurboQuant slab. A part of windowed attends
+    (:func:`plan_split_windowed`) reads timesteps from ``t_lo`` (cache row 0 holding
+    timestep ``row_base``) and writes splits ``split_base ..`` of its attends'
+    ``split_total``; a whole attend reads from 0 and writes all its splits."""
 
     a: Attends
     split_len: np.ndarray
     n_splits: np.ndarray
     part_off: np.ndarray
     tq: bool
+    t_lo: np.ndarray | int = 0
+    row_base: np.ndarray | int = 0
+    split_base: np.ndarray | int = 0
+    split_total: np.ndarray | None = None
+    # the merge of windowed attends: splits [0, n_rotated) are the codes' (rotated)
+    n_rotated: np.ndarray | None = None
+
+    @property
+    def total(self) -> np.ndarray:
+        """Every attend's splits in its partials."""
+        return self.n_splits if self.split_total is None else self.split_total
+
+    @property
+    def rotated(self) -> np.ndarray:
+        """Every attend's splits whose accumulators the merge rotates (with ROTATE)."""
+        return self.total if self.n_rotated is None else self.n_rotated
+
+    def column(self, name: str) -> np.ndarray:
+        """A part field as one entry per attend."""
+        value = getattr(self, name)
+        return np.full(len(self.n_splits), value, np.int64) if np.isscalar(value) else np.asarray(value, np.int64)
 
 
 def plan_split(batch: Batch, a: Attends, kv_format: str) -> None:
@@ -655,31 +694,113 @@ def plan_split(batch: Batch, a: Attends, kv_format: str) -> None:
     read rotated queries (:func:`plan_split_turboquant` rotates them first)."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
         raise ValueError("shape not eligible for the split kernel")
-    tq = kv_format in TQ_SPECS
-    split_len, n_splits = split_sizes(
-        kv_format, a.length, a.n_kv_heads, a.n_queries, a.group, batch.policy.target_workgroups
+    split_len, n_splits = _splits(batch, kv_format, a, np.asarray(a.length, np.int64))
+    item = _SplitItem(a, split_len, n_splits, _partials(batch, a, n_splits), kv_format in TQ_SPECS)
+    _defer_split(batch, item, kv_format)
+    batch.defer(
+        PHASE_MERGE, ("attention_merge", a.out, a.head_dim), item, _flush_merge, rows=item.a.n_queries * len(a.length)
     )
-    if int(n_splits.max()) > _limit(batch):
+
+
+def _splits(batch: Batch, kv_format: str, a: Attends, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(split_len, n_splits) of attends reading ``keys[i]`` timesteps each."""
+    split_len, n_splits = split_sizes(
+        kv_format, keys, a.n_kv_heads, a.n_queries, a.wg_group, batch.policy.target_workgroups
+    )
+    if len(n_splits) and int(n_splits.max()) > _limit(batch):
         raise ValueError(f"{int(n_splits.max())} splits pass the dispatch limit")
+    return split_len, n_splits
+
+
+def _partials(batch: Batch, a: Attends, n_splits: np.ndarray) -> np.ndarray:
+    """Word offsets of each attend's partials of ``n_splits[i]`` splits, in scratch."""
     nbytes = partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim)
     first = batch.scratch(int(nbytes.sum()), arena="partial").offset
-    part_off = (first + np.cumsum(nbytes) - nbytes) // 4
-    item = _SplitItem(a, split_len, n_splits, part_off, tq)
+    return (first + np.cumsum(nbytes) - nbytes) // 4
+
+
+def _defer_split(batch: Batch, item: _SplitItem, kv_format: str) -> None:
+    """Queue ``item``'s split kernel (one dispatch per kernel, slab and shape for the batch)."""
+    a = item.a
     sg = batch.policy.use_subgroups(batch.device)
-    if not tq:
+    if not item.tq:
         kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
     else:
         kernel = tqx_kernel("attention_split_tqx_sg" if sg else "attention_split_tqx", kv_format)
-        constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim}
+        constants = {"GROUP": a.wg_group, "HEAD_DIM": a.head_dim}
     rows = a.n_queries * len(a.length)
-    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads)
+    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads, a.group)
     batch.defer(PHASE_ATTEND, key, item, functools.partial(_flush_split, kernel, constants), rows=rows)
-    batch.defer(PHASE_MERGE, ("attention_merge", a.out, a.head_dim), item, _flush_merge, rows=rows)
 
 
 def plan_split_turboquant(batch: Batch, a: Attends, kv_format: str) -> None:
     """TurboQuant split attends of plain queries ``a.q``: rotated by ``tq_rotate_q``
     into scratch (each attend's ``[q_rot | q_jl | sums]``), then :func:`plan_split`."""
+    plan_split(batch, _rotated(batch, a, kv_format), kv_format)
+
+
+@dataclass(frozen=True)
+class ExactRows:
+    """Where windowed TurboQuant attends (:func:`plan_split_windowed`) read rows
+    exactly, as columns (one entry per attend): their first ``sinks[i]`` timesteps
+    from ``sinks_cache`` (page table at word ``sinks_table[i]``), and the timesteps
+    from ``exact_from[i]`` on from ``recent_cache``, whose row 0 holds timestep
+    ``recent_base[i]`` (page table at word ``recent_table[i]``): plain slabs of
+    ``kv_format`` holding the rows as they were sent."""
+
+    kv_format: str
+    sinks_cache: Cache | None  # None: no sinks
+    recent_cache: Cache | None  # None: no window
+    sinks: Sequence[int]
+    sinks_table: Sequence[int]
+    exact_from: Sequence[int]
+    recent_base: Sequence[int]
+    recent_table: Sequence[int]
+
+
+def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) -> None:
+    """Windowed TurboQuant attends (``reference.windowed_attention``): attend ``i``
+    reads its timesteps ``[0, sinks)`` and ``[exact_from, length)`` exactly (``x``)
+    and the band between them from the codes of ``a.cache``. Three parts per attend,
+    each a split kernel writing its own splits of the attend's partials: the band
+    (the format's tqx kernel, rotated queries), the sinks and the recent rows (the
+    plain kernel of ``x.kv_format``, plain queries); one merge takes them all under
+    one softmax, the band's accumulator rotated back and the exact rows' added in
+    the original basis. Any GQA group (a workgroup serves one query head where the
+    group is not 1, 2, 4 or 8)."""
+    if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim, any_group=True):
+        raise ValueError("shape not eligible for the split kernel")
+    if not split_eligible(x.kv_format, a.n_heads, a.n_kv_heads, a.head_dim, any_group=True):
+        raise ValueError("exact rows' shape not eligible for the split kernel")
+    length = np.asarray(a.length, np.int64)
+    sinks = np.minimum(np.asarray(x.sinks, np.int64), length)
+    exact_from = np.clip(np.asarray(x.exact_from, np.int64), sinks, length)
+    rotated = _rotated(batch, a, kv_format)
+    band = dataclasses.replace(rotated, length=exact_from)
+    head = dataclasses.replace(a, cache=x.sinks_cache, length=sinks, table_off=x.sinks_table, sign_off=())
+    tail = dataclasses.replace(a, cache=x.recent_cache, table_off=x.recent_table, sign_off=())
+    len_c, n_c = _splits(batch, kv_format, band, exact_from - sinks)
+    len_s, n_s = _splits(batch, x.kv_format, head, sinks)
+    len_r, n_r = _splits(batch, x.kv_format, tail, length - exact_from)
+    total = n_c + n_s + n_r
+    part_off = _partials(batch, a, total)
+    parts = (
+        (band, kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks, 0, 0, total)),
+        (head, x.kv_format, _SplitItem(head, len_s, n_s, part_off, False, 0, 0, n_c, total)),
+        (tail, x.kv_format, _SplitItem(tail, len_r, n_r, part_off, False, exact_from, x.recent_base, n_c + n_s, total)),
+    )  # fmt: skip
+    for _, fmt, item in parts:
+        if item.n_splits.any():
+            _defer_split(batch, item, fmt)
+    merge = _SplitItem(rotated, len_c, n_c, part_off, True, split_total=total, n_rotated=n_c)
+    batch.defer(
+        PHASE_MERGE, ("attention_merge", a.out, a.head_dim), merge, _flush_merge, rows=a.n_queries * len(length)
+    )
+
+
+def _rotated(batch: Batch, a: Attends, kv_format: str) -> Attends:
+    """``a`` reading its queries rotated: ``tq_rotate_q`` of them into scratch
+    (each attend's ``[q_rot | q_jl | sums]``), queued before the attention kernels."""
     each = -(-rotated_q_bytes(a.n_queries, a.n_heads, a.head_dim) // 16) * 16
     count = len(a.q_off)
     first = batch.scratch(each * count).offset
@@ -690,11 +811,10 @@ def plan_split_turboquant(batch: Batch, a: Attends, kv_format: str) -> None:
         Rotate(a.q, whole("scratch"), whole("in"), a.q_off, rot_off, a.sign_off, a.n_queries, a.n_heads,
                a.head_dim, signed),
     )  # fmt: skip
-    rotated = Attends(
+    return Attends(
         whole("scratch"), a.out, a.cache, a.page_shift, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim,
         a.causal, a.scale, a.length, a.start_pos, rot_off, a.out_off, a.table_off, a.sign_off,
     )  # fmt: skip
-    plan_split(batch, rotated, kv_format)
 
 
 def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, items: list[_SplitItem]) -> None:
@@ -714,10 +834,16 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         q_off=_cat(attends, "q_off"),
         part_off=_cat(items, "part_off"),
         table_off=_cat(attends, "table_off"),
+        kv_group=_per_entry(attends, lambda a: a.group, "length"),
+        **{name: np.concatenate([it.column(name) for it in items]) for name in ("t_lo", "row_base", "split_base")},
+        split_total=np.concatenate([np.asarray(it.total, np.int64) for it in items]),
     )
     # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
-    if not items[0].tq:
-        cols.update(q_total=counts, q_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"))
+    if not items[0].tq:  # the plain kernel's n_kv_heads: its head groups (a workgroup serves n_heads / it)
+        cols.update(
+            q_total=counts, q_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"),
+            n_kv_heads=_per_entry(attends, lambda a: a.n_heads // a.wg_group, "length"),
+        )  # fmt: skip
         block = P.SPLIT_PARAMS
         common: dict[str, Any] = dict(page_shift=first.page_shift, kv_dim=first.n_kv_heads * first.head_dim)
     else:
@@ -734,7 +860,7 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         common,
         {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: TABLES},
         4,
-        lambda rows: (max_splits, first.n_kv_heads, rows),
+        lambda rows: (max_splits, first.n_heads // first.wg_group, rows),
         constants,
     )
 
@@ -748,11 +874,13 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
     rows = _Rows.of(
         counts,
         dict(
-            n_heads=_per_entry(attends, lambda a: a.n_heads, "length"), n_splits=_cat(items, "n_splits"),
+            n_heads=_per_entry(attends, lambda a: a.n_heads, "length"),
+            n_splits=np.concatenate([np.asarray(it.total, np.int64) for it in items]),
             q_total=counts, out_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"),
             sign_off=np.concatenate([it.a.sign_off if it.tq else np.zeros(len(it.a.length), np.int64) for it in items]),
             flags=_per_entry(items, lambda it: P.FLAG_ROTATE if it.tq else 0, "part_off"),
             part_off=_cat(items, "part_off"), out_off=_cat(attends, "out_off"),
+            n_rotated=np.concatenate([np.asarray(it.rotated, np.int64) for it in items]),
         ),
         dict(q_row=(0, 1)),
     )  # fmt: skip

@@ -116,6 +116,14 @@ TQ_ROTATE_PARAMS = _block(
     "q_out_off",
 )
 
+# The fields both split blocks end with: the GQA group of the cache's KV heads
+# (kv_group; a workgroup serves n_heads / n_kv_heads query heads of one of them),
+# and where a part of an attend reads and writes (a windowed attend's compressed
+# band and exact rows are parts of one item; a plain attend is one part):
+# timesteps from t_lo, cache row 0 holding timestep row_base, its splits
+# split_base .. of the item's split_total in the partials.
+_SPLIT_PART = ("kv_group", "t_lo", "row_base", "split_base", "split_total")
+
 # struct SplitParams: attention_split{,_sg}.wgsl `params`, one block per query row
 # of a batch: row q_row of the item whose queries start at word q_off, partials at part_off
 SPLIT_PARAMS = _block(
@@ -130,9 +138,8 @@ SPLIT_PARAMS = _block(
     "part_off",
     "table_off",
     "page_shift",
+    *_SPLIT_PART,
     "_pad0",
-    "_pad1",
-    "_pad2",
 )
 
 # struct TqSplitParams: flash_attention_tqx_split{,_sg}.wgsl `params`, one block per
@@ -149,6 +156,7 @@ TQ_SPLIT_PARAMS = _block(
     "page_shift",
     "q_off",
     "part_off",
+    *_SPLIT_PART,
     "_pad0",
 )
 
@@ -165,8 +173,8 @@ MERGE_PARAMS = _block(
     "flags",
     "part_off",
     "out_off",
+    "n_rotated",  # with ROTATE: splits [0, n_rotated) are rotated, the rest (exact rows) not
     "_pad0",
-    "_pad1",
 )
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
