@@ -449,15 +449,15 @@ class Engine:
         if len({id(layers[i]) for i in taking}) != len(taking):
             return taking
         n, h, d = shape
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, type], list[int]] = {}
         for i in taking:
-            groups.setdefault(id(layers[i].pool), []).append(i)  # type: ignore[union-attr]
+            groups.setdefault((id(layers[i].pool), type(layers[i])), []).append(i)  # type: ignore[union-attr]
         left: list[int] = []
         sp_all = np.fromiter((-1 if p is None else p for p in start_pos), np.int64, len(start_pos))
         for idx in groups.values():
             first = layers[idx[0]]
             assert first is not None
-            if batch.policy.path(first.kv_format, n, h, first.n_kv_heads, d) != "split":
+            if not first.columnar or batch.policy.path(first.kv_format, n, h, first.n_kv_heads, d) != "split":
                 left += idx
                 continue
             items = np.asarray(idx)

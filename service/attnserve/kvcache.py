@@ -35,6 +35,7 @@ __all__ = [
     "LayerCache",
     "PlainLayerCache",
     "TurboQuantLayerCache",
+    "WindowedLayerCache",
     "SessionConfig",
     "layer_formats",
     "SessionKV",
@@ -43,6 +44,9 @@ __all__ = [
 
 class LayerCache:
     """One layer of one session: a page table into its format's pool."""
+
+    #: a stacked step plans layers of this kind as columns (``plan_stacked``)
+    columnar = True
 
     def __init__(self, *, pool: PagePool, max_tokens: int, layer: int = 0):
         layout = pool.layout
@@ -393,6 +397,20 @@ class LayerCache:
         copies.run()
         self.slab, self.pages, self.length = slab, pages, length
 
+    def drop_front(self, batch: Batch, pages: int) -> None:
+        """Let the layer's first ``pages`` pages go (their timesteps are read no more):
+        its timestep 0 becomes what was timestep ``pages * P`` (the caller keeps that
+        offset). The pages are freed after the batch (``PagePool.drop``): an attend
+        planned before in the same batch still reads them."""
+        if pages <= 0:
+            return
+        slab, gone = self.slab, self.pages[:pages]
+        assert slab is not None
+        self.pool.drop(slab, gone, self)
+        batch.on_rollback(lambda: self.pool.share(slab, gone, self))
+        self.pages = self.pages[pages:]
+        self.length -= pages * self.pool.page_tokens
+
     def release(self) -> None:
         if self.pages:
             self.pool.drop(self.slab, self.pages, self)
@@ -463,6 +481,142 @@ class TurboQuantLayerCache(LayerCache):
         K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.kv_format))
 
 
+class WindowedLayerCache(TurboQuantLayerCache):
+    """A TurboQuant layer that also keeps rows exactly (issue 27): its first
+    ``sinks`` timesteps, and a recent ``window``. Every row is encoded into the
+    codes as it arrives and also written as sent (float32, plain pages of
+    ``exact_pool``): the first ``sinks`` into ``head``, every row into ``recent``.
+    An attend whose first query row sits at ``p`` reads timesteps ``[0, sinks)`` and
+    ``[exact_from(p), length)`` exactly and the band between them from the codes
+    (``reference.windowed_attention``), with ``exact_from(p) = max(sinks, p + 1 -
+    window, held_from)`` (``reference.exact_from``): its window, and all the rows
+    appended in its own call. When a call is done, the layer holds its last
+    ``window`` rows (``held_from = length - window``) and lets the older pages of
+    ``recent`` go: between calls the exact rows are the sinks and at most ``window``
+    plus a page. Always the split path (``kernels.plan_split_windowed``)."""
+
+    #: a stacked step plans such layers one by one, not as columns
+    columnar = False
+
+    def __init__(self, *, sinks: int, window: int, exact_pool: PagePool, **kw):
+        super().__init__(**kw)
+        self.sinks, self.window = sinks, window
+        self.head = PlainLayerCache(pool=exact_pool, max_tokens=sinks, layer=self.layer) if sinks else None
+        self.recent = PlainLayerCache(pool=exact_pool, max_tokens=self.max_tokens, layer=self.layer)
+        self.recent_base = 0  # the timestep of recent's row 0 (its dropped pages' rows before it)
+        self.held_from = 0  # exact rows older than this are read from the codes
+
+    def exact_from(self, start_pos: int) -> int:
+        """The first timestep past the sinks an attend from ``start_pos`` reads exactly
+        (``reference.exact_from``; ``max_tokens``: none)."""
+        if not self.window:
+            return self.max_tokens
+        return max(self.sinks, start_pos + 1 - self.window, self.held_from)
+
+    def _exact_pages(self, capacity: int) -> int:
+        """Pages of exact rows a layer of ``capacity`` timesteps holds at most between
+        calls: the sinks', and the window's plus one (it starts inside a page)."""
+        pool = self.recent.pool
+        pages = min(pool.pages_for(self.window) + 1, capacity // pool.page_tokens) if self.window else 0
+        return pages + (pool.pages_for(min(self.sinks, capacity)) if self.sinks else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """The codes' pages and the most exact rows' pages the layer holds between calls
+        (what it is charged; a call's own rows are held exactly only while it runs)."""
+        return super().nbytes + self._exact_pages(self.capacity) * self.recent.pool.page_bytes
+
+    def bytes_for(self, capacity: int) -> int:
+        return super().bytes_for(capacity) + self._exact_pages(capacity) * self.recent.pool.page_bytes
+
+    def state(self) -> tuple:
+        return (
+            super().state(), self.head.state() if self.head else None, self.recent.state(),
+            self.recent_base, self.held_from,
+        )  # fmt: skip
+
+    def restore(self, state: tuple) -> None:
+        own, head, recent, self.recent_base, self.held_from = state
+        super().restore(own)
+        if self.head:
+            self.head.restore(head)
+        self.recent.restore(recent)
+
+    def plan_append(self, batch: Batch, k: np.ndarray, v: np.ndarray) -> int:
+        length = super().plan_append(batch, k, v)
+        self._call_done(batch)  # an append alone is a call
+        return length
+
+    def plan_append_rows(self, batch, ks, vs, n):
+        before = self.length
+        super().plan_append_rows(batch, ks, vs, n)
+        row = self.n_kv_heads * self.head_dim * 4  # bytes of one float32 row as uploaded
+        if self.head and before < self.sinks:
+            m = min(self.sinks, before + n) - before
+            self.head.plan_append_rows(batch, Seg(ks.arena, ks.offset, m * row), Seg(vs.arena, vs.offset, m * row), m)
+        if self.window:
+            self.recent.plan_append_rows(batch, ks, vs, n)
+        return self.length
+
+    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+        a = K.Attends.of(
+            self._attend(batch, q, shape, out, length, start_pos, causal, scale), self.sign_words(batch, [self])
+        )
+        head, recent = self.head, self.recent
+        has_head, has_recent = head is not None and head.slab is not None, recent.slab is not None
+        x = K.ExactRows(
+            recent.kv_format,
+            head.slab if has_head else None,  # type: ignore[union-attr]
+            recent.slab if has_recent else None,
+            (self.sinks if has_head else 0,),
+            (head.table_offset(batch) if has_head else 0,),  # type: ignore[union-attr]
+            (self.exact_from(start_pos),),
+            (self.recent_base,),
+            (recent.table_offset(batch) if has_recent else 0,),
+        )
+        K.plan_split_windowed(batch, a, self.kv_format, x)
+        self._call_done(batch)
+
+    def _call_done(self, batch: Batch) -> None:
+        """The layer's call is planned: it holds its last ``window`` rows from now on,
+        and lets the pages of ``recent`` older than them go (an attend planned before
+        in this batch still reads them: freed after the batch, ``PagePool.drop``)."""
+        if not self.window:
+            return
+        self.held_from = max(self.held_from, self.length - self.window)
+        gone = (self.held_from - self.recent_base) // self.recent.page_tokens
+        if gone > 0:
+            self.recent.drop_front(batch, gone)
+            self.recent_base += gone * self.recent.page_tokens
+
+    def fork_from(self, device: wgpu.GPUDevice, src: "LayerCache", length: int) -> None:
+        """``src``'s first ``length`` timesteps, codes and exact rows alike (pages
+        shared as :meth:`LayerCache.fork_from` shares them): a fork at ``src``'s
+        length attends as ``src`` does. A fork from before ``src``'s oldest exact
+        recent row holds no window until rows are appended to it."""
+        assert isinstance(src, WindowedLayerCache) and (src.sinks, src.window) == (self.sinks, self.window)
+        super().fork_from(device, src, length)
+        try:
+            if self.head and src.head:
+                self.head.fork_from(device, src.head, min(length, src.head.length))
+            if self.window:
+                if length >= max(src.recent_base, src.held_from):
+                    self.recent.fork_from(device, src.recent, length - src.recent_base)
+                    self.recent_base, self.held_from = src.recent_base, src.held_from
+                else:
+                    self.recent.release()
+                    self.recent_base = self.held_from = length
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        super().release()
+        if self.head:
+            self.head.release()
+        self.recent.release()
+
+
 def _by_value(keys: list[int]) -> list[np.ndarray]:
     """The indices of ``keys`` grouped by value, in order of first appearance."""
     groups: dict[int, list[int]] = {}
@@ -487,6 +641,10 @@ class SessionConfig:
     kv_format: str | tuple[str, ...]  # one for every layer, or one per layer
     max_tokens: int
     seed: int
+    # the compressed layers' exact rows (issue 27): their first ``sinks`` timesteps and
+    # a recent ``window`` (WindowedLayerCache); 0 and 0: none
+    sinks: int = 0
+    window: int = 0
 
     @property
     def layer_formats(self) -> tuple[str, ...]:
@@ -515,6 +673,12 @@ class SessionKV:
             pool = pools.get(c.layer_layout(layer))
             if is_plain(fmt):
                 self.layers.append(PlainLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
+            elif c.sinks or c.window:
+                exact = pools.get(PageLayout("f32", c.num_kv_heads, c.head_dim))
+                self.layers.append(WindowedLayerCache(
+                    pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed, sinks=c.sinks, window=c.window,
+                    exact_pool=exact,
+                ))  # fmt: skip
             else:
                 self.layers.append(TurboQuantLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed))
 
