@@ -111,6 +111,8 @@ class SessionSpec(TypedDict, total=False):
     kv_format: str | Sequence[str]
     exact_layers: Sequence[int] | None
     exact_format: str | None
+    sinks: int | None
+    window: int | None
     max_tokens: int | None
     seed: int | None
     session_id: str | None
@@ -331,6 +333,8 @@ class _BaseClient:
         kv_format: str | Sequence[str] = "f32",
         exact_layers: Sequence[int] | None = None,
         exact_format: str | None = None,
+        sinks: int | None = None,
+        window: int | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
         session_id: str | None = None,
@@ -358,6 +362,9 @@ class _BaseClient:
             body["exact_layers"] = [_int_arg(f"exact_layers[{i}]", x) for i, x in enumerate(exact_layers)]
         if exact_format is not None:
             body["exact_format"] = exact_format
+        for name, value in (("sinks", sinks), ("window", window)):
+            if value is not None:
+                body[name] = _int_arg(name, value)
         if max_tokens is not None:
             body["max_tokens"] = _int_arg("max_tokens", max_tokens)
         if seed is not None:
@@ -832,6 +839,9 @@ class Client(_BaseClient):
         ``max_tokens`` and ``seed`` default to the server's choice. ``exact_layers``
         (e.g. ``[0, -1]``, negative from the last layer) keeps those layers in
         ``exact_format`` (``"f16"`` unless given) whatever ``kv_format`` says.
+        ``sinks`` and ``window`` keep, in every compressed layer, its first ``sinks``
+        timesteps and a recent window exact beside the codes (docs/api.md, "Exact
+        sinks and window").
 
         Raises:
             SessionExists: ``session_id`` is taken.

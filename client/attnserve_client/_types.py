@@ -31,6 +31,8 @@ class SessionInfo:
         seed: the seed of the TurboQuant rotations, or ``None``.
         lengths: each layer's length (timesteps held), one int per layer.
         bytes: GPU memory the session holds now.
+        sinks: the compressed layers' first timesteps kept exact (0: none).
+        window: the compressed layers' recent timesteps kept exact (0: none).
         extra: any members the server sent that this version does not know.
     """
 
@@ -45,6 +47,8 @@ class SessionInfo:
     lengths: tuple[int, ...]
     bytes: int
     layer_formats: tuple[str, ...] = ()  # derived from kv_format when not given
+    sinks: int = 0  # 0 from a server that does not send it
+    window: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +97,8 @@ class SessionInfo:
             seed=get("seed", int, optional=True),
             lengths=get_list("lengths", int),
             bytes=get("bytes", int),
+            sinks=get("sinks", int, optional=True) or 0,
+            window=get("window", int, optional=True) or 0,
             extra={k: v for k, v in obj.items() if k not in known},
         )
         for name in ("lengths", "layer_formats"):

@@ -7,14 +7,26 @@ from dataclasses import dataclass
 
 from .codec import Fields
 from .errors import InvalidRequest
-from .formats import KV_FORMATS, check_head_dim
+from .formats import KV_FORMATS, TQ_SPECS, check_head_dim
 from .kvcache import layer_formats
 
-__all__ = ["MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "CREATE_FIELDS", "EXACT_FORMATS", "CreateRequest", "parse_create"]
+__all__ = [
+    "MAX_LAYERS",
+    "MAX_QO_HEADS",
+    "MAX_SEED",
+    "MAX_SINKS",
+    "MAX_WINDOW",
+    "CREATE_FIELDS",
+    "EXACT_FORMATS",
+    "CreateRequest",
+    "parse_create",
+]
 
 MAX_LAYERS = 256
 MAX_QO_HEADS = 256
 MAX_SEED = (1 << 64) - 1
+MAX_SINKS = 4096  # exact first timesteps of a compressed layer
+MAX_WINDOW = 1 << 20  # exact recent timesteps of a compressed layer
 CREATE_FIELDS = (
     "num_layers",
     "num_qo_heads",
@@ -23,6 +35,8 @@ CREATE_FIELDS = (
     "kv_format",
     "exact_layers",
     "exact_format",
+    "sinks",
+    "window",
     "max_tokens",
     "seed",
 )
@@ -39,6 +53,8 @@ class CreateRequest:
     kv_format: str | tuple[str, ...]  # one for every layer, or one per layer
     max_tokens: int | None
     seed: int | None
+    sinks: int = 0  # the compressed layers' exact first timesteps
+    window: int = 0  # ... and exact recent ones
 
     @property
     def layer_formats(self) -> tuple[str, ...]:
@@ -100,4 +116,13 @@ def parse_create(doc: object) -> CreateRequest:
             raise InvalidRequest(f"head_dim: {e}") from None
     max_tokens = f.int("max_tokens", None, lo=1)
     seed = f.int("seed", None, lo=0, hi=MAX_SEED)
-    return CreateRequest(num_layers, num_qo_heads, num_kv_heads, head_dim, kv_format, max_tokens, seed)
+    sinks = f.int("sinks", 0, lo=0, hi=MAX_SINKS)
+    window = f.int("window", 0, lo=0, hi=MAX_WINDOW)
+    if (sinks or window) and not any(fmt in TQ_SPECS for fmt in layer_formats(kv_format, num_layers)):
+        raise InvalidRequest(
+            "sinks, window: they keep rows exact beside a compressed layer's codes, and every layer of this "
+            f"session is exact already (kv_format {kv_format if isinstance(kv_format, str) else list(kv_format)})"
+        )
+    return CreateRequest(
+        num_layers, num_qo_heads, num_kv_heads, head_dim, kv_format, max_tokens, seed, sinks, window
+    )  # fmt: skip

@@ -117,6 +117,8 @@ class Session:
             "layer_formats": list(c.layer_formats),
             "max_tokens": c.max_tokens,
             "seed": c.seed,
+            "sinks": c.sinks,
+            "window": c.window,
             "lengths": [ls.length for ls in self.layers],
             "bytes": self.nbytes,
         }
@@ -475,6 +477,8 @@ class Store:
         would be refused: the caller checks them one by one, which names each problem.
         Nothing changes until the step is committed (:meth:`commit_step`)."""
         states = [s.layers[layer] for s in sessions]
+        if not all(ls.cache.columnar for ls in states):
+            return None  # a windowed layer's bytes are its own (bytes_for): one by one
         count = len(states)
         length = np.fromiter((ls.length for ls in states), np.int64, count)
         if any(o is not None for o in offsets):

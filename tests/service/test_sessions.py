@@ -22,6 +22,8 @@ INFO_KEYS = {
     "layer_formats",
     "max_tokens",
     "seed",
+    "sinks",
+    "window",
     "lengths",
     "bytes",
 }
@@ -61,6 +63,8 @@ def test_put_creates_with_chosen_id_and_all_fields(api, enc):
         "kv_format": "turboquant",
         "max_tokens": 100,
         "seed": 2**64 - 1,
+        "sinks": 2,
+        "window": 64,
     }
     r = api.call("PUT", f"/v1/sessions/{sid}", body, enc=enc)
     assert r.status == 201, r.body

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..codec import wire
 from ..formats import KV_FORMATS
+from ..session_spec import MAX_SINKS, MAX_WINDOW
 
 __all__ = ["COMPONENTS", "ref", "request_body", "ok", "problems", "PROBLEM_STATUSES"]
 
@@ -248,6 +249,23 @@ COMPONENTS: dict[str, Any] = {
                 "default": "f16",
                 "description": "The format of the exact_layers.",
             },
+            "sinks": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_SINKS,
+                "default": 0,
+                "description": "Every compressed layer keeps its first `sinks` timesteps exact (float32, as sent) "
+                "beside its codes, and every attend reads them from there (docs/api.md, exact sinks and window).",
+            },
+            "window": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": MAX_WINDOW,
+                "default": 0,
+                "description": "Every compressed layer keeps a recent window exact: an attend whose first query "
+                "row sits at p reads timesteps from p + 1 - window on (and every row appended in its own call) "
+                "exactly; older ones from the codes. Between calls a layer holds its last `window` rows.",
+            },
             "max_tokens": {
                 "type": ["integer", "null"],
                 "minimum": 1,
@@ -291,6 +309,8 @@ COMPONENTS: dict[str, Any] = {
             "layer_formats",
             "max_tokens",
             "seed",
+            "sinks",
+            "window",
             "lengths",
             "bytes",
         ],
@@ -307,8 +327,14 @@ COMPONENTS: dict[str, Any] = {
             "layer_formats": {"type": "array", "items": {"type": "string"}, "description": "Each layer's format."},
             "max_tokens": {"type": "integer"},
             "seed": {"type": "integer"},
+            "sinks": {"type": "integer", "description": "The compressed layers' exact first timesteps (0: none)."},
+            "window": {"type": "integer", "description": "The compressed layers' exact recent window (0: none)."},
             "lengths": {"type": "array", "items": {"type": "integer"}, "description": "Each layer's length."},
-            "bytes": {"type": "integer", "description": "GPU memory the session holds now."},
+            "bytes": {
+                "type": "integer",
+                "description": "GPU memory the session holds now (with a window: its layers' exact rows "
+                "counted at the most they hold between calls).",
+            },
         },
     },
     "SessionList": {

@@ -33,14 +33,23 @@ async def _create(
     rt.store.check_room(session_id, owner)  # early 409 / 507, before reading the body
     raw = await read_body(request, rt.settings.max_body_bytes)
     req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
-    limit = engine.max_tokens_limit(req.layer_formats, req.num_kv_heads, req.head_dim)
+    windowed = bool(req.sinks or req.window)
+    if windowed and rt.settings.snapshot_dir:
+        raise InvalidRequest(
+            "sinks, window: this server keeps its sessions across restarts (snapshot_dir), and does not yet keep "
+            "a session's exact sinks and window rows there; create the session without them, or on a server "
+            "without a snapshot directory"
+        )
+    # a window's rows are held in float32 pages beside the codes: their binding limit counts too
+    formats = (*req.layer_formats, "f32") if windowed else req.layer_formats
+    limit = engine.max_tokens_limit(formats, req.num_kv_heads, req.head_dim)
     if req.max_tokens is None:
         max_tokens = min(rt.settings.default_max_tokens, limit)
     elif req.max_tokens > limit:
-        formats = " and ".join(dict.fromkeys(req.layer_formats))
+        names = " and ".join(dict.fromkeys(formats))
         raise InvalidRequest(
             f"max_tokens: this adapter can bind at most {limit} timesteps per layer for "
-            f"{formats} with num_kv_heads {req.num_kv_heads} and head_dim {req.head_dim}, "
+            f"{names} with num_kv_heads {req.num_kv_heads} and head_dim {req.head_dim}, "
             f"got {req.max_tokens}",
             max_tokens_limit=limit,
         )
@@ -48,8 +57,9 @@ async def _create(
         max_tokens = req.max_tokens
     seed = req.seed if req.seed is not None else secrets.randbits(53)
     config = SessionConfig(
-        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, max_tokens, seed
-    )
+        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, max_tokens, seed,
+        req.sinks, req.window,
+    )  # fmt: skip
     session = rt.store.create(engine.session_kv(config), owner=owner, session_id=session_id)  # checks the room again
     return respond(session.info(), wire, 201, headers={"Location": f"/v1/sessions/{session.id}"})
 
