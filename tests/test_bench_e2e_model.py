@@ -194,7 +194,7 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
             got = model.run(texts["a"], attn, chunk, decode_tail=tail)
             attn.close()
             assert np.abs(got - exact).max() <= 1e-4 * np.abs(exact).max(), chunk
-        fmts = ["f32", "turboquant", "turboquant@1", "turboquant~0"]
+        fmts = ["f32", "turboquant", "turboquant@1", "turboquant~0", "turboquant/s2w4"]
         seen: list[list[str]] = []  # the rows so far, after each format: what a run cut short keeps
         res = e2e.evaluate(
             client, model, texts, fmts, [0, 1], 0, 200, log=lambda *a, **k: None,
@@ -219,9 +219,14 @@ def test_service_path_matches_exact_on_a_tiny_model(engine, tmp_path):  # engine
     assert tq["bits_per_element"] == info_bits and rows["turboquant~0"]["bits_per_element"] == (16 + info_bits) / 2
     assert f"| turboquant~0 | {(16 + info_bits) / 2:.3g} / {(16 + info_bits) / 2:.3g} |" in e2e.table(res["rows"])
     # the float64 oracle backend computes what the service does: the same loss per position
-    oracle = e2e.evaluate(None, model, texts, ["turboquant"], [0, 1], 0, 200, log=lambda *a, **k: None)
-    got = np.asarray(oracle["rows"][1]["per_position"]["kl"])
-    np.testing.assert_allclose(got, tq["per_position"]["kl"], rtol=0.05, atol=1e-5)
+    # and with sinks and a window (the session's), as the oracle computes them
+    oracle = e2e.evaluate(
+        None, model, texts, ["turboquant", "turboquant/s2w4"], [0, 1], 0, 200, log=lambda *a, **k: None
+    )
+    for i, fmt in enumerate(("turboquant", "turboquant/s2w4")):
+        got = np.asarray(oracle["rows"][1 + i]["per_position"]["kl"])
+        np.testing.assert_allclose(got, rows[fmt]["per_position"]["kl"], rtol=0.05, atol=1e-5, err_msg=fmt)
+    assert rows["turboquant/s2w4"]["kl"] < tq["kl"]
     assert e2e.layer_formats("turboquant@0+2", 3) == ("turboquant", ["turboquant", "f32", "turboquant"], None)
     assert e2e.layer_formats("f16", 3) == ("f16", "f16", None)
     assert e2e.layer_formats("tq4~0+-1", 3) == ("tq4", "tq4", [0, -1])
@@ -237,27 +242,21 @@ def test_oracle_backend_sinks_and_window(tmp_path):
     model, tok = e2e.Llama.from_gguf(tmp_path / "tiny.gguf")
     toks = list(rng.integers(0, len(tok.tokens), 40))
     texts = {"a": toks[:24], "b": toks[24:]}
-    fmts = ["f16", "turboquant", "turboquant/s0w64", "turboquant/s2w4"]
+    fmts = ["f32", "turboquant", "turboquant/s0w64", "turboquant/s2w4"]
     res = e2e.evaluate(None, model, texts, fmts, [0], 5, 200, log=lambda *a, **k: None, decode_tail=6)
     rows = {r["kv_format"]: r for r in res["rows"]}
-    f16, tq, every, some = (rows[f] for f in fmts)
-    assert f16["kl"] < 1e-5 and f16["top1"] == 1.0
-    assert every["kl"] == pytest.approx(f16["kl"], rel=1e-6, abs=1e-12)  # every row read exactly, as f16
-    assert f16["kl"] < some["kl"] < tq["kl"], (some["kl"], tq["kl"])
+    f32, tq, every, some = (rows[f] for f in fmts)
+    assert f32["kl"] < 1e-8 and f32["top1"] == 1.0
+    assert every["kl"] == pytest.approx(f32["kl"], rel=1e-6, abs=1e-12)  # every row read exactly, as sent
+    assert f32["kl"] < some["kl"] < tq["kl"], (some["kl"], tq["kl"])
+    # the decoded tail alone: the last 6 tokens of each text, 5 of them with a next token
+    assert some["decoded"]["positions"] == 10 and 0 < some["decoded"]["kl"] < tq["decoded"]["kl"]
+    assert f"{some['decoded']['top1']:.4f}, {some['decoded']['kl']:.2e} (10) |" in e2e.table(res["rows"])
     tq_bits = tq["bits_per_element"]
     assert tq["bits_per_element_2k"] == tq_bits
-    assert some["bits_per_element"] == pytest.approx(tq_bits + 16 * 6 / 32768, abs=1e-4)
-    assert some["bits_per_element_2k"] == pytest.approx(tq_bits + 16 * 6 / 2048, abs=1e-4)
+    assert some["bits_per_element"] == pytest.approx(tq_bits + 32 * 6 / 32768, abs=1e-4)
+    assert some["bits_per_element_2k"] == pytest.approx(tq_bits + 32 * 6 / 2048, abs=1e-4)
     assert e2e.window_setting("tq4/s4w128") == ("tq4", 4, 128) and e2e.window_setting("tq4~0") == ("tq4~0", 0, 0)
-    with pytest.raises(SystemExit, match="--oracle"):
-        e2e.evaluate(_NoServer(), model, texts, ["turboquant/s2w4"], [0], 0, 10, log=lambda *a, **k: None)
-
-
-class _NoServer:
-    """A client whose info lists every format (window settings are refused before any call)."""
-
-    def info(self) -> dict:
-        return e2e.oracle_info()
 
 
 def test_real_model(tmp_path):

@@ -76,3 +76,12 @@ def write_result(path: Path | None, doc: object, *, indent: int = 2) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=indent) + "\n")
+
+
+def window_setting(spec: str) -> tuple[str, int, int]:
+    """A bench setting ``NAME/s4w128`` -> (NAME, 4 exact sinks, an exact window of
+    128: a session's ``sinks`` and ``window``); anything else -> (it, 0, 0)."""
+    import re
+
+    m = re.fullmatch(r"(.+)/s(\d+)w(\d+)", spec)
+    return (spec, 0, 0) if m is None else (m[1], int(m[2]), int(m[3]))
