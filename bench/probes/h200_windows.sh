@@ -3,9 +3,9 @@
 #   bash bench/probes/h200_windows.sh kernels OUT_DIR
 #     windowed decode against the same format without them (bench/kernels.py, 32 query
 #     heads, 8 KV heads, head_dim 128; 4k, 32k, 128k), and the windowed core tests on the GPU
-#   bash bench/probes/h200_windows.sh e2e OUT_DIR GGUF
-#     SmolLM2-135M end to end through the service over the long texts, four settings'
-#     runs at once (a server each; the float64 model on the host's cores)
+#   bash bench/probes/h200_windows.sh e2e OUT_DIR GGUF NAME=SETTING@SEEDS ...
+#     SmolLM2-135M end to end through the service over the long texts, the runs at
+#     once (a server each; the float64 model on the host's cores)
 set -u
 MODE=${1:?kernels or e2e}
 OUTDIR=${2:?out dir}
@@ -20,14 +20,15 @@ if [ "$MODE" = kernels ]; then
   exit 0
 fi
 GGUF=${3:?gguf}
-run() {  # name, formats
+shift 3
+# each further argument NAME=SETTING@SEEDS is one run (a server of its own), all at once:
+# one seed a run keeps each within the call's limit, and writes its JSON
+for spec in "${@:-a=tq4v3/s4w128@0,1}"; do
+  name=${spec%%=*} rest=${spec#*=}
   OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4 timeout 560 python3 bench/e2e_model.py \
-    --adapter nvidia --gguf "$GGUF" --formats "$2" --seeds 0,1 --texts moby-dick,pride-and-prejudice \
-    --chunk 512 --decode-tail 512 --bootstrap 1000 --json-out "$OUTDIR/e2e-$1.json" > "$OUTDIR/e2e-$1.log" 2>&1 &
-}
-run a tq4,tq4/s4w128
-run b tq4v3/s4w128,tq3/s4w128
-run c turboquant/s4w128,tq2o/s4w128
-run d tq4/s0w128,tq3/s4w512
+    --adapter nvidia --gguf "$GGUF" --formats "${rest%@*}" --seeds "${rest#*@}" \
+    --texts moby-dick,pride-and-prejudice --chunk 512 --decode-tail 512 --bootstrap 1000 \
+    --json-out "$OUTDIR/e2e-$name.json" > "$OUTDIR/e2e-$name.log" 2>&1 &
+done
 wait
 tail -n 12 "$OUTDIR"/e2e-*.log
