@@ -87,15 +87,18 @@ def attention(
     v = np.asarray(v, dtype=np.float64)
     n, h, d = q.shape
     length, hkv, _ = k.shape
-    if start_pos is None:
-        start_pos = length - n
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    start_pos, scale = _defaults(n, d, length, start_pos, scale)
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # [L, H, d]
     vh = np.repeat(v, group, axis=1)
     p = softmax_rows(np.einsum("nhd,lhd->hnl", q, kh) * scale, start_pos, causal)  # [H, n, L]
     return np.einsum("hnl,lhd->nhd", p, vh)
+
+
+def _defaults(n: int, d: int, length: int, start_pos: int | None, scale: float | None) -> tuple[int, float]:
+    """An attend's ``start_pos`` (default: its ``n`` rows are the last of ``length``)
+    and ``scale`` (default ``1 / sqrt(d)``)."""
+    return (length - n if start_pos is None else start_pos), (1.0 / math.sqrt(d) if scale is None else scale)
 
 
 def softmax_rows(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
@@ -543,10 +546,7 @@ def tqx_attention(
     """Attention computed from a variant's packed words, in float64 (``flash_attention_tqx``)."""
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
-    if start_pos is None:
-        start_pos = length - n
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    start_pos, scale = _defaults(n, d, length, start_pos, scale)
     dims = dict(n_kv_heads=n_kv_heads, cap=cap, d=d, length=length)
     idx, bits, norm, rn = unpack_tqx_key_cache(key_words, spec, **dims)
     vidx, vnorm = unpack_tqx_value_cache(value_words, spec, **dims)
@@ -642,10 +642,7 @@ def windowed_attention(
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
     length, hkv, _ = k.shape
-    if start_pos is None:
-        start_pos = length - n
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    start_pos, scale = _defaults(n, d, length, start_pos, scale)
     group = h // hkv
 
     def heads(a: np.ndarray) -> np.ndarray:  # [L, Hkv, d] -> [H, L, d]
