@@ -177,3 +177,21 @@ def test_a_stacked_step_is_the_attends_one_by_one(engine, rng):
             np.testing.assert_array_equal(res.out[i], out, err_msg=f"step {step} item {i}")
     for s in together + alone:
         engine.release(s).result()
+
+
+def test_a_fork_is_charged_what_its_hold_took(engine, rng):
+    """A fork's windowed layers are charged (``nbytes``: the codes' copied partial
+    page and the exact rows) exactly what ``fork_bytes`` reserved for them before the
+    fork ran (the route's hold), at a length inside a page and at one on a page."""
+    h, hkv, d = 4, 2, 32
+    for length in (3 * CORE_PAGE_TOKENS + 5, 2 * CORE_PAGE_TOKENS):
+        src, _ = windowed(engine, "tq4", h, hkv, d, 2, 21)
+        for layer in src.layers:
+            k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)
+            engine.attend(layer, rows(rng, 1, h, d), k=k, v=v).result()
+        dst = engine.session_kv(src.config)
+        want = [layer.fork_bytes(length) for layer in dst.layers]
+        engine.fork(src, dst, [length] * len(dst.layers)).result()
+        assert [layer.nbytes for layer in dst.layers] == want, length
+        for s in (src, dst):
+            engine.release(s).result()

@@ -85,6 +85,11 @@ class LayerCache:
         """GPU bytes of the pages holding ``capacity`` timesteps."""
         return self.pool.pages_for(capacity) * self.pool.page_bytes
 
+    def fork_bytes(self, length: int) -> int:
+        """GPU bytes a fork of this layer's first ``length`` timesteps is charged
+        beyond what it shares: its partly filled last page, copied."""
+        return self.bytes_for(length % self.pool.page_tokens)
+
     def buffer_bytes(self, capacity: int) -> tuple[int, int]:
         """K and V bytes of ``capacity`` rows in the contiguous (snapshot) layout."""
         return self.pool.layout.buffer_bytes(capacity)
@@ -528,6 +533,13 @@ class WindowedLayerCache(TurboQuantLayerCache):
 
     def bytes_for(self, capacity: int) -> int:
         return super().bytes_for(capacity) + self._exact_pages(capacity) * self.recent.pool.page_bytes
+
+    def fork_bytes(self, length: int) -> int:
+        """The codes' copied page, and the exact rows' pages as the fork is charged for
+        them (:attr:`nbytes`: at its capacity)."""
+        copied = LayerCache.bytes_for(self, length % self.pool.page_tokens)  # the codes' alone
+        capacity = self.pool.pages_for(length) * self.pool.page_tokens
+        return copied + self._exact_pages(capacity) * self.recent.pool.page_bytes
 
     def state(self) -> tuple:
         return (

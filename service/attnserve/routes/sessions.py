@@ -184,9 +184,8 @@ async def fork_session(
             )
         lengths = [length] * len(lengths)
     kv = engine.session_kv(session.config)
-    # charged for what it does not share: each layer's partly filled last page, copied
-    page = kv.layers[0].page_tokens
-    need = sum(c.bytes_for(n % page) for c, n in zip(kv.layers, lengths))
+    # charged for what it does not share (LayerCache.fork_bytes)
+    need = sum(c.fork_bytes(n) for c, n in zip(kv.layers, lengths))
     hold = store.hold(new_id, need, owner, what=f"the fork {new_id!r} of session {session.id!r}")  # 409 / 507
     # the fork runs after the jobs queued on its source
     forked = await place_session(rt, engine, kv, lambda: engine.fork(session.kv, kv, lengths), hold)
