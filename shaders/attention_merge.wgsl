@@ -16,10 +16,9 @@
 //
 // With flags bit 0 (ROTATE) it then applies the TurboQuant epilogue to the
 // rotated-space result: out = s * (H out) / sqrt(d) with the layer's polar signs
-// (one Walsh-Hadamard butterfly in workgroup memory). A windowed attend's exact rows
-// (the sinks and the recent window, read by the plain split kernel with the plain
-// queries) leave their `n_exact` splits in `partial_x` (a buffer of their own, so their
-// split kernel need not wait for the codes'): they share the max and the sum and are
+// (one Walsh-Hadamard butterfly in workgroup memory). The splits from `n_rotated` on
+// (a windowed attend's exact rows: the sinks and the recent window, read by the
+// plain split kernel with the plain queries) share the max and the sum but are
 // added after the rotation, in the original basis. f32 attends leave the bit
 // clear and may bind any read-only buffer as `signs`.
 //
@@ -33,8 +32,6 @@
 // @binding(2) mparams: array<MergeParams> (gpu/params.py MERGE_PARAMS), block wid.y
 //                                  for query row q_row of its item
 // @binding(3) signs: array<f32>   the item's layer's polar signs at word sign_off
-// @binding(4) partial_x: array<vec4<f32>>  a windowed item's exact rows' partials, laid
-//                                  out as `partial` with n_exact splits, at word part_off_x
 //
 // Dispatch: (n_heads, query rows of the batch, 1) workgroups of 256 threads.
 @group(0) @binding(0) var<storage, read> partial: array<vec4<f32>>;
@@ -42,7 +39,6 @@
 // #struct MergeParams
 @group(0) @binding(2) var<storage, read> mparams: array<MergeParams>;   // one block per query row (wid.y)
 @group(0) @binding(3) var<storage, read> signs: array<f32>;
-@group(0) @binding(4) var<storage, read> partial_x: array<vec4<f32>>;
 
 const WG: u32 = 256u;
 const NEG_INF: f32 = -3.402823e+38;
@@ -53,7 +49,7 @@ const FLAG_ROTATE: u32 = 1u;
 var<workgroup> gm: array<f32, WG>;
 var<workgroup> gl: array<f32, WG>;
 var<workgroup> gacc: array<vec4<f32>, WG>;
-var<workgroup> gacc_x: array<vec4<f32>, WG>;   // the exact rows' (partial_x)
+var<workgroup> gacc_x: array<vec4<f32>, WG>;   // the splits past n_rotated (a windowed attend's exact rows)
 var<workgroup> acc_sh: array<f32, MAX_HEAD_DIM>;
 var<workgroup> exact_sh: array<f32, MAX_HEAD_DIM>;
 
@@ -61,10 +57,6 @@ var<workgroup> exact_sh: array<f32, MAX_HEAD_DIM>;
 // multiples of four floats).
 fn pf(i: u32) -> f32 {
     return partial[i / 4u][i % 4u];
-}
-
-fn pfx(i: u32) -> f32 {
-    return partial_x[i / 4u][i % 4u];
 }
 
 @compute @workgroup_size(256, 1, 1)
@@ -100,9 +92,13 @@ fn attention_merge(
     let g = tid / d4;
 
     // ── each group merges its splits online: four per step ──
+    // splits [0, n_rotated) accumulate in acc (rotated space with ROTATE), the others
+    // in acc_x (a windowed attend's exact rows, never rotated); one max and sum for all
+    let n_rotated = mp.n_rotated;
     var m = NEG_INF;
     var l = 0.0;
     var acc = vec4<f32>(0.0);
+    var acc_x = vec4<f32>(0.0);
     if g < n_grp {
         var s = g;
         for (; s + 3u * n_grp < n_splits; s += 4u * n_grp) {
@@ -119,7 +115,12 @@ fn attention_merge(
             let r = exp(m - mn);
             let w = exp(ms - vec4<f32>(mn));
             l = l * r + dot(ls, w);
-            acc = acc * r + (v0 * w.x + v1 * w.y) + (v2 * w.z + v3 * w.w);
+            // 1 or 0 per split: the products are w's bits or zero
+            let kr = select(vec4<f32>(0.0), vec4<f32>(1.0), vec4<u32>(s, s1, s2, s3) < vec4<u32>(n_rotated));
+            let wr = w * kr;
+            let wx = w * (vec4<f32>(1.0) - kr);
+            acc = acc * r + (v0 * wr.x + v1 * wr.y) + (v2 * wr.z + v3 * wr.w);
+            acc_x = acc_x * r + (v0 * wx.x + v1 * wx.y) + (v2 * wx.z + v3 * wx.w);
             m = mn;
         }
         for (; s < n_splits; s += n_grp) {
@@ -128,28 +129,14 @@ fn attention_merge(
             let r = exp(m - mn);
             let w = exp(ms - mn);
             l = l * r + pf(l_off + s) * w;
-            acc = acc * r + partial[acc4 + (base + s) * d4 + c] * w;
-            m = mn;
-        }
-    }
-    // a windowed item's exact rows: their splits in partial_x, online into the same
-    // max and sum, their accumulator apart (never rotated)
-    let n_exact = mp.n_exact;
-    var acc_x = vec4<f32>(0.0);
-    if g < n_grp && n_exact > 0u {
-        let n_part_x = q_total * n_heads * n_exact;
-        let base_x = (q_idx * n_heads + head) * n_exact;
-        let part_off_x = mp.part_off_x;
-        let mx_off = part_off_x + n_part_x * head_dim + base_x;
-        let lx_off = part_off_x + n_part_x * (head_dim + 1u) + base_x;
-        for (var s = g; s < n_exact; s += n_grp) {
-            let ms = pfx(mx_off + s);
-            let mn = max(m, ms);
-            let r = exp(m - mn);
-            let w = exp(ms - mn);
-            l = l * r + pfx(lx_off + s) * w;
-            acc = acc * r;
-            acc_x = acc_x * r + partial_x[part_off_x / 4u + (base_x + s) * d4 + c] * w;
+            let v = partial[acc4 + (base + s) * d4 + c];
+            if s < n_rotated {
+                acc = acc * r + v * w;
+                acc_x = acc_x * r;
+            } else {
+                acc = acc * r;
+                acc_x = acc_x * r + v * w;
+            }
             m = mn;
         }
     }
@@ -161,7 +148,7 @@ fn attention_merge(
 
     // ── combine the groups: thread c < d4 owns column c ──
     let rotate = (flags & FLAG_ROTATE) != 0u;
-    let mixed = n_exact > 0u;                 // uniform: exact rows to add after the rotation
+    let mixed = n_rotated < n_splits;        // uniform: exact splits to add after the rotation
     var o = vec4<f32>(0.0);
     var ox = vec4<f32>(0.0);
     var inv_l = 0.0;

@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other
 
 @dataclass(frozen=True)
 class Seg:
-    """A byte range of one of the batch's arenas ("in", "scratch", "partial", "partial_x" or "out"),
+    """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out"),
     or of a persistent buffer (``PERSISTENT``)."""
 
     arena: str
@@ -111,9 +111,6 @@ _ARENA_USAGE = {
     # scratch segment (rotated queries) while it writes the partials, and one
     # buffer cannot be bound read-only and read-write in the same dispatch
     "partial": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
-    # a windowed attend's exact rows' partials: apart from the codes', so that the two
-    # split kernels of one attend write different buffers and may run at once
-    "partial_x": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
     "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
 }
 
@@ -281,7 +278,7 @@ class Batch:
         self.arenas = arenas
         self.align = max(int(align), 16)
         self._uploads = _Uploads()
-        self._sizes = {"in": 0, "scratch": 0, "partial": 0, "partial_x": 0, "out": 0}
+        self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
         self.ops: list[tuple] = []
         self.n_dispatches = 0
         self._undo: list = []
@@ -365,9 +362,8 @@ class Batch:
         return [memo[k] for k in keys]
 
     def scratch(self, nbytes: int, arena: str = "scratch") -> Seg:
-        """GPU-only space: ``arena`` is "scratch", "partial" (split-KV partials) or
-        "partial_x" (a windowed attend's exact rows' partials)."""
-        if arena not in ("scratch", "partial", "partial_x"):
+        """GPU-only space: ``arena`` is "scratch" or "partial" (split-KV partials)."""
+        if arena not in ("scratch", "partial"):
             raise ValueError(arena)
         return self._reserve(arena, nbytes)
 

@@ -669,14 +669,18 @@ class _SplitItem:
     row_base: np.ndarray | int = 0
     split_base: np.ndarray | int = 0
     split_total: np.ndarray | None = None
-    arena: str = "partial"  # where its partials are (a windowed attend's exact rows': "partial_x")
-    # the merge of windowed attends: their exact rows' splits in partial_x, and where
-    exact: tuple[np.ndarray, np.ndarray] | None = None
+    # the merge of windowed attends: splits [0, n_rotated) are the codes' (rotated)
+    n_rotated: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
         """Every attend's splits in its partials."""
         return self.n_splits if self.split_total is None else self.split_total
+
+    @property
+    def rotated(self) -> np.ndarray:
+        """Every attend's splits whose accumulators the merge rotates (with ROTATE)."""
+        return self.total if self.n_rotated is None else self.n_rotated
 
     def column(self, name: str) -> np.ndarray:
         """A part field as one entry per attend."""
@@ -708,10 +712,10 @@ def _splits(batch: Batch, kv_format: str, a: Attends, keys: np.ndarray) -> tuple
     return split_len, n_splits
 
 
-def _partials(batch: Batch, a: Attends, n_splits: np.ndarray, arena: str = "partial") -> np.ndarray:
-    """Word offsets of each attend's partials of ``n_splits[i]`` splits, in ``arena``."""
+def _partials(batch: Batch, a: Attends, n_splits: np.ndarray) -> np.ndarray:
+    """Word offsets of each attend's partials of ``n_splits[i]`` splits, in scratch."""
     nbytes = partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim)
-    first = batch.scratch(int(nbytes.sum()), arena=arena).offset
+    first = batch.scratch(int(nbytes.sum()), arena="partial").offset
     return (first + np.cumsum(nbytes) - nbytes) // 4
 
 
@@ -725,7 +729,7 @@ def _defer_split(batch: Batch, item: _SplitItem, kv_format: str) -> None:
         kernel = tqx_kernel("attention_split_tqx_sg" if sg else "attention_split_tqx", kv_format)
         constants = {"GROUP": a.wg_group, "HEAD_DIM": a.head_dim}
     rows = a.n_queries * len(a.length)
-    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads, a.group, item.arena)
+    key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads, a.group)
     batch.defer(PHASE_ATTEND, key, item, functools.partial(_flush_split, kernel, constants), rows=rows)
 
 
@@ -759,12 +763,11 @@ def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) 
     reads its timesteps ``[0, sinks)`` and ``[exact_from, length)`` exactly (``x``)
     and the band between them from the codes of ``a.cache``. Three parts per attend,
     each a split kernel writing its own splits of the attend's partials: the band
-    (the format's tqx kernel, rotated queries, its partials in "partial"), the sinks
-    and the recent rows (the plain kernel of ``x.kv_format``, plain queries, their
-    partials in "partial_x": the two kernels write different buffers, so the GPU may
-    run them at once); one merge takes them all under one softmax, the band's
-    accumulator rotated back and the exact rows' added in the original basis. Any GQA
-    group (a workgroup serves one query head where the group is not 1, 2, 4 or 8)."""
+    (the format's tqx kernel, rotated queries), the sinks and the recent rows (the
+    plain kernel of ``x.kv_format``, plain queries); one merge takes them all under
+    one softmax, the band's accumulator rotated back and the exact rows' added in
+    the original basis. Any GQA group (a workgroup serves one query head where the
+    group is not 1, 2, 4 or 8)."""
     if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim, any_group=True):
         raise ValueError("shape not eligible for the split kernel")
     if not split_eligible(x.kv_format, a.n_heads, a.n_kv_heads, a.head_dim, any_group=True):
@@ -779,20 +782,17 @@ def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) 
     len_c, n_c = _splits(batch, kv_format, band, exact_from - sinks)
     len_s, n_s = _splits(batch, x.kv_format, head, sinks)
     len_r, n_r = _splits(batch, x.kv_format, tail, length - exact_from)
-    n_x = n_s + n_r
-    part_off = _partials(batch, a, n_c) if n_c.any() else 0 * n_c  # none: all read exactly
-    part_off_x = _partials(batch, a, n_x, "partial_x") if n_x.any() else 0 * n_x
+    total = n_c + n_s + n_r
+    part_off = _partials(batch, a, total)
     parts = (
-        (kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks)),
-        (x.kv_format, _SplitItem(head, len_s, n_s, part_off_x, False, 0, 0, 0, n_x, "partial_x")),
-        (x.kv_format, _SplitItem(
-            tail, len_r, n_r, part_off_x, False, exact_from, x.recent_base, n_s, n_x, "partial_x"
-        )),
+        (band, kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks, 0, 0, total)),
+        (head, x.kv_format, _SplitItem(head, len_s, n_s, part_off, False, 0, 0, n_c, total)),
+        (tail, x.kv_format, _SplitItem(tail, len_r, n_r, part_off, False, exact_from, x.recent_base, n_c + n_s, total)),
     )  # fmt: skip
-    for fmt, item in parts:
+    for _, fmt, item in parts:
         if item.n_splits.any():
             _defer_split(batch, item, fmt)
-    merge = _SplitItem(rotated, len_c, n_c, part_off, True, exact=(n_x, part_off_x))
+    merge = _SplitItem(rotated, len_c, n_c, part_off, True, split_total=total, n_rotated=n_c)
     batch.defer(
         PHASE_MERGE, ("attention_merge", a.out, a.head_dim), merge, _flush_merge, rows=a.n_queries * len(length)
     )
@@ -858,7 +858,7 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         block,
         rows,
         common,
-        {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole(items[0].arena), 5: TABLES},
+        {0: first.q, 1: first.cache.k, 2: first.cache.v, 3: whole("partial"), 5: TABLES},
         4,
         lambda rows: (max_splits, first.n_heads // first.wg_group, rows),
         constants,
@@ -880,8 +880,7 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
             sign_off=np.concatenate([it.a.sign_off if it.tq else np.zeros(len(it.a.length), np.int64) for it in items]),
             flags=_per_entry(items, lambda it: P.FLAG_ROTATE if it.tq else 0, "part_off"),
             part_off=_cat(items, "part_off"), out_off=_cat(attends, "out_off"),
-            n_exact=np.concatenate([it.exact[0] if it.exact else 0 * it.n_splits for it in items]),
-            part_off_x=np.concatenate([it.exact[1] if it.exact else 0 * it.n_splits for it in items]),
+            n_rotated=np.concatenate([np.asarray(it.rotated, np.int64) for it in items]),
         ),
         dict(q_row=(0, 1)),
     )  # fmt: skip
@@ -893,7 +892,7 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
         rows,
         {"head_dim": first.head_dim},
         # plain merges read no signs: the input arena is bound as them (read-only)
-        {0: whole("partial"), 1: first.out, 3: whole("in"), 4: whole("partial_x")},
+        {0: whole("partial"), 1: first.out, 3: whole("in")},
         2,
         lambda rows: (max_heads, rows, 1),
     )

@@ -173,8 +173,8 @@ MERGE_PARAMS = _block(
     "flags",
     "part_off",
     "out_off",
-    "n_exact",  # a windowed attend's exact rows' splits, in partial_x (0: none)
-    "part_off_x",  # ... at this word of partial_x
+    "n_rotated",  # with ROTATE: splits [0, n_rotated) are rotated, the rest (exact rows) not
+    "_pad0",
 )
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation

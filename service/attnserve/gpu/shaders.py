@@ -65,7 +65,7 @@ KERNELS: dict[str, KernelSpec] = {
     # every compressed format's query rotation (constants {"SIGNED": 1}: the formats with
     # key outlier channels)
     "tq_rotate_q": KernelSpec("tq_rotate.wgsl", "tq_rotate_q", ((3, R), (4, R), (5, RW), (6, R))),
-    "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R), (4, R))),
+    "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
     # the plain formats' appends (rows of whole words, the same layout in f32 and f16 slabs)
     "kv_write_rows": KernelSpec("kv_write.wgsl", "kv_write_rows", ((0, R), (1, RW), (2, RW), (3, R), (4, R))),
 }
