@@ -601,6 +601,31 @@ class WindowedLayerCache(TurboQuantLayerCache):
             self.recent.drop_front(batch, gone)
             self.recent_base += gone * self.recent.page_tokens
 
+    def read_exact(self, device: wgpu.GPUDevice) -> dict:
+        """The exact rows as a snapshot keeps them (``snapshot_format``: the layer's
+        ``exact`` member): the sinks' and the recent rows' words, where they start."""
+
+        def rows(cache: PlainLayerCache) -> dict:
+            kb, vb = cache.read_words(device)
+            return {"length": cache.length, "capacity": cache.capacity, "k": kb, "v": vb}
+
+        return {
+            "sinks": rows(self.head) if self.head else None,
+            "recent": rows(self.recent) if self.window else None,
+            "recent_base": self.recent_base,
+            "held_from": self.held_from,
+        }
+
+    def load_exact(self, device: wgpu.GPUDevice, exact: dict | None) -> None:
+        """Restore what :meth:`read_exact` gave (after the codes' ``load_words``); None:
+        a layer of no exact rows yet."""
+        if exact is None:
+            return
+        for cache, rows in ((self.head, exact["sinks"]), (self.recent, exact["recent"])):
+            if cache is not None and rows is not None:
+                cache.load_words(device, rows["length"], rows["capacity"], rows["k"], rows["v"])
+        self.recent_base, self.held_from = exact["recent_base"], exact["held_from"]
+
     def fork_from(self, device: wgpu.GPUDevice, src: "LayerCache", length: int) -> None:
         """``src``'s first ``length`` timesteps, codes and exact rows alike (pages
         shared as :meth:`LayerCache.fork_from` shares them): a fork at ``src``'s

@@ -31,7 +31,7 @@ from .codec import Fields, MediaKind, array_out, decode_document
 from .engine import Engine
 from .errors import InvalidRequest, LayerNotFound
 from .gpu.device import PlanFn
-from .kvcache import SessionKV
+from .kvcache import SessionConfig, SessionKV
 from .store import Reservation, Session
 from .runtime import Runtime
 
@@ -244,6 +244,18 @@ def count_step_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries:
 
 def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:
     return {"out": array_out(out, kind), "length": length}
+
+
+def check_kept(rt: Runtime, config: SessionConfig) -> None:
+    """A session with exact sinks or a window cannot live on a server that keeps its
+    sessions in a snapshot directory (its journals do not hold the exact rows yet):
+    a create or a restore of one there is refused (422) before anything is made."""
+    if (config.sinks or config.window) and rt.settings.snapshot_dir:
+        raise InvalidRequest(
+            "sinks, window: this server keeps its sessions across restarts (snapshot_dir), and does not yet keep "
+            "a session's exact sinks and window rows there; use a session without them, or a server without a "
+            "snapshot directory"
+        )
 
 
 async def place_session(

@@ -9,10 +9,15 @@ The blob (``application/vnd.msgpack``)::
 
 ``k``/``v`` are each layer's K and V buffers exactly as held on the GPU (the
 whole capacity, in the format's layout), so a restored session attends
-bit-identically. The checksum covers the format, version, configuration and
-every layer (see :func:`digest`). :func:`parse_blob` validates a blob completely
-before any GPU work; :func:`load` is the one restore path (``PUT .../snapshot``
-and the snapshot directory at start both use it).
+bit-identically. A session with exact sinks or a window (issue 27) adds ``sinks``
+and ``window`` to the config, and to each compressed layer ``"exact": {"sinks":
+rows | nil, "recent": rows | nil, "recent_base": int, "held_from": int}``, each rows
+``{"length", "capacity", "k", "v"}`` in the float32 layout (``recent``'s row 0 is
+timestep ``recent_base``); a session without them is written as before. The
+checksum covers the format, version, configuration and every layer (see
+:func:`digest`). :func:`parse_blob` validates a blob completely before any GPU
+work; :func:`load` is the one restore path (``PUT .../snapshot`` and the snapshot
+directory at start both use it).
 """
 
 from __future__ import annotations
@@ -27,18 +32,37 @@ import numpy as np
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
 from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, outlier_region, value_words
-from .kvcache import SessionConfig, SessionKV
+from .kvcache import SessionConfig, SessionKV, WindowedLayerCache
+from .pool import PageLayout
 from .session_spec import parse_create
 
-__all__ = ["FORMAT", "VERSION", "Layers", "digest", "build_blob", "parse_blob", "read_layers", "restore_bytes", "load"]
+__all__ = [
+    "FORMAT", "VERSION", "Layers", "LayerWords", "digest", "build_blob", "parse_blob", "read_layers",
+    "restore_bytes", "load",
+]  # fmt: skip
 
-#: Per layer: (length, capacity, K bytes, V bytes).
+
+class LayerWords(tuple):
+    """A layer as a snapshot holds it: ``(length, capacity, K bytes, V bytes)``, and a
+    windowed layer's exact rows in ``exact`` (the blob's ``exact`` member; None: none)."""
+
+    exact: dict[str, Any] | None
+
+    def __new__(cls, length: int, capacity: int, k: bytes, v: bytes, exact: dict[str, Any] | None = None):
+        self = super().__new__(cls, (length, capacity, k, v))
+        self.exact = exact
+        return self
+
+
+#: Per layer: (length, capacity, K bytes, V bytes), a LayerWords where a layer has exact rows.
 Layers = list[tuple[int, int, bytes, bytes]]
 
 FORMAT = "attnserve-snapshot"
 VERSION = 1
 _CONFIG_KEYS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_format", "max_tokens", "seed")
+_WINDOW_KEYS = ("sinks", "window")  # in the config only where a session has them
 _LAYER_KEYS = frozenset({"length", "capacity", "k", "v"})
+_EXACT_KEYS = frozenset({"sinks", "recent", "recent_base", "held_from"})
 _TOP_KEYS = frozenset({"format", "version", "config", "layers", "checksum"})
 
 
@@ -48,16 +72,31 @@ def digest(fmt: str, version: int, config: dict[str, Any], layers: list[dict[str
     h = hashlib.sha256()
     h.update(json.dumps([fmt, version, config], sort_keys=True, separators=(",", ":")).encode())
     for layer in layers:
-        k, v = layer["k"], layer["v"]
-        h.update(struct.pack("<QQQQ", layer["length"], layer["capacity"], len(k), len(v)))
-        h.update(k)
-        h.update(v)
+        _digest_rows(h, layer)
+        exact = layer.get("exact")
+        if isinstance(exact, dict):
+            h.update(struct.pack("<qq", exact.get("recent_base", -1), exact.get("held_from", -1)))
+            for part in (exact.get("sinks"), exact.get("recent")):
+                if isinstance(part, dict):
+                    _digest_rows(h, part)
     return "sha256:" + h.hexdigest()
+
+
+def _digest_rows(h: Any, rows: dict[str, Any]) -> None:
+    k, v = rows["k"], rows["v"]
+    h.update(struct.pack("<QQQQ", rows["length"], rows["capacity"], len(k), len(v)))
+    h.update(k)
+    h.update(v)
 
 
 def build_blob(config: SessionConfig, layers: Layers) -> bytes:
     cfg = {k: getattr(config, k) for k in _CONFIG_KEYS}
+    if config.sinks or config.window:
+        cfg.update({k: getattr(config, k) for k in _WINDOW_KEYS})
     ls = [{"length": n, "capacity": c, "k": kb, "v": vb} for n, c, kb, vb in layers]
+    for entry, layer in zip(ls, layers):
+        if getattr(layer, "exact", None) is not None:
+            entry["exact"] = layer.exact  # type: ignore[attr-defined]
     return wire.packb(
         {
             "format": FORMAT,
@@ -129,8 +168,8 @@ def parse_blob(
     if type(doc["version"]) is not int or doc["version"] != VERSION:
         raise InvalidSnapshot(f"version: this server reads version {VERSION}, got {doc['version']!r}")
     cfg = doc["config"]
-    if not isinstance(cfg, dict) or set(cfg) != set(_CONFIG_KEYS):
-        raise InvalidSnapshot(f"config: expected exactly the keys {list(_CONFIG_KEYS)}")
+    if not isinstance(cfg, dict) or not set(_CONFIG_KEYS) <= set(cfg) <= {*_CONFIG_KEYS, *_WINDOW_KEYS}:
+        raise InvalidSnapshot(f"config: expected the keys {list(_CONFIG_KEYS)} (and {list(_WINDOW_KEYS)} if any)")
     try:
         req = parse_create(cfg)
     except ApiError as e:
@@ -141,16 +180,19 @@ def parse_blob(
     if req.max_tokens > limit:
         raise InvalidSnapshot(f"config: max_tokens {req.max_tokens} passes this adapter's limit {limit}")
     config = SessionConfig(
-        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed
-    )
+        req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed,
+        req.sinks, req.window,
+    )  # fmt: skip
+    windowed = bool(config.sinks or config.window)
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")
     out = []
     for i, layer in enumerate(layers):
         layout, fmt = config.layer_layout(i), config.layer_formats[i]  # the contiguous layout snapshots keep
-        if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
-            raise InvalidSnapshot(f"layers[{i}]: expected exactly the keys {sorted(_LAYER_KEYS)}")
+        keys = _LAYER_KEYS | ({"exact"} if windowed and fmt in TQ_SPECS else set())
+        if not isinstance(layer, dict) or set(layer) != keys:
+            raise InvalidSnapshot(f"layers[{i}]: expected exactly the keys {sorted(keys)}")
         n, cap, kb, vb = layer["length"], layer["capacity"], layer["k"], layer["v"]
         if type(n) is not int or type(cap) is not int or not 0 <= n <= cap <= config.max_tokens:
             raise InvalidSnapshot(
@@ -173,10 +215,46 @@ def parse_blob(
         if fmt in TQ_SPECS and n:
             _check_tq_norms(i, fmt, config, n, cap, kb, vb)
             _check_tq_outliers(i, fmt, config, n, cap, kb, vb)
-        out.append((n, cap, kb, vb))
+        exact = _parse_exact(i, config, n, layer["exact"]) if "exact" in keys else None
+        out.append(LayerWords(n, cap, kb, vb, exact))
     if doc["checksum"] != digest(doc["format"], doc["version"], cfg, layers):
         raise InvalidSnapshot("checksum: the blob does not match its checksum (corrupted or truncated)")
     return config, out
+
+
+def _parse_exact(i: int, config: SessionConfig, n: int, exact: Any) -> dict[str, Any]:
+    """A windowed layer's ``exact`` member, checked against its length ``n``."""
+    where = f"layers[{i}].exact"
+    if not isinstance(exact, dict) or set(exact) != _EXACT_KEYS:
+        raise InvalidSnapshot(f"{where}: expected exactly the keys {sorted(_EXACT_KEYS)}")
+    base, held = exact["recent_base"], exact["held_from"]
+    if type(base) is not int or type(held) is not int or not 0 <= base <= n or not base <= held <= n:
+        raise InvalidSnapshot(f"{where}: expected 0 <= recent_base <= held_from <= length {n}, got {base!r}, {held!r}")
+    layout = PageLayout("f32", config.num_kv_heads, config.head_dim)
+    want = {"sinks": min(config.sinks, n) if config.sinks else None, "recent": n - base if config.window else None}
+    for name, length in want.items():
+        rows = exact[name]
+        if length is None:
+            if rows is not None:
+                raise InvalidSnapshot(f"{where}.{name}: this session keeps none, got some")
+            continue
+        if not isinstance(rows, dict) or set(rows) != _LAYER_KEYS:
+            raise InvalidSnapshot(f"{where}.{name}: expected exactly the keys {sorted(_LAYER_KEYS)}")
+        cap, kb, vb = rows["capacity"], rows["k"], rows["v"]
+        if rows["length"] != length or type(cap) is not int or not length <= cap <= config.max_tokens:
+            raise InvalidSnapshot(
+                f"{where}.{name}: expected length {length} within its capacity, got {rows['length']!r}"
+            )
+        if (
+            not isinstance(kb, bytes)
+            or not isinstance(vb, bytes)
+            or (len(kb), len(vb)) != (layout.buffer_bytes(cap) if cap else (0, 0))
+        ):
+            raise InvalidSnapshot(f"{where}.{name}: k and v must be the float32 rows of capacity {cap}")
+        used = length * config.num_kv_heads * config.head_dim
+        if not all(np.isfinite(np.frombuffer(b, "<f4", count=used)).all() for b in (kb, vb)):
+            raise InvalidSnapshot(f"{where}.{name}: non-finite values")
+    return exact
 
 
 def read_layers(kv: SessionKV) -> Callable[[Any], Layers]:
@@ -186,7 +264,8 @@ def read_layers(kv: SessionKV) -> Callable[[Any], Layers]:
         out = []
         for layer in kv.layers:
             kb, vb = layer.read_words(ctx.device)
-            out.append((layer.length, layer.capacity, kb, vb))
+            exact = layer.read_exact(ctx.device) if isinstance(layer, WindowedLayerCache) else None
+            out.append(LayerWords(layer.length, layer.capacity, kb, vb, exact))
         return out
 
     return read
@@ -201,8 +280,10 @@ def load(ctx: Any, kv: SessionKV, layers: Layers) -> None:
     """On the GPU thread: upload a parsed snapshot's caches into ``kv`` (released
     again if anything fails)."""
     try:
-        for layer, (n, cap, kb, vb) in zip(kv.layers, layers):
-            layer.load_words(ctx.device, n, cap, kb, vb)
+        for layer, words in zip(kv.layers, layers):
+            layer.load_words(ctx.device, *words)
+            if isinstance(layer, WindowedLayerCache):
+                layer.load_exact(ctx.device, getattr(words, "exact", None))
     except BaseException:
         kv.release()
         raise

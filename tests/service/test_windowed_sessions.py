@@ -1,7 +1,7 @@
 """Sessions with exact sinks and a recent window (issue 27) through the service:
 the create fields and their refusals, a window that covers the session giving
 exact attention, twins answering bit for bit alike through single calls, the
-stacked step and the client, forks, and what is not offered yet (snapshots, a
+stacked step and the client, forks, and snapshots, and what is not offered yet (a
 server that keeps sessions across restarts) refused with nothing changed. The
 numerics against the float64 oracle are tests/test_core_windowed.py's."""
 
@@ -17,6 +17,7 @@ from svc_helpers import PAGE, Api, LiveServer, from_wire, oracle, rel_err, rows
 
 H, HKV, D = 9, 3, 32  # GQA 3: a group the split kernels do not take whole
 BATCH = "/v1/batch/attend"
+MSGPACK = {"Content-Type": "application/vnd.msgpack"}
 
 
 def _spec(rng, **kw) -> dict:
@@ -130,16 +131,44 @@ def test_forks(api, rng):
         api.delete(sid)
 
 
-def test_snapshots_are_refused_and_change_nothing(api, rng):
-    sid = api.create(**_spec(rng, window=8))["session_id"]
-    _fused(api, sid, 0, rows(rng, 5, H, D), rows(rng, 5, HKV, D), rows(rng, 5, HKV, D))
-    r = api.call("GET", f"/v1/sessions/{sid}/snapshot")
-    assert r.status == 422 and "snapshot does not hold yet" in r.body["detail"], r.body
-    assert api.info(sid)["lengths"] == [5, 0]
-    api.delete(sid)
+def test_snapshots_keep_the_exact_rows(api, rng):
+    """A snapshot holds the codes and the exact rows: the restored session answers the
+    next steps bit for bit as the original, past the window's first page let go; a
+    blob whose exact rows were tampered with (the checksum redone) is refused and
+    creates nothing."""
+    import msgpack
+
+    from attnserve.snapshot_format import FORMAT, VERSION, digest
+
+    sid = api.create(**_spec(rng, sinks=3, window=PAGE + 5))["session_id"]
+    for n in (2 * PAGE + 7, *([1] * (PAGE + 2))):
+        for layer in (0, 1):
+            _fused(api, sid, layer, rows(rng, n, H, D), rows(rng, n, HKV, D), rows(rng, n, HKV, D))
+    blob = api.call("GET", f"/v1/sessions/{sid}/snapshot")
+    assert blob.status == 200
+    put = api.call("PUT", "/v1/sessions/restored/snapshot", content=blob.raw, headers=MSGPACK)
+    assert put.status == 201, put.body
+    assert (put.body["sinks"], put.body["window"]) == (3, PAGE + 5)
+    assert put.body["bytes"] == api.info(sid)["bytes"]
+    for n in (1, 1, 3):
+        q, k, v = rows(rng, n, H, D), rows(rng, n, HKV, D), rows(rng, n, HKV, D)
+        assert _fused(api, "restored", 1, q, k, v).tobytes() == _fused(api, sid, 1, q, k, v).tobytes()
+    doc = msgpack.unpackb(blob.raw, raw=False)
+    assert {"sinks", "window"} <= set(doc["config"]) and "exact" in doc["layers"][1]
+    recent = doc["layers"][1]["exact"]["recent"]
+    bad = np.frombuffer(recent["k"], "<f4").copy()
+    bad[0] = np.nan
+    recent["k"] = bad.tobytes()
+    doc["checksum"] = digest(FORMAT, VERSION, doc["config"], doc["layers"])
+    r = api.call("PUT", "/v1/sessions/tampered/snapshot", content=msgpack.packb(doc, use_bin_type=True), headers=MSGPACK)
+    assert r.status == 422 and "exact.recent: non-finite values" in r.body["detail"], r.body
+    assert api.call("GET", "/v1/sessions/tampered").status == 404
+    for s in (sid, "restored"):
+        api.delete(s)
 
 
-def test_a_server_that_keeps_sessions_refuses_them(engine, tmp_path, rng):
+def test_a_server_that_keeps_sessions_refuses_them(engine, tmp_path, rng, api):
+    plain_api = api  # the session-wide server, without a snapshot directory
     srv = LiveServer(Settings(snapshot_dir=str(tmp_path)), engine=engine).start()
     api = Api(srv.url)
     try:
@@ -147,6 +176,13 @@ def test_a_server_that_keeps_sessions_refuses_them(engine, tmp_path, rng):
         assert r.status == 422 and "snapshot_dir" in r.body["detail"], r.body
         assert api.call("GET", "/v1/sessions").body["sessions"] == []
         assert api.call("POST", "/v1/sessions", _spec(rng)).status == 201  # without them: as ever
+        # nor restored from a snapshot taken elsewhere
+        sid = plain_api.create(**_spec(rng, window=8))["session_id"]
+        blob = plain_api.call("GET", f"/v1/sessions/{sid}/snapshot").raw
+        r = api.call("PUT", "/v1/sessions/kept/snapshot", content=blob, headers=MSGPACK)
+        assert r.status == 422 and "snapshot_dir" in r.body["detail"], r.body
+        assert api.call("GET", "/v1/sessions/kept").status == 404
+        plain_api.delete(sid)
     finally:
         api.close()
         srv.stop()

@@ -13,7 +13,7 @@ from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from ..operations import place_session
+from ..operations import check_kept, place_session
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -34,12 +34,6 @@ async def _create(
     raw = await read_body(request, rt.settings.max_body_bytes)
     req = await rt.offload(_decode_create, raw, wire.request, rt.settings.max_body_bytes, size=len(raw))
     windowed = bool(req.sinks or req.window)
-    if windowed and rt.settings.snapshot_dir:
-        raise InvalidRequest(
-            "sinks, window: this server keeps its sessions across restarts (snapshot_dir), and does not yet keep "
-            "a session's exact sinks and window rows there; create the session without them, or on a server "
-            "without a snapshot directory"
-        )
     # a window's rows are held in float32 pages beside the codes: their binding limit counts too
     formats = (*req.layer_formats, "f32") if windowed else req.layer_formats
     limit = engine.max_tokens_limit(formats, req.num_kv_heads, req.head_dim)
@@ -60,6 +54,7 @@ async def _create(
         req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, max_tokens, seed,
         req.sinks, req.window,
     )  # fmt: skip
+    check_kept(rt, config)
     session = rt.store.create(engine.session_kv(config), owner=owner, session_id=session_id)  # checks the room again
     return respond(session.info(), wire, 201, headers={"Location": f"/v1/sessions/{session.id}"})
 

@@ -8,11 +8,11 @@ import asyncio
 from fastapi import APIRouter, Request, Response
 
 from ..codec import read_body, respond, wire
-from ..errors import InvalidRequest, UnsupportedMediaType
+from ..errors import UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import check_session_id
 from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from ..operations import place_session
+from ..operations import check_kept, place_session
 from .schemas import ok, problems
 
 __all__ = ["router"]
@@ -25,23 +25,18 @@ router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["snapshots"])
     summary="Snapshot a session",
     description="The session as one self-describing MessagePack blob: format name and version, the "
     "configuration with its seed, each layer's length and cache exactly as held on the GPU, and a checksum. "
-    "Taken after every request already accepted for the session. A session with exact `sinks` or a "
-    "`window` cannot be snapshotted yet (422).",
+    "Taken after every request already accepted for the session (with exact `sinks` or a `window`, "
+    "their rows too).",
     response_class=Response,
     responses={
         200: {
             "description": "The snapshot blob.",
             "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
         },
-        **problems(404, 422, 503, slugs={404: "session-not-found"}),
+        **problems(404, 503, slugs={404: "session-not-found"}),
     },
 )
 async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
-    if session.config.sinks or session.config.window:
-        raise InvalidRequest(
-            "this session keeps exact sinks or a window beside its codes, which a snapshot does not hold yet; "
-            "nothing was read"
-        )
     layers = await asyncio.shield(asyncio.wrap_future(engine.call(read_layers(session.kv))))
     size = sum(len(kb) + len(vb) for _, _, kb, vb in layers)
     blob = await rt.offload(build_blob, session.config, layers, size=size)
@@ -87,6 +82,7 @@ async def put_snapshot(
     config, layers = await rt.offload(
         parse_blob, raw, rt.settings.max_body_bytes, engine.max_tokens_limit, size=len(raw)
     )
+    check_kept(rt, config)  # a windowed session where this server cannot keep it: 422, nothing made
     # From here to the queueing: no await, so the id and budget checks hold.
     kv = engine.session_kv(config)
     # 409 / 507 now; the id and bytes stay taken while restoring
