@@ -69,6 +69,8 @@ P, PAGE_BYTES = 4, 100
 class _Cache:
     """A layer cache as the store sees it: length and capacity as the GPU left them."""
 
+    columnar = True  # a step of such layers is reserved as columns (kvcache.LayerCache.columnar)
+
     def __init__(self, length: int = 0):
         self.length, self.capacity = length, -(-length // P) * P
         self.max_tokens, self.page_tokens, self.kv_format = 64, P, "f32"
@@ -133,6 +135,10 @@ def test_a_step_is_refused_as_columns_where_any_item_would_be():
     assert store.plan_step(sessions[:1], 0, 1, [2]) is None  # an offset that is not the length
     tight = Store(max_sessions=10, memory_budget_bytes=PAGE_BYTES)
     assert tight.plan_step(_sessions(tight, [4, 4]), 0, 1, [None, None]) is None  # two new pages: past the budget
+    windowed = _sessions(_store(), [3, 3])
+    assert store.plan_step(windowed, 0, 1, [None, None]) is not None
+    windowed[1].kv.layers[0].columnar = False  # a layer whose bytes are its own (a window's exact rows)
+    assert store.plan_step(windowed, 0, 1, [None, None]) is None
 
 
 def test_a_failed_item_of_a_step_gives_its_rows_back_and_the_others_keep_theirs():
