@@ -160,7 +160,9 @@ def test_snapshots_keep_the_exact_rows(api, rng):
     bad[0] = np.nan
     recent["k"] = bad.tobytes()
     doc["checksum"] = digest(FORMAT, VERSION, doc["config"], doc["layers"])
-    r = api.call("PUT", "/v1/sessions/tampered/snapshot", content=msgpack.packb(doc, use_bin_type=True), headers=MSGPACK)
+    r = api.call(
+        "PUT", "/v1/sessions/tampered/snapshot", content=msgpack.packb(doc, use_bin_type=True), headers=MSGPACK
+    )
     assert r.status == 422 and "exact.recent: non-finite values" in r.body["detail"], r.body
     assert api.call("GET", "/v1/sessions/tampered").status == 404
     for s in (sid, "restored"):
