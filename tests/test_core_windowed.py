@@ -216,3 +216,30 @@ def test_a_fork_is_charged_what_its_hold_took(engine, rng):
         assert [layer.nbytes for layer in dst.layers] == want, length
         for s in (src, dst):
             engine.release(s).result()
+
+
+def test_an_attend_past_the_binding_limit_is_refused_and_changes_nothing(engine, rng):
+    """A windowed attend's partials grow with its query rows and splits: one that
+    would pass the adapter's binding limit is refused before the GPU sees it
+    (InvalidRequest, not a failed submission), the layer exactly as it was; the
+    next attend answers against the oracle."""
+    from attnserve.errors import InvalidRequest
+
+    h, hkv, d, sinks, window = 32, 8, 128, 4, 128
+    # the partials' bytes: n rows x H heads x splits x (d + 2) floats; past any binding limit
+    n = -(-engine.ctx.max_binding // (h * 4 * (d + 2) * 4))
+    kv, layer = windowed(engine, "tq4", h, hkv, d, sinks, window, max_tokens=6001 + n)
+    follow = Follow(sinks, window)
+    k, v = rows(rng, 6000, hkv, d), rows(rng, 6000, hkv, d)
+    follow.append(k, v)
+    engine.append(layer, k, v).result()
+    follow.call_done()
+    before = (layer.length, list(layer.pages), list(layer.recent.pages), layer.recent_base, layer.held_from)
+    with pytest.raises(InvalidRequest, match="nothing was applied"):
+        engine.attend(layer, rows(rng, n, h, d), k=rows(rng, n, hkv, d), v=rows(rng, n, hkv, d)).result()
+    assert (layer.length, layer.pages, layer.recent.pages, layer.recent_base, layer.held_from) == before
+    q, k, v = rows(rng, 1, h, d), rows(rng, 1, hkv, d), rows(rng, 1, hkv, d)
+    follow.append(k, v)
+    out, length = engine.attend(layer, q, k=k, v=v).result()
+    assert length == 6001 and rel_err(out, follow.want(engine, kv, layer, q, 6000, length)) <= TOL
+    engine.release(kv).result()

@@ -36,6 +36,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import wgpu
 
+from ..errors import InvalidRequest
 from ..turboquant import qjl_scale
 from . import params as P
 from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
@@ -783,6 +784,13 @@ def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) 
     len_s, n_s = _splits(batch, x.kv_format, head, sinks)
     len_r, n_r = _splits(batch, x.kv_format, tail, length - exact_from)
     total = n_c + n_s + n_r
+    need = int(partial_bytes(a.n_queries, a.n_heads, total, a.head_dim).max())
+    if need > batch.arenas.max_binding:  # more than one binding of the partials, alone: never fits
+        raise InvalidRequest(
+            f"this attend needs {need} bytes of GPU working memory in one buffer (its {a.n_queries} query rows' "
+            f"partials over {int(total.max())} splits), more than the adapter binds ({batch.arenas.max_binding}); "
+            "nothing was applied: send fewer query rows per call"
+        )
     part_off = _partials(batch, a, total)
     parts = (
         (band, kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks, 0, 0, total)),
