@@ -661,13 +661,9 @@ def per_layer_formats(kv_format: str | list[str], exact: list[int] | None, n_lay
 
 def oracle_info() -> dict:
     """What ``GET /v1/info`` says of the formats, from the package (``--oracle``: no server)."""
-    from attnserve import formats
+    from attnserve.formats import catalog
 
-    return {
-        "kv_formats": list(formats.KV_FORMATS),
-        "head_dims": {fmt: formats.head_dims(fmt) for fmt in formats.KV_FORMATS},
-        "kv_format_sizes": {fmt: formats.sizes(fmt) for fmt in formats.KV_FORMATS},
-    }
+    return catalog()
 
 
 def evaluate(

@@ -24,6 +24,7 @@ out, the kernels read them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "KV_FORMATS",
@@ -43,6 +44,7 @@ __all__ = [
     "bytes_per_token",
     "bits_per_element",
     "sizes",
+    "catalog",
 ]
 
 
@@ -171,6 +173,16 @@ def bytes_per_token(kv_format: str, num_kv_heads: int, head_dim: int) -> int:
 def bits_per_element(kv_format: str, head_dim: int) -> float:
     """Cache bits per K or V element (keys and values averaged)."""
     return 8 * bytes_per_token(kv_format, 1, head_dim) / (2 * head_dim)
+
+
+def catalog() -> dict[str, Any]:
+    """What ``GET /v1/info`` says of the kv formats: their names, the head dims each
+    takes and their sizes (:func:`sizes`)."""
+    return {
+        "kv_formats": list(KV_FORMATS),
+        "head_dims": {fmt: head_dims(fmt) for fmt in KV_FORMATS},
+        "kv_format_sizes": {fmt: sizes(fmt) for fmt in KV_FORMATS},
+    }
 
 
 def sizes(kv_format: str) -> list[dict]:

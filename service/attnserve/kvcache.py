@@ -402,6 +402,14 @@ class LayerCache:
         copies.run()
         self.slab, self.pages, self.length = slab, pages, length
 
+    def read_exact(self, device: wgpu.GPUDevice) -> dict | None:
+        """The rows a layer keeps exactly beside its cache, as a snapshot keeps them
+        (``snapshot_format``'s ``exact`` member); None: it keeps none."""
+        return None
+
+    def load_exact(self, device: wgpu.GPUDevice, exact: dict | None) -> None:
+        """Restore what :meth:`read_exact` gave (after :meth:`load_words`)."""
+
     def drop_front(self, batch: Batch, pages: int) -> None:
         """Let the layer's first ``pages`` pages go (their timesteps are read no more):
         its timestep 0 becomes what was timestep ``pages * P`` (the caller keeps that
@@ -640,8 +648,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
                 if length >= max(src.recent_base, src.held_from):
                     self.recent.fork_from(device, src.recent, length - src.recent_base)
                     self.recent_base, self.held_from = src.recent_base, src.held_from
-                else:
-                    self.recent.release()
+                else:  # recent holds nothing (released above, with the layer)
                     self.recent_base = self.held_from = length
         except BaseException:
             self.release()
@@ -687,6 +694,11 @@ class SessionConfig:
     def layer_formats(self) -> tuple[str, ...]:
         return layer_formats(self.kv_format, self.num_layers)
 
+    @property
+    def windowed(self) -> bool:
+        """Its compressed layers keep exact sinks or a window (WindowedLayerCache)."""
+        return bool(self.sinks or self.window)
+
     def layer_layout(self, layer: int) -> PageLayout:
         """How layer ``layer`` lays out its rows."""
         return PageLayout(self.layer_formats[layer], self.num_kv_heads, self.head_dim)
@@ -710,7 +722,7 @@ class SessionKV:
             pool = pools.get(c.layer_layout(layer))
             if is_plain(fmt):
                 self.layers.append(PlainLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer))
-            elif c.sinks or c.window:
+            elif c.windowed:
                 exact = pools.get(PageLayout("f32", c.num_kv_heads, c.head_dim))
                 self.layers.append(WindowedLayerCache(
                     pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed, sinks=c.sinks, window=c.window,

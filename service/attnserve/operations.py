@@ -250,7 +250,7 @@ def check_kept(rt: Runtime, config: SessionConfig) -> None:
     """A session with exact sinks or a window cannot live on a server that keeps its
     sessions in a snapshot directory (its journals do not hold the exact rows yet):
     a create or a restore of one there is refused (422) before anything is made."""
-    if (config.sinks or config.window) and rt.settings.snapshot_dir:
+    if config.windowed and rt.settings.snapshot_dir:
         raise InvalidRequest(
             "sinks, window: this server keeps its sessions across restarts (snapshot_dir), and does not yet keep "
             "a session's exact sinks and window rows there; use a session without them, or a server without a "

@@ -32,7 +32,7 @@ import numpy as np
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
 from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, outlier_region, value_words
-from .kvcache import SessionConfig, SessionKV, WindowedLayerCache
+from .kvcache import SessionConfig, SessionKV
 from .pool import PageLayout
 from .session_spec import parse_create
 
@@ -91,7 +91,7 @@ def _digest_rows(h: Any, rows: dict[str, Any]) -> None:
 
 def build_blob(config: SessionConfig, layers: Layers) -> bytes:
     cfg = {k: getattr(config, k) for k in _CONFIG_KEYS}
-    if config.sinks or config.window:
+    if config.windowed:
         cfg.update({k: getattr(config, k) for k in _WINDOW_KEYS})
     ls = [{"length": n, "capacity": c, "k": kb, "v": vb} for n, c, kb, vb in layers]
     for entry, layer in zip(ls, layers):
@@ -183,14 +183,13 @@ def parse_blob(
         req.num_layers, req.num_qo_heads, req.num_kv_heads, req.head_dim, req.kv_format, req.max_tokens, req.seed,
         req.sinks, req.window,
     )  # fmt: skip
-    windowed = bool(config.sinks or config.window)
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")
     out = []
     for i, layer in enumerate(layers):
         layout, fmt = config.layer_layout(i), config.layer_formats[i]  # the contiguous layout snapshots keep
-        keys = _LAYER_KEYS | ({"exact"} if windowed and fmt in TQ_SPECS else set())
+        keys = _LAYER_KEYS | ({"exact"} if config.windowed and fmt in TQ_SPECS else set())
         if not isinstance(layer, dict) or set(layer) != keys:
             raise InvalidSnapshot(f"layers[{i}]: expected exactly the keys {sorted(keys)}")
         n, cap, kb, vb = layer["length"], layer["capacity"], layer["k"], layer["v"]
@@ -264,8 +263,7 @@ def read_layers(kv: SessionKV) -> Callable[[Any], Layers]:
         out = []
         for layer in kv.layers:
             kb, vb = layer.read_words(ctx.device)
-            exact = layer.read_exact(ctx.device) if isinstance(layer, WindowedLayerCache) else None
-            out.append(LayerWords(layer.length, layer.capacity, kb, vb, exact))
+            out.append(LayerWords(layer.length, layer.capacity, kb, vb, layer.read_exact(ctx.device)))
         return out
 
     return read
@@ -282,8 +280,7 @@ def load(ctx: Any, kv: SessionKV, layers: Layers) -> None:
     try:
         for layer, words in zip(kv.layers, layers):
             layer.load_words(ctx.device, *words)
-            if isinstance(layer, WindowedLayerCache):
-                layer.load_exact(ctx.device, getattr(words, "exact", None))
+            layer.load_exact(ctx.device, getattr(words, "exact", None))
     except BaseException:
         kv.release()
         raise

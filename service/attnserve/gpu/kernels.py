@@ -793,11 +793,11 @@ def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) 
         )
     part_off = _partials(batch, a, total)
     parts = (
-        (band, kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks, 0, 0, total)),
-        (head, x.kv_format, _SplitItem(head, len_s, n_s, part_off, False, 0, 0, n_c, total)),
-        (tail, x.kv_format, _SplitItem(tail, len_r, n_r, part_off, False, exact_from, x.recent_base, n_c + n_s, total)),
+        (kv_format, _SplitItem(band, len_c, n_c, part_off, True, sinks, 0, 0, total)),
+        (x.kv_format, _SplitItem(head, len_s, n_s, part_off, False, 0, 0, n_c, total)),
+        (x.kv_format, _SplitItem(tail, len_r, n_r, part_off, False, exact_from, x.recent_base, n_c + n_s, total)),
     )  # fmt: skip
-    for _, fmt, item in parts:
+    for fmt, item in parts:
         if item.n_splits.any():
             _defer_split(batch, item, fmt)
     merge = _SplitItem(rotated, len_c, n_c, part_off, True, split_total=total, n_rotated=n_c)
@@ -844,7 +844,7 @@ def _flush_split(kernel: str, constants: dict[str, int] | None, batch: Batch, it
         table_off=_cat(attends, "table_off"),
         kv_group=_per_entry(attends, lambda a: a.group, "length"),
         **{name: np.concatenate([it.column(name) for it in items]) for name in ("t_lo", "row_base", "split_base")},
-        split_total=np.concatenate([np.asarray(it.total, np.int64) for it in items]),
+        split_total=_cat(items, "total"),
     )
     # the item's rows in its partials: q_total (plain block), q_cap (TurboQuant block)
     if not items[0].tq:  # the plain kernel's n_kv_heads: its head groups (a workgroup serves n_heads / it)
@@ -883,12 +883,12 @@ def _flush_merge(batch: Batch, items: list[_SplitItem]) -> None:
         counts,
         dict(
             n_heads=_per_entry(attends, lambda a: a.n_heads, "length"),
-            n_splits=np.concatenate([np.asarray(it.total, np.int64) for it in items]),
+            n_splits=_cat(items, "total"),
             q_total=counts, out_stride=_per_entry(attends, lambda a: a.n_heads * a.head_dim, "length"),
             sign_off=np.concatenate([it.a.sign_off if it.tq else np.zeros(len(it.a.length), np.int64) for it in items]),
             flags=_per_entry(items, lambda it: P.FLAG_ROTATE if it.tq else 0, "part_off"),
             part_off=_cat(items, "part_off"), out_off=_cat(attends, "out_off"),
-            n_rotated=np.concatenate([np.asarray(it.rotated, np.int64) for it in items]),
+            n_rotated=_cat(items, "rotated"),
         ),
         dict(q_row=(0, 1)),
     )  # fmt: skip

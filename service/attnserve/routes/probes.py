@@ -73,9 +73,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "api_version": API_VERSION,
         "adapter": adapter,
         "backend": adapter["backend"] if adapter else None,
-        "kv_formats": list(formats.KV_FORMATS),
-        "head_dims": {fmt: formats.head_dims(fmt) for fmt in formats.KV_FORMATS},
-        "kv_format_sizes": {fmt: formats.sizes(fmt) for fmt in formats.KV_FORMATS},
+        **formats.catalog(),
         "limits": {
             "max_body_bytes": s.max_body_bytes,
             "memory_budget_bytes": s.memory_budget_bytes,
