@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, Union
 import httpx
 import numpy as np
 
-from . import wire
+from . import tensors, wire
 from ._routing import ROUTE_HEADER, ReplicaMap
 from ._streams import STREAM_TRANSPORTS, AsyncStream, AsyncStreamOpening, FrameTarget, Groups, Stream
 from ._steps import (
@@ -494,7 +494,7 @@ class _BaseClient:
             return sub_step.outcome(doc)
 
         parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, q, k, v, kw, groups)])
-        return merge_stacked(len(step.sessions), groups, parts)
+        return merge_stacked(len(step.sessions), groups, parts, step.like)
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -538,7 +538,7 @@ class _SessionBase(Generic[_C]):
 
     def _check_rows(self, a: Any, name: str, heads: int, rows: str) -> np.ndarray:
         try:
-            arr = wire.as_float32(a, name=name)
+            arr = tensors.as_float32(a, name=name)
         except wire.WireError as exc:
             raise refused(InvalidRequest, str(exc)) from None
         d = self._config.head_dim
@@ -622,7 +622,7 @@ class _SessionBase(Generic[_C]):
         scale: float | None,
     ) -> Flow[np.ndarray]:
         layer = self._check_layer(layer)
-        q = self._check_rows(q, "q", self._config.num_qo_heads, "n")
+        like, q = q, self._check_rows(q, "q", self._config.num_qo_heads, "n")
         n = q.shape[0]
         fused = k is not None or v is not None
         if fused and (k is None or v is None):
@@ -652,7 +652,7 @@ class _SessionBase(Generic[_C]):
             query["start_pos"] = start_pos
         if not fused:
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-            return self._out_from(layer, reply, n)
+            return tensors.answer(self._out_from(layer, reply, n), like)
 
         offset = yield from self._offset_flow(layer)
         body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
@@ -663,7 +663,7 @@ class _SessionBase(Generic[_C]):
             # answer: attend again, without k, v, at the position that call had.
             query.setdefault("start_pos", length - n)
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-        return self._out_from(layer, reply, n)
+        return tensors.answer(self._out_from(layer, reply, n), like)
 
     def _fork_flow(self, session_id: str | None, length: int | None) -> Flow[SessionInfo]:
         body: dict[str, Any] = {"session_id": _check_session_id(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import numpy as np
 
-from . import wire
+from . import tensors, wire
 from .errors import APIError, AttnServeError, InvalidInput, InvalidResponse, parse_problem
 
 if TYPE_CHECKING:  # annotations only
@@ -107,7 +107,7 @@ def as_item(item: ItemLike) -> AttendItem:
 
 def _array(a: Any, name: str) -> dict[str, Any]:
     try:
-        return wire.encode_array(wire.check_finite(wire.as_float32(a, name=name), name=name), name=name)
+        return wire.encode_array(wire.check_finite(tensors.as_float32(a, name=name), name=name), name=name)
     except wire.WireError as exc:
         raise InvalidInput(str(exc)) from None
 
@@ -191,7 +191,7 @@ def item_results(items: list[AttendItem], doc: Any) -> list[Any]:
             continue
         arr, length = attend_out(r, f"attend_batch item {i}")
         track_length(item, length)
-        out.append(arr)
+        out.append(tensors.answer(arr, item.q))
     return out
 
 
@@ -207,10 +207,12 @@ class StackedStep:
     sessions: list[Any]
     layer: int
     squeeze: bool
+    like: Any = None  # the queries as given: a tensor's output is a tensor (tensors.answer)
 
-    def result(self, doc: Any) -> np.ndarray:
+    def result(self, doc: Any) -> Any:
         """The stacked output; raises :class:`BatchError` when any item failed."""
         out, failed = self.outcome(doc)
+        out = tensors.answer(out, self.like)
         if failed:
             raise BatchError([failed.get(i, out[i]) for i in range(len(out))])
         return out
@@ -243,7 +245,7 @@ class StackedStep:
 
 def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:
     try:
-        arr = wire.check_finite(wire.as_float32(a, name=name), name=name)
+        arr = wire.check_finite(tensors.as_float32(a, name=name), name=name)
     except wire.WireError as exc:
         raise InvalidInput(str(exc)) from None
     if arr.ndim == 3:
@@ -291,7 +293,7 @@ def stacked_body(
     if scale is not None:
         body["scale"] = float(scale)
     idempotent = k is None or (offsets is not None and None not in body["offsets"])
-    return StackedStep(sessions, int(layer), np.ndim(q) == 3), body, idempotent
+    return StackedStep(sessions, int(layer), len(np.shape(q)) == 3, q), body, idempotent
 
 
 # -- a batched step split over replicas -----------------------------------------
@@ -322,7 +324,8 @@ def stacked_parts(
     step: StackedStep, body: Mapping[str, Any], q: Any, k: Any, v: Any, options: StackedOptions, groups: list[list[int]]
 ) -> list[tuple[StackedStep, dict[str, Any], bool]]:
     """The parts of a stacked step, one per replica group: ``(step, body, idempotent)``."""
-    arrays = {name: None if a is None else wire.as_float32(a, name=name) for name, a in (("q", q), ("k", k), ("v", v))}
+    given = (("q", q), ("k", k), ("v", v))
+    arrays = {name: None if a is None else tensors.as_float32(a, name=name) for name, a in given}
     offsets, start_pos = body.get("offsets"), body.get("start_pos")  # checked, one per item
     parts = []
     for idx in groups:
@@ -336,9 +339,10 @@ def stacked_parts(
     return parts
 
 
-def merge_stacked(n: int, groups: list[list[int]], parts: list[Any]) -> np.ndarray:
+def merge_stacked(n: int, groups: list[list[int]], parts: list[Any], like: Any = None) -> Any:
     """The stacked output from each part's ``StackedStep.outcome`` (or the exception
-    the whole part raised); :class:`BatchError` when any item failed."""
+    the whole part raised), as the queries ``like`` were given (``tensors.answer``);
+    :class:`BatchError` when any item failed."""
     out: np.ndarray | None = None
     results: list[Any] = [None] * n
     for idx, got in zip(groups, parts):
@@ -354,4 +358,4 @@ def merge_stacked(n: int, groups: list[list[int]], parts: list[Any]) -> np.ndarr
             results[i] = failed.get(j, out[i])
     if out is None or any(isinstance(r, BaseException) for r in results):
         raise BatchError(results)
-    return out
+    return tensors.answer(out, like)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import framing, wire
+from . import framing, tensors, wire
 from ._routing import ROUTE_HEADER
 from ._steps import (
     AttendItem,
@@ -246,10 +246,10 @@ def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None
     return doc
 
 
-def _attend_result(item: AttendItem, doc: Any) -> np.ndarray:
+def _attend_result(item: AttendItem, doc: Any) -> Any:
     out, length = attend_out(doc, "attend")
     track_length(item, length)
-    return out
+    return tensors.answer(out, item.q)
 
 
 def _append_result(item: AttendItem, doc: Any) -> int:
@@ -468,7 +468,7 @@ class Stream:
                 groups, stacked_parts(step, body, q, k, v, kw, [g for _, g in groups])
             )
         ]
-        return _joined(parts, lambda got: merge_stacked(len(ids), [g for _, g in groups], got))
+        return _joined(parts, lambda got: merge_stacked(len(ids), [g for _, g in groups], got, step.like))
 
     def attend_stacked(
         self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
@@ -790,7 +790,7 @@ class AsyncStream:
                 for (place, _), (sub_step, sub_body, _) in zip(groups, parts)
             ],
         )
-        return merge_stacked(len(ids), [g for _, g in groups], got)
+        return merge_stacked(len(ids), [g for _, g in groups], got, step.like)
 
     async def ping(self) -> None:
         """A round trip on every connection of the stream."""

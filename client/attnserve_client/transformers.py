@@ -1,0 +1,376 @@
+"""Hugging Face transformers on attnserve: ``model.generate()`` with every layer's
+KV cache and attention on the server.
+
+    import attnserve_client.transformers as ast
+    from attnserve_client import Client
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=ast.ATTN_IMPLEMENTATION)
+    with Client("http://127.0.0.1:8000") as client, ast.AttnServeCache(client, model.config, kv_format="tq4v3") as cache:
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+Importing this module registers the attention function and its mask function
+under the name ``"attnserve"`` (transformers' ``AttentionInterface`` and
+``AttentionMaskInterface``). :class:`AttnServeCache` is a ``transformers.Cache``
+that holds one attnserve session per sequence of the batch, made on the first
+forward pass. Each layer's ``update`` hands its new K/V rows to the attention
+function that runs right after it, which sends them with the queries as one
+fused append + attend for the whole batch over the cache's stream: a stacked step
+when every sequence adds the same rows (decoding, or prompts without padding),
+else one item per sequence carrying only its real rows, so padding never reaches
+the server. Long prompts go in chunks of rows (``max_chunk_bytes`` a request),
+pipelined on the stream. Beam search and ``num_return_sequences`` reorder and copy
+sequences with forks. See ``docs/transformers.md``.
+
+Needs ``torch`` and ``transformers`` >= 5 (the extra ``attnserve-client[transformers]``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+
+from . import tensors
+from ._steps import AttendItem
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttnServeCache", "attention", "padding_mask"]
+
+#: The name to give transformers: ``attn_implementation="attnserve"``.
+ATTN_IMPLEMENTATION = "attnserve"
+
+#: The largest request the cache sends by default (its rows of q, k and v as
+#: float32): long prompts go in chunks of rows of about this size.
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+_pending = threading.local()  # the last update's (cache, layer, key, value), per thread
+
+
+class _Timeline(CacheLayerMixin):
+    """One layer's length as transformers counts it: every position of the padded
+    batch (padding included), which is what its masks and positions are built from.
+    The rows themselves are on the server."""
+
+    supports_early_init = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.is_initialized = True
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.is_initialized = False
+
+
+def _check_config(config: Any) -> Any:
+    """The decoder config the cache serves; refuses attention it does not compute."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        others = sorted({t for t in layer_types if t != "full_attention"})
+        raise ValueError(f"attnserve computes full causal attention; this model has {others} layers")
+    if layer_types is None and getattr(text, "sliding_window", None) is not None:
+        if getattr(text, "use_sliding_window", True):
+            raise ValueError("attnserve computes full causal attention; this model uses a sliding window")
+    return text
+
+
+class AttnServeCache(Cache):
+    """A ``transformers.Cache`` whose rows live in attnserve sessions, one per
+    sequence of the batch; the model must run with ``attn_implementation="attnserve"``.
+
+    Args:
+        client: an :class:`attnserve_client.Client`.
+        config: the model's config (``model.config``): layers, heads, head_dim.
+        kv_format: the sessions' kv format, one for all layers or one per layer.
+        transport: the stream's transport, ``"websocket"`` or ``"frames"``.
+        max_chunk_bytes: the most q, k, v bytes (float32) of one request: longer
+            prompts are sent in chunks of rows.
+        keep_sessions: leave the sessions on the server at :meth:`close`.
+        **session: the other fields of ``Client.create_session`` (``sinks``,
+            ``window``, ``exact_layers``, ``exact_format``, ``max_tokens``, ``seed``).
+
+    ``stats`` counts the attention calls, their seconds, and the seconds of those
+    spent waiting on the server (the rest is this process's conversions, encoding
+    and bookkeeping). Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        config: Any,
+        *,
+        kv_format: str | Sequence[str] = "f32",
+        transport: str = "websocket",
+        max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep_sessions: bool = False,
+        **session: Any,
+    ):
+        text = _check_config(config)
+        self.num_layers = int(text.num_hidden_layers)
+        super().__init__(layers=[_Timeline() for _ in range(self.num_layers)])
+        self.client = client
+        self.kv_format = kv_format if isinstance(kv_format, str) else list(kv_format)
+        self.session_options = session
+        self.max_chunk_bytes = int(max_chunk_bytes)
+        self.keep_sessions = keep_sessions
+        self.stream = client.stream(transport=transport)
+        self.sessions: list[Any] = []
+        # rows each session holds per layer (only the real ones: padding is never sent)
+        self.lengths = np.zeros((self.num_layers, 0), np.int64)
+        self.stats = {"calls": 0, "seconds": 0.0, "server_seconds": 0.0}
+        self._broken: str | None = None
+
+    # -- transformers' Cache ------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand this layer's new rows (``[B, kv_heads, n, head_dim]``) to the attention
+        function that runs next; nothing is sent yet."""
+        if self._broken:
+            raise RuntimeError(self._broken)
+        self.layers[layer_idx].update(key_states, value_states)
+        _pending.call = (self, layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def reset(self) -> None:
+        """Forget every sequence (their sessions are deleted)."""
+        self._drop(self.sessions)
+        self.sessions = []
+        self.lengths = np.zeros((self.num_layers, 0), np.int64)
+        self._broken = None
+        super().reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Sequence ``i`` continues sequence ``beam_idx[i]`` (beam search)."""
+        self._select([int(i) for i in beam_idx.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([b for b in range(len(self.sessions)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select([int(i) for i in torch.as_tensor(indices).reshape(-1).tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("AttnServeCache does not crop (assisted decoding is not supported)")
+
+    # -- sessions -----------------------------------------------------------------
+
+    def _select(self, idx: list[int]) -> None:
+        """Sequence ``i`` of the batch becomes what sequence ``idx[i]`` was: the first
+        use of a sequence keeps its session, every other one is a fork of it (made
+        before anything is deleted); sessions no longer used are deleted."""
+        if not self.sessions:
+            return  # nothing sent yet: the sessions are made for the batch that comes
+        if any(not 0 <= j < len(self.sessions) for j in idx):
+            raise IndexError(f"batch indices {idx} out of range for a batch of {len(self.sessions)}")
+        first: set[int] = set()
+        chosen = []
+        for j in idx:
+            chosen.append(self.sessions[j] if j not in first else self.sessions[j].fork())
+            first.add(j)
+        self._drop([s for j, s in enumerate(self.sessions) if j not in first])
+        self.sessions = chosen
+        self.lengths = self.lengths[:, idx]
+
+    def _drop(self, sessions: list[Any]) -> None:
+        if not self.keep_sessions:
+            for s in sessions:
+                s.delete()
+
+    def _make_sessions(self, batch: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        spec = dict(self.session_options)
+        self.sessions = [
+            self.client.create_session(
+                num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=self.num_layers,
+                kv_format=self.kv_format, **spec,
+            )  # fmt: skip
+            for _ in range(batch)
+        ]
+        self.lengths = np.zeros((self.num_layers, batch), np.int64)
+
+    def close(self) -> None:
+        """Delete the sessions (unless ``keep_sessions``) and close the stream."""
+        try:
+            self._drop(self.sessions)
+        finally:
+            self.sessions = []
+            self.stream.close()
+
+    def __enter__(self) -> AttnServeCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- attention ----------------------------------------------------------------
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        real: np.ndarray | None,
+        scale: float | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """Append ``key``, ``value`` (``[B, kv_heads, n, d]``) to ``layer`` of each
+        sequence and attend ``query`` (``[B, heads, n, d]``) over it; ``real[b, i]``
+        says whether row ``i`` of sequence ``b`` is a token (None: all are). Returns
+        ``[B, n, heads, d]`` on ``query``'s device in its dtype, zero at padding."""
+        started = time.perf_counter()
+        batch, heads, n, d = query.shape
+        kv_heads = key.shape[1]
+        if not self.sessions:
+            self._make_sessions(batch, heads, kv_heads, d)
+        if batch != len(self.sessions):
+            raise ValueError(f"a batch of {batch} sequences for a cache of {len(self.sessions)}")
+        q = tensors.as_float32(query.transpose(1, 2), name="q")  # [B, n, H, d] on the host
+        k = tensors.as_float32(key.transpose(1, 2), name="k")
+        v = tensors.as_float32(value.transpose(1, 2), name="v")
+        rows = max(1, self.max_chunk_bytes // (batch * (heads + 2 * kv_heads) * d * 4))
+        out = np.zeros((batch, n, heads, d), np.float32)
+        try:
+            if real is None or real.all():
+                waited = self._stacked(layer, q, k, v, out, rows, scale, causal)
+            else:
+                waited = self._items(layer, q, k, v, real, out, rows, scale, causal)
+        except BaseException as exc:
+            self._broken = f"a failed attention call left the cache out of step with the server: {exc!r}"
+            raise
+        answer = tensors.answer(out, query)
+        self.stats["calls"] += 1
+        self.stats["seconds"] += time.perf_counter() - started
+        self.stats["server_seconds"] += waited
+        return answer
+
+    def _stacked(self, layer, q, k, v, out, rows, scale, causal) -> float:
+        """Every sequence adds all its n rows: stacked steps of ``rows`` rows each."""
+        n = q.shape[1]
+        base = self.lengths[layer].copy()
+        futures = [
+            (c, self.stream.submit_attend_stacked(
+                self.sessions, layer, q[:, c : c + rows], k[:, c : c + rows], v[:, c : c + rows],
+                offsets=(base + c).tolist(), scale=scale, causal=causal,
+            ))  # fmt: skip
+            for c in range(0, n, rows)
+        ]
+        t0 = time.perf_counter()
+        for c, fut in futures:
+            out[:, c : c + rows] = fut.result()
+        waited = time.perf_counter() - t0
+        self.lengths[layer] = base + n
+        return waited
+
+    def _items(self, layer, q, k, v, real, out, rows, scale, causal) -> float:
+        """Each sequence adds only its real rows: one item per sequence and chunk."""
+        picked = [np.flatnonzero(r) for r in real]
+        longest = max(len(p) for p in picked)
+        base = self.lengths[layer].copy()
+        futures = []
+        for c in range(0, longest, rows):
+            items, where = [], []
+            for b, p in enumerate(picked):
+                sel = p[c : c + rows]
+                if len(sel):
+                    items.append(AttendItem(
+                        self.sessions[b], layer, q[b, sel], k[b, sel], v[b, sel],
+                        offset=int(base[b] + c), scale=scale, causal=causal,
+                    ))  # fmt: skip
+                    where.append((b, sel))
+            futures.append((where, self.stream.submit_attend_batch(items)))
+        t0 = time.perf_counter()
+        for where, fut in futures:
+            for (b, sel), got in zip(where, fut.result()):
+                out[b, sel] = got
+        waited = time.perf_counter() - t0
+        self.lengths[layer] = base + np.array([len(p) for p in picked])
+        return waited
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask transformers hands the attention function: the 2D padding mask of
+    the ``kv_length`` positions (True: a token), or None when nothing is padding.
+    Causality is the server's (every attend is causal over the rows sent)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attnserve takes a 2D padding mask, got one of shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    return None if bool(mask.all()) else mask
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for ``attn_implementation="attnserve"``:
+    the fused append + attend of the rows the :class:`AttnServeCache` was just
+    handed, for the whole batch. Returns ``[B, n, heads, d]`` and no weights."""
+    call = getattr(_pending, "call", None)
+    _pending.call = None
+    layer = getattr(module, "layer_idx", None)
+    if call is None or call[1] != layer or call[2] is not key:
+        raise RuntimeError(
+            'attn_implementation="attnserve" needs past_key_values=AttnServeCache(...) '
+            "(and use_cache=True): the rows of this layer were not handed to an AttnServeCache"
+        )
+    for name in ("softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attnserve does not compute attention with {name}")
+    if dropout:
+        raise ValueError("attnserve does not compute attention dropout (run the model in eval mode)")
+    cache: AttnServeCache = call[0]
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError("attnserve takes the 2D padding mask of its own mask function")
+    real = None
+    if attention_mask is not None:
+        real = attention_mask[:, -query.shape[2] :].cpu().numpy()
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    return cache.attend(layer, query, call[2], call[3], real, scaling, causal), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
