@@ -482,7 +482,9 @@ class _BaseClient:
         parts = yield _Parallel([part(*p) for p in item_parts(checked, body, groups)])
         return merge_items(len(checked), groups, parts)
 
-    def _stacked_flow(self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: StackedOptions) -> Flow[np.ndarray]:
+    def _stacked_flow(
+        self, sessions: Any, layer: int, q: Any, k: Any, v: Any, kw: StackedOptions
+    ) -> Flow[tensors.Answer]:
         step, body, idempotent = stacked_body(sessions, layer, q, k, v, **kw)
         groups = yield from self._replica_groups(body["session_ids"])
         if len(groups) == 1:
@@ -620,7 +622,7 @@ class _SessionBase(Generic[_C]):
         start_pos: int | None,
         causal: bool,
         scale: float | None,
-    ) -> Flow[np.ndarray]:
+    ) -> Flow[tensors.Answer]:
         layer = self._check_layer(layer)
         like, q = q, self._check_rows(q, "q", self._config.num_qo_heads, "n")
         n = q.shape[0]

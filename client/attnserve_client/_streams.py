@@ -774,7 +774,7 @@ class AsyncStream:
 
     async def attend_stacked(
         self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
-    ) -> np.ndarray:
+    ) -> tensors.Answer:
         """As ``Client.attend_stacked``, over the stream."""
         step, body, _ = stacked_body(sessions, layer, q, k, v, **kw)
         ids = body["session_ids"]

@@ -24,7 +24,11 @@ import numpy as np
 
 from . import wire
 
-__all__ = ["answer", "as_float32", "is_tensor"]
+__all__ = ["Answer", "answer", "as_float32", "is_tensor"]
+
+#: What an attend answers: a float32 numpy array, or a ``torch.Tensor`` when its
+#: queries were one (typed loosely: the client never imports torch).
+Answer = Any
 
 
 def _torch() -> Any:
@@ -57,7 +61,7 @@ def as_float32(a: Any, *, name: str = "array") -> np.ndarray:
     return wire.as_float32(a, name=name)
 
 
-def answer(out: np.ndarray, like: Any) -> Any:
+def answer(out: np.ndarray, like: Any) -> Answer:
     """An attend's output ``out`` as the caller gave its queries ``like``: a tensor
     on ``like``'s device in ``like``'s dtype when it is a tensor, else ``out``."""
     if not is_tensor(like):

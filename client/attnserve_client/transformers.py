@@ -6,8 +6,9 @@ KV cache and attention on the server.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=ast.ATTN_IMPLEMENTATION)
-    with Client("http://127.0.0.1:8000") as client, ast.AttnServeCache(client, model.config, kv_format="tq4v3") as cache:
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    with Client("http://127.0.0.1:8000") as client:
+        with ast.AttnServeCache(client, model.config, kv_format="tq4v3") as cache:
+            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
 Importing this module registers the attention function and its mask function
 under the name ``"attnserve"`` (transformers' ``AttentionInterface`` and
@@ -39,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import tensors
-from ._steps import AttendItem
+from ._steps import AttendItem, BatchError
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttnServeCache", "attention", "padding_mask"]
 
@@ -147,14 +148,26 @@ class AttnServeCache(Cache):
 
     # -- transformers' Cache ------------------------------------------------------
 
+    def timeline(self, layer: int) -> _Timeline:
+        line = self.layers[layer]
+        assert isinstance(line, _Timeline)
+        return line
+
+    def _check(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"{self._broken}; reset() or close() it")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        self._check()  # generate() asks first: a cache out of step refuses there
+        return super().get_seq_length(layer_idx)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Hand this layer's new rows (``[B, kv_heads, n, head_dim]``) to the attention
         function that runs next; nothing is sent yet."""
-        if self._broken:
-            raise RuntimeError(self._broken)
-        self.layers[layer_idx].update(key_states, value_states)
+        self._check()
+        self.timeline(layer_idx).update(key_states, value_states)
         _pending.call = (self, layer_idx, key_states, value_states)
         return key_states, value_states
 
@@ -207,8 +220,12 @@ class AttnServeCache(Cache):
         spec = dict(self.session_options)
         self.sessions = [
             self.client.create_session(
-                num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=self.num_layers,
-                kv_format=self.kv_format, **spec,
+                num_qo_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                num_layers=self.num_layers,
+                kv_format=self.kv_format,
+                **spec,
             )  # fmt: skip
             for _ in range(batch)
         ]
@@ -263,22 +280,36 @@ class AttnServeCache(Cache):
                 waited = self._items(layer, q, k, v, real, out, rows, scale, causal)
         except BaseException as exc:
             self._broken = f"a failed attention call left the cache out of step with the server: {exc!r}"
+            if isinstance(exc, BatchError):  # the first sequence's own error (all are in the chain)
+                raise next(iter(exc.errors.values())) from exc
             raise
-        answer = tensors.answer(out, query)
+        answer: torch.Tensor = tensors.answer(out, query)
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - started
         self.stats["server_seconds"] += waited
         return answer
 
-    def _stacked(self, layer, q, k, v, out, rows, scale, causal) -> float:
+    def _stacked(
+        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, rows: int,
+        scale: float | None, causal: bool,
+    ) -> float:  # fmt: skip
         """Every sequence adds all its n rows: stacked steps of ``rows`` rows each."""
         n = q.shape[1]
         base = self.lengths[layer].copy()
         futures = [
-            (c, self.stream.submit_attend_stacked(
-                self.sessions, layer, q[:, c : c + rows], k[:, c : c + rows], v[:, c : c + rows],
-                offsets=(base + c).tolist(), scale=scale, causal=causal,
-            ))  # fmt: skip
+            (
+                c,
+                self.stream.submit_attend_stacked(
+                    self.sessions,
+                    layer,
+                    q[:, c : c + rows],
+                    k[:, c : c + rows],
+                    v[:, c : c + rows],
+                    offsets=(base + c).tolist(),
+                    scale=scale,
+                    causal=causal,
+                ),
+            )  # fmt: skip
             for c in range(0, n, rows)
         ]
         t0 = time.perf_counter()
@@ -288,7 +319,10 @@ class AttnServeCache(Cache):
         self.lengths[layer] = base + n
         return waited
 
-    def _items(self, layer, q, k, v, real, out, rows, scale, causal) -> float:
+    def _items(
+        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, real: np.ndarray, out: np.ndarray,
+        rows: int, scale: float | None, causal: bool,
+    ) -> float:  # fmt: skip
         """Each sequence adds only its real rows: one item per sequence and chunk."""
         picked = [np.flatnonzero(r) for r in real]
         longest = max(len(p) for p in picked)

