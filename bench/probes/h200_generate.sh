@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# transformers' generate() on attnserve (issue 29) on the lent H200, in two device calls:
+#   bash bench/probes/h200_generate.sh tests OUT_DIR
+#     the client's torch and transformers tests against a live server on the H200 (the
+#     CUDA tensor test runs there: torch has CUDA)
+#   bash bench/probes/h200_generate.sh bench OUT_DIR GGUF
+#     bench/generate.py: batch 1 and 32, prompt 1,024, 256 new tokens, sdpa beside
+#     attnserve f32 and tq4v3/s4w128; then the formats' fidelity through transformers
+set -u
+MODE=${1:?tests or bench}
+OUTDIR=${2:?out dir}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PYTHONPATH:$(pwd)"
+if [ "$MODE" = tests ]; then
+  ATTNSERVE_ADAPTER=nvidia timeout 300 python3 -m pytest -q -p no:cacheprovider tests/client/test_tensors.py tests/client/test_transformers.py \
+    -k "not smollm2 and not documented" 2>&1 | tail -n 4
+  exit 0
+fi
+GGUF=${3:?gguf}
+timeout 420 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches 1,32 --prompt 1024 --new 256 \
+  --settings f32,tq4v3/s4w128 --out "$OUTDIR/generate.json" 2>&1 | grep -v "Converting\|Loading weights"
+timeout 150 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches "" \
+  --fidelity f32,tq4,tq4v3/s4w128,tq4/s4w128,turboquant/s4w128,tq3 --out "$OUTDIR/generate-fidelity.json" 2>&1 \
+  | grep -v "Converting\|Loading weights"
