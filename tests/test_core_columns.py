@@ -38,14 +38,15 @@ def columns(monkeypatch):
     return planned
 
 
-def _pairs(engine, formats, lengths, rng, layers=2):
+def _pairs(engine, formats, lengths, rng, layers=2, heads=(H, HKV)):
     """For each (format, length): a session and its twin, both prefilled alike."""
     out = []
+    h, hkv = heads
     for i, (fmt, length) in enumerate(zip(formats, lengths)):
-        pair = [engine.session_kv(SessionConfig(layers, H, HKV, D, fmt, 4096, 100 + i)) for _ in range(2)]
+        pair = [engine.session_kv(SessionConfig(layers, h, hkv, D, fmt, 4096, 100 + i)) for _ in range(2)]
         for li in range(layers):
             if length:
-                k, v = rows(rng, length, HKV, D), rows(rng, length, HKV, D)
+                k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
                 for s in pair:
                     engine.append(s.layers[li], k, v).result()
         out.append(pair)
@@ -88,18 +89,20 @@ def uploads(request, monkeypatch):
 
 
 @pytest.mark.usefixtures("uploads")
-def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns):
+@pytest.mark.parametrize("heads", [(H, HKV), (9, 3)], ids=["gqa2", "gqa3"])  # 3: a workgroup per query head
+def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns, heads):
     formats = ["f32", "turboquant", "f16", "tq4", "f32", "turboquant", "tq2o", "f32", "f16"]
     lengths = [P - 1, P, 1, 2 * P + 3, P + 1, 0, 3 * P - 2, 5, 2 * P - 1]
-    pairs = _pairs(engine, formats, lengths, rng)
+    pairs = _pairs(engine, formats, lengths, rng, heads=heads)
     b = len(pairs)
+    h, hkv = heads
     for step, m in enumerate((1, 3, 1, 0, P + 2)):  # rows appended per item (0: no append)
         for li in range(2):  # every layer of the step: pages opened by the appends before
-            q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
+            q = rng.standard_normal((b, 1, h, D)).astype(np.float32)
             k = v = None
             if m:
-                k = rng.standard_normal((b, m, HKV, D)).astype(np.float32)
-                v = rng.standard_normal((b, m, HKV, D)).astype(np.float32)
+                k = rng.standard_normal((b, m, hkv, D)).astype(np.float32)
+                v = rng.standard_normal((b, m, hkv, D)).astype(np.float32)
             skip = {4} if step == 2 else ()  # an item refused before it was planned
             _check_step(engine, pairs, li, q, k, v, skip)
     # every item went through the columns (one group per pool): none planned alone

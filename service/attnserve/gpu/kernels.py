@@ -501,8 +501,9 @@ class KernelPolicy:
     seed-derived one-workgroup-per-(head, query) kernels). By default an attend
     of up to ``split_max_queries`` query rows takes the split-KV kernels and a
     larger one the query-block tiled kernels, where the shape allows them (GQA
-    group of 1, 2, 4 or 8; plain head_dim a multiple of 4); anything else takes
-    the single-pass kernels. ``target_workgroups`` sizes the splits so a decode step fills the GPU.
+    group of 1, 2, 4 or 8 for the tiled ones, any for the split ones; plain head_dim
+    a multiple of 4); anything else takes the single-pass kernels.
+    ``target_workgroups`` sizes the splits so a decode step fills the GPU.
     """
 
     force: str | None = None
@@ -538,13 +539,15 @@ class KernelPolicy:
         return bool(self.subgroups) and "subgroup" in device.features
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
-        """ "split", "tiled" or "single" for this attend."""
-        ok = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
-        if self.force == "single" or not ok:
+        """ "split", "tiled" or "single" for this attend. The split kernels take any
+        GQA group (a workgroup serves one query head where the group is not 1, 2, 4
+        or 8), the tiled ones only those: a larger attend of another group is single."""
+        if self.force == "single" or not split_eligible(kv_format, n_heads, n_kv_heads, head_dim, any_group=True):
             return "single"
-        if self.force in ("split", "tiled"):
-            return self.force
-        return "split" if n_queries <= self.split_max_queries else "tiled"
+        whole = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
+        if self.force == "split" or (self.force is None and n_queries <= self.split_max_queries):
+            return "split"
+        return "tiled" if whole else "single"
 
 
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int, any_group: bool = False) -> bool:
@@ -693,7 +696,7 @@ def plan_split(batch: Batch, a: Attends, kv_format: str) -> None:
     """Queue split-KV attends: their split kernel and their merge join the batch's
     (one dispatch each per slab and shape for the whole batch). TurboQuant attends
     read rotated queries (:func:`plan_split_turboquant` rotates them first)."""
-    if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim):
+    if not split_eligible(kv_format, a.n_heads, a.n_kv_heads, a.head_dim, any_group=True):
         raise ValueError("shape not eligible for the split kernel")
     split_len, n_splits = _splits(batch, kv_format, a, np.asarray(a.length, np.int64))
     item = _SplitItem(a, split_len, n_splits, _partials(batch, a, n_splits), kv_format in TQ_SPECS)
