@@ -96,8 +96,8 @@ def run_generate(model, ids, device, new: int, cache=None) -> tuple[torch.Tensor
     return out[:, ids.shape[1] :], prefill, whole
 
 
-def speed(args, model, tok, client, device) -> list[dict]:
-    rows = []
+def speed(args, model, tok, client, device, doc: dict) -> list[dict]:
+    rows = doc["speed"]
     for batch in args.batches:
         ids = prompts(tok, batch, args.prompt).to(device)
         model.set_attn_implementation("sdpa")
@@ -105,6 +105,7 @@ def speed(args, model, tok, client, device) -> list[dict]:
         ref, prefill, whole = run_generate(model, ids, device, args.new)
         rows.append(row("sdpa", batch, args, prefill, whole, ref, ref))
         print(json.dumps(rows[-1]), flush=True)
+        write_result(args.out, doc)  # after each row: a run cut short keeps what it measured
         model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
         for setting in args.settings:
             with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache:
@@ -113,6 +114,7 @@ def speed(args, model, tok, client, device) -> list[dict]:
                 got, prefill, whole = run_generate(model, ids, device, args.new, cache)
                 rows.append(row(f"attnserve {setting}", batch, args, prefill, whole, got, ref, cache.stats))
             print(json.dumps(rows[-1]), flush=True)
+            write_result(args.out, doc)
         model.set_attn_implementation("sdpa")
     return rows
 
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
     }
     with serving(args.adapter) as (_, url), Client(url, timeout=120) as client:
         doc["adapter"] = client.info().get("adapter")
-        doc["speed"] = speed(args, model, tok, client, device) if args.batches else []
+        doc["speed"] = []
+        speed(args, model, tok, client, device, doc)
         doc["fidelity"] = fidelity(args, model, tok, client, device) if args.fidelity else []
     write_result(args.out, doc)
     return 0

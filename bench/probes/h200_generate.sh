@@ -3,6 +3,9 @@
 #   bash bench/probes/h200_generate.sh tests OUT_DIR
 #     the client's torch and transformers tests against a live server on the H200 (the
 #     CUDA tensor test runs there: torch has CUDA)
+#   bash bench/probes/h200_generate.sh step OUT_DIR
+#     bench/probes/generate_step.py: the stacked decode call of 32 (and 1) sessions of 30
+#     layers at 1k, alone, with the layers in turn, and with torch's work in the process
 #   bash bench/probes/h200_generate.sh bench OUT_DIR GGUF
 #     bench/generate.py: batch 1 and 32, prompt 1,024, 256 new tokens, sdpa beside
 #     attnserve f32 and tq4v3/s4w128; then the formats' fidelity through transformers
@@ -15,8 +18,16 @@ if [ "$MODE" = tests ]; then
     -k "not smollm2 and not documented" 2>&1 | tail -n 4
   exit 0
 fi
+if [ "$MODE" = step ]; then  # the stacked decode call alone, as the cache sends it
+  for shape in "32 30" "1 30"; do
+    set -- $shape
+    timeout 150 python3 bench/probes/generate_step.py --adapter nvidia --batch $1 --layers $2 --context 1024 --calls 300 \
+      2>&1 | grep variant
+  done
+  exit 0
+fi
 GGUF=${3:?gguf}
-timeout 420 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches 1,32 --prompt 1024 --new 256 \
+timeout 560 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches 1,32 --prompt 1024 --new 256 \
   --settings f32,tq4v3/s4w128 --out "$OUTDIR/generate.json" 2>&1 | grep -v "Converting\|Loading weights"
 timeout 150 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches "" \
   --fidelity f32,tq4,tq4v3/s4w128,tq4/s4w128,turboquant/s4w128,tq3 --out "$OUTDIR/generate-fidelity.json" 2>&1 \
