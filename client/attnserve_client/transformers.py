@@ -172,8 +172,9 @@ class AttnServeCache(Cache):
         return key_states, value_states
 
     def reset(self) -> None:
-        """Forget every sequence (their sessions are deleted)."""
-        self._drop(self.sessions)
+        """Forget every sequence (their sessions are deleted unless ``keep_sessions``)."""
+        if not self.keep_sessions:
+            self._delete(self.sessions)
         self.sessions = []
         self.lengths = np.zeros((self.num_layers, 0), np.int64)
         self._broken = None
@@ -197,7 +198,8 @@ class AttnServeCache(Cache):
     def _select(self, idx: list[int]) -> None:
         """Sequence ``i`` of the batch becomes what sequence ``idx[i]`` was: the first
         use of a sequence keeps its session, every other one is a fork of it (made
-        before anything is deleted); sessions no longer used are deleted."""
+        before anything is deleted); sessions no longer used are deleted (dropped
+        beams: even with ``keep_sessions``)."""
         if not self.sessions:
             return  # nothing sent yet: the sessions are made for the batch that comes
         if any(not 0 <= j < len(self.sessions) for j in idx):
@@ -207,34 +209,34 @@ class AttnServeCache(Cache):
         for j in idx:
             chosen.append(self.sessions[j] if j not in first else self.sessions[j].fork())
             first.add(j)
-        self._drop([s for j, s in enumerate(self.sessions) if j not in first])
+        self._delete([s for j, s in enumerate(self.sessions) if j not in first])
         self.sessions = chosen
         self.lengths = self.lengths[:, idx]
 
-    def _drop(self, sessions: list[Any]) -> None:
-        if not self.keep_sessions:
-            for s in sessions:
-                s.delete()
+    @staticmethod
+    def _delete(sessions: list[Any]) -> None:
+        for s in sessions:
+            s.delete()
 
     def _make_sessions(self, batch: int, heads: int, kv_heads: int, head_dim: int) -> None:
-        spec = dict(self.session_options)
-        self.sessions = [
-            self.client.create_session(
-                num_qo_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                num_layers=self.num_layers,
-                kv_format=self.kv_format,
-                **spec,
-            )  # fmt: skip
-            for _ in range(batch)
-        ]
+        made: list[Any] = []
+        try:
+            for _ in range(batch):
+                made.append(self.client.create_session(
+                    num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_layers=self.num_layers,
+                    kv_format=self.kv_format, **self.session_options,
+                ))  # fmt: skip
+        except BaseException:
+            self._delete(made)  # all of the batch's sessions or none
+            raise
+        self.sessions = made
         self.lengths = np.zeros((self.num_layers, batch), np.int64)
 
     def close(self) -> None:
         """Delete the sessions (unless ``keep_sessions``) and close the stream."""
         try:
-            self._drop(self.sessions)
+            if not self.keep_sessions:
+                self._delete(self.sessions)
         finally:
             self.sessions = []
             self.stream.close()
@@ -264,21 +266,22 @@ class AttnServeCache(Cache):
         started = time.perf_counter()
         batch, heads, n, d = query.shape
         kv_heads = key.shape[1]
-        if not self.sessions:
-            self._make_sessions(batch, heads, kv_heads, d)
-        if batch != len(self.sessions):
-            raise ValueError(f"a batch of {batch} sequences for a cache of {len(self.sessions)}")
-        q = tensors.as_float32(query.transpose(1, 2), name="q")  # [B, n, H, d] on the host
-        k = tensors.as_float32(key.transpose(1, 2), name="k")
-        v = tensors.as_float32(value.transpose(1, 2), name="v")
-        rows = max(1, self.max_chunk_bytes // (batch * (heads + 2 * kv_heads) * d * 4))
-        out = np.zeros((batch, n, heads, d), np.float32)
         try:
+            if not self.sessions:
+                self._make_sessions(batch, heads, kv_heads, d)
+            if batch != len(self.sessions):
+                raise ValueError(f"a batch of {batch} sequences for a cache of {len(self.sessions)}")
+            q = tensors.as_float32(query.transpose(1, 2), name="q")  # [B, n, H, d] on the host
+            k = tensors.as_float32(key.transpose(1, 2), name="k")
+            v = tensors.as_float32(value.transpose(1, 2), name="v")
+            rows = max(1, self.max_chunk_bytes // (batch * (heads + 2 * kv_heads) * d * 4))
+            out = np.zeros((batch, n, heads, d), np.float32)
             if real is None or real.all():
                 waited = self._stacked(layer, q, k, v, out, rows, scale, causal)
             else:
                 waited = self._items(layer, q, k, v, real, out, rows, scale, causal)
         except BaseException as exc:
+            # the layers' timeline moved at update(): every failure leaves the cache out of step
             self._broken = f"a failed attention call left the cache out of step with the server: {exc!r}"
             if isinstance(exc, BatchError):  # the first sequence's own error (all are in the chain)
                 raise next(iter(exc.errors.values())) from exc

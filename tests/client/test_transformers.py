@@ -223,3 +223,29 @@ def test_the_documented_example_runs_as_written(live_server_url, capsys):
     exec(compile(code.replace("http://127.0.0.1:8000", live_server_url), "docs/transformers.md", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.startswith("[") and "Paris" in printed  # two continuations, the first names Paris
+
+
+def test_kept_sessions_and_dropped_beams(client, monkeypatch):
+    model = small_model("llama")
+    kw = dict(KW, num_beams=3, num_return_sequences=1)
+    forks = []
+    fork = ac.Session.fork
+    monkeypatch.setattr(ac.Session, "fork", lambda self, *a, **k: forks.append(1) or fork(self, *a, **k))
+    before = live_ids(client)
+    _, got, ids = generate(model, padded_ids([5]), client, {"keep_sessions": True}, max_new_tokens=6, **kw)
+    assert len(forks) >= 2  # beams were copied, so others were dropped
+    assert set(ids) == live_ids(client) - before  # the three beams kept at close; every dropped one deleted
+    for i in ids:
+        client.delete_session(i)
+
+
+def test_a_batch_whose_sessions_cannot_all_be_made_leaves_none(client):
+    model = small_model("llama")
+    model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
+    before = live_ids(client)
+    with ast.AttnServeCache(client, model.config, session_id="one-id-for-two") as cache:
+        with pytest.raises(ac.SessionExists):
+            model.generate(**padded_ids([4, 4]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        with pytest.raises(RuntimeError, match="out of step"):
+            cache.get_seq_length()
+    assert live_ids(client) == before
