@@ -148,7 +148,7 @@ class AttnServeCache(Cache):
 
     # -- transformers' Cache ------------------------------------------------------
 
-    def timeline(self, layer: int) -> _Timeline:
+    def _timeline(self, layer: int) -> _Timeline:
         line = self.layers[layer]
         assert isinstance(line, _Timeline)
         return line
@@ -167,18 +167,21 @@ class AttnServeCache(Cache):
         """Hand this layer's new rows (``[B, kv_heads, n, head_dim]``) to the attention
         function that runs next; nothing is sent yet."""
         self._check()
-        self.timeline(layer_idx).update(key_states, value_states)
+        self._timeline(layer_idx).update(key_states, value_states)
         _pending.call = (self, layer_idx, key_states, value_states)
         return key_states, value_states
 
     def reset(self) -> None:
-        """Forget every sequence (their sessions are deleted unless ``keep_sessions``)."""
-        if not self.keep_sessions:
-            self._delete(self.sessions)
-        self.sessions = []
-        self.lengths = np.zeros((self.num_layers, 0), np.int64)
-        self._broken = None
-        super().reset()
+        """Forget every sequence (their sessions are deleted unless ``keep_sessions``);
+        the cache is fresh afterwards even when a deletion fails (that error is raised)."""
+        try:
+            if not self.keep_sessions:
+                self._delete(self.sessions)
+        finally:
+            self.sessions = []
+            self.lengths = np.zeros((self.num_layers, 0), np.int64)
+            self._broken = None
+            super().reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Sequence ``i`` continues sequence ``beam_idx[i]`` (beam search)."""
