@@ -154,7 +154,7 @@ def fidelity(args, model, tok, client, device) -> list[dict]:
     rows = []
     model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
     for setting in args.fidelity:
-        kl, agree, dnll, n = 0.0, 0, 0.0, 0
+        kl, agree, dnll, n, scored = 0.0, 0, 0.0, 0, 0
         for t, ids in texts.items():
             with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache, torch.no_grad():
                 parts = [
@@ -168,7 +168,10 @@ def fidelity(args, model, tok, client, device) -> list[dict]:
             nxt = ids[0, 1:]
             dnll += float((ex[:-1].gather(1, nxt[:, None]) - got[:-1].gather(1, nxt[:, None])).sum())
             n += ids.shape[1]
-        rows.append({"setting": setting, "positions": n, "top1": round(agree / n, 4), "kl": kl / n, "dnll": dnll / n})
+            scored += ids.shape[1] - 1  # the positions with a next token
+        rows.append(
+            {"setting": setting, "positions": n, "top1": round(agree / n, 4), "kl": kl / n, "dnll": dnll / scored}
+        )
         print(json.dumps(rows[-1]), flush=True)
     model.set_attn_implementation("sdpa")
     return rows
