@@ -495,7 +495,7 @@ class _BaseClient:
             doc = yield from self._routed_batch(sub_body["session_ids"], sub_body, idempotent)
             return sub_step.outcome(doc)
 
-        parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, q, k, v, kw, groups)])
+        parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, kw, groups)])
         return merge_stacked(len(step.sessions), groups, parts, step.like)
 
     def _probe_flow(self, path: str) -> Flow[bool]:

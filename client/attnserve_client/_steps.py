@@ -12,7 +12,7 @@ the streams of ``_streams.py``) and both drivers (sync and async).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict, Union
 
 import numpy as np
@@ -208,6 +208,9 @@ class StackedStep:
     layer: int
     squeeze: bool
     like: Any = None  # the queries as given: a tensor's output is a tensor (tensors.answer)
+    # q, k, v as converted for the wire, in their given shapes (None: no k, v): a step
+    # split over replicas slices these (``stacked_parts``) rather than converting again
+    host: dict[str, np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)
 
     def result(self, doc: Any) -> Any:
         """The stacked output; raises :class:`BatchError` when any item failed."""
@@ -244,8 +247,9 @@ class StackedStep:
 
 
 def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:
+    """``a`` encoded as ``[B, rows, heads, head_dim]``, and as converted in its given shape."""
     try:
-        arr = wire.check_finite(tensors.as_float32(a, name=name), name=name)
+        given = arr = wire.check_finite(tensors.as_float32(a, name=name), name=name)
     except wire.WireError as exc:
         raise InvalidInput(str(exc)) from None
     if arr.ndim == 3:
@@ -253,7 +257,7 @@ def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np
     if arr.ndim != 4 or (b is not None and arr.shape[0] != b):
         want = f"[{b if b is not None else 'B'}, rows, heads, head_dim] or [B, heads, head_dim]"
         raise InvalidInput(f"{name}: expected shape {want}, got {list(np.shape(a))}")
-    return wire.encode_array(arr, name=name), arr
+    return wire.encode_array(arr, name=name), given
 
 
 def _per_session(values: Sequence[Any] | None, name: str, b: int) -> list[int | None] | None:
@@ -281,11 +285,12 @@ def stacked_body(
     ids = [AttendItem(s, int(layer), None).session_id for s in sessions]
     body: dict[str, Any] = {"session_ids": ids, "layer": int(layer), "causal": bool(causal)}
     body["q"], qa = _stacked_array(q, "q", b)
+    host: dict[str, np.ndarray | None] = {"q": qa, "k": None, "v": None}
     if (k is None) != (v is None):
         raise InvalidInput("k, v: expected both or neither")
     if k is not None:
-        body["k"], _ = _stacked_array(k, "k", b)
-        body["v"], _ = _stacked_array(v, "v", b)
+        body["k"], host["k"] = _stacked_array(k, "k", b)
+        body["v"], host["v"] = _stacked_array(v, "v", b)
     for name, values in (("offsets", offsets), ("start_pos", start_pos)):
         checked = _per_session(values, name, b)
         if checked is not None:
@@ -293,7 +298,7 @@ def stacked_body(
     if scale is not None:
         body["scale"] = float(scale)
     idempotent = k is None or (offsets is not None and None not in body["offsets"])
-    return StackedStep(sessions, int(layer), len(np.shape(q)) == 3, q), body, idempotent
+    return StackedStep(sessions, int(layer), qa.ndim == 3, q, host), body, idempotent
 
 
 # -- a batched step split over replicas -----------------------------------------
@@ -321,11 +326,10 @@ def merge_items(n: int, groups: list[list[int]], parts: list[Any]) -> list[Any]:
 
 
 def stacked_parts(
-    step: StackedStep, body: Mapping[str, Any], q: Any, k: Any, v: Any, options: StackedOptions, groups: list[list[int]]
+    step: StackedStep, body: Mapping[str, Any], options: StackedOptions, groups: list[list[int]]
 ) -> list[tuple[StackedStep, dict[str, Any], bool]]:
     """The parts of a stacked step, one per replica group: ``(step, body, idempotent)``."""
-    given = (("q", q), ("k", k), ("v", v))
-    arrays = {name: None if a is None else tensors.as_float32(a, name=name) for name, a in given}
+    arrays = step.host
     offsets, start_pos = body.get("offsets"), body.get("start_pos")  # checked, one per item
     parts = []
     for idx in groups:

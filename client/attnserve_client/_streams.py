@@ -465,7 +465,7 @@ class Stream:
         parts = [
             self._link(place, sub_body["session_ids"][0]).submit("attend_batch", sub_body, sub_step.outcome)
             for (place, _), (sub_step, sub_body, _) in zip(
-                groups, stacked_parts(step, body, q, k, v, kw, [g for _, g in groups])
+                groups, stacked_parts(step, body, kw, [g for _, g in groups])
             )
         ]
         return _joined(parts, lambda got: merge_stacked(len(ids), [g for _, g in groups], got, step.like))
@@ -782,7 +782,7 @@ class AsyncStream:
         if len(groups) == 1:
             out: np.ndarray = await (await self._link(groups[0][0], ids[0])).call("attend_batch", body, step.result)
             return out
-        parts = stacked_parts(step, body, q, k, v, kw, [g for _, g in groups])
+        parts = stacked_parts(step, body, kw, [g for _, g in groups])
         got = await self._split(
             ids,
             [
