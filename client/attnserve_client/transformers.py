@@ -141,8 +141,6 @@ class AttnServeCache(Cache):
         self.keep_sessions = keep_sessions
         self.stream = client.stream(transport=transport)
         self.sessions: list[Any] = []
-        # rows each session holds per layer (only the real ones: padding is never sent)
-        self.lengths = np.zeros((self.num_layers, 0), np.int64)
         self.stats = {"calls": 0, "seconds": 0.0, "server_seconds": 0.0}
         self._broken: str | None = None
 
@@ -179,7 +177,6 @@ class AttnServeCache(Cache):
                 self._delete(self.sessions)
         finally:
             self.sessions = []
-            self.lengths = np.zeros((self.num_layers, 0), np.int64)
             self._broken = None
             super().reset()
 
@@ -214,7 +211,6 @@ class AttnServeCache(Cache):
             first.add(j)
         self._delete([s for j, s in enumerate(self.sessions) if j not in first])
         self.sessions = chosen
-        self.lengths = self.lengths[:, idx]
 
     @staticmethod
     def _delete(sessions: list[Any]) -> None:
@@ -233,7 +229,6 @@ class AttnServeCache(Cache):
             self._delete(made)  # all of the batch's sessions or none
             raise
         self.sessions = made
-        self.lengths = np.zeros((self.num_layers, batch), np.int64)
 
     def close(self) -> None:
         """Delete the sessions (unless ``keep_sessions``) and close the stream."""
@@ -295,34 +290,29 @@ class AttnServeCache(Cache):
         self.stats["server_seconds"] += waited
         return answer
 
+    def _held(self, layer: int) -> np.ndarray:
+        """The rows each sequence's session holds in ``layer`` (its real tokens only:
+        padding is never sent), as the client tracks them from every answer."""
+        return np.array([s.lengths[layer] for s in self.sessions], np.int64)
+
     def _stacked(
         self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, rows: int,
         scale: float | None, causal: bool,
     ) -> float:  # fmt: skip
         """Every sequence adds all its n rows: stacked steps of ``rows`` rows each."""
         n = q.shape[1]
-        base = self.lengths[layer].copy()
-        futures = [
-            (
-                c,
-                self.stream.submit_attend_stacked(
-                    self.sessions,
-                    layer,
-                    q[:, c : c + rows],
-                    k[:, c : c + rows],
-                    v[:, c : c + rows],
-                    offsets=(base + c).tolist(),
-                    scale=scale,
-                    causal=causal,
-                ),
-            )  # fmt: skip
-            for c in range(0, n, rows)
-        ]
+        base = self._held(layer)
+        futures = []
+        for c in range(0, n, rows):
+            part = slice(c, c + rows)
+            futures.append((part, self.stream.submit_attend_stacked(
+                self.sessions, layer, q[:, part], k[:, part], v[:, part],
+                offsets=(base + c).tolist(), scale=scale, causal=causal,
+            )))  # fmt: skip
         t0 = time.perf_counter()
-        for c, fut in futures:
-            out[:, c : c + rows] = fut.result()
+        for part, fut in futures:
+            out[:, part] = fut.result()
         waited = time.perf_counter() - t0
-        self.lengths[layer] = base + n
         return waited
 
     def _items(
@@ -332,7 +322,7 @@ class AttnServeCache(Cache):
         """Each sequence adds only its real rows: one item per sequence and chunk."""
         picked = [np.flatnonzero(r) for r in real]
         longest = max(len(p) for p in picked)
-        base = self.lengths[layer].copy()
+        base = self._held(layer)
         futures = []
         for c in range(0, longest, rows):
             items, where = [], []
@@ -350,7 +340,6 @@ class AttnServeCache(Cache):
             for (b, sel), got in zip(where, fut.result()):
                 out[b, sel] = got
         waited = time.perf_counter() - t0
-        self.lengths[layer] = base + np.array([len(p) for p in picked])
         return waited
 
 
