@@ -544,10 +544,9 @@ class KernelPolicy:
         or 8), the tiled ones only those: a larger attend of another group is single."""
         if self.force == "single" or not split_eligible(kv_format, n_heads, n_kv_heads, head_dim, any_group=True):
             return "single"
-        whole = split_eligible(kv_format, n_heads, n_kv_heads, head_dim)
         if self.force == "split" or (self.force is None and n_queries <= self.split_max_queries):
             return "split"
-        return "tiled" if whole else "single"
+        return "tiled" if split_eligible(kv_format, n_heads, n_kv_heads, head_dim) else "single"
 
 
 def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int, any_group: bool = False) -> bool:
