@@ -60,32 +60,15 @@ class Follow:
         )
 
 
-@pytest.fixture(params=["split", "split-sg", "split-long", "single"])
-def policy(request, engine):
-    """The engine's kernel policy for the test: plain, the subgroup split kernels,
-    one long split per attend, or a policy that forces the single-pass kernels (a
-    windowed layer takes the split kernels whatever the policy says)."""
-    import dataclasses
-
-    from _core import no_adapter
-
-    p = request.param
-    if "sg" in p and "subgroup" not in engine.ctx.features:
-        no_adapter(f"the adapter has no subgroup feature for {p}")
-    saved = engine.policy
-    engine.policy = dataclasses.replace(
-        saved, force="single" if p == "single" else None, subgroups="sg" in p,
-        target_workgroups=1 if p.endswith("long") else saved.target_workgroups,
-    )  # fmt: skip
-    yield p
-    engine.policy = saved
-
-
 @pytest.mark.parametrize(
     "fmt,h,hkv,d,sinks,window",
     [("tq4", 9, 3, 64, 3, 5), ("turboquant", 8, 2, 32, 4, 21), ("tq4o", 4, 4, 128, 0, 7), ("tq3", 6, 2, 64, 17, 0)],
 )
-def test_every_attend_matches_the_oracle(engine, rng, policy, fmt, h, hkv, d, sinks, window):
+# conftest's kernel policies: the split kernels, their subgroup variant, one long split
+# per attend, and a policy that forces single-pass (a windowed layer takes the split
+# kernels whatever the policy says)
+@pytest.mark.parametrize("kernel_path", ["split", "split-sg", "split-long", "single"], indirect=True)
+def test_every_attend_matches_the_oracle(engine, rng, kernel_path, fmt, h, hkv, d, sinks, window):
     """Fused appends of awkward sizes (prefill chunks across page borders, then
     decode steps), separate appends and attends, attends from an earlier row and
     non-causal ones: each against the oracle of what the layer holds."""
