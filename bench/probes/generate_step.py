@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,14 +24,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT)]
 from _server import serving  # noqa: E402
+from server_cpu import cpu_seconds  # noqa: E402
 
 from attnserve_client import Client  # noqa: E402
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
