@@ -22,7 +22,8 @@ answers: the wire, the server and the GPU), from ``AttnServeCache.stats``.
 
 ``--fidelity`` runs each setting teacher-forced over the two long texts (chunks of
 512 tokens through ``model(..., past_key_values=cache)``) against the exact
-model's logits: top-1 agreement and mean KL(exact || setting), per position.
+model's logits, over the positions with a next token: top-1 agreement, mean
+KL(exact || setting), the next token's NLL and the perplexity's change.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT)]
 
 from _server import serving  # noqa: E402
-from e2e_model import GGUF_NAME, package_gguf, text_of  # noqa: E402
+from e2e_model import GGUF_NAME, package_gguf, position_stats, text_of  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import attnserve_client.transformers as ast  # noqa: E402
@@ -145,32 +146,36 @@ def row(name, batch, args, prefill, whole, got, ref, stats=None) -> dict:
 
 
 def fidelity(args, model, tok, client, device) -> list[dict]:
+    """Each setting against the exact model, per position with a next token
+    (``e2e_model.position_stats``, the measure of docs/fidelity.md's other tables)."""
     texts = {
         t: tok(text_of(t), return_tensors="pt").input_ids[:, : args.fidelity_tokens].to(device) for t in LONG_TEXTS
     }
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        exact = {t: torch.log_softmax(model(ids).logits[0].double(), -1) for t, ids in texts.items()}
+        exact = {t: model(ids).logits[0].double().cpu().numpy() for t, ids in texts.items()}
+    exact_nll = np.concatenate([position_stats(exact[t], exact[t], ids[0].tolist())["nll"] for t, ids in texts.items()])
     rows = []
     model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
     for setting in args.fidelity:
-        kl, agree, dnll, n, scored = 0.0, 0, 0.0, 0, 0
+        runs = []
         for t, ids in texts.items():
             with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache, torch.no_grad():
                 parts = [
                     model(ids[:, c : c + 512], past_key_values=cache, use_cache=True).logits[0]
                     for c in range(0, ids.shape[1], 512)
                 ]
-            got = torch.log_softmax(torch.cat(parts).double(), -1)
-            ex = exact[t]
-            kl += float((ex.exp() * (ex - got)).sum(-1).sum())
-            agree += int((ex.argmax(-1) == got.argmax(-1)).sum())
-            nxt = ids[0, 1:]
-            dnll += float((ex[:-1].gather(1, nxt[:, None]) - got[:-1].gather(1, nxt[:, None])).sum())
-            n += ids.shape[1]
-            scored += ids.shape[1] - 1  # the positions with a next token
+            runs.append(position_stats(exact[t], torch.cat(parts).double().cpu().numpy(), ids[0].tolist()))
+        agree, kl, nll = (np.concatenate([r[k] for r in runs]) for k in ("agree", "kl", "nll"))
         rows.append(
-            {"setting": setting, "positions": n, "top1": round(agree / n, 4), "kl": kl / n, "dnll": dnll / scored}
+            {
+                "setting": setting,
+                "positions": int(agree.size),
+                "top1": round(float(agree.mean()), 4),
+                "kl": float(kl.mean()),
+                "dnll": float((nll - exact_nll).mean()),
+                "dppl": float(np.exp(nll.mean()) - np.exp(exact_nll.mean())),
+            }
         )
         print(json.dumps(rows[-1]), flush=True)
     model.set_attn_implementation("sdpa")

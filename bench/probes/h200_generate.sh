@@ -9,6 +9,8 @@
 #   bash bench/probes/h200_generate.sh bench OUT_DIR GGUF
 #     bench/generate.py: batch 1 and 32, prompt 1,024, 256 new tokens, sdpa beside
 #     attnserve f32 and tq4v3/s4w128; then the formats' fidelity through transformers
+#   bash bench/probes/h200_generate.sh fidelity OUT_DIR GGUF
+#     the formats' fidelity through transformers alone
 set -u
 MODE=${1:?tests or bench}
 OUTDIR=${2:?out dir}
@@ -27,7 +29,7 @@ if [ "$MODE" = step ]; then  # the stacked decode call alone, as the cache sends
   exit 0
 fi
 GGUF=${3:?gguf}
-timeout 560 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches 1,32 --prompt 1024 --new 256 \
+[ "$MODE" = fidelity ] || timeout 560 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches 1,32 --prompt 1024 --new 256 \
   --settings f32,tq4v3/s4w128 --out "$OUTDIR/generate.json" 2>&1 | grep -v "Converting\|Loading weights"
 # every format alone, then the windowed settings (about 10 s each on the H200)
 timeout 400 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches "" \
