@@ -24,13 +24,20 @@ def session(engine, fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> 
     return engine.session_kv(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
 
 
-def small_slab_engine():
-    """An engine whose slabs hold 8 pages of a [P, 1, 8] f32 layout: layers fill them
-    fast and move (the caller closes it)."""
+def core_engine(**options):
+    """An engine on the tests' adapter (``ATTNSERVE_ADAPTER``, else the first) with the
+    smallest page, so the kernels' tests cross page boundaries at every length (the
+    caller closes it)."""
     from attnserve.engine import Engine
 
     adapter = os.environ.get("ATTNSERVE_ADAPTER") or None
-    return Engine.open(adapter, page_tokens=CORE_PAGE_TOKENS, pool_slab_bytes=8 * CORE_PAGE_TOKENS * 8 * 4)
+    return Engine.open(adapter, page_tokens=CORE_PAGE_TOKENS, **options)
+
+
+def small_slab_engine():
+    """An engine whose slabs hold 8 pages of a [P, 1, 8] f32 layout: layers fill them
+    fast and move (the caller closes it)."""
+    return core_engine(pool_slab_bytes=8 * CORE_PAGE_TOKENS * 8 * 4)
 
 
 def rows(rng, n, heads, d, scale=1.0) -> np.ndarray:

@@ -19,17 +19,15 @@ for p in (ROOT, ROOT / "service", ROOT / "client", ROOT / "tests"):
         sys.path.insert(0, str(p))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
-from _core import CORE_PAGE_TOKENS, no_adapter  # noqa: E402
+from _core import core_engine, no_adapter  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def engine():
-    from attnserve.engine import Engine
     from attnserve.gpu.device import DeviceError
 
     try:
-        # the smallest page: the kernels' tests cross page boundaries at every length
-        eng = Engine.open(os.environ.get("ATTNSERVE_ADAPTER") or None, page_tokens=CORE_PAGE_TOKENS)
+        eng = core_engine()
     except DeviceError as e:
         no_adapter(str(e))
     yield eng

@@ -14,7 +14,7 @@ from attnserve.kvcache import SessionConfig
 from attnserve.pool import PageTables, TableRegion, _runs
 from attnserve.testing import reference as ref
 
-from _core import CORE_PAGE_TOKENS as P, rel_err, rows, session, small_slab_engine
+from _core import CORE_PAGE_TOKENS as P, core_engine, rel_err, rows, session, small_slab_engine
 
 F32_TOL = 1e-5
 
@@ -178,10 +178,20 @@ def test_a_released_layer_region_goes_to_the_next_session(engine, rng):
     engine.release(b).result()
 
 
+@pytest.fixture
+def new_engine():
+    """An engine of its own, whose table buffer is still the first one (the shared
+    engine's may have grown already, by the tests run before)."""
+    eng = core_engine()
+    yield eng
+    eng.close()
+
+
 @pytest.mark.gpu
-def test_tables_outgrowing_their_buffer_keep_every_layer(engine, rng):
+def test_tables_outgrowing_their_buffer_keep_every_layer(new_engine, rng):
     """More regions than the first buffer holds (4,096 words: 256 regions): the
     buffer is replaced by a larger one written whole, and every table survives."""
+    engine = new_engine
     h, hkv, d = 2, 1, 8
     tables = engine.pools.tables
     first = len(tables.words)
