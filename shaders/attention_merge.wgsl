@@ -28,7 +28,9 @@
 //                                  l: n_part] floats at word part_off (a multiple
 //                                  of 4), n_part = q_total * n_heads * n_splits
 // @binding(1) out_batch: array<f32> every item's n_queries x out_stride floats at
-//                                  word out_off (rw)
+//                                  word out_off, then its log-sum-exp M + log(L)
+//                                  of each (query, head), q_total x n_heads floats
+//                                  (rw; gpu/kernels.py "LSE")
 // @binding(2) mparams: array<MergeParams> (gpu/params.py MERGE_PARAMS), block wid.y
 //                                  for query row q_row of its item
 // @binding(3) signs: array<f32>   the item's layer's polar signs at word sign_off
@@ -165,6 +167,9 @@ fn attention_merge(
             ox += gacc_x[k * d4 + tid] * w;
         }
         inv_l = 1.0 / lt;
+        if tid == 0u {
+            out_batch[out_off + q_total * out_stride + q_idx * n_heads + head] = mx + log(lt);
+        }
         var inv = inv_l;
         if rotate {
             inv = inv / sqrt(f32(head_dim));

@@ -27,7 +27,9 @@
 // @binding(0) q_batch: array<f32> n_queries x q_stride floats
 // @binding(1) k_cache: slab rows of kv_dim elements (f32 or f16: include/kv_scalar_{f32,f16}.wgsl)
 // @binding(2) v_cache: the same for values, read through key1() / value1()
-// @binding(3) out_batch: array<f32> n_queries x out_stride floats (rw)
+// @binding(3) out_batch: array<f32> n_queries x out_stride floats, then the
+//                         log-sum-exp of each (query, head): n_queries x n_heads
+//                         floats (rw; the attend's out segment, gpu/kernels.py "LSE")
 // @binding(4) params: PrefillParams (gpu/params.py PREFILL_PARAMS)
 // @binding(5) pages: array<u32> page tables (include/paging.wgsl); rows of k/v_cache are slab rows
 //
@@ -35,8 +37,8 @@
 // `max_seq` timesteps (encoder / cross-attention); when clear, row q attends to
 // `[0, min(start_pos + q_global + 1, max_seq))`. Other bits are zero.
 //
-// `n_queries` is not used: the per-dispatch query count is the dispatch Y
-// dimension (`wid.y`). `q_base` is the index, within `q_batch` / `out_batch`,
+// `n_queries` (the attend's rows) places the log-sum-exp after the outputs; the
+// per-dispatch query count is the dispatch Y dimension (`wid.y`). `q_base` is the index, within `q_batch` / `out_batch`,
 // of the first query of this dispatch (the host splits large batches into
 // several dispatches); `q_global = q_base + wid.y` addresses both and sets the
 // causal position.
@@ -65,7 +67,7 @@ fn attention_prefill(
     let head = wid.x;
     let q_idx = wid.y;
     let tid = lid.x;
-    // n_queries is not used: the query count is the dispatch Y dimension.
+    // the query count is the dispatch Y dimension (n_queries: the attend's rows)
     let prm = params;
     // #include "prefill_params.wgsl"
     // Global query index into q_batch / out_batch (q_base + local q_idx).
@@ -83,10 +85,14 @@ fn attention_prefill(
     let kv_h_offset = kv_head * head_dim;
     let q_offset = q_off + q_global * q_stride + head * head_dim;
     let out_offset = out_off + q_global * out_stride + head * head_dim;
+    let lse_at = out_off + n_queries * out_stride + q_global * n_heads + head;
     // seq_len == 0 would divide by st[1] == 0 → NaN. Write zeros and bail.
     if seq_len == 0u {
         if tid < head_dim {
             out_batch[out_offset + tid] = 0.0;
+        }
+        if tid == 0u {
+            out_batch[lse_at] = NEG_INF;       // no key: weighs nothing in a merge
         }
         return;
     }
@@ -132,5 +138,8 @@ fn attention_prefill(
     }
     if tid < head_dim {
         out_batch[out_offset + tid] = acc[tid] / st[1];
+    }
+    if tid == 0u {
+        out_batch[lse_at] = st[0] + log(st[1]);
     }
 }

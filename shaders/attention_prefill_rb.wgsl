@@ -75,7 +75,8 @@
 //                                          q_stride floats at word q_off
 // @binding(1) k_cache:   the slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
 // @binding(2) v_cache:   the slab's values, [rows, kv_dim], read through key4() / value4()
-// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
+// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off, then its
+//                                          log-sum-exp per (row, head) (rw; gpu/kernels.py "LSE")
 // @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
 //                        its item's fields, q_base = the block's first query row
 // @binding(5) pages:     array<u32> page tables (include/paging.wgsl)
@@ -98,6 +99,7 @@ const CV: u32 = 8u;                  // vec4 per head_dim chunk (32 dims)
 const NEG_INF: f32 = -3.402823e+38;
 const FLAG_NON_CAUSAL: u32 = 1u;
 const LOG2E: f32 = 1.4426950408889634;
+const LN2: f32 = 0.6931471805599453;
 
 override GROUP: u32 = 0u;            // 0: n_heads / n_kv_heads from params
 override HEAD_DIM: u32 = 0u;         // 0: params.head_dim
@@ -583,12 +585,17 @@ fn attention_prefill_rb(
     yb += vb[31u][0u][8u + tr];
     ya += vb[31u][1u][tr];
     yb += vb[31u][1u][8u + tr];
-    write_row(tr, ya.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 8u, ya.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 16u, ya.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 24u, ya.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 32u, yb.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 40u, yb.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 48u, yb.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
-    write_row(tr + 56u, yb.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, params[wid.x].out_off);
+    // the log-sum-exp in natural log: the state is in log2 units (scores times LOG2E)
+    let out_at = params[wid.x].out_off;
+    let lse_off = out_at + n_queries * out_stride;
+    let lse_a = (m_a + log2(ya)) * LN2;
+    let lse_b = (m_b + log2(yb)) * LN2;
+    write_row(tr, ya.x, lse_a.x, o0a, o0b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 8u, ya.y, lse_a.y, o1a, o1b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 16u, ya.z, lse_a.z, o2a, o2b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 24u, ya.w, lse_a.w, o3a, o3b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 32u, yb.x, lse_b.x, o4a, o4b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 40u, yb.y, lse_b.y, o5a, o5b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 48u, yb.z, lse_b.z, o6a, o6b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
+    write_row(tr + 56u, yb.w, lse_b.w, o7a, o7b, q_first, q_last, bq, head0, hd, out_stride, d4, tc, out_at, lse_off, n_heads);
 }

@@ -62,7 +62,8 @@
 //                                          q_stride floats at word q_off
 // @binding(1) k_cache:   the slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
 // @binding(2) v_cache:   the slab's values, [rows, kv_dim], read through key4() / value4()
-// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off (rw)
+// @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off, then its
+//                                          log-sum-exp per (row, head) (rw; gpu/kernels.py "LSE")
 // @binding(4) params:    array<PrefillParams> (gpu/params.py PREFILL_PARAMS), block wid.x:
 //                        its item's fields, q_base = the block's first query row
 // @binding(5) pages:     array<u32> page tables (include/paging.wgsl)
@@ -219,9 +220,10 @@ fn attention_prefill_tiled(
         // #include "tiled_values.wgsl"
     }
 
-    // ── write the block's outputs: rows r0..r3, columns tc, tc + 16 ──
-    write_row(r0, l0, o00, o01, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
-    write_row(r1, l1, o10, o11, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
-    write_row(r2, l2, o20, o21, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
-    write_row(r3, l3, o30, o31, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off);
+    // ── write the block's outputs: rows r0..r3, columns tc, tc + 16, and their log-sum-exp ──
+    let lse_off = out_off + n_queries * out_stride;
+    write_row(r0, l0, m0 + log(l0), o00, o01, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off, lse_off, n_heads);
+    write_row(r1, l1, m1 + log(l1), o10, o11, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off, lse_off, n_heads);
+    write_row(r2, l2, m2 + log(l2), o20, o21, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off, lse_off, n_heads);
+    write_row(r3, l3, m3 + log(l3), o30, o31, q_first, q_last, bq, kv_head * group, head_dim, out_stride, d4, tc, out_off, lse_off, n_heads);
 }

@@ -40,7 +40,9 @@
 // @binding(0) qrot:      array<f32> rotated queries: [q_rot | q_jl | sums] (tq_rotate_q)
 // @binding(1) k_cache:   array<u32> the slab's key regions (tqx.wgsl)
 // @binding(2) v_cache:   array<u32> the slab's value regions
-// @binding(3) out_batch: array<f32> outputs at out_off, row stride out_stride (rw)
+// @binding(3) out_batch: array<f32> outputs at out_off, row stride out_stride, then
+//                        the log-sum-exp of each (query, head) of the q_cap rows
+//                        (rw; gpu/kernels.py "LSE")
 // @binding(4) params:    TqAttentionParams (gpu/params.py TQ_ATTENTION_PARAMS);
 //   flags bit 0 (FLAG_NON_CAUSAL): every row attends to all max_seq timesteps
 // @binding(5) signs:     array<f32> the layer's [polar | jl] signs at sign_off
@@ -98,9 +100,13 @@ fn flash_attention_tqx(
     // #include "tqx_regions.wgsl"
     let kv_slot_base = kv_head * cache_cap;
     let inv_sqrt_d = 1.0 / sqrt(f32(head_dim));
+    let lse_at = out_off + q_cap * out_stride + q_global * n_heads + head;
     if seq_len == 0u {
         if tid < head_dim {
             out_batch[out_offset + tid] = 0.0;
+        }
+        if tid == 0u {
+            out_batch[lse_at] = NEG_INF;       // no key: weighs nothing in a merge
         }
         return;
     }
@@ -219,5 +225,8 @@ fn flash_attention_tqx(
     workgroupBarrier();
     if tid < head_dim {
         out_batch[out_offset + tid] = acc[tid] * signs[sign_off + tid];
+    }
+    if tid == 0u {
+        out_batch[lse_at] = st[0] + log(st[1]);
     }
 }

@@ -32,7 +32,8 @@
 //   (tq_rotate_q) at word q_off (the sums are not read here)
 // @binding(1) k_cache: array<u32>  the slab's key regions (cache_cap rows)
 // @binding(2) v_cache: array<u32>  the slab's value regions
-// @binding(3) out_batch: array<f32> every item's outputs at word out_off (rw)
+// @binding(3) out_batch: array<f32> every item's outputs at word out_off, then its
+//                        log-sum-exp per (row, head) of its q_cap rows (rw; gpu/kernels.py "LSE")
 // @binding(4) params:  array<TqAttentionParams> (gpu/params.py TQ_ATTENTION_PARAMS),
 //   block wid.x: its item's fields, q_base = the block's first query row, q_cap the
 //   item's query rows
@@ -121,6 +122,14 @@ fn ld_q(o: u32, ok: bool) -> vec4<f32> {
         return vec4<f32>(qrot[o], qrot[o + 1u], qrot[o + 2u], qrot[o + 3u]);
     }
     return vec4<f32>(0.0);
+}
+
+// Row r's log-sum-exp at word lse_off + row * n_heads + head, if r is a query row.
+fn write_lse(r: u32, lse: f32, q_first: u32, q_last: u32, bq: u32, head0: u32, lse_off: u32, n_heads: u32) {
+    let qi = q_first + r % bq;
+    if qi <= q_last {
+        out_batch[lse_off + qi * n_heads + head0 + r / bq] = lse;
+    }
 }
 
 @compute @workgroup_size(256, 1, 1)
@@ -343,6 +352,15 @@ fn attention_tqx_tiled(
             }
         }
         // #include "tiled_values.wgsl"
+    }
+
+    // ── the rows' log-sum-exp (thread tc 0 of each row), after the item's outputs ──
+    if tc == 0u {
+        let lse_off = out_off + q_cap * out_stride;
+        write_lse(r0, m0 + log(l0), q_first, q_last, bq, kv_head * group, lse_off, n_heads);
+        write_lse(r1, m1 + log(l1), q_first, q_last, bq, kv_head * group, lse_off, n_heads);
+        write_lse(r2, m2 + log(l2), q_first, q_last, bq, kv_head * group, lse_off, n_heads);
+        write_lse(r3, m3 + log(l3), q_first, q_last, bq, kv_head * group, lse_off, n_heads);
     }
 
     // ── epilogue: normalize, inverse RHT per row, write; rows 0..31 then 32..63 ──

@@ -20,6 +20,15 @@ from tools.common import rel_err  # noqa: F401  (the tests import it from here)
 CORE_PAGE_TOKENS = 16
 
 
+def lse_err(got: np.ndarray, want: np.ndarray) -> float:
+    """An attend's log-sum-exp against its oracle's: max abs error over max(1,
+    |lse|) per value (a log: its absolute error is what a merge's weights feel,
+    relative where the value is large)."""
+    want = np.asarray(want, np.float64)
+    assert np.shape(got) == want.shape, (np.shape(got), want.shape)
+    return float((np.abs(np.asarray(got, np.float64) - want) / np.maximum(np.abs(want), 1.0)).max())
+
+
 def session(engine, fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> SessionKV:
     return engine.session_kv(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
 

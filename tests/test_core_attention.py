@@ -4,6 +4,8 @@ f32 and f16: max abs error <= 1e-5 of the max abs value of the oracle over the
 rows as the format stores them (f16: rounded to float16).
 TurboQuant: against its own oracle computed from the GPU's packed cache
 (same signs, same codebook) to <= 1e-4 of the max abs value.
+The log-sum-exp every attend answers beside its output (``lse``) to the same
+bounds, per value over max(1, |lse|) (``_core.lse_err``).
 Every case uses capacity > length (the cache is preallocated past it), and
 many cases are queued together so they also exercise coalesced batches.
 """
@@ -19,7 +21,7 @@ from attnserve.testing import reference as ref
 from attnserve.formats import TQ_SPECS
 from attnserve.turboquant import layer_signs
 
-from _core import read_words, rel_err, reserve, rows, session, stored
+from _core import lse_err, read_words, rel_err, reserve, rows, session, stored
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_path")]
 
@@ -64,12 +66,16 @@ def _run_cases(engine, fmt, head_dims, rng):
 def test_plain_attention_matches_oracle(engine, rng, fmt, head_dims):
     worst = 0.0
     for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, fmt, head_dims, rng):
-        out, length = fut.result()
+        res = fut.result()
+        out, length = res
         assert layer.capacity > length
-        want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale)
+        want, want_lse = ref.attention(
+            q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale, return_lse=True
+        )
         err = rel_err(out, want)
         worst = max(worst, err)
         assert err <= F32_TOL, (case, sp, causal, err)
+        assert lse_err(res.lse, want_lse) <= F32_TOL, (case, sp, causal, lse_err(res.lse, want_lse))
     print(f"worst {fmt} relative error", worst)
 
 
@@ -77,10 +83,11 @@ def test_plain_attention_matches_oracle(engine, rng, fmt, head_dims):
 def test_turboquant_attention_matches_its_oracle(engine, rng, d):
     worst = 0.0
     for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, "turboquant", (d,), rng):
-        out, length = fut.result()
+        res = fut.result()
+        out, length = res
         kw, vw = read_words(engine, layer)
         ps, js = layer_signs(s.config.seed, layer.layer, d)
-        want = ref.tqx_attention(
+        want, want_lse = ref.tqx_attention(
             q,
             kw,
             vw,
@@ -93,10 +100,12 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
             start_pos=sp,
             causal=causal,
             scale=scale,
+            return_lse=True,
         )
         err = rel_err(out, want)
         worst = max(worst, err)
         assert err <= TQ_TOL, (case, sp, causal, err)
+        assert lse_err(res.lse, want_lse) <= TQ_TOL, (case, sp, causal, lse_err(res.lse, want_lse))
     print("worst turboquant relative error vs own oracle", worst)
 
 
@@ -295,15 +304,18 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
             fut = engine.attend(layer, q, start_pos=sp, causal=causal, scale=scale)
             pending.append((s, layer, q, k, v, sp, causal, scale, fut, (d, ratio, n, sp, qscale)))
     for s, layer, q, k, v, sp, causal, scale, fut, case in pending:
-        out, length = fut.result()
+        res = fut.result()
+        out, length = res
         assert layer.capacity > length
         if fmt != "turboquant":
-            want = ref.attention(q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale)
+            want, want_lse = ref.attention(
+                q, stored(fmt, k), stored(fmt, v), start_pos=sp, causal=causal, scale=scale, return_lse=True
+            )
             tol = F32_TOL
         else:
             kw, vw = read_words(engine, layer)
             ps, js = layer_signs(s.config.seed, layer.layer, case[0])
-            want = ref.tqx_attention(
+            want, want_lse = ref.tqx_attention(
                 q,
                 kw,
                 vw,
@@ -316,10 +328,12 @@ def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
                 start_pos=sp,
                 causal=causal,
                 scale=scale,
+                return_lse=True,
             )
             tol = TQ_TOL
         err = rel_err(out, want)
         assert err <= tol, (case, causal, err)
+        assert lse_err(res.lse, want_lse) <= tol, (case, causal, lse_err(res.lse, want_lse))
 
 
 def test_a_stacked_step_past_the_binding_limit_fails_its_tail_cleanly(engine, rng):

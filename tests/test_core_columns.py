@@ -62,12 +62,13 @@ def _check_step(engine, pairs, li, q, k, v, skip=()):
     assert not got.errors
     for i in range(b):
         if i in skip:
-            assert got.lengths[i] == -1 and not got.out[i].any()
+            assert got.lengths[i] == -1 and not got.out[i].any() and not got.lse[i].any()
             continue
         fused = {} if k is None else {"k": k[i], "v": v[i]}
-        want, length = engine.attend(pairs[i][1].layers[li], q[i], **fused).result()
-        assert got.lengths[i] == length
-        np.testing.assert_array_equal(got.out[i], want)
+        one = engine.attend(pairs[i][1].layers[li], q[i], **fused).result()
+        assert got.lengths[i] == one.length
+        np.testing.assert_array_equal(got.out[i], one.out)
+        np.testing.assert_array_equal(got.lse[i], one.lse)  # the columns' log-sum-exp too
     return got
 
 

@@ -22,7 +22,7 @@ from attnserve.formats import TQ_SPECS, TQ_VARIANTS, bits_per_element, bytes_per
 from attnserve.testing import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
-from _core import read_words, rel_err, reserve, rows, session
+from _core import lse_err, read_words, rel_err, reserve, rows, session
 from test_core_turboquant import NORM_RTOL, Y_TOL, _near_f16_midpoint, _slots
 
 pytestmark = pytest.mark.gpu
@@ -252,18 +252,21 @@ def test_attention_matches_its_oracle(engine, rng, fmt, path):
             pending.append((s, layer, q, sp, causal, scale, fut, (length, ratio, d)))
     worst = 0.0
     for s, layer, q, sp, causal, scale, fut, case in pending:
-        out, length = fut.result()
+        res = fut.result()
+        out, length = res
         assert layer.capacity > length
         kw, vw = read_words(engine, layer)
         d = q.shape[2]
         ps, js = layer_signs(s.config.seed, layer.layer, d)
-        want = ref.tqx_attention(
+        want, want_lse = ref.tqx_attention(
             q, kw, vw, spec, n_kv_heads=layer.n_kv_heads, cap=layer.capacity, length=length,
-            polar_signs=ps, jl_signs=js, start_pos=sp, causal=causal, scale=scale,
+            polar_signs=ps, jl_signs=js, start_pos=sp, causal=causal, scale=scale, return_lse=True,
         )  # fmt: skip
         err = rel_err(out, want)
         worst = max(worst, err)
         assert err <= TQ_TOL, (case, sp, causal, err)
+        # the log-sum-exp of the format's estimated scores, to the same bound
+        assert lse_err(res.lse, want_lse) <= TQ_TOL, (case, sp, causal, lse_err(res.lse, want_lse))
     print(f"worst {fmt} {path} relative error vs own oracle", worst)
 
 

@@ -15,7 +15,7 @@ from attnserve.kvcache import SessionConfig, WindowedLayerCache
 from attnserve.testing import reference as ref
 from attnserve.turboquant import layer_signs
 
-from _core import CORE_PAGE_TOKENS, read_words, rel_err, rows
+from _core import CORE_PAGE_TOKENS, lse_err, read_words, rel_err, rows
 
 TOL = 1e-4  # as the tqx kernels against their oracle (test_core_tqx.TQ_TOL)
 
@@ -45,7 +45,7 @@ class Follow:
         if self.window:
             self.held_from = max(self.held_from, sum(len(x) for x in self.k) - self.window)
 
-    def want(self, engine, kv, layer, q, start_pos, length, causal=True, scale=None):
+    def want(self, engine, kv, layer, q, start_pos, length, causal=True, scale=None, return_lse=False):
         kw, vw = read_words(engine, layer)
         d = q.shape[2]
         ps, js = layer_signs(kv.config.seed, layer.layer, d)
@@ -56,8 +56,9 @@ class Follow:
         k, v = np.concatenate(self.k)[:length], np.concatenate(self.v)[:length]
         ef = ref.exact_from(start_pos, self.sinks, self.window, self.held_from)
         return ref.windowed_attention(
-            q, k, v, k_hat, v_hat, sinks=self.sinks, exact_from=ef, start_pos=start_pos, causal=causal, scale=scale
-        )
+            q, k, v, k_hat, v_hat, sinks=self.sinks, exact_from=ef, start_pos=start_pos, causal=causal, scale=scale,
+            return_lse=return_lse,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -79,13 +80,17 @@ def test_every_attend_matches_the_oracle(engine, rng, kernel_path, fmt, h, hkv, 
     for n in (7, 19, 1, 1, 33, 1, 1, 1, 2, 1, 16, 1, 1):
         q, k, v = rows(rng, n, h, d), rows(rng, n, hkv, d), rows(rng, n, hkv, d)
         follow.append(k, v)
-        out, got_len = engine.attend(layer, q, k=k, v=v).result()
+        res = engine.attend(layer, q, k=k, v=v).result()
+        out, got_len = res
         length += n
         assert got_len == length
-        err = rel_err(out, follow.want(engine, kv, layer, q, length - n, length))
+        want, want_lse = follow.want(engine, kv, layer, q, length - n, length, return_lse=True)
+        err = rel_err(out, want)
         follow.call_done()
         worst = max(worst, err)
         assert err <= TOL, (n, length, err)
+        # the merge's log-sum-exp over the codes, the sinks and the window together
+        assert lse_err(res.lse, want_lse) <= TOL, (n, length, lse_err(res.lse, want_lse))
     # an append alone, then attends of its rows; from an earlier row; not causal
     k, v = rows(rng, 3, hkv, d), rows(rng, 3, hkv, d)
     follow.append(k, v)
@@ -94,8 +99,11 @@ def test_every_attend_matches_the_oracle(engine, rng, kernel_path, fmt, h, hkv, 
     length += 3
     for n, sp, causal in ((3, length - 3, True), (2, length - 9, True), (4, length - 4, False), (1, 2, True)):
         q = rows(rng, n, h, d)
-        out, _ = engine.attend(layer, q, start_pos=sp, causal=causal, scale=0.2).result()
-        err = rel_err(out, follow.want(engine, kv, layer, q, sp, length, causal, 0.2))
+        res = engine.attend(layer, q, start_pos=sp, causal=causal, scale=0.2).result()
+        want, want_lse = follow.want(engine, kv, layer, q, sp, length, causal, 0.2, return_lse=True)
+        assert lse_err(res.lse, want_lse) <= TOL, (n, sp, causal, lse_err(res.lse, want_lse))
+        out = res.out
+        err = rel_err(out, want)
         follow.call_done()
         worst = max(worst, err)
         assert err <= TOL, (n, sp, causal, err)
@@ -176,9 +184,10 @@ def test_a_stacked_step_is_the_attends_one_by_one(engine, rng):
         res = engine.worker.submit_plan(plan).result()
         assert not res.errors
         for i, s in enumerate(alone):
-            out, length = engine.attend(s.layers[1], q[i], k=k[i], v=v[i]).result()
-            assert length == res.lengths[i]
-            np.testing.assert_array_equal(res.out[i], out, err_msg=f"step {step} item {i}")
+            one = engine.attend(s.layers[1], q[i], k=k[i], v=v[i]).result()
+            assert one.length == res.lengths[i]
+            np.testing.assert_array_equal(res.out[i], one.out, err_msg=f"step {step} item {i}")
+            np.testing.assert_array_equal(res.lse[i], one.lse, err_msg=f"step {step} item {i}")
     for s in together + alone:
         engine.release(s).result()
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import InvalidRequest
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
-from .gpu.kernels import KernelPolicy, rotated_q_bytes
+from .gpu.kernels import KernelPolicy, attend_output_bytes, rotated_q_bytes
 from .gpu.batch import Batch, Items, Seg
 from .kvcache import LayerCache, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
@@ -46,9 +46,16 @@ def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
 
 
 class AttendResult(tuple):
-    """``(out [n, H, d] float32, length)``."""
+    """An attend's answer: the pair ``(out [n, H, d] float32, length)`` (the layer's
+    length it attended over), and beside it ``lse [n, H]`` float32, the log-sum-exp
+    of each row's scaled scores (natural log; ``kernels.attend_output_bytes``)."""
 
-    __slots__ = ()
+    lse: np.ndarray
+
+    def __new__(cls, out: np.ndarray, length: int, lse: np.ndarray) -> "AttendResult":
+        self = super().__new__(cls, (out, length))
+        self.lse = lse
+        return self
 
     @property
     def out(self) -> np.ndarray:
@@ -93,12 +100,14 @@ class _OneByOne(Exception):
 class StackedResult(NamedTuple):
     """What a stacked step's job gives: ``out [B, n, H, d]`` float32 (zeros for a
     failed item), ``lengths [B]`` (the layer's length each item attended over; -1
-    for a failed item) and ``errors`` (item index -> the exception that failed it
-    while it was planned; the item changed nothing)."""
+    for a failed item), ``errors`` (item index -> the exception that failed it
+    while it was planned; the item changed nothing) and ``lse [B, n, H]`` (as
+    :class:`AttendResult`'s; zeros for a failed item)."""
 
     out: np.ndarray
     lengths: np.ndarray
     errors: dict[int, BaseException]
+    lse: np.ndarray
 
 
 class Engine:
@@ -325,12 +334,13 @@ class Engine:
 
         def plan(batch):
             rows = None if k is None else (*layer.upload_rows(batch, k, v), k.shape[0])
-            seg = batch.output(q.nbytes)
+            n, h, _ = q.shape
+            seg = batch.output(attend_output_bytes(n, h, d))
             length = _plan_attend_item(batch, layer, batch.upload(q), q.shape, seg, rows, start_pos, causal, sc)
 
             def finish(out):
                 arr = np.frombuffer(out, dtype="<f4", count=seg.size // 4, offset=seg.offset)
-                return AttendResult((arr.reshape(q.shape), length))
+                return AttendResult(arr[: q.size].reshape(q.shape), length, arr[q.size :].reshape(n, h))
 
             return finish
 
@@ -372,7 +382,7 @@ class Engine:
 
         def plan(batch):
             qs = batch.upload_items(q)
-            outs = batch.output_items(b, q[0].nbytes)
+            outs = batch.output_items(b, attend_output_bytes(*q.shape[1:]))
             rows = {}  # the fused rows, once per row dtype the layers take (before any item can roll back)
             if k is not None:
                 for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
@@ -416,11 +426,13 @@ class Engine:
 
             def finish(out):
                 arr = outs.view(out, "<f4", q.shape[1:])
+                lse = outs.view(out, "<f4", q.shape[1:3], start=q[0].nbytes)
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
                 if unanswered.any():
-                    arr = arr.copy()
+                    arr, lse = arr.copy(), lse.copy()
                     arr[unanswered] = 0.0
-                return StackedResult(arr, lengths, errors)
+                    lse[unanswered] = 0.0
+                return StackedResult(arr, lengths, errors, lse)
 
             return finish
 

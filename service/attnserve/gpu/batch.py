@@ -87,11 +87,15 @@ class Items:
     def seg(self, i: int) -> Seg:
         return Seg(self.arena, self.base + i * self.stride, self.nbytes)
 
-    def view(self, data: memoryview | bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    def view(self, data: memoryview | bytes, dtype: str, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
         """The items in ``data`` (the arena's bytes) as one array ``[count, *shape]``
-        of ``dtype``: a view, strided when the items are padded."""
+        of ``dtype``, from byte ``start`` of each item: a view, strided when the
+        items are padded."""
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if start + size > self.nbytes:
+            raise ValueError(f"{size} bytes from {start} pass an item of {self.nbytes}")
         rows = np.frombuffer(data, np.uint8, count=self.count * self.stride, offset=self.base)
-        return rows.reshape(self.count, self.stride)[:, : self.nbytes].view(dtype).reshape(self.count, *shape)
+        return rows.reshape(self.count, self.stride)[:, start : start + size].view(dtype).reshape(self.count, *shape)
 
 
 Resource = Union[wgpu.GPUBuffer, Seg]

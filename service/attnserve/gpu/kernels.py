@@ -23,6 +23,13 @@ Array layouts (all float32, row-major):
 * TurboQuant slabs (``turboquant`` and the variants, ``formats.TQ_SPECS``) as in
   ``shaders/tqx.wgsl``
 * new K/V rows ``[n, n_kv_heads, head_dim]``
+* an attend's output segment (LSE): its outputs ``[n, n_heads, head_dim]``, then
+  the log-sum-exp of each (query, head), ``[n, n_heads]``: the natural log of the
+  sum of ``exp`` of the row's scaled scores over the keys it attended (``m +
+  log(l)`` of the online softmax; the merge's ``M + log(L)``). Every kernel that
+  writes an attend's final output writes its log-sum-exp at word ``out_off +
+  n * out_stride + row * n_heads + head`` (:func:`attend_output_bytes`), always:
+  a few bytes more per row, and one layout for every path
 """
 
 from __future__ import annotations
@@ -67,7 +74,14 @@ __all__ = [
     "split_eligible",
     "choose_split",
     "split_sizes",
+    "attend_output_bytes",
 ]
+
+
+def attend_output_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
+    """Bytes of an attend's output segment: ``out [n, H, d]`` then ``lse [n, H]``
+    (float32; the module's "LSE")."""
+    return n_queries * n_heads * (head_dim + 1) * 4
 
 
 def _chunks(n: int, limit: int):

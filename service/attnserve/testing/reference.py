@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,7 @@ __all__ = [
     "rotate_q",
     "tq_scores",
     "softmax_rows",
+    "lse_rows",
     "pack_codes",
     "unpack_codes",
     "tqx_codebooks",
@@ -80,8 +82,10 @@ def attention(
     start_pos: int | None = None,
     causal: bool = True,
     scale: float | None = None,
-) -> np.ndarray:
-    """Exact softmax attention in float64: ``[n, H, d]`` from ``k``/``v`` ``[L, Hkv, d]``."""
+    return_lse: bool = False,
+) -> Any:
+    """Exact softmax attention in float64: ``[n, H, d]`` from ``k``/``v`` ``[L, Hkv, d]``;
+    with ``return_lse``, ``(out, lse [n, H])`` (:func:`lse_rows`)."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
@@ -91,8 +95,9 @@ def attention(
     group = h // hkv
     kh = np.repeat(k, group, axis=1)  # [L, H, d]
     vh = np.repeat(v, group, axis=1)
-    p = softmax_rows(np.einsum("nhd,lhd->hnl", q, kh) * scale, start_pos, causal)  # [H, n, L]
-    return np.einsum("hnl,lhd->nhd", p, vh)
+    s = np.einsum("nhd,lhd->hnl", q, kh) * scale  # [H, n, L]
+    p = softmax_rows(s, start_pos, causal)
+    return _answer(np.einsum("hnl,lhd->nhd", p, vh), s, start_pos, causal, return_lse)
 
 
 def _defaults(n: int, d: int, length: int, start_pos: int | None, scale: float | None) -> tuple[int, float]:
@@ -101,16 +106,36 @@ def _defaults(n: int, d: int, length: int, start_pos: int | None, scale: float |
     return (length - n if start_pos is None else start_pos), (1.0 / math.sqrt(d) if scale is None else scale)
 
 
-def softmax_rows(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
-    """Softmax over the last axis of scaled scores ``[H, n, L]`` whose query row ``i``
-    sits at ``start_pos + i``; ``causal`` masks the keys past it."""
+def _masked(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
+    """Scaled scores ``[H, n, L]`` whose query row ``i`` sits at ``start_pos + i``,
+    the keys past it ``-inf`` when ``causal``."""
     if causal:
         n, length = s.shape[-2:]
         mask = np.arange(length)[None, :] > (start_pos + np.arange(n))[:, None]  # [n, L]
         s = np.where(mask[None], -np.inf, s)
+    return s
+
+
+def softmax_rows(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
+    """Softmax over the last axis of scaled scores ``[H, n, L]`` whose query row ``i``
+    sits at ``start_pos + i``; ``causal`` masks the keys past it."""
+    s = _masked(s, start_pos, causal)
     s = s - s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=-1, keepdims=True)
+
+
+def lse_rows(s: np.ndarray, start_pos: int, causal: bool) -> np.ndarray:
+    """The log-sum-exp (natural log) of scaled scores ``[H, n, L]`` over the keys
+    :func:`softmax_rows` weighs, as ``[n, H]`` (an attend's ``lse``)."""
+    s = _masked(s, start_pos, causal)
+    top = s.max(axis=-1, keepdims=True)
+    return (top[..., 0] + np.log(np.exp(s - top).sum(axis=-1))).T
+
+
+def _answer(out: np.ndarray, s: np.ndarray, start_pos: int, causal: bool, return_lse: bool):
+    """``out``, or ``(out, lse)`` with ``return_lse`` (``lse`` of the scaled scores ``s``)."""
+    return (out, lse_rows(s, start_pos, causal)) if return_lse else out
 
 
 # ── randomized Hadamard transform ───────────────────────────────────────────
@@ -542,8 +567,10 @@ def tqx_attention(
     start_pos: int | None = None,
     causal: bool = True,
     scale: float | None = None,
-) -> np.ndarray:
-    """Attention computed from a variant's packed words, in float64 (``flash_attention_tqx``)."""
+    return_lse: bool = False,
+) -> Any:
+    """Attention computed from a variant's packed words, in float64 (``flash_attention_tqx``);
+    with ``return_lse``, ``(out, lse)`` of the estimated scores."""
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
     start_pos, scale = _defaults(n, d, length, start_pos, scale)
@@ -556,14 +583,15 @@ def tqx_attention(
     ko = unpack_tqx_outliers(key_words, spec, True, **dims)
     if ko is not None:  # the outlier channels' exact part of <q, k>
         s = s + np.einsum("nhd,lhd->hnl", q, np.repeat(outlier_values(ko, polar_signs, d), group, axis=1))
-    p = softmax_rows(s * scale, start_pos, causal)
+    s = s * scale
+    p = softmax_rows(s, start_pos, causal)
     c = np.asarray(codebook(d, spec.value_bits).centroids, np.float64)
     vrot = np.repeat(c[vidx] * vnorm[..., None], group, axis=1)
     out = rht_inv(np.einsum("hnl,lhd->nhd", p, vrot), polar_signs)
     vo = unpack_tqx_outliers(value_words, spec, False, **dims)
     if vo is not None:
         out = out + np.einsum("hnl,lhd->nhd", p, np.repeat(outlier_values(vo, polar_signs, d), group, axis=1))
-    return out
+    return _answer(out, s, start_pos, causal, return_lse)
 
 
 # ── exact sinks and recent window over a compressed cache (issue 27) ─────────
@@ -634,11 +662,12 @@ def windowed_attention(
     start_pos: int | None = None,
     causal: bool = True,
     scale: float | None = None,
-) -> np.ndarray:
+    return_lse: bool = False,
+) -> Any:
     """Attention in float64 that reads timesteps ``t < sinks`` and ``t >= exact_from``
     from ``k, v`` (the exact rows, as stored: float16 or float32) and the others from
     ``k_hat, v_hat`` (:func:`tqx_decoded_rows` of the compressed cache), under one
-    softmax. ``[n, H, d]`` from rows ``[L, Hkv, d]``."""
+    softmax. ``[n, H, d]`` from rows ``[L, Hkv, d]``; with ``return_lse``, ``(out, lse)``."""
     q = np.asarray(q, np.float64)
     n, h, d = q.shape
     length, hkv, _ = k.shape
@@ -654,6 +683,7 @@ def windowed_attention(
     kh, vh = heads(k_hat), heads(v_hat)
     s = qh @ kh.transpose(0, 2, 1)  # [H, n, L]
     s[:, :, cols] = qh @ heads(k[cols]).transpose(0, 2, 1)
-    p = softmax_rows(s * scale, start_pos, causal)
+    s = s * scale
+    p = softmax_rows(s, start_pos, causal)
     out = p @ vh + p[:, :, cols] @ (heads(v[cols]) - vh[:, cols])
-    return out.transpose(1, 0, 2)
+    return _answer(out.transpose(1, 0, 2), s, start_pos, causal, return_lse)
