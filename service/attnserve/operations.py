@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 APPEND_FIELDS = ("k", "v", "offset")
-ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale")
+ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale", "return_lse")
 F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -79,6 +79,7 @@ class AttendRequest:
     start_pos: int | None
     causal: bool
     scale: float | None
+    return_lse: bool = False  # answer the rows' log-sum-exp beside out
 
 
 def max_elements(max_bytes: int) -> int:
@@ -105,6 +106,7 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
         start_pos=f.int("start_pos", None, lo=0),
         causal=f.bool("causal", True),
         scale=attend_scale(f),
+        return_lse=f.bool("return_lse", False),
     )
 
 
@@ -242,8 +244,13 @@ def count_step_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries:
             rt.metrics.rows.inc("query", fmt, amount=queries * count)
 
 
-def attend_document(out: np.ndarray, length: int, kind: MediaKind) -> dict[str, Any]:
-    return {"out": array_out(out, kind), "length": length}
+def attend_document(out: np.ndarray, length: int, kind: MediaKind, lse: np.ndarray | None = None) -> dict[str, Any]:
+    """An attend's answer: ``out``, ``length``, and ``lse`` when it was asked for
+    (``return_lse``; not None)."""
+    doc = {"out": array_out(out, kind), "length": length}
+    if lse is not None:
+        doc["lse"] = array_out(np.ascontiguousarray(lse), kind)
+    return doc
 
 
 def check_kept(rt: Runtime, config: SessionConfig) -> None:

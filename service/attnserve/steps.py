@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .codec import Fields, MediaKind, array_out, check_finite, decode_document, encode
-from .engine import Engine, StackedResult
+from .engine import AttendResult, Engine, StackedResult
 from .errors import ApiError, InternalError, InvalidRequest, RequestTimeout
 from .store import JobReservations, LayerState, Owner, Reservation, StepReservation
 from .runtime import Runtime
@@ -73,7 +73,7 @@ __all__ = [
 log = logging.getLogger("attnserve")
 
 BATCH_ITEM_FIELDS = ("session_id", "layer", *ATTEND_FIELDS)
-STACKED_FIELDS = ("session_ids", "layer", "q", "k", "v", "offsets", "start_pos", "causal", "scale")
+STACKED_FIELDS = ("session_ids", "layer", "q", "k", "v", "offsets", "start_pos", "causal", "scale", "return_lse")
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class StackedItems:
     causal: bool
     scale: float | None
     errors: dict[int, ApiError]
+    return_lse: bool = False  # the stacked form's answer holds lse [B, n, H]
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -219,7 +220,7 @@ def parse_stacked(f: Fields, max_bytes: int, max_items: int) -> ParsedBatch:
                 f"{name}: expected {b} stacked items (one per session id) in dimension 0, got shape {list(a.shape)}"
             )
     per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
-    causal, scale = f.bool("causal", True), attend_scale(f)
+    causal, scale, return_lse = f.bool("causal", True), attend_scale(f), f.bool("return_lse", False)
     errors: dict[int, ApiError] = {}
     for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
         for i in np.flatnonzero(~np.isfinite(a.reshape(b, -1)).all(axis=1)).tolist():
@@ -242,7 +243,7 @@ def parse_stacked(f: Fields, max_bytes: int, max_items: int) -> ParsedBatch:
                     i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
                 )
     offsets, start_pos = ints["offsets"], ints["start_pos"]
-    return ParsedBatch(stacked=StackedItems(ids, layer, q, k, v, offsets, start_pos, causal, scale, errors))
+    return ParsedBatch(stacked=StackedItems(ids, layer, q, k, v, offsets, start_pos, causal, scale, errors, return_lse))
 
 
 def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
@@ -571,23 +572,29 @@ def answer_document(parsed: ParsedBatch, outcome: Any, kind: MediaKind, instance
     if isinstance(outcome, tuple):  # the items ran as one stacked job
         result, errors = outcome
         outcome = [
-            errors[i] if i in errors else (result.out[i], int(result.lengths[i])) for i in range(len(parsed.items))
+            errors[i] if i in errors else AttendResult(result.out[i], int(result.lengths[i]), result.lse[i])
+            for i in range(len(parsed.items))
         ]
-    return results_document(outcome, kind, instance)
+    want_lse = [it.attend is not None and it.attend.return_lse for it in parsed.items]
+    return results_document(outcome, kind, instance, want_lse)
 
 
 def _problem(err: ApiError, i: int, instance: str) -> dict[str, Any]:
     return err.problem(instance) | {"item": i}
 
 
-def results_document(outcome: list[Any], kind: MediaKind, instance: str) -> dict[str, Any]:
+def results_document(
+    outcome: list[Any], kind: MediaKind, instance: str, want_lse: Sequence[bool] = ()
+) -> dict[str, Any]:
+    """``{"results": [...]}``: each item's answer (``lse`` beside ``out`` where
+    ``want_lse[i]``) or its problem."""
     results: list[dict[str, Any]] = []
     for i, r in enumerate(outcome):
         if isinstance(r, ApiError):
             results.append({"error": _problem(r, i, instance)})
         else:
-            out, length = r
-            results.append(attend_document(out, length, kind))
+            lse = r.lse if i < len(want_lse) and want_lse[i] else None
+            results.append(attend_document(r.out, r.length, kind, lse))
     return {"results": results}
 
 
@@ -599,12 +606,16 @@ def stacked_document(
     b = len(st.session_ids)
     if result is None:
         out = np.zeros((b, *st.out_shape), dtype="<f4")
+        lse = np.zeros((b, *st.out_shape[:2]), dtype="<f4")
         lengths: list[int | None] = [None] * b
     else:
-        out = result.out  # zero in the rows of every item that failed (its length is -1)
+        out, lse = result.out, result.lse  # zero in the rows of every item that failed (its length is -1)
         lengths = [None if i in errors else length for i, length in enumerate(result.lengths.tolist())]
     problems = [_problem(errors[i], i, instance) for i in sorted(errors)]
-    return {"out": array_out(np.ascontiguousarray(out), kind), "lengths": lengths, "errors": problems}
+    doc = {"out": array_out(np.ascontiguousarray(out), kind), "lengths": lengths, "errors": problems}
+    if st.return_lse:
+        doc["lse"] = array_out(np.ascontiguousarray(lse), kind)
+    return doc
 
 
 def count_errors(rt: Runtime, outcome: Any) -> None:

@@ -148,10 +148,13 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
     f = Fields(doc, fields, op)
     session = rt.store.get(f.str("session_id"), owner)
     li = layer_index(session, f.int("layer", lo=0))
+    want_lse = False
     if op == "append":
         checked = check_append(rt, engine, session, li, append_fields(f, max_bytes))
     else:
-        checked = check_attend(rt, engine, session, li, attend_fields(f, max_bytes))
+        req = attend_fields(f, max_bytes)
+        want_lse = req.return_lse
+        checked = check_attend(rt, engine, session, li, req)
     fut = queue_one(rt, engine, checked)
 
     async def result(kind: MediaKind) -> Any:
@@ -161,7 +164,6 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
             return r
         if op == "append":
             return {"length": r}
-        out, length = r
-        return attend_document(out, length, kind)
+        return attend_document(r.out, r.length, kind, r.lse if want_lse else None)
 
     return Pending(rid, instance, result)

@@ -92,8 +92,8 @@ async def append_kv(
     return respond({"length": length}, wire)
 
 
-def _attend_body(out: np.ndarray, length: int, kind: MediaKind) -> bytes:
-    return encode(attend_document(out, length, kind), kind)
+def _attend_body(out: np.ndarray, length: int, kind: MediaKind, lse: np.ndarray | None) -> bytes:
+    return encode(attend_document(out, length, kind, lse), kind)
 
 
 @router.post(
@@ -101,7 +101,8 @@ def _attend_body(out: np.ndarray, length: int, kind: MediaKind) -> bytes:
     summary="Attend (with an optional fused append)",
     description="Appends `k`, `v` first when given (checked with `offset` before), then attends the query rows "
     "`q`: row i sits at position start_pos + i and, with `causal`, attends to timesteps 0..start_pos + i. "
-    "A decode step is one call with one row of q, k and v.",
+    "A decode step is one call with one row of q, k and v. With `return_lse` the answer also holds `lse` "
+    "[n, num_qo_heads]: each row's log-sum-exp (natural log) of its scaled scores, to merge partial attention.",
     response_class=Response,
     openapi_extra=request_body("AttendJson", "AttendMsgpack"),
     responses={
@@ -123,8 +124,9 @@ async def attend(
 ) -> Response:
     session, li, req = await _read(request, rt, wire, session, owner, layer, parse_attend)
     op = check_attend(rt, engine, session, li, req)
-    out, got_length = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
+    result = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
     count_rows(rt, op)
+    out, lse = result.out, (result.lse if req.return_lse else None)
     size = out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
-    body = await rt.offload(_attend_body, out, got_length, wire.response, size=size)
+    body = await rt.offload(_attend_body, out, result.length, wire.response, lse, size=size)
     return respond(None, wire, body=body)

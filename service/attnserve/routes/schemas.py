@@ -92,6 +92,12 @@ def _attend(array: str) -> dict[str, Any]:
                 "type": ["number", "null"],
                 "description": "Softmax scale (any finite number); default 1/sqrt(head_dim).",
             },
+            "return_lse": {
+                "type": "boolean",
+                "default": False,
+                "description": "Answer lse beside out: each row's log-sum-exp of its scaled scores over the "
+                "keys it attended (natural log), to merge attention over disjoint keys exactly.",
+            },
         },
     }
 
@@ -103,6 +109,11 @@ def _attend_out(array: str) -> dict[str, Any]:
         "properties": {
             "out": {**ref(array), "description": "[n, num_qo_heads, head_dim] float32."},
             "length": {"type": "integer", "description": "The layer's length after the call."},
+            "lse": {
+                **ref(array),
+                "description": "[n, num_qo_heads] float32, with return_lse: log(sum_t exp(scale * q.k_t)) "
+                "over the timesteps t each row attended.",
+            },
         },
     }
 
@@ -155,6 +166,7 @@ def _stacked_attend(array: str) -> dict[str, Any]:
             "start_pos": {**ints, "description": "B start positions (null: the default)."},
             "causal": props["causal"],
             "scale": props["scale"],
+            "return_lse": props["return_lse"],
         },
     }
 
@@ -167,6 +179,11 @@ def _stacked_out(array: str) -> dict[str, Any]:
             "out": {
                 **ref(array),
                 "description": "[B, n, num_qo_heads, head_dim] float32; zeros for a failed item.",
+            },
+            "lse": {
+                **ref(array),
+                "description": "[B, n, num_qo_heads] float32, with return_lse: each row's log-sum-exp of its "
+                "scaled scores; zeros for a failed item.",
             },
             "lengths": {
                 "type": "array",
