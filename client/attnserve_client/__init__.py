@@ -16,6 +16,8 @@ from ._steps import AttendItem, BatchError
 from ._streams import AsyncStream, AsyncStreamOpening, Stream
 from ._types import SessionInfo
 from ._version import __version__
+from .merge import Attention, merge
+from .sharded import AsyncShardedSession, ShardedSession, ShardLost
 from .errors import (
     APIConnectionError,
     APIError,
@@ -53,9 +55,11 @@ __all__ = [
     "APITimeoutError",
     "AsyncClient",
     "AsyncSession",
+    "AsyncShardedSession",
     "AsyncStream",
     "AsyncStreamOpening",
     "AttendItem",
+    "Attention",
     "BatchError",
     "AttnServeError",
     "CapacityExceeded",
@@ -77,11 +81,14 @@ __all__ = [
     "SessionExists",
     "SessionInfo",
     "SessionNotFound",
+    "ShardedSession",
+    "ShardLost",
     "Stream",
     "Unauthorized",
     "UnsupportedMediaType",
     "WireError",
     "__version__",
+    "merge",
     "new_session_id",
     "parse_problem",
     "wire",

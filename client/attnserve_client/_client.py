@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypedDict, TypeVar, Union, overload
 
 import httpx
 import numpy as np
@@ -35,6 +35,7 @@ from ._steps import (
     AttendItem,
     StackedOptions,
     StackedStep,
+    attend_answer,
     batch_body,
     batch_idempotent,
     batch_results,
@@ -47,6 +48,7 @@ from ._steps import (
 )
 from ._types import SessionInfo
 from ._version import __version__
+from .merge import Attention
 from .errors import (
     APIConnectionError,
     APIError,
@@ -496,7 +498,7 @@ class _BaseClient:
             return sub_step.outcome(doc)
 
         parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, kw, groups)])
-        return merge_stacked(len(step.sessions), groups, parts, step.like)
+        return merge_stacked(step, groups, parts)
 
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
@@ -622,7 +624,8 @@ class _SessionBase(Generic[_C]):
         start_pos: int | None,
         causal: bool,
         scale: float | None,
-    ) -> Flow[tensors.Answer]:
+        return_lse: bool = False,
+    ) -> Flow[Any]:
         layer = self._check_layer(layer)
         like, q = q, self._check_rows(q, "q", self._config.num_qo_heads, "n")
         n = q.shape[0]
@@ -648,13 +651,15 @@ class _SessionBase(Generic[_C]):
             scale = float(scale)
 
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": bool(causal)}
+        if return_lse:
+            query["return_lse"] = True
         if scale is not None:
             query["scale"] = scale
         if start_pos is not None:
             query["start_pos"] = start_pos
         if not fused:
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-            return tensors.answer(self._out_from(layer, reply, n), like)
+            return self._answer_from(layer, reply, n, like, return_lse)
 
         offset = yield from self._offset_flow(layer)
         body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
@@ -665,7 +670,7 @@ class _SessionBase(Generic[_C]):
             # answer: attend again, without k, v, at the position that call had.
             query.setdefault("start_pos", length - n)
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-        return tensors.answer(self._out_from(layer, reply, n), like)
+        return self._answer_from(layer, reply, n, like, return_lse)
 
     def _fork_flow(self, session_id: str | None, length: int | None) -> Flow[SessionInfo]:
         body: dict[str, Any] = {"session_id": _check_session_id(
@@ -681,7 +686,7 @@ class _SessionBase(Generic[_C]):
             return (yield from self._client._get_info_flow(body["session_id"]))
         raise error
 
-    def _out_from(self, layer: int, reply: _Reply, n: int) -> np.ndarray:
+    def _answer_from(self, layer: int, reply: _Reply, n: int, like: Any, return_lse: bool) -> Any:
         if not reply.ok:
             raise reply.error()
         body = self._client._decode(reply)
@@ -693,7 +698,7 @@ class _SessionBase(Generic[_C]):
         expected = (n, self._config.num_qo_heads, self._config.head_dim)
         if out.shape != expected:
             raise InvalidResponse(f"attend: expected out of shape {expected}, got {out.shape}")
-        return out
+        return attend_answer(body, out, like, return_lse, "attend")
 
 
 # -- synchronous -------------------------------------------------------------------
@@ -729,6 +734,7 @@ class Session(_SessionBase["Client"]):
         """
         return self._client._run(self._append_flow(layer, k, v))
 
+    @overload
     def attend(
         self,
         layer: int,
@@ -739,7 +745,35 @@ class Session(_SessionBase["Client"]):
         start_pos: int | None = None,
         causal: bool = True,
         scale: float | None = None,
-    ) -> np.ndarray:
+        return_lse: Literal[False] = False,
+    ) -> np.ndarray: ...
+
+    @overload
+    def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+        return_lse: Literal[True],
+    ) -> Attention: ...
+
+    def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> Any:
         """Attention of ``q`` over ``layer``'s cache; with ``k``, ``v`` append them first (fused).
 
         Args:
@@ -749,13 +783,17 @@ class Session(_SessionBase["Client"]):
             start_pos: position of q's first row; default ``length - n`` (after any append).
             causal: row ``i`` attends to timesteps ``0..start_pos + i``; else to all.
             scale: softmax scale, default ``1 / sqrt(head_dim)``.
+            return_lse: also answer each row's log-sum-exp (see Returns).
 
         Returns:
             ``[n, num_qo_heads, head_dim]`` float32, C-contiguous, read-only (a view of
             the answer's bytes; ``.copy()`` it to write). The layer's length after the
-            call is in :attr:`lengths`.
+            call is in :attr:`lengths`. With ``return_lse``, :class:`Attention`
+            ``(out, lse)``: ``lse [n, num_qo_heads]`` float32, the natural log of the sum
+            of ``exp(scale * q . k_t)`` over the timesteps each row attended, what
+            :func:`attnserve_client.merge` needs to combine attends over disjoint keys.
         """
-        return self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+        return self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
 
     def fork(self, session_id: str | None = None, length: int | None = None) -> Session:
         """A new session that starts as this one's first ``length`` timesteps of every
@@ -990,6 +1028,7 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         """See :meth:`Session.append`."""
         return await self._client._run(self._append_flow(layer, k, v))
 
+    @overload
     async def attend(
         self,
         layer: int,
@@ -1000,9 +1039,37 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         start_pos: int | None = None,
         causal: bool = True,
         scale: float | None = None,
-    ) -> np.ndarray:
+        return_lse: Literal[False] = False,
+    ) -> np.ndarray: ...
+
+    @overload
+    async def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+        return_lse: Literal[True],
+    ) -> Attention: ...
+
+    async def attend(
+        self,
+        layer: int,
+        q: Any,
+        *,
+        k: Any = None,
+        v: Any = None,
+        start_pos: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+        return_lse: bool = False,
+    ) -> Any:
         """See :meth:`Session.attend`."""
-        return await self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale))
+        return await self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
 
     async def fork(self, session_id: str | None = None, length: int | None = None) -> AsyncSession:
         """See :meth:`Session.fork`."""

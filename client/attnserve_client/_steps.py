@@ -19,6 +19,7 @@ import numpy as np
 
 from . import tensors, wire
 from .errors import APIError, AttnServeError, InvalidInput, InvalidResponse, parse_problem
+from .merge import Attention
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
@@ -47,6 +48,7 @@ class AttendItem:
     start_pos: int | None = None
     causal: bool = True
     scale: float | None = None
+    return_lse: bool = False
 
     @property
     def session_id(self) -> str:
@@ -61,7 +63,8 @@ ItemLike = Union[AttendItem, Mapping[str, Any]]
 
 class AttendOptions(TypedDict, total=False):
     """The options of one attend: a fused append of ``k``, ``v`` (checked at ``offset``
-    when given), ``start_pos``, ``causal`` and ``scale`` (as ``Session.attend``)."""
+    when given), ``start_pos``, ``causal``, ``scale`` and ``return_lse`` (as
+    ``Session.attend``)."""
 
     k: Any
     v: Any
@@ -69,16 +72,18 @@ class AttendOptions(TypedDict, total=False):
     start_pos: int | None
     causal: bool
     scale: float | None
+    return_lse: bool
 
 
 class StackedOptions(TypedDict, total=False):
     """The options of a stacked step: one value per session in ``offsets`` and
-    ``start_pos`` (None: none), and ``causal``, ``scale`` for all."""
+    ``start_pos`` (None: none), and ``causal``, ``scale``, ``return_lse`` for all."""
 
     offsets: Sequence[int | None] | None
     start_pos: Sequence[int | None] | None
     causal: bool
     scale: float | None
+    return_lse: bool
 
 
 class BatchError(AttnServeError):
@@ -132,6 +137,8 @@ def attend_members(item: AttendItem) -> dict[str, Any]:
             doc[name] = int(value)
     if item.scale is not None:
         doc["scale"] = float(item.scale)
+    if item.return_lse:
+        doc["return_lse"] = True
     return doc
 
 
@@ -155,6 +162,26 @@ def attend_out(doc: Any, what: str) -> tuple[np.ndarray, int]:
     except wire.WireError as exc:
         raise InvalidResponse(f"{what}: {exc}") from None
     return out, doc["length"]
+
+
+def lse_out(doc: Any, out: np.ndarray, what: str) -> np.ndarray:
+    """The ``lse`` of an answer asked with ``return_lse``: ``out``'s shape without
+    its last axis."""
+    try:
+        lse = wire.decode_array(doc.get("lse"), name="lse", ndim=out.ndim - 1, finite=False)
+    except wire.WireError as exc:
+        raise InvalidResponse(f"{what}: {exc}") from None
+    if lse.shape != out.shape[:-1]:
+        raise InvalidResponse(f"{what}: expected lse of shape {out.shape[:-1]}, got {lse.shape}")
+    return lse
+
+
+def attend_answer(doc: Any, out: np.ndarray, like: Any, return_lse: bool, what: str) -> Any:
+    """An attend's answer as the caller asked for it: ``out`` (as ``like``,
+    ``tensors.answer``), or :class:`Attention` ``(out, lse)`` with ``return_lse``."""
+    if not return_lse:
+        return tensors.answer(out, like)
+    return Attention(tensors.answer(out, like), tensors.answer(lse_out(doc, out, what), like))
 
 
 def track_length(item: AttendItem, length: int) -> None:
@@ -189,9 +216,10 @@ def item_results(items: list[AttendItem], doc: Any) -> list[Any]:
             status = err.get("status") if type(err.get("status")) is int else 500
             out.append(parse_problem(status, err))
             continue
-        arr, length = attend_out(r, f"attend_batch item {i}")
+        what = f"attend_batch item {i}"
+        arr, length = attend_out(r, what)
         track_length(item, length)
-        out.append(tensors.answer(arr, item.q))
+        out.append(attend_answer(r, arr, item.q, item.return_lse, what))
     return out
 
 
@@ -208,20 +236,31 @@ class StackedStep:
     layer: int
     squeeze: bool
     like: Any = None  # the queries as given: a tensor's output is a tensor (tensors.answer)
+    return_lse: bool = False  # answer Attention(out, lse)
     # q, k, v as converted for the wire, in their given shapes (None: no k, v): a step
     # split over replicas slices these (``stacked_parts``) rather than converting again
     host: dict[str, np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)
 
     def result(self, doc: Any) -> Any:
-        """The stacked output; raises :class:`BatchError` when any item failed."""
-        out, failed = self.outcome(doc)
-        out = tensors.answer(out, self.like)
+        """The stacked output (:class:`Attention` with ``return_lse``); raises
+        :class:`BatchError` when any item failed."""
+        out, lse, failed = self.outcome(doc)
+        answer = self.answer(out, lse)
         if failed:
-            raise BatchError([failed.get(i, out[i]) for i in range(len(out))])
-        return out
+            raise BatchError([failed.get(i, _item(answer, i)) for i in range(len(out))])
+        return answer
 
-    def outcome(self, doc: Any) -> tuple[np.ndarray, dict[int, APIError]]:
-        """The stacked output and the errors of the items that failed, by index."""
+    def answer(self, out: np.ndarray, lse: np.ndarray | None) -> Any:
+        """``out`` (and ``lse``) as the step's queries were given."""
+        if not self.return_lse:
+            return tensors.answer(out, self.like)
+        if lse is None:
+            raise InvalidResponse("attend_stacked: expected lse (return_lse)")
+        return Attention(tensors.answer(out, self.like), tensors.answer(lse, self.like))
+
+    def outcome(self, doc: Any) -> tuple[np.ndarray, np.ndarray | None, dict[int, APIError]]:
+        """The stacked output, its ``lse`` (None unless asked for) and the errors of
+        the items that failed, by index."""
         if not isinstance(doc, Mapping) or not isinstance(doc.get("lengths"), list):
             raise InvalidResponse(f"attend_stacked: expected {{out, lengths, errors}}, got {doc!r:.200}")
         lengths, errors = doc["lengths"], doc.get("errors") or []
@@ -232,8 +271,10 @@ class StackedStep:
         b = len(self.sessions)
         if out.shape[0] != b or len(lengths) != b or not isinstance(errors, list):
             raise InvalidResponse(f"attend_stacked: expected {b} items, got out {list(out.shape)}")
+        lse = lse_out(doc, out, "attend_stacked") if self.return_lse else None
         if self.squeeze:
             out = out[:, 0]
+            lse = None if lse is None else lse[:, 0]
         failed: dict[int, APIError] = {}
         for err in errors:
             i = err.get("item") if isinstance(err, Mapping) else None
@@ -243,7 +284,12 @@ class StackedStep:
         for i, (session, length) in enumerate(zip(self.sessions, lengths)):
             if i not in failed and type(length) is int:
                 track_length(AttendItem(session, self.layer, None), length)
-        return out, failed
+        return out, lse, failed
+
+
+def _item(answer: Any, i: int) -> Any:
+    """Item ``i`` of a stacked answer (an :class:`Attention`'s: both parts)."""
+    return Attention(answer.out[i], answer.lse[i]) if isinstance(answer, Attention) else answer[i]
 
 
 def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:
@@ -275,7 +321,7 @@ def stacked_body(
     """The body of a stacked step, what decodes its answer, and whether it is safe
     to retry (no append, or every session's append checked at its offset)."""
     offsets, start_pos = options.get("offsets"), options.get("start_pos")
-    causal, scale = options.get("causal", True), options.get("scale")
+    causal, scale, return_lse = options.get("causal", True), options.get("scale"), options.get("return_lse", False)
     sessions = list(sessions)
     if not sessions:
         raise InvalidInput("sessions: expected at least one session")
@@ -297,8 +343,10 @@ def stacked_body(
             body[name] = checked
     if scale is not None:
         body["scale"] = float(scale)
+    if return_lse:
+        body["return_lse"] = True
     idempotent = k is None or (offsets is not None and None not in body["offsets"])
-    return StackedStep(sessions, int(layer), qa.ndim == 3, q, host), body, idempotent
+    return StackedStep(sessions, int(layer), qa.ndim == 3, q, bool(return_lse), host), body, idempotent
 
 
 # -- a batched step split over replicas -----------------------------------------
@@ -343,23 +391,31 @@ def stacked_parts(
     return parts
 
 
-def merge_stacked(n: int, groups: list[list[int]], parts: list[Any], like: Any = None) -> Any:
-    """The stacked output from each part's ``StackedStep.outcome`` (or the exception
-    the whole part raised), as the queries ``like`` were given (``tensors.answer``);
-    :class:`BatchError` when any item failed."""
+def merge_stacked(step: StackedStep, groups: list[list[int]], parts: list[Any]) -> Any:
+    """The stacked output of ``step`` from each part's ``StackedStep.outcome`` (or the
+    exception the whole part raised), as ``step.answer`` gives it; :class:`BatchError`
+    when any item failed."""
+    n = len(step.sessions)
     out: np.ndarray | None = None
+    lse: np.ndarray | None = None
     results: list[Any] = [None] * n
     for idx, got in zip(groups, parts):
         if isinstance(got, BaseException):
             for i in idx:
                 results[i] = got
             continue
-        sub_out, failed = got
+        sub_out, sub_lse, failed = got
         if out is None:
             out = np.zeros((n, *sub_out.shape[1:]), dtype=np.float32)
+            lse = None if sub_lse is None else np.zeros((n, *sub_lse.shape[1:]), dtype=np.float32)
         out[idx] = sub_out
+        if lse is not None:
+            lse[idx] = sub_lse
         for j, i in enumerate(idx):
-            results[i] = failed.get(j, out[i])
-    if out is None or any(isinstance(r, BaseException) for r in results):
+            results[i] = failed.get(j)
+    if out is None:
         raise BatchError(results)
-    return tensors.answer(out, like)
+    answer = step.answer(out, lse)
+    if any(isinstance(r, BaseException) for r in results):
+        raise BatchError([r if isinstance(r, BaseException) else _item(answer, i) for i, r in enumerate(results)])
+    return answer

@@ -33,6 +33,7 @@ from ._steps import (
     AttendItem,
     AttendOptions,
     StackedOptions,
+    attend_answer,
     attend_members,
     attend_out,
     batch_body,
@@ -249,7 +250,7 @@ def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None
 def _attend_result(item: AttendItem, doc: Any) -> Any:
     out, length = attend_out(doc, "attend")
     track_length(item, length)
-    return tensors.answer(out, item.q)
+    return attend_answer(doc, out, item.q, item.return_lse, "attend")
 
 
 def _append_result(item: AttendItem, doc: Any) -> int:
@@ -468,7 +469,7 @@ class Stream:
                 groups, stacked_parts(step, body, kw, [g for _, g in groups])
             )
         ]
-        return _joined(parts, lambda got: merge_stacked(len(ids), [g for _, g in groups], got, step.like))
+        return _joined(parts, lambda got: merge_stacked(step, [g for _, g in groups], got))
 
     def attend_stacked(
         self, sessions: Sequence[Any], layer: int, q: Any, k: Any = None, v: Any = None, **kw: Unpack[StackedOptions]
@@ -790,7 +791,7 @@ class AsyncStream:
                 for (place, _), (sub_step, sub_body, _) in zip(groups, parts)
             ],
         )
-        return merge_stacked(len(ids), [g for _, g in groups], got, step.like)
+        return merge_stacked(step, [g for _, g in groups], got)
 
     async def ping(self) -> None:
         """A round trip on every connection of the stream."""

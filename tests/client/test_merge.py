@@ -1,0 +1,82 @@
+"""``attnserve_client.merge`` against the float64 oracle: attention over disjoint
+sets of keys merged equals attention over their union (numpy and torch), a part
+that saw no key weighs nothing, and mismatched parts are refused. (Against live
+servers: tests/service/test_lse.py, tests/client/test_sharded.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch  # installed by the test command
+
+from attnserve.testing import reference as ref
+from attnserve_client import Attention, merge
+
+
+def _split_oracle(rng, cuts, n=5, h=6, hkv=2, d=16, scale=0.4):
+    """q over keys [0, L) split at ``cuts``: each part's float32 (out, lse) from the
+    oracle (as a server answers it), and the oracle of the whole."""
+    length = cuts[-1]
+    q = rng.standard_normal((n, h, d))
+    k, v = rng.standard_normal((length, hkv, d)), rng.standard_normal((length, hkv, d))
+    parts = []
+    for lo, hi in zip((0, *cuts[:-1]), cuts):
+        out, lse = ref.attention(q, k[lo:hi], v[lo:hi], causal=False, scale=scale, return_lse=True)
+        parts.append(Attention(out.astype(np.float32), lse.astype(np.float32)))
+    return parts, ref.attention(q, k, v, causal=False, scale=scale, return_lse=True)
+
+
+@pytest.mark.parametrize("cuts", [(7,), (3, 40), (1, 2, 50, 51), (10, 11, 12, 300)])
+def test_merged_parts_are_attention_over_the_union(rng, cuts):
+    parts, (want, want_lse) = _split_oracle(rng, cuts)
+    got = merge(parts)
+    assert got.out.dtype == np.float32 and got.lse.dtype == np.float32
+    # each part carries float32 rounding (~6e-8 relative); the merge adds float64 work only
+    np.testing.assert_allclose(got.out, want, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(got.lse, want_lse, atol=2e-6, rtol=1e-6)
+    # the order of the parts does not matter
+    np.testing.assert_allclose(merge(parts[::-1]).out, got.out, atol=1e-7, rtol=0)
+
+
+def test_a_part_with_no_key_weighs_nothing(rng):
+    parts, (want, want_lse) = _split_oracle(rng, (5, 20))
+    empty = Attention(np.zeros_like(parts[0].out), np.full_like(parts[0].lse, -np.inf))
+    got = merge([parts[0], empty, parts[1]])
+    np.testing.assert_allclose(got.out, want, atol=2e-6, rtol=0)
+    nothing = merge([empty, empty])
+    assert not nothing.out.any() and np.isneginf(nothing.lse).all()
+    # a row that saw keys in one part only, none in the other (a causal border)
+    lse = parts[0].lse.copy()
+    lse[0] = -np.inf
+    half = merge([Attention(parts[0].out, lse), parts[1]])
+    np.testing.assert_array_equal(half.out[0], parts[1].out[0])
+    assert np.isfinite(half.lse).all()
+
+
+def test_large_scores_do_not_overflow(rng):
+    """lse far past float32's exp range (huge scores): the merge stays finite."""
+    parts, (want, want_lse) = _split_oracle(rng, (9, 30), scale=60.0)
+    assert np.abs(want_lse).max() > 100.0  # exp of it would overflow float32
+    got = merge(parts)
+    assert np.isfinite(got.out).all()
+    np.testing.assert_allclose(got.out, want, atol=5e-6, rtol=0)
+
+
+def test_mismatched_parts_are_refused(rng):
+    parts, _ = _split_oracle(rng, (4, 8))
+    with pytest.raises(ValueError, match="at least one"):
+        merge([])
+    with pytest.raises(ValueError, match="shape"):
+        merge([parts[0], Attention(parts[1].out[:2], parts[1].lse[:2])])
+    with pytest.raises(ValueError, match="shape"):
+        merge([parts[0], Attention(parts[1].out, parts[1].lse[..., :1])])
+
+
+def test_torch_parts_merge_on_their_device_in_their_dtype(rng):
+    parts, (want, want_lse) = _split_oracle(rng, (6, 33))
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float64, 2e-6), (torch.float16, 2e-3)):
+        tparts = [Attention(torch.from_numpy(o).to(dtype), torch.from_numpy(s).to(dtype)) for o, s in parts]
+        got = merge(tparts)
+        assert isinstance(got.out, torch.Tensor) and got.out.dtype == dtype and got.lse.dtype == dtype
+        np.testing.assert_allclose(got.out.double().numpy(), want, atol=tol, rtol=0)
+        np.testing.assert_allclose(got.lse.double().numpy(), want_lse, atol=tol * 10, rtol=tol)
