@@ -1,0 +1,426 @@
+"""ShardedSession: one logical session over several servers by timestep ranges.
+
+* The plan (which query rows go to which shard, at which local ``start_pos``,
+  causal or whole) is checked without a server: every shard call simulated with the
+  float64 oracle and merged must give the oracle's attention over all the keys,
+  and every call must keep the server's rules.
+* Against two and three live servers (in-process, on the shared test engine, whose
+  pages are 16 timesteps: shards of 21 cross pages unevenly), one sharded session
+  runs the same work as one unsharded session: prefill chunks straddling the shard
+  borders, attends with an explicit ``start_pos``, non-causal ones, decode steps
+  that open a new shard; f32 is compared with the unsharded session and the
+  float64 oracle, a compressed format with its unsharded session of the same seed.
+* A replica out of memory closes its shard; a shard whose server is stopped, or
+  that lost its session, makes the attend raise ``ShardLost`` naming it.
+
+Tolerances (norm-wise: max |error| over max |reference|), 1e-5 throughout. f32: the
+sharded and the unsharded outputs are the same float32 attention summed in another
+order (each shard's partial softmax in float32, merged in float64 and rounded once,
+where one session's kernel merges its own splits), a few float32 ulps apart; every
+float32 kernel is within 1e-5 of the float64 oracle in the service tests too. A
+compressed format (tq4) holds the same codes in the shards as in the unsharded
+session (same seed; a row's code does not depend on its position), so again only
+the order of the float32 sums differs, while one code that differed would miss by
+the format's error (about 0.1). Measured on lavapipe: at most 7e-7 (f32, against
+both) and 5e-7 (tq4 against its unsharded session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from attnserve_client import AsyncClient, CapacityExceeded, Client, InvalidInput, ShardedSession
+from attnserve_client.merge import merge
+from attnserve_client.sharded import AsyncShardedSession, ShardLost, plan_attend
+from tools.common import free_port, rel_err
+
+try:
+    import uvicorn
+    from attnserve.app import create_app
+    from attnserve.cli import server_config
+    from attnserve.config import Settings
+    from attnserve.testing import reference as ref
+except ImportError as exc:  # the client alone: the live part cannot run
+    if os.environ.get("CI"):
+        raise
+    pytest.skip(f"attnserve server not importable ({exc})", allow_module_level=True)
+
+H, HKV, D = 6, 2, 64  # GQA group 3, head_dim 64
+LAYERS = 2
+SHARD = 21  # timesteps per shard: not a multiple of the engine's 16-timestep pages
+SPEC = dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=LAYERS)
+TOL = 1e-5
+
+
+def rows(rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
+    return rng.standard_normal((n, heads, D)).astype(np.float32)
+
+
+# -- the plan, without a server ---------------------------------------------------
+
+
+def _simulate(spans, q, k, v, start_pos, causal, scale):
+    """The plan's calls answered by the float64 oracle over each shard's keys, merged."""
+    calls = plan_attend(spans, start_pos, q.shape[0], causal)
+    parts = {}
+    for c in calls:
+        a, b = spans[c.shard]
+        count = c.rows_stop - c.rows_start
+        assert 0 <= c.start_pos and c.start_pos + count <= b - a, (c, spans)  # the server's rule
+        if c.causal:  # a causal call's rows sit where the logical rows do
+            assert a + c.start_pos == start_pos + c.rows_start, c
+        out, lse = ref.attention(
+            q[c.rows_start : c.rows_stop], k[a:b], v[a:b], start_pos=c.start_pos, causal=c.causal,
+            scale=scale, return_lse=True,
+        )  # fmt: skip
+        part = parts.setdefault(c.shard, (np.zeros(q.shape), np.full(q.shape[:2], -np.inf)))
+        assert np.all(np.isneginf(part[1][c.rows_start : c.rows_stop])), "a row twice on one shard"
+        part[0][c.rows_start : c.rows_stop], part[1][c.rows_start : c.rows_stop] = out, lse
+    return calls, merge(list(parts.values()))
+
+
+def test_the_plan_merges_to_attention_over_all_keys(rng):
+    for _ in range(300):
+        sizes = rng.integers(0, 8, size=rng.integers(1, 6))
+        if sizes.sum() == 0:
+            sizes[0] = 1
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        spans = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        length = int(bounds[-1])
+        n = int(rng.integers(1, length + 1))
+        start_pos = int(rng.integers(0, length - n + 1))
+        causal, scale = bool(rng.integers(2)), float(rng.uniform(0.05, 0.5))
+        q, k, v = (
+            rng.standard_normal((n, 3, 4)),
+            rng.standard_normal((length, 1, 4)),
+            rng.standard_normal((length, 1, 4)),
+        )
+        calls, (out, lse) = _simulate(spans, q, k, v, start_pos, causal, scale)
+        want, want_lse = ref.attention(q, k, v, start_pos=start_pos, causal=causal, scale=scale, return_lse=True)
+        np.testing.assert_allclose(out, want, rtol=0, atol=1e-5, err_msg=f"{spans} {start_pos} {n} {causal}")
+        np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-5)
+        # no call to a shard no row sees: causal rows see up to their position
+        last_seen = start_pos + n - 1 if causal else length - 1
+        assert all(spans[c.shard][0] <= last_seen for c in calls), calls
+
+
+def test_the_plan_of_a_decode_step_and_of_a_chunk_across_borders():
+    spans = [(0, 21), (21, 42), (42, 50)]
+    # decode (the last timestep): every earlier shard whole, the last one causal
+    assert [(c.shard, c.rows_start, c.rows_stop, c.start_pos, c.causal) for c in plan_attend(spans, 49, 1, True)] == [
+        (0, 0, 1, 20, False),
+        (1, 0, 1, 20, False),
+        (2, 0, 1, 7, True),
+    ]
+    # rows 15..34: shard 0 causal for rows 15..20, whole for 21..34 (14 rows <= 21);
+    # shard 1 causal for 21..34; shard 2 seen by nobody
+    got = [(c.shard, c.rows_start, c.rows_stop, c.start_pos, c.causal) for c in plan_attend(spans, 15, 20, True)]
+    assert got == [(0, 0, 6, 15, True), (0, 6, 20, 7, False), (1, 6, 20, 0, True)]
+    # non-causal: every shard whole; 30 rows over a shard of 8 go as calls of <= 8
+    got = plan_attend(spans, 5, 30, False)
+    assert [(c.shard, c.rows_stop - c.rows_start) for c in got] == [(0, 21), (0, 9), (1, 21), (1, 9)] + [
+        (2, 8), (2, 8), (2, 8), (2, 6)
+    ]  # fmt: skip
+    assert all(not c.causal and c.start_pos == spans[c.shard][1] - spans[c.shard][0] - (c.rows_stop - c.rows_start)
+               for c in got)  # fmt: skip
+
+
+# -- live servers -------------------------------------------------------------------
+
+
+class Replica:
+    """The real app under uvicorn on a thread, on the shared test engine."""
+
+    def __init__(self, engine: Any, name: str, **settings: Any) -> None:
+        app = create_app(Settings(instance_name=name, **settings), engine=engine)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = server_config(app, app.state.runtime.settings, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"replica-{name}", daemon=True)
+
+    def start(self) -> Replica:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"replica {self.url} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def replicas(engine) -> Iterator[list[Replica]]:
+    servers = [Replica(engine, f"r{i}").start() for i in range(3)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _clients(urls: list[str], **kw: Any) -> list[Client]:
+    return [Client(url, **kw) for url in urls]
+
+
+def _id_on(first: int, count: int, prefix: str) -> str:
+    """A logical session id whose shard 0 goes to replica ``first`` of ``count``."""
+    return next(f"{prefix}{i}" for i in range(1000) if zlib.crc32(f"{prefix}{i}".encode()) % count == first)
+
+
+def _workload(rng: np.random.Generator, prefill: int = 58, chunk: int = 12, decode: int = 8) -> dict:
+    """Per layer: prefill chunks (fused attends), then decode steps; and the extra
+    attends over the prefilled cache."""
+    k, v = rows(rng, prefill + decode, HKV), rows(rng, prefill + decode, HKV)
+    return {
+        "chunks": [(s, min(s + chunk, prefill)) for s in range(0, prefill, chunk)],
+        "k": [k, rows(rng, prefill + decode, HKV)],
+        "v": [v, rows(rng, prefill + decode, HKV)],
+        "q": [rows(rng, prefill + decode, H) for _ in range(LAYERS)],
+        "prefill": prefill,
+        "decode": decode,
+        "extra_q": rows(rng, 30, H),
+    }
+
+
+def _run(session: Any, w: dict, fused: bool = True) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Drive ``session`` (sharded or not) through ``w``; return (what, out, oracle) per
+    attend. ``fused=False``: the rows of a fused attend are appended first, on their own."""
+    results = []
+
+    def attend(what: str, layer: int, q, length: int, **kw: Any) -> None:
+        if not fused and "k" in kw:
+            session.append(layer, kw.pop("k"), kw.pop("v"))
+        out = session.attend(layer, q, **kw)
+        start = kw.get("start_pos", length - q.shape[0])
+        want = ref.attention(q, w["k"][layer][:length], w["v"][layer][:length], start_pos=start,
+                             causal=kw.get("causal", True), scale=kw.get("scale"))  # fmt: skip
+        results.append((what, np.asarray(out), want))
+
+    for a, b in w["chunks"]:
+        for layer in range(LAYERS):
+            kv = dict(k=w["k"][layer][a:b], v=w["v"][layer][a:b])
+            attend(f"prefill [{a}, {b}) layer {layer}", layer, w["q"][layer][a:b], b, **kv)
+    p, q = w["prefill"], w["extra_q"]
+    attend("causal rows 15..34", 0, q[:20], p, start_pos=15)
+    attend("non-causal, more rows than a shard", 1, q, p, start_pos=5, causal=False)
+    attend("every row, scaled", 0, np.concatenate([q, q])[: p - 2], p, start_pos=1, scale=0.3)
+    for t in range(p, p + w["decode"]):
+        for layer in range(LAYERS):
+            kv = dict(k=w["k"][layer][t : t + 1], v=w["v"][layer][t : t + 1])
+            attend(f"decode {t} layer {layer}", layer, w["q"][layer][t : t + 1], t + 1, **kv)
+    return results
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_sharded_f32_matches_the_unsharded_session_and_the_oracle(replicas, rng, count):
+    urls = [r.url for r in replicas[:count]]
+    clients = _clients(urls)
+    w = _workload(rng)
+    try:
+        plain = clients[0].create_session(**SPEC)
+        expected = _run(plain, w)
+        plain.delete()
+        with ShardedSession.create(clients, shard_tokens=SHARD, **SPEC) as sharded:
+            got = _run(sharded, w)
+            total = w["prefill"] + w["decode"]
+            assert sharded.lengths == (total,) * LAYERS
+            shards = sharded.shards
+            # 66 timesteps in shards of 21: four shards, the last opened by a decode step
+            assert [view.spans for view in shards] == [((a, min(a + SHARD, total)),) * LAYERS for a in range(0, 64, 21)]
+            assert {view.capacity for view in shards} == {SHARD}
+            # round robin: consecutive shards on consecutive replicas, from the id's hash
+            first = urls.index(shards[0].base_url)
+            assert first == zlib.crc32(sharded.session_id.encode()) % count
+            assert [view.base_url for view in shards] == [urls[(first + j) % count] for j in range(len(shards))]
+            # each shard an ordinary session on its server, named after the logical id
+            for view in shards:
+                held = {s.session_id: s for s in clients[urls.index(view.base_url)].list_sessions()}
+                assert view.session_id == f"{sharded.session_id}-s{view.index}"
+                assert held[view.session_id].lengths == tuple(b - a for a, b in view.spans)
+            # the last decode step again with its lse: the merged lse is the oracle's
+            t = total - 1
+            q = w["q"][1][t : t + 1]
+            out, lse = sharded.attend(1, q, return_lse=True)
+            want, want_lse = ref.attention(q, w["k"][1][:total], w["v"][1][:total], return_lse=True)
+            assert rel_err(out, want) < TOL
+            np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-5)
+        for client in clients:  # the context manager deleted every shard
+            assert not [s for s in client.list_sessions() if s.session_id.startswith(sharded.session_id)]
+    finally:
+        for client in clients:
+            client.close()
+    assert len(got) == len(expected)
+    for (what, out, want), (_, plain_out, _) in zip(got, expected):
+        assert rel_err(out, plain_out) < TOL, what
+        assert rel_err(out, want) < TOL, what
+
+
+def test_a_compressed_format_matches_its_unsharded_session(replicas, rng):
+    clients = _clients([r.url for r in replicas[:2]])
+    spec = dict(SPEC, kv_format="tq4")
+    w = _workload(rng, prefill=40, chunk=16, decode=5)
+    try:
+        plain = clients[0].create_session(seed=1234, **spec)
+        expected = _run(plain, w)
+        plain.delete()
+        with ShardedSession.create(clients, shard_tokens=SHARD, seed=1234, **spec) as sharded:
+            got = _run(sharded, w)
+            assert len(sharded.shards) == 3
+            seeds = {s.seed for c in clients for s in c.list_sessions() if s.session_id.startswith(sharded.session_id)}
+            assert seeds == {1234}
+    finally:
+        for client in clients:
+            client.close()
+    for (what, out, want), (_, plain_out, _) in zip(got, expected):
+        assert rel_err(out, plain_out) < TOL, what
+        assert rel_err(out, want) < 0.5, what  # lossy, but attention
+
+
+def test_shards_share_the_first_shards_seed_and_the_logical_cap_holds(replicas):
+    urls = [r.url for r in replicas[:2]]
+    clients = _clients(urls)
+    ones = np.ones((48, HKV, D))
+    try:
+        with ShardedSession.create(clients, kv_format="tq4", **SPEC) as s:  # no seed: the server picks shard 0's
+            s.append(0, ones, ones)
+            (only,) = s.shards
+            info = clients[urls.index(only.base_url)].get_session(only.session_id).info()
+            assert only.capacity == info.max_tokens > 48  # default shard_tokens: the server's max_tokens
+        with ShardedSession.create(clients, kv_format="tq4", shard_tokens=SHARD, max_tokens=50, **SPEC) as s:
+            s.append(0, ones, ones)
+            infos = [clients[urls.index(v.base_url)].get_session(v.session_id).info() for v in s.shards]
+            assert len(infos) == 3 and len({i.seed for i in infos}) == 1
+            with pytest.raises(CapacityExceeded) as caught:  # the logical cap, refused before sending
+                s.append(0, ones[:3], ones[:3])
+            assert isinstance(caught.value, InvalidInput) and s.lengths == (48, 0)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_the_async_session_and_torch_tensors(replicas, rng):
+    torch = pytest.importorskip("torch")
+    w = _workload(rng, prefill=30, chunk=10, decode=3)
+    urls = [r.url for r in replicas]
+
+    async def main() -> list:
+        clients = [AsyncClient(url) for url in urls]
+        try:
+            async with await AsyncShardedSession.create(clients, shard_tokens=SHARD, **SPEC) as s:
+                outs = []
+                for a, b in w["chunks"]:
+                    await s.append(0, w["k"][0][a:b], w["v"][0][a:b])
+                q = torch.from_numpy(w["extra_q"][:12]).to(torch.float64)
+                got = await s.attend(0, q, start_pos=14, return_lse=True)
+                outs.append(got)
+                assert len(s.shards) == 2 and s.lengths[0] == 30
+            return outs
+        finally:
+            for c in clients:
+                await c.close()
+
+    ((out, lse),) = asyncio.run(main())
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64 and isinstance(lse, torch.Tensor)
+    want, want_lse = ref.attention(w["extra_q"][:12], w["k"][0][:30], w["v"][0][:30], start_pos=14, return_lse=True)
+    assert rel_err(out.numpy(), want) < TOL
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "appended"])
+def test_a_replica_out_of_memory_closes_its_shard(engine, replicas, rng, fused):
+    # f32 at 2 KV heads of 64: 16 KiB per 16-timestep page and layer; the tight
+    # replica holds 3 pages: layer 0 takes its second page, layer 1's is refused
+    tight = Replica(engine, "tight", memory_budget_bytes=3 * 16 * 1024).start()
+    urls = [tight.url, replicas[0].url]
+    clients = _clients(urls)
+    w = _workload(rng, prefill=48, chunk=12, decode=2)
+    try:
+        session = ShardedSession.create(clients, shard_tokens=1000, session_id=_id_on(0, 2, "oom"), **SPEC)
+        got = _run(session, w, fused)
+        views = session.shards
+        assert views[0].base_url == tight.url and views[0].closed and views[1].base_url == replicas[0].url
+        # borders per layer: layer 0 filled 24 timesteps there, layer 1 only 12
+        assert views[0].spans == ((0, 24), (0, 12)) and views[1].spans == ((24, 50), (12, 50))
+        session.delete()
+    finally:
+        for client in clients:
+            client.close()
+        tight.stop()
+    for what, out, want in got:
+        assert rel_err(out, want) < TOL, what
+
+
+def test_a_decode_step_is_one_call_per_shard_with_the_append_on_the_last(replicas, rng):
+    sent: list[str] = []
+    urls = [r.url for r in replicas[:2]]
+    pools = [httpx.Client(event_hooks={"request": [lambda r: sent.append(f"{r.method} {r.url.path}")]}) for _ in urls]
+    clients = [Client(url, http_client=pool) for url, pool in zip(urls, pools)]
+    try:
+        with ShardedSession.create(clients, shard_tokens=SHARD, **SPEC) as s:
+            s.append(0, rows(rng, 30, HKV), rows(rng, 30, HKV))
+            ids = [view.session_id for view in s.shards]
+            sent.clear()
+            s.attend(0, rows(rng, 1, H), k=rows(rng, 1, HKV), v=rows(rng, 1, HKV))
+            assert sorted(sent) == sorted(f"POST /v1/sessions/{sid}/layers/0/attend" for sid in ids)
+            assert s.lengths == (31, 0)
+    finally:
+        for client, pool in zip(clients, pools):
+            client.close()
+            pool.close()
+
+
+@pytest.mark.parametrize("how", ["server stopped", "session gone"])
+def test_a_lost_shard_is_named_and_nothing_is_answered(engine, replicas, rng, how):
+    doomed = Replica(engine, "doomed").start()
+    urls = [replicas[1].url, doomed.url]
+    clients = _clients(urls, max_retries=0)
+    try:
+        session = ShardedSession.create(clients, shard_tokens=SHARD, session_id=_id_on(0, 2, "lost"), **SPEC)
+        k, v = rows(rng, 30, HKV), rows(rng, 30, HKV)
+        session.append(0, k, v)  # [0, 21) on replicas[1], [21, 30) on the doomed one
+        lost = session.shards[1]
+        assert lost.base_url == doomed.url and lost.spans[0] == (21, 30)
+        if how == "server stopped":
+            doomed.stop()
+        else:  # as after a restart without a snapshot directory
+            clients[1].delete_session(lost.session_id)
+        calls = [
+            lambda: session.attend(0, rows(rng, 1, H)),  # every shard
+            lambda: session.attend(0, rows(rng, 4, H), start_pos=25),
+            lambda: session.attend(0, rows(rng, 1, H), k=k[:1], v=v[:1]),  # the lost shard appends
+            lambda: session.attend(0, rows(rng, 2, H)),  # its length may be unknown now: asked first
+        ]
+        for i, call in enumerate(calls):
+            with pytest.raises(ShardLost) as caught:
+                call()
+            error = caught.value
+            assert [ref.index for ref in error.shards] == [1]
+            message = str(error)
+            for part in (lost.session_id, doomed.url, "timesteps [21, 30) of layer 0"):
+                assert part in message, message
+            if i == 1:  # a causal attend that reads shard 0 only still answers
+                assert session.attend(0, rows(rng, 3, H), start_pos=2).shape == (3, H, D)
+        if how == "server stopped":
+            with pytest.raises(ShardLost):
+                session.delete()  # shard 0 is deleted all the same
+        else:
+            session.delete()  # a shard already gone counts as deleted
+        with Client(replicas[1].url) as c:
+            assert not [s for s in c.list_sessions() if s.session_id.startswith(session.session_id)]
+    finally:
+        for client in clients:
+            client.close()
+        doomed.stop()
