@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import urllib.parse
@@ -41,7 +42,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 @dataclass
 class Config:
-    url: str
+    url: str  # the first target
+    urls: list[str] = field(default_factory=list)  # every target (servers or routers); default [url]
     sessions: int = 8
     concurrency: int = 0  # 0: = sessions
     workers: int = 1
@@ -50,6 +52,8 @@ class Config:
     rate: float = 0.0
     batched: bool = False
     transport: str = "stream"  # --batched: the steps' transport
+    shards: int = 0  # sharded sessions: shards per session (0: plain sessions)
+    shard_tokens: int = 0  # sharded sessions: timesteps per shard (0: from --shards)
     prefill: int = 256
     chunk: int = 64
     decode_steps: int = 64
@@ -71,6 +75,19 @@ class Config:
     progress: str = "auto"
     allow_remote: bool = False
 
+    def __post_init__(self) -> None:
+        if not self.urls:
+            self.urls = [self.url]
+
+    @property
+    def sharded(self) -> bool:
+        """Each session a ShardedSession over the targets (``--shards``, ``--shard-tokens``)."""
+        return bool(self.shards or self.shard_tokens)
+
+    def shard_size(self) -> int:
+        """Timesteps per shard: ``--shard-tokens``, else a session's timesteps over ``--shards``."""
+        return self.shard_tokens or math.ceil((self.prefill + self.decode_steps) / self.shards)
+
     def public(self) -> dict[str, Any]:
         d = asdict(self)
         d["api_key"] = "***" if self.api_key else None
@@ -85,7 +102,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="the server or router (loopback only, see --allow-remote)"
+        "--url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a server or router (loopback only, see --allow-remote); repeat it or give a comma-separated list "
+        "for several targets (N replicas or N routers): session i goes to target i %% N "
+        "(default: http://127.0.0.1:8000)",
     )
     p.add_argument("--sessions", type=int, default=8, help="virtual users; each holds one session at a time")
     p.add_argument("--concurrency", type=int, default=0, help="most requests in flight over all users (0: --sessions)")
@@ -112,6 +135,16 @@ def parse_args(argv: list[str] | None = None) -> Config:
         default="stream",
         help="--batched: the steps go over the stream (/v1/stream, one connection per replica, as an engine "
         "would send them) or as POST /v1/batch/attend; sessions are created and deleted over HTTP either way",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=0,
+        help="sharded sessions: each session is a ShardedSession of this many shards spread over the targets "
+        "(shards of ceil((--prefill + --decode-steps) / S) timesteps; 0: plain sessions)",
+    )
+    p.add_argument(
+        "--shard-tokens", type=int, default=0, help="sharded sessions: timesteps per shard (instead of from --shards)"
     )
     p.add_argument("--prefill", type=int, default=256, help="prompt tokens per session")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (rows per fused attend)")
@@ -161,8 +194,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--allow-remote", action="store_true", help="allow a non-loopback target (only hosts you run yourself)"
     )
     a = p.parse_args(argv)
+    urls = [u.strip().rstrip("/") for given in (a.url or ["http://127.0.0.1:8000"]) for u in given.split(",")]
+    urls = [u for u in urls if u]
     cfg = Config(
-        url=a.url.rstrip("/"),
+        url=urls[0] if urls else "",
+        urls=urls,
         sessions=a.sessions,
         concurrency=a.concurrency or a.sessions,
         workers=a.workers,
@@ -171,6 +207,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         rate=a.rate,
         batched=a.batched,
         transport=a.transport,
+        shards=a.shards,
+        shard_tokens=a.shard_tokens,
         prefill=a.prefill,
         chunk=a.chunk,
         decode_steps=a.decode_steps,
@@ -186,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         max_errors=a.max_errors,
         seed=a.seed,
         api_key=a.api_key if a.api_key is not None else os.environ.get("ATTNSERVE_API_KEY"),
-        metrics_urls=[u.rstrip("/") for u in a.metrics_url] or [a.url.rstrip("/")],
+        metrics_urls=[u.rstrip("/") for u in a.metrics_url] or list(urls),
         json_out=a.json_out,
         plot=a.plot,
         progress=a.progress,
@@ -204,12 +242,21 @@ def check_config(cfg: Config) -> None:
         if not ok:
             raise UsageError(what)
 
+    need(bool(cfg.urls), "--url: expected at least one URL")
+    need(len(set(cfg.urls)) == len(cfg.urls), "--url: a target is given twice")
     need(cfg.sessions >= 1, "--sessions must be >= 1")
     need(cfg.concurrency >= 1, "--concurrency must be >= 1")
     need(1 <= cfg.workers <= 64, "--workers must be in 1..64")
     need(0 < cfg.duration <= 24 * 3600, "--duration must be in (0, 86400] seconds")
     need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
     need(not (cfg.batched and cfg.mode == "open"), "--batched runs a closed loop (an engine steps when it can)")
+    need(cfg.shards >= 0 and cfg.shard_tokens >= 0, "--shards and --shard-tokens must be >= 0")
+    need(not (cfg.sharded and cfg.batched), "sharded sessions run one session per user (not with --batched)")
+    need(not (cfg.sharded and cfg.create == "post"), "sharded sessions name their shards (not with --create post)")
+    need(
+        not cfg.shards or cfg.shard_tokens or cfg.decode_steps > 0,
+        "--shards needs --decode-steps > 0 (a session's length) or --shard-tokens",
+    )
     need(cfg.prefill >= 0 and cfg.chunk >= 1, "--prefill must be >= 0 and --chunk >= 1")
     need(cfg.decode_steps >= 0, "--decode-steps must be >= 0")
     need(cfg.layers >= 1 and cfg.qo_heads >= 1 and cfg.kv_heads >= 1 and cfg.head_dim >= 1, "sizes must be >= 1")
@@ -219,7 +266,7 @@ def check_config(cfg: Config) -> None:
     )
     need(0.0 <= cfg.verify <= 1.0, "--verify is a fraction in [0, 1]")
     need(not (cfg.verify and cfg.kv_format != "f32"), "--verify checks f32 sessions only (TurboQuant is lossy)")
-    for url in [cfg.url, *cfg.metrics_urls]:
+    for url in [*cfg.urls, *cfg.metrics_urls]:
         parts = urllib.parse.urlsplit(url)
         need(parts.scheme in ("http", "https") and bool(parts.hostname), f"not an http(s) URL: {url!r}")
     if cfg.plot:

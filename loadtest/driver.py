@@ -10,13 +10,13 @@ import signal
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 import numpy as np
 
-from attnserve_client import APIError, AsyncClient, AttnServeError
+from attnserve_client import APIError, AsyncClient, AsyncShardedSession, AttnServeError
 
 from loadtest.config import OPERATIONS, Config
 from tools.common import parse_prometheus
@@ -28,8 +28,29 @@ BATCH_BYTES = 24 << 20
 # ── measurements ─────────────────────────────────────────────────────────────
 
 
+@dataclass
+class TargetStats:
+    """What went to one target (``--url``): the latencies of its sessions' operations,
+    their errors, sessions, attends and decode tokens; with sharded sessions, the
+    shards it held (the operations span targets: they count in the totals only)."""
+
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    errors: int = 0
+    sessions: int = 0
+    attends: int = 0
+    decode_tokens: int = 0
+    shards: int = 0
+
+    def add(self, other: TargetStats) -> None:
+        for op, lats in other.samples.items():
+            self.samples.setdefault(op, []).extend(lats)
+        for name in ("errors", "sessions", "attends", "decode_tokens", "shards"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
 class Recorder:
-    """Every completed operation as (start time, latency), per operation; errors by type."""
+    """Every completed operation as (start time, latency), per operation; errors by
+    type; and per target (``targets``) what went there."""
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
@@ -47,6 +68,10 @@ class Recorder:
         self.decode_tokens = 0  # decode steps through all layers
         self.kv_rows = 0  # rows appended, summed over layers
         self.attends = 0
+        self.targets: dict[str, TargetStats] = {}
+
+    def target(self, url: str) -> TargetStats:
+        return self.targets.setdefault(url, TargetStats())
 
     def ok(self, op: str, start: float, latency: float) -> None:
         self.samples[op].append((start - self.t0, latency))
@@ -165,15 +190,21 @@ class LoadTest:
         self.seeds = np.random.SeedSequence(seed)
 
     # Each request takes a concurrency slot only while it is in flight.
-    async def _timed(self, op: str, coro_fn, session_id: str | None) -> Any:
+    async def _timed(self, op: str, coro_fn, session_id: str | None, target: str | None = None) -> Any:
+        """Run one operation and record it (also under ``target``, its session's URL)."""
         async with self.sem:
             start = time.perf_counter()
             try:
                 result = await coro_fn()
             except AttnServeError as exc:
                 self._failed(op, exc, session_id)
+                if target is not None:
+                    self.rec.target(target).errors += 1
                 raise
-            self.rec.ok(op, start, time.perf_counter() - start)
+            latency = time.perf_counter() - start
+            self.rec.ok(op, start, latency)
+            if target is not None:
+                self.rec.target(target).samples.setdefault(op, []).append(latency)
             return result
 
     def _failed(self, op: str, exc: BaseException, session_id: str | None) -> None:
@@ -190,8 +221,11 @@ class LoadTest:
             except asyncio.TimeoutError:
                 pass
 
-    async def user(self, client: AsyncClient, index: int) -> None:
+    async def user(self, clients: list[AsyncClient], index: int) -> None:
+        """One virtual user: sessions one after another on target ``index % N`` (its
+        number over all worker processes), or sharded over every target."""
         cfg = self.cfg
+        client: Any = clients if cfg.sharded else clients[(self.user_offset + index) % len(clients)]
         rng = np.random.default_rng(self.seeds.spawn(1)[0])
         step_interval = cfg.sessions / cfg.rate if cfg.mode == "open" else 0.0
         # Spread the users' starts over a moment so they don't all create at once.
@@ -205,44 +239,62 @@ class LoadTest:
             except AttnServeError:
                 await self._sleep_until(time.perf_counter() + 0.2)  # no hot loop on a failing server
 
-    async def _session(self, client: AsyncClient, rng: np.random.Generator, sid: str, step_interval: float) -> None:
-        """One session's life: create, prefill, decode, delete (also after a failure)."""
-        session = await self._create(client, sid)
+    async def _session(self, client: Any, rng: np.random.Generator, sid: str, step_interval: float) -> None:
+        """One session's life: create, prefill, decode, delete (also after a failure).
+        ``client``: the session's target, or every target for a sharded session."""
+        target = getattr(client, "base_url", None)
+        session = await self._create(client, sid, target)
         self.rec.sessions_started += 1
         self.rec.live_sessions += 1
+        if target is not None:
+            self.rec.target(target).sessions += 1
         try:
-            await self._run_session(session, rng, step_interval)
+            await self._run_session(session, rng, step_interval, target)
         finally:
             self.rec.live_sessions -= 1
-            await self._delete(session)
+            await self._delete(session, target)
 
-    async def engine(self, client: AsyncClient) -> None:
+    async def engine(self, clients: list[AsyncClient]) -> None:
         """--batched: this process's sessions as one engine's batch. A cohort of
         ``--sessions`` sessions is created, prefilled and decoded in lockstep, every
         layer of every chunk or token one batched step for all of them (ops
         ``prefill_batch``, ``decode_batch``; ``decode_step`` = one token through all
         layers), then deleted; then the next cohort. A failed step ends its cohort.
-        The steps go over one stream (``--transport stream``) or over HTTP."""
-        if self.cfg.transport == "stream":
-            async with await client.stream() as stream:
-                await self._engine(client, stream)
-        else:
-            await self._engine(client, client)
+        The steps go over one stream per target (``--transport stream``) or over HTTP;
+        with several targets, session ``i`` of a cohort lives on target ``i % N`` and
+        each step is one batched step per target, at once."""
+        if self.cfg.transport != "stream":
+            await self._engine(clients, clients)
+            return
+        streams = [await client.stream() for client in clients]
+        try:
+            await self._engine(clients, streams)
+        finally:
+            for stream in streams:
+                await stream.close()
 
-    async def _engine(self, client: AsyncClient, steps: Any) -> None:
+    async def _engine(self, clients: list[AsyncClient], steps: list) -> None:
+        """``steps[t]``: what sends target ``t``'s batched steps (its client or stream)."""
         cfg = self.cfg
         rng = np.random.default_rng(self.seeds.spawn(1)[0])
         cohort = 0
         while not self.stop.is_set():
             ids = [f"lt-{self.run_id}-c{self.user_offset}-{cohort}-{i}" for i in range(cfg.sessions)]
             cohort += 1
-            created = await asyncio.gather(*(self._create(client, sid) for sid in ids), return_exceptions=True)
+            places = [i % len(clients) for i in range(len(ids))]
+            created = await asyncio.gather(
+                *(self._create(clients[t], sid, clients[t].base_url) for t, sid in zip(places, ids)),
+                return_exceptions=True,
+            )
             sessions = [c for c in created if not isinstance(c, BaseException)]
             self.rec.sessions_started += len(sessions)
             self.rec.live_sessions += len(sessions)
+            for t, c in zip(places, created):
+                if not isinstance(c, BaseException):
+                    self.rec.target(clients[t].base_url).sessions += 1
             try:
                 if len(sessions) == len(ids):
-                    await self._run_cohort(steps, sessions, rng)
+                    await self._run_cohort(steps, sessions, rng, [clients[t].base_url for t in places])
                 else:
                     await self._sleep_until(time.perf_counter() + 0.2)
             except AttnServeError:
@@ -251,27 +303,33 @@ class LoadTest:
                 self.rec.live_sessions -= len(sessions)
                 await asyncio.gather(*(self._delete(s) for s in sessions))
 
-    async def _create(self, client: AsyncClient, sid: str):
+    async def _create(self, client: Any, sid: str, target: str | None = None):
+        """A session on ``client``; with sharded sessions (``client``: every target's
+        client) a ShardedSession over them, whose shards open as its rows need them."""
         cfg = self.cfg
         max_tokens = cfg.prefill + cfg.decode_steps if cfg.decode_steps else None
-        return await self._timed(
-            "create",
-            lambda: client.create_session(
-                num_qo_heads=cfg.qo_heads,
-                num_kv_heads=cfg.kv_heads,
-                head_dim=cfg.head_dim,
-                num_layers=cfg.layers,
-                kv_format=cfg.kv_format,
-                max_tokens=max_tokens,
-                session_id=sid if cfg.create == "put" else None,
-                server_assigned_id=cfg.create == "post",
-            ),
-            sid,
+        spec = dict(
+            num_qo_heads=cfg.qo_heads,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            num_layers=cfg.layers,
+            kv_format=cfg.kv_format,
+            max_tokens=max_tokens,
         )
+        if cfg.sharded:
+            make = lambda: AsyncShardedSession.create(client, shard_tokens=cfg.shard_size(), session_id=sid, **spec)
+        else:
+            make = lambda: client.create_session(
+                **spec, session_id=sid if cfg.create == "put" else None, server_assigned_id=cfg.create == "post"
+            )
+        return await self._timed("create", make, sid, target)
 
-    async def _run_cohort(self, steps: Any, sessions: list, rng: np.random.Generator) -> None:
-        """``steps``: what sends the batched steps (the client, or a stream of it)."""
+    async def _run_cohort(self, steps: list, sessions: list, rng: np.random.Generator, places: list[str]) -> None:
+        """``steps[t]``: what sends target ``t``'s batched steps (its client or stream);
+        ``places[i]``: the URL of session ``i``'s target."""
         cfg = self.cfg
+        urls = list(dict.fromkeys(places))
+        groups = [[i for i, url in enumerate(places) if url == target] for target in urls]
         history = [[([], []) for _ in range(cfg.layers)] for _ in sessions] if cfg.verify else None
 
         async def step(op: str, layer: int, rows: int) -> None:
@@ -283,9 +341,20 @@ class LoadTest:
                 for i in range(b):
                     history[i][layer][0].append(k[i])
                     history[i][layer][1].append(v[i])
-            outs = await self._timed(op, lambda: self._attend_stacked(steps, sessions, layer, q, k, v), None)
+            outs = np.empty_like(q)
+
+            async def one(t: int, idx: list[int]) -> None:
+                at: Any = slice(None) if len(groups) == 1 else idx  # one target: the arrays as they are
+                part = [sessions[i] for i in idx]
+                outs[at] = await self._attend_stacked(steps[t], part, layer, q[at], k[at], v[at])
+
+            await self._timed(op, lambda: asyncio.gather(*(one(t, idx) for t, idx in enumerate(groups))), None)
             self.rec.attends += b
             self.rec.kv_rows += rows * b
+            for url, idx in zip(urls, groups):
+                self.rec.target(url).attends += len(idx)
+                if op == "decode_batch" and layer == cfg.layers - 1:
+                    self.rec.target(url).decode_tokens += len(idx)
             if history is not None and rows == 1:
                 for i, s in enumerate(sessions):
                     if rng.random() < cfg.verify:
@@ -331,8 +400,9 @@ class LoadTest:
     def _rows(self, rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
         return rng.standard_normal((n, heads, self.cfg.head_dim), dtype=np.float32)
 
-    async def _run_session(self, session, rng: np.random.Generator, step_interval: float) -> None:
+    async def _run_session(self, session, rng: np.random.Generator, step_interval: float, target: str | None) -> None:
         cfg = self.cfg
+        counts = self.rec.target(target) if target is not None else None
         sid = session.session_id
         history: list[tuple[list[np.ndarray], list[np.ndarray]]] | None = (
             [([], []) for _ in range(cfg.layers)] if cfg.verify else None
@@ -346,8 +416,12 @@ class LoadTest:
                 q = self._rows(rng, rows, cfg.qo_heads)
                 k = self._rows(rng, rows, cfg.kv_heads)
                 v = self._rows(rng, rows, cfg.kv_heads)
-                await self._timed("prefill_chunk", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid)
+                await self._timed(
+                    "prefill_chunk", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid, target
+                )
                 self.rec.attends += 1
+                if counts is not None:
+                    counts.attends += 1
                 self.rec.kv_rows += rows
                 if history is not None:
                     history[layer][0].append(k)
@@ -368,8 +442,12 @@ class LoadTest:
                 q = self._rows(rng, 1, cfg.qo_heads)
                 k = self._rows(rng, 1, cfg.kv_heads)
                 v = self._rows(rng, 1, cfg.kv_heads)
-                out = await self._timed("decode", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid)
+                out = await self._timed(
+                    "decode", lambda ly=layer, q=q, k=k, v=v: session.attend(ly, q, k=k, v=v), sid, target
+                )
                 self.rec.attends += 1
+                if counts is not None:
+                    counts.attends += 1
                 self.rec.kv_rows += 1
                 if history is not None:
                     history[layer][0].append(k)
@@ -378,6 +456,8 @@ class LoadTest:
                         self._verify(sid, layer, q, out, history[layer])
             self.rec.ok("decode_step", step_start, time.perf_counter() - step_start)
             self.rec.decode_tokens += 1
+            if counts is not None:
+                counts.decode_tokens += 1
             step += 1
         if cfg.decode_steps and step >= cfg.decode_steps:
             self.rec.sessions_completed += 1
@@ -392,9 +472,11 @@ class LoadTest:
             self.rec.verify_failed += 1
             self._failed("decode", WrongResult(f"layer {layer} at length {len(k)}: max |out - ref| = {err:.3g}"), sid)
 
-    async def _delete(self, session) -> None:
+    async def _delete(self, session, target: str | None = None) -> None:
+        for shard in getattr(session, "shards", ()):  # a sharded session: where its shards were
+            self.rec.target(shard.base_url).shards += 1
         try:
-            await self._timed("delete", session.delete, session.session_id)
+            await self._timed("delete", session.delete, session.session_id, target)
         except AttnServeError:
             pass
 
@@ -494,14 +576,19 @@ async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outco
             loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):
             pass
-    async with _http(cfg, cfg.concurrency + 4) as http:
-        client = AsyncClient(
-            cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=cfg.retries, http_client=http
-        )
+    # a sharded session's step is one request per shard at once
+    connections = (cfg.concurrency + 4) * ((cfg.shards or len(cfg.urls)) if cfg.sharded else 1)
+    async with _http(cfg, connections) as http:
+        clients = [
+            AsyncClient(
+                url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=cfg.retries, http_client=http
+            )
+            for url in cfg.urls
+        ]
         if cfg.batched:
-            users.append(asyncio.create_task(lt.engine(client), name="engine"))
+            users.append(asyncio.create_task(lt.engine(clients), name="engine"))
         else:
-            users.extend(asyncio.create_task(lt.user(client, i), name=f"user-{i}") for i in range(cfg.sessions))
+            users.extend(asyncio.create_task(lt.user(clients, i), name=f"user-{i}") for i in range(cfg.sessions))
         helpers = [asyncio.create_task(lt.progress(mode))]
         if slot is not None:
             helpers.append(asyncio.create_task(lt.share(slot)))
@@ -615,6 +702,8 @@ async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome
         rec.errors_by_op.update(o.rec.errors_by_op)
         rec.error_examples.extend(o.rec.error_examples)
         rec.error_times.extend(o.rec.error_times)
+        for url, stats in o.rec.targets.items():
+            rec.target(url).add(stats)
         for name in (
             "verified",
             "verify_failed",

@@ -26,7 +26,13 @@ after ``--duration`` seconds (then deletes its sessions), and exits 1 on any
 error (an error answer, a transport failure, a wrong result with ``--verify``),
 2 on a usage or setup problem.
 
-Traffic goes only to the address given with ``--url`` (and any ``--metrics-url``),
+``--url`` may name several targets (repeated, or comma-separated: N replicas or N
+routers): user ``i``'s sessions go to target ``i % N`` and the report gives each
+target's share beside the totals. ``--shards S`` makes every session a
+``ShardedSession`` of S shards spread over the targets (one logical sequence over
+several servers, attended on all of them at once).
+
+Traffic goes only to the addresses given with ``--url`` (and any ``--metrics-url``),
 which must be a loopback address unless ``--allow-remote`` is given; proxies from
 the environment are ignored and redirects are not followed.
 
@@ -86,19 +92,22 @@ __all__ = ["main", "parse_args", "run", "summarize"]
 async def run(cfg: Config) -> dict[str, Any]:
     """Run the load test; return the report (see :func:`summarize`)."""
     if not cfg.allow_remote:
-        check_loopback([cfg.url, *cfg.metrics_urls])
+        check_loopback([*cfg.urls, *cfg.metrics_urls])
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with _http(cfg, 4) as http:
-        client = AsyncClient(
-            cfg.url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=0, http_client=http
-        )
-        try:
-            info = await client.info()
-        except AttnServeError as exc:
-            raise UsageError(f"{cfg.url}: the server does not answer GET /v1/info: {exc}") from None
-        formats = info.get("kv_formats")
-        if isinstance(formats, list) and cfg.kv_format not in formats:
-            raise UsageError(f"--kv-format {cfg.kv_format!r}: the server offers {formats}")
+        infos = []
+        for url in cfg.urls:  # every target must answer, and offer the kv format
+            client = AsyncClient(
+                url, api_key=cfg.api_key, timeout=httpx.Timeout(cfg.timeout), max_retries=0, http_client=http
+            )
+            try:
+                info = await client.info()
+            except AttnServeError as exc:
+                raise UsageError(f"{url}: the server does not answer GET /v1/info: {exc}") from None
+            formats = info.get("kv_formats")
+            if isinstance(formats, list) and cfg.kv_format not in formats:
+                raise UsageError(f"--kv-format {cfg.kv_format!r}: {url} offers {formats}")
+            infos.append(info)
         before = await scrape(http, cfg.metrics_urls, headers)
 
     run_id = f"{random.getrandbits(32):08x}"
@@ -114,7 +123,7 @@ async def run(cfg: Config) -> dict[str, Any]:
 
     async with _http(cfg, 4) as http:
         after = await scrape(http, cfg.metrics_urls, headers)
-    return summarize(cfg, outcome, run_id, seed, info, before, after)
+    return summarize(cfg, outcome, run_id, seed, infos[0], before, after)
 
 
 def main(argv: list[str] | None = None) -> int:

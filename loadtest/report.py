@@ -71,6 +71,20 @@ def summarize(
             }
         )
     errors = dict(rec.errors)
+    targets = {}
+    for url in cfg.urls:  # each target's share (sharded sessions: the shards it held)
+        t = rec.targets.get(url)
+        if t is None:
+            targets[url] = {"sessions": 0, "errors": 0, "attends_per_s": 0.0, "decode_tokens_per_s": 0.0, "shards": 0}
+            continue
+        targets[url] = {
+            "sessions": t.sessions,
+            "errors": t.errors,
+            "attends_per_s": round(t.attends / window, 2),
+            "decode_tokens_per_s": round(t.decode_tokens / window, 2),
+            "shards": t.shards,
+            "operations": {op: op_stats(lats) for op, lats in t.samples.items()},
+        }
     return {
         "tool": "attnserve-loadtest",
         "report_version": 1,
@@ -108,6 +122,8 @@ def summarize(
         "error_count": sum(errors.values()),
         "error_examples": rec.error_examples,
         "verify": {"fraction": cfg.verify, "checked": rec.verified, "failed": rec.verify_failed},
+        "shard_tokens": cfg.shard_size() if cfg.sharded else None,
+        "targets": targets,
         "server_metrics": metrics,
         "timeline": timeline,
         "_samples": rec.samples,  # for the plot; dropped from the JSON
@@ -128,8 +144,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines = []
     server = report.get("server") or {}
     adapter = (server.get("adapter") or {}).get("name", "?")
+    urls = cfg.get("urls") or [cfg["url"]]
+    where = urls[0] if len(urls) == 1 else f"{len(urls)} targets"
+    sharded = f", sessions sharded in {report['shard_tokens']} timesteps" if report.get("shard_tokens") else ""
     lines.append(
-        f"attnserve load test: {cfg['url']} ({adapter}, {server.get('backend', '?')}), "
+        f"attnserve load test: {where}{sharded} ({adapter}, {server.get('backend', '?')}), "
         f"{cfg['mode']} loop{' at %.1f steps/s' % cfg['rate'] if cfg['mode'] == 'open' else ''}, "
         f"{cfg['sessions']} sessions, concurrency {cfg['concurrency']}"
         f"{', %d load processes' % cfg['workers'] if cfg.get('workers', 1) > 1 else ''}"
@@ -172,6 +191,18 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"    e.g. {ex.get('op')}: {ex.get('message')}")
     else:
         lines.append("  errors: none")
+    targets = report.get("targets") or {}
+    if len(targets) > 1 or report.get("shard_tokens"):
+        lines.append("")
+        lines.append(f"  {'target':<32}{'sessions':>9}{'shards':>8}{'errors':>8}{'attends/s':>11}{'tokens/s':>10}"
+                     f"{'decode p50':>11}{'p99 ms':>8}")  # fmt: skip
+        for url, t in targets.items():
+            decode = (t.get("operations") or {}).get("decode") or {}
+            cell = lambda v, w: f"{v:{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+            lines.append(
+                f"  {url:<32}{t['sessions']:>9}{t['shards']:>8}{t['errors']:>8}{t['attends_per_s']:>11.1f}"
+                f"{t['decode_tokens_per_s']:>10.1f}{cell(decode.get('p50_ms'), 11)}{cell(decode.get('p99_ms'), 8)}"
+            )
     for base, m in report["server_metrics"].items():
         lines.append("")
         who = m.get("instance_after") or m.get("instance_before")

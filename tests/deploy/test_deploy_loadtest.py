@@ -1,4 +1,6 @@
-"""Pieces of loadtest/loadtest.py and deploy/healthcheck.py that need no server."""
+"""Pieces of loadtest/loadtest.py and deploy/healthcheck.py that need no server, and
+the load test's several-target and sharded modes against the two real replicas of
+``topology`` (tests/deploy/conftest.py)."""
 
 from __future__ import annotations
 
@@ -88,10 +90,27 @@ def test_usage_errors_exit_2():
         ["--kv-heads", "3"],
         ["--verify", "0.5", "--kv-format", "turboquant"],
         ["--sessions", "0"],
+        ["--url", "http://127.0.0.1:1", "--url", "http://127.0.0.1:1"],
+        ["--shards", "2", "--batched"],
+        ["--shards", "2", "--create", "post"],
+        ["--shards", "2", "--decode-steps", "0"],
+        ["--shard-tokens", "-1"],
     ):
         with pytest.raises(SystemExit) as info:
             loadtest.parse_args(argv)
         assert info.value.code == 2, argv
+
+
+def test_several_targets_repeated_or_comma_separated():
+    cfg = loadtest.parse_args(["--url", "http://127.0.0.1:1/,http://127.0.0.1:2", "--url", "http://127.0.0.1:3"])
+    assert cfg.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    assert cfg.url == cfg.urls[0] and cfg.metrics_urls == cfg.urls  # every target's /metrics by default
+    assert not cfg.sharded
+    assert loadtest.parse_args([]).urls == ["http://127.0.0.1:8000"]
+    # a session of 20 + 10 timesteps in 4 shards: 8 timesteps each; or as given
+    sharded = loadtest.parse_args(["--shards", "4", "--prefill", "20", "--decode-steps", "10"])
+    assert sharded.sharded and sharded.shard_size() == 8
+    assert loadtest.parse_args(["--shard-tokens", "5", "--decode-steps", "0"]).shard_size() == 5
 
 
 def test_help_names_the_formats_and_no_empty_defaults():
@@ -191,3 +210,56 @@ def test_create_mode_picks_put_or_post(create, expected):
     except AttnServeError:
         pass
     assert {k: seen[k] for k in expected} == expected
+
+
+# -- several targets and sharded sessions, against the two replicas of ``topology`` --
+
+
+def _live_run(topology, *extra: str) -> dict:
+    import asyncio
+
+    urls = [r.url for r in topology.replicas]
+    args = ["--url", ",".join(urls), "--duration", "3", "--layers", "2", "--prefill", "20", "--chunk", "8"]
+    args += ["--decode-steps", "6", "--qo-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seed", "5"]
+    cfg = loadtest.parse_args([*args, "--progress", "off", "--verify", "0.5", *extra])
+    report = asyncio.run(loadtest.run(cfg))
+    assert report["error_count"] == 0, (report["errors"], report["error_examples"])
+    assert report["verify"]["checked"] > 0 and report["verify"]["failed"] == 0
+    assert loadtest.exit_code(report) == 0
+    assert set(report["targets"]) == set(urls) == set(report["server_metrics"])
+    for url in urls:  # every target attended query rows of the run (HTTP or stream), by its own metrics
+        delta = report["server_metrics"][url]["delta"]
+        assert any(key.startswith("attnserve_rows_total{") and 'kind="query"' in key for key in delta), url
+    return report
+
+
+def test_sessions_spread_over_several_replicas(topology):
+    report = _live_run(topology, "--sessions", "4")
+    targets = report["targets"]
+    # users 0, 2 on the first target, 1, 3 on the second; each reported on its own
+    assert all(t["sessions"] >= 2 and t["attends_per_s"] > 0 and t["shards"] == 0 for t in targets.values())
+    assert sum(t["sessions"] for t in targets.values()) == report["totals"]["sessions_started"]
+    decodes = sum(t["operations"]["decode"]["count"] for t in targets.values())
+    assert decodes == report["operations"]["decode"]["count"] > 0
+    assert "2 targets" in loadtest.format_report(report)
+
+
+def test_sharded_sessions_over_several_replicas(topology):
+    # 26 timesteps per session in 3 shards of 9: every decode step attends 2 or 3
+    # shards, on both replicas, merged; verified against float64
+    report = _live_run(topology, "--sessions", "2", "--shards", "3")
+    assert report["shard_tokens"] == 9
+    shards = {url: t["shards"] for url, t in report["targets"].items()}
+    assert all(n > 0 for n in shards.values()), shards
+    totals = report["totals"]  # a session the end of the run cut short holds fewer shards
+    assert 3 * totals["sessions_completed"] <= sum(shards.values()) <= 3 * totals["sessions_started"], (shards, totals)
+    assert totals["sessions_completed"] > 0
+    assert "sessions sharded in 9 timesteps" in loadtest.format_report(report)
+
+
+def test_batched_steps_over_several_replicas(topology):
+    # one cohort of 4 sessions, 2 on each replica: every step is one stacked step per
+    # replica, over each replica's stream
+    report = _live_run(topology, "--sessions", "4", "--batched")
+    assert all(t["sessions"] >= 2 and t["decode_tokens_per_s"] > 0 for t in report["targets"].values())
+    assert report["operations"]["decode_batch"]["count"] > 0
