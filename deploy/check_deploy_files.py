@@ -20,6 +20,11 @@ docker-compose.yml and deploy/nginx/
     runs) and the compose include folder, and waits for every replica;
   - the routing file hashes the session id with ``hash ... consistent``;
   - every service's logs rotate (json-file with max-size and max-file).
+deploy/k8s/ (deploy/check_k8s.py, which needs kubectl and kubernetes-validate:
+deploy/k8s/validate-requirements.txt)
+  - every overlay renders with kustomize and is valid against the Kubernetes
+    schemas; its settings, port, probes, snapshot folder, drain and grace period,
+    GPU, user and router agree with compose, the image and deploy/nginx.
 """
 
 from __future__ import annotations
@@ -250,11 +255,24 @@ def check_compose() -> None:
 def main() -> int:
     check_dockerfile()
     check_compose()
+    # the Kubernetes manifests, against the same files (deploy/check_k8s.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import check_k8s
+
+    try:
+        k8s = check_k8s.run_checks(ROOT)
+    except check_k8s.ToolMissing as e:
+        failures.append(f"deploy/k8s: {e}")
+        k8s = None
+    if k8s is not None:
+        failures.extend(k8s.failures)
     if failures:
         for f in failures:
             print(f"FAIL {f}", file=sys.stderr)
         return 1
     print("ok -- Dockerfile, .dockerignore, compose, upstreams and routing file agree")
+    for line in k8s.summary:
+        print(f"ok -- Kubernetes manifests: {line}")
     return 0
 
 

