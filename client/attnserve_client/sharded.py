@@ -51,6 +51,15 @@ Design, as a production user expects it:
   since the server requires ``start_pos + n <= length``); non-causal attends see
   every shard whole. Cost: one round trip per shard, in parallel (two on a shard
   that some rows see whole and others in part), and the merge on the host.
+* **Re-attaching.** :meth:`ShardedSession.open` finds an existing sharded session
+  from its id alone (after a restart, or in another process): it asks every replica
+  for shard ``j`` at once, ``j = 0, 1, ...`` up to the first shard none holds, and
+  rebuilds the shards from their info (lengths per layer, capacity; every shard but
+  the last closed, so appends go on in the last one). It never settles for part of
+  the session: a replica that does not answer raises :class:`ShardLost` (it might
+  hold a shard), as does a missing shard followed by a present one; a shard on two
+  replicas, or one whose configuration differs from shard 0's, raises
+  :class:`~attnserve_client.InvalidResponse`.
 * **Failures.** A shard whose server does not answer (connection refused, reset,
   timeout, after the client's retries), no longer has it (``404`` after a restart
   without a snapshot directory) or is draining (``503 not-ready``) raises
@@ -79,7 +88,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from . import tensors
-from ._client import AsyncClient, Client, SessionSpec, _int_arg, new_session_id
+from ._client import AsyncClient, Client, SessionSpec, _check_session_id, _int_arg, new_session_id
 from .errors import (
     APIConnectionError,
     AttnServeError,
@@ -113,6 +122,13 @@ T = TypeVar("T")
 _LOST = (APIConnectionError, SessionNotFound, NotReady)
 #: The longest logical id: shard ids add ``-s`` and the shard's number.
 _MAX_ID = 56
+#: What every shard of a re-opened session must share with shard 0.
+_SAME_CONFIG = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "layer_formats", "seed", "sinks", "window")
+
+
+def _replica_key(client: Any) -> tuple[str, str | None]:
+    """Which server and tenant a client reaches: its URL and API key."""
+    return client.base_url, client._api_key
 
 
 # -- planning: which query rows each shard answers, and how -------------------------
@@ -282,6 +298,12 @@ def _merge_calls(shape: tuple[int, ...], calls: list[ShardCall], results: list[A
     return merged.out, merged.lse
 
 
+def _open_spec(session_id: Any, max_tokens: int | None) -> dict[str, Any]:
+    """What :meth:`ShardedSession.open` knows of the session before asking: its id
+    (one the servers could hold, else :class:`SessionNotFound` before sending) and cap."""
+    return {"session_id": _check_session_id(session_id), "max_tokens": max_tokens}
+
+
 class _ShardedBase:
     """What :class:`ShardedSession` and :class:`AsyncShardedSession` share: the shards,
     the checks and the flows (the drivers differ only in how calls run at once)."""
@@ -418,11 +440,17 @@ class _ShardedBase:
 
     # -- flows -------------------------------------------------------------------
 
+    def _next_replica(self) -> int:
+        """The replica the next shard goes to first: the one after the last shard's,
+        or for shard 0 the one the logical id hashes to."""
+        turn = (self._shards[-1].replica + 1) if self._shards else zlib.crc32(self.session_id.encode())
+        return turn % len(self._clients)
+
     def _open_flow(self) -> Flow[_Shard]:
         """Create the next shard on the next replica in turn, skipping replicas that
         refuse it (507) or do not answer; raise the last error when all of them did."""
         index, count = len(self._shards), len(self._clients)
-        first = ((self._shards[-1].replica + 1) if self._shards else zlib.crc32(self.session_id.encode())) % count
+        first = self._next_replica()
         spec = dict(self._spec, session_id=f"{self.session_id}-s{index}", max_tokens=self.shard_tokens)
         error: BaseException | None = None
         for turn in range(count):
@@ -444,6 +472,98 @@ class _ShardedBase:
             return shard
         assert error is not None
         raise error
+
+    def _reopen_flow(self) -> Flow[None]:
+        """Find the shards ``{session_id}-s{j}``, j = 0, 1, ... up to the first one that
+        no replica holds (every replica asked for each at once), and rebuild the shards
+        from their info: the last one open to appends, the others closed."""
+        # One question per replica: clients of the same server and API key are one.
+        askers: dict[tuple[str, str | None], int] = {}
+        for i, client in enumerate(self._clients):
+            askers.setdefault(_replica_key(client), i)
+        asked = list(askers.values())
+        while True:
+            index = len(self._shards)
+            session, answers = yield from self._find_flow(asked, index)
+            if session is None:
+                break
+            # Its replica: the first client of its server from where round robin put
+            # it unless it skipped (the same index as created, a client given twice too).
+            key, first, count = _replica_key(session._client), self._next_replica(), len(self._clients)
+            turns = ((first + turn) % count for turn in range(count))
+            replica = next(r for r in turns if _replica_key(self._clients[r]) == key)
+            self._shards.append(self._rebuilt(index, replica, session))
+        if not self._shards:
+            error = SessionNotFound(
+                f"sharded session {self.session_id}: no replica holds its shard 0 ({self.session_id}-s0)",
+                status=404,
+                problem={"type": f"/problems/{SessionNotFound.slug}", "detail": f"{self.session_id}-s0 not found"},
+            )
+            raise error from next((a for a in answers if isinstance(a, SessionNotFound)), None)
+        # A shard lost (its server restarted without snapshots) must not end the list
+        # silently: the one after it, anywhere, says so.
+        after, _ = yield from self._find_flow(asked, index + 1)
+        if after is not None:
+            expected = self._next_replica()
+            lost = ShardRef(index, f"{self.session_id}-s{index}", self._clients[expected].base_url)
+            gone = answers[asked.index(askers[_replica_key(self._clients[expected])])]
+            raise ShardLost(self.session_id, [lost], [gone]) from gone
+        for shard in self._shards[:-1]:
+            shard.closed = True
+        config = self._shards[0].session._config  # what a new shard is created with
+        self._spec = {
+            "num_qo_heads": config.num_qo_heads,
+            "num_kv_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "num_layers": config.num_layers,
+            "kv_format": config.kv_format if isinstance(config.kv_format, str) else list(config.kv_format),
+            "seed": config.seed,
+        }
+
+    def _find_flow(self, asked: list[int], index: int) -> Flow[tuple[Any, list[Any]]]:
+        """Ask the clients ``asked`` for shard ``index`` at once: its session (None: on
+        none of them) and every answer. Raises :class:`ShardLost` naming each replica
+        that did not answer (it might hold the shard), ``InvalidResponse`` when two
+        hold it, any other error as it came."""
+        shard_id = f"{self.session_id}-s{index}"
+        answers = yield [_Call(self._clients[i], "get_session", (shard_id,)) for i in asked]
+        refs, errors, holders = [], [], []
+        for i, answer in zip(asked, answers):
+            if isinstance(answer, (APIConnectionError, NotReady)):
+                refs.append(ShardRef(index, shard_id, self._clients[i].base_url))
+                errors.append(answer)
+            elif isinstance(answer, InvalidInput) or (
+                isinstance(answer, BaseException) and not isinstance(answer, SessionNotFound)
+            ):
+                raise answer
+            elif not isinstance(answer, BaseException):
+                holders.append(answer)
+        if errors:
+            raise ShardLost(self.session_id, refs, errors) from errors[0]
+        if len(holders) > 1:
+            where = " and ".join(h._client.base_url for h in holders)
+            raise InvalidResponse(f"sharded session {self.session_id}: shard {index} ({shard_id}) is on {where}")
+        return (holders[0] if holders else None), answers
+
+    def _rebuilt(self, index: int, replica: int, session: Any) -> _Shard:
+        """Shard ``index`` from its session, checked against shard 0's configuration."""
+        info = session._config
+        what = f"sharded session {self.session_id}: shard {index} ({info.session_id})"
+        if index == 0 and (info.sinks or info.window):
+            raise InvalidResponse(f"{what} has sinks or a window, which sharded sessions do not support")
+        if index > 0:
+            first = self._shards[0].session._config
+            for name in _SAME_CONFIG:
+                if getattr(info, name) != getattr(first, name):
+                    raise InvalidResponse(
+                        f"{what}: {name} {getattr(info, name)!r}, shard 0's is {getattr(first, name)!r}"
+                    )
+        if self.shard_tokens is None and index == 0:
+            self.shard_tokens = info.max_tokens  # later shards: the first one's size, as created
+        capacities = [c for c in (self.shard_tokens, info.max_tokens) if c is not None]
+        if not capacities:
+            raise InvalidResponse(f"{what}: the server gave no max_tokens (give shard_tokens)")
+        return _Shard(index, replica, session, min(capacities))
 
     def _known_flow(self, layer: int) -> Flow[None]:
         """Ask the shards whose length of ``layer`` is not known (an answer was lost)."""
@@ -579,8 +699,8 @@ class _ShardedBase:
 class ShardedSession(_ShardedBase):
     """One logical session over several servers' sessions (see the module's docs):
     the methods of a :class:`~attnserve_client.Session`, its calls to the shards made
-    at once on threads of its own. Made by :meth:`create`; a context manager that
-    deletes every shard on exit."""
+    at once on threads of its own. Made by :meth:`create`, or found again by
+    :meth:`open`; a context manager that deletes every shard on exit."""
 
     def __init__(self, clients: Sequence[Client], spec: dict[str, Any], shard_tokens: int | None) -> None:
         super().__init__(clients, spec, shard_tokens)
@@ -610,6 +730,45 @@ class ShardedSession(_ShardedBase):
         """
         session = cls(clients, dict(spec), shard_tokens)
         session._run(session._open_flow())
+        return session
+
+    @classmethod
+    def open(
+        cls,
+        clients: Sequence[Client],
+        session_id: str,
+        *,
+        shard_tokens: int | None = None,
+        max_tokens: int | None = None,
+    ) -> ShardedSession:
+        """Re-attach to the sharded session ``session_id`` that :meth:`create` made (in
+        this process or another): its shards ``{session_id}-s0``, ``-s1``, ... up to the
+        first that no replica holds, each looked up on every client at once, shard by
+        shard. Appends go on into the last shard; :meth:`delete` deletes every shard.
+
+        Args:
+            clients: the replicas, as for :meth:`create` (in any order: a shard's
+                replica is the client of its server; new shards go round robin after
+                the last one in this order).
+            shard_tokens: the size of shards opened from now on (default: shard 0's
+                ``max_tokens``, as created); an existing shard holds at most its own
+                ``max_tokens`` and at most this.
+            max_tokens: the logical session's cap per layer (not kept on the servers:
+                give it again; default none).
+
+        Raises:
+            SessionNotFound: no replica holds shard 0.
+            ShardLost: a replica did not answer (it might hold a shard), or a shard is
+                on none while a later one exists (lost in a restart without snapshots).
+            InvalidResponse: a shard is on two replicas, or its configuration (heads,
+                head_dim, layers, formats, seed) differs from shard 0's.
+        """
+        session = cls(clients, _open_spec(session_id, max_tokens), shard_tokens)
+        try:
+            session._run(session._reopen_flow())
+        except BaseException:
+            session.close()
+            raise
         return session
 
     def append(self, layer: int, k: Any, v: Any) -> int:
@@ -708,6 +867,20 @@ class AsyncShardedSession(_ShardedBase):
         """See :meth:`ShardedSession.create`."""
         session = cls(clients, dict(spec), shard_tokens)
         await session._run(session._open_flow())
+        return session
+
+    @classmethod
+    async def open(
+        cls,
+        clients: Sequence[AsyncClient],
+        session_id: str,
+        *,
+        shard_tokens: int | None = None,
+        max_tokens: int | None = None,
+    ) -> AsyncShardedSession:
+        """See :meth:`ShardedSession.open`."""
+        session = cls(clients, _open_spec(session_id, max_tokens), shard_tokens)
+        await session._run(session._reopen_flow())
         return session
 
     async def append(self, layer: int, k: Any, v: Any) -> int:

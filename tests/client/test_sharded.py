@@ -10,6 +10,11 @@
   borders, attends with an explicit ``start_pos``, non-causal ones, decode steps
   that open a new shard; f32 is compared with the unsharded session and the
   float64 oracle, a compressed format with its unsharded session of the same seed.
+* ``open`` finds a sharded session again from its id alone, with new clients in
+  either order: the same shards and spans, attends bit for bit the original
+  object's, appends going on in the last shard and then a new one; an unknown id,
+  a replica that does not answer, a shard on two replicas, a shard missing before
+  a present one or one of another shape are refused.
 * A replica out of memory closes its shard; a shard whose server is stopped, or
   that lost its session, makes the attend raise ``ShardLost`` naming it.
 
@@ -28,6 +33,7 @@ both) and 5e-7 (tq4 against its unsharded session).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -39,7 +45,15 @@ import httpx
 import numpy as np
 import pytest
 
-from attnserve_client import AsyncClient, CapacityExceeded, Client, InvalidInput, ShardedSession
+from attnserve_client import (
+    AsyncClient,
+    CapacityExceeded,
+    Client,
+    InvalidInput,
+    InvalidResponse,
+    SessionNotFound,
+    ShardedSession,
+)
 from attnserve_client.merge import merge
 from attnserve_client.sharded import AsyncShardedSession, ShardLost, plan_attend
 from tools.common import free_port, rel_err
@@ -424,3 +438,151 @@ def test_a_lost_shard_is_named_and_nothing_is_answered(engine, replicas, rng, ho
         for client in clients:
             client.close()
         doomed.stop()
+
+
+# -- re-opening a sharded session from its id ----------------------------------------
+
+
+def _held(clients: list[Client], session_id: str) -> list[str]:
+    """The shard sessions of ``session_id`` on the servers of ``clients``."""
+    return sorted(s.session_id for c in clients for s in c.list_sessions() if s.session_id.startswith(session_id))
+
+
+def _placed(views: Any) -> list[tuple]:
+    """The views without ``closed`` (a re-opened session closes all but the last)."""
+    return [(v.index, v.session_id, v.base_url, v.capacity, v.spans) for v in views]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_open_finds_the_shards_again_and_answers_the_same(replicas, rng, count):
+    urls = [r.url for r in replicas[:count]]
+    clients = _clients(urls)
+    k = [rows(rng, 70, HKV) for _ in range(LAYERS)]
+    v = [rows(rng, 70, HKV) for _ in range(LAYERS)]
+    q = rows(rng, 10, H)
+    original = ShardedSession.create(clients, shard_tokens=SHARD, **SPEC)
+    sid = original.session_id
+    try:
+        for layer in range(LAYERS):  # 50 rows: [0, 21), [21, 42), [42, 50)
+            original.append(layer, k[layer][:30], v[layer][:30])
+            original.append(layer, k[layer][30:50], v[layer][30:50])
+        asks = [  # a decode step; a causal chunk at rows 15..24 across the border at 21; non-causal
+            (0, q[:1], {}),
+            (1, q[:1], {"start_pos": 49}),
+            (0, q, {"start_pos": 15}),
+            (1, q, {"start_pos": 38, "return_lse": True}),
+            (0, q, {"start_pos": 3, "causal": False}),
+        ]
+        expected = [original.attend(layer, qq, **kw) for layer, qq, kw in asks]
+        for order in (urls, urls[::-1]):  # new clients, in the order given and reversed
+            again_clients = _clients(order)
+            again = ShardedSession.open(again_clients, sid)
+            try:
+                assert again.session_id == sid and again.lengths == original.lengths == (50, 50)
+                assert _placed(again.shards) == _placed(original.shards)
+                assert [view.closed for view in again.shards] == [True, True, False]
+                assert len(again.shards) == 3
+                for (layer, qq, kw), want in zip(asks, expected):
+                    got = again.attend(layer, qq, **kw)
+                    pairs = zip(got, want) if kw.get("return_lse") else [(got, want)]
+                    assert all(np.array_equal(a, b) for a, b in pairs), (layer, kw)  # bit for bit
+            finally:
+                again.close()
+                for client in again_clients:
+                    client.close()
+
+        # appends through a re-opened session (clients reversed) go on in the last shard,
+        # then open the next one on the replica after it, in the new order
+        order = urls[::-1]
+        again_clients = _clients(order)
+        with ShardedSession.open(again_clients, sid) as again:
+            for layer in range(LAYERS):
+                again.attend(layer, q[:1], k=k[layer][50:51], v=v[layer][50:51])  # a fused decode step
+            assert [view.spans[0] for view in again.shards] == [(0, 21), (21, 42), (42, 51)]
+            for layer in range(LAYERS):
+                assert again.append(layer, k[layer][51:65], v[layer][51:65]) == 65
+            views = again.shards
+            assert [view.spans for view in views] == [((a, min(a + SHARD, 65)),) * LAYERS for a in (0, 21, 42, 63)]
+            assert views[3].session_id == f"{sid}-s3" and views[3].capacity == SHARD
+            assert views[3].base_url == order[(order.index(views[2].base_url) + 1) % count]
+            for layer in range(LAYERS):
+                out = again.attend(layer, q, start_pos=40)
+                want = ref.attention(q, k[layer][:65], v[layer][:65], start_pos=40)
+                assert rel_err(out, want) < TOL
+        assert _held(clients, sid) == []  # leaving the block deleted every shard, the new one too
+    finally:
+        original.close()
+        for client in clients:
+            for shard_id in _held([client], sid):
+                client.delete_session(shard_id)
+            client.close()
+
+
+def test_open_refuses_what_is_not_one_whole_sharded_session(replicas, rng):
+    urls = [r.url for r in replicas[:2]]
+    clients = _clients(urls)
+    try:
+        with pytest.raises(SessionNotFound) as caught:
+            ShardedSession.open(clients, "never-made")
+        assert "never-made" in str(caught.value) and caught.value.status == 404
+
+        with ShardedSession.create(clients, shard_tokens=SHARD, session_id=_id_on(0, 2, "gap"), **SPEC) as s:
+            s.append(0, rows(rng, 50, HKV), rows(rng, 50, HKV))  # three shards
+            # a replica that does not answer might hold a shard: never a partial answer
+            dead = f"http://127.0.0.1:{free_port()}"
+            with Client(dead, max_retries=0) as nobody, pytest.raises(ShardLost) as lost:
+                ShardedSession.open([*clients, nobody], s.session_id)
+            assert dead in str(lost.value) and lost.value.shard.index == 0
+            # a shard on two replicas
+            spare = Client(replicas[2].url)
+            try:
+                spare.create_session(session_id=f"{s.session_id}-s1", **SPEC)
+                with pytest.raises(InvalidResponse) as twice:
+                    ShardedSession.open([*clients, spare], s.session_id)
+                for url in (s.shards[1].base_url, replicas[2].url):
+                    assert url in str(twice.value)
+                spare.delete_session(f"{s.session_id}-s1")
+            finally:
+                spare.close()
+            # a shard lost in the middle (a restart without snapshots): the next one says so
+            middle = s.shards[1]
+            clients[urls.index(middle.base_url)].delete_session(middle.session_id)
+            with pytest.raises(ShardLost) as gap:
+                ShardedSession.open(clients, s.session_id)
+            assert gap.value.shard.session_id == middle.session_id
+            clients[urls.index(middle.base_url)].create_session(session_id=middle.session_id, **dict(SPEC, head_dim=32))
+            with pytest.raises(InvalidResponse, match="head_dim 32"):  # a shard not like shard 0
+                ShardedSession.open(clients, s.session_id)
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_the_async_open(replicas, rng):
+    urls = [r.url for r in replicas]
+    k, v, q = rows(rng, 40, HKV), rows(rng, 40, HKV), rows(rng, 8, H)
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(Client(url)) for url in urls]
+        original = ShardedSession.create(clients, shard_tokens=SHARD, **SPEC)
+        stack.callback(original.close)
+        original.append(0, k[:30], v[:30])
+        want = original.attend(0, q, start_pos=16)
+
+        async def main() -> None:
+            again_clients = [AsyncClient(url) for url in urls[1:] + urls[:1]]
+            try:
+                with pytest.raises(SessionNotFound):
+                    await AsyncShardedSession.open(again_clients, "never-made")
+                async with await AsyncShardedSession.open(again_clients, original.session_id) as again:
+                    assert _placed(again.shards) == _placed(original.shards) and again.lengths == (30, 0)
+                    assert np.array_equal(await again.attend(0, q, start_pos=16), want)
+                    assert await again.append(0, k[30:40], v[30:40]) == 40
+                    assert [view.spans[0] for view in again.shards] == [(0, 21), (21, 40)]
+                    out = await again.attend(0, q)
+                    assert rel_err(out, ref.attention(q, k, v, start_pos=32)) < TOL
+            finally:
+                for c in again_clients:
+                    await c.close()
+
+        asyncio.run(main())
+        assert _held(clients, original.session_id) == []
