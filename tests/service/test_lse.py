@@ -6,6 +6,9 @@ a bad ``return_lse`` refused with a problem that changes nothing."""
 
 from __future__ import annotations
 
+import json
+
+import msgpack
 import numpy as np
 import pytest
 
@@ -156,3 +159,44 @@ def test_every_transport_answers_the_same_lse(fserver, rng, transport):
                 assert rel_err(merged.out, want) <= F32_TOL and lse_err(merged.lse, want_lse) <= F32_TOL
             for s in (whole, first, second):
                 s.delete()
+
+
+def _bin_as_text(doc):
+    """A decoded MessagePack answer with its ``bin`` values as text, as the OpenAPI
+    schema's ``format: binary`` strings stand for them."""
+    if isinstance(doc, dict):
+        return {key: _bin_as_text(value) for key, value in doc.items()}
+    if isinstance(doc, list):
+        return [_bin_as_text(value) for value in doc]
+    return "<bin>" if isinstance(doc, bytes) else doc
+
+
+def test_answers_with_lse_match_the_published_schema(api, rng, enc):
+    """Each form's answer with ``lse`` (rank 2 for an attend, rank 3 stacked beside
+    the rank-4 ``out``) is what ``/openapi.json`` says, in both encodings."""
+    from jsonschema import Draft202012Validator
+
+    components = api.call("GET", "/openapi.json").body["components"]
+    kind = "Json" if enc == "json" else "Msgpack"
+
+    def check(name: str, r) -> None:  # the answer's own bytes, decoded as a plain client would
+        body = json.loads(r.raw) if enc == "json" else msgpack.unpackb(r.raw)
+        schema = {"$ref": f"#/components/schemas/{name}{kind}", "components": components}
+        errors = [e.message[:200] for e in Draft202012Validator(schema).iter_errors(_bin_as_text(body))]
+        assert not errors, (name, errors[:3])
+
+    sids = [_session(api, rng, length)[0] for length in (20, 35)]
+    q = rows(rng, 2, H, D)
+    r = api.attend(sids[0], 0, q, enc=enc, return_lse=True)
+    assert r.status == 200 and "lse" in r.body
+    check("AttendResult", r)
+    items = [{"session_id": sid, "layer": 0, "q": q, "return_lse": True} for sid in sids]
+    r = api.call("POST", BATCH, {"items": items}, enc=enc)
+    assert r.status == 200 and all("lse" in x for x in r.body["results"])
+    check("BatchAttendResult", r)
+    body = {"session_ids": sids, "layer": 0, "q": np.stack([q, q]), "return_lse": True}
+    r = api.call("POST", BATCH, body, enc=enc)
+    assert r.status == 200 and "lse" in r.body
+    check("BatchAttendResult", r)
+    for sid in sids:
+        api.delete(sid)

@@ -24,25 +24,41 @@ def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-_ARRAY_JSON = {
-    "title": "Array (JSON)",
-    "description": "A float32 array as nested lists of numbers, [rows, heads, head_dim].",
-    "type": "array",
-    "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
-}
-_ARRAY_MSGPACK = {
-    "title": "Array (MessagePack)",
-    "description": "A float32 array as a MessagePack map: C order, little endian; "
-    "`data` is a `bin` of exactly prod(shape) * 4 bytes.",
-    "type": "object",
-    "required": ["dtype", "shape", "data"],
-    "additionalProperties": False,
-    "properties": {
-        "dtype": {"type": "string", "const": "<f4"},
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 3, "maxItems": 3},
-        "data": {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"},
-    },
-}
+#: The arrays' ranks: an attend's rows ``[n, heads, head_dim]`` (3, the names without a
+#: number), a log-sum-exp ``[n, heads]`` (2), a stacked step's ``[B, n, heads, head_dim]`` (4).
+ARRAY_RANKS = {2: "[n, heads]", 3: "[rows, heads, head_dim]", 4: "[B, rows, heads, head_dim]"}
+
+
+def array_schema(array: str, rank: int = 3) -> str:
+    """The component name of ``array`` (``ArrayJson`` or ``ArrayMsgpack``) at ``rank``."""
+    return array if rank == 3 else f"{array}{rank}"
+
+
+def _array_json(rank: int) -> dict[str, Any]:
+    nested: dict[str, Any] = {"type": "number"}
+    for _ in range(rank):
+        nested = {"type": "array", "items": nested}
+    return {
+        "title": f"Array (JSON, rank {rank})",
+        "description": f"A float32 array as nested lists of numbers, {ARRAY_RANKS[rank]}.",
+        **nested,
+    }
+
+
+def _array_msgpack(rank: int) -> dict[str, Any]:
+    return {
+        "title": f"Array (MessagePack, rank {rank})",
+        "description": f"A float32 array {ARRAY_RANKS[rank]} as a MessagePack map: C order, little endian; "
+        "`data` is a `bin` of exactly prod(shape) * 4 bytes.",
+        "type": "object",
+        "required": ["dtype", "shape", "data"],
+        "additionalProperties": False,
+        "properties": {
+            "dtype": {"type": "string", "const": "<f4"},
+            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": rank, "maxItems": rank},
+            "data": {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"},
+        },
+    }
 
 
 def _append(array: str) -> dict[str, Any]:
@@ -71,7 +87,7 @@ def _attend(array: str) -> dict[str, Any]:
         "properties": {
             "q": {**ref(array), "description": "[n, num_qo_heads, head_dim], n >= 1 query rows."},
             "k": {**ref(array), "description": "[m, num_kv_heads, head_dim]: appended first (fused step)."},
-            "v": {**ref(array), "description": "Same shape as k; k and v go together."},
+            "v": {**ref(array_schema(array, 4)), "description": "Same shape as k; k and v go together."},
             "offset": {
                 "type": ["integer", "null"],
                 "minimum": 0,
@@ -110,7 +126,7 @@ def _attend_out(array: str) -> dict[str, Any]:
             "out": {**ref(array), "description": "[n, num_qo_heads, head_dim] float32."},
             "length": {"type": "integer", "description": "The layer's length after the call."},
             "lse": {
-                **ref(array),
+                **ref(array_schema(array, 2)),
                 "description": "[n, num_qo_heads] float32, with return_lse: log(sum_t exp(scale * q.k_t)) "
                 "over the timesteps t each row attended.",
             },
@@ -159,9 +175,9 @@ def _stacked_attend(array: str) -> dict[str, Any]:
                 "description": "B sessions (one may repeat: its items apply in order); at most limits.max_batch_items.",
             },
             "layer": {"type": "integer", "minimum": 0, "description": "The layer of every item."},
-            "q": {**ref(array), "description": "[B, n, num_qo_heads, head_dim]: item i attends q[i]."},
-            "k": {**ref(array), "description": "[B, m, num_kv_heads, head_dim]: k[i] appended first."},
-            "v": {**ref(array), "description": "Same shape as k; k and v go together."},
+            "q": {**ref(array_schema(array, 4)), "description": "[B, n, num_qo_heads, head_dim]: item i attends q[i]."},
+            "k": {**ref(array_schema(array, 4)), "description": "[B, m, num_kv_heads, head_dim]: k[i] appended first."},
+            "v": {**ref(array_schema(array, 4)), "description": "Same shape as k; k and v go together."},
             "offsets": {**ints, "description": "B offsets (null: unchecked), as an attend's offset."},
             "start_pos": {**ints, "description": "B start positions (null: the default)."},
             "causal": props["causal"],
@@ -177,7 +193,7 @@ def _stacked_out(array: str) -> dict[str, Any]:
         "required": ["out", "lengths", "errors"],
         "properties": {
             "out": {
-                **ref(array),
+                **ref(array_schema(array, 4)),
                 "description": "[B, n, num_qo_heads, head_dim] float32; zeros for a failed item.",
             },
             "lse": {
@@ -229,8 +245,11 @@ def _batch_out(array: str) -> dict[str, Any]:
 
 
 COMPONENTS: dict[str, Any] = {
-    "ArrayJson": _ARRAY_JSON,
-    "ArrayMsgpack": _ARRAY_MSGPACK,
+    **{
+        array_schema(a, rank): make(rank)
+        for a, make in (("ArrayJson", _array_json), ("ArrayMsgpack", _array_msgpack))
+        for rank in ARRAY_RANKS
+    },
     "CreateSession": {
         "type": "object",
         "required": ["num_qo_heads", "num_kv_heads", "head_dim"],
