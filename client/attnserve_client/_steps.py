@@ -176,12 +176,18 @@ def lse_out(doc: Any, out: np.ndarray, what: str) -> np.ndarray:
     return lse
 
 
-def attend_answer(doc: Any, out: np.ndarray, like: Any, return_lse: bool, what: str) -> Any:
-    """An attend's answer as the caller asked for it: ``out`` (as ``like``,
-    ``tensors.answer``), or :class:`Attention` ``(out, lse)`` with ``return_lse``."""
-    if not return_lse:
+def as_given(out: np.ndarray, lse: np.ndarray | None, like: Any) -> Any:
+    """``out`` as the queries ``like`` were given (``tensors.answer``), or
+    :class:`Attention` ``(out, lse)`` of both when there is an ``lse``."""
+    if lse is None:
         return tensors.answer(out, like)
-    return Attention(tensors.answer(out, like), tensors.answer(lse_out(doc, out, what), like))
+    return Attention(tensors.answer(out, like), tensors.answer(lse, like))
+
+
+def attend_answer(doc: Any, out: np.ndarray, like: Any, return_lse: bool, what: str) -> Any:
+    """An attend's answer as the caller asked for it: ``out``, or :class:`Attention`
+    ``(out, lse)`` with ``return_lse`` (:func:`as_given`)."""
+    return as_given(out, lse_out(doc, out, what) if return_lse else None, like)
 
 
 def track_length(item: AttendItem, length: int) -> None:
@@ -251,12 +257,10 @@ class StackedStep:
         return answer
 
     def answer(self, out: np.ndarray, lse: np.ndarray | None) -> Any:
-        """``out`` (and ``lse``) as the step's queries were given."""
-        if not self.return_lse:
-            return tensors.answer(out, self.like)
-        if lse is None:
+        """``out`` (and ``lse``) as the step's queries were given (:func:`as_given`)."""
+        if self.return_lse and lse is None:
             raise InvalidResponse("attend_stacked: expected lse (return_lse)")
-        return Attention(tensors.answer(out, self.like), tensors.answer(lse, self.like))
+        return as_given(out, lse if self.return_lse else None, self.like)
 
     def outcome(self, doc: Any) -> tuple[np.ndarray, np.ndarray | None, dict[int, APIError]]:
         """The stacked output, its ``lse`` (None unless asked for) and the errors of
