@@ -259,19 +259,19 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import check_k8s
 
+    k8s_summary: list[str] = []
     try:
         k8s = check_k8s.run_checks(ROOT)
+        failures.extend(k8s.failures)
+        k8s_summary = k8s.summary
     except check_k8s.ToolMissing as e:
         failures.append(f"deploy/k8s: {e}")
-        k8s = None
-    if k8s is not None:
-        failures.extend(k8s.failures)
     if failures:
         for f in failures:
             print(f"FAIL {f}", file=sys.stderr)
         return 1
     print("ok -- Dockerfile, .dockerignore, compose, upstreams and routing file agree")
-    for line in k8s.summary:
+    for line in k8s_summary:
         print(f"ok -- Kubernetes manifests: {line}")
     return 0
 

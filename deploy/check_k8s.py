@@ -122,6 +122,16 @@ class RenderError(RuntimeError):
     """kustomize refused an overlay."""
 
 
+def _rendered(job: Any, where: str, failures: list[str]) -> list[dict[str, Any]] | None:
+    """A render job's objects, or None with the failure noted when kustomize refused it."""
+    try:
+        docs: list[dict[str, Any]] = job.result()
+    except RenderError as e:
+        failures.append(f"{where}: kustomize cannot render it: {e}")
+        return None
+    return docs
+
+
 def render(kustomization_dir: Path, kubectl: str | None = None) -> list[dict[str, Any]]:
     """``kubectl kustomize DIR``: the objects ``kubectl apply -k DIR`` would send."""
     result = subprocess.run(
@@ -841,10 +851,8 @@ def run_checks(root: Path = ROOT) -> Report:
             jobs[(overlay, component)] = pool.submit(render_with_component, root, overlay, component, kubectl)
     for overlay, override in OVERLAYS.items():
         where = f"deploy/k8s/overlays/{overlay}"
-        try:
-            docs = jobs[(overlay, None)].result()
-        except RenderError as e:
-            failures.append(f"{where}: kustomize cannot render it: {e}")
+        docs = _rendered(jobs[(overlay, None)], where, failures)
+        if docs is None:
             continue
         validate_schemas(docs, where, failures, seen)
         compose = load_compose(root, override)
@@ -860,10 +868,8 @@ def run_checks(root: Path = ROOT) -> Report:
             if base != overlay:
                 continue
             cwhere = f"{where} + deploy/k8s/components/{component}"
-            try:
-                cdocs = jobs[(overlay, component)].result()
-            except RenderError as e:
-                failures.append(f"{cwhere}: kustomize cannot render it: {e}")
+            cdocs = _rendered(jobs[(overlay, component)], cwhere, failures)
+            if cdocs is None:
                 continue
             validate_schemas(cdocs, cwhere, failures, seen)
             check_servicemonitor(cwhere, cdocs, replicas, failures)
