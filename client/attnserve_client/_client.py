@@ -196,6 +196,26 @@ def _int_arg(name: str, value: Any) -> int:
         raise refused(InvalidRequest, f"{name}: expected an int, got {value!r}") from None
 
 
+def _attend_options(start_pos: Any, causal: Any, scale: Any) -> tuple[int | None, bool, float | None]:
+    """An attend's ``start_pos`` (an int >= 0, or None), ``causal`` (a bool) and
+    ``scale`` (a finite number, or None), checked before anything is sent."""
+    if start_pos is not None:
+        start_pos = _int_arg("start_pos", start_pos)
+        if start_pos < 0:
+            raise refused(InvalidRequest, f"start_pos: expected an int >= 0, got {start_pos}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise refused(InvalidRequest, f"causal: expected a bool, got {causal!r}")
+    if scale is not None:
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float, np.floating, np.integer))
+            or not np.isfinite(scale)
+        ):
+            raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
+        scale = float(scale)
+    return start_pos, bool(causal), scale
+
+
 def _int_member(body: Any, key: str, what: str) -> int:
     value = body.get(key) if isinstance(body, Mapping) else None
     if type(value) is not int:
@@ -635,22 +655,9 @@ class _SessionBase(Generic[_C]):
             raise refused(InvalidRequest, f"k, v: expected both or neither, got only {only}")
         if fused:
             k, v = self._check_kv(k, v)
-        if start_pos is not None:
-            start_pos = _int_arg("start_pos", start_pos)
-            if start_pos < 0:
-                raise refused(InvalidRequest, f"start_pos: expected an int >= 0, got {start_pos}")
-        if not isinstance(causal, (bool, np.bool_)):
-            raise refused(InvalidRequest, f"causal: expected a bool, got {causal!r}")
-        if scale is not None:
-            if (
-                isinstance(scale, bool)
-                or not isinstance(scale, (int, float, np.floating, np.integer))
-                or not np.isfinite(scale)
-            ):
-                raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
-            scale = float(scale)
+        start_pos, causal, scale = _attend_options(start_pos, causal, scale)
 
-        query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": bool(causal)}
+        query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": causal}
         if return_lse:
             query["return_lse"] = True
         if scale is not None:

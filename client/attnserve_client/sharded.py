@@ -87,8 +87,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from . import tensors
-from ._client import AsyncClient, Client, SessionSpec, _check_session_id, _int_arg, new_session_id
+from ._client import AsyncClient, Client, SessionSpec, _attend_options, _check_session_id, _int_arg, new_session_id
+from ._steps import as_given
 from .errors import (
     APIConnectionError,
     AttnServeError,
@@ -101,7 +101,7 @@ from .errors import (
     SessionNotFound,
     refused,
 )
-from .merge import Attention, merge
+from .merge import merge
 
 if TYPE_CHECKING:  # annotations only
     from typing_extensions import Unpack
@@ -268,18 +268,6 @@ class _Call:
 # A flow yields the calls to make at once; the driver sends back each one's result or
 # the exception it raised, in order.
 Flow = Generator[list[_Call], list[Any], T]
-
-
-def _check_scale(scale: Any) -> float | None:
-    if scale is None:
-        return None
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float, np.integer, np.floating))
-        or not np.isfinite(scale)
-    ):
-        raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
-    return float(scale)
 
 
 def _merge_calls(shape: tuple[int, ...], calls: list[ShardCall], results: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -622,13 +610,7 @@ class _ShardedBase:
         fused = k is not None or v is not None
         if fused:
             k, v = self._check_kv(k, v)
-        if start_pos is not None:
-            start_pos = _int_arg("start_pos", start_pos)
-            if start_pos < 0:
-                raise refused(InvalidRequest, f"start_pos: expected an int >= 0, got {start_pos}")
-        if not isinstance(causal, (bool, np.bool_)):
-            raise refused(InvalidRequest, f"causal: expected a bool, got {causal!r}")
-        causal, scale = bool(causal), _check_scale(scale)
+        start_pos, causal, scale = _attend_options(start_pos, causal, scale)
 
         yield from self._known_flow(layer)
         m = k.shape[0] if fused else 0
@@ -674,9 +656,8 @@ class _ShardedBase:
             self._raise_failed(sent, results, layer)
             break
 
-        merged = _merge_calls(q.shape, calls, results)
-        answer = tensors.answer(merged[0], like)
-        return Attention(answer, tensors.answer(merged[1], like)) if return_lse else answer
+        out, lse = _merge_calls(q.shape, calls, results)
+        return as_given(out, lse if return_lse else None, like)
 
     def _shard_call(
         self, layer: int, q: np.ndarray, call: ShardCall, scale: float | None, kv: tuple[Any, Any] | None
