@@ -16,7 +16,7 @@ import numpy as np
 import attnserve_client
 
 from loadtest.config import EXIT_ERRORS, EXIT_OK, OPERATIONS, Config
-from loadtest.driver import Outcome, op_stats, percentile
+from loadtest.driver import Outcome, TargetStats, op_stats, percentile
 from tools.common import metric_delta
 
 
@@ -73,10 +73,7 @@ def summarize(
     errors = dict(rec.errors)
     targets = {}
     for url in cfg.urls:  # each target's share (sharded sessions: the shards it held)
-        t = rec.targets.get(url)
-        if t is None:
-            targets[url] = {"sessions": 0, "errors": 0, "attends_per_s": 0.0, "decode_tokens_per_s": 0.0, "shards": 0}
-            continue
+        t = rec.targets.get(url) or TargetStats()
         targets[url] = {
             "sessions": t.sessions,
             "errors": t.errors,
