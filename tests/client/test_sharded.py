@@ -35,8 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import threading
-import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -59,11 +57,9 @@ from attnserve_client.sharded import AsyncShardedSession, ShardLost, plan_attend
 from tools.common import free_port, rel_err
 
 try:
-    import uvicorn
-    from attnserve.app import create_app
-    from attnserve.cli import server_config
     from attnserve.config import Settings
     from attnserve.testing import reference as ref
+    from live_server import LiveServer
 except ImportError as exc:  # the client alone: the live part cannot run
     if os.environ.get("CI"):
         raise
@@ -152,34 +148,14 @@ def test_the_plan_of_a_decode_step_and_of_a_chunk_across_borders():
 # -- live servers -------------------------------------------------------------------
 
 
-class Replica:
-    """The real app under uvicorn on a thread, on the shared test engine."""
-
-    def __init__(self, engine: Any, name: str, **settings: Any) -> None:
-        app = create_app(Settings(instance_name=name, **settings), engine=engine)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = server_config(app, app.state.runtime.settings, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"replica-{name}", daemon=True)
-
-    def start(self) -> Replica:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"replica {self.url} did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+def replica(engine: Any, name: str, **settings: Any) -> LiveServer:
+    """The real app under uvicorn on a thread, on the shared test engine, started."""
+    return LiveServer(Settings(instance_name=name, **settings), engine=engine).start()
 
 
 @pytest.fixture(scope="module")
-def replicas(engine) -> Iterator[list[Replica]]:
-    servers = [Replica(engine, f"r{i}").start() for i in range(3)]
+def replicas(engine) -> Iterator[list[LiveServer]]:
+    servers = [replica(engine, f"r{i}") for i in range(3)]
     yield servers
     for s in servers:
         s.stop()
@@ -357,7 +333,7 @@ def test_the_async_session_and_torch_tensors(replicas, rng):
 def test_a_replica_out_of_memory_closes_its_shard(engine, replicas, rng, fused):
     # f32 at 2 KV heads of 64: 16 KiB per 16-timestep page and layer; the tight
     # replica holds 3 pages: layer 0 takes its second page, layer 1's is refused
-    tight = Replica(engine, "tight", memory_budget_bytes=3 * 16 * 1024).start()
+    tight = replica(engine, "tight", memory_budget_bytes=3 * 16 * 1024)
     urls = [tight.url, replicas[0].url]
     clients = _clients(urls)
     w = _workload(rng, prefill=48, chunk=12, decode=2)
@@ -398,7 +374,7 @@ def test_a_decode_step_is_one_call_per_shard_with_the_append_on_the_last(replica
 
 @pytest.mark.parametrize("how", ["server stopped", "session gone"])
 def test_a_lost_shard_is_named_and_nothing_is_answered(engine, replicas, rng, how):
-    doomed = Replica(engine, "doomed").start()
+    doomed = replica(engine, "doomed")
     urls = [replicas[1].url, doomed.url]
     clients = _clients(urls, max_retries=0)
     try:

@@ -3,22 +3,17 @@ a small HTTP helper speaking both encodings, and the oracle bookkeeping."""
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import httpx
 import numpy as np
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from attnserve.testing import reference as ref
 from _core import CORE_PAGE_TOKENS
-from attnserve.app import create_app
-from attnserve.cli import server_config
-from attnserve.config import Settings
 from attnserve_client import wire
 from tools.common import free_port  # noqa: F401  (the tests import it from here)
+from live_server import LiveServer  # noqa: F401  (the tests import it from here)
 from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
@@ -28,33 +23,6 @@ ENCODINGS = ("json", "msgpack")
 # GPU bytes are whole pages
 PAGE = CORE_PAGE_TOKENS
 F32_TOL = 1e-5
-
-
-class LiveServer:
-    """The real app under uvicorn in a background thread."""
-
-    def __init__(self, settings: Settings | None = None, *, engine=None, app=None):
-        self.app = app or create_app(settings or Settings(), engine=engine)
-        self.runtime = self.app.state.runtime
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # the configuration `attnserve serve` runs under, on a free loopback port
-        config = server_config(self.app, self.runtime.settings, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"attnserve-{self.port}", daemon=True)
-
-    def start(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the attnserve server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 def from_wire(obj: Any) -> Any:
