@@ -4,7 +4,7 @@ GPU worker, and the client, in CPU seconds per step; fitted as a fixed cost plus
 cost per item over several batch sizes.
 
     python bench/step_profile.py [--adapter nvidia] [--batches 16,64,256]
-        [--context 4096] [--formats f32,turboquant] [--steps 40] [--top 30]
+        [--context 4096] [--formats f32,turboquant] [--sinks 4 --window 128] [--steps 40] [--top 30]
         [--json-out FILE]
 
 The server runs in this process (uvicorn on 127.0.0.1, the event loop on the main
@@ -117,7 +117,8 @@ class Driver:
         batches = sorted(int(b) for b in a.batches.split(","))
         sessions = []
         for _ in range(batches[-1]):
-            s = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
+            exact = {"sinks": a.sinks, "window": a.window} if a.sinks or a.window else {}
+            s = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt, **exact)
             for start in range(0, a.context, 1024):
                 m = min(1024, a.context - start)
                 kv = rng.standard_normal((m, HKV, D), dtype=np.float32)
@@ -151,7 +152,15 @@ class Driver:
                 print("\n".join(profile), flush=True)
         for s in sessions:
             s.delete()
-        out = {"kv_format": fmt, "transport": a.transport, "context": a.context, "steps": a.steps, "batches": per_batch}
+        out = {
+            "kv_format": fmt,
+            "sinks": a.sinks,
+            "window": a.window,
+            "transport": a.transport,
+            "context": a.context,
+            "steps": a.steps,
+            "batches": per_batch,
+        }
         for k in ("step_ms", "loop_cpu_ms", "worker_cpu_ms", "client_cpu_ms", "gpu_submission_ms"):
             out[f"fit_{k.removesuffix('_ms')}"] = fit([r["batch"] for r in per_batch], [r[k] for r in per_batch])
         if profile:
@@ -168,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--transport", choices=("stream", "frames"), default="stream")
     ap.add_argument("--top", type=int, default=0, help="cProfile rows of the event loop to print (0: no profile)")
+    ap.add_argument("--sinks", type=int, default=0, help="a compressed session's exact first timesteps")
+    ap.add_argument("--window", type=int, default=0, help="a compressed session's exact recent window")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
     settings = Settings(

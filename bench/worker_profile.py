@@ -5,7 +5,7 @@ for a batched step of N fused decode items, with a cProfile summary of the
 planning and encoding.
 
     python bench/worker_profile.py [--adapter nvidia] [--sessions 64] [--context 4096]
-        [--formats f32,turboquant] [--steps 30] [--profile-out FILE]
+        [--formats f32,turboquant] [--steps 30] [--sinks 4 --window 128] [--profile-out FILE]
 
 It drives the engine directly (no HTTP): one :class:`~attnserve.gpu.batch.Batch`
 per step, on the calling thread while the GPU worker is idle, so the phases are
@@ -51,10 +51,13 @@ def run(
     read_only: bool = False,
     stacked: bool = False,
     gpu_phases: bool = False,
+    exact: tuple[int, int] = (0, 0),
 ) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
-    sessions = [engine.session_kv(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i)) for i in range(n)]
+    sessions = [
+        engine.session_kv(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i, *exact)) for i in range(n)
+    ]
     for s in sessions:
         k = rng.standard_normal((context, HKV, D), dtype=np.float32)
         engine.append(s.layers[0], k, k).result()
@@ -110,6 +113,7 @@ def run(
     med = np.median(times, axis=0)
     res = {
         "kv_format": fmt,
+        **({"sinks": exact[0], "window": exact[1]} if any(exact) else {}),
         "items": n,
         "context": context,
         "fused_append": not read_only,
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
         action="store_true",
         help="GPU timestamps per dispatch of the step (device feature timestamp-query)",
     )
+    ap.add_argument("--sinks", type=int, default=0, help="a compressed layer's exact first timesteps")
+    ap.add_argument("--window", type=int, default=0, help="a compressed layer's exact recent window")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
     if args.gpu_phases:
@@ -208,7 +214,7 @@ def main(argv=None) -> int:
             for n in sorted({1, args.sessions}):
                 r = run(
                     engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked,
-                    args.gpu_phases and n > 1,
+                    args.gpu_phases and n > 1, (args.sinks, args.window),
                 )  # fmt: skip
                 results.append(r)
                 prof = r.pop("profile_tottime", None)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attnserve.engine import Engine
-from attnserve.kvcache import LayerCache, SessionConfig
+from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
 
 from _core import CORE_PAGE_TOKENS as P, read_words, rows
 
@@ -109,6 +109,48 @@ def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns, h
     # every item went through the columns (one group per pool): none planned alone
     assert sum(columns) == 2 * (5 * b - 1)
     _same_words(engine, pairs)
+
+
+def test_windowed_layers_are_columns_bit_identical_to_one_by_one(engine, rng, columns):
+    """Windowed TurboQuant layers (exact sinks and a recent window, issue 27) in
+    stacked steps beside plain and TurboQuant ones, with several sink and window
+    sizes in one group: planned as columns, and bit for bit what each gets attended
+    alone, step after step as the sinks fill, the windows pass page boundaries and
+    let their old pages go; codes and exact rows alike at the end."""
+    h, hkv = 9, 3  # a GQA group of 3: a workgroup per query head
+    configs = [("tq4", 3, 5), ("tq4", 0, P + 3), ("turboquant", 4, 0), ("tq4", 2, 2 * P), ("f32", 0, 0), ("tq4", 0, 0)]
+    lengths = [2, P - 1, 2 * P + 3, 1, P, 7]
+    pairs = []
+    for i, ((fmt, sinks, window), length) in enumerate(zip(configs, lengths)):
+        config = SessionConfig(2, h, hkv, D, fmt, 4096, 100 + i, sinks=sinks, window=window)
+        pair = [engine.session_kv(config) for _ in range(2)]
+        for li in range(2):
+            k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
+            for s in pair:
+                engine.append(s.layers[li], k, v).result()
+        pairs.append(pair)
+    b = len(pairs)
+    steps = [(1, 1), (1, 1), (3, 3), (1, 1), (1, P + 2), (1, 0), (2, 1), (1, 1)]  # (query rows, appended rows)
+    for n, m in steps:
+        for li in range(2):
+            q = rng.standard_normal((b, n, h, D)).astype(np.float32)
+            k = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
+            v = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
+            _check_step(engine, pairs, li, q, k, v)
+    assert sum(columns) == 2 * len(steps) * b  # every item went through the columns
+    _same_words(engine, pairs)
+    for mine, twin in pairs:
+        for a, t in zip(mine.layers, twin.layers):
+            if not isinstance(a, WindowedLayerCache):
+                continue
+            assert (a.recent_base, a.held_from, len(a.recent.pages)) == (
+                t.recent_base,
+                t.held_from,
+                len(t.recent.pages),
+            )
+            assert a.recent_base > 0 or not a.window or a.length < 2 * P  # the window let pages go
+            exact = [engine.call(lambda ctx, layer=layer: layer.read_exact(ctx.device)).result() for layer in (a, t)]
+            assert exact[0] == exact[1]
 
 
 def test_several_query_rows_and_a_step_without_appends(engine, rng, columns):

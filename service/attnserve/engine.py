@@ -469,7 +469,7 @@ class Engine:
         for idx in groups.values():
             first = layers[idx[0]]
             assert first is not None
-            if not first.columnar or batch.policy.path(first.kv_format, n, h, first.n_kv_heads, d) != "split":
+            if not first.attends_split(batch.policy, n, h):
                 left += idx
                 continue
             items = np.asarray(idx)

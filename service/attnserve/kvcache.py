@@ -36,6 +36,7 @@ __all__ = [
     "PlainLayerCache",
     "TurboQuantLayerCache",
     "WindowedLayerCache",
+    "bytes_growth",
     "SessionConfig",
     "layer_formats",
     "SessionKV",
@@ -44,9 +45,6 @@ __all__ = [
 
 class LayerCache:
     """One layer of one session: a page table into its format's pool."""
-
-    #: a stacked step plans layers of this kind as columns (``plan_stacked``)
-    columnar = True
 
     def __init__(self, *, pool: PagePool, max_tokens: int, layer: int = 0):
         layout = pool.layout
@@ -232,9 +230,9 @@ class LayerCache:
         scale: float,
     ) -> np.ndarray:
         """Plan the attends of a stacked step's items ``items`` on ``layers`` (one
-        each: distinct layers of one pool, every attend on the split path) as columns,
-        after their fused appends of ``rows`` ``(k, v, m)`` if any: item ``i``'s
-        queries ``q.seg(i)`` ``[n, H, d]`` (``shape``) into ``out.seg(i)``, from
+        each: distinct layers of one pool and kind, every attend on the split path) as
+        columns, after their fused appends of ``rows`` ``(k, v, m)`` if any: item
+        ``i``'s queries ``q.seg(i)`` ``[n, H, d]`` (``shape``) into ``out.seg(i)``, from
         ``start_pos[i]`` (-1: ``length - n``). The group's pages are taken and its page
         tables brought up to date on the GPU (each layer's new entries only: the
         tables stay there between batches, ``pool.PageTables``); its writes and
@@ -243,46 +241,76 @@ class LayerCache:
         one item alone would; the caller then plans the items one by one, so the
         columns never decide an item's problem. Atomic: on rollback every layer is
         put back."""
-        first = layers[0]
-        pool, kind = first.pool, type(first)
-        count = len(layers)
+        kind = type(layers[0])  # the methods of the layers' own kind
         saved = [layer.state() for layer in layers]
         batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
-        before = np.fromiter((layer.length for layer in layers), np.int64, count)
-        m = 0 if rows is None else rows[2]
-        after = before + m
-        if m:
-            held = np.fromiter((len(layer.pages) for layer in layers), np.int64, count)
-            for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
-                layers[i]._ensure_pages(batch, int(after[i]))
+        if rows is None:
+            after, where = np.fromiter((layer.length for layer in layers), np.int64, len(layers)), None
+        else:
+            after, where = kind.append_columns(batch, layers, items, rows)
         n = shape[0]
         sp = np.where(start_pos < 0, after - n, start_pos)
         if (sp < 0).any() or (sp + n > after).any():
             raise ValueError("start_pos + n rows exceeds a layer's length")
-        slabs = [layer.slab for layer in layers]
-        if any(slab is None for slab in slabs):
-            raise ValueError("attend over a layer that holds no timestep")
-        table_off = np.fromiter((layer.table_offset(batch) for layer in layers), np.int64, count)
-        signs = np.asarray(kind.sign_words(batch, layers), dtype=np.int64)
-        words = lambda it, idx: (it.base + items[idx] * it.stride) // 4  # noqa: E731
-        ids = [id(slab) for slab in slabs]
-        parts = [np.arange(count)] if ids.count(ids[0]) == count else _by_value(ids)
-        h, d = shape[1], first.head_dim
-        for idx in parts:
-            slab, sg = slabs[idx[0]], (signs[idx] if len(signs) else ())
-            if rows is not None:
-                k, v, _ = rows
-                K.plan_append(batch, K.Append(
-                    first.kv_format, slab, pool.page_shift, first.n_kv_heads, d,
-                    np.full(len(idx), m), before[idx], words(k, idx), words(v, idx), table_off[idx], sg,
-                ))  # fmt: skip
-            kind.plan_split_attends(batch, K.Attends(
-                whole("in"), whole("out"), slab, pool.page_shift, n, h, first.n_kv_heads, d, causal, scale,
-                after[idx], sp[idx], words(q, idx), words(out, idx), table_off[idx], sg,
-            ), first.kv_format)  # fmt: skip
+        kind._attend_columns(batch, layers, where or _Where.of(batch, layers), items, q, out, shape, after, sp,
+                             causal, scale)  # fmt: skip
+        return after
+
+    @classmethod
+    def append_columns(
+        cls, batch: Batch, layers: Sequence["LayerCache"], items: np.ndarray, rows: tuple[Items, Items, int]
+    ) -> tuple[np.ndarray, "_Where"]:
+        """Append ``rows`` ``(k, v, m)``' item ``items[i]`` (``m`` rows) to ``layers[i]``
+        (distinct layers of one pool and kind) as columns: the pages they need taken,
+        the writes one deferred entry per slab. Returns each layer's new length and
+        where the layers are (:class:`_Where`, for their attends)."""
+        first = layers[0]
+        pool, (k, v, m) = first.pool, rows
+        before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
+        after = before + m
+        held = np.fromiter((len(layer.pages) for layer in layers), np.int64, len(layers))
+        for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
+            layers[i]._ensure_pages(batch, int(after[i]))
+        where = _Where.of(batch, layers)
+        for idx in where.parts:
+            K.plan_append(batch, K.Append(
+                first.kv_format, where.slabs[idx[0]], pool.page_shift, first.n_kv_heads, first.head_dim,
+                np.full(len(idx), m), before[idx], _words(k, items[idx]), _words(v, items[idx]),
+                where.table_off[idx], where.signs_of(idx),
+            ))  # fmt: skip
         for layer, length in zip(layers, after.tolist()):
             layer.length = length
-        return after
+        return after, where
+
+    @classmethod
+    def _attend_columns(
+        cls,
+        batch: Batch,
+        layers: Sequence["LayerCache"],
+        where: "_Where",
+        items: np.ndarray,
+        q: Items,
+        out: Items,
+        shape: tuple[int, int, int],
+        length: np.ndarray,
+        start_pos: np.ndarray,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        """The split attends of :meth:`plan_stacked` (``start_pos`` resolved), one
+        entry per slab."""
+        first = layers[0]
+        for idx in where.parts:
+            cls.plan_split_attends(batch, K.Attends(
+                whole("in"), whole("out"), where.slabs[idx[0]], first.pool.page_shift, shape[0], shape[1],
+                first.n_kv_heads, first.head_dim, causal, scale, length[idx], start_pos[idx],
+                _words(q, items[idx]), _words(out, items[idx]), where.table_off[idx], where.signs_of(idx),
+            ), first.kv_format)  # fmt: skip
+
+    def attends_split(self, policy: K.KernelPolicy, n_queries: int, n_heads: int) -> bool:
+        """Whether an attend of ``n_queries`` rows of ``n_heads`` heads on this layer
+        takes the split kernels (what :meth:`plan_stacked` plans as columns)."""
+        return policy.path(self.kv_format, n_queries, n_heads, self.n_kv_heads, self.head_dim) == "split"
 
     def _attend(self, batch: Batch, q, shape: tuple, out, length: int, start_pos: int, causal: bool, scale: float):
         n, h, d = shape
@@ -508,9 +536,6 @@ class WindowedLayerCache(TurboQuantLayerCache):
     ``recent`` go: between calls the exact rows are the sinks and at most ``window``
     plus a page. Always the split path (``kernels.plan_split_windowed``)."""
 
-    #: a stacked step plans such layers one by one, not as columns
-    columnar = False
-
     def __init__(self, *, sinks: int, window: int, exact_pool: PagePool, **kw):
         super().__init__(**kw)
         self.sinks, self.window = sinks, window
@@ -518,6 +543,9 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self.recent = PlainLayerCache(pool=exact_pool, max_tokens=self.max_tokens, layer=self.layer)
         self.recent_base = 0  # the timestep of recent's row 0 (its dropped pages' rows before it)
         self.held_from = 0  # exact rows older than this are read from the codes
+
+    def attends_split(self, policy, n_queries, n_heads):
+        return True  # always (kernels.plan_split_windowed)
 
     def exact_from(self, start_pos: int) -> int:
         """The first timestep past the sinks an attend from ``start_pos`` reads exactly
@@ -527,11 +555,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
         return max(self.sinks, start_pos + 1 - self.window, self.held_from)
 
     def _exact_pages(self, capacity: int) -> int:
-        """Pages of exact rows a layer of ``capacity`` timesteps holds at most between
-        calls: the sinks', and the window's plus one (it starts inside a page)."""
-        pool = self.recent.pool
-        pages = min(pool.pages_for(self.window) + 1, capacity // pool.page_tokens) if self.window else 0
-        return pages + (pool.pages_for(min(self.sinks, capacity)) if self.sinks else 0)
+        return int(exact_pages(np.int64(self.sinks), np.int64(self.window), np.int64(capacity), self.page_tokens))
 
     @property
     def nbytes(self) -> int:
@@ -597,6 +621,66 @@ class WindowedLayerCache(TurboQuantLayerCache):
         K.plan_split_windowed(batch, a, self.kv_format, x)
         self._call_done(batch)
 
+    @classmethod
+    def append_columns(cls, batch, layers, items, rows):
+        """The codes' appends as columns, and the exact rows' (``plan_append_rows``'
+        for every layer at once): the recent rows of every layer with a window as a
+        plain append of its own, the sinks one by one (only the first ``sinks``
+        timesteps of a layer write them)."""
+        before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
+        after, where = super().append_columns(batch, layers, items, rows)
+        k, v, m = rows
+        for i in np.flatnonzero(before < np.fromiter((layer.sinks for layer in layers), np.int64, len(layers))):
+            layer = layers[i]
+            n = min(layer.sinks, int(after[i])) - int(before[i])
+            ks, vs = k.seg(int(items[i])), v.seg(int(items[i]))
+            row = ks.size // m  # bytes of one row as uploaded
+            layer.head.plan_append_rows(batch, Seg(ks.arena, ks.offset, n * row), Seg(vs.arena, vs.offset, n * row), n)
+        windowed = [i for i, layer in enumerate(layers) if layer.window]
+        if windowed:
+            recents = [layers[i].recent for i in windowed]
+            type(recents[0]).append_columns(batch, recents, items[windowed], rows)
+        return after, where
+
+    @classmethod
+    def _attend_columns(cls, batch, layers, where, items, q, out, shape, length, start_pos, causal, scale):
+        """:func:`kernels.plan_split_windowed` of every layer at once (one entry per
+        slab of the codes, of the sinks and of the recent rows), then each layer's
+        call is done (:meth:`_call_done`)."""
+        count = len(layers)
+        heads = [layer.head if layer.head is not None and layer.head.slab is not None else None for layer in layers]
+        recents = [layer.recent if layer.recent.slab is not None else None for layer in layers]
+        sinks = np.fromiter((layer.sinks if head else 0 for layer, head in zip(layers, heads)), np.int64, count)
+        window = np.fromiter((layer.window for layer in layers), np.int64, count)
+        held_from = np.fromiter((layer.held_from for layer in layers), np.int64, count)
+        max_tokens = np.fromiter((layer.max_tokens for layer in layers), np.int64, count)
+        config_sinks = np.fromiter((layer.sinks for layer in layers), np.int64, count)
+        exact_from = np.where(  # WindowedLayerCache.exact_from, as columns
+            window > 0, np.maximum(np.maximum(config_sinks, start_pos + 1 - window), held_from), max_tokens
+        )
+        recent_base = np.fromiter((layer.recent_base for layer in layers), np.int64, count)
+        head_table = np.fromiter((h.table_offset(batch) if h else 0 for h in heads), np.int64, count)
+        recent_table = np.fromiter((r.table_offset(batch) if r else 0 for r in recents), np.int64, count)
+        slabs = [
+            (id(where.slabs[i]), id(h and h.slab), id(r and r.slab)) for i, (h, r) in enumerate(zip(heads, recents))
+        ]
+        first = layers[0]
+        for idx in _by_value(slabs):
+            i0 = int(idx[0])
+            a = K.Attends(
+                whole("in"), whole("out"), where.slabs[i0], first.pool.page_shift, shape[0], shape[1],
+                first.n_kv_heads, first.head_dim, causal, scale, length[idx], start_pos[idx],
+                _words(q, items[idx]), _words(out, items[idx]), where.table_off[idx], where.signs_of(idx),
+            )  # fmt: skip
+            head, recent = heads[i0], recents[i0]
+            x = K.ExactRows(
+                first.recent.kv_format, head.slab if head else None, recent.slab if recent else None,
+                sinks[idx], head_table[idx], exact_from[idx], recent_base[idx], recent_table[idx],
+            )  # fmt: skip
+            K.plan_split_windowed(batch, a, first.kv_format, x)
+        for layer in layers:
+            layer._call_done(batch)
+
     def _call_done(self, batch: Batch) -> None:
         """The layer's call is planned: it holds its last ``window`` rows from now on,
         and lets the pages of ``recent`` older than them go (an attend planned before
@@ -661,12 +745,71 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self.recent.release()
 
 
-def _by_value(keys: list[int]) -> list[np.ndarray]:
+def exact_pages(sinks: np.ndarray, window: np.ndarray, capacity: np.ndarray, page_tokens: int) -> np.ndarray:
+    """Pages of exact rows a windowed layer (:class:`WindowedLayerCache`) of
+    ``capacity`` timesteps holds at most between calls, as columns: the sinks', and
+    the window's plus one (it starts inside a page)."""
+    recent = np.where(window > 0, np.minimum(-(-window // page_tokens) + 1, capacity // page_tokens), 0)
+    return recent + np.where(sinks > 0, -(-np.minimum(sinks, capacity) // page_tokens), 0)
+
+
+def bytes_growth(caches: Sequence[LayerCache], capacity: np.ndarray, new_capacity: np.ndarray) -> np.ndarray:
+    """``caches[i].bytes_for(new_capacity[i]) - caches[i].bytes_for(capacity[i])`` for
+    every ``i``, as columns (capacities of whole pages; one page size for every pool
+    of an engine)."""
+    count, page = len(caches), caches[0].page_tokens
+    page_bytes = np.fromiter((c.pool.page_bytes for c in caches), np.int64, count)
+    growth = (new_capacity - capacity) // page * page_bytes
+    windowed = [i for i, c in enumerate(caches) if isinstance(c, WindowedLayerCache)]
+    if windowed:
+        w: list[WindowedLayerCache] = [caches[i] for i in windowed]  # type: ignore[misc]
+        sinks, window = (np.fromiter((getattr(c, name) for c in w), np.int64, len(w)) for name in ("sinks", "window"))
+        exact_bytes = np.fromiter((c.recent.pool.page_bytes for c in w), np.int64, len(w))
+        more = exact_pages(sinks, window, new_capacity[windowed], page) - exact_pages(
+            sinks, window, capacity[windowed], page
+        )
+        growth[windowed] += more * exact_bytes
+    return growth
+
+
+def _by_value(keys: Sequence[object]) -> list[np.ndarray]:
     """The indices of ``keys`` grouped by value, in order of first appearance."""
-    groups: dict[int, list[int]] = {}
+    groups: dict[object, list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return [np.asarray(g) for g in groups.values()]
+
+
+def _words(items: Items, idx: np.ndarray) -> np.ndarray:
+    """Word offsets of items ``idx`` of ``items`` in its arena."""
+    return (items.base + idx * items.stride) // 4
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a stacked step's layers are, as columns: each one's slab, page table
+    (word offset in the page tables, brought up to date) and rotation signs (word
+    offset in the input arena; none for plain layers), and the layers grouped by
+    slab (``parts``: indices, one array per slab)."""
+
+    slabs: list[Slab]
+    table_off: np.ndarray
+    signs: np.ndarray
+    parts: list[np.ndarray]
+
+    @classmethod
+    def of(cls, batch: Batch, layers: Sequence[LayerCache]) -> "_Where":
+        slabs = [layer.slab for layer in layers]
+        if any(slab is None for slab in slabs):
+            raise ValueError("attend over a layer that holds no timestep")
+        table_off = np.fromiter((layer.table_offset(batch) for layer in layers), np.int64, len(layers))
+        signs = np.asarray(type(layers[0]).sign_words(batch, layers), dtype=np.int64)
+        ids = [id(slab) for slab in slabs]
+        parts = [np.arange(len(ids))] if ids.count(ids[0]) == len(ids) else _by_value(ids)
+        return cls(slabs, table_off, signs, parts)  # type: ignore[arg-type]
+
+    def signs_of(self, idx: np.ndarray) -> Sequence[int]:
+        return self.signs[idx] if len(self.signs) else ()
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:

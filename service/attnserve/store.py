@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from .errors import CapacityExceeded, InvalidRequest, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
-from .kvcache import LayerCache, SessionConfig, SessionKV
+from .kvcache import LayerCache, SessionConfig, SessionKV, bytes_growth
 
 __all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store", "Owner"]
 
@@ -477,8 +477,6 @@ class Store:
         would be refused: the caller checks them one by one, which names each problem.
         Nothing changes until the step is committed (:meth:`commit_step`)."""
         states = [s.layers[layer] for s in sessions]
-        if not all(ls.cache.columnar for ls in states):
-            return None  # a windowed layer's bytes are its own (bytes_for): one by one
         count = len(states)
         length = np.fromiter((ls.length for ls in states), np.int64, count)
         if any(o is not None for o in offsets):
@@ -494,11 +492,9 @@ class Store:
             if (new_length > np.fromiter((c.max_tokens for c in caches), np.int64, count)).any():
                 return None
             page = caches[0].page_tokens  # one page size for every pool of the engine
-            held = capacity // page  # a capacity is whole pages
-            need = np.maximum(held, -(-new_length // page))
-            page_bytes = np.fromiter((c.pool.page_bytes for c in caches), np.int64, count)
-            capacity = need * page
-            delta = (need - held) * page_bytes
+            new_capacity = np.maximum(capacity, -(-new_length // page) * page)  # a capacity is whole pages
+            delta = bytes_growth(caches, capacity, new_capacity)
+            capacity = new_capacity
             total = int(delta.sum())
             budget = self.memory_budget_bytes
             if total > 0 and budget and self.used_bytes + total > budget:

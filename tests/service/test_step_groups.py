@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
+
 from attnserve.store import Store
 
 
@@ -68,8 +70,6 @@ P, PAGE_BYTES = 4, 100
 
 class _Cache:
     """A layer cache as the store sees it: length and capacity as the GPU left them."""
-
-    columnar = True  # a step of such layers is reserved as columns (kvcache.LayerCache.columnar)
 
     def __init__(self, length: int = 0):
         self.length, self.capacity = length, -(-length // P) * P
@@ -135,10 +135,48 @@ def test_a_step_is_refused_as_columns_where_any_item_would_be():
     assert store.plan_step(sessions[:1], 0, 1, [2]) is None  # an offset that is not the length
     tight = Store(max_sessions=10, memory_budget_bytes=PAGE_BYTES)
     assert tight.plan_step(_sessions(tight, [4, 4]), 0, 1, [None, None]) is None  # two new pages: past the budget
-    windowed = _sessions(_store(), [3, 3])
-    assert store.plan_step(windowed, 0, 1, [None, None]) is not None
-    windowed[1].kv.layers[0].columnar = False  # a layer whose bytes are its own (a window's exact rows)
-    assert store.plan_step(windowed, 0, 1, [None, None]) is None
+
+
+def _windowed(length: int, sinks: int, window: int, exact_page_bytes: int = 30):
+    """A windowed layer (kvcache.WindowedLayerCache) as its sizing methods see it:
+    its pool's page size and bytes, its exact rows' pool's page bytes."""
+    from attnserve.kvcache import WindowedLayerCache
+
+    cache = object.__new__(WindowedLayerCache)
+    cache.pool = SimpleNamespace(page_tokens=P, page_bytes=PAGE_BYTES, pages_for=lambda rows: -(-rows // P))
+    cache.recent = SimpleNamespace(pool=SimpleNamespace(page_bytes=exact_page_bytes))
+    cache.sinks, cache.window, cache.max_tokens, cache.length = sinks, window, 64, length
+    cache.pages = [0] * -(-length // P)
+    return cache
+
+
+def test_a_windowed_layers_bytes_grow_as_columns_as_one_by_one():
+    """kvcache.bytes_growth, what a stacked step reserves: each layer's bytes_for at
+    its new capacity less at its old, windowed layers (their exact rows' pages, which
+    grow with the capacity up to the window's) beside plain ones, at every capacity."""
+    from attnserve.kvcache import bytes_growth
+
+    caches = [_windowed(0, s, w) for s in (0, 1, 4, 6) for w in (0, 1, 3, 4, 9)] + [_Cache(0)]
+    for cap in range(0, 13 * P, P):
+        for more in (0, P, 3 * P):
+            old, new = np.full(len(caches), cap), np.full(len(caches), cap + more)
+            want = [c.bytes_for(cap + more) - c.bytes_for(cap) for c in caches]
+            assert bytes_growth(caches, old, new).tolist() == want, (cap, more)
+
+
+def test_a_step_of_windowed_layers_is_reserved_as_columns_as_one_by_one():
+    store = _store()
+    sessions = []
+    for i, (n, sinks, window) in enumerate([(3, 2, 5), (4, 0, 9), (0, 6, 0), (8, 1, 1)]):
+        s = store.create(SimpleNamespace(config=SimpleNamespace(num_layers=1), layers=[_windowed(n, sinks, window)],
+                                         nbytes=0), owner=None, session_id=f"w{i}")  # fmt: skip
+        s.layers[0].length, s.layers[0].capacity = n, -(-n // P) * P
+        sessions.append(s)
+    step = store.plan_step(sessions, 0, 2, [None] * 4)
+    assert step is not None
+    alone = [store.plan_append(s, 0, 2, None) for s in sessions]
+    assert step.delta_bytes == [r.delta_bytes for r in alone] and any(step.delta_bytes)
+    assert step.new_capacity == [r.new_capacity for r in alone]
 
 
 def test_a_failed_item_of_a_step_gives_its_rows_back_and_the_others_keep_theirs():
