@@ -18,8 +18,6 @@ import math
 import os
 import re
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +33,6 @@ except ImportError:  # a plain checkout: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
 
 from attnserve_client import AsyncClient, AsyncSession, Client, wire
-from tools.common import free_port
 
 BASE_URL = "http://attnserve.test"
 MAX_BODY = 1 << 20
@@ -381,37 +378,29 @@ def attention() -> Callable[..., np.ndarray]:
 
 
 @pytest.fixture(scope="session")
-def live_server_url() -> Iterator[str]:
-    """Base URL of the real attnserve server, run in-process on a free port.
-
-    Skips when the server package cannot be imported, except under CI (``CI`` set),
-    where that is a failure.
-    """
+def start_live_server() -> Callable[..., Any]:
+    """Starts the real attnserve server in-process (``tests/live_server.py``:
+    uvicorn on a free loopback port, as ``attnserve serve`` configures it) with the
+    given settings; the caller stops it. Skips when the server package cannot be
+    imported, except under CI (``CI`` set), where that is a failure."""
     try:
-        import uvicorn
-        from attnserve.app import create_app
         from attnserve.config import Settings
+        from live_server import LiveServer
     except ImportError as exc:
         if os.environ.get("CI"):
             pytest.fail(f"live server tests need the attnserve server package: {exc}")
         pytest.skip(f"attnserve server not importable yet ({exc}); live tests skipped")
+    return lambda **settings: LiveServer(Settings(**settings)).start()
 
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(Settings()), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="attnserve-live", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail("the attnserve server did not start within 60 s")
-        time.sleep(0.05)
+
+@pytest.fixture(scope="session")
+def live_server_url(start_live_server) -> Iterator[str]:
+    """Base URL of the real attnserve server with the default settings."""
+    server = start_live_server()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield server.url
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        server.stop()
 
 
 @pytest.fixture

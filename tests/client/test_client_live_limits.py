@@ -5,10 +5,6 @@ mapped from a real answer by the sync and the async client."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,31 +21,13 @@ def rand(*shape):
 
 
 @pytest.fixture(scope="module")
-def tight_server():
+def tight_server(start_live_server):
     """A real server with a 16 KiB body limit and at most 2 sessions: (url, runtime)."""
+    server = start_live_server(max_body_bytes=16 * 1024, max_sessions=2, api_keys=f"{KEY},{OTHER_KEY}")
     try:
-        import uvicorn
-        from attnserve.app import create_app
-        from attnserve.config import Settings
-    except ImportError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"live server tests need the attnserve server package: {exc}")
-        pytest.skip(f"attnserve server not importable ({exc})")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(Settings(max_body_bytes=16 * 1024, max_sessions=2, api_keys=f"{KEY},{OTHER_KEY}"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            pytest.fail("the server did not start within 60 s")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", app.state.runtime
-    server.should_exit = True
-    thread.join(timeout=30)
+        yield server.url, server.runtime
+    finally:
+        server.stop()
 
 
 def _check(err: ac.AttnServeError, cls: type, status: int, slug: str) -> None:
