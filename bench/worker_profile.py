@@ -52,6 +52,7 @@ def run(
     stacked: bool = False,
     gpu_phases: bool = False,
     exact: tuple[int, int] = (0, 0),
+    sort: str = "tottime",
 ) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
@@ -134,7 +135,7 @@ def run(
         res["gpu_phases"] = phases(new_batch, plan, stacked, read_only, sessions, q)
     if top:
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
         res["profile_tottime"] = buf.getvalue().splitlines()
     for s in sessions:
         engine.release(s).result()
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="GPU timestamps per dispatch of the step (device feature timestamp-query)",
     )
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"), help="the profile's order")
     ap.add_argument("--sinks", type=int, default=0, help="a compressed layer's exact first timesteps")
     ap.add_argument("--window", type=int, default=0, help="a compressed layer's exact recent window")
     ap.add_argument("--json-out", type=Path)
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
             for n in sorted({1, args.sessions}):
                 r = run(
                     engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked,
-                    args.gpu_phases and n > 1, (args.sinks, args.window),
+                    args.gpu_phases and n > 1, (args.sinks, args.window), args.sort,
                 )  # fmt: skip
                 results.append(r)
                 prof = r.pop("profile_tottime", None)
