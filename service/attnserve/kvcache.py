@@ -627,9 +627,9 @@ class WindowedLayerCache(TurboQuantLayerCache):
         for every layer at once): the recent rows of every layer with a window as a
         plain append of its own, the sinks one by one (only the first ``sinks``
         timesteps of a layer write them)."""
-        before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
         after, where = super().append_columns(batch, layers, items, rows)
         k, v, m = rows
+        before = after - m
         for i in np.flatnonzero(before < np.fromiter((layer.sinks for layer in layers), np.int64, len(layers))):
             layer = layers[i]
             n = min(layer.sinks, int(after[i])) - int(before[i])
