@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypedDict, TypeVar, Union, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypedDict, TypeVar, Union, overload
 
 import httpx
 import numpy as np
@@ -214,6 +214,20 @@ def _attend_options(start_pos: Any, causal: Any, scale: Any) -> tuple[int | None
             raise refused(InvalidRequest, f"scale: expected a finite float, got {scale!r}")
         scale = float(scale)
     return start_pos, bool(causal), scale
+
+
+class _AttendArgs(NamedTuple):
+    """An attend's arguments as checked before anything is sent
+    (:meth:`_SessionBase._check_attend`): ``k``, ``v`` None unless the attend is fused."""
+
+    layer: int
+    like: Any  # q as given (the answer takes its kind: tensors.answer)
+    q: np.ndarray
+    k: np.ndarray | None
+    v: np.ndarray | None
+    start_pos: int | None
+    causal: bool
+    scale: float | None
 
 
 def _int_member(body: Any, key: str, what: str) -> int:
@@ -575,6 +589,21 @@ class _SessionBase(Generic[_C]):
         except wire.WireError as exc:
             raise refused(InvalidRequest, str(exc)) from None
 
+    def _check_pair(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``k``, ``v`` of an attend that has either: both, checked (:meth:`_check_kv`)."""
+        if (k is None) != (v is None):
+            raise refused(InvalidRequest, f"k, v: expected both or neither, got only {'k' if v is None else 'v'}")
+        return self._check_kv(k, v)
+
+    def _check_attend(self, layer: Any, q: Any, k: Any, v: Any, start_pos: Any, causal: Any, scale: Any) -> _AttendArgs:
+        """An attend's arguments, each checked before anything is sent (the fused rows
+        when ``k`` or ``v`` is given)."""
+        layer = self._check_layer(layer)
+        rows = self._check_rows(q, "q", self._config.num_qo_heads, "n")
+        if k is not None or v is not None:
+            k, v = self._check_pair(k, v)
+        return _AttendArgs(layer, q, rows, k, v, *_attend_options(start_pos, causal, scale))
+
     def _check_kv(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         k = self._check_rows(k, "k", self._config.num_kv_heads, "m")
         v = self._check_rows(v, "v", self._config.num_kv_heads, "m")
@@ -646,16 +675,8 @@ class _SessionBase(Generic[_C]):
         scale: float | None,
         return_lse: bool = False,
     ) -> Flow[Any]:
-        layer = self._check_layer(layer)
-        like, q = q, self._check_rows(q, "q", self._config.num_qo_heads, "n")
+        layer, like, q, k, v, start_pos, causal, scale = self._check_attend(layer, q, k, v, start_pos, causal, scale)
         n = q.shape[0]
-        fused = k is not None or v is not None
-        if fused and (k is None or v is None):
-            only = "k" if v is None else "v"
-            raise refused(InvalidRequest, f"k, v: expected both or neither, got only {only}")
-        if fused:
-            k, v = self._check_kv(k, v)
-        start_pos, causal, scale = _attend_options(start_pos, causal, scale)
 
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": causal}
         if return_lse:
@@ -664,7 +685,7 @@ class _SessionBase(Generic[_C]):
             query["scale"] = scale
         if start_pos is not None:
             query["start_pos"] = start_pos
-        if not fused:
+        if k is None or v is None:  # not fused (both or neither, checked)
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
             return self._answer_from(layer, reply, n, like, return_lse)
 

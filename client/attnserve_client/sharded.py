@@ -87,7 +87,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ._client import AsyncClient, Client, SessionSpec, _attend_options, _check_session_id, _int_arg, new_session_id
+from ._client import AsyncClient, Client, SessionSpec, _check_session_id, _int_arg, new_session_id
 from ._steps import as_given
 from .errors import (
     APIConnectionError,
@@ -383,12 +383,6 @@ class _ShardedBase:
 
     # -- checks ------------------------------------------------------------------
 
-    def _check_kv(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
-        if (k is None) != (v is None):
-            raise refused(InvalidRequest, f"k, v: expected both or neither, got only {'k' if v is None else 'v'}")
-        checked: tuple[np.ndarray, np.ndarray] = self._shards[0].session._check_kv(k, v)
-        return checked
-
     def _check_room(self, layer: int, m: int) -> None:
         total = self._total(layer)
         if self.max_tokens is not None and total is not None and total + m > self.max_tokens:
@@ -586,8 +580,9 @@ class _ShardedBase:
         return total
 
     def _checked_append_flow(self, layer: Any, k: Any, v: Any) -> Flow[int]:
-        layer = self._shards[0].session._check_layer(layer)
-        k, v = self._check_kv(k, v)
+        first = self._shards[0].session
+        layer = first._check_layer(layer)
+        k, v = first._check_pair(k, v)
         yield from self._known_flow(layer)
         self._check_room(layer, k.shape[0])
         return (yield from self._append_flow(layer, k, v))
@@ -603,14 +598,10 @@ class _ShardedBase:
         scale: float | None,
         return_lse: bool,
     ) -> Flow[Any]:
-        first = self._shards[0].session
-        layer = first._check_layer(layer)
-        like, q = q, first._check_rows(q, "q", first._config.num_qo_heads, "n")
+        checked = self._shards[0].session._check_attend(layer, q, k, v, start_pos, causal, scale)
+        layer, like, q, k, v, start_pos, causal, scale = checked
         n = q.shape[0]
-        fused = k is not None or v is not None
-        if fused:
-            k, v = self._check_kv(k, v)
-        start_pos, causal, scale = _attend_options(start_pos, causal, scale)
+        fused = k is not None
 
         yield from self._known_flow(layer)
         m = k.shape[0] if fused else 0
