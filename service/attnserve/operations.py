@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .codec import Fields, MediaKind, array_out, decode_document
-from .engine import Engine
+from .engine import AttendResult, Engine
 from .errors import InvalidRequest, LayerNotFound
 from .gpu.device import PlanFn
 from .kvcache import SessionConfig, SessionKV
@@ -244,12 +244,12 @@ def count_step_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries:
             rt.metrics.rows.inc("query", fmt, amount=queries * count)
 
 
-def attend_document(out: np.ndarray, length: int, kind: MediaKind, lse: np.ndarray | None = None) -> dict[str, Any]:
+def attend_document(result: AttendResult, kind: MediaKind, return_lse: bool) -> dict[str, Any]:
     """An attend's answer: ``out``, ``length``, and ``lse`` when it was asked for
-    (``return_lse``; not None)."""
-    doc = {"out": array_out(out, kind), "length": length}
-    if lse is not None:
-        doc["lse"] = array_out(np.ascontiguousarray(lse), kind)
+    (``return_lse``)."""
+    doc = {"out": array_out(result.out, kind), "length": result.length}
+    if return_lse:
+        doc["lse"] = array_out(np.ascontiguousarray(result.lse), kind)
     return doc
 
 

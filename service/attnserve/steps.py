@@ -593,8 +593,7 @@ def results_document(
         if isinstance(r, ApiError):
             results.append({"error": _problem(r, i, instance)})
         else:
-            lse = r.lse if i < len(want_lse) and want_lse[i] else None
-            results.append(attend_document(r.out, r.length, kind, lse))
+            results.append(attend_document(r, kind, i < len(want_lse) and want_lse[i]))
     return {"results": results}
 
 

@@ -164,6 +164,6 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
             return r
         if op == "append":
             return {"length": r}
-        return attend_document(r.out, r.length, kind, r.lse if want_lse else None)
+        return attend_document(r, kind, want_lse)
 
     return Pending(rid, instance, result)

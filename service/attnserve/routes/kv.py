@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from ..codec import MediaKind, Wire, encode, read_body, respond
+from ..engine import AttendResult
 from ..store import Session
 from .deps import EngineDep, LayerPath, OwnerDep, Runtime, RuntimeDep, SessionDep, WireDep
 from ..operations import (
@@ -92,8 +92,8 @@ async def append_kv(
     return respond({"length": length}, wire)
 
 
-def _attend_body(out: np.ndarray, length: int, kind: MediaKind, lse: np.ndarray | None) -> bytes:
-    return encode(attend_document(out, length, kind, lse), kind)
+def _attend_body(result: AttendResult, kind: MediaKind, return_lse: bool) -> bytes:
+    return encode(attend_document(result, kind, return_lse), kind)
 
 
 @router.post(
@@ -126,7 +126,6 @@ async def attend(
     op = check_attend(rt, engine, session, li, req)
     result = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
     count_rows(rt, op)
-    out, lse = result.out, (result.lse if req.return_lse else None)
-    size = out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
-    body = await rt.offload(_attend_body, out, result.length, wire.response, lse, size=size)
+    size = result.out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
+    body = await rt.offload(_attend_body, result, wire.response, req.return_lse, size=size)
     return respond(None, wire, body=body)
