@@ -8,6 +8,7 @@ per call (p50) as bench/generate.py's cache sends it, in variants:
   each call in this process (as the model's layer does).
 
     python bench/probes/generate_step.py --adapter nvidia --batch 32 --layers 30 --context 1024
+    python bench/probes/generate_step.py --adapter nvidia --kv-format tq4v3 --sinks 4 --window 128
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--kv-format", default="f32")
+    ap.add_argument("--sinks", type=int, default=0, help="a compressed session's exact first timesteps")
+    ap.add_argument("--window", type=int, default=0, help="a compressed session's exact recent window")
     args = ap.parse_args()
     B, L = args.batch, args.layers
     rng = np.random.default_rng(0)
@@ -45,9 +48,12 @@ def main() -> None:
         import torch  # noqa: F811
     except ImportError:
         pass
+    exact = {"sinks": args.sinks, "window": args.window} if args.sinks or args.window else {}
     with serving(args.adapter) as (server, url), Client(url, timeout=120) as c:
         ss = [
-            c.create_session(num_qo_heads=9, num_kv_heads=3, head_dim=64, num_layers=L, kv_format=args.kv_format)
+            c.create_session(
+                num_qo_heads=9, num_kv_heads=3, head_dim=64, num_layers=L, kv_format=args.kv_format, **exact
+            )
             for _ in range(B)
         ]
         with c.stream() as st:
@@ -79,6 +85,8 @@ def main() -> None:
                             "batch": B,
                             "layers": L,
                             "context": args.context,
+                            "kv_format": args.kv_format,
+                            **exact,
                             "p50_ms": round(1000 * statistics.median(times), 3),
                             "mean_ms": round(1000 * statistics.fmean(times), 3),
                             "server_cpu_ms": round(1000 * cpu, 3),
