@@ -8,7 +8,7 @@
 #    layers at 1k (SmolLM2's shape), new and old, and f32 beside them (new);
 # 2. bench/worker_profile.py --stacked: the GPU thread's plan / encode / submit of a
 #    64 x 4k step, new and old (and f32, new, with its profile: what a plan reused
-#    across layers could save);
+#    across layers could save), and 1 and 32 items at 1k (the fixed part of a step);
 # 3. bench/step_profile.py: event loop and GPU thread CPU per item, 16 / 64 / 256 x 4k,
 #    new and old;
 # 4. the columns' tests on NVIDIA's Vulkan driver.
@@ -37,6 +37,9 @@ done
 echo "== worker_profile new f32 (profile)"
 in_tree "$NEW" timeout 100 python3 bench/worker_profile.py --adapter nvidia --stacked --sessions 64 --context 4096 \
   --steps 30 --formats f32 --top 40 --sort tottime --json-out "$OUTDIR/worker-new-f32.json" | grep -v '^#'
+echo "== worker_profile new f32, 1 and 32 items at 1k (generate()'s call: the fixed part of a step)"
+in_tree "$NEW" timeout 60 python3 bench/worker_profile.py --adapter nvidia --stacked --sessions 32 --context 1024 \
+  --steps 100 --formats f32 --top 0 | grep -v '^#'
 for tree in "$NEW new" "$OLD old"; do
   set -- $tree
   echo "== step_profile $2 tq4v3/s4w128"
