@@ -5,7 +5,13 @@ for a batched step of N fused decode items, with a cProfile summary of the
 planning and encoding.
 
     python bench/worker_profile.py [--adapter nvidia] [--sessions 64] [--context 4096]
-        [--formats f32,turboquant] [--steps 30] [--sinks 4 --window 128] [--profile-out FILE]
+        [--formats f32,turboquant] [--steps 30] [--sinks 4 --window 128] [--layers 1]
+        [--profile-out FILE]
+
+With ``--layers L`` the sessions have L layers and the steps go through them in
+turn, as an engine's decode does: step ``i`` is layer ``i % L``'s, and layers 1..L-1
+of a token attend at the lengths layer 0 did (a stacked step's plan is recorded on
+layer 0 and replayed for the others: ``batch.StepPlans``).
 
 It drives the engine directly (no HTTP): one :class:`~attnserve.gpu.batch.Batch`
 per step, on the calling thread while the GPU worker is idle, so the phases are
@@ -53,27 +59,34 @@ def run(
     gpu_phases: bool = False,
     exact: tuple[int, int] = (0, 0),
     sort: str = "tottime",
+    num_layers: int = 1,
 ) -> dict:
     rng = np.random.default_rng(0)
     ctx = engine.ctx
     sessions = [
-        engine.session_kv(SessionConfig(1, H, HKV, D, fmt, context + 4 * steps + 64, i, *exact)) for i in range(n)
+        engine.session_kv(SessionConfig(num_layers, H, HKV, D, fmt, context + 4 * steps + 64, i, *exact))
+        for i in range(n)
     ]
     for s in sessions:
         k = rng.standard_normal((context, HKV, D), dtype=np.float32)
-        engine.append(s.layers[0], k, k).result()
+        for layer in s.layers:
+            engine.append(layer, k, k).result()
     q = rng.standard_normal((1, H, D), dtype=np.float32)
     k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
     qb, kb = np.broadcast_to(q, (n, *q.shape)).copy(), np.broadcast_to(k1, (n, *k1.shape)).copy()
     arenas = engine.worker.arenas
 
+    turn = [0]  # the steps so far: the layer of the next one
+
     def plan(batch: Batch, stacked: bool, read_only: bool) -> list:
+        li = turn[0] % num_layers
+        turn[0] += 1
         if stacked:  # one job for the step, its items planned as columns (Engine.plan_stacked)
             fused = {} if read_only else {"k": kb, "v": kb}
-            layers = [s.layers[0] for s in sessions]
+            layers = [s.layers[li] for s in sessions]
             return [engine.plan_stacked(layers, qb, start_pos=[None] * n, **fused)(batch)]
         fused = {} if read_only else {"k": k1, "v": k1}
-        return [engine.plan_attend(s.layers[0], q, **fused)(batch) for s in sessions]
+        return [engine.plan_attend(s.layers[li], q, **fused)(batch) for s in sessions]
 
     def new_batch() -> Batch:
         return Batch(ctx.device, ctx.pipelines, arenas, ctx.offset_align, engine.policy)
@@ -105,6 +118,8 @@ def run(
 
     # the worker must be idle while this thread drives the device
     engine.worker.run(lambda c: None)
+    plans = getattr(arenas, "step_plans", None)  # absent before the recorded plans (a tree before them)
+    hits0, misses0 = (plans.hits, plans.misses) if plans else (0, 0)
     for _ in range(3):
         step(None)
     times = np.array([step(None) for _ in range(steps)]) * 1e3  # timed without the profiler
@@ -112,11 +127,14 @@ def run(
     for _ in range(steps if top else 0):
         step(prof)
     med = np.median(times, axis=0)
+    replays = {"hits": plans.hits - hits0, "misses": plans.misses - misses0} if plans else None
     res = {
         "kv_format": fmt,
         **({"sinks": exact[0], "window": exact[1]} if any(exact) else {}),
         "items": n,
         "context": context,
+        **({"layers": num_layers} if num_layers > 1 else {}),
+        **({"step_plans": replays} if replays and stacked else {}),
         "fused_append": not read_only,
         "stacked": stacked,
         "steps": steps,
@@ -204,6 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"), help="the profile's order")
     ap.add_argument("--sinks", type=int, default=0, help="a compressed layer's exact first timesteps")
     ap.add_argument("--window", type=int, default=0, help="a compressed layer's exact recent window")
+    ap.add_argument("--layers", type=int, default=1, help="layers per session, stepped in turn (an engine's decode)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
     if args.gpu_phases:
@@ -216,7 +235,7 @@ def main(argv=None) -> int:
             for n in sorted({1, args.sessions}):
                 r = run(
                     engine, fmt, n, args.context, args.steps, args.top if n > 1 else 0, args.read_only, args.stacked,
-                    args.gpu_phases and n > 1, (args.sinks, args.window), args.sort,
+                    args.gpu_phases and n > 1, (args.sinks, args.window), args.sort, args.layers,
                 )  # fmt: skip
                 results.append(r)
                 prof = r.pop("profile_tottime", None)

@@ -17,7 +17,7 @@ import pytest
 from attnserve.engine import Engine
 from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
 
-from _core import CORE_PAGE_TOKENS as P, read_words, rows
+from _core import CORE_PAGE_TOKENS as P, core_engine, read_words, rows
 
 pytestmark = pytest.mark.gpu
 
@@ -282,3 +282,120 @@ def test_uploads_gather_small_arrays_and_keep_large_ones_as_they_are(monkeypatch
     up.add(64, memoryview(big).cast("B"))
     up.rollback(first)
     assert up.image()[48:] == b"jk" and len(up.runs) == 3
+
+
+def _stacked(engine, pairs, li, q, k, v):
+    return engine.plan_stacked(
+        [p[0].layers[li] for p in pairs], q, k=k, v=k if v is None else v, start_pos=[None] * len(pairs)
+    )
+
+
+def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, columns):
+    """Issue 25's plan once per step: an engine's step attends the same sessions at
+    the same lengths on every layer, so the commands recorded on its first layer
+    are replayed on the others (``batch.StepPlans``), each layer's own page tables
+    put in. Several formats, lengths across page boundaries, appends of 1 and of
+    several rows that open new pages, a step of several query rows, one without an
+    append, and two layers' steps in one batch: bit for bit what each item gets
+    alone, and every layer after the first of a step replayed (an engine of its own:
+    no other test's sessions in its slabs, so that no layer's page moves its slab
+    between two layers of a step, which would make that layer record anew)."""
+    engine = core_engine()
+    try:
+        _replayed_steps(engine, rng, columns)
+    finally:
+        engine.close()
+
+
+def _replayed_steps(engine, rng, columns):
+    num_layers = 4
+    formats = ["f32", "tq4", "f16", "turboquant", "tq4", "f32"]
+    lengths = [P - 1, P, 2 * P + 3, 1, 3 * P - 1, 2 * P]
+    pairs = _pairs(engine, formats, lengths, rng, layers=num_layers)
+    plans = engine.worker.arenas.step_plans
+    b, groups = len(pairs), len(set(formats))  # one group (pool) per format: one plan each per layer
+    steps = [(1, 1), (1, 1), (2, P + 1), (1, 0), (3, 2), (1, 1)]  # (query rows, appended rows)
+    for n, m in steps:
+        hits = plans.hits
+        for li in range(num_layers):  # every layer of the step, as a model runs them
+            q = rng.standard_normal((b, n, H, D)).astype(np.float32)
+            k = None if not m else rng.standard_normal((b, m, HKV, D)).astype(np.float32)
+            v = None if not m else rng.standard_normal((b, m, HKV, D)).astype(np.float32)
+            _check_step(engine, pairs, li, q, k, v)
+        assert plans.hits - hits == (num_layers - 1) * groups  # layers 1.. of the step: replayed
+    _same_words(engine, pairs)
+    assert sum(columns) == len(steps) * num_layers * b
+
+    # layers 2 and 3 of a step in one batch: the first job replays, the second (not
+    # its batch's first) is planned and flushed with the batch; layers 0 and 1 first
+    q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
+    kv = [rng.standard_normal((b, 1, HKV, D)).astype(np.float32) for _ in range(num_layers)]
+    for li in (0, 1):
+        _check_step(engine, pairs, li, q, kv[li], kv[li])
+    hits = plans.hits
+    futures = engine.worker.submit_plans([_stacked(engine, pairs, li, q, kv[li], kv[li]) for li in (2, 3)])
+    got = [f.result() for f in futures]
+    assert plans.hits - hits == groups
+    for li, step in zip((2, 3), got):
+        assert not step.errors
+        for i in range(b):
+            one = engine.attend(pairs[i][1].layers[li], q[i], k=kv[li][i], v=kv[li][i]).result()
+            assert step.lengths[i] == one.length
+            np.testing.assert_array_equal(step.out[i], one.out)
+            np.testing.assert_array_equal(step.lse[i], one.lse)
+    _same_words(engine, pairs)
+
+
+def test_a_recorded_plan_is_replayed_with_each_layers_page_tables(engine):
+    """``Batch.record`` / ``recorded`` / ``replay``: a recording keeps the commands
+    and params a job planned into an empty batch; a replay into a batch of the same
+    layout plans them again with each ``table_off`` of the params that named the
+    recorded tables' offsets set to the new ones (by position, other fields as they
+    were). A recording that uploaded data or changed host state, or whose tables are
+    not distinct, gives no plan; a batch holding commands records nothing."""
+    from attnserve.gpu import params as PR
+    from attnserve.gpu.batch import Batch, whole
+
+    def new_batch():
+        return Batch(engine.ctx.device, engine.ctx.pipelines, engine.worker.arenas, engine.ctx.offset_align,
+                     engine.policy)  # fmt: skip
+
+    block = PR.KV_WRITE_PARAMS
+    rows = PR.pack_array(block, 3, table_off=[40, 7, 40], t=[1, 2, 3], row_words=5)
+    batch = new_batch()
+    q = batch.upload(np.arange(4, dtype="<f4"))  # the job's data: before the recording
+    layout = batch.layout()
+    assert batch.record()
+    prm = batch.upload_params(rows)
+    batch.dispatch("kv_write_rows", {0: whole("in"), 3: prm}, (1, 3, 1))
+    plan = batch.recorded(np.array([40, 7]))
+    assert plan is not None and plan.n_dispatches == 1 and len(plan.ops) == 1
+
+    again = new_batch()
+    again.upload(np.arange(4, dtype="<f4"))
+    assert again.layout() == layout
+    again.replay(plan, np.array([9, 1000]))
+    assert again.ops == batch.ops[1 - len(plan.ops) :] and again.layout() == batch.layout()
+    image = np.frombuffer(again._uploads.image()[prm.offset : prm.offset + prm.size], block)
+    np.testing.assert_array_equal(image["table_off"], [9, 1000, 9])
+    np.testing.assert_array_equal(image["t"], [1, 2, 3])
+    np.testing.assert_array_equal(image["row_words"], [5, 5, 5])
+    assert again._uploads.image()[: q.size] == np.arange(4, dtype="<f4").tobytes()
+
+    for spoil in (
+        lambda b: b.upload(b"data"),
+        lambda b: b.upload_items(np.zeros((2, 4), np.float32)),
+        lambda b: b.on_rollback(lambda: None),
+    ):
+        other = new_batch()
+        assert other.record()
+        other.upload_params(rows)
+        spoil(other)
+        assert other.recorded(np.array([40, 7])) is None
+    twice = new_batch()
+    assert twice.record()
+    twice.upload_params(rows)
+    assert twice.recorded(np.array([40, 40])) is None  # two items' tables at one offset: no map back
+    busy = new_batch()
+    busy.records = False  # a batch's later job (Engine.plan_stacked sets it): its dispatches shared
+    assert not busy.record()

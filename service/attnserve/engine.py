@@ -381,6 +381,7 @@ class Engine:
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
 
         def plan(batch):
+            batch.records = batch.empty  # only a batch's first job records its plan (Batch.record)
             qs = batch.upload_items(q)
             outs = batch.output_items(b, attend_output_bytes(*q.shape[1:]))
             rows = {}  # the fused rows, once per row dtype the layers take (before any item can roll back)

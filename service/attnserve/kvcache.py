@@ -244,17 +244,46 @@ class LayerCache:
         kind = type(layers[0])  # the methods of the layers' own kind
         saved = [layer.state() for layer in layers]
         batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
+        # the layers' state first (pages, page tables, signs, lengths); then the
+        # commands, recorded, or replayed where a step over other layers at the same
+        # lengths recorded them (a kind that does not replay defers its writes here)
+        replays = kind.replays_columns
         if rows is None:
-            after, where = np.fromiter((layer.length for layer in layers), np.int64, len(layers)), None
+            after, where = (
+                np.fromiter((layer.length for layer in layers), np.int64, len(layers)),
+                _Where.of(batch, layers),
+            )
+        elif replays:
+            after, where = kind._take_columns(batch, layers, rows[2])
         else:
             after, where = kind.append_columns(batch, layers, items, rows)
-        n = shape[0]
-        sp = np.where(start_pos < 0, after - n, start_pos)
-        if (sp < 0).any() or (sp + n > after).any():
-            raise ValueError("start_pos + n rows exceeds a layer's length")
-        kind._attend_columns(batch, layers, where or _Where.of(batch, layers), items, q, out, shape, after, sp,
-                             causal, scale)  # fmt: skip
+        sp = _start_positions(start_pos, after, shape[0])
+        plans, key, objects = batch.arenas.step_plans, None, ()
+        if replays and not batch.deferring:
+            key, objects = _Where.plan_key(batch, layers, where, items, q, out, rows, shape, after, sp, causal, scale)
+            recorded = plans.get(key, objects)
+            if recorded is not None:
+                batch.replay(recorded, where.table_off)
+                return after
+        recording = key is not None and batch.record()
+        try:
+            if replays and rows is not None:
+                kind._write_columns(batch, layers, where, items, rows, after - rows[2])
+            kind._attend_columns(batch, layers, where, items, q, out, shape, after, sp, causal, scale)
+        except BaseException:
+            if recording:
+                batch.abandon_recording()
+            raise
+        if recording:
+            plan = batch.recorded(where.table_off)
+            if plan is not None:
+                plans.put(key, objects, plan)
         return after
+
+    #: Whether :meth:`plan_stacked` records the commands of a step over layers of
+    #: this kind and replays them for the next layer at the same lengths: a kind
+    #: whose appends and attends change no host state (a windowed layer's do).
+    replays_columns = True
 
     @classmethod
     def append_columns(
@@ -264,23 +293,45 @@ class LayerCache:
         (distinct layers of one pool and kind) as columns: the pages they need taken,
         the writes one deferred entry per slab. Returns each layer's new length and
         where the layers are (:class:`_Where`, for their attends)."""
-        first = layers[0]
-        pool, (k, v, m) = first.pool, rows
+        after, where = cls._take_columns(batch, layers, rows[2])
+        cls._write_columns(batch, layers, where, items, rows, after - rows[2])
+        return after, where
+
+    @staticmethod
+    def _take_columns(batch: Batch, layers: Sequence["LayerCache"], m: int) -> tuple[np.ndarray, "_Where"]:
+        """The state of an append of ``m`` rows to each of ``layers``: the pages they
+        need taken, where they are then (:class:`_Where`), their new lengths (set,
+        and returned)."""
+        pool = layers[0].pool
         before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
         after = before + m
         held = np.fromiter((len(layer.pages) for layer in layers), np.int64, len(layers))
         for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
             layers[i]._ensure_pages(batch, int(after[i]))
         where = _Where.of(batch, layers)
-        for idx in where.parts:
-            K.plan_append(batch, K.Append(
-                first.kv_format, where.slabs[idx[0]], pool.page_shift, first.n_kv_heads, first.head_dim,
-                np.full(len(idx), m), before[idx], _words(k, items[idx]), _words(v, items[idx]),
-                where.table_off[idx], where.signs_of(idx),
-            ))  # fmt: skip
         for layer, length in zip(layers, after.tolist()):
             layer.length = length
         return after, where
+
+    @staticmethod
+    def _write_columns(
+        batch: Batch,
+        layers: Sequence["LayerCache"],
+        where: "_Where",
+        items: np.ndarray,
+        rows: tuple[Items, Items, int],
+        before: np.ndarray,
+    ) -> None:
+        """The writes of :meth:`_take_columns`' append: ``rows`` ``(k, v, m)``' item
+        ``items[i]`` at timestep ``before[i]`` of ``layers[i]``, one deferred entry
+        per slab."""
+        first, (k, v, m) = layers[0], rows
+        for idx in where.parts:
+            K.plan_append(batch, K.Append(
+                first.kv_format, where.slabs[idx[0]], first.pool.page_shift, first.n_kv_heads, first.head_dim,
+                np.full(len(idx), m), before[idx], _words(k, items[idx]), _words(v, items[idx]),
+                where.table_off[idx], where.signs_of(idx),
+            ))  # fmt: skip
 
     @classmethod
     def _attend_columns(
@@ -544,6 +595,8 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self.recent_base = 0  # the timestep of recent's row 0 (its dropped pages' rows before it)
         self.held_from = 0  # exact rows older than this are read from the codes
 
+    replays_columns = False  # its attends write sinks and let recent pages go (host state)
+
     def attends_split(self, policy, n_queries, n_heads):
         return True  # always (kernels.plan_split_windowed)
 
@@ -772,6 +825,15 @@ def bytes_growth(caches: Sequence[LayerCache], capacity: np.ndarray, new_capacit
     return growth
 
 
+def _start_positions(start_pos: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:
+    """Each item's first query row's timestep (``-1``: its last ``n`` rows), checked
+    against its layer's length."""
+    sp = np.where(start_pos < 0, after - n, start_pos)
+    if (sp < 0).any() or (sp + n > after).any():
+        raise ValueError("start_pos + n rows exceeds a layer's length")
+    return sp
+
+
 def _by_value(keys: Sequence[object]) -> list[np.ndarray]:
     """The indices of ``keys`` grouped by value, in order of first appearance."""
     groups: dict[object, list[int]] = {}
@@ -810,6 +872,39 @@ class _Where:
 
     def signs_of(self, idx: np.ndarray) -> Sequence[int]:
         return self.signs[idx] if len(self.signs) else ()
+
+    @staticmethod
+    def plan_key(
+        batch: Batch,
+        layers: Sequence[LayerCache],
+        where: "_Where",
+        items: np.ndarray,
+        q: Items,
+        out: Items,
+        rows: tuple[Items, Items, int] | None,
+        shape: tuple[int, int, int],
+        after: np.ndarray,
+        start_pos: np.ndarray,
+        causal: bool,
+        scale: float,
+    ) -> tuple[tuple, tuple]:
+        """What the commands of a stacked step over ``layers`` (placed: ``where``)
+        are made from, but the layers' page tables' offsets (a replay puts each
+        layer's own in): their kind, format and pool, the step's shape, arrays and
+        lengths, the slabs and signs, and the batch's layout. Returns the key and the
+        objects its ids stand for (a replay checks they are the same objects)."""
+        first = layers[0]
+        slabs = [where.slabs[int(idx[0])] for idx in where.parts]
+        objects = tuple(x for slab in slabs for x in (slab, slab.k, slab.v))
+        key = (
+            type(first), first.kv_format, id(first.pool), shape, causal, scale, id(batch.policy),
+            None if rows is None else (rows[0].base, rows[0].stride, rows[1].base, rows[1].stride, rows[2]),
+            q.base, q.stride, out.base, out.stride,
+            items.tobytes(), after.tobytes(), start_pos.tobytes(), where.signs.tobytes(),
+            tuple(idx.tobytes() for idx in where.parts), tuple(slab.rows for slab in slabs),
+            tuple(map(id, objects)), batch.layout(),
+        )  # fmt: skip
+        return key, objects
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:

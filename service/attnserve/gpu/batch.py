@@ -44,7 +44,7 @@ import wgpu
 from .shaders import PipelineCache
 
 __all__ = [
-    "Seg", "Items", "Batch", "Arenas", "whole", "PERSISTENT",
+    "Seg", "Items", "Batch", "Arenas", "Recorded", "StepPlans", "whole", "PERSISTENT",
     "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE",
 ]  # fmt: skip
 
@@ -136,6 +136,57 @@ def _round_up(x: int, a: int) -> int:
 STAGING_SLOTS = 2
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What a job planned into a batch between :meth:`Batch.record` and
+    :meth:`Batch.recorded`, to be planned again by :meth:`Batch.replay` into a batch
+    in the same state: its commands, its params uploads (structured arrays, each
+    at its offset of the input arena), the arenas' sizes after it, and the page
+    tables' word offsets its params name (``tables``: one per item, in the order
+    the caller gives them again at replay)."""
+
+    ops: tuple
+    uploads: tuple[tuple[int, np.ndarray], ...]
+    sizes: tuple[tuple[str, int], ...]
+    n_dispatches: int
+    tables: np.ndarray
+
+
+class StepPlans:
+    """Recorded plans of stacked steps (:class:`Recorded`), by what they were
+    planned from (the caller's key), the least recently used dropped past
+    ``SIZE``: an engine's step attends the same sessions at the same lengths on
+    every layer, so the plan of its first layer serves the others (FlashInfer's
+    plan once, run per layer). Kept by the GPU thread's :class:`Arenas`."""
+
+    SIZE = 16
+
+    def __init__(self) -> None:
+        self._plans: OrderedDict[object, tuple[Recorded, tuple]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: object, objects: tuple) -> Recorded | None:
+        """The plan recorded under ``key`` whose ``objects`` (GPU buffers and slabs
+        it binds) are the very ones given now (a key holds their ids only)."""
+        found = self._plans.get(key)
+        if found is None or len(found[1]) != len(objects) or any(a is not b for a, b in zip(found[1], objects)):
+            self.misses += 1
+            return None
+        self._plans.move_to_end(key)
+        self.hits += 1
+        return found[0]
+
+    def put(self, key: object, objects: tuple, plan: Recorded) -> None:
+        self._plans[key] = (plan, objects)
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.SIZE:
+            self._plans.popitem(last=False)
+
+
 class Arenas:
     """Persistent arena and staging buffers of one device, grown on demand.
 
@@ -157,6 +208,7 @@ class Arenas:
         self._bind_groups: OrderedDict[tuple, wgpu.GPUBindGroup] = OrderedDict()
         self.bind_group_hits = 0
         self.bind_group_misses = 0
+        self.step_plans = StepPlans()
 
     @property
     def cached_bind_groups(self) -> int:
@@ -270,6 +322,13 @@ class _Uploads:
         return bytes(out)
 
 
+@dataclass
+class _Recording:
+    mark: tuple
+    uploads: list[tuple[int, np.ndarray]]
+    replayable: bool = True
+
+
 class Batch:
     """Commands of several jobs, planned on the GPU owner thread."""
 
@@ -294,6 +353,13 @@ class Batch:
         # the batch copies its pages after the writes deferred before the move and
         # before those deferred after it (``LayerCache._move``)
         self.write_epoch = 0
+        # while a job's plan is recorded (``record``): where it started, its params
+        # uploads, and whether it did anything a replay could not repeat
+        self._recording: _Recording | None = None
+        # whether the job planning now may record its plan (:meth:`record`): its
+        # planner sets it, true for a batch's first job only, so the jobs after it
+        # still share their dispatches (a recorded plan is flushed on its own)
+        self.records = True
 
     # ── planning ────────────────────────────────────────────────────────────
 
@@ -309,6 +375,20 @@ class Batch:
         mv = memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
         seg = self._reserve("in", mv.nbytes)
         self._uploads.add(seg.offset, mv)
+        if self._recording is not None:  # data a replay would not have
+            self._recording.replayable = False
+        return seg
+
+    def upload_params(self, rows: np.ndarray) -> Seg:
+        """A kernel's params blocks (a structured array, ``params.pack_array``) into
+        the input arena: :meth:`upload`, kept by a recording as they are."""
+        recording, self._recording = self._recording, None
+        try:
+            seg = self.upload(rows.view(np.uint8))
+        finally:
+            self._recording = recording
+        if recording is not None:
+            recording.uploads.append((seg.offset, rows))
         return seg
 
     def upload_items(self, data: np.ndarray) -> "Items":
@@ -316,6 +396,8 @@ class Batch:
         arena, each its own aligned segment, in one copy (a stacked step's queries
         or rows)."""
         items = self._reserve_items("in", data.shape[0], data[0].nbytes if data.shape[0] else 0)
+        if self._recording is not None:
+            self._recording.replayable = False
         flat = np.ascontiguousarray(data).view(np.uint8).reshape(items.count, items.nbytes)
         if items.stride != items.nbytes:
             padded = np.zeros((items.count, items.stride), np.uint8)
@@ -407,6 +489,67 @@ class Batch:
         for fn, items in groups.values():
             fn(self, items)
 
+    def layout(self) -> tuple:
+        """Where a plan made now starts: the arenas' sizes, the input arena's runs
+        (how many, where the last starts and its length) and the write epoch. A
+        recorded plan is replayed only into a batch of the recording's layout."""
+        runs = self._uploads.runs
+        last = (runs[-1][0], len(runs[-1][1]), isinstance(runs[-1][1], bytearray)) if runs else None
+        return tuple(self._sizes.values()), len(runs), last, self.write_epoch
+
+    def record(self) -> bool:
+        """Start recording what is planned from now, for :meth:`replay`; False (no
+        recording) unless :attr:`records` and nothing deferred waits. A recorded plan
+        is flushed on its own (:meth:`recorded`)."""
+        if not self.records or self._deferred or self._recording is not None:
+            return False
+        self._recording = _Recording(self.mark(), [])
+        return True
+
+    def recorded(self, tables: np.ndarray) -> Recorded | None:
+        """Flush what was planned since :meth:`record` and stop recording: the plan,
+        or None when it did what a replay cannot repeat (uploaded data, changed host
+        state, or named a page table offset twice in ``tables``: see :meth:`replay`)."""
+        recording = self._recording
+        assert recording is not None, "not recording"
+        try:
+            self.flush()
+        finally:
+            self._recording = None
+        if not recording.replayable or len(np.unique(tables)) != len(tables):
+            return None
+        n_ops, n_disp = recording.mark[0], recording.mark[1]
+        return Recorded(
+            tuple(self.ops[n_ops:]), tuple(recording.uploads), tuple(self._sizes.items()),
+            self.n_dispatches - n_disp, np.array(tables, np.int64),
+        )  # fmt: skip
+
+    def abandon_recording(self) -> None:
+        """Stop recording without a plan (the job failed; it is rolled back)."""
+        self._recording = None
+
+    def replay(self, plan: Recorded, tables: np.ndarray) -> None:
+        """Plan again what ``plan`` recorded, into this batch in the state it was
+        recorded in (the caller's key says so), for items whose page tables are now
+        at ``tables[i]`` (each params field ``table_off`` that held ``plan.tables[i]``
+        gets ``tables[i]``; the recorded offsets are distinct)."""
+        assert not self._deferred, "a replay follows every deferred item"
+        order = np.argsort(plan.tables)
+        old, new = plan.tables[order], np.asarray(tables, np.int64)[order]
+        moved = not np.array_equal(old, new)
+        for offset, rows in plan.uploads:
+            if moved and "table_off" in rows.dtype.names:  # type: ignore[operator]
+                rows = rows.copy()
+                col = rows["table_off"].astype(np.int64)
+                at = np.minimum(np.searchsorted(old, col), len(old) - 1)
+                if not (old[at] == col).all():
+                    raise AssertionError("a recorded table offset is not one of the plan's")
+                rows["table_off"] = new[at]
+            self._uploads.add(offset, memoryview(rows.view(np.uint8)).cast("B"))
+        self.ops.extend(plan.ops)
+        self.n_dispatches += plan.n_dispatches
+        self._sizes = dict(plan.sizes)
+
     def copy(self, src: Resource, src_off: int, dst: Resource, dst_off: int, size: int) -> None:
         if size > 0:
             self.ops.append(("copy", src, src_off, dst, dst_off, size))
@@ -415,6 +558,8 @@ class Batch:
         """Register ``undo()`` to run if the job planning now is rolled back:
         planning may change host state (a layer's length, its buffers) that the
         dropped commands would have matched."""
+        if self._recording is not None:  # host state a replay would not change
+            self._recording.replayable = False
         self._undo.append(undo)
 
     def mark(self) -> tuple:
@@ -443,6 +588,12 @@ class Batch:
     @property
     def empty(self) -> bool:
         return not self.ops and not self._deferred
+
+    @property
+    def deferring(self) -> bool:
+        """Whether deferred items of earlier plans wait for :meth:`flush` (a plan is
+        then neither recorded nor replayed: its commands would come before theirs)."""
+        return bool(self._deferred)
 
     @property
     def largest_arena(self) -> int:

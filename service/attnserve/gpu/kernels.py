@@ -389,7 +389,7 @@ def _dispatch_rows(
     bound at ``params_binding``."""
     for base, n in _chunks(rows.n, _limit(batch)):
         part = {k: v if np.isscalar(v) else v[base : base + n] for k, v in rows.cols.items()}
-        prm = batch.upload(P.pack_rows(block, n, **part, **common))
+        prm = batch.upload_params(P.pack_array(block, n, **part, **common))
         batch.dispatch(kernel, {**bindings, params_binding: prm}, grid(n), constants=constants)
 
 

@@ -25,7 +25,7 @@ __all__ = [
     "PARAMS_OF",
     "STRUCTS",
     "pack",
-    "pack_rows",
+    "pack_array",
     "wgsl_struct",
 ]
 
@@ -219,15 +219,16 @@ def pack(dtype: np.dtype, **values) -> bytes:
     return rec.tobytes()
 
 
-def pack_rows(dtype: np.dtype, n: int, **columns) -> bytes:
-    """``n`` params blocks as one array (a batched kernel's one block per row): each
-    column is a scalar (the same in every block) or a sequence of ``n`` values."""
+def pack_array(dtype: np.dtype, n: int, **columns) -> np.ndarray:
+    """``n`` params blocks as one structured array (a batched kernel's one block per
+    row): each column is a scalar (the same in every block) or a sequence of ``n``
+    values; fields not given are zero, unknown names raise."""
     rec = np.zeros(n, dtype=dtype)
     for name, value in columns.items():
         if name not in dtype.names:
             raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
         rec[name] = value
-    return rec.tobytes()
+    return rec
 
 
 def wgsl_struct(name: str) -> str:
