@@ -891,13 +891,14 @@ class _Where:
         """What the commands of a stacked step over ``layers`` (placed: ``where``)
         are made from, but the layers' page tables' offsets (a replay puts each
         layer's own in): their kind, format and pool, the step's shape, arrays and
-        lengths, the slabs and signs, and the batch's layout. Returns the key and the
-        objects its ids stand for (a replay checks they are the same objects)."""
+        lengths, the kernel policy (by value: an engine's policy may be replaced),
+        the slabs and signs, and the batch's layout. Returns the key and the objects
+        its ids stand for (a replay checks they are the same objects)."""
         first = layers[0]
         slabs = [where.slabs[int(idx[0])] for idx in where.parts]
         objects = tuple(x for slab in slabs for x in (slab, slab.k, slab.v))
         key = (
-            type(first), first.kv_format, id(first.pool), shape, causal, scale, id(batch.policy),
+            type(first), first.kv_format, id(first.pool), shape, causal, scale, batch.policy,
             None if rows is None else (rows[0].base, rows[0].stride, rows[1].base, rows[1].stride, rows[2]),
             q.base, q.stride, out.base, out.stride,
             items.tobytes(), after.tobytes(), start_pos.tobytes(), where.signs.tobytes(),

@@ -144,14 +144,24 @@ class Topology:
     def replica(self, name: str) -> Replica:
         return next(r for r in self.replicas if r.name == name)
 
-    def access_lines(self) -> list[dict[str, str]]:
-        """The router's access log, parsed: request, status, upstream, instance, key."""
+    def access_lines(self, settle: float = 0.05, timeout: float = 3.0) -> list[dict[str, str]]:
+        """The router's access log, parsed: request, status, upstream, instance, key.
+        nginx writes a request's line after the response went out, so a client may
+        read the log before its last requests' lines are there: the log is read once
+        it has not grown for ``settle`` seconds (at most ``timeout``)."""
         out = []
         pattern = re.compile(
             r'"(?P<request>[^"]*)" (?P<status>\d+) \d+ rt=\S+ urt=\S+ upstream=(?P<upstream>.*?) '
             r"instance=(?P<instance>\S*) key=(?P<key>\S*)$"
         )
-        for line in self.access_log.read_text().splitlines():
+        deadline, text = time.monotonic() + timeout, self.access_log.read_text()
+        while time.monotonic() < deadline:
+            time.sleep(settle)
+            again = self.access_log.read_text()
+            if again == text:
+                break
+            text = again
+        for line in text.splitlines():
             m = pattern.search(line)
             if m:
                 out.append(m.groupdict())
