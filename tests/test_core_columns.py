@@ -38,6 +38,29 @@ def columns(monkeypatch):
     return planned
 
 
+@pytest.fixture
+def replays(monkeypatch):
+    """The replays ``Batch.replay`` made, and any that raised: a replay that raised
+    would go unseen in the answers (the step is then planned item by item, which
+    gives them too), so the tests check there was none."""
+    from attnserve.gpu.batch import Batch
+
+    done: list[int] = []
+    failed: list[BaseException] = []
+    original = Batch.replay
+
+    def spy(self, plan, tables):
+        try:
+            original(self, plan, tables)
+        except BaseException as e:
+            failed.append(e)
+            raise
+        done.append(len(plan.ops))
+
+    monkeypatch.setattr(Batch, "replay", spy)
+    return done, failed
+
+
 def _pairs(engine, formats, lengths, rng, layers=2, heads=(H, HKV)):
     """For each (format, length): a session and its twin, both prefilled alike."""
     out = []
@@ -290,7 +313,7 @@ def _stacked(engine, pairs, li, q, k, v):
     )
 
 
-def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, columns):
+def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, columns, replays):
     """Issue 25's plan once per step: an engine's step attends the same sessions at
     the same lengths on every layer, so the commands recorded on its first layer
     are replayed on the others (``batch.StepPlans``), each layer's own page tables
@@ -305,6 +328,7 @@ def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, colum
         _replayed_steps(engine, rng, columns)
     finally:
         engine.close()
+    assert replays[0] and not replays[1]
 
 
 def _replayed_steps(engine, rng, columns):
@@ -344,6 +368,59 @@ def _replayed_steps(engine, rng, columns):
             np.testing.assert_array_equal(step.out[i], one.out)
             np.testing.assert_array_equal(step.lse[i], one.lse)
     _same_words(engine, pairs)
+
+
+def test_windowed_layers_steps_are_replayed_on_every_layer(rng, columns, replays):
+    """The same for windowed layers: their codes, sinks and recent rows each name
+    their own page tables, a layer without sinks or without a window names none
+    (a placeholder the replay keeps), and the recent rows' append is recorded with
+    the codes'; windows pass page edges and let pages go between the steps."""
+    engine = core_engine()
+    try:
+        num_layers, h, hkv = 3, 9, 3
+        # slabs grown first (and their pages given back): a slab that grows between two
+        # layers of a step has new buffers, so the later layer records anew
+        warm = engine.session_kv(SessionConfig(num_layers, h, hkv, D, "tq4", 4096, 299, sinks=4, window=4096))
+        for layer in warm.layers:
+            engine.append(layer, rows(rng, 40 * P, hkv, D), rows(rng, 40 * P, hkv, D)).result()
+        engine.release(warm).result()
+        configs = [("tq4", 3, P + 3), ("tq4", 0, 2 * P), ("tq4", 2, 0), ("tq4", 4, 5)]
+        lengths = [P + 1, 2 * P - 1, 5, 3 * P]  # past every sink: no sink is written by the steps
+        pairs = []
+        for i, ((fmt, sinks, window), length) in enumerate(zip(configs, lengths)):
+            config = SessionConfig(num_layers, h, hkv, D, fmt, 4096, 300 + i, sinks=sinks, window=window)
+            pair = [engine.session_kv(config) for _ in range(2)]
+            for li in range(num_layers):
+                k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
+                for s in pair:
+                    engine.append(s.layers[li], k, v).result()
+            pairs.append(pair)
+        plans, b = engine.worker.arenas.step_plans, len(pairs)
+        steps = [(1, 1), (1, P + 1), (2, 1), (1, 0), (1, 2 * P), (1, 1)]  # (query rows, appended rows)
+        for n, m in steps:
+            hits = plans.hits
+            for li in range(num_layers):
+                q = rng.standard_normal((b, n, h, D)).astype(np.float32)
+                k = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
+                v = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
+                _check_step(engine, pairs, li, q, k, v)
+            assert plans.hits - hits == num_layers - 1  # one group (the tq4 pool): layers 1.. replayed
+        assert sum(columns) == len(steps) * num_layers * b
+        _same_words(engine, pairs)
+        for mine, twin in pairs:
+            for a, t in zip(mine.layers, twin.layers):
+                assert (a.recent_base, a.held_from, len(a.recent.pages)) == (
+                    t.recent_base,
+                    t.held_from,
+                    len(t.recent.pages),
+                )
+                exact = [
+                    engine.call(lambda ctx, layer=layer: layer.read_exact(ctx.device)).result() for layer in (a, t)
+                ]
+                assert exact[0] == exact[1]
+    finally:
+        engine.close()
+    assert len(replays[0]) == len(steps) * (num_layers - 1) and not replays[1]
 
 
 def test_a_recorded_plan_is_replayed_with_each_layers_page_tables(engine):
@@ -392,6 +469,22 @@ def test_a_recorded_plan_is_replayed_with_each_layers_page_tables(engine):
         other.upload_params(rows)
         spoil(other)
         assert other.recorded(np.array([40, 7])) is None
+    kept = new_batch()
+    kept.upload(np.arange(4, dtype="<f4"))
+    assert kept.record()
+    with_none = PR.pack_array(block, 3, table_off=[40, 0, 7])  # 0: an item without that table
+    prm = kept.upload_params(with_none)
+    plan = kept.recorded(np.array([40, 7]), placeholders=(0,))
+    assert plan is not None
+    again = new_batch()
+    again.upload(np.arange(4, dtype="<f4"))
+    again.replay(plan, np.array([8, 9]))
+    image = np.frombuffer(again._uploads.image()[prm.offset : prm.offset + prm.size], block)
+    np.testing.assert_array_equal(image["table_off"], [8, 0, 9])  # the placeholder stays
+    clash = new_batch()
+    assert clash.record()
+    clash.upload_params(with_none)
+    assert clash.recorded(np.array([0, 7]), placeholders=(0,)) is None  # a table at the placeholder's offset
     twice = new_batch()
     assert twice.record()
     twice.upload_params(rows)

@@ -16,6 +16,7 @@ rows, ``pool.PageLayout``): ``read_words`` gathers the pages into it and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -244,65 +245,50 @@ class LayerCache:
         kind = type(layers[0])  # the methods of the layers' own kind
         saved = [layer.state() for layer in layers]
         batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
-        # the layers' state first (pages, page tables, signs, lengths); then the
-        # commands, recorded, or replayed where a step over other layers at the same
-        # lengths recorded them (a kind that does not replay defers its writes here)
-        replays = kind.replays_columns
+        # the layers' state first (pages, page tables, signs, lengths, what their
+        # attends read); then the commands, recorded, or replayed where a step over
+        # other layers at the same lengths recorded them
         if rows is None:
             after, where = (
                 np.fromiter((layer.length for layer in layers), np.int64, len(layers)),
                 _Where.of(batch, layers),
             )
-        elif replays:
-            after, where = kind._take_columns(batch, layers, rows[2])
         else:
-            after, where = kind.append_columns(batch, layers, items, rows)
+            after, where = kind._take_columns(batch, layers, items, rows)
         sp = _start_positions(start_pos, after, shape[0])
-        plans, key, objects = batch.arenas.step_plans, None, ()
-        if replays and not batch.deferring:
-            key, objects = _Where.plan_key(batch, layers, where, items, q, out, rows, shape, after, sp, causal, scale)
+        where = kind._attend_state(batch, layers, where, sp)
+        plans, key, objects, recorded = batch.arenas.step_plans, None, (), None
+        if not batch.deferring:
+            key, objects = where.plan_key(batch, layers, items, q, out, rows, shape, after, sp, causal, scale)
             recorded = plans.get(key, objects)
-            if recorded is not None:
-                batch.replay(recorded, where.table_off)
-                return after
-        recording = key is not None and batch.record()
-        try:
-            if replays and rows is not None:
-                kind._write_columns(batch, layers, where, items, rows, after - rows[2])
-            kind._attend_columns(batch, layers, where, items, q, out, shape, after, sp, causal, scale)
-        except BaseException:
+        if recorded is not None:
+            batch.replay(recorded, where.tables())
+        else:
+            recording = key is not None and batch.record()
+            try:
+                if rows is not None:
+                    kind._write_columns(batch, layers, where, items, rows, after - rows[2])
+                kind._attend_columns(batch, layers, where, items, q, out, shape, after, sp, causal, scale)
+            except BaseException:
+                if recording:
+                    batch.abandon_recording()
+                raise
             if recording:
-                batch.abandon_recording()
-            raise
-        if recording:
-            plan = batch.recorded(where.table_off)
-            if plan is not None:
-                plans.put(key, objects, plan)
+                plan = batch.recorded(where.tables(), where.placeholders())
+                if plan is not None:
+                    plans.put(key, objects, plan)
+        kind._columns_done(batch, layers)
         return after
 
-    #: Whether :meth:`plan_stacked` records the commands of a step over layers of
-    #: this kind and replays them for the next layer at the same lengths: a kind
-    #: whose appends and attends change no host state (a windowed layer's do).
-    replays_columns = True
-
     @classmethod
-    def append_columns(
+    def _take_columns(
         cls, batch: Batch, layers: Sequence["LayerCache"], items: np.ndarray, rows: tuple[Items, Items, int]
     ) -> tuple[np.ndarray, "_Where"]:
-        """Append ``rows`` ``(k, v, m)``' item ``items[i]`` (``m`` rows) to ``layers[i]``
-        (distinct layers of one pool and kind) as columns: the pages they need taken,
-        the writes one deferred entry per slab. Returns each layer's new length and
-        where the layers are (:class:`_Where`, for their attends)."""
-        after, where = cls._take_columns(batch, layers, rows[2])
-        cls._write_columns(batch, layers, where, items, rows, after - rows[2])
-        return after, where
-
-    @staticmethod
-    def _take_columns(batch: Batch, layers: Sequence["LayerCache"], m: int) -> tuple[np.ndarray, "_Where"]:
-        """The state of an append of ``m`` rows to each of ``layers``: the pages they
+        """The state of an append of ``rows`` ``(k, v, m)``' item ``items[i]`` (``m``
+        rows) to ``layers[i]`` (distinct layers of one pool and kind): the pages they
         need taken, where they are then (:class:`_Where`), their new lengths (set,
-        and returned)."""
-        pool = layers[0].pool
+        and returned). Its writes are :meth:`_write_columns`."""
+        pool, m = layers[0].pool, rows[2]
         before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
         after = before + m
         held = np.fromiter((len(layer.pages) for layer in layers), np.int64, len(layers))
@@ -313,8 +299,9 @@ class LayerCache:
             layer.length = length
         return after, where
 
-    @staticmethod
+    @classmethod
     def _write_columns(
+        cls,
         batch: Batch,
         layers: Sequence["LayerCache"],
         where: "_Where",
@@ -332,6 +319,18 @@ class LayerCache:
                 np.full(len(idx), m), before[idx], _words(k, items[idx]), _words(v, items[idx]),
                 where.table_off[idx], where.signs_of(idx),
             ))  # fmt: skip
+
+    @classmethod
+    def _attend_state(
+        cls, batch: Batch, layers: Sequence["LayerCache"], where: "_Where", start_pos: np.ndarray
+    ) -> "_Where":
+        """Where the attends of :meth:`plan_stacked` (from ``start_pos``) read besides
+        ``where`` says (a windowed layer's exact rows), brought up to date."""
+        return where
+
+    @classmethod
+    def _columns_done(cls, batch: Batch, layers: Sequence["LayerCache"]) -> None:
+        """:meth:`plan_stacked`'s commands are planned (a windowed layer's call is done)."""
 
     @classmethod
     def _attend_columns(
@@ -595,8 +594,6 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self.recent_base = 0  # the timestep of recent's row 0 (its dropped pages' rows before it)
         self.held_from = 0  # exact rows older than this are read from the codes
 
-    replays_columns = False  # its attends write sinks and let recent pages go (host state)
-
     def attends_split(self, policy, n_queries, n_heads):
         return True  # always (kernels.plan_split_windowed)
 
@@ -675,12 +672,12 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self._call_done(batch)
 
     @classmethod
-    def append_columns(cls, batch, layers, items, rows):
-        """The codes' appends as columns, and the exact rows' (``plan_append_rows``'
-        for every layer at once): the recent rows of every layer with a window as a
-        plain append of its own, the sinks one by one (only the first ``sinks``
-        timesteps of a layer write them)."""
-        after, where = super().append_columns(batch, layers, items, rows)
+    def _take_columns(cls, batch, layers, items, rows):
+        """The codes' append (as any TurboQuant layer's), the sinks' (written one by
+        one: only the first ``sinks`` timesteps of a layer write them) and the recent
+        rows' (every layer with a window, one plain append of their own: in
+        ``where.recent``)."""
+        after, where = super()._take_columns(batch, layers, items, rows)
         k, v, m = rows
         before = after - m
         for i in np.flatnonzero(before < np.fromiter((layer.sinks for layer in layers), np.int64, len(layers))):
@@ -689,48 +686,73 @@ class WindowedLayerCache(TurboQuantLayerCache):
             ks, vs = k.seg(int(items[i])), v.seg(int(items[i]))
             row = ks.size // m  # bytes of one row as uploaded
             layer.head.plan_append_rows(batch, Seg(ks.arena, ks.offset, n * row), Seg(vs.arena, vs.offset, n * row), n)
-        windowed = [i for i, layer in enumerate(layers) if layer.window]
-        if windowed:
-            recents = [layers[i].recent for i in windowed]
-            type(recents[0]).append_columns(batch, recents, items[windowed], rows)
+        windowed = np.asarray([i for i, layer in enumerate(layers) if layer.window], np.int64)
+        if len(windowed):
+            recents = [layers[i].recent for i in windowed.tolist()]
+            r_after, r_where = type(recents[0])._take_columns(batch, recents, items[windowed], rows)
+            where = dataclasses.replace(where, recent=_Recent(windowed, recents, r_after, r_where))
         return after, where
 
     @classmethod
-    def _attend_columns(cls, batch, layers, where, items, q, out, shape, length, start_pos, causal, scale):
-        """:func:`kernels.plan_split_windowed` of every layer at once (one entry per
-        slab of the codes, of the sinks and of the recent rows), then each layer's
-        call is done (:meth:`_call_done`)."""
+    def _write_columns(cls, batch, layers, where, items, rows, before):
+        super()._write_columns(batch, layers, where, items, rows, before)
+        r = where.recent
+        if r is not None:
+            type(r.caches[0])._write_columns(batch, r.caches, r.where, items[r.index], rows, r.after - rows[2])
+
+    @classmethod
+    def _attend_state(cls, batch, layers, where, start_pos):
+        """Each layer's sinks and recent rows (``where.exact``): their slabs and page
+        tables (brought up to date), and from which timestep on its attend reads
+        exactly (:meth:`exact_from`, as columns)."""
         count = len(layers)
         heads = [layer.head if layer.head is not None and layer.head.slab is not None else None for layer in layers]
         recents = [layer.recent if layer.recent.slab is not None else None for layer in layers]
-        sinks = np.fromiter((layer.sinks if head else 0 for layer, head in zip(layers, heads)), np.int64, count)
         window = np.fromiter((layer.window for layer in layers), np.int64, count)
         held_from = np.fromiter((layer.held_from for layer in layers), np.int64, count)
         max_tokens = np.fromiter((layer.max_tokens for layer in layers), np.int64, count)
         config_sinks = np.fromiter((layer.sinks for layer in layers), np.int64, count)
-        exact_from = np.where(  # WindowedLayerCache.exact_from, as columns
-            window > 0, np.maximum(np.maximum(config_sinks, start_pos + 1 - window), held_from), max_tokens
+        exact = _Exact(
+            heads,
+            recents,
+            np.fromiter((layer.sinks if head else 0 for layer, head in zip(layers, heads)), np.int64, count),
+            np.where(  # WindowedLayerCache.exact_from, as columns
+                window > 0, np.maximum(np.maximum(config_sinks, start_pos + 1 - window), held_from), max_tokens
+            ),
+            np.fromiter((layer.recent_base for layer in layers), np.int64, count),
+            np.fromiter((h.table_offset(batch) if h else 0 for h in heads), np.int64, count),
+            np.fromiter((r.table_offset(batch) if r else 0 for r in recents), np.int64, count),
+            _by_value(
+                [
+                    (id(where.slabs[i]), id(h and h.slab), id(r and r.slab))
+                    for i, (h, r) in enumerate(zip(heads, recents))
+                ]
+            ),
         )
-        recent_base = np.fromiter((layer.recent_base for layer in layers), np.int64, count)
-        head_table = np.fromiter((h.table_offset(batch) if h else 0 for h in heads), np.int64, count)
-        recent_table = np.fromiter((r.table_offset(batch) if r else 0 for r in recents), np.int64, count)
-        slabs = [
-            (id(where.slabs[i]), id(h and h.slab), id(r and r.slab)) for i, (h, r) in enumerate(zip(heads, recents))
-        ]
-        first = layers[0]
-        for idx in _by_value(slabs):
+        return dataclasses.replace(where, exact=exact)
+
+    @classmethod
+    def _attend_columns(cls, batch, layers, where, items, q, out, shape, length, start_pos, causal, scale):
+        """:func:`kernels.plan_split_windowed` of every layer at once: one entry per
+        slab of the codes, of the sinks and of the recent rows (``where.exact``)."""
+        first, x = layers[0], where.exact
+        assert x is not None
+        for idx in x.groups:
             i0 = int(idx[0])
             a = K.Attends(
                 whole("in"), whole("out"), where.slabs[i0], first.pool.page_shift, shape[0], shape[1],
                 first.n_kv_heads, first.head_dim, causal, scale, length[idx], start_pos[idx],
                 _words(q, items[idx]), _words(out, items[idx]), where.table_off[idx], where.signs_of(idx),
             )  # fmt: skip
-            head, recent = heads[i0], recents[i0]
-            x = K.ExactRows(
+            head, recent = x.heads[i0], x.recents[i0]
+            rows = K.ExactRows(
                 first.recent.kv_format, head.slab if head else None, recent.slab if recent else None,
-                sinks[idx], head_table[idx], exact_from[idx], recent_base[idx], recent_table[idx],
+                x.sinks[idx], x.head_table[idx], x.exact_from[idx], x.recent_base[idx], x.recent_table[idx],
             )  # fmt: skip
-            K.plan_split_windowed(batch, a, first.kv_format, x)
+            K.plan_split_windowed(batch, a, first.kv_format, rows)
+
+    @classmethod
+    def _columns_done(cls, batch, layers):
         for layer in layers:
             layer._call_done(batch)
 
@@ -852,12 +874,15 @@ class _Where:
     """Where a stacked step's layers are, as columns: each one's slab, page table
     (word offset in the page tables, brought up to date) and rotation signs (word
     offset in the input arena; none for plain layers), and the layers grouped by
-    slab (``parts``: indices, one array per slab)."""
+    slab (``parts``: indices, one array per slab); windowed layers' recent rows'
+    append (``recent``) and exact rows (``exact``)."""
 
     slabs: list[Slab]
     table_off: np.ndarray
     signs: np.ndarray
     parts: list[np.ndarray]
+    recent: "_Recent | None" = None
+    exact: "_Exact | None" = None
 
     @classmethod
     def of(cls, batch: Batch, layers: Sequence[LayerCache]) -> "_Where":
@@ -873,11 +898,27 @@ class _Where:
     def signs_of(self, idx: np.ndarray) -> Sequence[int]:
         return self.signs[idx] if len(self.signs) else ()
 
-    @staticmethod
+    def tables(self) -> np.ndarray:
+        """The page tables' word offsets the step's commands name, one per table (a
+        replay puts each layer's own in: ``Batch.replay``)."""
+        x = self.exact
+        if x is None:  # (a windowed step's recent rows' appends name the tables x.recent_table does)
+            return self.table_off
+        heads = x.head_table[[h is not None for h in x.heads]]
+        return np.concatenate([self.table_off, heads, x.recent_table[[r is not None for r in x.recents]]])
+
+    def placeholders(self) -> tuple[int, ...]:
+        """The table offset that stands for "no table" in the commands (a windowed
+        layer without sinks or without recent rows: 0), if any."""
+        x = self.exact
+        if x is None or (all(h is not None for h in x.heads) and all(r is not None for r in x.recents)):
+            return ()
+        return (0,)
+
     def plan_key(
+        self,
         batch: Batch,
         layers: Sequence[LayerCache],
-        where: "_Where",
         items: np.ndarray,
         q: Items,
         out: Items,
@@ -888,24 +929,64 @@ class _Where:
         causal: bool,
         scale: float,
     ) -> tuple[tuple, tuple]:
-        """What the commands of a stacked step over ``layers`` (placed: ``where``)
-        are made from, but the layers' page tables' offsets (a replay puts each
-        layer's own in): their kind, format and pool, the step's shape, arrays and
-        lengths, the kernel policy (by value: an engine's policy may be replaced),
-        the slabs and signs, and the batch's layout. Returns the key and the objects
+        """What the commands of a stacked step over ``layers`` (placed here) are made
+        from, but the page tables' offsets (a replay puts each layer's own in): the
+        layers' kind, format and pool, the step's shape, arrays and lengths, the
+        kernel policy (by value: an engine's policy may be replaced), the slabs,
+        signs and exact rows, and the batch's layout. Returns the key and the objects
         its ids stand for (a replay checks they are the same objects)."""
         first = layers[0]
-        slabs = [where.slabs[int(idx[0])] for idx in where.parts]
-        objects = tuple(x for slab in slabs for x in (slab, slab.k, slab.v))
+        slabs = [self.slabs[int(idx[0])] for idx in self.parts]
+        parts: list = [tuple(idx.tobytes() for idx in self.parts)]
+        if self.recent is not None:
+            r = self.recent
+            slabs += [r.where.slabs[int(idx[0])] for idx in r.where.parts]
+            parts += [r.index.tobytes(), r.after.tobytes(), tuple(idx.tobytes() for idx in r.where.parts)]
+        if self.exact is not None:
+            x = self.exact
+            for idx in x.groups:
+                i0 = int(idx[0])
+                slabs += [c.slab for c in (x.heads[i0], x.recents[i0]) if c is not None]
+                parts.append((idx.tobytes(), x.heads[i0] is not None, x.recents[i0] is not None))
+            parts += [x.sinks.tobytes(), x.exact_from.tobytes(), x.recent_base.tobytes()]
+        objects = tuple(o for slab in slabs for o in (slab, slab.k, slab.v))
         key = (
             type(first), first.kv_format, id(first.pool), shape, causal, scale, batch.policy,
             None if rows is None else (rows[0].base, rows[0].stride, rows[1].base, rows[1].stride, rows[2]),
             q.base, q.stride, out.base, out.stride,
-            items.tobytes(), after.tobytes(), start_pos.tobytes(), where.signs.tobytes(),
-            tuple(idx.tobytes() for idx in where.parts), tuple(slab.rows for slab in slabs),
-            tuple(map(id, objects)), batch.layout(),
+            items.tobytes(), after.tobytes(), start_pos.tobytes(), self.signs.tobytes(),
+            tuple(parts), tuple(slab.rows for slab in slabs), tuple(map(id, objects)), batch.layout(),
         )  # fmt: skip
         return key, objects
+
+
+@dataclass(frozen=True)
+class _Recent:
+    """The recent rows' append of a stacked step's windowed layers (those with a
+    window: ``index`` into the step's layers): their caches, new lengths and
+    where they are."""
+
+    index: np.ndarray
+    caches: list[LayerCache]
+    after: np.ndarray
+    where: _Where
+
+
+@dataclass(frozen=True)
+class _Exact:
+    """What a stacked step's windowed layers' attends read exactly, as columns: each
+    one's sinks cache and recent cache (None: none, or no timestep yet), sinks read,
+    first timestep read from the recent rows, the recent rows' first timestep, both
+    page tables' offsets (0: no table), and the layers grouped by their three slabs."""
+
+    heads: list[LayerCache | None]
+    recents: list[LayerCache | None]
+    sinks: np.ndarray
+    exact_from: np.ndarray
+    recent_base: np.ndarray
+    head_table: np.ndarray
+    recent_table: np.ndarray
+    groups: list[np.ndarray]
 
 
 def layer_formats(kv_format: str | Sequence[str], num_layers: int) -> tuple[str, ...]:

@@ -150,6 +150,7 @@ class Recorded:
     sizes: tuple[tuple[str, int], ...]
     n_dispatches: int
     tables: np.ndarray
+    placeholders: tuple[int, ...] = ()
 
 
 class StepPlans:
@@ -506,22 +507,24 @@ class Batch:
         self._recording = _Recording(self.mark(), [])
         return True
 
-    def recorded(self, tables: np.ndarray) -> Recorded | None:
+    def recorded(self, tables: np.ndarray, placeholders: tuple[int, ...] = ()) -> Recorded | None:
         """Flush what was planned since :meth:`record` and stop recording: the plan,
         or None when it did what a replay cannot repeat (uploaded data, changed host
-        state, or named a page table offset twice in ``tables``: see :meth:`replay`)."""
+        state, or named a page table offset twice in ``tables``, or one that is also
+        a placeholder: a ``table_off`` value that stands for no table, kept as it is
+        by :meth:`replay`)."""
         recording = self._recording
         assert recording is not None, "not recording"
         try:
             self.flush()
         finally:
             self._recording = None
-        if not recording.replayable or len(np.unique(tables)) != len(tables):
+        if not recording.replayable or len(np.unique(tables)) != len(tables) or np.isin(placeholders, tables).any():
             return None
         n_ops, n_disp = recording.mark[0], recording.mark[1]
         return Recorded(
             tuple(self.ops[n_ops:]), tuple(recording.uploads), tuple(self._sizes.items()),
-            self.n_dispatches - n_disp, np.array(tables, np.int64),
+            self.n_dispatches - n_disp, np.array(tables, np.int64), tuple(placeholders),
         )  # fmt: skip
 
     def abandon_recording(self) -> None:
@@ -532,7 +535,7 @@ class Batch:
         """Plan again what ``plan`` recorded, into this batch in the state it was
         recorded in (the caller's key says so), for items whose page tables are now
         at ``tables[i]`` (each params field ``table_off`` that held ``plan.tables[i]``
-        gets ``tables[i]``; the recorded offsets are distinct)."""
+        gets ``tables[i]``; the recorded offsets are distinct; a placeholder stays)."""
         assert not self._deferred, "a replay follows every deferred item"
         order = np.argsort(plan.tables)
         old, new = plan.tables[order], np.asarray(tables, np.int64)[order]
@@ -542,9 +545,11 @@ class Batch:
                 rows = rows.copy()
                 col = rows["table_off"].astype(np.int64)
                 at = np.minimum(np.searchsorted(old, col), len(old) - 1)
-                if not (old[at] == col).all():
+                found = old[at] == col
+                kept = np.isin(col, plan.placeholders)
+                if not (found | kept).all():
                     raise AssertionError("a recorded table offset is not one of the plan's")
-                rows["table_off"] = new[at]
+                rows["table_off"] = np.where(found, new[at], col)
             self._uploads.add(offset, memoryview(rows.view(np.uint8)).cast("B"))
         self.ops.extend(plan.ops)
         self.n_dispatches += plan.n_dispatches
