@@ -492,3 +492,37 @@ def test_a_recorded_plan_is_replayed_with_each_layers_page_tables(engine):
     busy = new_batch()
     busy.records = False  # a batch's later job (Engine.plan_stacked sets it): its dispatches shared
     assert not busy.record()
+
+
+def test_only_a_layer_with_a_later_layer_of_its_format_records(engine, rng, monkeypatch):
+    """A step records its plan only where a later layer of a session may replay it:
+    a one-layer session's steps, and a session's last layer of a format, record
+    nothing (a recording costs the step that makes it)."""
+    from attnserve.gpu.batch import Batch
+
+    recorded: list[int] = []
+    original = Batch.recorded
+
+    def spy(self, tables, placeholders=()):
+        plan = original(self, tables, placeholders)
+        recorded.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(Batch, "recorded", spy)
+    one = _pairs(engine, ["f32", "tq4"], [P + 1, 3], rng, layers=1)
+    for _ in range(2):
+        q = rng.standard_normal((2, 1, H, D)).astype(np.float32)
+        k = rng.standard_normal((2, 1, HKV, D)).astype(np.float32)
+        _check_step(engine, one, 0, q, k, k)
+    assert recorded == []
+    mixed = [engine.session_kv(SessionConfig(3, H, HKV, D, ["f32", "tq4", "f32"], 4096, 5)) for _ in range(2)]
+    for li in range(3):
+        k, v = rows(rng, P, HKV, D), rows(rng, P, HKV, D)
+        for s in mixed:  # the session and its twin alike
+            engine.append(s.layers[li], k, v).result()
+    assert [layer.format_follows for layer in mixed[0].layers] == [True, False, False]
+    q = rng.standard_normal((1, 1, H, D)).astype(np.float32)
+    k = rng.standard_normal((1, 1, HKV, D)).astype(np.float32)
+    for li in range(3):
+        _check_step(engine, [mixed], li, q, k, k)
+    assert recorded == [True]  # layer 0 (f32, with layer 2 after it) only

@@ -56,6 +56,9 @@ class LayerCache:
         self.head_dim = layout.head_dim
         self.max_tokens = max_tokens
         self.layer = layer
+        # whether a later layer of its session has its format: a stacked step's plan
+        # recorded on it may be replayed there (SessionKV sets it; plan_stacked)
+        self.format_follows = False
         self.length = 0
         self.slab: Slab | None = None
         self.pages: list[int] = []
@@ -257,14 +260,17 @@ class LayerCache:
             after, where = kind._take_columns(batch, layers, items, rows)
         sp = _start_positions(start_pos, after, shape[0])
         where = kind._attend_state(batch, layers, where, sp)
+        # recorded where a later layer of a session may replay it (not a session's
+        # last layer of the format: a one-layer client's steps record nothing)
         plans, key, objects, recorded = batch.arenas.step_plans, None, (), None
-        if not batch.deferring:
+        follows = any(layer.format_follows for layer in layers)
+        if not batch.deferring and (follows or len(plans)):
             key, objects = where.plan_key(batch, layers, items, q, out, rows, shape, after, sp, causal, scale)
             recorded = plans.get(key, objects)
         if recorded is not None:
             batch.replay(recorded, where.tables())
         else:
-            recording = key is not None and batch.record()
+            recording = key is not None and follows and batch.record()
             try:
                 if rows is not None:
                     kind._write_columns(batch, layers, where, items, rows, after - rows[2])
@@ -1050,6 +1056,7 @@ class SessionKV:
                 ))  # fmt: skip
             else:
                 self.layers.append(TurboQuantLayerCache(pool=pool, max_tokens=c.max_tokens, layer=layer, seed=c.seed))
+            self.layers[-1].format_follows = fmt in formats[layer + 1 :]
 
     @property
     def nbytes(self) -> int:
