@@ -240,7 +240,9 @@ class LayerCache:
         ``start_pos[i]`` (-1: ``length - n``). The group's pages are taken and its page
         tables brought up to date on the GPU (each layer's new entries only: the
         tables stay there between batches, ``pool.PageTables``); its writes and
-        attends join the batch's deferred kernels as one entry each per slab. Returns
+        attends join the batch's deferred kernels as one entry each per slab, or,
+        where a step over other layers at the same lengths recorded them
+        (``batch.StepPlans``), are replayed with these layers' page tables. Returns
         the length each item attends over. Raises (ValueError, CapacityExceeded) where
         one item alone would; the caller then plans the items one by one, so the
         columns never decide an item's problem. Atomic: on rollback every layer is
