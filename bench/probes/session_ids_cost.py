@@ -10,6 +10,7 @@ owner and the ids as a tuple), per step and per item, for 64 and 256 sessions.
 
 from __future__ import annotations
 
+import argparse
 import json
 import timeit
 import uuid
@@ -18,7 +19,10 @@ import msgpack
 
 
 def main() -> None:
-    for n in (64, 256):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", default="64,256", help="stacked steps of these many sessions")
+    args = ap.parse_args()
+    for n in (int(x) for x in args.sessions.split(",")):
         ids = [uuid.uuid4().hex[:24] for _ in range(n)]
         body = msgpack.packb({"sessions": ids})
         groups = {("owner", tuple(ids)): object()}
