@@ -608,9 +608,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
     def exact_from(self, start_pos: int) -> int:
         """The first timestep past the sinks an attend from ``start_pos`` reads exactly
         (``reference.exact_from``; ``max_tokens``: none)."""
-        if not self.window:
-            return self.max_tokens
-        return max(self.sinks, start_pos + 1 - self.window, self.held_from)
+        return int(exact_from(*map(np.int64, (self.sinks, self.window, self.held_from, self.max_tokens, start_pos))))
 
     def _exact_pages(self, capacity: int) -> int:
         return int(exact_pages(np.int64(self.sinks), np.int64(self.window), np.int64(capacity), self.page_tokens))
@@ -716,17 +714,15 @@ class WindowedLayerCache(TurboQuantLayerCache):
         count = len(layers)
         heads = [layer.head if layer.head is not None and layer.head.slab is not None else None for layer in layers]
         recents = [layer.recent if layer.recent.slab is not None else None for layer in layers]
-        window = np.fromiter((layer.window for layer in layers), np.int64, count)
-        held_from = np.fromiter((layer.held_from for layer in layers), np.int64, count)
-        max_tokens = np.fromiter((layer.max_tokens for layer in layers), np.int64, count)
-        config_sinks = np.fromiter((layer.sinks for layer in layers), np.int64, count)
+        sinks, window, held_from, max_tokens = (
+            np.fromiter((getattr(layer, name) for layer in layers), np.int64, count)
+            for name in ("sinks", "window", "held_from", "max_tokens")
+        )
         exact = _Exact(
             heads,
             recents,
-            np.fromiter((layer.sinks if head else 0 for layer, head in zip(layers, heads)), np.int64, count),
-            np.where(  # WindowedLayerCache.exact_from, as columns
-                window > 0, np.maximum(np.maximum(config_sinks, start_pos + 1 - window), held_from), max_tokens
-            ),
+            np.where([head is not None for head in heads], sinks, 0),
+            exact_from(sinks, window, held_from, max_tokens, start_pos),
             np.fromiter((layer.recent_base for layer in layers), np.int64, count),
             np.fromiter((h.table_offset(batch) if h else 0 for h in heads), np.int64, count),
             np.fromiter((r.table_offset(batch) if r else 0 for r in recents), np.int64, count),
@@ -826,6 +822,15 @@ class WindowedLayerCache(TurboQuantLayerCache):
         if self.head:
             self.head.release()
         self.recent.release()
+
+
+def exact_from(
+    sinks: np.ndarray, window: np.ndarray, held_from: np.ndarray, max_tokens: np.ndarray, start_pos: np.ndarray
+) -> np.ndarray:
+    """The first timestep past the sinks a windowed layer's attend from ``start_pos``
+    reads exactly (``reference.exact_from``; a layer without a window: ``max_tokens``,
+    none), as columns."""
+    return np.where(window > 0, np.maximum(np.maximum(sinks, start_pos + 1 - window), held_from), max_tokens)
 
 
 def exact_pages(sinks: np.ndarray, window: np.ndarray, capacity: np.ndarray, page_tokens: int) -> np.ndarray:

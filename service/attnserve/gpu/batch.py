@@ -373,23 +373,21 @@ class Batch:
 
     def upload(self, data: bytes | np.ndarray) -> Seg:
         """Host bytes (a C-contiguous array or bytes) into the input arena."""
-        mv = memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
-        seg = self._reserve("in", mv.nbytes)
-        self._uploads.add(seg.offset, mv)
         if self._recording is not None:  # data a replay would not have
             self._recording.replayable = False
-        return seg
+        return self._put(memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data))
 
     def upload_params(self, rows: np.ndarray) -> Seg:
         """A kernel's params blocks (a structured array, ``params.pack_array``) into
         the input arena: :meth:`upload`, kept by a recording as they are."""
-        recording, self._recording = self._recording, None
-        try:
-            seg = self.upload(rows.view(np.uint8))
-        finally:
-            self._recording = recording
-        if recording is not None:
-            recording.uploads.append((seg.offset, rows))
+        seg = self._put(memoryview(rows.view(np.uint8)).cast("B"))
+        if self._recording is not None:
+            self._recording.uploads.append((seg.offset, rows))
+        return seg
+
+    def _put(self, data: memoryview) -> Seg:
+        seg = self._reserve("in", data.nbytes)
+        self._uploads.add(seg.offset, data)
         return seg
 
     def upload_items(self, data: np.ndarray) -> "Items":

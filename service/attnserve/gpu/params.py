@@ -210,13 +210,8 @@ PARAMS_OF = {
 
 
 def pack(dtype: np.dtype, **values) -> bytes:
-    """One params block as bytes; fields not given are zero, unknown names raise."""
-    rec = np.zeros((), dtype=dtype)
-    for name, value in values.items():
-        if name not in dtype.names:
-            raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
-        rec[name] = value
-    return rec.tobytes()
+    """One params block as bytes (:func:`pack_array` of one)."""
+    return pack_array(dtype, 1, **values).tobytes()
 
 
 def pack_array(dtype: np.dtype, n: int, **columns) -> np.ndarray:
