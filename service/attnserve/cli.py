@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, get_args, get_origin
 import uvicorn
 from pydantic import SecretStr
 
+from .websocket_protocol import stream_websocket_protocol
+
 if TYPE_CHECKING:
     from .config import Settings
 
@@ -92,6 +94,11 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         # offers it by default, and compressing float arrays costs ~2.5 ms per step
         # for a few percent of bytes (docs/api.md#streaming-transport-v1stream-websocket).
         ws_per_message_deflate=False,
+        # the keepalive judges a late pong only while the server reads the stream, and a
+        # peer that reads nothing for stream_send_timeout_s is dropped (websocket_protocol)
+        ws=stream_websocket_protocol(settings.stream_send_timeout_s),
+        ws_ping_interval=settings.stream_ping_interval_s or None,
+        ws_ping_timeout=settings.stream_ping_timeout_s,
     )
     options.update(overrides)
     return uvicorn.Config(app, **options)

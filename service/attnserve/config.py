@@ -143,6 +143,23 @@ class Settings(BaseSettings):
         "counting until its reply is written; past it the server reads no further frame of that "
         "connection until one is answered (backpressure).",
     )
+    stream_ping_interval_s: float = Field(
+        20.0,
+        ge=0,
+        description="How often the server pings a /v1/stream peer (WebSocket keepalive); 0: never.",
+    )
+    stream_ping_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="How long a /v1/stream peer has to answer a ping, counted only while the server reads "
+        "its frames (a peer held back by its operations in flight is never dropped for a late pong).",
+    )
+    stream_send_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="A /v1/stream peer that reads none of its replies for this long is disconnected (its "
+        "operations complete; their replies are lost); 0: never.",
+    )
     max_batch_items: int = Field(
         1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."
     )

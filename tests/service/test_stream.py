@@ -13,6 +13,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+from websockets.frames import Opcode
 from websockets.sync.client import connect
 
 from attnserve.config import Settings
@@ -228,7 +229,9 @@ def test_a_client_that_does_not_read_its_replies_stops_being_read(engine, rng):
     measures the server's memory). When the peer reads again, every reply comes,
     right against the oracle."""
     h, hkv, d, queries, frames, every = 8, 2, 64, 64, 2000, 10  # a reply: 128 KiB
-    srv = LiveServer(Settings(stream_max_in_flight=8), engine=engine).start()
+    # phase one reads nothing for as long as a busy machine takes: past the send
+    # timeout the server would rightly drop the peer (the test after this one)
+    srv = LiveServer(Settings(stream_max_in_flight=8, stream_send_timeout_s=600), engine=engine).start()
     try:
         with Client(srv.url) as client, RawStream(srv.port) as raw:
             s = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
@@ -274,6 +277,118 @@ def test_a_client_that_does_not_read_its_replies_stops_being_read(engine, rng):
                 assert replies[i]["result"] == want
             else:
                 assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
+    finally:
+        srv.stop()
+
+
+def _slow_gpu(monkeypatch, engine, seconds: float) -> None:
+    """Every GPU submission of ``engine`` takes ``seconds`` longer (a GPU slower
+    than the stream's keepalive)."""
+    submit = engine.worker._submit_batch
+
+    def slow_submit(*args, **kwargs):
+        time.sleep(seconds)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine.worker, "_submit_batch", slow_submit)
+
+
+KEEPALIVE = dict(stream_ping_interval_s=0.2, stream_ping_timeout_s=0.3)
+
+
+def test_a_backpressured_stream_outlives_the_keepalive(engine, rng, monkeypatch):
+    """A peer with more operations in flight than the server takes, on a GPU that
+    holds every step longer than the ping timeout: the server stops reading (its
+    pongs wait behind unread frames), and still delivers every reply, right against
+    the oracle, to a stock websockets client that reads and answers pings all along
+    (before, the keepalive closed it: 1011 keepalive ping timeout, no reply)."""
+    h, hkv, d, queries, frames, every = 4, 2, 32, 16, 48, 8
+    srv = LiveServer(Settings(stream_max_in_flight=4, **KEEPALIVE), engine=engine).start()
+    try:
+        with Client(srv.url) as client:
+            s = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
+            model = Model(h, hkv, d)
+            k, v = rows(rng, queries, hkv, d), rows(rng, queries, hkv, d)
+            s.append(0, k, v)
+            model.add(0, k, v)
+            docs, wants = [], {}
+            head = {"session_id": s.session_id, "layer": 0}
+            for doc, arrays in flood(head, rng, frames=frames, every=every, queries=queries, h=h, hkv=hkv, d=d):
+                docs.append(doc)
+                if doc["op"] == "append":
+                    model.add(0, *arrays)
+                    wants[doc["id"]] = {"length": model.lengths[0]}
+                else:
+                    wants[doc["id"]] = model.attention(0, arrays[0], causal=False)
+            _slow_gpu(monkeypatch, engine, 0.6)  # each step holds the stream unread past the ping timeout
+            url = srv.url.replace("http://", "ws://") + "/v1/stream"
+            replies = {}
+            with connect(url, max_size=None) as ws:
+                sender = threading.Thread(target=lambda: [ws.send(wire.packb(doc)) for doc in docs], daemon=True)
+                sender.start()
+                for _ in range(frames):
+                    r = wire.unpackb(ws.recv(timeout=120), max_bytes=1 << 30)
+                    replies[r["id"]] = r
+                sender.join(30)
+            assert s.info().lengths == (queries + frames // every,)
+        for i, want in wants.items():
+            assert replies[i]["status"] == 200, replies[i]
+            if isinstance(want, dict):
+                assert replies[i]["result"] == want
+            else:
+                assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
+    finally:
+        srv.stop()
+
+
+def test_a_stream_peer_that_does_not_answer_pings_is_dropped(engine):
+    """The keepalive still finds a dead peer: one the server reads (nothing held
+    back) that answers no ping is closed once the ping timeout passes."""
+    srv = LiveServer(Settings(**KEEPALIVE), engine=engine).start()
+    try:
+        with RawStream(srv.port, timeout=30) as raw:  # reads nothing, so answers no ping
+            t0 = time.monotonic()
+            got = b""
+            while True:  # the server's pings, then its close frame, then the end of the stream
+                data = raw.sock.recv(1 << 16)
+                if not data:
+                    break
+                got += data
+            assert time.monotonic() - t0 < 20
+            raw.ws.receive_data(got)
+            closes = [e for e in raw.ws.events_received() if e.opcode is Opcode.CLOSE]
+            assert closes and raw.ws.close_rcvd.code == 1011, raw.ws.close_rcvd
+    finally:
+        srv.stop()
+
+
+def test_a_stream_peer_that_reads_nothing_is_dropped_after_the_send_timeout(engine, rng, caplog):
+    """A peer that floods the stream and reads none of its replies: once the
+    server's writes have made no progress for stream_send_timeout_s, the connection
+    is aborted and said in the log; the operations it took still complete."""
+    h, hkv, d, queries, frames, every = 8, 2, 64, 64, 400, 10  # a reply: 128 KiB
+    srv = LiveServer(Settings(stream_max_in_flight=8, stream_send_timeout_s=1.0), engine=engine).start()
+    try:
+        with Client(srv.url) as client, RawStream(srv.port, timeout=60) as raw:
+            s = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
+            s.append(0, rows(rng, queries, hkv, d), rows(rng, queries, hkv, d))
+            head = {"session_id": s.session_id, "layer": 0}
+            docs = [doc for doc, _ in flood(head, rng, frames=frames, every=every, queries=queries, h=h, hkv=hkv, d=d)]
+            with caplog.at_level("WARNING", logger="attnserve"):
+                try:  # nothing read: the sending stalls, and the server aborts the connection
+                    raw.send_until_stalled(raw.frames(docs), stall_s=30)
+                    raw.sock.settimeout(30)
+                    while raw.sock.recv(1 << 20):
+                        pass
+                except (ConnectionError, OSError):  # reset by the abort
+                    pass
+                deadline = time.monotonic() + 30
+                while not any("read nothing" in r.getMessage() for r in caplog.records):
+                    assert time.monotonic() < deadline, "the server kept a peer that read nothing"
+                    time.sleep(0.1)
+            time.sleep(0.5)
+            appended = s.info().lengths[0] - queries
+            assert 0 < appended < frames // every  # what it took was applied; it stopped taking frames
     finally:
         srv.stop()
 

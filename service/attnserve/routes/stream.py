@@ -21,7 +21,9 @@ missing or wrong key closes the handshake (HTTP 403, close code 1008). At most
 counting until its reply is written: past that the server reads no further frame
 until one is answered (the socket's flow control pushes back both ways; a peer
 that does not read its replies stops being read, and nothing is buffered without
-bound). A full GPU queue is a 503
+bound). The keepalive's pong deadline runs only while the server reads the
+connection, and a peer that reads no reply for ``stream_send_timeout_s`` is
+dropped (:mod:`attnserve.websocket_protocol`). A full GPU queue is a 503
 ``overloaded`` reply. An operation whose reply was sent is applied; a connection
 that drops loses no queued operation (it completes; its reply is lost).
 """
