@@ -38,6 +38,9 @@ __all__ = [
     "is_msgpack",
     "loads_json",
     "max_containers",
+    "json_structure",
+    "MAX_MEMBERS",
+    "MAX_MAP_ENTRIES",
     "packb",
     "unpackb",
 ]
@@ -68,6 +71,18 @@ _ARRAY_KEYS = frozenset({"dtype", "shape", "data"})
 #: numbers (``[0,0,0],`` is 8 bytes): one per 8 bytes admits them, and caps a
 #: document's containers near what its numbers would cost.
 BYTES_PER_CONTAINER = {"msgpack": 32, "json": 8}
+
+#: Most members a document may hold: map entries (each counted twice: its key and
+#: its value) and array elements, numbers included, all containers together. A wide
+#: flat map costs some 100 bytes of Python per entry whatever its bytes, so without
+#: a cap a 50 MiB body of 4M keys takes half a GB and tens of seconds to parse.
+#: Request maps name their members (a few dozen); MessagePack arrays are one ``bin``
+#: each; so this binds JSON's nested lists of numbers: 2**20 members hold a JSON
+#: array of a million numbers (send larger arrays as MessagePack).
+MAX_MEMBERS = 1 << 20
+#: Most entries of one MessagePack map, refused from the map's header before the
+#: map is built (a request map names at most a few dozen members).
+MAX_MAP_ENTRIES = 1024
 
 
 class WireError(ValueError):
@@ -270,33 +285,46 @@ def packb(obj: Any) -> bytes:
     return data
 
 
-def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_containers: int | None = None) -> Any:
+def unpackb(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int,
+    max_containers: int | None = None,
+    max_members: int = MAX_MEMBERS,
+) -> Any:
     """Parse one MessagePack document of at most ``max_bytes`` bytes, safely.
 
     Every declared length (str, bin, array, map) is bounded by the size of ``data``
-    itself, so a small body cannot make the parser allocate a huge object; ext types
-    are refused; map keys must be str (or bytes); str is decoded as UTF-8. Nesting
-    deeper than the parser's limit is refused.
+    itself, so a small body cannot make the parser allocate a huge object; a map
+    declaring more than :data:`MAX_MAP_ENTRIES` entries, or an array more than
+    ``max_members`` elements, is refused from its header; ext types are refused;
+    map keys must be str (or bytes); str is decoded as UTF-8. Nesting deeper than
+    the parser's limit is refused.
 
     The document may hold at most ``max_containers`` arrays and maps (default
     :func:`max_containers`, ``1024 + len(data) // 32``; see
-    :data:`BYTES_PER_CONTAINER`); the parse stops as soon as the cap is passed.
+    :data:`BYTES_PER_CONTAINER`) and ``max_members`` members (:data:`MAX_MEMBERS`);
+    the parse stops as soon as either cap is passed.
 
     Raises:
         WireError: the body is too long, malformed, truncated, has trailing data,
-            nests too deeply, holds too many arrays and maps, or uses ext types.
+            nests too deeply, holds too many arrays and maps or members, or uses
+            ext types.
     """
     size = memoryview(data).nbytes
     if size > max_bytes:
         raise WireError(f"body: expected at most {max_bytes} bytes of MessagePack, got {size}")
     cap = _max_containers(size, "msgpack") if max_containers is None else max_containers
-    count = 0
+    containers = members = 0
 
-    def container(obj: Any) -> Any:
-        nonlocal count
-        count += 1
-        if count > cap:
+    def counted(obj: Any, weight: int) -> Any:
+        nonlocal containers, members
+        containers += 1
+        members += weight * len(obj)
+        if containers > cap:
             raise _TooManyContainers
+        if members > max_members:
+            raise _TooManyMembers
         return obj
 
     try:
@@ -306,23 +334,43 @@ def unpackb(data: bytes | bytearray | memoryview, *, max_bytes: int, max_contain
             strict_map_key=True,
             max_str_len=size,
             max_bin_len=size,
-            max_array_len=size,
-            max_map_len=size // 2,
+            max_array_len=min(size, max_members),
+            max_map_len=min(size // 2, MAX_MAP_ENTRIES),
             max_ext_len=0,
-            list_hook=container,
-            object_hook=container,
+            list_hook=lambda obj: counted(obj, 1),
+            object_hook=lambda obj: counted(obj, 2),
         )
     except _TooManyContainers:
         raise WireError(
             f"body: expected at most {cap} arrays and maps in {size} bytes of MessagePack, got more"
         ) from None
+    except _TooManyMembers:
+        raise WireError(_too_many_members(max_members, "MessagePack")) from None
     except RecursionError:
         raise WireError("body: expected MessagePack nested at most a few hundred deep, got deeper") from None
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+    except ValueError as exc:
+        # a header declared more entries than the caps (not only than the body could hold)
+        if "exceeds max_map_len" in str(exc) and size // 2 > MAX_MAP_ENTRIES:
+            raise WireError(f"body: expected maps of at most {MAX_MAP_ENTRIES} entries, got {exc}") from None
+        if "exceeds max_array_len" in str(exc) and size > max_members:
+            raise WireError(_too_many_members(max_members, "MessagePack")) from None
+        raise WireError(f"body: expected valid MessagePack, got {type(exc).__name__}: {exc}") from None
+    except (TypeError, msgpack.UnpackException) as exc:
         raise WireError(f"body: expected valid MessagePack, got {type(exc).__name__}: {exc}") from None
 
 
+def _too_many_members(max_members: int, kind: str) -> str:
+    return (
+        f"body: expected at most {max_members} members (map entries count twice, array elements once) "
+        f"in a {kind} document, got more; send large arrays as MessagePack arrays ({DTYPE} bytes)"
+    )
+
+
 class _TooManyContainers(Exception):
+    pass
+
+
+class _TooManyMembers(Exception):
     pass
 
 
@@ -335,23 +383,25 @@ def max_containers(size: int, kind: str) -> int:
 _max_containers = max_containers  # unpackb's parameter of that name shadows it
 
 
-def loads_json(data: bytes, *, max_bytes: int) -> Any:
+def loads_json(data: bytes | bytearray, *, max_bytes: int, max_members: int = MAX_MEMBERS) -> Any:
     """Parse one JSON document of at most ``max_bytes`` bytes, safely: its arrays
-    and objects are counted (outside strings) before any is built, and a document
-    with more than :func:`max_containers` is refused at once.
+    and objects and its members are counted (outside strings) before any is built,
+    and a document with more than :func:`max_containers` arrays and objects, or
+    more than ``max_members`` members (:data:`MAX_MEMBERS`), is refused at once.
 
     Raises:
-        WireError: the body is too long, holds too many arrays and objects, is not
-            JSON, or nests too deeply.
+        WireError: the body is too long, holds too many arrays and objects or
+            members, is not JSON, or nests too deeply.
     """
     size = len(data)
     if size > max_bytes:
         raise WireError(f"body: expected at most {max_bytes} bytes of JSON, got {size}")
     cap = max_containers(size, "json")
-    buf = np.frombuffer(data, dtype=np.uint8)
-    openers = np.count_nonzero(buf == _OPENERS[0]) + np.count_nonzero(buf == _OPENERS[1])
-    if openers > cap and count_json_containers(data) > cap:  # only strings can hold the difference
+    containers, members = json_structure(data, stop_at=(cap, max_members))
+    if containers > cap:
         raise WireError(f"body: expected at most {cap} arrays and objects in {size} bytes of JSON, got more")
+    if members > max_members:
+        raise WireError(_too_many_members(max_members, "JSON"))
     try:
         return json.loads(data)
     except RecursionError:
@@ -360,17 +410,43 @@ def loads_json(data: bytes, *, max_bytes: int) -> Any:
         raise WireError(f"body: expected valid JSON, got {type(e).__name__}: {e}") from None
 
 
-_QUOTE, _BACKSLASH, _OPENERS = ord('"'), ord("\\"), (ord("["), ord("{"))
-_SCAN_CHUNK = 1 << 20
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_OPENERS, _SEPARATORS = (ord("["), ord("{")), (ord(","), ord(":"))
+_SCAN_CHUNK = 1 << 18
+_COUNT_CHUNK = 1 << 17
 
 
-def count_json_containers(data: bytes) -> int:
-    """How many ``[`` and ``{`` of ``data`` open an array or object: those outside
-    JSON strings (a quote preceded by an odd run of backslashes does not end a
-    string). Exact up to the first byte that is not valid JSON, where any parser
-    stops; vectorized, a MiB at a time."""
+def count_json_containers(data: bytes | bytearray) -> int:
+    """How many ``[`` and ``{`` of ``data`` open an array or object (see
+    :func:`json_structure`)."""
+    return json_structure(data)[0]
+
+
+def json_structure(data: bytes | bytearray, *, stop_at: tuple[int, int] | None = None) -> tuple[int, int]:
+    """``(containers, members)`` of a JSON document: how many ``[`` and ``{``
+    open an array or object, and its members as :data:`MAX_MEMBERS` counts them
+    (a ``,`` or ``:`` outside strings, plus one per container: an array of n
+    elements holds n - 1 commas, an object of n entries n - 1 commas and n colons).
+    Bytes inside JSON strings do not count (a quote preceded by an odd run of
+    backslashes does not end a string). Exact up to the first byte that is not
+    valid JSON, where any parser stops; vectorized, 256 KiB at a time, holding no
+    more than a few MiB of temporaries.
+
+    With ``stop_at=(containers, members)``, the count may stop early: when the
+    document's counts of those bytes, strings and all, already stay within both
+    (then those counts are returned), or once the exact counts pass either (then
+    the counts so far)."""
     buf = np.frombuffer(data, dtype=np.uint8)
-    count, in_string, run = 0, 0, 0  # carried: inside a string, backslashes ending the last chunk
+    if stop_at is not None:  # counts that ignore strings bound the exact ones from above
+        raw = np.zeros(256, dtype=np.int64)
+        for start in range(0, buf.size, _COUNT_CHUNK):  # bincount widens each byte to 8
+            raw += np.bincount(buf[start : start + _COUNT_CHUNK], minlength=256)
+        containers = int(raw[_OPENERS[0]] + raw[_OPENERS[1]])
+        members = containers + int(raw[_SEPARATORS[0]] + raw[_SEPARATORS[1]])
+        if containers <= stop_at[0] and members <= stop_at[1]:
+            return containers, members
+    containers = members = 0
+    in_string, run = 0, 0  # carried: inside a string, backslashes ending the last chunk
     for start in range(0, buf.size, _SCAN_CHUNK):
         c = buf[start : start + _SCAN_CHUNK]
         quotes = np.flatnonzero(c == _QUOTE)
@@ -386,11 +462,21 @@ def count_json_containers(data: bytes) -> int:
             run += c.size
         else:
             run = int(np.argmin(backslash[::-1]))  # the backslashes ending the chunk
-        openers = np.flatnonzero((c == _OPENERS[0]) | (c == _OPENERS[1]))
-        inside = (np.searchsorted(quotes, openers) + in_string) % 2
-        count += int(openers.size - np.count_nonzero(inside))
+        opened = _outside(c, quotes, in_string, _OPENERS)
+        containers += opened
+        members += opened + _outside(c, quotes, in_string, _SEPARATORS)
         in_string = (in_string + int(quotes.size)) % 2
-    return count
+        if stop_at is not None and (containers > stop_at[0] or members > stop_at[1]):
+            break
+    return containers, members
+
+
+def _outside(chunk: np.ndarray, quotes: np.ndarray, in_string: int, chars: tuple[int, int]) -> int:
+    """How many bytes of ``chunk`` equal to either of ``chars`` lie outside strings,
+    given the chunk's unescaped ``quotes`` and whether it starts ``in_string``."""
+    at = np.flatnonzero((chunk == chars[0]) | (chunk == chars[1]))
+    inside = (np.searchsorted(quotes, at) + in_string) % 2
+    return int(at.size - np.count_nonzero(inside))
 
 
 # The parser used by unpackb; the C extension when available (tests swap in the

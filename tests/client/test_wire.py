@@ -310,3 +310,56 @@ def test_loads_json_refuses_container_bombs_before_building_them(monkeypatch):
         wire.loads_json(b"[1, 2, 3, 4, 5]", max_bytes=10)
     with pytest.raises(WireError, match="valid JSON"):
         wire.loads_json(b"[1, 2", max_bytes=10)
+
+
+# -- members: wide flat documents ------------------------------------------------
+
+
+def test_loads_json_refuses_wide_objects_and_arrays_before_building_them(monkeypatch):
+    keys = b"{" + b",".join(b'"k%d":0' % i for i in range(wire.MAX_MEMBERS // 2 + 1)) + b"}"
+    numbers = b'{"q": [' + b",".join([b"0"] * (wire.MAX_MEMBERS + 1)) + b"]}"
+    built = []
+    monkeypatch.setattr(json, "loads", lambda *a, **k: built.append(1))
+    for bomb in (keys, numbers):
+        with pytest.raises(WireError, match="members"):
+            wire.loads_json(bomb, max_bytes=len(bomb))
+    assert not built  # refused before the parser ran
+
+
+def test_json_members_are_counted_exactly_outside_strings():
+    doc = {"a": [1, 2, 3], "b": {"c": [], "d": "x,y:z[{"}, "e": [[1, 2], [3, 4]]}
+    data = json.dumps(doc).encode()
+    # a container counts one and its n elements (n entries: 2n) n - 1 more (the commas, and the colons):
+    # top 1 + 5, a 1 + 2, b 1 + 3, c 1 (empty), e 1 + 1 and its two rows 2 + 2
+    assert wire.json_structure(data) == (7, 6 + 3 + 4 + 1 + 2 + 4)
+    # the document exactly at the cap is parsed, one member past it is not
+    at_cap = json.dumps({"q": [0] * 8}).encode()  # one entry (2) and 8 elements
+    assert wire.json_structure(at_cap)[1] == 10
+    assert wire.loads_json(at_cap, max_bytes=1 << 20, max_members=10) == {"q": [0] * 8}
+    with pytest.raises(WireError, match="members"):
+        wire.loads_json(at_cap, max_bytes=1 << 20, max_members=9)
+    # commas inside strings do not count, whatever the raw bytes say
+    texty = json.dumps({"s": "," * 100}).encode()
+    assert wire.loads_json(texty, max_bytes=1 << 20, max_members=3) == {"s": "," * 100}
+
+
+def test_unpackb_refuses_wide_maps_from_their_header():
+    wide = msgpack.packb({f"k{i}": 0 for i in range(wire.MAX_MAP_ENTRIES + 1)})
+    with pytest.raises(WireError, match=f"maps of at most {wire.MAX_MAP_ENTRIES} entries"):
+        unpackb(wide, max_bytes=len(wide))
+    ok = msgpack.packb({f"k{i}": 0 for i in range(wire.MAX_MAP_ENTRIES)})
+    assert len(unpackb(ok, max_bytes=len(ok))) == wire.MAX_MAP_ENTRIES
+
+
+@pytest.mark.parametrize("parser", ["c", "fallback"])
+def test_unpackb_counts_members_across_containers(parser, monkeypatch):
+    if parser == "fallback":
+        monkeypatch.setattr(wire, "_unpackb", msgpack.fallback.unpackb)
+    maps = msgpack.packb([{f"k{j}": 0 for j in range(16)} for _ in range(64)])  # 64 + 64 * 16 * 2 = 2112
+    assert len(unpackb(maps, max_bytes=len(maps), max_members=2112)) == 64
+    with pytest.raises(WireError, match="members"):
+        unpackb(maps, max_bytes=len(maps), max_members=2111)
+    numbers = msgpack.packb([0] * 5000)
+    with pytest.raises(WireError, match="members"):  # from the array's header
+        unpackb(numbers, max_bytes=len(numbers), max_members=4999)
+    assert len(unpackb(numbers, max_bytes=len(numbers), max_members=5000)) == 5000
