@@ -526,3 +526,25 @@ def test_only_a_layer_with_a_later_layer_of_its_format_records(engine, rng, monk
     for li in range(3):
         _check_step(engine, [mixed], li, q, k, k)
     assert recorded == [True]  # layer 0 (f32, with layer 2 after it) only
+
+
+def test_columns_that_fail_fall_back_visibly_to_the_same_answers(engine, rng, monkeypatch, caplog):
+    """A stacked step whose columns raise is planned item by item and gives the same
+    answers, and is never silent: counted by reason in engine.step_fallbacks
+    (attnserve_step_fallbacks_total) and logged with the traceback."""
+    pairs = _pairs(engine, ["f32", "turboquant", "f16"], [P + 1, 3, 2 * P], rng)
+    b = len(pairs)
+
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in the columns")
+
+    before = engine.step_fallbacks.value("error")
+    monkeypatch.setattr(LayerCache, "plan_stacked", staticmethod(broken))
+    q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((b, 2, HKV, D)).astype(np.float32) for _ in range(2))
+    with caplog.at_level("WARNING", logger="attnserve"):
+        _check_step(engine, pairs, 0, q, k, v)
+    assert engine.step_fallbacks.value("error") == before + 1
+    logged = [r for r in caplog.records if "planned item by item" in r.getMessage()]
+    assert logged and logged[0].exc_info and "a bug in the columns" in str(logged[0].exc_info[1])
+    _same_words(engine, pairs)

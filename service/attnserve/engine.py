@@ -12,6 +12,7 @@ awaits them from the event loop.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -20,6 +21,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import InvalidRequest
+from .metrics import Counter
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, attend_output_bytes, rotated_q_bytes
 from .gpu.batch import Batch, Items, Seg
@@ -35,7 +37,9 @@ from .turboquant import (
     outlier_rest_factor,
 )
 
-__all__ = ["Engine", "AttendResult", "StackedResult"]
+__all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter"]
+
+log = logging.getLogger("attnserve")
 
 
 def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
@@ -93,6 +97,16 @@ def _plan_attend_item(
     return length
 
 
+def step_fallbacks_counter() -> Counter:
+    """The counter of stacked steps planned item by item, by reason."""
+    return Counter(
+        "attnserve_step_fallbacks_total",
+        "Stacked steps planned item by item because their columns gave up, by reason "
+        "(binding_limit: past the adapter's binding limit; error: a failure, logged with its traceback).",
+        ("reason",),
+    )
+
+
 class _OneByOne(Exception):
     """The columns of a stacked step passed the binding limit: plan it item by item."""
 
@@ -124,6 +138,9 @@ class Engine:
         on_job_start: Callable[[str, float], None] | None = None,
     ):
         self.ctx = ctx
+        #: stacked steps the columns gave up on, planned item by item, by reason
+        #: (binding_limit, error): /metrics' attnserve_step_fallbacks_total
+        self.step_fallbacks = step_fallbacks_counter()
         limit = min(ctx.max_binding, int(ctx.limits.get("max-buffer-size", ctx.max_binding)))
         # every session's pages, per layout, and their page tables (touched only on the GPU
         # thread); pool_slab_bytes bounds the slabs, the binding limit the tables
@@ -398,10 +415,11 @@ class Engine:
                 )
                 if batch.largest_arena > cap:
                     raise _OneByOne
-            except Exception:
+            except Exception as e:  # never silent: counted, and logged (a failure with its traceback)
                 batch.rollback(mark)
                 lengths[:] = -1
                 one_by_one = [i for i, layer in enumerate(layers) if layer is not None]
+                self._fell_back(e, len(one_by_one))
             full: InvalidRequest | None = None
             for i in one_by_one:
                 layer = layers[i]
@@ -438,6 +456,19 @@ class Engine:
             return finish
 
         return plan
+
+    def _fell_back(self, e: Exception, items: int) -> None:
+        """A stacked step planned item by item after its columns gave up (``e``)."""
+        if isinstance(e, _OneByOne):
+            self.step_fallbacks.inc("binding_limit")
+            log.debug("a stacked step's columns pass the binding limit: planned item by item", extra={"items": items})
+        else:
+            self.step_fallbacks.inc("error")
+            log.warning(
+                "a stacked step's columns failed: planned item by item (the answers are the same, slower)",
+                exc_info=e,
+                extra={"items": items},
+            )
 
     @staticmethod
     def _plan_columns(

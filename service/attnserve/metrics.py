@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Counter", "Gauge", "Histogram", "Metrics", "CONTENT_TYPE"]
+__all__ = ["Borrowed", "Counter", "Gauge", "Histogram", "Metrics", "CONTENT_TYPE"]
 
 # What generate_latest writes: the text exposition format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -89,6 +89,18 @@ class Gauge(_Metric):
         for key, v in items:
             f.add_metric(key, v)
         return f
+
+
+class Borrowed(_Metric):
+    """A counter another object owns (the GPU engine's), read when scraped:
+    ``owner()`` gives it, or None while there is none (then ``empty`` is read)."""
+
+    def __init__(self, empty: Counter, owner: Callable[[], Counter | None]):
+        super().__init__(empty.name, empty.help, empty.labelnames)
+        self.empty, self.owner = empty, owner
+
+    def family(self) -> Metric:
+        return (self.owner() or self.empty).family()
 
 
 class Histogram(_Metric):
@@ -223,7 +235,7 @@ class Metrics:
             "Time to save (at shutdown) or restore (at start) every session.",
             ("phase",),
         )
-        self._gauges: list[Gauge] = []
+        self._gauges: list[Gauge | Borrowed] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_AppCollector(self))
         ProcessCollector(registry=self.registry)
@@ -246,7 +258,7 @@ class Metrics:
         self.requests.inc(route, method, str(status))
         self.latency.observe(seconds, route, method)
 
-    def add_gauge(self, gauge: Gauge) -> None:
+    def add_gauge(self, gauge: Gauge | Borrowed) -> None:
         self._gauges.append(gauge)
 
     def all(self) -> list[_Metric]:

@@ -26,10 +26,10 @@ from . import __version__
 from .auth import KeyRing
 from .codec import offload
 from .config import Settings
-from .engine import Engine
+from .engine import Engine, step_fallbacks_counter
 from .errors import NotReady
 from .formats import KV_FORMATS
-from .metrics import Gauge, Metrics
+from .metrics import Borrowed, Gauge, Metrics
 from .store import JobReservations, Reservation, Session, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
@@ -70,11 +70,13 @@ class Runtime:
         self.persistence: Any = None  # a persistence.SnapshotDir when snapshot_dir is set
         self.engine: Engine | None = engine
         self.ready = False
+        self.warming_up = False  # the kernels are being compiled (app.py's lifespan; not ready yet)
         self.draining = False
         self.in_flight = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.frames_port: int | None = None  # where the frame transport listens, once it does
         self._idle: asyncio.Event | None = None
+        self._when_ready: list[Callable[[], None]] = []
 
     # ── lifecycle ───────────────────────────────────────────────────────────
 
@@ -84,13 +86,37 @@ class Runtime:
             log.info("draining", extra={"in_flight": self.in_flight})
         self.draining = True
 
+    def mark_ready(self) -> None:
+        """The start is done (device open, sessions restored, kernels warm): take work
+        from now on, and call what :meth:`when_ready` was given."""
+        self.ready = True
+        waiting, self._when_ready = self._when_ready, []
+        for fn in waiting:
+            fn()
+
+    def when_ready(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the event loop once the server is ready (now, if it is)."""
+        if self.ready:
+            fn()
+        else:
+            self._when_ready.append(fn)
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server takes no work now, or None when it does."""
+        if self.draining:
+            return "the server is draining"
+        if self.warming_up:
+            return "the kernels are warming up (the warmup setting)"
+        if self.engine is None or not self.ready:
+            return "the GPU device is not ready"
+        return None
+
     def ready_engine(self) -> Engine:
         """The engine, if the server takes work now (else 503 not-ready)."""
-        if self.engine is None or not self.ready or self.draining:
-            raise NotReady(
-                "the server is draining" if self.draining else "the GPU device is not ready",
-                headers={"Retry-After": "1"},
-            )
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise NotReady(reason, headers={"Retry-After": "1"})
+        assert self.engine is not None  # not_ready_reason says so
         return self.engine
 
     def request_started(self) -> None:
@@ -297,6 +323,7 @@ def install_gauges(rt: Runtime) -> None:
         return [((fmt,), counts.get(fmt, (0, 0))[i]) for fmt in KV_FORMATS]
 
     m.add_gauge(Gauge("attnserve_sessions", "Sessions held, by kv format.", ("kv_format",), lambda: by_format(0)))
+    m.add_gauge(Borrowed(step_fallbacks_counter(), lambda: rt.engine.step_fallbacks if rt.engine is not None else None))
     m.add_gauge(
         Gauge(
             "attnserve_kv_bytes",

@@ -1,7 +1,8 @@
-"""/livez, /readyz, /metrics, /v1/info and /openapi.json."""
+"""/livez, /readyz, /health, /metrics, /v1/info and /openapi.json."""
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 
@@ -11,7 +12,7 @@ from svc_helpers import TYPES, Scrape, rows
 
 
 def test_livez_readyz(api, enc):
-    for path, status in (("/livez", "ok"), ("/readyz", "ready")):
+    for path, status in (("/livez", "ok"), ("/readyz", "ready"), ("/health", "ready")):
         r = api.call("GET", path, accept=TYPES[enc])
         assert r.status == 200 and r.body == {"status": status} and r.content_type == TYPES[enc]
 
@@ -102,6 +103,7 @@ def test_operation_ids_are_readable(api):
         ("/v1/sessions/{session_id}/snapshot", "put"): "put_snapshot",
         ("/livez", "get"): "livez",
         ("/readyz", "get"): "readyz",
+        ("/health", "get"): "health",
         ("/metrics", "get"): "metrics",
         ("/v1/info", "get"): "info",
     }
@@ -215,11 +217,13 @@ def test_openapi_documents_both_encodings(api):
         "/v1/sessions/{session_id}/snapshot": {"get", "put"},
         "/livez": {"get"},
         "/readyz": {"get"},
+        "/health": {"get"},
         "/metrics": {"get"},
         "/v1/info": {"get"},
     }
     for path, methods in expected.items():
         assert methods <= set(paths[path]), path
+    assert paths["/health"]["get"]["responses"] == paths["/readyz"]["get"]["responses"]  # one answer, two names
     for path, method in [
         ("/v1/sessions", "post"),
         ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"),
@@ -234,3 +238,23 @@ def test_openapi_documents_both_encodings(api):
     assert schemas["ArrayMsgpack"]["properties"]["data"]["format"] == "binary"
     assert schemas["AttendMsgpack"]["properties"]["q"]["$ref"].endswith("/ArrayMsgpack")
     assert schemas["AttendJson"]["properties"]["q"]["$ref"].endswith("/ArrayJson")
+
+
+def test_a_stacked_step_planned_item_by_item_is_counted(server, rng, monkeypatch):
+    """A batched step whose columns fail still answers (item by item) and shows in
+    /metrics as attnserve_step_fallbacks_total{reason="error"}."""
+    from attnserve.kvcache import LayerCache
+    from attnserve_client import Client
+
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in the columns")
+
+    with Client(server.url) as client:
+        sessions = [client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=32) for _ in range(3)]
+        before = Scrape(httpx.get(server.url + "/metrics").text).get("attnserve_step_fallbacks_total", reason="error")
+        monkeypatch.setattr(LayerCache, "plan_stacked", staticmethod(broken))
+        q, k, v = rows(rng, 3, 4, 32)[:, None], rows(rng, 3, 2, 32)[:, None], rows(rng, 3, 2, 32)[:, None]
+        out = client.attend_stacked(sessions, 0, q, k, v)
+        assert out.shape == (3, 1, 4, 32) and [s.lengths[0] for s in sessions] == [1, 1, 1]
+        after = Scrape(httpx.get(server.url + "/metrics").text)("attnserve_step_fallbacks_total", reason="error")
+        assert after == before + 1
