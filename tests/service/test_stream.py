@@ -271,14 +271,20 @@ def test_a_client_that_does_not_read_its_replies_stops_being_read(engine, rng):
 
             replies = raw.read_replies(frames, part, frames_out[sent + bool(part) :])  # phase two: every reply
             assert s.info().lengths == (queries + frames // every,)
-        for i, want in wants:
-            assert replies[i]["status"] == 200, replies[i]
-            if isinstance(want, dict):
-                assert replies[i]["result"] == want
-            else:
-                assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
+        _check_replies(replies, wants)
     finally:
         srv.stop()
+
+
+def _check_replies(replies: dict, wants) -> None:
+    """Each reply by id against what was wanted: an append's result document, or an
+    attend's output against the oracle."""
+    for i, want in wants:
+        assert replies[i]["status"] == 200, replies[i]
+        if isinstance(want, dict):
+            assert replies[i]["result"] == want
+        else:
+            assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
 
 
 def _slow_gpu(monkeypatch, engine, seconds: float) -> None:
@@ -331,12 +337,7 @@ def test_a_backpressured_stream_outlives_the_keepalive(engine, rng, monkeypatch)
                     replies[r["id"]] = r
                 sender.join(30)
             assert s.info().lengths == (queries + frames // every,)
-        for i, want in wants.items():
-            assert replies[i]["status"] == 200, replies[i]
-            if isinstance(want, dict):
-                assert replies[i]["result"] == want
-            else:
-                assert rel_err(from_wire(replies[i]["result"])["out"], want) < F32_TOL
+        _check_replies(replies, wants.items())
     finally:
         srv.stop()
 
