@@ -1,13 +1,14 @@
 # attnserve: the service image. docs/deploy.md says how to build and run it.
 #
 #   docker build -t attnserve .                 podman build --format docker -t attnserve .
-#   docker run --gpus 'all,"capabilities=compute,utility,graphics"' -p 8000:8000 attnserve
-#   docker run -p 8000:8000 -e ATTNSERVE_ADAPTER= attnserve     # no GPU: Mesa's lavapipe
+#   docker run --gpus 'all,"capabilities=compute,utility,graphics"' -p 8421:8421 attnserve
+#   docker run -p 8421:8421 -e ATTNSERVE_ADAPTER= attnserve     # no GPU: Mesa's lavapipe
 #
 # Two stages, both FROM debian:bookworm-slim with Python from Debian's packages (so
 # the image also builds from a locally imported base, without a registry):
-#   builder  builds the attnserve wheel (the server and the client package it
-#            imports, client/attnserve_client) and a wheel of every dependency;
+#   builder  builds the attnserve wheel (the server, the client package it
+#            imports, client/attnserve_client, and the load test, loadtest/) and
+#            a wheel of every dependency;
 #   runtime  installs those wheels (not the checkout) offline into a venv, with
 #            only the run-time libraries: the Vulkan loader, Mesa's lavapipe as
 #            the fallback without a GPU, and what NVIDIA's Vulkan driver links.
@@ -27,6 +28,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY shaders/ shaders/
 COPY service/ service/
 COPY client/attnserve_client/ client/attnserve_client/
+COPY loadtest/ loadtest/
 
 # The server's wheel (with the client package), then every run-time dependency as
 # a wheel, into /wheels.
@@ -73,11 +75,11 @@ ENV PATH=/opt/attnserve/bin:$PATH \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility,graphics \
     ATTNSERVE_HOST=0.0.0.0 \
-    ATTNSERVE_PORT=8000
+    ATTNSERVE_PORT=8421
 
 USER 10001:10001
 WORKDIR /home/attnserve
-EXPOSE 8000
+EXPOSE 8421
 
 HEALTHCHECK --interval=10s --timeout=5s --start-period=720s --retries=3 \
     CMD ["/opt/attnserve/bin/python", "/usr/local/bin/attnserve-healthcheck"]

@@ -16,7 +16,7 @@ import urllib.request
 
 
 def main(argv: list[str]) -> int:
-    port = os.environ.get("ATTNSERVE_PORT", "8000")
+    port = os.environ.get("ATTNSERVE_PORT", "8421")
     url = argv[1] if len(argv) > 1 else f"http://127.0.0.1:{port}/readyz"
     timeout = float(os.environ.get("ATTNSERVE_HEALTHCHECK_TIMEOUT_S", "3"))
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -30,7 +30,7 @@ Exit 0 when all of that holds, 1 otherwise, 2 on a usage or setup problem.
 memory before and after, checks). Traffic goes only to loopback addresses.
 
     python soak/soak.py --spawn --duration 600 --tenants 3 --json-out soak/out/soak.json
-    python soak/soak.py --url http://127.0.0.1:8000 --pid $(pgrep -f 'attnserve serve') --duration 60
+    python soak/soak.py --url http://127.0.0.1:8421 --pid $(pgrep -f 'attnserve serve') --duration 60
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ for p in (ROOT, ROOT / "service", ROOT / "client", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+# The test servers (in process, and the processes that inherit this environment) warm
+# no kernels at start unless a test asks (test_warmup.py; test_cli.py's servers keep the
+# default): a warm-up on lavapipe takes seconds, up to a minute with Mesa's cache empty.
+os.environ.setdefault("ATTNSERVE_WARMUP", "none")
 
 from _core import core_engine, no_adapter  # noqa: E402
 

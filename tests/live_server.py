@@ -31,7 +31,8 @@ class LiveServer:
     def start(self) -> "LiveServer":
         self.thread.start()
         deadline = time.monotonic() + 60
-        while not self.server.started:
+        # listening, and ready (the kernels' warm-up done): what /readyz 200 says to a client
+        while not (self.server.started and self.runtime.ready):
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the attnserve server did not start")
             time.sleep(0.02)

@@ -41,8 +41,8 @@ compose up -d --no-build >"$WORK/compose-up.log" 2>&1 \
   || { cat "$WORK/compose-up.log" >&2; die "podman-compose up failed"; }
 grep -i 'warn' "$WORK/compose-up.log" | sed 's/^/  /' || true
 CONTAINERS+=("$C0" "$C1" "$CR")
-wait_ready "$C0" "http://$(address "$C0"):8000"
-wait_ready "$C1" "http://$(address "$C1"):8000"
+wait_ready "$C0" "http://$(address "$C0"):8421"
+wait_ready "$C1" "http://$(address "$C1"):8421"
 for i in $(seq 120); do
   "$PY" deploy/healthcheck.py "$ROUTER_URL/readyz" 2>/dev/null && break
   [ "$i" = 120 ] && die "the router did not answer /readyz on $ROUTER_URL"
@@ -57,7 +57,7 @@ for c in "$C0" "$C1" "$CR"; do
 done
 
 step "compose: tests/image through the router"
-REPLICA_URLS="attnserve-0=http://$(address "$C0"):8000,attnserve-1=http://$(address "$C1"):8000"
+REPLICA_URLS="attnserve-0=http://$(address "$C0"):8421,attnserve-1=http://$(address "$C1"):8421"
 ATTNSERVE_TEST_URL="$ROUTER_URL" ATTNSERVE_TEST_ADAPTER=llvmpipe ATTNSERVE_TEST_REPLICAS="$REPLICA_URLS" \
   ATTNSERVE_TEST_ROUTER_ACCESS_LOG="$(podman inspect --format '{{.HostConfig.LogConfig.Path}}' "$CR")" \
   ATTNSERVE_TEST_STOP_REPLICA="${PODMAN_COMPOSE[*]} stop {name}" \
@@ -69,7 +69,7 @@ echo "attnserve-1 was stopped by the tests, exit code $rc; $(podman logs "$C1" 2
 
 step "compose: the stopped replica started again keeps its sessions"
 compose start attnserve-1 >/dev/null
-wait_ready "$C1" "http://$(address "$C1"):8000"
+wait_ready "$C1" "http://$(address "$C1"):8421"
 restored="$(podman logs "$C1" 2>&1 | grep '"msg":"snapshots restored"' | tail -n 1)"
 echo "attnserve-1: $(echo "$restored" | grep -o '"msg":"snapshots restored".*')"
 echo "$restored" | grep -Eq '"ok":[1-9]' || die "attnserve-1 restored no session from its snapshot volume"

@@ -2,11 +2,12 @@
 
 ``create_app(settings)`` builds the FastAPI app. Its lifespan opens the GPU
 engine on a thread (the event loop keeps running), restores the snapshot
-directory's sessions (``snapshot_dir``), marks the server ready and starts the
-idle-session expiry; on shutdown it marks the server draining (``/readyz`` 503,
-new ``/v1`` requests 503), waits for the requests in flight, writes every
-session's snapshot (``snapshot_dir``), and closes the engine after its queue
-drains.
+directory's sessions (``snapshot_dir``) and starts the idle-session expiry; then,
+while the server already answers (``/readyz`` 503), it warms the kernels
+(``warmup``: warmup.py) and marks the server ready. On shutdown it marks the
+server draining (``/readyz`` 503, new ``/v1`` requests 503), waits for the
+requests in flight, writes every session's snapshot (``snapshot_dir``), and
+closes the engine after its queue drains.
 
 Tenants: with API keys configured, the request middleware checks the bearer
 token of every ``/v1`` request (and of ``/metrics`` with ``metrics_auth``) before
@@ -54,6 +55,7 @@ from .persistence import SnapshotDir
 from .routes import batch, kv, problem_pages, probes, sessions, snapshots, stream
 from .middleware import PROBLEM_KEY, RequestMiddleware
 from .runtime import Runtime, install_gauges
+from .warmup import warm_up
 from .routes.schemas import COMPONENTS
 
 __all__ = ["create_app", "open_engine", "DOCS_ASSETS"]
@@ -139,21 +141,20 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             if owned:
                 await asyncio.to_thread(eng.close)
             raise
-        rt.ready = True
-        log.info(
-            "ready",
-            extra={
-                "adapter": eng.describe(),
-                "version": __version__,
-                "api_keys": len(rt.keys),
-                "sessions": len(rt.store),
-            },
-        )
+        warmup: asyncio.Task | None = None
+        if settings.warmup_formats():  # the server answers (/readyz 503) while the kernels compile
+            rt.warming_up = True
+            warmup = asyncio.create_task(_warm_up_then_ready(rt, eng), name="attnserve-warmup")
+        else:
+            rt.mark_ready()
         try:
             yield
         finally:
             rt.begin_drain()
             rt.ready = False
+            if warmup is not None:
+                warmup.cancel()
+                await asyncio.gather(warmup, return_exceptions=True)
             if expiry is not None:
                 expiry.cancel()
             if frames is not None:
@@ -246,6 +247,23 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+async def _warm_up_then_ready(rt: Runtime, engine: Engine) -> None:
+    """Warm the kernels the settings name (warmup.py), then mark the server ready. A
+    failed warm-up is logged and the server serves all the same: the kernels then
+    compile on first use, and /readyz still says whether the GPU thread runs."""
+    s = rt.settings
+    try:
+        await warm_up(engine, s.warmup_formats(), s.warmup_shape_list())
+    except Exception as e:
+        log.exception(
+            "kernel warm-up failed; serving without it (kernels compile on first use)", extra={"error": str(e)}
+        )
+    finally:
+        rt.warming_up = False
+    if not rt.draining:
+        rt.mark_ready()
 
 
 # ── errors ───────────────────────────────────────────────────────────────────

@@ -9,10 +9,12 @@ overrides its variable.
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from types import FrameType
@@ -50,9 +52,17 @@ def _serve(args: argparse.Namespace) -> int:
     for name, close in unknown_env(os.environ):
         hint = f"; did you mean {close}?" if close else ""
         log.warning(f"{name} is not a setting and is ignored{hint}", extra={"variable": name, "did_you_mean": close})
+    # the port first: a busy one stops the start at once, before the device opens
+    try:
+        sockets = _bind_sockets(settings.host, settings.port)
+    except OSError as e:
+        print(f"attnserve: {_bind_error(settings, e, given)}", file=sys.stderr)
+        return 3
     try:
         engine = open_engine(settings)
     except DeviceError as e:
+        for sock in sockets:
+            sock.close()
         where = f" ({_source('adapter', given, os.environ)})" if settings.adapter else ""
         print(f"attnserve: cannot open a GPU device{where}: {e}", file=sys.stderr)
         return 3
@@ -69,13 +79,57 @@ def _serve(args: argparse.Namespace) -> int:
         server = _Server(config, rt, settings.drain_delay_s)
         log.info("starting", extra={"host": settings.host, "port": settings.port})
         try:
-            server.run()
+            server.run(sockets=sockets)
         except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its clean shutdown
             return 130
     finally:
         engine.close()
-    # uvicorn leaves started False when the start failed (port taken, restore failed): exit non-zero.
+        for sock in sockets:
+            sock.close()
+    # uvicorn leaves started False when the start failed (restore failed): exit non-zero.
     return 0 if server.started else 3
+
+
+def _bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to ``port`` on every address ``host`` names (all of them for an
+    empty host), as asyncio's ``create_server`` binds them; uvicorn listens on them
+    once the app has started. Raises OSError (the port taken, no such address)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _bind_error(settings: Settings, e: OSError, given: Mapping[str, Any]) -> str:
+    """``cannot listen on 127.0.0.1:8421 (--port=8421): address already in use; ...``."""
+    address = f"[{settings.host}]:{settings.port}" if ":" in settings.host else f"{settings.host}:{settings.port}"
+    set_by_user = [s for name in ("host", "port") if (s := _source(name, given, os.environ)) != name]
+    where = f" ({', '.join(set_by_user)})" if set_by_user else ""
+    reason = (e.strerror or str(e)).lower()
+    if e.errno == errno.EADDRINUSE:
+        reason += "; another process listens there: stop it, or choose another port (--port, ATTNSERVE_PORT)"
+    return f"cannot listen on {address}{where}: {reason}"
+
+
+def _urls(server: uvicorn.Server) -> list[str]:
+    """The URLs a started server listens on."""
+    urls = []
+    for srv in server.servers:
+        for sock in srv.sockets:
+            host, port = sock.getsockname()[:2]
+            urls.append(f"http://[{host}]:{port}" if sock.family == socket.AF_INET6 else f"http://{host}:{port}")
+    return urls
 
 
 def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
@@ -180,6 +234,25 @@ class _Server(uvicorn.Server):
 
             thresholds = apply_gc_policy(self._rt.settings.gc_threshold)
             log.info("garbage collector", extra={"gc_thresholds": list(thresholds), "frozen": gc.get_freeze_count()})
+            urls = _urls(self)
+            log.info(f"listening on {', '.join(urls)}", extra={"urls": urls})
+            # "ready" once the port listens and the app is ready (after the kernels' warm-up)
+            self._rt.when_ready(lambda: self._log_ready(urls))
+
+    def _log_ready(self, urls: list[str]) -> None:
+        from . import __version__
+
+        rt = self._rt
+        log.info(
+            "ready",
+            extra={
+                "urls": urls,
+                "adapter": rt.engine.describe() if rt.engine is not None else None,
+                "version": __version__,
+                "api_keys": len(rt.keys),
+                "sessions": len(rt.store),
+            },
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._rt.begin_drain()

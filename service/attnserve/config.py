@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .formats import KV_FORMATS
+
 __all__ = [
     "Settings",
     "get_settings",
@@ -81,7 +83,7 @@ class Settings(BaseSettings):
     )
 
     host: str = Field("127.0.0.1", description="Address `attnserve serve` binds.")
-    port: int = Field(8000, ge=0, le=65535, description="Port `attnserve serve` binds.")
+    port: int = Field(8421, ge=0, le=65535, description="Port `attnserve serve` binds.")
     frames_port: int | None = Field(
         None,
         ge=0,
@@ -120,6 +122,19 @@ class Settings(BaseSettings):
     )
     split_target_workgroups: int = Field(
         128, ge=1, description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum)."
+    )
+    warmup: str = Field(
+        "f32",
+        description="The kv formats whose kernels are compiled at start, before /readyz reports ready (else "
+        "the first request of each compiles them: seconds each on lavapipe): none, all, or kv formats "
+        "separated by commas. Each is warmed at every warmup_shapes shape it takes, for decode (one query "
+        "row) and prefill (many rows) with the kernels the kernels setting picks.",
+    )
+    warmup_shapes: str = Field(
+        "32x8x128",
+        description="The session shapes the warmup compiles kernels for, separated by commas, each "
+        "num_qo_heads x num_kv_heads x head_dim as your model's (some kernels are specialized on the "
+        "GQA group and head_dim; another shape compiles its own on first use).",
     )
     page_tokens: int = Field(
         64,
@@ -185,7 +200,11 @@ class Settings(BaseSettings):
         "down (so a load balancer can take the replica out first).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
-    log_format: Literal["json", "text"] = Field("json", description="Log lines as JSON or as text.")
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto",
+        description="Log lines as JSON (one object per line, what a log collector reads) or as text; auto: "
+        "text when stderr is a terminal, else JSON.",
+    )
     instance_name: str | None = Field(
         None,
         description="This replica's name, sent on every response as X-Attnserve-Instance (default: the host name).",
@@ -251,6 +270,39 @@ class Settings(BaseSettings):
             raise ValueError(f"must be auto, off or a CUDA device ordinal (0, 1, ...), got {v!r}")
         return v
 
+    @field_validator("warmup")
+    @classmethod
+    def _warmup(cls, v: str) -> str:
+        names = [n.strip().lower() for n in v.split(",") if n.strip()]
+        if names in (["none"], ["all"]) or not names:
+            return names[0] if names else "none"
+        for name in names:
+            if name not in KV_FORMATS:
+                close = difflib.get_close_matches(name, KV_FORMATS, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ValueError(
+                    f"{name!r} is no kv format; {hint}expected none, all or some of {', '.join(KV_FORMATS)}"
+                )
+        return ",".join(dict.fromkeys(names))
+
+    @field_validator("warmup_shapes")
+    @classmethod
+    def _warmup_shapes(cls, v: str) -> str:
+        shapes = []
+        for text in (s.strip().lower() for s in v.split(",") if s.strip()):
+            m = re.fullmatch(r"(\d+)\s*x\s*(\d+)\s*x\s*(\d+)", text)
+            if m is None:
+                raise ValueError(f"{text!r} is not num_qo_heads x num_kv_heads x head_dim, such as 32x8x128")
+            h, hkv, d = map(int, m.groups())
+            if not (1 <= hkv <= h and h % hkv == 0 and 1 <= d <= 128):
+                raise ValueError(
+                    f"{text!r}: num_kv_heads must divide num_qo_heads, and head_dim be 1 to 128 (as a session's)"
+                )
+            shapes.append(f"{h}x{hkv}x{d}")
+        if not shapes:
+            raise ValueError("give at least one shape, such as 32x8x128 (warmup=none warms nothing)")
+        return ",".join(dict.fromkeys(shapes))
+
     @field_validator("page_tokens")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
@@ -280,6 +332,16 @@ class Settings(BaseSettings):
             lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
             keys += parse_api_keys(",".join(lines), "api_keys_file")
         return list(dict.fromkeys(keys))
+
+    def warmup_formats(self) -> tuple[str, ...]:
+        """The kv formats whose kernels the start warms (``warmup``), in order."""
+        if self.warmup == "none":
+            return ()
+        return KV_FORMATS if self.warmup == "all" else tuple(self.warmup.split(","))
+
+    def warmup_shape_list(self) -> list[tuple[int, int, int]]:
+        """``warmup_shapes`` as (num_qo_heads, num_kv_heads, head_dim) triples."""
+        return [(h, hkv, d) for h, hkv, d in (map(int, s.split("x")) for s in self.warmup_shapes.split(","))]
 
 
 _KEY_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {","}

@@ -145,7 +145,7 @@ class Overloaded(ApiError):
 
 
 class NotReady(ApiError):
-    """503: the device is not open, or the server is draining."""
+    """503: the device is not open, the kernels are warming up, or the server is draining."""
 
     status, slug, title = problems.NOT_READY
 

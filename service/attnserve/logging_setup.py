@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line on stderr.
+"""Logs on stderr: one JSON object per line (what a deployment collects), or text
+lines where stderr is a terminal (``log_format`` auto, the default).
 
 ``configure_logging(level, fmt)`` installs the handler on the root logger (so
 uvicorn's own messages come out the same way). Fields given with
@@ -52,10 +53,19 @@ class _TextFormatter(logging.Formatter):
         return base
 
 
-def configure_logging(level: str = "info", fmt: str = "json") -> None:
-    """Log to stderr as JSON lines (``fmt="json"``) or plain text."""
+def _resolve_format(fmt: str) -> str:
+    """``json`` or ``text``: ``auto`` is text when stderr is a terminal, else JSON."""
+    if fmt != "auto":
+        return fmt
+    isatty = getattr(sys.stderr, "isatty", None)
+    return "text" if isatty is not None and isatty() else "json"
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Log to stderr as JSON lines (``fmt="json"``), plain text (``"text"``), or
+    whichever suits stderr (``"auto"``: text on a terminal, else JSON)."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
+    if _resolve_format(fmt) == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

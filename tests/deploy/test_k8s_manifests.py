@@ -392,7 +392,7 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "an upstream line missing": (
         text_edit(
             UPSTREAMS,
-            "server attnserve-1.attnserve.attnserve.svc.cluster.local:8000 resolve max_fails=1 fail_timeout=5s;\n",
+            "server attnserve-1.attnserve.attnserve.svc.cluster.local:8421 resolve max_fails=1 fail_timeout=5s;\n",
             "",
         ),
         "deploy/nginx/k8s/upstreams.conf lists",
@@ -404,15 +404,15 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "upstreams on another port": (
         lambda root: (root / UPSTREAMS).write_text(
-            (root / UPSTREAMS).read_text().replace(".local:8000", ".local:9000")
+            (root / UPSTREAMS).read_text().replace(".local:8421", ".local:9000")
         ),
         "deploy/nginx/k8s/upstreams.conf lists",
     ),
     "no resolve": (
         text_edit(
             UPSTREAMS,
-            "attnserve-0.attnserve.attnserve.svc.cluster.local:8000 resolve",
-            "attnserve-0.attnserve.attnserve.svc.cluster.local:8000",
+            "attnserve-0.attnserve.attnserve.svc.cluster.local:8421 resolve",
+            "attnserve-0.attnserve.attnserve.svc.cluster.local:8421",
         ),
         "every upstream server line needs `resolve`",
     ),

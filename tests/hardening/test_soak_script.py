@@ -32,9 +32,9 @@ def test_usage_and_loopback_only(capsys):
         soak.main(["--url", "http://127.0.0.1:1", "--spawn"])
     assert e.value.code == 2
     with pytest.raises(SystemExit, match="not a loopback address"):
-        soak.check_loopback("http://192.0.2.1:8000")
-    soak.check_loopback("http://127.0.0.1:8000")
-    soak.check_loopback("http://[::1]:8000")
+        soak.check_loopback("http://192.0.2.1:8421")
+    soak.check_loopback("http://127.0.0.1:8421")
+    soak.check_loopback("http://[::1]:8421")
 
 
 def test_metrics_and_percentiles():

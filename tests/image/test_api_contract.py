@@ -64,6 +64,7 @@ ROUTES = {
     ("PUT", "/v1/sessions/{session_id}/snapshot"),
     ("GET", "/livez"),
     ("GET", "/readyz"),
+    ("GET", "/health"),
     ("GET", "/v1/info"),
     ("GET", "/metrics"),
 }
@@ -100,8 +101,9 @@ def in_list(api: Api, target, sid: str) -> bool:
 def test_probes(api):
     r = api.call("GET", "/livez")
     assert r.status == 200 and r.body == {"status": "ok"}, r.body
-    r = api.call("GET", "/readyz")
-    assert r.status == 200 and r.body == {"status": "ready"}, r.body
+    for path in ("/readyz", "/health"):
+        r = api.call("GET", path)
+        assert r.status == 200 and r.body == {"status": "ready"}, (path, r.body)
 
 
 @pytest.mark.parametrize("enc", ENCODINGS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,8 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    # ready after the default warm-up: seconds, or a minute where nothing is in Mesa's shader cache yet
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -114,10 +116,29 @@ def test_serve_settings_logs_and_drain():
     missing = next(ln for ln in access if ln["status"] == 404)
     assert missing["route"] == "unmatched" and missing["problem"] == "not-found"
     assert "s3cr3t" not in err and "0.123456789" not in err  # no auth headers, no bodies
-    assert any(ln["msg"] == "ready" for ln in lines) and any(ln["msg"] == "stopped" for ln in lines)
+    msgs = [ln["msg"] for ln in lines]
+    # "ready" once the port listens and the default warm-up (f32) has compiled its kernels
+    ready = msgs.index("ready")
+    warm = next(i for i, msg in enumerate(msgs) if msg.startswith("kernel warm-up done in "))
+    assert msgs.index(f"listening on {url}") < ready and warm < ready and "stopped" in msgs
+    assert lines[ready]["urls"] == [url] and lines[ready]["adapter"]["name"]
     collector = next(ln for ln in lines if ln["msg"] == "garbage collector")  # once started: gc_policy
     assert collector["gc_thresholds"][0] == 12345 and collector["frozen"] > 1000
     assert not [ln for ln in lines if ln["level"] == "warning"]  # loopback, no stray variables: no warning
+
+
+def test_a_busy_port_stops_the_start_naming_the_address():
+    with socket.create_server(("127.0.0.1", 0)) as busy:  # listening: the port is taken
+        port = busy.getsockname()[1]
+        by_option = _run("serve", "--port", str(port))
+        by_variable = _run("serve", ATTNSERVE_PORT=str(port))
+    hint = "another process listens there: stop it, or choose another port (--port, ATTNSERVE_PORT)"
+    for proc, source in ((by_option, f"--port={port}"), (by_variable, f"ATTNSERVE_PORT={port}")):
+        assert proc.returncode == 3
+        # one line, before the device is opened: no "ready", nor any log line
+        assert proc.stderr.splitlines() == [
+            f"attnserve: cannot listen on 127.0.0.1:{port} ({source}): address already in use; {hint}"
+        ]
 
 
 def _run(*argv: str, **env: str) -> subprocess.CompletedProcess:
@@ -210,6 +231,10 @@ def test_options_reach_the_settings(monkeypatch):
             "2.5",
             "--instance-name",
             "r1",
+            "--warmup",
+            "f32,tq4",
+            "--warmup-shapes",
+            "8x2x64",
             "--quota-bytes-per-key",
             "1048576",
         ]
@@ -219,6 +244,7 @@ def test_options_reach_the_settings(monkeypatch):
     assert s.memory_budget_bytes == 1 << 30 and s.max_body_bytes == 65536 and s.quota_bytes_per_key == 1 << 20
     assert s.metrics_auth is True and s.log_format == "text" and s.session_ttl_seconds == 2.5
     assert s.instance_name == "r1" and s.max_queue == 99  # the variable still counts where no option is given
+    assert s.warmup_formats() == ("f32", "tq4") and s.warmup_shape_list() == [(8, 2, 64)]
     assert parser.parse_args(["serve", "--no-metrics-auth"]).metrics_auth is False
     assert parser.parse_args(["serve"]).metrics_auth is None  # not given: the variable decides
 

@@ -278,6 +278,7 @@ def test_sigterm_mid_load_then_restart_loses_nothing(tmp_path, rng):
         ATTNSERVE_API_KEYS=f"{KEY_A},{KEY_B}",
         ATTNSERVE_DRAIN_DELAY_S="1.0",
         ATTNSERVE_MAX_BATCH_JOBS="8",
+        ATTNSERVE_WARMUP="none",  # not what is tested here: both starts stay quick
     )
     proc = _start(port, env, log)
     loads = []

@@ -67,7 +67,7 @@ def test_every_v1_request_needs_a_valid_key(keyed, apis):
     assert r.status == 200  # the scheme is case-insensitive
     assert m0.value("missing") >= missing0 + 6 and m0.value("invalid") >= invalid0 + 2
     # probes and metrics stay open (metrics_auth is off)
-    for path in ("/livez", "/readyz", "/metrics"):
+    for path in ("/livez", "/readyz", "/health", "/metrics"):
         assert anon.client.get(path).status_code == 200, path
     info = a.call("GET", "/v1/info").body
     assert info["auth"] is True and info["ready"] is True
@@ -153,7 +153,8 @@ def test_keys_file_metrics_auth_and_no_key_in_logs(engine, tmp_path, caplog, rng
         r = anon.client.get("/metrics")
         assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
         assert a.client.get("/metrics").status_code == 200
-        assert anon.client.get("/readyz").status_code == 200 and anon.client.get("/livez").status_code == 200
+        for path in ("/livez", "/readyz", "/health"):  # probes stay open, whatever metrics_auth says
+            assert anon.client.get(path).status_code == 200, path
         sid = a.create(**SHAPE)["session_id"]
         assert a.append(sid, 0, rows(rng, 2, 2, 16), rows(rng, 2, 2, 16)).status == 200
         assert anon.call("GET", "/v1/sessions", headers={"Authorization": f"Bearer {KEY_A}-wrong"}).status == 401

@@ -1,4 +1,5 @@
-"""Probes, metrics and server info: /livez, /readyz, /metrics, /v1/info.
+"""Probes, metrics and server info: /livez, /readyz (and /health, its alias),
+/metrics, /v1/info.
 
 None of them touches the GPU thread, so a slow GPU never stalls them.
 """
@@ -10,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from .. import __version__
-from ..codec import respond
+from ..codec import Wire, respond
 from ..errors import NotReady
 from .. import formats
 from ..metrics import CONTENT_TYPE
@@ -34,18 +35,37 @@ async def livez(wire: WireDep) -> Response:
     return respond({"status": "ok"}, wire)
 
 
+_READINESS = {**ok(200, "Ready", "Status"), **problems(503, slugs={503: "not-ready"})}
+
+
+def _readiness(rt: Runtime, wire: Wire) -> Response:
+    """200 ``{"status": "ready"}`` when the server takes work, else 503 not-ready saying why."""
+    reason = rt.not_ready_reason()
+    if reason is None and rt.engine is not None and not rt.engine.worker.alive:
+        reason = "the GPU thread has stopped"
+    if reason is not None:
+        raise NotReady(reason, headers={"Retry-After": "1"})
+    return respond({"status": "ready"}, wire)
+
+
 @router.get(
     "/readyz",
-    summary="Readiness: the device is open and the server is not draining",
+    summary="Readiness: the device is open, the kernels are warm and the server is not draining",
     response_class=Response,
-    responses={**ok(200, "Ready", "Status"), **problems(503, slugs={503: "not-ready"})},
+    responses=_READINESS,
 )
 async def readyz(rt: RuntimeDep, wire: WireDep) -> Response:
-    if rt.draining:
-        raise NotReady("the server is draining", headers={"Retry-After": "1"})
-    if not rt.ready or rt.engine is None or not rt.engine.worker.alive:
-        raise NotReady("the GPU device is not ready", headers={"Retry-After": "1"})
-    return respond({"status": "ready"}, wire)
+    return _readiness(rt, wire)
+
+
+@router.get(
+    "/health",
+    summary="Health, where vLLM, TGI and llama.cpp have it: the answer of /readyz",
+    response_class=Response,
+    responses=_READINESS,
+)
+async def health(rt: RuntimeDep, wire: WireDep) -> Response:
+    return _readiness(rt, wire)
 
 
 @router.get(
