@@ -7,7 +7,7 @@ queries), and each decoded token is one fused call per layer. Every attention
 output is checked against a float64 numpy reference computed from the very
 same q, k and v.
 
-    python examples/decode_loop.py --url http://127.0.0.1:8000
+    python examples/decode_loop.py --url http://127.0.0.1:8421
     python examples/decode_loop.py --kv-format turboquant   # prints the error only
 
 ``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -113,7 +112,7 @@ def unoffered_kv_format(client, kv_format: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--url", default=None, help="the server (default: $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421)")
     ap.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
@@ -147,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
-        with Client(args.url, api_key=api_key) as client:
+        with Client(args.url, api_key=args.api_key) as client:  # either one None: from the environment
             if why := unoffered_kv_format(client, args.kv_format):
                 print(f"error: {why}", file=sys.stderr)
                 return 2

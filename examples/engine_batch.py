@@ -11,7 +11,7 @@ tiny random transformer (no training): layer l's queries, keys and values come
 from the output of layer l-1, so the layers must run in order. Every attention
 output is checked against a float64 numpy reference of the same q, k and v.
 
-    python examples/engine_batch.py --url http://127.0.0.1:8000 --sequences 8 --layers 4
+    python examples/engine_batch.py --url http://127.0.0.1:8421 --sequences 8 --layers 4
     python examples/engine_batch.py --transport http        # batched steps over plain HTTP
 
 ``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -71,7 +70,7 @@ class TinyModel:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--url", default=None, help="the server (default: $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421)")
     ap.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     ap.add_argument("--sequences", type=int, default=8, help="sequences in the batch")
     ap.add_argument("--layers", type=int, default=4)
@@ -118,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return new
 
     started = time.perf_counter()
-    api_key = args.api_key if args.api_key is not None else os.environ.get("ATTNSERVE_API_KEY")
     try:
-        with Client(args.url, api_key=api_key) as client:
+        with Client(args.url, api_key=args.api_key) as client:  # either one None: from the environment
             if why := unoffered_kv_format(client, args.kv_format):
                 print(f"error: {why}", file=sys.stderr)
                 return 2

@@ -2,16 +2,26 @@
 
     from attnserve_client import Client
 
-    with Client("http://127.0.0.1:8000") as client:
-        session = client.create_session(num_qo_heads=8, num_kv_heads=2, head_dim=64)
-        session.append(0, k, v)            # k, v: [m, 2, 64] float arrays
-        out = session.attend(0, q)         # q: [n, 8, 64] -> out: [n, 8, 64] float32
+    with Client() as client:  # $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421
+        with client.create_session(num_qo_heads=8, num_kv_heads=2, head_dim=64) as session:
+            session.append(0, k, v)        # k, v: [m, 2, 64] float arrays
+            out = session.attend(0, q)     # q: [n, 8, 64] -> out: [n, 8, 64] float32
+        # the session is deleted here
 
 See ``docs/client.md`` for the whole guide.
 """
 
 from . import wire
-from ._client import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT, AsyncClient, AsyncSession, Client, Session, new_session_id
+from ._client import (
+    DEFAULT_BASE_URL,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_TIMEOUT,
+    AsyncClient,
+    AsyncSession,
+    Client,
+    Session,
+    new_session_id,
+)
 from ._steps import AttendItem, BatchError
 from ._streams import AsyncStream, AsyncStreamOpening, Stream
 from ._types import SessionInfo
@@ -47,6 +57,7 @@ from .errors import (
 from .wire import WireError
 
 __all__ = [
+    "DEFAULT_BASE_URL",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "APIConnectionError",

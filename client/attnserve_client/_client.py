@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import operator
+import os
 import random
 import re
 import threading
@@ -66,6 +67,9 @@ from .errors import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
+    "BASE_URL_ENV",
+    "DEFAULT_BASE_URL",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "AsyncClient",
@@ -75,12 +79,20 @@ __all__ = [
     "new_session_id",
 ]
 
+#: Where a client connects when neither ``base_url`` nor :data:`BASE_URL_ENV` says.
+DEFAULT_BASE_URL = "http://127.0.0.1:8421"
+#: The environment variable of the ``base_url`` a client connects to when none is given.
+BASE_URL_ENV = "ATTNSERVE_BASE_URL"
+#: The environment variable of the API key a client sends when none is given.
+API_KEY_ENV = "ATTNSERVE_API_KEY"
 #: Seconds every request may take (connect, each read and write, pool wait).
 DEFAULT_TIMEOUT = 60.0
 #: Extra attempts after the first one, for the failures that are safe to retry.
 DEFAULT_MAX_RETRIES = 2
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What the server accepts as an API key (and what an HTTP header can carry as it is).
+_API_KEY = re.compile(r"[!-~]{1,4096}")
 # Transport errors raised before any byte of the request left: always safe to retry.
 _UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 # Transport errors worth another attempt of an idempotent request.
@@ -168,9 +180,37 @@ class _Reply:
         return parse_problem(self.response.status_code, self.response.content, self.response.headers)
 
 
-def _wrap_transport_error(exc: httpx.RequestError) -> APIConnectionError:
+def _wrap_transport_error(exc: httpx.RequestError, base_url: str, method: str, path: str) -> APIConnectionError:
+    """The error of a call that got no answer, naming where it went (never the key:
+    that travels in a header, which no httpx error shows)."""
     cls = APITimeoutError if isinstance(exc, httpx.TimeoutException) else APIConnectionError
-    return cls(f"{type(exc).__name__}: {exc or 'no details'}")
+    what = "could not connect to" if isinstance(exc, _UNSENT) else "no answer from"
+    return cls(f"{what} {base_url} ({method} {path}): {type(exc).__name__}: {exc or 'no details'}")
+
+
+def _base_url(given: str | httpx.URL | None) -> str:
+    """The base URL a client talks to: ``given``, else :data:`BASE_URL_ENV` (unset or
+    empty: not set), else :data:`DEFAULT_BASE_URL`; an http(s) URL, trailing ``/`` dropped."""
+    if given is not None:
+        name, url = "base_url", str(given).rstrip("/")
+    else:
+        name, url = BASE_URL_ENV, (os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL).rstrip("/")
+    try:
+        scheme = httpx.URL(url).scheme
+    except httpx.InvalidURL:
+        scheme = ""
+    if scheme not in ("http", "https"):
+        raise InvalidInput(f"{name}: expected an http:// or https:// URL, got {url!r}")
+    return url
+
+
+def _api_key(given: str | None) -> str | None:
+    """The API key a client sends: ``given``, else :data:`API_KEY_ENV` (unset or
+    empty: none). Checked as the server checks keys; a refusal never shows the key."""
+    name, key = ("api_key", given) if given is not None else (API_KEY_ENV, os.environ.get(API_KEY_ENV) or None)
+    if key is not None and not (isinstance(key, str) and _API_KEY.fullmatch(key)):
+        raise InvalidInput(f"{name}: expected 1 to 4096 visible ASCII characters without spaces (the key is not shown)")
+    return key
 
 
 def new_session_id() -> str:
@@ -250,7 +290,7 @@ class _BaseClient:
 
     def __init__(
         self,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         *,
         api_key: str | None = None,
         timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
@@ -260,10 +300,11 @@ class _BaseClient:
         max_retries = _int_arg("max_retries", max_retries)
         if max_retries < 0:
             raise InvalidInput(f"max_retries: expected an int >= 0, got {max_retries}")
-        self.base_url = str(base_url).rstrip("/")
+        self.base_url = _base_url(base_url)
         self.max_retries = max_retries
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self._headers = {"Accept": wire.MSGPACK, "User-Agent": f"attnserve-client/{__version__}"}
+        api_key = _api_key(api_key)
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._api_key = api_key
@@ -324,7 +365,7 @@ class _BaseClient:
                 sent = not isinstance(exc, _UNSENT)
                 retryable = isinstance(exc, _RETRYABLE) and (idempotent or not sent)
                 if not (retry and retryable and attempt < self.max_retries):
-                    raise _wrap_transport_error(exc) from exc
+                    raise _wrap_transport_error(exc, self.base_url, method, path) from exc
                 maybe_landed = maybe_landed or sent
                 yield _Sleep(self._backoff(attempt, None))
             else:
@@ -700,6 +741,14 @@ class _SessionBase(Generic[_C]):
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
         return self._answer_from(layer, reply, n, like, return_lse)
 
+    def _exit_flow(self) -> Flow[None]:
+        """The delete at the end of a ``with`` block: a session already gone (deleted
+        in the block, or by anyone else) counts as deleted."""
+        try:
+            yield from self._client._delete_flow(self.session_id)
+        except SessionNotFound:
+            pass
+
     def _fork_flow(self, session_id: str | None, length: int | None) -> Flow[SessionInfo]:
         body: dict[str, Any] = {"session_id": _check_session_id(
             new_session_id() if session_id is None else session_id, InvalidRequest)}  # fmt: skip
@@ -740,6 +789,10 @@ class Session(_SessionBase["Client"]):
     and come out as float32 ndarrays. A session tracks each layer's length and sends
     it as ``offset`` with every append, so a retried append never appends twice;
     drive one layer of a session from one thread at a time.
+
+    A context manager: ``with client.create_session(...) as s:`` deletes the session
+    when the block ends, also on an exception (a session already gone by then is no
+    error).
     """
 
     def info(self) -> SessionInfo:
@@ -839,16 +892,29 @@ class Session(_SessionBase["Client"]):
         return Session(self._client, self._client._run(self._fork_flow(session_id, length)))
 
     def delete(self) -> None:
-        """Delete the session and free its GPU memory."""
+        """Delete the session and free its GPU memory; raises :class:`SessionNotFound`
+        if it is gone already."""
         self._client._run(self._client._delete_flow(self.session_id))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._client._run(self._exit_flow())
 
 
 class Client(_BaseClient):
     """Synchronous client of one attnserve server, with one connection pool.
 
     Args:
-        base_url: e.g. ``"http://127.0.0.1:8000"`` (a path prefix is kept).
-        api_key: sent as ``Authorization: Bearer <api_key>``.
+        base_url: e.g. ``"http://10.0.0.1:8421"`` (a path prefix is kept); by default
+            the environment variable ``ATTNSERVE_BASE_URL``, else
+            :data:`DEFAULT_BASE_URL` (``http://127.0.0.1:8421``).
+        api_key: sent as ``Authorization: Bearer <api_key>``; by default the
+            environment variable ``ATTNSERVE_API_KEY``, else none. Never shown (in
+            ``repr``, errors or logs).
         timeout: seconds (or an ``httpx.Timeout``) for every request.
         max_retries: extra attempts after the first, for safe-to-retry failures.
         headers: extra headers for every request.
@@ -859,7 +925,7 @@ class Client(_BaseClient):
 
     def __init__(
         self,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         *,
         transport: httpx.BaseTransport | None = None,
         http_client: httpx.Client | None = None,
@@ -1046,7 +1112,9 @@ class Client(_BaseClient):
 
 
 class AsyncSession(_SessionBase["AsyncClient"]):
-    """:class:`Session` for :class:`AsyncClient`: the same methods, awaitable."""
+    """:class:`Session` for :class:`AsyncClient`: the same methods, awaitable; an async
+    context manager (``async with await client.create_session(...) as s:`` deletes
+    it when the block ends)."""
 
     async def info(self) -> SessionInfo:
         """See :meth:`Session.info`."""
@@ -1107,6 +1175,14 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         """See :meth:`Session.delete`."""
         await self._client._run(self._client._delete_flow(self.session_id))
 
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._client._run(self._exit_flow())
+
 
 class AsyncClient(_BaseClient):
     """Asynchronous client: :class:`Client`'s arguments and methods, awaitable.
@@ -1117,7 +1193,7 @@ class AsyncClient(_BaseClient):
 
     def __init__(
         self,
-        base_url: str | httpx.URL,
+        base_url: str | httpx.URL | None = None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         http_client: httpx.AsyncClient | None = None,

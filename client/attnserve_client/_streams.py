@@ -725,6 +725,7 @@ class AsyncStream:
             except BaseException as exc:
                 del self._links[place]
                 fut.set_exception(exc)
+                fut.exception()  # retrieved: raised here (and to concurrent waiters), not logged as lost
                 raise
         return await asyncio.shield(fut)
 

@@ -6,7 +6,7 @@ KV cache and attention on the server.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=ast.ATTN_IMPLEMENTATION)
-    with Client("http://127.0.0.1:8000") as client:
+    with Client() as client:  # $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421
         with ast.AttnServeCache(client, model.config, kv_format="tq4v3") as cache:
             out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 

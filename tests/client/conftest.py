@@ -318,6 +318,14 @@ class Blocking:
         return call
 
 
+@pytest.fixture(autouse=True)
+def _no_client_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests' clients see no ``ATTNSERVE_BASE_URL`` or ``ATTNSERVE_API_KEY`` of
+    the shell that runs them (a test that wants one sets it)."""
+    monkeypatch.delenv("ATTNSERVE_BASE_URL", raising=False)
+    monkeypatch.delenv("ATTNSERVE_API_KEY", raising=False)
+
+
 @pytest.fixture
 def fake() -> FakeServer:
     return FakeServer()

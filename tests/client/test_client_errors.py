@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import socket
 from email.utils import formatdate
 import time
 
+import httpx
 import pytest
 
 import attnserve_client as ac
@@ -95,3 +99,62 @@ def test_hierarchy():
     assert issubclass(ac.WireError, ValueError)
     err = ac.InvalidInput("q: bad")
     assert err.status is None and err.problem == {} and err.type is None
+
+
+KEY = "planted-key-4b7e"
+
+
+@pytest.fixture
+def closed_url():
+    """The URL of a loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_a_connection_error_names_the_url_tried_never_the_key(closed_url, caplog):
+    with ac.Client(closed_url, api_key=KEY, max_retries=0) as client:
+        with pytest.raises(ac.APIConnectionError) as info:
+            client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=4, server_assigned_id=True)
+        assert str(info.value).startswith(f"could not connect to {closed_url} (POST /v1/sessions): ConnectError: ")
+        assert isinstance(info.value.__cause__, httpx.ConnectError)
+        with pytest.raises(ac.APIConnectionError, match=rf"^stream: cannot connect to {closed_url}/v1/stream: "):
+            client.stream()
+        port = int(closed_url.rsplit(":", 1)[1])
+        with pytest.raises(ac.APIConnectionError, match=rf"^frames: cannot connect to 127\.0\.0\.1:{port}: "):
+            client.stream(transport="frames", frames_address=("127.0.0.1", port))
+
+    def shown(err):
+        assert KEY not in str(err) and KEY not in repr(err) and KEY not in str(err.__cause__)
+        return str(err)
+
+    async def run():
+        async with ac.AsyncClient(closed_url, api_key=KEY, max_retries=0) as aclient:
+            with pytest.raises(ac.APIConnectionError) as got:
+                await aclient.info()
+            with pytest.raises(ac.APIConnectionError) as streamed:
+                await aclient.stream()
+        return shown(got.value), shown(streamed.value)  # the messages only: the errors (and what they hold) go
+
+    shown(info.value)
+    got, streamed = asyncio.run(run())
+    assert got.startswith(f"could not connect to {closed_url} (GET /v1/info): ConnectError: ")
+    assert streamed.startswith(f"stream: cannot connect to {closed_url}/v1/stream: ")
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []  # no "exception never retrieved"
+
+
+def test_an_answer_lost_after_sending_names_the_url_too(make_client, fake):
+    client = make_client(max_retries=0)
+    fake.fail("drop", method="GET")
+    with pytest.raises(ac.APIConnectionError) as info:
+        client.info()
+    assert str(info.value) == (
+        "no answer from http://attnserve.test (GET /v1/info): RemoteProtocolError: "
+        "server disconnected without sending a response"
+    )
+    fake.fail("late", method="GET")
+    with pytest.raises(ac.APITimeoutError) as late:
+        client.info()
+    assert str(late.value) == "no answer from http://attnserve.test (GET /v1/info): ReadTimeout: timed out"

@@ -109,6 +109,60 @@ def test_sessions_lifecycle(live_client):
     assert isinstance(live_client.info(), dict)
 
 
+def test_with_a_session_deletes_it_at_the_end_of_the_block(live_server_url):
+    spec = dict(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
+    with ac.Client(live_server_url) as client:
+
+        def alive() -> set[str]:
+            return {i.session_id for i in client.list_sessions()}
+
+        before = alive()
+        with client.create_session(**spec) as s:
+            assert s.append(0, rand(2, KV, D), rand(2, KV, D)) == 2
+            assert alive() == before | {s.session_id}
+        assert alive() == before
+        with pytest.raises(ZeroDivisionError):  # an exception in the block: deleted, and it goes on unchanged
+            with client.create_session(**spec) as s:
+                assert s.session_id in alive()
+                1 / 0
+        assert alive() == before
+        with client.create_session(**spec) as s:
+            s.delete()  # deleted in the block: leaving it is no error
+        with client.create_session(**spec) as s:
+            client.delete_session(s.session_id)  # or by anyone else
+        with pytest.raises(ac.SessionNotFound):
+            s.delete()  # the explicit delete stays strict
+        assert alive() == before
+
+
+def test_async_with_a_session_deletes_it_at_the_end_of_the_block(live_server_url):
+    spec = dict(num_qo_heads=H, num_kv_heads=KV, head_dim=D)
+
+    async def run() -> None:
+        async with ac.AsyncClient(live_server_url) as client:
+
+            async def alive() -> set[str]:
+                return {i.session_id for i in await client.list_sessions()}
+
+            before = await alive()
+            async with await client.create_session(**spec) as s:
+                assert await s.append(0, rand(2, KV, D), rand(2, KV, D)) == 2
+                assert await alive() == before | {s.session_id}
+            assert await alive() == before
+            with pytest.raises(ZeroDivisionError):
+                async with await client.create_session(**spec) as s:
+                    assert s.session_id in await alive()
+                    1 / 0
+            assert await alive() == before
+            async with await client.create_session(**spec) as s:
+                await s.delete()
+            async with await client.create_session(**spec) as s:
+                await client.delete_session(s.session_id)
+            assert await alive() == before
+
+    asyncio.run(run())
+
+
 def test_exceptions_from_real_answers(live_client, live_server_url):
     with pytest.raises(ac.SessionNotFound) as e:
         live_client.get_session("no-such-session")

@@ -18,6 +18,7 @@ else:
 CLIENT = Path(__file__).resolve().parents[2] / "client"
 
 PUBLIC = {
+    "DEFAULT_BASE_URL",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_TIMEOUT",
     "APIConnectionError",

@@ -158,6 +158,24 @@ def test_get_list_delete(client, fake):
         b.delete()
 
 
+def test_the_end_of_a_session_block_deletes_it_once_gone_is_fine_other_errors_raise(client, fake, mode):
+    # the with / async with blocks themselves run against the live server (test_client_live.py)
+    def leave(session):
+        return session.__exit__(None, None, None) if mode == "sync" else session.__aexit__(None, None, None)
+
+    s = new_session(client)
+    assert (s.__enter__() if mode == "sync" else s.__aenter__()).session_id == s.session_id
+    leave(s)
+    assert fake.sessions == {} and fake.count("DELETE") == 1
+    leave(s)  # gone already: its 404 is no error
+    assert fake.count("DELETE") == 2
+    s = new_session(client)
+    fake.fail("answer", method="DELETE", status=507, slug="out-of-memory")
+    with pytest.raises(ac.OutOfMemory):
+        leave(s)
+    assert list(fake.sessions) == [s.session_id]
+
+
 def test_server_info_and_probes(client, fake):
     assert client.info() == {"version": "fake", "kv_formats": ["f32", "turboquant"]}
     assert client.health() is True and client.ready() is True
@@ -196,6 +214,75 @@ def test_base_url_may_carry_a_prefix_and_extra_headers(mode):
 
         asyncio.run(run())
     assert seen[0].url == "http://h/prefix/v1/info" and seen[0].headers["x-t"] == "1"
+
+
+def sent_by(mode, *args, **kw):
+    """The request of one ``info()`` by a Client (or AsyncClient) made of ``args``,
+    ``kw``, and the client."""
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        return httpx.Response(200, json={"version": "x"})
+
+    if mode == "sync":
+        with ac.Client(*args, transport=httpx.MockTransport(handler), **kw) as c:
+            c.info()
+    else:
+
+        async def run():
+            async with ac.AsyncClient(*args, transport=httpx.MockTransport(handler), **kw) as c:
+                await c.info()
+            return c
+
+        c = asyncio.run(run())
+    (request,) = seen
+    return request, c
+
+
+def test_base_url_and_api_key_come_from_the_environment_when_not_given(mode, monkeypatch):
+    request, c = sent_by(mode)  # nothing given, nothing set: the default URL, no key
+    assert str(request.url) == "http://127.0.0.1:8421/v1/info" == ac.DEFAULT_BASE_URL + "/v1/info"
+    assert "authorization" not in request.headers and c.base_url == ac.DEFAULT_BASE_URL
+    monkeypatch.setenv("ATTNSERVE_BASE_URL", "https://env.test:9000/prefix/")
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "env-key-3c1")
+    request, c = sent_by(mode)
+    assert str(request.url) == "https://env.test:9000/prefix/v1/info"
+    assert request.headers["authorization"] == "Bearer env-key-3c1"
+    assert c.base_url == "https://env.test:9000/prefix" and "env-key-3c1" not in repr(c)
+    request, c = sent_by(mode, "http://given.test", api_key="given-key-9d2")  # an argument wins
+    assert str(request.url) == "http://given.test/v1/info"
+    assert request.headers["authorization"] == "Bearer given-key-9d2"
+    assert repr(c) == f"{type(c).__name__}('http://given.test')"
+    monkeypatch.setenv("ATTNSERVE_BASE_URL", "")  # set but empty: as if unset
+    monkeypatch.setenv("ATTNSERVE_API_KEY", "")
+    request, _ = sent_by(mode)
+    assert str(request.url) == "http://127.0.0.1:8421/v1/info" and "authorization" not in request.headers
+    with pytest.raises(ac.InvalidInput, match="^base_url: expected an http:// or https:// URL, got ''$"):
+        sent_by(mode, "")  # an argument is taken as given
+
+
+@pytest.mark.parametrize("cls", [ac.Client, ac.AsyncClient])
+@pytest.mark.parametrize("key", ["two words", "new-line\n", "tab\tbed", "naïve", "x" * 4097])
+def test_a_key_no_server_accepts_is_refused_without_showing_it(cls, key, monkeypatch):
+    with pytest.raises(ac.InvalidInput) as info:
+        cls(api_key=key)
+    assert str(info.value).startswith("api_key: expected 1 to 4096 visible ASCII characters without spaces")
+    monkeypatch.setenv("ATTNSERVE_API_KEY", key)
+    with pytest.raises(ac.InvalidInput) as info:
+        cls()
+    assert str(info.value).startswith("ATTNSERVE_API_KEY: expected 1 to 4096 visible ASCII")
+    assert key.strip() not in str(info.value) and key[:3] not in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [ac.Client, ac.AsyncClient])
+@pytest.mark.parametrize("url", ["127.0.0.1:8421", "localhost", "ws://127.0.0.1:8421", "http://[::1"])
+def test_a_base_url_that_is_no_http_url_is_refused(cls, url, monkeypatch):
+    with pytest.raises(ac.InvalidInput, match=r"^base_url: expected an http:// or https:// URL, got "):
+        cls(url)
+    monkeypatch.setenv("ATTNSERVE_BASE_URL", url)
+    with pytest.raises(ac.InvalidInput, match=r"^ATTNSERVE_BASE_URL: expected an http:// or https:// URL, got "):
+        cls()
 
 
 # -- append and attend ----------------------------------------------------------------------------
