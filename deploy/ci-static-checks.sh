@@ -12,7 +12,8 @@
 #      folder, drain, grace period and router agreeing with compose and the image;
 #   4. the image's build path without the image: the wheel that the Dockerfile's
 #      builder stage makes (`pip wheel .`), checked for its packages (attnserve_client
-#      included), the shaders and the entry point and for NOT holding the research
+#      and the load test, attnserve.loadtest, included), the shaders and the entry
+#      points (attnserve, attnserve-loadtest) and for NOT holding the research
 #      kernels of bench/probes/shaders, then installed into a folder of its own and
 #      imported from there, not the checkout, its WGSL exactly the files the kernels
 #      the server builds are made of, its files exactly the checkout's
@@ -78,14 +79,16 @@ names, client_names = set(server.namelist()), set(client.namelist())
 need = [
     "attnserve/__init__.py", "attnserve/instance.py", "attnserve/shaders/attention_prefill.wgsl",
     "attnserve/shaders/flash_attention_tqx.wgsl", "attnserve/shaders/tqx.wgsl",
+    "attnserve/shaders/include/paging.wgsl", "attnserve/loadtest/loadtest.py",
 ]
 missing = [n for n in need if n not in names]
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
 if missing or not entry:
     sys.exit(f"wheel lacks {missing or 'entry_points.txt'}")
 text = server.read(entry[0]).decode()
-if "attnserve = attnserve.cli:main" not in text:
-    sys.exit(f"wheel has no attnserve console script: {text!r}")
+for script in ("attnserve = attnserve.cli:main", "attnserve-loadtest = attnserve.loadtest.loadtest:main"):
+    if script not in text:
+        sys.exit(f"wheel has no console script {script!r}: {text!r}")
 # the research kernels (and their includes) stay beside their probes
 research = Path("bench/probes/shaders")
 research = {p.relative_to(research).as_posix() for p in research.rglob("*.wgsl")}
@@ -115,7 +118,8 @@ if wants:
 for label, meta in (("server", metadata(server)), ("client", client_meta)):
     if meta["License-Expression"] != "Apache-2.0":
         sys.exit(f"{label} wheel: License-Expression {meta['License-Expression']!r}, not Apache-2.0")
-print(f"ok -- server wheel {len(names)} files, shaders, attnserve_client and the console script attnserve inside; "
+print(f"ok -- server wheel {len(names)} files, shaders, attnserve_client, the load test and the console scripts "
+      f"attnserve and attnserve-loadtest inside; "
       f"client wheel {len(client_names)} files, attnserve_client alone")
 PYEOF
 # Install the server's wheel (its dependencies come from $PY's environment) into a
@@ -125,7 +129,8 @@ PYEOF
 import importlib, importlib.resources, os, sys
 site = os.path.realpath(sys.argv[1])
 import attnserve, attnserve_client, attnserve.instance, attnserve.codec
-for mod in (attnserve, attnserve_client, attnserve.instance, attnserve.codec.wire):
+import attnserve.loadtest.loadtest  # the load test needs nothing of the checkout (tools/, loadtest/)
+for mod in (attnserve, attnserve_client, attnserve.instance, attnserve.codec.wire, attnserve.loadtest.loadtest):
     where = os.path.realpath(mod.__file__)
     assert where.startswith(site + os.sep), f"{mod.__name__} imported from {where}, not from the wheel"
 shaders = importlib.resources.files("attnserve.shaders")

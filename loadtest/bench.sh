@@ -8,14 +8,16 @@
 #                                            # engine-shaped, 8 replicas behind the router
 #
 # Options: --adapter SEL (ATTNSERVE_ADAPTER: index, backend, type or part of the name;
-# default: the first adapter), --profile small|large|all, --duration S (each run,
-# default 45), --workers N (load processes, default: 4 with >= 8 cores, else 1),
-# --out DIR (default loadtest/out/bench), --budget BYTES (the server's memory budget,
-# split among replicas), --formats LIST (default f32,turboquant), --batched (each load
-# process an engine: one stacked batched step per layer for all its sessions; closed
-# loop only), --replicas N (N servers on the adapter behind the compose router, nginx
-# with deploy/nginx/attnserve.conf, run by tools/router.py; default 1: no router),
-# --nginx BIN (the nginx binary for --replicas > 1; default: on PATH).
+# default: the first adapter), --profile small|large|all, --duration S (each run's
+# measured load, default 45), --warmup-s S (each run's warm-up before it, not measured:
+# first-use kernel compiles; default 5), --workers N (load processes, default: 4 with
+# >= 8 cores, else 1), --out DIR (default loadtest/out/bench), --budget BYTES (the
+# server's memory budget, split among replicas), --formats LIST (default
+# f32,turboquant), --batched (each load process an engine: one stacked batched step
+# per layer for all its sessions; closed loop only), --replicas N (N servers on the
+# adapter behind the compose router, nginx with deploy/nginx/attnserve.conf, run by
+# tools/router.py; default 1: no router), --nginx BIN (the nginx binary for
+# --replicas > 1; default: on PATH).
 #
 # Per profile and kv format, two runs: closed loop, then (not --batched) open loop
 # at 60 % of the decode tokens/s the closed loop reached. Writes into --out:
@@ -32,13 +34,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 
-ADAPTER=""; PROFILE="small"; DURATION=45; WORKERS=""; OUTDIR="$ROOT/loadtest/out/bench"; BUDGET=""
+ADAPTER=""; PROFILE="small"; DURATION=45; WARMUP=5; WORKERS=""; OUTDIR="$ROOT/loadtest/out/bench"; BUDGET=""
 FORMATS="f32,turboquant"; BATCHED=""; REPLICAS=1; NGINX=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --adapter) ADAPTER="$2"; shift 2 ;;
     --profile) PROFILE="$2"; shift 2 ;;
     --duration) DURATION="$2"; shift 2 ;;
+    --warmup-s) WARMUP="$2"; shift 2 ;;
     --workers) WORKERS="$2"; shift 2 ;;
     --out) OUTDIR="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
@@ -46,7 +49,7 @@ while [ $# -gt 0 ]; do
     --batched) BATCHED="--batched"; shift ;;
     --replicas) REPLICAS="$2"; shift 2 ;;
     --nginx) NGINX="$2"; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "bench: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -147,7 +150,7 @@ for prof in $PROFILES; do
     echo; echo "== $name"
     # shellcheck disable=SC2046
     "$PY" loadtest/loadtest.py --url "$URL" $(profile_args "$prof") --kv-format "$fmt" $BATCHED "${METRICS[@]}" \
-      --duration "$DURATION" --workers "$WORKERS" --seed 7 --timeout 120 --progress log \
+      --duration "$DURATION" --warmup-s "$WARMUP" --workers "$WORKERS" --seed 7 --timeout 120 --progress log \
       --json-out "$OUTDIR/$name.json" --plot "$OUTDIR/$name.png" || FAILED=1
     RUNS+=("$name")
     [ -n "$BATCHED" ] && continue  # an engine steps when it can: no open loop
@@ -157,14 +160,14 @@ for prof in $PROFILES; do
       echo; echo "== $name at $rate decode steps/s"
       # shellcheck disable=SC2046
       "$PY" loadtest/loadtest.py --url "$URL" $(profile_args "$prof") --kv-format "$fmt" \
-        --duration "$DURATION" --workers "$WORKERS" --seed 8 --timeout 120 --progress log \
+        --duration "$DURATION" --warmup-s "$WARMUP" --workers "$WORKERS" --seed 8 --timeout 120 --progress log \
         --mode open --rate "$rate" --json-out "$OUTDIR/$name.json" || FAILED=1
       RUNS+=("$name")
     fi
   done
 done
 
-ADAPTERS="$ADAPTERS" WORKERS="$WORKERS" REPLICAS="$REPLICAS" "$PY" - "$OUTDIR" "${RUNS[@]}" <<'PYEOF'
+ADAPTERS="$ADAPTERS" WORKERS="$WORKERS" REPLICAS="$REPLICAS" WARMUP="$WARMUP" "$PY" - "$OUTDIR" "${RUNS[@]}" <<'PYEOF'
 import json, os, platform, sys
 from pathlib import Path
 out, runs = Path(sys.argv[1]), sys.argv[2:]
@@ -201,7 +204,8 @@ head = ("| adapter | profile | kv | loop | sessions | decode tok/s | attends/s |
         "|---|---|---|---|---|---|---|---|---|---|---|---|")
 note = (f"\n{platform.node()}: {os.cpu_count()} cores, {os.environ['REPLICAS']} server replica(s)"
         f"{' behind the router' if int(os.environ['REPLICAS']) > 1 else ''}, "
-        f"{os.environ['WORKERS']} load process(es); adapters:\n"
+        f"{os.environ['WORKERS']} load process(es), each run measured after a {os.environ['WARMUP']} s warm-up; "
+        "adapters:\n"
         + "".join(f"    {line}\n" for line in os.environ.get("ADAPTERS", "").splitlines()))
 (out / "results.md").write_text(head + "\n" + "\n".join(rows) + "\n" + note)
 print("\n" + head + "\n" + "\n".join(rows))

@@ -12,7 +12,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# the one list of the kv formats (loadtest.py puts the checkout's service/ on the path)
+# the one list of the kv formats (run from a checkout, loadtest.py puts its service/ on the path)
 from attnserve.formats import KV_FORMATS
 
 
@@ -48,6 +48,7 @@ class Config:
     concurrency: int = 0  # 0: = sessions
     workers: int = 1
     duration: float = 30.0
+    warmup_s: float = 5.0  # seconds before the duration, not measured
     mode: str = "closed"
     rate: float = 0.0
     batched: bool = False
@@ -95,8 +96,7 @@ class Config:
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    p = argparse.ArgumentParser(
-        prog="loadtest.py",
+    p = argparse.ArgumentParser(  # prog: how it was run (attnserve-loadtest, loadtest.py)
         description="Load test of an attnserve server: sessions that prefill a prompt in chunks, "
         "then run fused decode steps over several layers.",
         formatter_class=DefaultsHelpFormatter,
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         metavar="URL",
         help="a server or router (loopback only, see --allow-remote); repeat it or give a comma-separated list "
         "for several targets (N replicas or N routers): session i goes to target i %% N "
-        "(default: http://127.0.0.1:8000)",
+        "(default: http://127.0.0.1:8421)",
     )
     p.add_argument("--sessions", type=int, default=8, help="virtual users; each holds one session at a time")
     p.add_argument("--concurrency", type=int, default=0, help="most requests in flight over all users (0: --sessions)")
@@ -119,7 +119,18 @@ def parse_args(argv: list[str] | None = None) -> Config:
         help="load-generating processes (the users are split over them; use a few on a many-core host)",
     )
     p.add_argument(
-        "--duration", type=float, default=30.0, help="seconds of load; then sessions are deleted and it stops"
+        "--duration",
+        type=float,
+        default=30.0,
+        help="seconds of measured load, after the warm-up; then sessions are deleted and it stops",
+    )
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="warm-up before the measured load: the users run as they will after it, but the requests that "
+        "start in it are not measured (the server's first-use kernel compiles, cold caches); 0: none",
     )
     p.add_argument("--mode", choices=("closed", "open"), default="closed", help="closed or open loop")
     p.add_argument("--rate", type=float, default=0.0, help="open loop: decode steps per second over all users")
@@ -194,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         "--allow-remote", action="store_true", help="allow a non-loopback target (only hosts you run yourself)"
     )
     a = p.parse_args(argv)
-    urls = [u.strip().rstrip("/") for given in (a.url or ["http://127.0.0.1:8000"]) for u in given.split(",")]
+    urls = [u.strip().rstrip("/") for given in (a.url or ["http://127.0.0.1:8421"]) for u in given.split(",")]
     urls = [u for u in urls if u]
     cfg = Config(
         url=urls[0] if urls else "",
@@ -203,6 +214,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         concurrency=a.concurrency or a.sessions,
         workers=a.workers,
         duration=a.duration,
+        warmup_s=a.warmup_s,
         mode=a.mode,
         rate=a.rate,
         batched=a.batched,
@@ -248,6 +260,7 @@ def check_config(cfg: Config) -> None:
     need(cfg.concurrency >= 1, "--concurrency must be >= 1")
     need(1 <= cfg.workers <= 64, "--workers must be in 1..64")
     need(0 < cfg.duration <= 24 * 3600, "--duration must be in (0, 86400] seconds")
+    need(0 <= cfg.warmup_s <= 3600, "--warmup-s must be in [0, 3600] seconds")
     need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
     need(not (cfg.batched and cfg.mode == "open"), "--batched runs a closed loop (an engine steps when it can)")
     need(cfg.shards >= 0 and cfg.shard_tokens >= 0, "--shards and --shard-tokens must be >= 0")

@@ -1,6 +1,10 @@
 """loadtest.py's driver: the virtual users (one session each, created, prefilled,
 decoded, deleted), their measurements, the worker processes, and the server's
-/metrics before and after."""
+/metrics before and after.
+
+A run starts with a warm-up (``--warmup-s``): the users run as they will after it,
+but the requests that start in it are not measured (first-use kernel compiles, cold
+caches); the measurement is the ``--duration`` seconds after it."""
 
 from __future__ import annotations
 
@@ -18,11 +22,15 @@ import numpy as np
 
 from attnserve_client import APIError, AsyncClient, AsyncShardedSession, AttnServeError
 
-from loadtest.config import OPERATIONS, Config
-from tools.common import parse_prometheus
+from .config import OPERATIONS, Config
+from .prometheus import parse_prometheus
 
 #: --batched: array bytes of one batched request at most (a larger step is split).
 BATCH_BYTES = 24 << 20
+
+#: The running totals the report gives as rates: counted over the whole run, less
+#: their values at the end of the warm-up (Recorder.end_warmup).
+RATE_TOTALS = ("attends", "decode_tokens", "prefill_tokens", "kv_rows")
 
 
 # ── measurements ─────────────────────────────────────────────────────────────
@@ -40,20 +48,32 @@ class TargetStats:
     attends: int = 0
     decode_tokens: int = 0
     shards: int = 0
+    warm: dict[str, int] = field(default_factory=dict)  # attends, decode_tokens as the warm-up ended
 
     def add(self, other: TargetStats) -> None:
         for op, lats in other.samples.items():
             self.samples.setdefault(op, []).extend(lats)
         for name in ("errors", "sessions", "attends", "decode_tokens", "shards"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name, n in other.warm.items():
+            self.warm[name] = self.warm.get(name, 0) + n
+
+    def measured(self, name: str) -> int:
+        """``attends`` or ``decode_tokens`` after the warm-up."""
+        return getattr(self, name) - self.warm.get(name, 0)
 
 
 class Recorder:
     """Every completed operation as (start time, latency), per operation; errors by
-    type; and per target (``targets``) what went there."""
+    type; and per target (``targets``) what went there. Operations that started in
+    the first ``warmup`` seconds are only counted (``warmup_requests``); errors count
+    over the whole run."""
 
-    def __init__(self, t0: float) -> None:
+    def __init__(self, t0: float, warmup: float = 0.0) -> None:
         self.t0 = t0
+        self.warmup = warmup
+        self.warm: dict[str, int] | None = None  # RATE_TOTALS as the warm-up ended (end_warmup)
+        self.warmup_requests: Counter[str] = Counter()
         self.samples: dict[str, list[tuple[float, float]]] = {op: [] for op in OPERATIONS}
         self.errors: Counter[str] = Counter()
         self.errors_by_op: Counter[str] = Counter()
@@ -73,8 +93,28 @@ class Recorder:
     def target(self, url: str) -> TargetStats:
         return self.targets.setdefault(url, TargetStats())
 
-    def ok(self, op: str, start: float, latency: float) -> None:
+    def ok(self, op: str, start: float, latency: float, target: str | None = None) -> None:
+        """A completed operation (also under ``target``, its session's URL): measured
+        unless it started in the warm-up."""
+        if start - self.t0 < self.warmup:
+            self.warmup_requests[op] += 1
+            return
         self.samples[op].append((start - self.t0, latency))
+        if target is not None:
+            self.target(target).samples.setdefault(op, []).append(latency)
+
+    def end_warmup(self) -> None:
+        """The warm-up is over (or the run stopped in it): the rates count from now.
+        Only the first call counts."""
+        if self.warm is not None:
+            return
+        self.warm = {name: getattr(self, name) for name in RATE_TOTALS}
+        for stats in self.targets.values():
+            stats.warm = {"attends": stats.attends, "decode_tokens": stats.decode_tokens}
+
+    def measured(self, name: str) -> int:
+        """One of RATE_TOTALS after the warm-up."""
+        return getattr(self, name) - (self.warm or {}).get(name, 0)
 
     def error(self, op: str, exc: BaseException, session_id: str | None) -> str:
         kind = error_kind(exc)
@@ -184,7 +224,7 @@ class LoadTest:
         self.stop_reason = "duration"
         self.sem = asyncio.Semaphore(cfg.concurrency)
         self.t0 = t0
-        self.rec = Recorder(t0)
+        self.rec = Recorder(t0, cfg.warmup_s)
         self.load_end_requested: float | None = None
         self.seed = seed
         self.seeds = np.random.SeedSequence(seed)
@@ -201,10 +241,7 @@ class LoadTest:
                 if target is not None:
                     self.rec.target(target).errors += 1
                 raise
-            latency = time.perf_counter() - start
-            self.rec.ok(op, start, latency)
-            if target is not None:
-                self.rec.target(target).samples.setdefault(op, []).append(latency)
+            self.rec.ok(op, start, time.perf_counter() - start, target)
             return result
 
     def _failed(self, op: str, exc: BaseException, session_id: str | None) -> None:
@@ -512,11 +549,16 @@ class LoadTest:
         attends = (self.rec.attends - last_attends) / window
         tokens = (self.rec.decode_tokens - last_tokens) / window
         return (
-            f"[{now:6.1f}s/{self.cfg.duration:.0f}s] sessions {self.rec.live_sessions} live "
+            f"{elapsed(self.cfg, now)} sessions {self.rec.live_sessions} live "
             f"{self.rec.sessions_started} started | attends {attends:7.1f}/s "
             f"| tokens {tokens:6.1f}/s step p50 {fmt_ms(percentile(steps, 50))} "
             f"p99 {fmt_ms(percentile(steps, 99))} | errors {self.rec.error_count}"
         )
+
+
+def elapsed(cfg: Config, t: float) -> str:
+    """A progress line's clock: ``t`` seconds into the run, of warm-up and load."""
+    return f"[{t:6.1f}s/{cfg.warmup_s + cfg.duration:.0f}s{' warm-up' if t < cfg.warmup_s else ''}]"
 
 
 def write_progress(mode: str, line: str) -> None:
@@ -593,11 +635,10 @@ async def drive(cfg: Config, lt: LoadTest, mode: str, slot: Any = None) -> Outco
         if slot is not None:
             helpers.append(asyncio.create_task(lt.share(slot)))
         try:
-            try:
-                remaining = lt.t0 + cfg.duration - time.perf_counter()
-                await asyncio.wait_for(lt.stop.wait(), timeout=max(remaining, 0.0))
-            except asyncio.TimeoutError:
-                lt.stop.set()
+            await lt._sleep_until(lt.t0 + cfg.warmup_s)  # the warm-up (sooner when the run stops in it)
+            lt.rec.end_warmup()
+            await lt._sleep_until(lt.t0 + cfg.warmup_s + cfg.duration)  # the measured load
+            lt.stop.set()
             lt.load_end_requested = time.perf_counter()
             # Requests in flight finish (each within --timeout, plus retries), then
             # every user deletes its session; past that deadline, stop regardless.
@@ -694,8 +735,10 @@ async def run_workers(cfg: Config, run_id: str, seed: int, mode: str) -> Outcome
             progress.cancel()
             if mode == "line":
                 sys.stderr.write("\n")
-    rec = Recorder(t0)
+    rec = Recorder(t0, cfg.warmup_s)
+    rec.warm = {name: sum((o.rec.warm or {}).get(name, 0) for o in outcomes) for name in RATE_TOTALS}
     for o in outcomes:
+        rec.warmup_requests.update(o.rec.warmup_requests)
         for op in OPERATIONS:
             rec.samples[op].extend(o.rec.samples[op])
         rec.errors.update(o.rec.errors)
@@ -740,7 +783,7 @@ async def _progress_workers(cfg: Config, slots: Any, n: int, t0: float, mode: st
         tokens = sum(slots[i * 5 + 1] for i in range(n))
         window = max(now - last[2], 1e-9)
         line = (
-            f"[{now - t0:6.1f}s/{cfg.duration:.0f}s] {n} workers, "
+            f"{elapsed(cfg, now - t0)} {n} workers, "
             f"sessions {sum(slots[i * 5 + 3] for i in range(n)):.0f} live "
             f"{sum(slots[i * 5 + 4] for i in range(n)):.0f} started | attends {(attends - last[0]) / window:7.1f}/s "
             f"| tokens {(tokens - last[1]) / window:6.1f}/s | errors {sum(slots[i * 5 + 2] for i in range(n)):.0f}"

@@ -18,13 +18,18 @@ R steps per second over all users; a step's latency counts from when it was due,
 so queueing behind a slow server is measured, not hidden. ``--concurrency`` caps
 the requests in flight over all users.
 
+The first ``--warmup-s`` seconds (default 5) are a warm-up: the users run as they
+will after it, but the requests that start in it are not measured (the server's
+first-use kernel compiles, cold caches); the ``--duration`` seconds after it are.
+
 It prints a live progress line, then p50/p90/p99/max latency per operation,
 attends and tokens per second, errors by type and the server's own metrics
 (``/metrics``) before and after; ``--json-out`` writes all of it as JSON and
-``--plot`` a PNG (latency histogram and latency over time). It stops by itself
-after ``--duration`` seconds (then deletes its sessions), and exits 1 on any
-error (an error answer, a transport failure, a wrong result with ``--verify``),
-2 on a usage or setup problem.
+``--plot`` a PNG (latency histogram and latency over time, titled with the
+adapter, the versions, the commit and the date). It stops by itself after the
+warm-up and ``--duration`` seconds (then deletes its sessions), and exits 1 on
+any error, warm-up included (an error answer, a transport failure, a wrong result
+with ``--verify``), 2 on a usage or setup problem.
 
 ``--url`` may name several targets (repeated, or comma-separated: N replicas or N
 routers): user ``i``'s sessions go to target ``i % N`` and the report gives each
@@ -36,13 +41,18 @@ Traffic goes only to the addresses given with ``--url`` (and any ``--metrics-url
 which must be a loopback address unless ``--allow-remote`` is given; proxies from
 the environment are ignored and redirects are not followed.
 
-    python loadtest/loadtest.py --url http://127.0.0.1:8000 --sessions 16 --duration 60 \\
+    attnserve-loadtest --url http://127.0.0.1:8421 --sessions 16 --duration 60 \\
         --prefill 512 --kv-format turboquant --json-out out/run.json --plot out/run.png
+
+``attnserve-loadtest`` is installed with the server (``pip install .``); from a
+checkout, ``python loadtest/loadtest.py`` runs the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as _dt
+import importlib.util
 import json
 import random
 import sys
@@ -50,28 +60,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+if __name__ == "__main__" and not __package__:
+    # python loadtest/loadtest.py in a checkout: this file runs as the module
+    # loadtest.loadtest of the checkout's package (PEP 366), with the checkout's
+    # client and server packages where they are not installed. Installed, this is
+    # attnserve.loadtest.loadtest, run by the command attnserve-loadtest.
+    ROOT = Path(__file__).resolve().parents[1]
+    sys.path[0] = str(ROOT)  # the repository root, not this folder: its modules are no top-level ones
+    for _package, _folder in (("attnserve_client", "client"), ("attnserve", "service")):
+        if importlib.util.find_spec(_package) is None:
+            sys.path.insert(1, str(ROOT / _folder))
+    __package__ = "loadtest"
 
-ROOT = Path(__file__).resolve().parents[1]
-# the repository root first: ``loadtest`` is then this folder as a package (not
-# this file), and ``tools`` the shared helpers
-sys.path.insert(0, str(ROOT))
-
-try:
-    import attnserve_client  # noqa: F401
-except ImportError:  # a plain checkout: use the client from the repository
-    sys.path.insert(0, str(ROOT / "client"))
-try:
-    import attnserve.formats  # noqa: F401  (the kv formats' names, for --help)
-except ImportError:  # only the client installed: the server package of the repository
-    sys.path.insert(0, str(ROOT / "service"))
+import httpx  # noqa: E402
 
 from attnserve_client import AsyncClient, AttnServeError  # noqa: E402
 
-# what the tests and other tools use of the modules, under this file's name too
-from loadtest.config import EXIT_USAGE, Config, UsageError, check_loopback, parse_args  # noqa: E402
-from loadtest import driver  # noqa: E402,F401  (tests patch driver.BATCH_BYTES)
-from loadtest.driver import (  # noqa: E402,F401
+# what the tests and other tools use of the modules, under this module's name too
+from .config import EXIT_USAGE, Config, UsageError, check_loopback, parse_args  # noqa: E402
+from . import driver  # noqa: E402,F401  (tests patch driver.BATCH_BYTES)
+from .driver import (  # noqa: E402,F401
     LoadTest,
     WrongResult,
     _http,
@@ -83,8 +91,8 @@ from loadtest.driver import (  # noqa: E402,F401
     run_workers,
     scrape,
 )
-from loadtest.report import exit_code, format_report, summarize, write_plot  # noqa: E402
-from tools.common import metric_delta, parse_prometheus  # noqa: E402,F401
+from .prometheus import metric_delta, parse_prometheus  # noqa: E402,F401
+from .report import exit_code, format_report, summarize, write_plot  # noqa: E402
 
 __all__ = ["main", "parse_args", "run", "summarize"]
 
@@ -110,6 +118,7 @@ async def run(cfg: Config) -> dict[str, Any]:
             infos.append(info)
         before = await scrape(http, cfg.metrics_urls, headers)
 
+    started_at = _dt.datetime.now(_dt.timezone.utc)
     run_id = f"{random.getrandbits(32):08x}"
     seed = cfg.seed if cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
     mode = cfg.progress
@@ -123,7 +132,7 @@ async def run(cfg: Config) -> dict[str, Any]:
 
     async with _http(cfg, 4) as http:
         after = await scrape(http, cfg.metrics_urls, headers)
-    return summarize(cfg, outcome, run_id, seed, infos[0], before, after)
+    return summarize(cfg, outcome, run_id, seed, infos[0], before, after, started_at)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  plot: {cfg.plot}")
     code = exit_code(report)
     if code:
-        why = (
-            "interrupted"
-            if report["interrupted"] and not report["error_count"]
-            else (f"{report['error_count']} errors" if report["error_count"] else "no attend completed")
-        )
+        if report["error_count"]:
+            why = f"{report['error_count']} errors"
+        else:
+            why = "interrupted" if report["interrupted"] else "no attend measured after the warm-up"
         print(f"\nloadtest: FAILED ({why})", file=sys.stderr)
     return code
 

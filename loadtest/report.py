@@ -7,6 +7,7 @@ import datetime as _dt
 import math
 import platform
 import re
+import subprocess
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,32 @@ import numpy as np
 
 import attnserve_client
 
-from loadtest.config import EXIT_ERRORS, EXIT_OK, OPERATIONS, Config
-from loadtest.driver import Outcome, TargetStats, op_stats, percentile
-from tools.common import metric_delta
+from .config import EXIT_ERRORS, EXIT_OK, OPERATIONS, Config
+from .driver import RATE_TOTALS, Outcome, TargetStats, op_stats, percentile
+from .prometheus import metric_delta
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the load test runs from (``-dirty`` with changes
+    not committed), or None: installed from a wheel, or no git."""
+    here = Path(__file__).resolve().parent
+    try:
+        tracked = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", Path(__file__).name], cwd=here, capture_output=True, timeout=10
+        )
+        if tracked.returncode != 0:  # not a file of a checkout (a wheel installed in one's .venv)
+            return None
+        r = subprocess.run(
+            # the commit's hash even where a tag names it (--exclude: no tag)
+            ["git", "describe", "--always", "--dirty", "--exclude=*"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (r.stdout.strip() or None) if r.returncode == 0 else None
 
 
 def summarize(
@@ -28,13 +52,17 @@ def summarize(
     info: dict[str, Any],
     before: dict[str, Any],
     after: dict[str, Any],
+    started_at: _dt.datetime | None = None,
 ) -> dict[str, Any]:
+    """The report of a run that started at ``started_at`` (default: now)."""
     rec = outcome.rec
     end = outcome.end
     stop_at = outcome.load_end - rec.t0
-    # Throughput over the load phase: from the start until the stop (the requests
-    # that finish after it count too; the final deletes are not load).
-    window = max(stop_at, 1e-9)
+    # Throughput over the load phase: from the end of the warm-up until the stop
+    # (the requests that finish after it count too; the final deletes are not load).
+    measured = {name: rec.measured(name) for name in RATE_TOTALS}
+    load_seconds = max(stop_at - cfg.warmup_s, 0.0)
+    window = max(load_seconds, 1e-9)
     ops = {op: op_stats([lat for _, lat in rec.samples[op]]) for op in OPERATIONS}
     for op in OPERATIONS:
         ops[op]["errors"] = rec.errors_by_op.get(op, 0)
@@ -77,15 +105,15 @@ def summarize(
         targets[url] = {
             "sessions": t.sessions,
             "errors": t.errors,
-            "attends_per_s": round(t.attends / window, 2),
-            "decode_tokens_per_s": round(t.decode_tokens / window, 2),
+            "attends_per_s": round(t.measured("attends") / window, 2),
+            "decode_tokens_per_s": round(t.measured("decode_tokens") / window, 2),
             "shards": t.shards,
             "operations": {op: op_stats(lats) for op, lats in t.samples.items()},
         }
     return {
         "tool": "attnserve-loadtest",
-        "report_version": 1,
-        "started_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "report_version": 2,  # 2: a warm-up, not measured (load_seconds, rates and totals after it)
+        "started_at": (started_at or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds"),
         "config": cfg.public(),
         "seed": seed,
         "run_id": run_id,
@@ -93,25 +121,29 @@ def summarize(
             "python": platform.python_version(),
             "host": platform.node(),
             "attnserve_client": getattr(attnserve_client, "__version__", None),
+            "commit": git_commit(),
         },
         "server": info,
         "stop_reason": outcome.stop_reason,
         "interrupted": outcome.interrupted,
-        "load_seconds": round(stop_at, 3),
+        # what the percentiles, rates and the measured totals leave out
+        "warmup": {
+            "seconds": cfg.warmup_s,
+            "requests": sum(rec.warmup_requests.values()),
+            "by_operation": dict(rec.warmup_requests),
+        },
+        "load_seconds": round(load_seconds, 3),
         "total_seconds": round(end - rec.t0, 3),
         "operations": ops,
         "throughput": {
-            "attends_per_s": round(rec.attends / window, 2),
-            "decode_tokens_per_s": round(rec.decode_tokens / window, 2),
-            "prefill_tokens_per_s": round(rec.prefill_tokens / window, 2),
-            "kv_rows_per_s": round(rec.kv_rows / window, 2),
+            "attends_per_s": round(measured["attends"] / window, 2),
+            "decode_tokens_per_s": round(measured["decode_tokens"] / window, 2),
+            "prefill_tokens_per_s": round(measured["prefill_tokens"] / window, 2),
+            "kv_rows_per_s": round(measured["kv_rows"] / window, 2),
             "requests_per_s": round(sum(len(rec.samples[op]) for op in OPERATIONS if op != "decode_step") / window, 2),
         },
-        "totals": {
-            "attends": rec.attends,
-            "decode_tokens": rec.decode_tokens,
-            "prefill_tokens": rec.prefill_tokens,
-            "kv_rows": rec.kv_rows,
+        "totals": {  # attends to kv_rows: after the warm-up; sessions: the whole run
+            **measured,
             "sessions_started": rec.sessions_started,
             "sessions_completed": rec.sessions_completed,
         },
@@ -136,16 +168,30 @@ _METRIC_LINES = re.compile(
 )
 
 
+def warmup_text(report: dict[str, Any]) -> str:
+    """``a 5 s warm-up (123 requests not measured)``, or ``no warm-up``."""
+    warmup = report.get("warmup") or {}
+    if not warmup.get("seconds"):
+        return "no warm-up"
+    return f"a {warmup['seconds']:g} s warm-up ({warmup['requests']} requests not measured)"
+
+
+def hardware(report: dict[str, Any]) -> str:
+    """The first target's adapter as its /v1/info names it: ``NVIDIA H200 (Vulkan, DiscreteGPU)``."""
+    server = report.get("server") or {}
+    adapter = server.get("adapter") or {}
+    kind = ", ".join(x for x in (server.get("backend") or adapter.get("backend"), adapter.get("adapter_type")) if x)
+    return f"{adapter.get('name') or '?'}{f' ({kind})' if kind else ''}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     cfg = report["config"]
     lines = []
-    server = report.get("server") or {}
-    adapter = (server.get("adapter") or {}).get("name", "?")
     urls = cfg.get("urls") or [cfg["url"]]
     where = urls[0] if len(urls) == 1 else f"{len(urls)} targets"
     sharded = f", sessions sharded in {report['shard_tokens']} timesteps" if report.get("shard_tokens") else ""
     lines.append(
-        f"attnserve load test: {where}{sharded} ({adapter}, {server.get('backend', '?')}), "
+        f"attnserve load test: {where}{sharded} ({hardware(report)}), "
         f"{cfg['mode']} loop{' at %.1f steps/s' % cfg['rate'] if cfg['mode'] == 'open' else ''}, "
         f"{cfg['sessions']} sessions, concurrency {cfg['concurrency']}"
         f"{', %d load processes' % cfg['workers'] if cfg.get('workers', 1) > 1 else ''}"
@@ -153,8 +199,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"  {cfg['layers']} layers, {cfg['qo_heads']}/{cfg['kv_heads']} heads x {cfg['head_dim']}, "
         f"{cfg['kv_format']}, prefill {cfg['prefill']} in chunks of {cfg['chunk']}, "
-        f"{cfg['decode_steps'] or 'unbounded'} decode steps; {report['load_seconds']:.1f} s of load "
-        f"(stopped by {report['stop_reason']})"
+        f"{cfg['decode_steps'] or 'unbounded'} decode steps; {warmup_text(report)}, then "
+        f"{report['load_seconds']:.1f} s of load (stopped by {report['stop_reason']})"
     )
     lines.append("")
     lines.append(
@@ -261,7 +307,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         ax_h.legend(fontsize=8)
     ax_h.set_xlabel("latency (ms)")
     ax_h.set_ylabel("requests")
-    ax_h.set_title("latency histogram")
+    ax_h.set_title("latency histogram (requests after the warm-up)")
     rng = np.random.default_rng(0)
     for op in OPERATIONS:
         pts = samples[op]
@@ -287,25 +333,50 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     err_t = [row["t"] + 0.5 for row in report["timeline"] if row["errors"]]
     for t in err_t:
         ax_t.axvline(t, color="red", alpha=0.15, linewidth=3)
-    ax_t.axvline(report["load_seconds"], color="gray", linestyle="--", linewidth=1)
+    warmup = (report.get("warmup") or {}).get("seconds") or 0
+    if warmup:
+        ax_t.axvspan(0, warmup, color="gray", alpha=0.15, linewidth=0)
+    ax_t.axvline(warmup + report["load_seconds"], color="gray", linestyle="--", linewidth=1)
     if any(samples[op] for op in OPERATIONS):
         ax_t.set_yscale("log")
-    ax_t.set_xlabel("time since start (s); dashed: end of load, red bands: seconds with errors")
+    ax_t.set_xlabel(
+        "time since the start (s); grey: warm-up (not measured), dashed: end of load, red bands: seconds with errors"
+    )
     ax_t.set_ylabel("latency (ms)")
     ax_t.set_title("latency over time")
     ax_t.legend(fontsize=8, markerscale=4, loc="upper right")
-    cfg = report["config"]
-    th = report["throughput"]
-    fig.suptitle(
-        f"attnserve load test, {cfg['mode']} loop, {cfg['sessions']} sessions x {cfg['layers']} layers, "
-        f"{cfg['kv_format']}, prefill {cfg['prefill']}: {th['decode_tokens_per_s']:.0f} tokens/s, "
-        f"{th['attends_per_s']:.0f} attends/s, errors {report['error_count']}",
-        fontsize=10,
-    )
+    fig.suptitle(plot_title(report), fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_title(report: dict[str, Any]) -> str:
+    """The plot's title: what ran, what it measured (each quantity named as it is),
+    and where and when: the adapter, the versions and the commit, the date."""
+    cfg, th = report["config"], report["throughput"]
+    server = report.get("server") or {}
+    client = report.get("client") or {}
+    loop = f"{cfg['mode']} loop" + (f" at {cfg['rate']:g} decode steps/s" if cfg["mode"] == "open" else "")
+    loop += ", batched" if cfg.get("batched") else ""
+    what = (
+        f"attnserve load test: {loop}, {cfg['sessions']} sessions x {cfg['layers']} layers, "
+        f"{cfg['qo_heads']}/{cfg['kv_heads']} heads x {cfg['head_dim']}, {cfg['kv_format']}, "
+        f"prefill {cfg['prefill']} tokens in chunks of {cfg['chunk']}, "
+        f"{cfg['decode_steps'] or 'unbounded'} decode steps per session"
+    )
+    measured = (
+        f"decode tokens/s {th['decode_tokens_per_s']:.1f} | attends/s {th['attends_per_s']:.1f} | "
+        f"prefill tokens/s {th['prefill_tokens_per_s']:.1f} | errors {report['error_count']} | "
+        f"{report['load_seconds']:.0f} s measured after {warmup_text(report)}"
+    )
+    where = (
+        f"{hardware(report)} | server attnserve {server.get('version', '?')} | "
+        f"load test at commit {client.get('commit') or '? (not run from a git checkout)'} | "
+        f"{str(report['started_at'])[:10]}"
+    )
+    return "\n".join((what, measured, where))
 
 
 def exit_code(report: dict[str, Any]) -> int:

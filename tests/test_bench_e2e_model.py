@@ -259,6 +259,8 @@ def test_oracle_backend_sinks_and_window(tmp_path):
     assert e2e.window_setting("tq4/s4w128") == ("tq4", 4, 128) and e2e.window_setting("tq4~0") == ("tq4~0", 0, 0)
 
 
+@pytest.mark.slow  # the real model: minutes on a busy 2-core machine; CI runs it
+@pytest.mark.timeout(1800)
 def test_real_model(tmp_path):
     """SmolLM2-135M-Instruct from its package: the exact forward pass completes a fact,
     reads the bundled prose at a perplexity a 135M model has, and the f32 service path

@@ -5,7 +5,6 @@ contain the key. The load test's report of its configuration is checked too."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -62,10 +61,8 @@ def test_server_cli_help_hides_planted_key(argv):
 
 
 def test_loadtest_takes_key_from_env_but_never_reports_it(monkeypatch):
-    spec = importlib.util.spec_from_file_location("attnserve_loadtest_secrets", ROOT / "loadtest" / "loadtest.py")
-    loadtest = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = loadtest
-    spec.loader.exec_module(loadtest)
+    from loadtest import loadtest
+
     monkeypatch.setenv("ATTNSERVE_API_KEY", PLANTED)
     cfg = loadtest.parse_args(["--duration", "1"])
     assert cfg.api_key == PLANTED  # the variable still supplies the key

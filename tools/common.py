@@ -1,20 +1,18 @@
 """One copy of the small helpers the tools and tests all need: a free loopback
-port, Prometheus text parsing, the relative error of a result against a
+port, Prometheus text parsing (loadtest/prometheus.py's), the relative error of a result against a
 float64 reference, latency percentiles. Standard library and numpy only."""
 
 from __future__ import annotations
 
 import json
-import math
-import re
 import socket
 import statistics
 from pathlib import Path
 
 import numpy as np
 
-# name, optional {labels}, value, optional timestamp (Prometheus text exposition)
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?)\s+(\S+)(?:\s+-?\d+)?$")
+# Prometheus text: the load test's, installed with it (the checkout's package loadtest)
+from loadtest.prometheus import metric_delta, metric_sum, parse_prometheus  # noqa: F401
 
 
 def free_port() -> int:
@@ -22,39 +20,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> ``{'name{labels}': value}`` (labels as written;
-    comments, blank and malformed lines skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            out[m.group(1)] = float(m.group(2))
-        except ValueError:
-            continue
-    return out
-
-
-def metric_sum(metrics: dict[str, float], name: str) -> float:
-    """The sum of every series of ``name`` (all label sets)."""
-    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
-def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What changed between two scrapes (new series count from zero)."""
-    delta = {}
-    for key, value in after.items():
-        d = value - before.get(key, 0.0)
-        if d != 0 and not math.isnan(d):
-            delta[key] = d
-    return delta
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

@@ -1,5 +1,6 @@
-"""Pieces of loadtest/loadtest.py and deploy/healthcheck.py that need no server, and
-the load test's several-target and sharded modes against the two real replicas of
+"""Pieces of loadtest/loadtest.py and deploy/healthcheck.py that need no server (the
+warm-up left out of the measurements, the report's and the plot's labels), and the
+load test's several-target and sharded modes against the two real replicas of
 ``topology`` (tests/deploy/conftest.py)."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loadtest import loadtest  # the checkout's package (installed: attnserve.loadtest)
+from loadtest.report import git_commit, plot_title
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,7 +34,6 @@ def _load(name: str, path: Path):
     return module
 
 
-loadtest = _load("attnserve_loadtest", ROOT / "loadtest" / "loadtest.py")
 healthcheck = _load("attnserve_healthcheck", ROOT / "deploy" / "healthcheck.py")
 
 
@@ -64,13 +67,13 @@ garbage line
     assert loadtest.metric_delta(parsed, after) == {"attnserve_gpu_jobs_total": 3.0, "attnserve_new_total": 2.0}
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://localhost:1", "http://127.3.2.1:80"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8421", "http://localhost:1", "http://127.3.2.1:80"])
 def test_loopback_targets_are_accepted(url):
     loadtest.check_loopback([url])
 
 
 @pytest.mark.parametrize(
-    "url", ["http://10.1.2.3:8000", "http://192.168.0.10:80", "https://8.8.8.8", "http://[2001:db8::1]:80"]
+    "url", ["http://10.1.2.3:8421", "http://192.168.0.10:80", "https://8.8.8.8", "http://[2001:db8::1]:80"]
 )
 def test_other_targets_are_refused_before_any_traffic(url):
     with pytest.raises(loadtest.UsageError, match="not a loopback address"):
@@ -79,7 +82,7 @@ def test_other_targets_are_refused_before_any_traffic(url):
 
 def test_main_refuses_a_remote_url_with_exit_2(capsys):
     start = time.monotonic()
-    assert loadtest.main(["--url", "http://10.9.8.7:8000", "--duration", "1"]) == 2
+    assert loadtest.main(["--url", "http://10.9.8.7:8421", "--duration", "1"]) == 2
     assert time.monotonic() - start < 5
     assert "not a loopback address" in capsys.readouterr().err
 
@@ -95,6 +98,7 @@ def test_usage_errors_exit_2():
         ["--shards", "2", "--create", "post"],
         ["--shards", "2", "--decode-steps", "0"],
         ["--shard-tokens", "-1"],
+        ["--warmup-s", "-1"],
     ):
         with pytest.raises(SystemExit) as info:
             loadtest.parse_args(argv)
@@ -106,7 +110,7 @@ def test_several_targets_repeated_or_comma_separated():
     assert cfg.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
     assert cfg.url == cfg.urls[0] and cfg.metrics_urls == cfg.urls  # every target's /metrics by default
     assert not cfg.sharded
-    assert loadtest.parse_args([]).urls == ["http://127.0.0.1:8000"]
+    assert loadtest.parse_args([]).urls == ["http://127.0.0.1:8421"]
     # a session of 20 + 10 timesteps in 4 shards: 8 timesteps each; or as given
     sharded = loadtest.parse_args(["--shards", "4", "--prefill", "20", "--decode-steps", "10"])
     assert sharded.sharded and sharded.shard_size() == 8
@@ -212,6 +216,102 @@ def test_create_mode_picks_put_or_post(create, expected):
     assert {k: seen[k] for k in expected} == expected
 
 
+# -- the warm-up, the report and the plot's title, of a run made up here ------------
+
+URL = "http://127.0.0.1:1"
+INFO = {
+    "version": "0.1.0",
+    "backend": "Vulkan",
+    "adapter": {"name": "NVIDIA H200", "backend": "Vulkan", "adapter_type": "DiscreteGPU"},
+}
+
+
+def _made_up_report(warmup: float = 2.0) -> dict:
+    """The report of a run of ``warmup`` s of warm-up and 10 s of load, as its
+    recorder saw it: each second one decode step of 4 attends (one layer of 4
+    sessions) that started 0.1 s in, slow (0.5 s) in the warm-up, 10 ms after it."""
+    import datetime
+
+    cfg = loadtest.parse_args(["--url", URL, "--warmup-s", str(warmup), "--duration", "10", "--prefill", "128"])
+    t0 = 1000.0
+    rec = loadtest.driver.Recorder(t0, cfg.warmup_s)
+    for second in range(int(warmup) + 10):
+        if second == warmup:
+            rec.end_warmup()
+        rec.ok("decode_step", t0 + second + 0.1, 0.5 if second < warmup else 0.01)
+        rec.ok("decode", t0 + second + 0.1, 0.5 if second < warmup else 0.01, URL)
+        rec.attends += 4
+        rec.decode_tokens += 4
+        rec.target(URL).attends += 4
+        rec.target(URL).decode_tokens += 4
+    load_end = t0 + warmup + 10
+    outcome = loadtest.driver.Outcome(rec, "duration", False, load_end, load_end + 0.5)
+    started = datetime.datetime(2026, 12, 5, 19, 30, tzinfo=datetime.timezone.utc)
+    return loadtest.summarize(cfg, outcome, "run", 1, INFO, {}, {}, started)
+
+
+def test_the_warm_up_is_not_measured():
+    report = _made_up_report(warmup=2.0)
+    decode_step = report["operations"]["decode_step"]
+    assert decode_step["count"] == 10 and decode_step["max_ms"] == 10.0  # none of the slow warm-up steps
+    assert report["warmup"] == {"seconds": 2.0, "requests": 4, "by_operation": {"decode_step": 2, "decode": 2}}
+    assert report["load_seconds"] == 10.0
+    # rates and totals over the 10 s after the warm-up: 4 attends and 4 decode tokens a second
+    assert report["throughput"]["attends_per_s"] == 4.0 and report["throughput"]["decode_tokens_per_s"] == 4.0
+    assert report["totals"]["attends"] == 40 and report["totals"]["decode_tokens"] == 40
+    target = report["targets"][URL]
+    assert target["attends_per_s"] == 4.0 and target["operations"]["decode"]["count"] == 10
+    assert "a 2 s warm-up (4 requests not measured), then 10.0 s of load (stopped by duration)" in (
+        loadtest.format_report(report)
+    )
+    assert loadtest.exit_code(report) == 0
+    # none: everything measured
+    report = _made_up_report(warmup=0.0)
+    assert report["operations"]["decode_step"]["count"] == 10 and report["warmup"]["requests"] == 0
+    assert "decode steps; no warm-up, then 10.0 s of load" in loadtest.format_report(report)
+
+
+def test_a_run_stopped_in_its_warm_up_measured_nothing():
+    rec = loadtest.driver.Recorder(0.0, 5.0)
+    rec.ok("decode", 1.0, 0.1)
+    rec.attends += 1
+    rec.end_warmup()  # the run stopped: what it did is the warm-up's
+    rec.end_warmup()  # only the first call counts
+    rec.attends += 1
+    assert rec.measured("attends") == 1 and rec.samples["decode"] == [] and rec.warmup_requests == {"decode": 1}
+
+
+def test_the_plot_title_names_each_quantity_and_where_and_when():
+    report = _made_up_report()
+    title = plot_title(report).splitlines()
+    assert len(title) == 3, title
+    assert "prefill 128 tokens in chunks of 64" in title[0] and "64 decode steps per session" in title[0]
+    assert title[1].startswith("decode tokens/s 4.0 | attends/s 4.0 | prefill tokens/s 0.0 | errors 0")
+    assert "10 s measured after a 2 s warm-up" in title[1]
+    commit = report["client"]["commit"]
+    assert title[2] == (
+        f"NVIDIA H200 (Vulkan, DiscreteGPU) | server attnserve 0.1.0 | "
+        f"load test at commit {commit or '? (not run from a git checkout)'} | 2026-12-05"
+    )
+
+
+def test_the_commit_is_the_checkouts():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    commit = git_commit()
+    assert commit is not None and head.stdout.startswith(commit.removesuffix("-dirty")), (commit, head.stdout)
+
+
+def test_the_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")  # the bench extra; deploy/smoke-loadtest.sh installs it
+    report = _made_up_report()
+    report["_samples"] = {op: [] for op in report["operations"]}
+    report["_samples"]["decode_step"] = [(2.1 + s, 0.01) for s in range(10)]
+    loadtest.write_plot(report, str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # -- several targets and sharded sessions, against the two replicas of ``topology`` --
 
 
@@ -221,9 +321,11 @@ def _live_run(topology, *extra: str) -> dict:
     urls = [r.url for r in topology.replicas]
     args = ["--url", ",".join(urls), "--duration", "3", "--layers", "2", "--prefill", "20", "--chunk", "8"]
     args += ["--decode-steps", "6", "--qo-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seed", "5"]
-    cfg = loadtest.parse_args([*args, "--progress", "off", "--verify", "0.5", *extra])
+    cfg = loadtest.parse_args([*args, "--progress", "off", "--verify", "0.5", "--warmup-s", "1", *extra])
     report = asyncio.run(loadtest.run(cfg))
     assert report["error_count"] == 0, (report["errors"], report["error_examples"])
+    assert report["warmup"]["seconds"] == 1 and report["warmup"]["requests"] > 0, report["warmup"]
+    assert all(t >= 1 for op in report["_samples"].values() for t, _ in op)  # measured: started after it
     assert report["verify"]["checked"] > 0 and report["verify"]["failed"] == 0
     assert loadtest.exit_code(report) == 0
     assert set(report["targets"]) == set(urls) == set(report["server_metrics"])

@@ -324,15 +324,8 @@ def test_replicas_name_themselves_in_a_header(topology, recorder, client):
 def test_load_test_through_the_router(topology):
     """loadtest.py against the router: PUT sessions spread over both replicas, no
     error, correct decode outputs, and each replica's own metrics scraped."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from loadtest import loadtest
 
-    path = Path(__file__).resolve().parents[2] / "loadtest" / "loadtest.py"
-    spec = importlib.util.spec_from_file_location("attnserve_loadtest_router", path)
-    loadtest = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = loadtest
-    spec.loader.exec_module(loadtest)
     cfg = loadtest.parse_args(
         [
             "--url",

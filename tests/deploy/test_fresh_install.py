@@ -1,6 +1,6 @@
 """The README's installs work in a fresh virtual environment, with no dev.sh: ``pip
-install .`` from a copy of the checkout gives the server (the ``attnserve`` command)
-and the client package, and ``pip install ./client`` gives the client alone.
+install .`` from a copy of the checkout gives the server (the ``attnserve`` command),
+the load test (``attnserve-loadtest``) and the client package, and ``pip install ./client`` gives the client alone.
 
 pip resolves the dependencies as a user's would (the machine's index configuration,
 its cache); nothing of this checkout's .venv is used."""
@@ -60,6 +60,8 @@ def test_pip_install_dot_gives_the_server_and_the_client(tmp_path):
     usage = run([str(bin_ / "attnserve"), "--help"], cwd=tmp_path).stdout
     assert "serve" in usage
     assert "--port" in run([str(bin_ / "attnserve"), "serve", "--help"], cwd=tmp_path).stdout
+    # the load test, installed as a command of its own
+    assert "--warmup-s" in run([str(bin_ / "attnserve-loadtest"), "--help"], cwd=tmp_path).stdout
     # imported from the venv, not from the copy of the checkout
     where = run(
         [str(bin_ / "python"), "-c", "import attnserve.app, attnserve_client; print(attnserve_client.__file__)"],

@@ -113,16 +113,13 @@ def test_batched_mode_refuses_open_loop(tmp_path):
 
 def test_a_large_step_is_split_and_keeps_item_order(server, rng, monkeypatch):
     import asyncio
-    import importlib.util
 
     import numpy as np
 
     from attnserve_client import AsyncClient
 
-    spec = importlib.util.spec_from_file_location("lt_split", ROOT / "loadtest" / "loadtest.py")
-    lt = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = lt
-    spec.loader.exec_module(lt)
+    from loadtest import loadtest as lt
+
     monkeypatch.setattr(lt.driver, "BATCH_BYTES", 4 * (4 * 8 + 2 * 2 * 8) * 2)  # two items' arrays per request
 
     async def main():
