@@ -463,7 +463,7 @@ class ServiceAttention:
 
 class OracleAttention:
     """What the service computes, in float64 without a server (the float64 oracles of
-    ``attnserve.testing.reference``): each layer's rows (float32, as the client sends
+    ``tools.reference``): each layer's rows (float32, as the client sends
     them) encoded by the oracle in that layer's format and attended from what the
     codes stand for; with ``sinks``/``window``, an attend reads the first ``sinks``
     timesteps, its own rows and the ``window`` before its first one exactly (as
@@ -481,7 +481,7 @@ class OracleAttention:
 
     def _coded(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
         """(k, v as the exact rows keep them, k_hat, v_hat as the layer's format keeps them)."""
-        from attnserve.testing import reference as ref
+        from tools import reference as ref
 
         fmt = self.formats[layer]
         exact = tuple(a.astype(np.float64) for a in (k, v))  # float32 as sent, as the service keeps them
@@ -494,7 +494,7 @@ class OracleAttention:
         return (*exact, *ref.tqx_decoded_rows(kw, vw, spec, **dims))
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        from attnserve.testing import reference as ref
+        from tools import reference as ref
 
         f32 = np.float32
         self.rows[layer].append(self._coded(layer, k.astype(f32), v.astype(f32)))

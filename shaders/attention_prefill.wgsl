@@ -1,5 +1,5 @@
 // f32 attention, single pass: N queries x n_heads in one dispatch
-// (`attention_prefill`, planned by `kernels.plan_attention_f32`; the
+// (`attention_prefill`, planned by `kernels.plan_attention_plain`; the
 // KernelPolicy's force="single" kernel, and the reference the query-block and
 // split kernels are measured against).
 //
@@ -16,7 +16,7 @@
 // loop.
 //
 // Constraints:
-// - head_dim <= 128 (bounds `q_shared` and `acc`; `kvcache.check_head_dim`).
+// - head_dim <= 128 (bounds `q_shared` and `acc`; `formats.check_head_dim`).
 // - `max_seq` (the host's `length`) >= start_pos + the queries attended, and
 //   K/V hold valid rows `[0, max_seq)`. The shader also clamps
 //   `seq_len = min(pos_q + 1, max_seq)`, so an under-sized `max_seq` truncates

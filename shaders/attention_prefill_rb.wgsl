@@ -59,7 +59,7 @@
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
 // Register blocks are explicit vec4 variables (no runtime-indexed arrays).
 //
-// Pipeline overrides (set by kernels.plan_attention_prefill_rb from
+// Pipeline overrides (set by kernels._tiled_kernel from
 // KernelPolicy.prefill_rb_specialize / prefill_rb_prefetch): GROUP
 // (= n_heads / n_kv_heads) and HEAD_DIM (= params.head_dim) let the compiler drop
 // the other shapes' branches (0, the default: read from params, the generic

@@ -53,7 +53,7 @@
 // Every workgroupBarrier() sits at entry-point scope in uniform control flow.
 // Register blocks are explicit vec4 variables (no runtime-indexed arrays).
 //
-// Constraints (checked host-side in kernels.plan_attention_prefill_tiled):
+// Constraints (checked host-side in kernels._plan_tiled):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8}.
 //
 // Bind group 0 (one dispatch serves a batch of attends over one pool slab, one

@@ -31,7 +31,7 @@
 // loop bounds depend only on params and the workgroup id (naga's SPIR-V path
 // miscompiles a barrier reached through a function call inside a loop).
 //
-// Constraints (checked host-side in kernels.plan_attention_split_f32):
+// Constraints (checked host-side: kernels.split_eligible, kernels.split_sizes):
 //   head_dim % 4 == 0 and <= 128; G = n_heads / n_kv_heads in {1, 2, 4, 8};
 //   G * split_len <= MAX_SCORES.
 //

@@ -10,7 +10,7 @@ mismatch, unknown session, another tenant's session). With ``--tenants`` the
 workers spread over API keys.
 
 Every answer is checked as it comes: f32 attends against the float64 oracle
-(``attnserve.testing.reference.attention``, relative error <= 1e-5), restored sessions
+(``tools.reference.attention``, relative error <= 1e-5), restored sessions
 against their originals bit for bit. At the end every live session is checked
 once more on every layer (f32: the oracle; TurboQuant: its float64 oracle over
 the codes the server holds, <= 1e-4, and the error band of exact attention), then
@@ -63,7 +63,7 @@ for _p in (ROOT, ROOT / "service", ROOT / "client"):
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from attnserve.testing import reference as ref  # noqa: E402
+from tools import reference as ref  # noqa: E402
 from attnserve.formats import TQ_SPECS  # noqa: E402
 from attnserve.turboquant import layer_signs  # noqa: E402
 from attnserve_client import wire  # noqa: E402

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve_client import wire
 from tools.common import rel_err  # noqa: F401  (the tests import it from here)
 

@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 import pytest
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.formats import TQ_SPECS
 from attnserve.turboquant import layer_signs
 

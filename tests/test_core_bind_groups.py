@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 
 from _core import rel_err, rows, session
 

@@ -12,7 +12,7 @@ import pytest
 from attnserve.errors import OutOfMemory
 from attnserve.kvcache import SessionConfig
 from attnserve.pool import PageTables, TableRegion, _runs
-from attnserve.testing import reference as ref
+from tools import reference as ref
 
 from _core import CORE_PAGE_TOKENS as P, core_engine, rel_err, rows, session, small_slab_engine
 

@@ -12,7 +12,7 @@ import pytest
 
 from attnserve.engine import Engine
 from attnserve.kvcache import SessionConfig
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
 from _core import CORE_PAGE_TOKENS as P, read_words, rel_err, rows, session, small_slab_engine, stored

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
 
@@ -114,9 +114,10 @@ def test_tq_attention_with_exact_codes_is_exact_attention_limit(rng):
     np.testing.assert_allclose(polar, want, rtol=1e-10, atol=1e-10)
 
 
-def test_the_oracles_are_test_only():
-    """attnserve.testing is no part of the server's run time: importing the app and
-    its modules loads none of it."""
+def test_the_oracles_are_not_in_the_product():
+    """The oracles live in the repository's tools/, not in the server's package:
+    importing every module of attnserve loads none of them, and the package holds
+    no oracle."""
     import subprocess
     import sys
 
@@ -125,10 +126,11 @@ def test_the_oracles_are_test_only():
         "root = pathlib.Path(attnserve.__file__).parent\n"
         "for path in sorted(root.rglob('*.py')):\n"
         "    parts = path.relative_to(root).with_suffix('').parts\n"
-        "    if parts[0] in ('testing', '__main__'):\n"
+        "    if parts[0] in ('__main__', 'loadtest'):\n"
         "        continue\n"
         "    importlib.import_module('.'.join(('attnserve',) + parts).removesuffix('.__init__'))\n"
-        "bad = sorted(m for m in sys.modules if m.startswith('attnserve.testing'))\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('tools', 'attnserve.testing')))\n"
         "assert 'attnserve.app' in sys.modules and not bad, bad\n"
+        "assert not list(root.glob('testing/*.py'))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

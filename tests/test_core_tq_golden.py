@@ -23,7 +23,7 @@ import pytest
 
 from attnserve import snapshot_format as SF
 from attnserve.formats import TQ_SPECS, key_words, value_words
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import layer_signs
 
 from _core import no_adapter, read_words, rel_err

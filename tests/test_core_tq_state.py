@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.formats import bits_per_element, bytes_per_token
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import (
     CODEBOOK,
     codebook,

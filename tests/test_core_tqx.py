@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from attnserve.formats import TQ_SPECS, TQ_VARIANTS, bits_per_element, bytes_per_token, outlier_words
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 
 from _core import lse_err, read_words, rel_err, reserve, rows, session

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.gpu.kernels import Rotate, plan_rotate_q, rotated_q_bytes
 from attnserve.turboquant import codebook, layer_signs
 

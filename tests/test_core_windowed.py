@@ -12,7 +12,7 @@ import pytest
 
 from attnserve.formats import TQ_SPECS
 from attnserve.kvcache import SessionConfig, WindowedLayerCache
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import layer_signs
 
 from _core import CORE_PAGE_TOKENS, lse_err, read_words, rel_err, rows

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.formats import TQ_SPECS
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import layer_signs
 
 

@@ -26,7 +26,7 @@ workgroup memory (occupancy test).
 
 Per context it checks every variant's output against the shipped kernel's
 (max abs difference over the output's max abs, <= 1e-4) and against a float64
-numpy oracle of the decoded cache (``attnserve.testing.reference.tqx_attention``,
+numpy oracle of the decoded cache (``tools.reference.tqx_attention``,
 one KV head at a time), then times each: the whole step (rotation + split +
 merge) and the split kernel alone (the rotation and merge dispatches dropped),
 many steps recorded into one submission: GPU time from timestamps written
@@ -68,7 +68,7 @@ from gpu_timing import GpuTimer, request_timestamps  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
-from attnserve.testing import reference as ref  # noqa: E402
+from tools import reference as ref  # noqa: E402
 from attnserve.formats import TQ_SPECS  # noqa: E402
 from attnserve.turboquant import layer_signs  # noqa: E402
 from tools.common import rel_err, write_result  # noqa: E402

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "service"), str(ROOT)]
 
 import fidelity as F  # noqa: E402
-from attnserve.testing import reference as ref  # noqa: E402
+from tools import reference as ref  # noqa: E402
 from attnserve.turboquant import codebook, layer_signs  # noqa: E402
 
 D = F.D

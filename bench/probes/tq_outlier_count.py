@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "service"), str(ROOT)]
 
 import fidelity as F  # noqa: E402
 from attnserve.formats import TqSpec, outlier_words  # noqa: E402
-from attnserve.testing import reference as ref  # noqa: E402
+from tools import reference as ref  # noqa: E402
 from attnserve.turboquant import layer_signs  # noqa: E402
 
 D = F.D

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
-from attnserve.testing import reference as ref  # noqa: E402
+from tools import reference as ref  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 
 

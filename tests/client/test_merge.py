@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch  # installed by the test command
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve_client import Attention, merge
 
 

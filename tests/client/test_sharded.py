@@ -58,7 +58,7 @@ from tools.common import free_port, rel_err
 
 try:
     from attnserve.config import Settings
-    from attnserve.testing import reference as ref
+    from tools import reference as ref
     from live_server import LiveServer
 except ImportError as exc:  # the client alone: the live part cannot run
     if os.environ.get("CI"):

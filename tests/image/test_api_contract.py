@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from attnserve.formats import KV_FORMATS as ALL_FORMATS, TQ_SPECS
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve.turboquant import layer_signs
 from attnserve_client import Client, SessionExists, SessionNotFound, wire
 from image_helpers import (

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from _core import CORE_PAGE_TOKENS
 from attnserve_client import wire
 from tools.common import free_port  # noqa: F401  (the tests import it from here)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from svc_helpers import F32_TOL, Api, Model, rel_err, rows
 
 THREADS = 16

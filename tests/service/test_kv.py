@@ -67,7 +67,7 @@ def test_options_start_pos_causal_scale(api, rng, enc, h, hkv):
 
 
 def ref_attention(q, k, v, **kw):
-    from attnserve.testing import reference as ref
+    from tools import reference as ref
 
     return ref.attention(q, k, v, **kw)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attnserve.config import Settings
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from attnserve_client import AttendItem, Attention, Client, merge
 from _core import lse_err
 from svc_helpers import F32_TOL, LiveServer, from_wire, rel_err, rows

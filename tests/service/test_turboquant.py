@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from attnserve.testing import reference as ref
+from tools import reference as ref
 from svc_helpers import Api, Model, rows
 
 # 2-bit values and 3-bit keys on random Gaussian data: the relative (Frobenius) error

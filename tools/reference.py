@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import TqSpec, outlier_region, outlier_words
-from ..turboquant import Codebook, codebook, qjl_scale
+from attnserve.formats import TqSpec, outlier_region, outlier_words
+from attnserve.turboquant import Codebook, codebook, qjl_scale
 
 __all__ = [
     "attention",
