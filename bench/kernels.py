@@ -355,12 +355,6 @@ def main(argv=None) -> int:
         default="auto",
         help="attention kernel family (auto: split-KV for decode, query-block tiled for prefill)",
     )
-    ap.add_argument(
-        "--subgroups",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="split-KV kernel variant (auto: the policy's default for this device)",
-    )
     ap.add_argument("--target-workgroups", type=int, help="split sizing (default: the policy's)")
     ap.add_argument(
         "--prefill-f32",
@@ -381,7 +375,6 @@ def main(argv=None) -> int:
     default = K.KernelPolicy()
     policy = K.KernelPolicy(
         force=None if args.path == "auto" else args.path,
-        subgroups={"auto": default.subgroups, "on": True, "off": False}[args.subgroups],
         target_workgroups=args.target_workgroups or default.target_workgroups,
         prefill_f32=args.prefill_f32,
         prefill_f16=args.prefill_f16,
@@ -420,8 +413,6 @@ def main(argv=None) -> int:
             nbytes += min(sinks + window, ctx_len) * bytes_per_token("f32", HKV, D)
             gbps = nbytes / (ms / 1e3) / 1e9
             path = policy.path(fmt, n, H, HKV, D) if not (sinks or window) else "split-windowed"
-            if path == "split" and policy.use_subgroups(engine.ctx):
-                path = "split-sg"
             if path == "tiled" and is_plain(fmt) and policy.plain_prefill(fmt) == "rb":
                 path = "tiled-rb"
             row = {

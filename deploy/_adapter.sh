@@ -3,8 +3,8 @@
 #                           GPU, or Mesa's lavapipe), installing mesa-vulkan-drivers
 #                           through apt when it finds none.
 # An OpenGL adapter does not count: wgpu also offers Mesa's llvmpipe through OpenGL
-# on machines with Mesa's EGL, and that backend lacks what the kernels use where
-# present (subgroup operations), so a machine that only has it gets lavapipe too.
+# on machines with Mesa's EGL, and the kernels are built and tested on Vulkan (and
+# Metal, D3D12), not on that backend, so a machine that only has it gets lavapipe too.
 
 has_adapter() {
   XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}" "$1" - <<'PYEOF' 2>/dev/null

@@ -32,23 +32,25 @@
 //     thread tc's rows tr + 8(4h + 0..3) at vb[24 + tc / 2][tc % 2][8h + tr].
 //
 // Per tile:
-//   scores, per 32-dim chunk (ceil(head_dim / 32)): barrier; store the Q and
-//     K chunks (prefetched into registers, or loaded now with PREFETCH off);
-//     barrier; prefetch the next chunk (after the last: V quarter 0); 8 vec4
-//     columns of outer products (columns past head_dim skipped).
+//   scores, per 32-dim chunk (ceil(head_dim / 32)): load the Q and K chunks;
+//     barrier; store them; barrier; after the last chunk, prefetch V quarter 0;
+//     8 vec4 columns of outer products (columns past head_dim skipped). (Holding
+//     the next Q/K chunk in registers during the scores measured slower on the
+//     H200: more registers, fewer workgroups per SM; bench/probes/prefill_sweep.py
+//     before it went.)
 //   softmax: mask (only in tiles that cross some row's window end); each
 //     thread writes the max of its 4 keys per row; stores V quarter 0;
 //     barrier; reads the 16 partial maxima of its rows, new running max m,
 //     rescale f = exp2(m_old - m_new), its 32 probabilities -> P^T; its
 //     partial row sums l (its own keys only; summed over the 16 threads of a
 //     row once, at the end); prefetches V quarter 1; barrier.
-//   values: store V quarter k + 1, prefetch quarter k + 2 (after quarter 3:
-//     the next tile's first Q/K chunk), 16 keys of P V (quarters wholly past
-//     the block's window are skipped), barrier, for k = 0..3.
+//   values: store V quarter k + 1, prefetch quarter k + 2, 16 keys of P V
+//     (quarters wholly past the block's window are skipped), barrier, for
+//     k = 0..3.
 // Barriers per tile: 2 * ceil(head_dim / 32) + 5 (13 at head_dim 128, per
 // 64 keys; the tiled kernel: 10 per 32 keys).
-// Registers: 64 (O) + 32 (S) + 16 (m, l) + 32 (Q/K prefetch) + ~30 operands
-// and indices: ~175 per thread (2 workgroups per SM; with PREFETCH off ~145).
+// Registers: 64 (O) + 32 (S) + 16 (m, l) + 32 (the Q/K chunk) + ~30 operands
+// and indices: ~145 per thread.
 //
 // Causal: the tile loop ends at the block's widest window; a key past a
 // row's window scores NEG_INF and weighs exactly 0, a tile wholly past it
@@ -60,11 +62,9 @@
 // Register blocks are explicit vec4 variables (no runtime-indexed arrays).
 //
 // Pipeline overrides (set by kernels._tiled_kernel from
-// KernelPolicy.prefill_rb_specialize / prefill_rb_prefetch): GROUP
-// (= n_heads / n_kv_heads) and HEAD_DIM (= params.head_dim) let the compiler drop
-// the other shapes' branches (0, the default: read from params, the generic
-// path); PREFETCH (default on) holds the next Q/K chunk in registers during
-// the scores (off: loaded just before it is stored).
+// KernelPolicy.prefill_rb_specialize): GROUP (= n_heads / n_kv_heads) and
+// HEAD_DIM (= params.head_dim) let the compiler drop the other shapes' branches
+// (0, the default: read from params, the generic path).
 //
 // Constraints (checked host-side): head_dim % 4 == 0 and <= 128; G in
 // {1, 2, 4, 8}.
@@ -103,7 +103,6 @@ const LN2: f32 = 0.6931471805599453;
 
 override GROUP: u32 = 0u;            // 0: n_heads / n_kv_heads from params
 override HEAD_DIM: u32 = 0u;         // 0: params.head_dim
-override PREFETCH: bool = true;
 
 var<workgroup> qk: array<array<array<vec4<f32>, 8>, 2>, 64>;   // Q + K^T chunk, then P^T
 var<workgroup> vb: array<array<array<vec4<f32>, 16>, 2>, 32>;  // V quarters (2 buffers); row maxima / sums
@@ -251,16 +250,6 @@ fn attention_prefill_rb(
     var pv1 = vec4<f32>(0.0);
     var pv2 = vec4<f32>(0.0);
     var pv3 = vec4<f32>(0.0);
-    if PREFETCH {
-        pq00 = load_q(qa_base, qa_ok, sd, d4);
-        pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
-        pq10 = load_q(qb_base, qb_ok, sd, d4);
-        pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-        pk0 = load_k(wid.x, kk, t_end, kv4, kv_off, kd, d4);
-        pk1 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 2u, d4);
-        pk2 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 4u, d4);
-        pk3 = load_k(wid.x, kk, t_end, kv4, kv_off, kd + 6u, d4);
-    }
 
     for (var tb = 0u; tb < t_end; tb += TK) {
         var s0 = vec4<f32>(0.0);
@@ -273,16 +262,14 @@ fn attention_prefill_rb(
         var s7 = vec4<f32>(0.0);
         for (var ch = 0u; ch < nch; ch += 1u) {
             let c0 = ch * CV;
-            if !PREFETCH {
-                pq00 = load_q(qa_base, qa_ok, c0 + sd, d4);
-                pq01 = load_q(qa_base, qa_ok, c0 + sd + 4u, d4);
-                pq10 = load_q(qb_base, qb_ok, c0 + sd, d4);
-                pq11 = load_q(qb_base, qb_ok, c0 + sd + 4u, d4);
-                pk0 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
-                pk1 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
-                pk2 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
-                pk3 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
-            }
+            pq00 = load_q(qa_base, qa_ok, c0 + sd, d4);
+            pq01 = load_q(qa_base, qa_ok, c0 + sd + 4u, d4);
+            pq10 = load_q(qb_base, qb_ok, c0 + sd, d4);
+            pq11 = load_q(qb_base, qb_ok, c0 + sd + 4u, d4);
+            pk0 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd, d4);
+            pk1 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 2u, d4);
+            pk2 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 4u, d4);
+            pk3 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c0 + kd + 6u, d4);
             workgroupBarrier();
             qk[qo0][qo1][sr] = pq00 * qscale;
             qk[qo0 + 16u][qo1][sr] = pq01 * qscale;
@@ -305,19 +292,7 @@ fn attention_prefill_rb(
             qk[58u + 4u * kd][kk_hi][kk_lo][kk_c] = pk3.z;
             qk[59u + 4u * kd][kk_hi][kk_lo][kk_c] = pk3.w;
             workgroupBarrier();
-            if ch + 1u < nch {
-                if PREFETCH {
-                    let c1 = c0 + CV;
-                    pq00 = load_q(qa_base, qa_ok, c1 + sd, d4);
-                    pq01 = load_q(qa_base, qa_ok, c1 + sd + 4u, d4);
-                    pq10 = load_q(qb_base, qb_ok, c1 + sd, d4);
-                    pq11 = load_q(qb_base, qb_ok, c1 + sd + 4u, d4);
-                    pk0 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd, d4);
-                    pk1 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 2u, d4);
-                    pk2 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 4u, d4);
-                    pk3 = load_k(wid.x, tb + kk, t_end, kv4, kv_off, c1 + kd + 6u, d4);
-                }
-            } else {
+            if ch + 1u == nch {
                 pv0 = load_v(wid.x, tb + vk, t_end, kv4, kv_off, vc, d4);
                 pv1 = load_v(wid.x, tb + vk + 4u, t_end, kv4, kv_off, vc, d4);
                 pv2 = load_v(wid.x, tb + vk + 8u, t_end, kv4, kv_off, vc, d4);
@@ -491,22 +466,11 @@ fn attention_prefill_rb(
         }
         workgroupBarrier();
 
-        // ── quarter 2 (buffer 0); V quarter 3 -> buffer 1; prefetch the next tile's first chunk ──
+        // ── quarter 2 (buffer 0); V quarter 3 -> buffer 1 ──
         vb[16u + vk][vc_hi][vc_lo] = pv0;
         vb[20u + vk][vc_hi][vc_lo] = pv1;
         vb[24u + vk][vc_hi][vc_lo] = pv2;
         vb[28u + vk][vc_hi][vc_lo] = pv3;
-        if PREFETCH && tb + TK < t_end {
-            let tn = tb + TK + kk;
-            pq00 = load_q(qa_base, qa_ok, sd, d4);
-            pq01 = load_q(qa_base, qa_ok, sd + 4u, d4);
-            pq10 = load_q(qb_base, qb_ok, sd, d4);
-            pq11 = load_q(qb_base, qb_ok, sd + 4u, d4);
-            pk0 = load_k(wid.x, tn, t_end, kv4, kv_off, kd, d4);
-            pk1 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 2u, d4);
-            pk2 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 4u, d4);
-            pk3 = load_k(wid.x, tn, t_end, kv4, kv_off, kd + 6u, d4);
-        }
         if tb + 32u < t_end {
             // #include "rb_value_key.wgsl" K=32 PX=px0 VR=0
             // #include "rb_value_key.wgsl" K=33 PX=px0 VR=1

@@ -51,39 +51,30 @@ def rng(request):
     params=[
         "split",
         "split-long",
-        "split-sg",
-        "split-sg-long",
         "tiled",
         "tiled-rb",
-        "tiled-rb-prefetch",
         "tiled-rb-generic",
         "single",
     ]
 )
 def kernel_path(request, engine):
     """Run a test through each attention kernel family: the split-KV kernels
-    (split + merge) without and with subgroup operations, each with short
-    splits (one tile, many splits) and with the longest splits they allow (many
-    tiles per split), the query-block tiled prefill kernels (for f32 both
-    attention_prefill_tiled and, as "tiled-rb*", attention_prefill_rb in its
-    default, register-prefetch and generic-pipeline variants), and the
-    single-pass seed-derived kernels. The subgroup
-    variants need the device feature, which lavapipe has: in CI they never skip."""
+    (split + merge) with short splits (one tile, many splits) and with the longest
+    splits they allow (many tiles per split), the query-block tiled prefill kernels
+    (for f32 both attention_prefill_tiled and, as "tiled-rb*", attention_prefill_rb
+    in its default and generic-pipeline variants), and the single-pass
+    seed-derived kernels."""
     import dataclasses
 
     p = request.param
-    if "sg" in p and "subgroup" not in engine.ctx.features:
-        no_adapter(f"the adapter has no subgroup feature for {p}")
     saved = engine.policy
     engine.policy = dataclasses.replace(
         saved,
         force="tiled" if p.startswith("tiled") else p if p == "single" else "split",
-        subgroups="sg" in p,
         prefill_f32="rb" if p.startswith("tiled-rb") else "tiled",
         prefill_f16="rb" if p.startswith("tiled-rb") else "tiled",
-        # the register-blocked kernel's variants: register prefetch of the next
-        # chunk, and the generic pipeline (shape from params, no override constants)
-        prefill_rb_prefetch=p == "tiled-rb-prefetch",
+        # the register-blocked kernel's generic pipeline (shape from params, no
+        # override constants)
         prefill_rb_specialize=p != "tiled-rb-generic",
         target_workgroups=1 if p.endswith("long") else saved.target_workgroups,
     )

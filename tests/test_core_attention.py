@@ -277,7 +277,7 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
 
 
 @pytest.mark.parametrize(
-    "kernel_path", ["tiled", "tiled-rb", "tiled-rb-prefetch", "tiled-rb-generic", "single"], indirect=True
+    "kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True
 )
 @pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):

@@ -26,13 +26,13 @@ from attnserve.formats import TQ_SPECS, key_words, value_words
 from tools import reference as ref
 from attnserve.turboquant import layer_signs
 
-from _core import no_adapter, read_words, rel_err
+from _core import read_words, rel_err
 
 pytestmark = pytest.mark.gpu
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "turboquant-golden.npz"
 TQ_TOL = 1e-4  # test_core_attention.py: max abs error over the oracle's max abs value
-PATHS = ("split", "split-long", "split-sg", "tiled", "single")
+PATHS = ("split", "split-long", "tiled", "single")
 # (num_layers, num_qo_heads, num_kv_heads, head_dim, length, seed)
 SESSIONS = ((2, 8, 2, 128, 200, 0x5EED), (1, 6, 3, 32, 97, 12345))
 
@@ -56,7 +56,6 @@ def _policy(engine, p):
     return dataclasses.replace(
         engine.policy,
         force="tiled" if p == "tiled" else p if p == "single" else "split",
-        subgroups="sg" in p,
         target_workgroups=1 if p.endswith("long") else engine.policy.target_workgroups,
     )
 
@@ -103,8 +102,6 @@ def write_golden(engine) -> None:
 @pytest.fixture(params=PATHS)
 def path(request, engine):
     """The kernel path the attends take (the engine's policy while the test runs)."""
-    if "sg" in request.param and "subgroup" not in engine.ctx.features:
-        no_adapter(f"the adapter has no subgroup feature for {request.param}")
     saved = engine.policy
     engine.policy = _policy(engine, request.param)
     yield request.param

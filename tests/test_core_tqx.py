@@ -202,7 +202,7 @@ def test_the_word_check_can_fail(rng):
         check_tqx_words(bad, vw, k, v, spec, ps, js, cap)
 
 
-PATHS = ("split", "split-long", "split-sg", "tiled", "single")
+PATHS = ("split", "split-long", "tiled", "single")
 LENGTHS = (1, 54, 97, 300, 600)
 
 
@@ -210,16 +210,11 @@ LENGTHS = (1, 54, 97, 300, 600)
 def path(request, engine):
     import dataclasses
 
-    from _core import no_adapter
-
     p = request.param
-    if "sg" in p and "subgroup" not in engine.ctx.features:
-        no_adapter(f"the adapter has no subgroup feature for {p}")
     saved = engine.policy
     engine.policy = dataclasses.replace(
         saved,
         force="tiled" if p == "tiled" else p if p == "single" else "split",
-        subgroups="sg" in p,
         target_workgroups=1 if p.endswith("long") else saved.target_workgroups,
     )
     yield p

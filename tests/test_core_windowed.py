@@ -65,10 +65,10 @@ class Follow:
     "fmt,h,hkv,d,sinks,window",
     [("tq4", 9, 3, 64, 3, 5), ("turboquant", 8, 2, 32, 4, 21), ("tq4o", 4, 4, 128, 0, 7), ("tq3", 6, 2, 64, 17, 0)],
 )
-# conftest's kernel policies: the split kernels, their subgroup variant, one long split
-# per attend, and a policy that forces single-pass (a windowed layer takes the split
+# conftest's kernel policies: the split kernels, one long split per attend, and a
+# policy that forces single-pass (a windowed layer takes the split
 # kernels whatever the policy says)
-@pytest.mark.parametrize("kernel_path", ["split", "split-sg", "split-long", "single"], indirect=True)
+@pytest.mark.parametrize("kernel_path", ["split", "split-long", "single"], indirect=True)
 def test_every_attend_matches_the_oracle(engine, rng, kernel_path, fmt, h, hkv, d, sinks, window):
     """Fused appends of awkward sizes (prefill chunks across page borders, then
     decode steps), separate appends and attends, attends from an earlier row and

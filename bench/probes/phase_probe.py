@@ -28,10 +28,8 @@ SOFTMAX = "    // ── 2. per-head max and sum of exp over this split ──"
 VALUES = "    // ── 3."
 RETURN = "    if wid.x < 1000000u { return; }\n"
 KERNEL = {
-    ("f32", False): S.plain_kernel("attention_split", "f32"),
-    ("f32", True): S.plain_kernel("attention_split_sg", "f32"),
-    ("turboquant", False): S.tqx_kernel("attention_split_tqx", "turboquant"),
-    ("turboquant", True): S.tqx_kernel("attention_split_tqx_sg", "turboquant"),
+    "f32": S.plain_kernel("attention_split", "f32"),
+    "turboquant": S.tqx_kernel("attention_split_tqx", "turboquant"),
 }
 
 orig_load = S.load_wgsl
@@ -62,64 +60,62 @@ eng = B.Engine.open(None)
 rng = np.random.default_rng(0)
 q = rng.standard_normal((1, B.H, B.D), dtype=np.float32)
 orig_dispatch = Batch.dispatch
-variants = [v for v in (False, True) if not v or "subgroup" in eng.ctx.features]
 for fmt in ("f32", "turboquant"):
     s = eng.session_kv(B.SessionConfig(1, B.H, B.HKV, B.D, fmt, CTX, 1))
     layer = s.layers[0]
     B.fill_layer(eng, layer, CTX, rng)
-    for sg in variants:
-        eng.policy = dataclasses.replace(eng.policy, force="split", subgroups=sg)
-        kern = KERNEL[(fmt, sg)]
-        cases = {
-            "full step": {},
-            "no merge": {"attention_merge": None},
-            "no merge, no rotation": {"attention_merge": None, "tq_rotate_q": None},
-            "split kernel cut after softmax": {
-                "attention_merge": None,
-                "tq_rotate_q": None,
-                kern: variant(kern, "softmax"),
-            },
-            "split kernel cut after scores": {
-                "attention_merge": None,
-                "tq_rotate_q": None,
-                kern: variant(kern, "scores"),
-            },
-        }
-        for label, swap in cases.items():
-            if fmt == "f32" and "rotation" in label:
-                continue
+    eng.policy = dataclasses.replace(eng.policy, force="split")
+    kern = KERNEL[fmt]
+    cases = {
+        "full step": {},
+        "no merge": {"attention_merge": None},
+        "no merge, no rotation": {"attention_merge": None, "tq_rotate_q": None},
+        "split kernel cut after softmax": {
+            "attention_merge": None,
+            "tq_rotate_q": None,
+            kern: variant(kern, "softmax"),
+        },
+        "split kernel cut after scores": {
+            "attention_merge": None,
+            "tq_rotate_q": None,
+            kern: variant(kern, "scores"),
+        },
+    }
+    for label, swap in cases.items():
+        if fmt == "f32" and "rotation" in label:
+            continue
 
-            def dispatch(self, kernel, bindings, grid, constants=None, _swap=swap):
-                k = _swap.get(kernel, kernel)
-                if k is None:
-                    return None
-                return orig_dispatch(self, k, bindings, grid, constants)
+        def dispatch(self, kernel, bindings, grid, constants=None, _swap=swap):
+            k = _swap.get(kernel, kernel)
+            if k is None:
+                return None
+            return orig_dispatch(self, k, bindings, grid, constants)
 
-            Batch.dispatch = dispatch
+        Batch.dispatch = dispatch
 
-            def job(ctx, iters=200):
-                batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align, eng.policy)
-                qs = batch.upload(q)
-                for _ in range(iters):
-                    layer.plan_attend_rows(
-                        batch,
-                        qs,
-                        q.shape,
-                        out=batch.scratch(q.nbytes),
-                        length=CTX,
-                        start_pos=CTX - 1,
-                        causal=True,
-                        scale=1 / math.sqrt(B.D),
-                    )
-                enc = batch.encode()
-                t = time.perf_counter()
-                batch.submit(enc)
-                ctx.device.queue.read_buffer(batch.arenas.buffers["partial"], 0, 4)
-                return (time.perf_counter() - t) / iters * 1e3
+        def job(ctx, iters=200):
+            batch = Batch(ctx.device, ctx.pipelines, eng.worker.arenas, ctx.offset_align, eng.policy)
+            qs = batch.upload(q)
+            for _ in range(iters):
+                layer.plan_attend_rows(
+                    batch,
+                    qs,
+                    q.shape,
+                    out=batch.scratch(q.nbytes),
+                    length=CTX,
+                    start_pos=CTX - 1,
+                    causal=True,
+                    scale=1 / math.sqrt(B.D),
+                )
+            enc = batch.encode()
+            t = time.perf_counter()
+            batch.submit(enc)
+            ctx.device.queue.read_buffer(batch.arenas.buffers["partial"], 0, 4)
+            return (time.perf_counter() - t) / iters * 1e3
 
-            eng.worker.run(job)
-            best = min(eng.worker.run(job) for _ in range(3))
-            print(f"{fmt:10} ctx {CTX} {'sg' if sg else 'plain':5} {label:32s} {best:.4f} ms", flush=True)
-            Batch.dispatch = orig_dispatch
+        eng.worker.run(job)
+        best = min(eng.worker.run(job) for _ in range(3))
+        print(f"{fmt:10} ctx {CTX} {label:32s} {best:.4f} ms", flush=True)
+        Batch.dispatch = orig_dispatch
     eng.release(s).result()
 eng.close()

@@ -26,12 +26,8 @@ from attnserve.formats import is_plain  # noqa: E402  (kernels.py put service/ o
 
 VARIANTS = {
     "tiled": dict(prefill_f32="tiled", prefill_f16="tiled"),
-    "rb": dict(prefill_f32="rb", prefill_f16="rb", prefill_rb_prefetch=True, prefill_rb_specialize=True),
-    "rb no-prefetch": dict(prefill_f32="rb", prefill_f16="rb", prefill_rb_prefetch=False, prefill_rb_specialize=True),
-    "rb generic": dict(prefill_f32="rb", prefill_f16="rb", prefill_rb_prefetch=True, prefill_rb_specialize=False),
-    "rb generic no-prefetch": dict(
-        prefill_f32="rb", prefill_f16="rb", prefill_rb_prefetch=False, prefill_rb_specialize=False
-    ),
+    "rb": dict(prefill_f32="rb", prefill_f16="rb", prefill_rb_specialize=True),
+    "rb generic": dict(prefill_f32="rb", prefill_f16="rb", prefill_rb_specialize=False),
 }
 SHAPES = ((2048, 2048), (512, 8192))
 

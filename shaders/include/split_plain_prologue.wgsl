@@ -1,5 +1,5 @@
     // (shaders/include/split_plain_prologue.wgsl: the prologue shared by
-    // attention_split.wgsl and attention_split_sg.wgsl: params, this workgroup's
+    // attention_split.wgsl: params, this workgroup's
     // split window, and the GQA group's queries in workgroup memory; inlined by
     // the loader, barrier included.)
     let tid = lid.x;

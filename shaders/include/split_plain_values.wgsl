@@ -1,5 +1,5 @@
-    // (shaders/include/split_plain_values.wgsl, shared by attention_split.wgsl and
-    // attention_split_sg.wgsl: the value phase and the partial write; inlined by
+    // (shaders/include/split_plain_values.wgsl, of attention_split.wgsl: the value
+    // phase and the partial write; inlined by
     // the loader, barriers included. Needs the prologue's names and `scores`
     // holding the split's softmax numerators [G][split_len], `stat`, `red`.)
     // ── 3. V: thread (column c, row group grp), all G heads, rows from global ──

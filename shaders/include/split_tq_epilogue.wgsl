@@ -1,6 +1,6 @@
     // ── sum the row groups (through qbuf, two heads per pass); write partials ──
-    // (shaders/include/split_tq_epilogue.wgsl, shared by flash_attention_tqx_split.wgsl
-    // and flash_attention_tqx_split_sg.wgsl; inlined by the loader, barriers included.)
+    // (shaders/include/split_tq_epilogue.wgsl, of flash_attention_tqx_split.wgsl;
+    // inlined by the loader, barriers included.)
     let n_part = q_cap * n_heads * split_total;
     let pbase = (q_idx * n_heads + kv_head * group) * split_total + split_at;
     if tid < group {

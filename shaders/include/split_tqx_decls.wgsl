@@ -1,5 +1,5 @@
 // (shaders/include/split_tqx_decls.wgsl: the module-scope declarations of the
-// TurboQuant split kernels (flash_attention_tqx_split{,_sg}.wgsl, every format of
+// TurboQuant split kernels (flash_attention_tqx_split.wgsl, every format of
 // formats.TQ_SPECS): bindings, limits, override constants, workgroup memory (with
 // the codebooks), and the code/score helpers.)
 

@@ -1,5 +1,5 @@
     // (shaders/include/split_tqx_prologue.wgsl: the prologue of the TurboQuant split
-    // kernels (flash_attention_tqx_split{,_sg}.wgsl): the params, this workgroup's
+    // kernels (flash_attention_tqx_split.wgsl): the params, this workgroup's
     // split window, the format's regions (tqx.wgsl), its codebooks and the split's
     // page table entries in workgroup memory, and the GQA group's rotated queries;
     // inlined by the loader, barrier included.)

@@ -1,5 +1,5 @@
-    // (shaders/include/split_tqx_values.wgsl, shared by flash_attention_tqx_split.wgsl
-    // and flash_attention_tqx_split_sg.wgsl: the value phase over b-bit value codes
+    // (shaders/include/split_tqx_values.wgsl, of flash_attention_tqx_split.wgsl: the
+    // value phase over b-bit value codes
     // (value_col), value words read straight from global memory; inlined by the loader.)
     // ── 3. values: thread (column c, row group grp) accumulates all G heads ──
     let n_grp = WG / d4;

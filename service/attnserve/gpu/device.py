@@ -58,7 +58,7 @@ REQUESTED_FROM_ADAPTER = (
 )
 
 
-OPTIONAL_FEATURES = ("subgroup",)
+OPTIONAL_FEATURES: tuple[str, ...] = ()
 
 
 class DeviceError(RuntimeError):
@@ -185,7 +185,7 @@ def open_device(selector: str | None = None, cuda_context: str = "auto") -> GpuC
     if short:
         raise DeviceError(f"adapter {adapter.summary} is too small for attnserve: " + ", ".join(short))
     required = {k: alimits[k] for k in REQUESTED_FROM_ADAPTER if k in alimits}
-    # Optional features the kernels use when present (subgroup reductions).
+    # Optional features a kernel may declare (shaders.KERNELS); none of the shipped ones does.
     features = [f for f in OPTIONAL_FEATURES if f in adapter.features]
     try:
         device = adapter.request_device_sync(label="attnserve", required_limits=required, required_features=features)

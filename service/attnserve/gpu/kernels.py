@@ -525,10 +525,6 @@ class KernelPolicy:
     # Measured on the H200 (bench/probes/decode_sweep.py, docs/benchmarks.md): the longest
     # splits win; 128 gives 512-key splits from 8k context on with 8 KV heads.
     target_workgroups: int = 128
-    # The subgroup variants of the split kernels (one subgroup per key) measured
-    # slower than the plain ones (one thread per key) on the H200 at every
-    # context, so they run only when asked for (and the device has the feature).
-    subgroups: bool = False
     # The plain (f32, f16) query-block prefill kernel behind the "tiled" path: "tiled"
     # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
@@ -537,10 +533,6 @@ class KernelPolicy:
     # The same choice for f16: "tiled" measured faster on the H200 (2.40 against
     # 2.75 ms at 2048 x 2048, 5.01 against 5.48 at 512 x 8192; docs/benchmarks.md).
     prefill_f16: str = "tiled"
-    # attention_prefill_rb: hold the next Q/K chunk in registers during the
-    # scores (more registers, the loads' latency hidden) or load it at staging
-    # (measured faster on the H200: fewer registers, more workgroups per SM).
-    prefill_rb_prefetch: bool = False
     # attention_prefill_rb: specialize the pipeline on G and head_dim (override
     # constants GROUP, HEAD_DIM; one pipeline per shape) or run the generic one.
     prefill_rb_specialize: bool = True
@@ -548,9 +540,6 @@ class KernelPolicy:
     def plain_prefill(self, kv_format: str) -> str:
         """The query-block prefill kernel ("rb" or "tiled") of a plain format."""
         return self.prefill_f16 if kv_format == "f16" else self.prefill_f32
-
-    def use_subgroups(self, device) -> bool:
-        return bool(self.subgroups) and "subgroup" in device.features
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
         """ "split", "tiled" or "single" for this attend. The split kernels take any
@@ -739,11 +728,10 @@ def _partials(batch: Batch, a: Attends, n_splits: np.ndarray) -> np.ndarray:
 def _defer_split(batch: Batch, item: _SplitItem, kv_format: str) -> None:
     """Queue ``item``'s split kernel (one dispatch per kernel, slab and shape for the batch)."""
     a = item.a
-    sg = batch.policy.use_subgroups(batch.device)
     if not item.tq:
-        kernel, constants = plain_kernel("attention_split_sg" if sg else "attention_split", kv_format), None
+        kernel, constants = plain_kernel("attention_split", kv_format), None
     else:
-        kernel = tqx_kernel("attention_split_tqx_sg" if sg else "attention_split_tqx", kv_format)
+        kernel = tqx_kernel("attention_split_tqx", kv_format)
         constants = {"GROUP": a.wg_group, "HEAD_DIM": a.head_dim}
     rows = a.n_queries * len(a.length)
     key = (kernel, tuple(sorted((constants or {}).items())), id(a.cache), a.q, a.n_kv_heads, a.group)
@@ -943,9 +931,7 @@ def _tiled_kernel(
     if tq is not None:
         return tq.kernel("attention_tqx_tiled"), TQ_TILED_ROWS // a.group, None
     if batch.policy.plain_prefill(kv_format) == "rb":
-        constants = {"PREFETCH": int(bool(batch.policy.prefill_rb_prefetch))}
-        if batch.policy.prefill_rb_specialize:
-            constants.update(GROUP=a.group, HEAD_DIM=a.head_dim)
+        constants = {"GROUP": a.group, "HEAD_DIM": a.head_dim} if batch.policy.prefill_rb_specialize else {}
         return plain_kernel("attention_prefill_rb", kv_format), RB_ROWS // a.group, constants
     return plain_kernel("attention_prefill_tiled", kv_format), TILED_ROWS // a.group, None
 

@@ -124,7 +124,7 @@ TQ_ROTATE_PARAMS = _block(
 # split_base .. of the item's split_total in the partials.
 _SPLIT_PART = ("kv_group", "t_lo", "row_base", "split_base", "split_total")
 
-# struct SplitParams: attention_split{,_sg}.wgsl `params`, one block per query row
+# struct SplitParams: attention_split.wgsl `params`, one block per query row
 # of a batch: row q_row of the item whose queries start at word q_off, partials at part_off
 SPLIT_PARAMS = _block(
     *_F32_HEAD,
@@ -142,7 +142,7 @@ SPLIT_PARAMS = _block(
     "_pad0",
 )
 
-# struct TqSplitParams: flash_attention_tqx_split{,_sg}.wgsl `params`, one block per
+# struct TqSplitParams: flash_attention_tqx_split.wgsl `params`, one block per
 # query row of a batch (as SplitParams; q_off: the item's rotated queries)
 TQ_SPLIT_PARAMS = _block(
     *_TQ_HEAD,
@@ -198,14 +198,12 @@ PARAMS_OF = {
     ("attention_prefill_rb.wgsl", "params"): PREFILL_PARAMS,
     ("tq_rotate.wgsl", "rparams"): TQ_ROTATE_PARAMS,
     ("attention_split.wgsl", "params"): SPLIT_PARAMS,
-    ("attention_split_sg.wgsl", "params"): SPLIT_PARAMS,
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
     ("tqx.wgsl", "eparams"): TQX_ENCODE_PARAMS,
     ("kv_write.wgsl", "wparams"): KV_WRITE_PARAMS,
     ("flash_attention_tqx.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_split.wgsl", "params"): TQ_SPLIT_PARAMS,
-    ("flash_attention_tqx_split_sg.wgsl", "params"): TQ_SPLIT_PARAMS,
 }
 
 

@@ -79,7 +79,6 @@ _PLAIN_KERNELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "attention_prefill_tiled": ("attention_prefill_tiled.wgsl", ()),
     "attention_prefill_rb": ("attention_prefill_rb.wgsl", ()),
     "attention_split": ("attention_split.wgsl", ()),
-    "attention_split_sg": ("attention_split_sg.wgsl", ("subgroup",)),
 }
 
 
@@ -109,11 +108,6 @@ _TQX_KERNELS: dict[str, tuple[str, tuple[tuple[int, str], ...], tuple[str, ...]]
         (),
     ),
     "attention_split_tqx": ("flash_attention_tqx_split.wgsl", ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)), ()),
-    "attention_split_tqx_sg": (
-        "flash_attention_tqx_split_sg.wgsl",
-        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
-        ("subgroup",),
-    ),
 }
 
 
