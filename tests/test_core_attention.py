@@ -276,9 +276,7 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
 
 
-@pytest.mark.parametrize(
-    "kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True
-)
+@pytest.mark.parametrize("kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True)
 @pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     """Prefill-sized attends (the tiled kernels' blocks of 64 rows = 64 / G query
