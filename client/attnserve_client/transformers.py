@@ -8,7 +8,7 @@ KV cache and attention on the server.
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=ast.ATTN_IMPLEMENTATION)
     with Client() as client:  # $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421
         with ast.AttnServeCache(client, model.config, kv_format="tq4v3") as cache:
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before 5.24
 
 Importing this module registers the attention function and its mask function
 under the name ``"attnserve"`` (transformers' ``AttentionInterface`` and
@@ -23,7 +23,9 @@ the server. Long prompts go in chunks of rows (``max_chunk_bytes`` a request),
 pipelined on the stream. Beam search and ``num_return_sequences`` reorder and copy
 sequences with forks. See ``docs/transformers.md``.
 
-Needs ``torch`` and ``transformers`` >= 5 (the extra ``attnserve-client[transformers]``).
+Needs ``torch`` and ``transformers`` >= 5 (the extra ``attnserve-client[transformers]``
+asks for >= 5.24, where ``generate`` takes the cache as ``cache=``; before, it was
+``past_key_values=``, which 5.24 and later still take, with a ``FutureWarning``).
 """
 
 from __future__ import annotations
@@ -382,8 +384,8 @@ def attention(
     layer = getattr(module, "layer_idx", None)
     if call is None or call[1] != layer or call[2] is not key:
         raise RuntimeError(
-            'attn_implementation="attnserve" needs past_key_values=AttnServeCache(...) '
-            "(and use_cache=True): the rows of this layer were not handed to an AttnServeCache"
+            'attn_implementation="attnserve" needs cache=AttnServeCache(...) (past_key_values= before '
+            "transformers 5.24) and use_cache=True: the rows of this layer were not handed to an AttnServeCache"
         )
     for name in ("softcap", "sliding_window", "s_aux"):
         if kwargs.get(name) is not None:

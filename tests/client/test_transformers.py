@@ -46,7 +46,7 @@ def generate(model, inputs, client, cache_options=None, **kw):
     try:
         with ast.AttnServeCache(client, model.config, **(cache_options or {})) as cache:
             torch.manual_seed(0)
-            got = model.generate(**inputs, past_key_values=cache, **kw)
+            got = model.generate(**inputs, cache=cache, **kw)
             ids = [s.session_id for s in cache.sessions]
     finally:
         model.set_attn_implementation("sdpa")
@@ -198,7 +198,7 @@ def test_formats_per_layer_and_session_options(client):
 def test_refusals(client):
     model = small_model("llama")
     model.set_attn_implementation(ast.ATTN_IMPLEMENTATION)
-    with pytest.raises(RuntimeError, match="needs past_key_values=AttnServeCache"):
+    with pytest.raises(RuntimeError, match="needs cache=AttnServeCache"):
         model.generate(**padded_ids([4]), max_new_tokens=2)
     with pytest.raises(ValueError, match="sliding window"):
         ast.AttnServeCache(client, transformers.MistralConfig(**SMALL, sliding_window=16))
@@ -213,11 +213,11 @@ def test_a_failed_call_leaves_the_cache_refusing(client):
     before = live_ids(client)
     with ast.AttnServeCache(client, model.config, max_tokens=16) as cache:
         with pytest.raises(ac.CapacityExceeded):
-            model.generate(**padded_ids([10]), past_key_values=cache, max_new_tokens=20, do_sample=False)
+            model.generate(**padded_ids([10]), cache=cache, max_new_tokens=20, do_sample=False)
         with pytest.raises(RuntimeError, match="out of step"):
-            model.generate(**padded_ids([3]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+            model.generate(**padded_ids([3]), cache=cache, max_new_tokens=2, do_sample=False)
         cache.reset()  # a fresh start: new sessions
-        out = model.generate(**padded_ids([3]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        out = model.generate(**padded_ids([3]), cache=cache, max_new_tokens=2, do_sample=False)
         assert out.shape == (1, 5)
         assert len(live_ids(client) - before) == 1
     assert live_ids(client) == before
@@ -243,7 +243,7 @@ def test_a_batch_whose_sessions_cannot_all_be_made_leaves_none(client):
     before = live_ids(client)
     with ast.AttnServeCache(client, model.config, session_id="one-id-for-two") as cache:
         with pytest.raises(ac.SessionExists):
-            model.generate(**padded_ids([4, 4]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+            model.generate(**padded_ids([4, 4]), cache=cache, max_new_tokens=2, do_sample=False)
         with pytest.raises(RuntimeError, match="out of step"):
             cache.get_seq_length()
     assert live_ids(client) == before

