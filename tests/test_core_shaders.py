@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.gpu import params as P
-from attnserve.gpu.shaders import KERNELS, load_wgsl, shader_dir, wgsl_files
+from attnserve.gpu.shaders import KERNELS, load_wgsl, plain_kernel, shader_dir, wgsl_files
 
 
 def test_shaders_found_and_every_kernel_listed():
@@ -75,7 +75,7 @@ def test_includes_expand_and_fail_loudly(tmp_path, monkeypatch):
 
 def test_plain_kernels_read_their_format():
     """Each plain kernel has a pipeline per plain format, reading that format's slab."""
-    from attnserve.gpu.shaders import PLAIN_FORMATS, plain_kernel
+    from attnserve.gpu.shaders import PLAIN_FORMATS
 
     assert PLAIN_FORMATS == ("f32", "f16")
     for base in ("attention_prefill", "attention_prefill_tiled", "attention_prefill_rb", "attention_split"):
@@ -154,3 +154,18 @@ def test_pack_rejects_unknown_fields_and_bitcasts_floats():
     assert words[5] == np.float32(0.5).view(np.uint32)
     with pytest.raises(KeyError):
         P.pack(P.PREFILL_PARAMS, nonsense=1)
+
+
+@pytest.mark.gpu
+def test_a_pipeline_made_after_the_start_is_logged(engine, caplog):
+    """A kernel compiled on its first use after the device's start says so (on
+    lavapipe its first dispatch may take seconds, which a request waits out); the
+    same pipeline again says nothing."""
+    constants = {"GROUP": 3, "HEAD_DIM": 124}  # a shape no other test specializes the rb kernel on
+    kernel = plain_kernel("attention_prefill_rb", "f32")
+
+    with caplog.at_level("INFO", logger="attnserve"):
+        engine.call(lambda ctx: ctx.pipelines.get(kernel, constants)).result()
+        engine.call(lambda ctx: ctx.pipelines.get(kernel, constants)).result()
+    lines = [r for r in caplog.records if r.getMessage().startswith(f"compiled kernel {kernel} on its first use")]
+    assert len(lines) == 1 and lines[0].constants == constants and lines[0].seconds >= 0

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,8 @@ __all__ = [
     "shader_dir",
     "PipelineCache",
 ]
+
+log = logging.getLogger("attnserve")
 
 R, RW = "read", "rw"
 
@@ -252,14 +256,21 @@ def wgsl_files(name: str, defines: tuple[tuple[str, str], ...] = (), folder: Pat
     return used
 
 
+def _since(t0: float) -> float:
+    return round(time.perf_counter() - t0, 3)
+
+
 class PipelineCache:
-    """Compute pipelines of one device, made on first use and kept."""
+    """Compute pipelines of one device, made on first use and kept. A pipeline made
+    after the device's start (:meth:`warm_up`) is logged: on a software adapter its
+    first dispatch may take seconds, which a request then waits out."""
 
     def __init__(self, device: wgpu.GPUDevice):
         self._device = device
         self._modules: dict[tuple, wgpu.GPUShaderModule] = {}
         self._pipelines: dict[tuple, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
         self._lock = threading.Lock()
+        self._started = False  # warm_up has run: later pipelines are first uses, logged
 
     def _module(self, spec: KernelSpec) -> wgpu.GPUShaderModule:
         key = (spec.file, spec.defines, spec.folder)
@@ -296,8 +307,14 @@ class PipelineCache:
                 stage = {"module": self._module(spec), "entry_point": spec.entry_point}
                 if constants:
                     stage["constants"] = dict(constants)
+                t0 = time.perf_counter()
                 pipe = self._device.create_compute_pipeline(label=kernel, layout=layout, compute=stage)
                 self._pipelines[key] = (pipe, bgl)
+                if self._started:
+                    log.info(
+                        f"compiled kernel {kernel} on its first use (ATTNSERVE_WARMUP compiles a kv format's at start)",
+                        extra={"kernel": kernel, "constants": dict(constants or {}), "seconds": _since(t0)},
+                    )
             return self._pipelines[key]
 
     def __len__(self) -> int:
@@ -313,3 +330,4 @@ class PipelineCache:
         for name, spec in KERNELS.items():
             if spec.warm and set(spec.features) <= features:
                 self.get(name)
+        self._started = True
