@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from .. import __version__
-from ..codec import Wire, respond
+from ..codec import respond
 from ..errors import NotReady
 from .. import formats
 from ..metrics import CONTENT_TYPE
@@ -38,7 +38,7 @@ async def livez(wire: WireDep) -> Response:
 _READINESS = {**ok(200, "Ready", "Status"), **problems(503, slugs={503: "not-ready"})}
 
 
-def _readiness(rt: Runtime, wire: Wire) -> Response:
+async def readiness(rt: RuntimeDep, wire: WireDep) -> Response:
     """200 ``{"status": "ready"}`` when the server takes work, else 503 not-ready saying why."""
     reason = rt.not_ready_reason()
     if reason is None and rt.engine is not None and not rt.engine.worker.alive:
@@ -48,24 +48,14 @@ def _readiness(rt: Runtime, wire: Wire) -> Response:
     return respond({"status": "ready"}, wire)
 
 
-@router.get(
-    "/readyz",
-    summary="Readiness: the device is open, the kernels are warm and the server is not draining",
-    response_class=Response,
-    responses=_READINESS,
-)
-async def readyz(rt: RuntimeDep, wire: WireDep) -> Response:
-    return _readiness(rt, wire)
-
-
-@router.get(
-    "/health",
-    summary="Health, where vLLM, TGI and llama.cpp have it: the answer of /readyz",
-    response_class=Response,
-    responses=_READINESS,
-)
-async def health(rt: RuntimeDep, wire: WireDep) -> Response:
-    return _readiness(rt, wire)
+# one answer under two names: /readyz (Kubernetes' habit) and /health (vLLM's, TGI's, llama.cpp's)
+for _path, _name, _summary in (
+    ("/readyz", "readyz", "Readiness: the device is open, the kernels are warm and the server is not draining"),
+    ("/health", "health", "Health, where vLLM, TGI and llama.cpp have it: the answer of /readyz"),
+):
+    router.add_api_route(
+        _path, readiness, methods=["GET"], name=_name, summary=_summary, response_class=Response, responses=_READINESS
+    )
 
 
 @router.get(
