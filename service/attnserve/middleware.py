@@ -32,7 +32,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 class RequestMiddleware:
     """Pure ASGI middleware (no body buffering): times every request, logs one
-    structured line, counts it, refuses new /v1 work while draining, checks the
+    structured line, counts it, refuses new /v1 work while draining or warming up, checks the
     API key, answers a request whose GPU job timed out in the queue with 503
     timeout, and turns an unexpected exception into a 500 problem."""
 
@@ -70,8 +70,10 @@ class RequestMiddleware:
         rt.request_started()
         try:
             v1 = path == "/v1" or path.startswith("/v1/")
-            if rt.draining and v1:
-                await answer(NotReady("the server is draining", headers={"Retry-After": "1"}))
+            # draining, no new /v1 request; warming up, none but /v1/info (which says ready: false),
+            # not even a session's read, so a session answers only once it takes every operation
+            if v1 and (rt.draining or (rt.warming_up and path != "/v1/info")):
+                await answer(NotReady(rt.not_ready_reason() or "not ready", headers={"Retry-After": "1"}))
             elif rt.keys.enabled and (v1 or (path == "/metrics" and rt.settings.metrics_auth)):
                 try:
                     scope[OWNER_KEY] = rt.keys.authenticate(_header(scope, b"authorization"))

@@ -87,6 +87,9 @@ def test_readyz_is_503_until_the_kernels_are_warm(engine, monkeypatch, caplog):
             assert client.get("/v1/info").json()["ready"] is False
             r = client.post("/v1/sessions", json=dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D))
             assert r.status_code == 503 and r.json()["type"] == "/problems/not-ready"
+            for path in ("/v1/sessions", "/v1/sessions/restored"):  # reads too: nothing answers half ready
+                r = client.get(path)
+                assert r.status_code == 503 and r.json()["detail"].startswith("the kernels are warming up"), path
             assert len(cache) == 0
             gate.set()
             deadline = time.monotonic() + 300  # lavapipe compiles a kernel in seconds (more without Mesa's cache)
