@@ -41,13 +41,18 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# transformers' models first, with bench/ (this script's folder) off the path: from 5.25 they
+# import Hugging Face's `kernels` package, which bench/kernels.py would shadow
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+import transformers  # noqa: E402
+import transformers.modeling_utils  # noqa: E402, F401
+from packaging.version import Version  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT)]
 
 from _server import serving  # noqa: E402
 from e2e_model import GGUF_NAME, package_gguf, position_stats, text_of  # noqa: E402
-import transformers  # noqa: E402
-from packaging.version import Version  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import attnserve_client.transformers as ast  # noqa: E402
 from attnserve_client import Client  # noqa: E402
