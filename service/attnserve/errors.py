@@ -145,9 +145,13 @@ class Overloaded(ApiError):
 
 
 class NotReady(ApiError):
-    """503: the device is not open, the kernels are warming up, or the server is draining."""
+    """503: the device is not open, the kernels are warming up, or the server is
+    draining; every one tells the client to try again in a second (Retry-After: 1)."""
 
     status, slug, title = problems.NOT_READY
+
+    def __init__(self, detail: str, **extra: Any):
+        super().__init__(detail, headers={"Retry-After": "1"}, **extra)
 
 
 class RequestTimeout(ApiError):

@@ -110,7 +110,7 @@ class _Connection(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if len(self.server.connections) >= self.rt.settings.frames_max_connections:
-            self.refuse(None, NotReady("too many frame connections; try again later", headers={"Retry-After": "1"}))
+            self.refuse(None, NotReady("too many frame connections; try again later"))
             return
         self.server.connections.add(self)
         self._arm_watchdog()

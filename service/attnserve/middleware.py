@@ -73,7 +73,7 @@ class RequestMiddleware:
             # draining, no new /v1 request; warming up, none but /v1/info (which says ready: false),
             # not even a session's read, so a session answers only once it takes every operation
             if v1 and (rt.draining or (rt.warming_up and path != "/v1/info")):
-                await answer(NotReady(rt.not_ready_reason() or "not ready", headers={"Retry-After": "1"}))
+                await answer(NotReady(rt.not_ready_reason() or "not ready"))
             elif rt.keys.enabled and (v1 or (path == "/metrics" and rt.settings.metrics_auth)):
                 try:
                     scope[OWNER_KEY] = rt.keys.authenticate(_header(scope, b"authorization"))

@@ -115,7 +115,7 @@ class Runtime:
         """The engine, if the server takes work now (else 503 not-ready)."""
         reason = self.not_ready_reason()
         if reason is not None:
-            raise NotReady(reason, headers={"Retry-After": "1"})
+            raise NotReady(reason)
         assert self.engine is not None  # not_ready_reason says so
         return self.engine
 

@@ -44,7 +44,7 @@ async def readiness(rt: RuntimeDep, wire: WireDep) -> Response:
     if reason is None and rt.engine is not None and not rt.engine.worker.alive:
         reason = "the GPU thread has stopped"
     if reason is not None:
-        raise NotReady(reason, headers={"Retry-After": "1"})
+        raise NotReady(reason)
     return respond({"status": "ready"}, wire)
 
 
