@@ -275,7 +275,7 @@ def load_image(root: Path) -> Image:
 def setting_default(root: Path, name: str) -> float | None:
     """A numeric setting's default, read from service/attnserve/config.py."""
     text = (root / "service/attnserve/config.py").read_text()
-    m = re.search(rf"^\s*{name}: \w+ = Field\(\s*([0-9.]+)\s*,", text, re.M)
+    m = re.search(rf"^\s*{name}: \w+ = Field\(\s*(?:default=)?([0-9.]+)\s*,", text, re.M)
     return float(m.group(1)) if m else None
 
 

@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.routing import Match
 
 from attnserve_client.wire import PROBLEM_JSON
@@ -105,7 +106,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         rt.loop = asyncio.get_running_loop()
         owned = engine is None
-        if owned:
+        if engine is None:
             try:
                 eng = await asyncio.to_thread(
                     open_engine, settings, on_batch=rt.metrics.on_batch, on_job_start=rt.metrics.on_job_start
@@ -119,7 +120,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             previous_hooks = (eng.worker.on_batch, eng.worker.on_job_start)
             eng.worker.on_batch, eng.worker.on_job_start = rt.metrics.on_batch, rt.metrics.on_job_start
         rt.engine = eng
-        expiry: asyncio.Task | None = None
+        expiry: asyncio.Task[None] | None = None
         frames: FrameServer | None = None
         try:
             if settings.snapshot_dir:
@@ -141,7 +142,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             if owned:
                 await asyncio.to_thread(eng.close)
             raise
-        warmup: asyncio.Task | None = None
+        warmup: asyncio.Task[None] | None = None
         if settings.warmup_formats():  # the server answers (/readyz 503) while the kernels compile
             rt.warming_up = True
             warmup = asyncio.create_task(_warm_up_then_ready(rt, eng), name="attnserve-warmup")
@@ -178,6 +179,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             if owned:
                 await asyncio.to_thread(eng.close)
             else:
+                assert previous_hooks is not None  # set wherever the engine is not owned
                 eng.worker.on_batch, eng.worker.on_job_start = previous_hooks
             log.info("stopped")
 
@@ -269,18 +271,18 @@ async def _warm_up_then_ready(rt: Runtime, engine: Engine) -> None:
 # ── errors ───────────────────────────────────────────────────────────────────
 
 
-def _problem(request: Request, err: ApiError):
+def _problem(request: Request, err: ApiError) -> Response:
     request.scope[PROBLEM_KEY] = err.slug
     return problem_response(err, request.url.path)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError):
+    async def api_error(request: Request, exc: ApiError) -> Response:
         return _problem(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         for e in errors:
             loc = tuple(e.get("loc", ()))
@@ -293,7 +295,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _problem(request, InvalidRequest("; ".join(parts) or "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             err: ApiError = RouteNotFound(f"no route {request.method} {request.url.path}")
         elif exc.status_code == 405:

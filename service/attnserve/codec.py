@@ -19,6 +19,7 @@ turns documents into checked Python values.
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 from collections.abc import Callable
@@ -278,7 +279,7 @@ class Fields:
             raise InvalidRequest(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
         return value
 
-    def number(self, name: str, default: Any = _MISSING) -> Any:
+    def number(self, name: builtins.str, default: Any = _MISSING) -> Any:
         value = self._get(name, default)
         if value is default and default is not _MISSING:
             return value
@@ -292,7 +293,7 @@ class Fields:
             raise InvalidRequest(f"{name}: expected a finite number, got {value}")
         return f
 
-    def list(self, name: str, default: Any = _MISSING) -> Any:
+    def list(self, name: builtins.str, default: Any = _MISSING) -> Any:
         value = self._get(name, default)
         if value is default and default is not _MISSING:
             return value
@@ -302,12 +303,12 @@ class Fields:
 
     def array(
         self,
-        name: str,
+        name: builtins.str,
         default: Any = _MISSING,
         *,
-        max_elements: int = wire.MAX_ELEMENTS,
-        ndim: int = 3,
-        finite: bool = True,
+        max_elements: builtins.int = wire.MAX_ELEMENTS,
+        ndim: builtins.int = 3,
+        finite: builtins.bool = True,
     ) -> Any:
         value = self._get(name, default)
         if value is default and default is not _MISSING:
@@ -366,7 +367,8 @@ def array_out(arr: np.ndarray, kind: MediaKind) -> Any:
 
 def encode(obj: Any, kind: MediaKind) -> bytes:
     if kind == "msgpack":
-        return wire.packb(obj)
+        data: bytes = wire.packb(obj)
+        return data
     return json.dumps(obj, separators=(",", ":")).encode()
 
 

@@ -82,10 +82,10 @@ class Settings(BaseSettings):
         hide_input_in_errors=True,  # keys never printed
     )
 
-    host: str = Field("127.0.0.1", description="Address `attnserve serve` binds.")
-    port: int = Field(8421, ge=0, le=65535, description="Port `attnserve serve` binds.")
+    host: str = Field(default="127.0.0.1", description="Address `attnserve serve` binds.")
+    port: int = Field(default=8421, ge=0, le=65535, description="Port `attnserve serve` binds.")
     frames_port: int | None = Field(
-        None,
+        default=None,
         ge=0,
         le=65535,
         description="Port of the frame transport (the stream's operations over plain TCP, arrays as raw "
@@ -93,159 +93,167 @@ class Settings(BaseSettings):
         "0: a free port (GET /v1/info names it).",
     )
     frames_max_connections: int = Field(
-        1024, ge=1, description="Most frame-transport connections at once (past it a new one is refused)."
+        default=1024, ge=1, description="Most frame-transport connections at once (past it a new one is refused)."
     )
     adapter: str | None = Field(
-        None,
+        default=None,
         description="Which wgpu adapter: an index, a backend (vulkan, metal, dx12), an adapter "
         "type (cpu, discrete-gpu), or part of its name. Empty: the first one.",
     )
     cuda_context: str = Field(
-        "auto",
+        default="auto",
         description="On an NVIDIA adapter, hold a CUDA context so the driver runs the GPU at full clocks "
         "(without one it may keep them idle under Vulkan: 4x slower decode measured on the H200): auto "
         "(the only CUDA device visible; none, with a warning, where there are several), off, or the "
         "adapter's CUDA device ordinal.",
     )
-    max_body_bytes: Size = Field(64 * MiB, ge=1024, description="Largest request body (413 past it).")
+    max_body_bytes: Size = Field(default=64 * MiB, ge=1024, description="Largest request body (413 past it).")
     memory_budget_bytes: Size = Field(
-        8 * GiB, ge=0, description="GPU bytes all sessions may hold together (507 past it); 0: no budget."
+        default=8 * GiB, ge=0, description="GPU bytes all sessions may hold together (507 past it); 0: no budget."
     )
-    max_sessions: int = Field(1024, ge=1, description="Most sessions at once (507 past it).")
+    max_sessions: int = Field(default=1024, ge=1, description="Most sessions at once (507 past it).")
     default_max_tokens: int = Field(
-        32768, ge=1, description="max_tokens of a session that gives none (capped by the adapter)."
+        default=32768, ge=1, description="max_tokens of a session that gives none (capped by the adapter)."
     )
     kernels: Literal["auto", "split", "tiled", "single"] = Field(
-        "auto",
+        default="auto",
         description="Attention kernel family: auto (split-KV for up to 16 query rows, the query-block "
         "tiled kernels for more), or always split, tiled or single (the single-pass kernels).",
     )
     split_target_workgroups: int = Field(
-        128, ge=1, description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum)."
+        default=128,
+        ge=1,
+        description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum).",
     )
     warmup: str = Field(
-        "f32",
+        default="f32",
         description="The kv formats whose kernels are compiled at start, before /readyz reports ready (else "
         "the first request of each compiles them: seconds each on lavapipe): none, all, or kv formats "
         "separated by commas. Each is warmed at every warmup_shapes shape it takes, for decode (one query "
         "row) and prefill (many rows) with the kernels the kernels setting picks.",
     )
     warmup_shapes: str = Field(
-        "32x8x128",
+        default="32x8x128",
         description="The session shapes the warmup compiles kernels for, separated by commas, each "
         "num_qo_heads x num_kv_heads x head_dim as your model's (some kernels are specialized on the "
         "GQA group and head_dim; another shape compiles its own on first use).",
     )
     page_tokens: int = Field(
-        64,
+        default=64,
         ge=16,
         le=1024,
         description="Timesteps per page of the paged KV pool (a power of two, 16..1024): a layer holds "
         "whole pages, so at most one partly filled page per (session, layer).",
     )
     pool_slab_bytes: Size = Field(
-        0,
+        default=0,
         ge=0,
         description="Largest K (or V) buffer of one slab of the KV pool; 0: the adapter's binding limit. "
         "A layer's pages live in one slab, so this also caps a layer's tokens.",
     )
-    max_batch_jobs: int = Field(256, ge=1, description="Most jobs coalesced into one GPU submission.")
-    max_queue: int = Field(4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
+    max_batch_jobs: int = Field(default=256, ge=1, description="Most jobs coalesced into one GPU submission.")
+    max_queue: int = Field(default=4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
     stream_max_in_flight: int = Field(
-        256,
+        default=256,
         ge=1,
         description="Most operations one /v1/stream or frame-transport connection may have in flight, an operation "
         "counting until its reply is written; past it the server reads no further frame of that "
         "connection until one is answered (backpressure).",
     )
     stream_ping_interval_s: float = Field(
-        20.0,
+        default=20.0,
         ge=0,
         description="How often the server pings a /v1/stream peer (WebSocket keepalive); 0: never.",
     )
     stream_ping_timeout_s: float = Field(
-        20.0,
+        default=20.0,
         gt=0,
         description="How long a /v1/stream peer has to answer a ping, counted only while the server reads "
         "its frames (a peer held back by its operations in flight is never dropped for a late pong).",
     )
     stream_send_timeout_s: float = Field(
-        60.0,
+        default=60.0,
         ge=0,
         description="A /v1/stream peer that reads none of its replies for this long is disconnected (its "
         "operations complete; their replies are lost); 0: never.",
     )
     max_batch_items: int = Field(
-        1024, ge=1, description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch)."
+        default=1024,
+        ge=1,
+        description="Most items in one batched step (POST /v1/batch/attend, and a stream's attend_batch).",
     )
     offload_bytes: Size = Field(
-        256 * 1024,
+        default=256 * 1024,
         ge=0,
         description="Bodies (and answers) larger than this are decoded (encoded) on a worker "
         "thread, so the event loop never stalls on a large body.",
     )
     gc_threshold: int = Field(
-        50_000,
+        default=50_000,
         ge=0,
         description="Once started, freeze the objects alive (gc.freeze) and collect the youngest "
         "generation every this many allocations (Python's default: 700 on 3.12), so a batched "
         "step's short-lived objects do not set off collections that walk the server's state; "
         "0 leaves the collector as Python sets it.",
     )
-    drain_timeout_s: float = Field(30.0, ge=0, description="On shutdown, how long to wait for requests in flight.")
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="On shutdown, how long to wait for requests in flight."
+    )
     drain_delay_s: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="On SIGTERM, how long to keep serving with /readyz at 503 before shutting "
         "down (so a load balancer can take the replica out first).",
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info", description="Log level."
+    )
     log_format: Literal["auto", "json", "text"] = Field(
-        "auto",
+        default="auto",
         description="Log lines as JSON (one object per line, what a log collector reads) or as text; auto: "
         "text when stderr is a terminal, else JSON.",
     )
     instance_name: str | None = Field(
-        None,
+        default=None,
         description="This replica's name, sent on every response as X-Attnserve-Instance (default: the host name).",
     )
     # ── tenants, quotas, overload, persistence ───────────────────────────────
     api_keys: SecretStr | None = Field(
-        None,
+        default=None,
         description="API keys, comma-separated. When any key is configured (here or in "
         "api_keys_file), every /v1 request needs `Authorization: Bearer <key>`, and each key "
         "is a tenant that sees only its own sessions.",
     )
     api_keys_file: str | None = Field(
-        None,
+        default=None,
         description="A file of API keys: one per line (or comma-separated); blank lines and "
         "lines starting with # are ignored. Read once at start.",
     )
-    metrics_auth: bool = Field(False, description="With API keys configured, /metrics needs a valid key too.")
+    metrics_auth: bool = Field(default=False, description="With API keys configured, /metrics needs a valid key too.")
     quota_sessions_per_key: int = Field(
-        0, ge=0, description="Most sessions one tenant may hold at once (507 past it); 0: no quota."
+        default=0, ge=0, description="Most sessions one tenant may hold at once (507 past it); 0: no quota."
     )
     quota_bytes_per_key: Size = Field(
-        0, ge=0, description="GPU bytes one tenant's sessions may hold (507 past it); 0: no quota."
+        default=0, ge=0, description="GPU bytes one tenant's sessions may hold (507 past it); 0: no quota."
     )
     request_timeout_s: float = Field(
-        60.0,
+        default=60.0,
         ge=0,
         description="Longest an append or attend may wait in the GPU queue before it is "
         "dropped, unapplied, with 503 timeout; 0: no timeout.",
     )
     session_ttl_seconds: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         description="A session not used for this long is deleted (its GPU memory freed); 0: sessions never expire.",
     )
     snapshot_dir: str | None = Field(
-        None,
+        default=None,
         description="A local directory: on shutdown every session is written there as a "
         "snapshot, and the next start restores them before it reports ready.",
     )
     sync_interval_s: float = Field(
-        1.0,
+        default=1.0,
         ge=0,
         description="With snapshot_dir: every this many seconds, the pages that filled since the last sync "
         "are appended to each session's journal and fsynced, so a hard kill loses at most this interval "

@@ -185,7 +185,7 @@ def catalog() -> dict[str, Any]:
     }
 
 
-def sizes(kv_format: str) -> list[dict]:
+def sizes(kv_format: str) -> list[dict[str, int | float]]:
     """What ``/v1/info`` says of a format's size: at head_dim 32, 64 and 128 (those
     it takes), its bits per element and bytes per token and KV head (one layer)."""
     dims = head_dims(kv_format)

@@ -91,7 +91,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.reading = True
         self.writable = asyncio.Event()
         self.writable.set()
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.prefix = bytearray(PREFIX.size)
         self.frame: np.ndarray | None = None
         self.view = memoryview(self.prefix)
@@ -159,7 +159,7 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.head_len = head_len
         self.frame = np.empty(head_len + body_len, np.uint8)
-        self.view = memoryview(self.frame).cast("B")
+        self.view = self.frame.data.cast("B")  # ndarray.data: memoryview(frame) (typed on Python < 3.12 too)
         self.filled = 0
         if not len(self.view):
             self._frame_done()
@@ -240,7 +240,7 @@ class _Connection(asyncio.BufferedProtocol):
             assert self.transport is not None
             self.transport.resume_reading()
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         if not self.open and not self.tasks:
             self.server.connections.discard(self)

@@ -49,7 +49,7 @@ _CONFIG_KEYS = ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "kv_fo
 
 
 def _frame(doc: dict[str, Any]) -> bytes:
-    payload = msgpack.packb(doc, use_bin_type=True)
+    payload: bytes = msgpack.packb(doc, use_bin_type=True)
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 

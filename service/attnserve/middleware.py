@@ -139,6 +139,7 @@ class RequestMiddleware:
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
+    v: bytes  # an ASGI header value (the scope is typed as a plain mapping)
     for k, v in scope.get("headers", ()):
         if k == name:
             return v
@@ -146,6 +147,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 def _request_id(scope: Scope) -> str:
+    v: bytes
     for k, v in scope.get("headers", ()):
         if k == b"x-request-id":
             try:

@@ -64,7 +64,7 @@ except ImportError:  # Windows: no flock; msvcrt locks a byte range instead
 
 from . import journal as J
 from .errors import InvalidSnapshot, OutOfMemory, SessionExists
-from .snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
+from .snapshot_format import Layers, build_blob, load, parse_blob, read_layers, restore_bytes
 from .store import SESSION_ID_RE, Session
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +72,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runtime import Runtime
 
 __all__ = ["SnapshotDir", "FILE_FORMAT", "FILE_VERSION", "SUFFIX", "encode_file", "decode_file"]
+
+# What a journal sync collects on the GPU thread: per session, (layer, first page, pages' K/V bytes)
+_Found = list[tuple[Session, list[tuple[int, int, list[tuple[bytes, bytes]]]]]]
 
 
 def _lock(fd: int) -> None:
@@ -172,7 +175,7 @@ class SnapshotDir:
         # session -> pages of each layer in its journal (written and fsynced)
         self.journaled: dict[Session, list[int]] = {}
         self.last_sync: dict[str, float] | None = None
-        self._sync_task: asyncio.Task | None = None
+        self._sync_task: asyncio.Task[None] | None = None
 
     # ── lifecycle ───────────────────────────────────────────────────────────
 
@@ -265,8 +268,8 @@ class SnapshotDir:
         started = time.time()
         todo = [(s, list(self.journaled.get(s) or [0] * s.config.num_layers)) for s in self.rt.store.sessions.values()]
 
-        def collect(ctx: Any) -> list[tuple[Session, list[tuple[int, int, list[tuple[bytes, bytes]]]]]]:
-            found = []
+        def collect(ctx: Any) -> _Found:
+            found: _Found = []
             for s, done in todo:  # on the GPU thread, between batches: the lengths are the GPU's
                 if s.closed:
                     continue
@@ -295,7 +298,7 @@ class SnapshotDir:
         self.last_sync = {"started": started, "finished": time.time(), "pages": written}
         return written
 
-    def _append_journals(self, found: list, page_tokens: int, fresh: set[Session]) -> int:
+    def _append_journals(self, found: _Found, page_tokens: int, fresh: set[Session]) -> int:
         written, created = 0, False
         for s, recs in found:
             if s.closed:
@@ -376,8 +379,8 @@ class SnapshotDir:
 
     @staticmethod
     def _with_journal(
-        layers: list, journal: "J.Journal", journal_path: Path, page_tokens: int
-    ) -> tuple[list, list[int]]:
+        layers: Layers, journal: "J.Journal", journal_path: Path, page_tokens: int
+    ) -> tuple[Layers, list[int]]:
         """A snapshot's ``layers`` (none: empty) with each layer the journal holds more
         rows of taken from the journal (both are prefixes of one append-only history),
         and the pages of each layer already in the journal (all 0 if it was written
@@ -414,6 +417,7 @@ class SnapshotDir:
                 return "invalid"
             sid, owner, config, layers, path = journal.session_id, journal.owner, journal.config, [], None
         except OSError as e:
+            assert path is not None  # only reading the snapshot file raises OSError
             log.error("cannot read a snapshot file; kept", extra={"file": path.name, "error": str(e)})
             return "skipped"
         label = (path or journal_path).name  # type: ignore[union-attr]

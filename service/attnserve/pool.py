@@ -35,8 +35,9 @@ Everything here runs on the GPU owner thread, except the pure sizing methods.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import wgpu
@@ -75,12 +76,16 @@ class Holder(Protocol):
     paid_pages: int
 
 
+#: A batch's ``on_rollback``: registers a callable run if the job planning now is rolled back.
+Undo = Callable[[Callable[[], object]], None]
+
+
 class Copier(Protocol):
     """Where copies are recorded: a ``gpu.batch.Batch`` or :class:`DirectCopies`."""
 
     device: wgpu.GPUDevice
 
-    def copy(self, src, src_off: int, dst, dst_off: int, size: int) -> None: ...
+    def copy(self, src: wgpu.GPUBuffer, src_off: int, dst: wgpu.GPUBuffer, dst_off: int, size: int) -> None: ...
 
 
 class DirectCopies:
@@ -89,9 +94,9 @@ class DirectCopies:
 
     def __init__(self, device: wgpu.GPUDevice):
         self.device = device
-        self._ops: list[tuple] = []
+        self._ops: list[tuple[wgpu.GPUBuffer, int, wgpu.GPUBuffer, int, int]] = []
 
-    def copy(self, src, src_off, dst, dst_off, size) -> None:
+    def copy(self, src: wgpu.GPUBuffer, src_off: int, dst: wgpu.GPUBuffer, dst_off: int, size: int) -> None:
         if size > 0:
             self._ops.append((src, src_off, dst, dst_off, size))
 
@@ -279,7 +284,12 @@ class PagePool:
         return True
 
     @staticmethod
-    def _restore(slab: Slab, state: tuple) -> None:
+    def _restore(
+        slab: Slab,
+        state: tuple[
+            int, wgpu.GPUBuffer | None, wgpu.GPUBuffer | None, list[int], list[list[Holder]], list[Holder | None]
+        ],
+    ) -> None:
         slab.pages, slab.k, slab.v, slab.free, slab.holders, slab.payer = state
 
     def take(
@@ -413,7 +423,7 @@ class PageTables:
     def size_for(entries: int) -> int:
         return max(PageTables.MIN_WORDS, 1 << max(0, entries - 1).bit_length())
 
-    def take(self, entries: int, undo=None) -> TableRegion:
+    def take(self, entries: int, undo: Undo | None = None) -> TableRegion:
         """A region for a table of ``entries`` pages (``undo``: a batch's
         ``on_rollback``; a rolled-back job's region is free again at once)."""
         size = self.size_for(entries)
@@ -449,7 +459,7 @@ class PageTables:
             self.words[offset : offset + len(entries)] = entries
             self._dirty.append((offset, offset + len(entries)))
 
-    def drop(self, region: TableRegion, undo=None) -> None:
+    def drop(self, region: TableRegion, undo: Undo | None = None) -> None:
         """A layer lets ``region`` go: free after the current batch is submitted."""
         self._limbo.append(region)
         if undo is not None:
@@ -471,7 +481,7 @@ class PageTables:
         if self._dirty:
             queue = device.queue
             for start, end in _runs(self._dirty):
-                queue.write_buffer(self.buffer, 4 * start, memoryview(self.words[start:end]).cast("B"))
+                queue.write_buffer(self.buffer, 4 * start, self.words[start:end].data.cast("B"))
                 self.written_words += end - start
             self._dirty = []
         return self.buffer
@@ -519,7 +529,7 @@ class PagePools:
     def held_bytes(self) -> int:
         return sum(p.held_bytes for p in self._pools.values()) + self.tables.held_bytes
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "page_tokens": self.page_tokens,
             "page_table_bytes": self.tables.held_bytes,

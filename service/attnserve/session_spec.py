@@ -65,7 +65,8 @@ def _kv_format(f: Fields, num_layers: int) -> str | tuple[str, ...]:
     """``kv_format``: one format for every layer, or an array of one per layer."""
     value = f.doc.get("kv_format")
     if not isinstance(value, list):
-        return f.str("kv_format", "f32", choices=KV_FORMATS)
+        single: str = f.str("kv_format", "f32", choices=KV_FORMATS)
+        return single
     if len(value) != num_layers:
         raise InvalidRequest(
             f"kv_format: expected one format for every layer or an array of {num_layers} (one per layer), "

@@ -42,13 +42,13 @@ __all__ = [
 ]  # fmt: skip
 
 
-class LayerWords(tuple):
+class LayerWords(tuple[int, int, bytes, bytes]):
     """A layer as a snapshot holds it: ``(length, capacity, K bytes, V bytes)``, and a
     windowed layer's exact rows in ``exact`` (the blob's ``exact`` member; None: none)."""
 
     exact: dict[str, Any] | None
 
-    def __new__(cls, length: int, capacity: int, k: bytes, v: bytes, exact: dict[str, Any] | None = None):
+    def __new__(cls, length: int, capacity: int, k: bytes, v: bytes, exact: dict[str, Any] | None = None) -> LayerWords:
         self = super().__new__(cls, (length, capacity, k, v))
         self.exact = exact
         return self
@@ -97,7 +97,7 @@ def build_blob(config: SessionConfig, layers: Layers) -> bytes:
     for entry, layer in zip(ls, layers):
         if getattr(layer, "exact", None) is not None:
             entry["exact"] = layer.exact  # type: ignore[attr-defined]
-    return wire.packb(
+    blob: bytes = wire.packb(
         {
             "format": FORMAT,
             "version": VERSION,
@@ -106,6 +106,7 @@ def build_blob(config: SessionConfig, layers: Layers) -> bytes:
             "checksum": digest(FORMAT, VERSION, cfg, ls),
         }
     )
+    return blob
 
 
 def _check_tq_norms(i: int, fmt: str, config: SessionConfig, n: int, cap: int, kb: bytes, vb: bytes) -> None:
@@ -152,7 +153,7 @@ def _check_tq_outliers(i: int, fmt: str, config: SessionConfig, n: int, cap: int
 
 
 def parse_blob(
-    raw: bytes, max_bytes: int, limit_for: Callable[[tuple[str, ...], int, int], int]
+    raw: bytes | memoryview, max_bytes: int, limit_for: Callable[[tuple[str, ...], int, int], int]
 ) -> tuple[SessionConfig, Layers]:
     """Check everything about a blob (InvalidSnapshot otherwise); ``limit_for(fmt, hkv, d)``
     is the adapter's max_tokens limit."""
@@ -186,7 +187,7 @@ def parse_blob(
     layers = doc["layers"]
     if not isinstance(layers, list) or len(layers) != config.num_layers:
         raise InvalidSnapshot(f"layers: expected a list of {config.num_layers} layers")
-    out = []
+    out: Layers = []
     for i, layer in enumerate(layers):
         layout, fmt = config.layer_layout(i), config.layer_formats[i]  # the contiguous layout snapshots keep
         keys = _LAYER_KEYS | ({"exact"} if config.windowed and fmt in TQ_SPECS else set())
@@ -260,7 +261,7 @@ def read_layers(kv: SessionKV) -> Callable[[Any], Layers]:
     """A GPU-thread call (``Engine.call``) that reads every layer of ``kv`` back."""
 
     def read(ctx: Any) -> Layers:
-        out = []
+        out: Layers = []
         for layer in kv.layers:
             kb, vb = layer.read_words(ctx.device)
             out.append(LayerWords(layer.length, layer.capacity, kb, vb, layer.read_exact(ctx.device)))

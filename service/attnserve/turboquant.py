@@ -21,6 +21,7 @@ Everything here is host-side and deterministic across machines:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -86,6 +87,7 @@ class Codebook:
 
 
 def _make_codebook(d: int, bits: int = 2) -> Codebook:
+    hexes: tuple[str, ...]
     if bits == 2:
         hexes = _CODEBOOK_HEX[d]
     else:
@@ -121,12 +123,13 @@ def lloyd_max_codebook(d: int, iters: int = 200, levels: int = 4) -> np.ndarray:
     density (more levels converge more slowly: give them a few thousand iterations)."""
     gx, gw = np.polynomial.legendre.leggauss(200)
 
-    def integ(f, a: float, b: float) -> float:
+    def integ(f: Callable[[np.ndarray], np.ndarray], a: float, b: float) -> float:
         x = (b - a) / 2 * gx + (a + b) / 2
         return float((b - a) / 2 * np.sum(gw * f(x)))
 
-    def dens(x):
-        return (1.0 - x * x) ** ((d - 3) / 2)
+    def dens(x: np.ndarray) -> np.ndarray:
+        density: np.ndarray = (1.0 - x * x) ** ((d - 3) / 2)
+        return density
 
     if levels == 4:
         c = np.array([-1.5104, -0.4528, 0.4528, 1.5104]) / math.sqrt(d)  # Gaussian start
@@ -227,7 +230,8 @@ def outlier_bound(rows: np.ndarray, n: int, bits: int) -> np.ndarray:
     d = x.shape[-1]
     sq = x * x
     rest = np.sqrt(np.partition(sq, d - n, axis=-1)[..., : d - n].sum(axis=-1))
-    return (np.abs(x).max(axis=-1) + outlier_rest_factor(d, bits) * rest) * OUTLIER_SLACK
+    bound: np.ndarray = (np.abs(x).max(axis=-1) + outlier_rest_factor(d, bits) * rest) * OUTLIER_SLACK
+    return bound
 
 
 def outlier_rest_factor(d: int, bits: int) -> float:

@@ -8,7 +8,8 @@ change behaviour everywhere.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from collections.abc import Mapping
+from typing import Annotated, Any, Optional
 
 from fastapi import Depends, Path, Request
 
@@ -31,6 +32,7 @@ __all__ = [
     "SessionDep",
     "SessionIdPath",
     "LayerPath",
+    "merge_responses",
 ]
 
 
@@ -41,8 +43,15 @@ __all__ = [
 # worker thread, a thread hop per dependency per request for work of microseconds.
 
 
+def merge_responses(*parts: Mapping[int, Any]) -> dict[int | str, dict[str, Any]]:
+    """A route's OpenAPI ``responses``: ``parts`` (``schemas.ok``, ``schemas.problems``,
+    literal entries) merged in order, as ``{**a, **b}`` would, typed as FastAPI takes them."""
+    return {status: doc for part in parts for status, doc in part.items()}
+
+
 async def get_runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
+    runtime: Runtime = request.app.state.runtime
+    return runtime
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]

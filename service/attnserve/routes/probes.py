@@ -16,7 +16,7 @@ from ..errors import NotReady
 from .. import formats
 from ..metrics import CONTENT_TYPE
 from ..session_spec import MAX_LAYERS, MAX_QO_HEADS
-from .deps import OwnerDep, Runtime, RuntimeDep, WireDep
+from .deps import OwnerDep, Runtime, RuntimeDep, WireDep, merge_responses
 from .schemas import ok, problems
 
 __all__ = ["router", "API_VERSION"]
@@ -29,13 +29,13 @@ API_VERSION = 1
     "/livez",
     summary="Liveness: the process is up",
     response_class=Response,
-    responses=ok(200, "Alive", "Status"),
+    responses=merge_responses(ok(200, "Alive", "Status")),
 )
 async def livez(wire: WireDep) -> Response:
     return respond({"status": "ok"}, wire)
 
 
-_READINESS = {**ok(200, "Ready", "Status"), **problems(503, slugs={503: "not-ready"})}
+_READINESS = merge_responses(ok(200, "Ready", "Status"), problems(503, slugs={503: "not-ready"}))
 
 
 async def readiness(rt: RuntimeDep, wire: WireDep) -> Response:
@@ -119,7 +119,7 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
     "/v1/info",
     summary="Server info: adapter, limits, kv formats, version",
     response_class=Response,
-    responses=ok(200, "Server info", "ServerInfo"),
+    responses=merge_responses(ok(200, "Server info", "ServerInfo")),
 )
 async def info(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Response:
     return respond(server_info(rt, owner), wire)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from ..codec import decode_document, read_body, respond
+from ..codec import MediaKind, decode_document, read_body, respond
 from ..errors import InvalidRequest
 from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import check_session_id
-from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from ..operations import check_kept, place_session
+from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
+from ..lifecycle import check_kept, place_session
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -21,7 +22,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
-def _decode_create(raw: bytes, kind: str | None, max_bytes: int) -> CreateRequest:
+def _decode_create(raw: bytes, kind: MediaKind | None, max_bytes: int) -> CreateRequest:
     return parse_create(decode_document(raw, kind, max_bytes))
 
 
@@ -59,7 +60,7 @@ async def _create(
     return respond(session.info(), wire, 201, headers={"Location": f"/v1/sessions/{session.id}"})
 
 
-_CREATE_DOC = dict(
+_CREATE_DOC: dict[str, Any] = dict(
     status_code=201,
     response_class=Response,
     openapi_extra=request_body("CreateSession"),
@@ -70,10 +71,10 @@ _CREATE_DOC = dict(
     "",
     summary="Create a session",
     description="Creates a session: a KV cache for every layer of one sequence, with a random id.",
-    responses={
-        **ok(201, "The session's info", "SessionInfo"),
-        **problems(400, 408, 413, 415, 422, 503, 507, slugs={408: "body-timeout"}),
-    },
+    responses=merge_responses(
+        ok(201, "The session's info", "SessionInfo"),
+        problems(400, 408, 413, 415, 422, 503, 507, slugs={408: "body-timeout"}),
+    ),
     **_CREATE_DOC,
 )
 async def create_session(
@@ -88,10 +89,10 @@ async def create_session(
     description="Creates a session under the id in the path (`[A-Za-z0-9_-]{1,64}`); 409 session-exists "
     "if the caller already has a session with that id (ids are per API key: another key's sessions never "
     "collide). A router in front of several replicas can hash the id, so a session lives on one replica.",
-    responses={
-        **ok(201, "The session's info", "SessionInfo"),
-        **problems(400, 408, 409, 413, 415, 422, 503, 507, slugs={408: "body-timeout", 409: "session-exists"}),
-    },
+    responses=merge_responses(
+        ok(201, "The session's info", "SessionInfo"),
+        problems(400, 408, 409, 413, 415, 422, 503, 507, slugs={408: "body-timeout", 409: "session-exists"}),
+    ),
     **_CREATE_DOC,
 )
 async def put_session(
@@ -104,7 +105,7 @@ async def put_session(
     "",
     summary="List the caller's sessions",
     response_class=Response,
-    responses={**ok(200, "The sessions' info", "SessionList"), **problems(503)},
+    responses=merge_responses(ok(200, "The sessions' info", "SessionList"), problems(503)),
 )
 async def list_sessions(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Response:
     return respond({"sessions": [s.info() for s in rt.store.list(owner)]}, wire)
@@ -114,13 +115,15 @@ async def list_sessions(rt: RuntimeDep, wire: WireDep, owner: OwnerDep) -> Respo
     "/{session_id}",
     summary="Get a session's info",
     response_class=Response,
-    responses={**ok(200, "The session's info", "SessionInfo"), **problems(404, 503, slugs={404: "session-not-found"})},
+    responses=merge_responses(
+        ok(200, "The session's info", "SessionInfo"), problems(404, 503, slugs={404: "session-not-found"})
+    ),
 )
 async def get_session_info(session: SessionDep, wire: WireDep) -> Response:
     return respond(session.info(), wire)
 
 
-def _decode_fork(raw: bytes, kind: str | None, max_bytes: int) -> tuple[str | None, int | None]:
+def _decode_fork(raw: bytes, kind: MediaKind | None, max_bytes: int) -> tuple[str | None, int | None]:
     doc = decode_document(raw, kind, max_bytes)
     if not isinstance(doc, dict):
         raise InvalidRequest(f"expected an object, got {type(doc).__name__}")
@@ -148,12 +151,10 @@ def _decode_fork(raw: bytes, kind: str | None, max_bytes: int) -> tuple[str | No
     status_code=201,
     response_class=Response,
     openapi_extra=request_body("ForkSession"),
-    responses={
-        **ok(201, "The new session's info", "SessionInfo"),
-        **problems(
-            400, 404, 408, 409, 413, 415, 422, 503, 507, slugs={404: "session-not-found", 409: "session-exists"}
-        ),
-    },
+    responses=merge_responses(
+        ok(201, "The new session's info", "SessionInfo"),
+        problems(400, 404, 408, 409, 413, 415, 422, 503, 507, slugs={404: "session-not-found", 409: "session-exists"}),
+    ),
 )
 async def fork_session(
     session: SessionDep, request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep
@@ -194,7 +195,7 @@ async def fork_session(
     description="Frees the session's GPU memory (after any of its work already queued) and answers 204.",
     status_code=204,
     response_class=Response,
-    responses={204: {"description": "Deleted."}, **problems(404, 503, slugs={404: "session-not-found"})},
+    responses=merge_responses({204: {"description": "Deleted."}}, problems(404, 503, slugs={404: "session-not-found"})),
 )
 async def delete_session(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
     fut = rt.drop_session(session, engine)  # queued after the session's jobs; may raise Overloaded

@@ -11,8 +11,8 @@ from ..codec import read_body, respond, wire
 from ..errors import UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import check_session_id
-from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep
-from ..operations import check_kept, place_session
+from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
+from ..lifecycle import check_kept, place_session
 from .schemas import ok, problems
 
 __all__ = ["router"]
@@ -28,13 +28,15 @@ router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["snapshots"])
     "Taken after every request already accepted for the session (with exact `sinks` or a `window`, "
     "their rows too).",
     response_class=Response,
-    responses={
-        200: {
-            "description": "The snapshot blob.",
-            "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+    responses=merge_responses(
+        {
+            200: {
+                "description": "The snapshot blob.",
+                "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+            }
         },
-        **problems(404, 503, slugs={404: "session-not-found"}),
-    },
+        problems(404, 503, slugs={404: "session-not-found"}),
+    ),
 )
 async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
     layers = await asyncio.shield(asyncio.wrap_future(engine.call(read_layers(session.kv))))
@@ -56,9 +58,9 @@ async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -
     openapi_extra={
         "requestBody": {"required": True, "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}}
     },
-    responses={
-        **ok(201, "The restored session's info", "SessionInfo"),
-        **problems(
+    responses=merge_responses(
+        ok(201, "The restored session's info", "SessionInfo"),
+        problems(
             408,
             409,
             413,
@@ -68,7 +70,7 @@ async def get_snapshot(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -
             507,
             slugs={408: "body-timeout", 409: "session-exists", 422: "invalid-snapshot"},
         ),
-    },
+    ),
 )
 async def put_snapshot(
     session_id: SessionIdPath, request: Request, rt: RuntimeDep, wire_: WireDep, engine: EngineDep, owner: OwnerDep

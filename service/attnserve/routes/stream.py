@@ -83,7 +83,7 @@ class _Connection:
         self.owner = owner
         self.slots = asyncio.Semaphore(rt.settings.stream_max_in_flight)
         self.send_lock = asyncio.Lock()
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
         self.open = True
 
     async def serve(self) -> None:
