@@ -62,6 +62,29 @@ def git_commit() -> str:
         return "unknown"
 
 
+def submit(batch: Batch, encoded) -> memoryview | None:
+    """Submit what ``batch.encode()`` made and wait for the readback, if any (the
+    worker does the two apart: ``queue_submit``, then ``read_back``)."""
+    batch.queue_submit(encoded)
+    return batch.read_back(encoded)
+
+
+def choose_split(
+    kv_format: str,
+    max_seq: int,
+    n_kv_heads: int,
+    n_queries: int,
+    group: int,
+    target_workgroups: int = K.KernelPolicy.target_workgroups,
+) -> tuple[int, int]:
+    """(split_len, n_splits) of one attend over ``max_seq`` timesteps (``kernels.split_sizes``,
+    looked up when called: what a probe's patch of it returns)."""
+    split_len, n_splits = K.split_sizes(
+        kv_format, np.asarray([max_seq]), n_kv_heads, n_queries, group, target_workgroups
+    )
+    return int(split_len[0]), int(n_splits[0])
+
+
 def fill_layer(engine: Engine, layer, length: int, rng) -> None:
     """Append ``length`` random rows in chunks (bounded host memory)."""
     chunk = 16384
@@ -106,7 +129,7 @@ def time_wgpu(engine: Engine, layer, n: int, length: int, rng, budget_s: float) 
             batch.copy(out, 0, sync, 0, 4)
             encoded = batch.encode()  # CPU work: bind groups, command recording
             t0 = time.perf_counter()
-            batch.submit(encoded)  # GPU work + one 4-byte readback
+            submit(batch, encoded)  # GPU work + one 4-byte readback
             return time.perf_counter() - t0
 
         return engine.worker.run(job) / done[0]
@@ -157,7 +180,7 @@ def time_batched(engine: Engine, layers: list, rng, budget_s: float, iters: int 
             steps[0] = plan_batched_steps(batch, layers, q, iters, room=0.8 * ctx.max_binding)
             encoded = batch.encode()
             t0 = time.perf_counter()
-            batch.submit(encoded)
+            submit(batch, encoded)
             return time.perf_counter() - t0
 
         return engine.worker.run(job) / steps[0]

@@ -103,7 +103,7 @@ def run(
             prof.disable()
         t2 = time.perf_counter()
         command_buffer, staging, n_out = encoded
-        ctx.device.queue.submit([command_buffer])  # as Batch.submit, with the queue submit timed alone
+        ctx.device.queue.submit([command_buffer])  # as Batch.queue_submit, timed alone
         t3 = time.perf_counter()
         staging.map_sync(wgpu.MapMode.READ, 0, n_out)
         t35 = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -61,8 +62,21 @@ def stored(fmt: str, x: np.ndarray) -> np.ndarray:
     return x.astype(PLAIN_DTYPES[fmt]).astype(np.float32)
 
 
+def run_plan(engine, plan, timeout: float | None = None):
+    """Queue ``plan`` (a ``Batch -> finish`` function) on the engine's GPU worker and
+    wait: what its finish returns from the batch's output bytes."""
+    return engine.worker.submit_plan(plan).result(timeout)
+
+
 def reserve(engine, layer, capacity):
-    engine.worker.execute(lambda b: (layer.plan_reserve(b, capacity), (lambda out: None))[1])
+    """Take the pages of ``capacity`` timesteps of ``layer`` now (capped at its
+    max_tokens; never gives any back)."""
+
+    def plan(batch):
+        layer._ensure_pages(batch, min(capacity, layer.max_tokens))
+        return lambda out: None
+
+    run_plan(engine, plan)
 
 
 def read_words(engine, layer):
@@ -76,3 +90,21 @@ def no_adapter(reason: str):
     if os.environ.get("CI"):
         pytest.fail(f"CI needs a wgpu adapter (lavapipe): {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def item_path():
+    """While inside, every step is planned item by item (``Engine``'s item path, the
+    one its columns fall back to): the oracle the columns are bit-identical to.
+    Wait for the jobs inside (the plans run on the GPU thread)."""
+    from attnserve.engine import Engine
+
+    def every_item(batch, layers, *args, **kw):
+        return [i for i, layer in enumerate(layers) if layer is not None]
+
+    original = Engine.__dict__["_plan_columns"]  # the staticmethod itself
+    Engine._plan_columns = staticmethod(every_item)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Engine._plan_columns = original  # type: ignore[method-assign]

@@ -217,11 +217,12 @@ def test_the_longest_plain_split_reads_every_page_of_its_window(engine, rng, fmt
     its window in workgroup memory (split_plain_decls.wgsl's pg_sh), the most there are."""
     import dataclasses
 
-    from attnserve.gpu.kernels import PLAIN_MAX_SCORES, choose_split
+    from attnserve.gpu.kernels import PLAIN_MAX_SCORES, split_sizes
 
     h = hkv = 1
     d, length = 8, PLAIN_MAX_SCORES + 37
-    assert choose_split(fmt, length, hkv, 1, 1, 1) == (PLAIN_MAX_SCORES, 2)  # one full split, one short
+    split_len, n_splits = split_sizes(fmt, np.asarray([length]), hkv, 1, 1, 1)
+    assert (int(split_len[0]), int(n_splits[0])) == (PLAIN_MAX_SCORES, 2)  # one full split, one short
     assert PLAIN_MAX_SCORES // P == 256  # pg_sh's size at the shortest page (P = 16)
     s = session(engine, fmt, h, hkv, d, max_tokens=length, seed=3)
     k, v = rows(rng, length, hkv, d), rows(rng, length, hkv, d)

@@ -18,7 +18,7 @@ from tools import reference as ref
 from attnserve.gpu.kernels import Rotate, plan_rotate_q, rotated_q_bytes
 from attnserve.turboquant import codebook, layer_signs
 
-from _core import read_words, rows, session
+from _core import read_words, rows, run_plan, session
 
 pytestmark = pytest.mark.gpu
 
@@ -171,7 +171,7 @@ def test_rotate_q_matches_oracle(engine, rng, d):
         plan_rotate_q(batch, Rotate.one(batch.upload(q), out, signs, n, h, d))
         return lambda data: np.frombuffer(data, np.float32, count=out.size // 4, offset=out.offset).copy()
 
-    got = engine.worker.execute(plan)
+    got = run_plan(engine, plan)
     ps, js = layer_signs(99, 1, d)
     q_rot, q_jl, sums = ref.rotate_q(q, ps, js)
     region = n * h * d

@@ -23,7 +23,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
 import kernels as B  # noqa: E402
-from attnserve.gpu import kernels as K  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
             for v in variants:
                 for tw in targets:
                     eng.policy = dataclasses.replace(default, force="split", target_workgroups=tw)
-                    split_len, n_splits = K.choose_split(fmt, ctx_len, B.HKV, 1, B.H // B.HKV, tw)
+                    split_len, n_splits = B.choose_split(fmt, ctx_len, B.HKV, 1, B.H // B.HKV, tw)
                     ms = B.time_wgpu(eng, s.layers[0], 1, ctx_len, rng, args.budget)
                     gbps = nbytes / ms / 1e6
                     rows.append(

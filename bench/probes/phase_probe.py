@@ -109,7 +109,7 @@ for fmt in ("f32", "turboquant"):
                 )
             enc = batch.encode()
             t = time.perf_counter()
-            batch.submit(enc)
+            B.submit(batch, enc)
             ctx.device.queue.read_buffer(batch.arenas.buffers["partial"], 0, 4)
             return (time.perf_counter() - t) / iters * 1e3
 

@@ -18,7 +18,7 @@ from ``bench/probes/shaders/include`` and the shipped ``shaders/include``) with
 override switches; ``base`` is the
 shipped split kernel of ``turboquant``, its tqx instance
 (``attention_split_tqx.turboquant``; the turboquant-only ``attention_split_tq``
-the variants were first measured against is retired). Splits are the policy's (choose_split), capped
+the variants were first measured against is retired). Splits are the policy's (kernels.split_sizes), capped
 at what the variant's pipeline takes on the device (``Variant.split_cap``).
 Names with ``@`` are phase cuts (the split kernel returns after its scores /
 weights / values: timing only, garbage output); ``-padN`` add N KiB of unused
@@ -268,7 +268,7 @@ def routed(engine, variant: str | None, head_dim: int, drop: tuple[str, ...] = (
 
 def split_of(engine, variant: str | None, fmt: str, length: int, n_kv: int, group: int, head_dim: int):
     """(split_len, n_splits) the step of ``variant`` runs with (the policy's split, capped)."""
-    s, n = K.choose_split(fmt, length, n_kv, 1, group, engine.policy.target_workgroups)
+    s, n = B.choose_split(fmt, length, n_kv, 1, group, engine.policy.target_workgroups)
     v = VARIANTS.get(variant) if variant else None
     if v is not None and fmt == "turboquant":
         cap = v.split_cap(group, head_dim, workgroup_limit(engine))
@@ -350,7 +350,7 @@ def time_step(engine, layer, q, budget_s: float, timer_box: list) -> tuple[float
                 batch.read_back(encoded)
             else:
                 gpu = None
-                batch.submit(encoded)
+                B.submit(batch, encoded)
             return time.perf_counter() - t0, gpu
 
         wall, gpu = engine.worker.run(job)

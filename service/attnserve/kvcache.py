@@ -150,10 +150,6 @@ class LayerCache:
         batch.on_rollback(lambda: pool.share(old_slab, old, self))
         self.slab, self.pages = slab, pages
 
-    def plan_reserve(self, batch: Batch, capacity: int) -> None:
-        """Take the pages of ``capacity`` timesteps now (never gives any back; capped at max_tokens)."""
-        self._ensure_pages(batch, min(capacity, self.max_tokens))
-
     def table_offset(self, batch: Batch) -> int:
         """The word offset of the layer's page table, as it is now, in the page tables
         the batch binds (``whole("tables")``). Only what changed since the table was

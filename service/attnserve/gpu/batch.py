@@ -23,7 +23,7 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
 ``encode(slot)`` materializes the arenas and encodes every command in recorded
 order (consecutive dispatches share one compute pass; wgpu inserts the barriers
 between dispatches), ``queue_submit`` submits it once, and ``read_back`` waits for
-it and returns the output arena's bytes (``submit`` does both).
+it and returns the output arena's bytes.
 Because K/V appends are recorded in the stream (never ``queue.write_buffer``
 straight into a cache) and an attend reads only the rows below the length it
 was planned at, an attend planned before an append in the same batch never sees
@@ -35,8 +35,9 @@ only after it ran: ``pool.py``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union, cast
 
 import numpy as np
 import wgpu
@@ -60,6 +61,8 @@ DEFERRED_ROW_BYTES = 128
 DIRECT_UPLOAD_BYTES = 64 * 1024
 
 if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other way round
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
     from .kernels import KernelPolicy
 
 
@@ -99,6 +102,20 @@ class Items:
 
 
 Resource = Union[wgpu.GPUBuffer, Seg]
+
+# A recorded command: ("dispatch", kernel, bindings, grid, constants) or ("copy",
+# src, src_offset, dst, dst_offset, size) (:meth:`Batch.dispatch`, :meth:`Batch.copy`).
+Op = tuple[Any, ...]
+# What :meth:`Batch.encode` made: the command buffer, the readback buffer (None when
+# nothing is read back) and the bytes read back.
+Encoded = tuple[wgpu.GPUCommandBuffer, wgpu.GPUBuffer | None, int]
+# What :meth:`Batch.defer` queues: a group's flush, ``flush(batch, items)``.
+FlushFn = Callable[["Batch", list[Any]], None]
+# Where a batch's planning stood (:meth:`Batch.mark`): ops, dispatches, the uploads'
+# mark, the arenas' sizes, undo entries, deferred items, deferred input bytes.
+Mark = tuple[int, int, tuple[int, int], dict[str, int], int, int, int]
+# A bind group's entries: (binding, buffer, offset, size) each.
+BindEntries = tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
 
 _WHOLE = -1
 
@@ -145,7 +162,7 @@ class Recorded:
     tables' word offsets its params name (``tables``: one per item, in the order
     the caller gives them again at replay)."""
 
-    ops: tuple
+    ops: tuple[Op, ...]
     uploads: tuple[tuple[int, np.ndarray], ...]
     sizes: tuple[tuple[str, int], ...]
     n_dispatches: int
@@ -163,14 +180,14 @@ class StepPlans:
     SIZE = 16
 
     def __init__(self) -> None:
-        self._plans: OrderedDict[object, tuple[Recorded, tuple]] = OrderedDict()
+        self._plans: OrderedDict[object, tuple[Recorded, tuple[object, ...]]] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._plans)
 
-    def get(self, key: object, objects: tuple) -> Recorded | None:
+    def get(self, key: object, objects: tuple[object, ...]) -> Recorded | None:
         """The plan recorded under ``key`` whose ``objects`` (GPU buffers and slabs
         it binds) are the very ones given now (a key holds their ids only)."""
         found = self._plans.get(key)
@@ -181,7 +198,7 @@ class StepPlans:
         self.hits += 1
         return found[0]
 
-    def put(self, key: object, objects: tuple, plan: Recorded) -> None:
+    def put(self, key: object, objects: tuple[object, ...], plan: Recorded) -> None:
         self._plans[key] = (plan, objects)
         self._plans.move_to_end(key)
         while len(self._plans) > self.SIZE:
@@ -206,7 +223,7 @@ class Arenas:
         self.max_binding = int(max_binding or device.limits["max-storage-buffer-binding-size"])
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
         self.staging: list[wgpu.GPUBuffer | None] = [None] * STAGING_SLOTS
-        self._bind_groups: OrderedDict[tuple, wgpu.GPUBindGroup] = OrderedDict()
+        self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], wgpu.GPUBindGroup] = OrderedDict()
         self.bind_group_hits = 0
         self.bind_group_misses = 0
         self.step_plans = StepPlans()
@@ -222,9 +239,7 @@ class Arenas:
         bufs = [*list(self.buffers.values()), *[s for s in list(self.staging) if s is not None]]
         return sum(b.size for b in bufs)
 
-    def bind_group(
-        self, layout: wgpu.GPUBindGroupLayout, entries: tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
-    ) -> wgpu.GPUBindGroup:
+    def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> wgpu.GPUBindGroup:
         """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
         size), ...), made once and reused: a decode loop binds the same cache
         buffers and arena offsets step after step, and making a bind group costs
@@ -325,7 +340,7 @@ class _Uploads:
 
 @dataclass
 class _Recording:
-    mark: tuple
+    mark: Mark
     uploads: list[tuple[int, np.ndarray]]
     replayable: bool = True
 
@@ -343,10 +358,10 @@ class Batch:
         self.align = max(int(align), 16)
         self._uploads = _Uploads()
         self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
-        self.ops: list[tuple] = []
+        self.ops: list[Op] = []
         self.n_dispatches = 0
-        self._undo: list = []
-        self._deferred: list[tuple[int, object, object, Callable]] = []
+        self._undo: list[Callable[[], object]] = []
+        self._deferred: list[tuple[int, object, object, FlushFn]] = []
         self._deferred_in = 0
         self._memo: dict[object, Seg] = {}
         self._persistent: dict[str, Callable[[wgpu.GPUDevice], wgpu.GPUBuffer]] = {}
@@ -371,16 +386,18 @@ class Batch:
         self._sizes[arena] = off + _round_up(nbytes, 4)
         return Seg(arena, off, nbytes)
 
-    def upload(self, data: bytes | np.ndarray) -> Seg:
-        """Host bytes (a C-contiguous array or bytes) into the input arena."""
+    def upload(self, data: bytes | memoryview | np.ndarray) -> Seg:
+        """Host bytes (a C-contiguous array, bytes or a byte view) into the input arena."""
         if self._recording is not None:  # data a replay would not have
             self._recording.replayable = False
-        return self._put(memoryview(data).cast("B") if isinstance(data, np.ndarray) else memoryview(data))
+        # ndarray.data: memoryview(array), typed as one (numpy's stubs make an array a
+        # Buffer only from Python 3.12)
+        return self._put(data.data.cast("B") if isinstance(data, np.ndarray) else memoryview(data))
 
     def upload_params(self, rows: np.ndarray) -> Seg:
         """A kernel's params blocks (a structured array, ``params.pack_array``) into
         the input arena: :meth:`upload`, kept by a recording as they are."""
-        seg = self._put(memoryview(rows.view(np.uint8)).cast("B"))
+        seg = self._put(rows.view(np.uint8).data.cast("B"))
         if self._recording is not None:
             self._recording.uploads.append((seg.offset, rows))
         return seg
@@ -402,7 +419,7 @@ class Batch:
             padded = np.zeros((items.count, items.stride), np.uint8)
             padded[:, : items.nbytes] = flat
             flat = padded
-        self._uploads.add(items.base, memoryview(flat).cast("B"))
+        self._uploads.add(items.base, flat.data.cast("B"))
         return items
 
     def output_items(self, count: int, nbytes: int) -> "Items":
@@ -423,19 +440,20 @@ class Batch:
         batches and is brought up to date then (the page tables)."""
         self._persistent[name] = provider
 
-    def upload_once(self, key: object, data: bytes | np.ndarray) -> Seg:
+    def upload_once(self, key: Hashable, data: bytes | np.ndarray) -> Seg:
         """``upload(data)`` once per batch for ``key`` (a layer's signs as they are
         now): later calls with the same key get the same segment."""
         return self.upload_once_each([key], lambda _: data)[0]
 
-    def upload_once_each(self, keys: list, data: Callable[[object], bytes | np.ndarray]) -> list[Seg]:
+    def upload_once_each(self, keys: Sequence[Hashable], data: Callable[[Any], bytes | np.ndarray]) -> list[Seg]:
         """:meth:`upload_once` for each of ``keys`` (``data(key)``: its bytes), the ones
         not uploaded yet in one copy, each its own aligned segment (a stacked step's
         layer signs: one upload, not one per layer)."""
         memo = self._memo
         missing = list(dict.fromkeys(k for k in keys if k not in memo))
         if missing:
-            blobs = [memoryview(data(k)).cast("B") for k in missing]
+            # Buffer: bytes, or an ndarray (a Buffer to numpy's stubs only from Python 3.12)
+            blobs = [memoryview(cast("Buffer", data(k))).cast("B") for k in missing]
             if len(blobs) > 1 and len({b.nbytes for b in blobs}) == 1:
                 rows = np.frombuffer(b"".join(blobs), np.uint8).reshape(len(blobs), -1)
                 items = self.upload_items(rows)
@@ -466,9 +484,7 @@ class Batch:
         self.ops.append(("dispatch", kernel, dict(bindings), tuple(grid), dict(constants or {})))
         self.n_dispatches += 1
 
-    def defer(
-        self, phase: int, key: object, item: object, flush: Callable[["Batch", list], None], rows: int = 1
-    ) -> None:
+    def defer(self, phase: int, key: object, item: object, flush: FlushFn, rows: int = 1) -> None:
         """Queue ``item`` for the group ``(phase, key)``: at :meth:`flush`,
         ``flush(batch, items)`` records the group's dispatches (``rows``: params
         blocks it will upload, counted in the input arena's size now)."""
@@ -480,7 +496,7 @@ class Batch:
         its first item came (benchmarks call it to time one attend per dispatch)."""
         if not self._deferred:
             return
-        groups: dict[tuple, tuple[Callable, list]] = {}
+        groups: dict[tuple[int, object], tuple[FlushFn, list[object]]] = {}
         for phase, key, item, fn in sorted(self._deferred, key=lambda d: d[0]):
             groups.setdefault((phase, key), (fn, []))[1].append(item)
         self._deferred.clear()
@@ -488,7 +504,7 @@ class Batch:
         for fn, items in groups.values():
             fn(self, items)
 
-    def layout(self) -> tuple:
+    def layout(self) -> tuple[tuple[int, ...], int, tuple[int, int, bool] | None, int]:
         """Where a plan made now starts: the arenas' sizes, the input arena's runs
         (how many, where the last starts and its length) and the write epoch. A
         recorded plan is replayed only into a batch of the recording's layout."""
@@ -548,7 +564,7 @@ class Batch:
                 if not (found | kept).all():
                     raise AssertionError("a recorded table offset is not one of the plan's")
                 rows["table_off"] = np.where(found, new[at], col)
-            self._uploads.add(offset, memoryview(rows.view(np.uint8)).cast("B"))
+            self._uploads.add(offset, rows.view(np.uint8).data.cast("B"))
         self.ops.extend(plan.ops)
         self.n_dispatches += plan.n_dispatches
         self._sizes = dict(plan.sizes)
@@ -557,7 +573,7 @@ class Batch:
         if size > 0:
             self.ops.append(("copy", src, src_off, dst, dst_off, size))
 
-    def on_rollback(self, undo) -> None:
+    def on_rollback(self, undo: Callable[[], object]) -> None:
         """Register ``undo()`` to run if the job planning now is rolled back:
         planning may change host state (a layer's length, its buffers) that the
         dropped commands would have matched."""
@@ -565,7 +581,7 @@ class Batch:
             self._recording.replayable = False
         self._undo.append(undo)
 
-    def mark(self) -> tuple:
+    def mark(self) -> Mark:
         return (
             len(self.ops),
             self.n_dispatches,
@@ -576,7 +592,7 @@ class Batch:
             self._deferred_in,
         )
 
-    def rollback(self, mark: tuple) -> None:
+    def rollback(self, mark: Mark) -> None:
         """Drop everything planned since ``mark`` and undo its host-state changes."""
         n_ops, n_disp, n_up, sizes, n_undo, n_deferred, deferred_in = mark
         del self.ops[n_ops:]
@@ -613,13 +629,13 @@ class Batch:
             return buf, res.offset, _round_up(res.size, 4)
         return res, 0, res.size
 
-    def encode(self, slot: int = 0, timestamps: wgpu.GPUQuerySet | None = None):
+    def encode(self, slot: int = 0, timestamps: wgpu.GPUQuerySet | None = None) -> Encoded | None:
         """Write the upload arena and encode every command (CPU work), reading the
-        output back through staging buffer ``slot``; returns what :meth:`submit`
-        needs. Split out so benchmarks can time the GPU part. With ``timestamps`` (a
-        timestamp query set of at least 2 per dispatch), each dispatch is a compute
-        pass of its own whose GPU start and end land at query 2i and 2i + 1
-        (profiling: ``bench/worker_profile.py --gpu-phases``)."""
+        output back through staging buffer ``slot``; returns what :meth:`queue_submit`
+        and :meth:`read_back` take. Split out so benchmarks can time the GPU part.
+        With ``timestamps`` (a timestamp query set of at least 2 per dispatch), each
+        dispatch is a compute pass of its own whose GPU start and end land at query
+        2i and 2i + 1 (profiling: ``bench/worker_profile.py --gpu-phases``)."""
         self.flush()
         if not self.ops:
             return None
@@ -672,17 +688,12 @@ class Batch:
             enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
         return enc.finish(), staging, n_out
 
-    def submit(self, encoded) -> memoryview | None:
-        """Submit what :meth:`encode` made and wait for the readback, if any."""
-        self.queue_submit(encoded)
-        return self.read_back(encoded)
-
-    def queue_submit(self, encoded) -> None:
+    def queue_submit(self, encoded: Encoded | None) -> None:
         """Submit what :meth:`encode` made; returns at once (the GPU runs it)."""
         if encoded is not None:
             self.device.queue.submit([encoded[0]])
 
-    def read_back(self, encoded) -> memoryview | None:
+    def read_back(self, encoded: Encoded | None) -> memoryview | None:
         """Wait for a submitted batch and read its output arena (None if it has none)."""
         if encoded is None:
             return None
@@ -691,7 +702,7 @@ class Batch:
             return None
         staging.map_sync(wgpu.MapMode.READ, 0, n_out)
         try:  # numpy copies large arrays without the GIL (bytes() holds it): the event loop runs meanwhile
-            data = memoryview(np.frombuffer(staging.read_mapped(0, n_out, copy=False), np.uint8).copy())
+            data = np.frombuffer(staging.read_mapped(0, n_out, copy=False), np.uint8).copy().data
         finally:
             staging.unmap()
         return data

@@ -56,7 +56,7 @@ class Hold:
             self.released = True
             self.lib.cuDevicePrimaryCtxRelease(self.device)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, int | str]:
         return {"cuda_device": self.ordinal, "name": self.name}
 
 

@@ -208,17 +208,21 @@ def open_device(selector: str | None = None, cuda_context: str = "auto") -> GpuC
 
 # ── the owner thread ─────────────────────────────────────────────────────────
 
-PlanFn = Callable[[Batch], Callable[[memoryview | None], Any]]
+# a plan's finish: what its job returns, from the batch's output bytes
+FinishFn = Callable[[memoryview | None], Any]
+PlanFn = Callable[[Batch], FinishFn]
 CallFn = Callable[[GpuContext], Any]
 
 
 class _Job:
     __slots__ = ("kind", "fn", "future", "enqueued", "started", "taken", "group", "weight")
 
-    def __init__(self, kind: str, fn: Callable, future: Future, group: object = None, weight: int = 1):
+    def __init__(
+        self, kind: str, fn: Callable[..., Any], future: Future[Any], group: object = None, weight: int = 1
+    ) -> None:
         self.kind = kind
         self.weight = weight  # what it counts against max_queue: a stacked step's items
-        self.fn = fn
+        self.fn = fn  # a PlanFn (kind "plan") or a CallFn ("call")
         self.future = future
         self.enqueued = time.perf_counter()  # submitted (the request parsed)
         self.started = False  # its future is RUNNING (a job pushed back keeps it)
@@ -294,31 +298,31 @@ class GpuWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop
 
-    def submit_plan(self, plan: PlanFn, weight: int = 1) -> Future:
+    def submit_plan(self, plan: PlanFn, weight: int = 1) -> Future[Any]:
         """Queue ``plan``; it counts ``weight`` against ``max_queue`` (a stacked step:
         its items, as if they were queued one by one)."""
         return self._enqueue([_Job("plan", plan, Future(), weight=weight)])[0]
 
-    def submit_plans(self, plans: list[PlanFn]) -> list[Future]:
+    def submit_plans(self, plans: list[PlanFn], weights: list[int] | None = None) -> list[Future[Any]]:
         """Queue ``plans`` as one group: all at once (or none: Overloaded), taken into
         one batch together even past ``max_batch_jobs`` (a batched step is one
-        submission with one readback; only the binding limit can split it)."""
+        submission with one readback; only the binding limit can split it). Plan
+        ``i`` counts ``weights[i]`` against ``max_queue`` (default 1; a step: its items)."""
         group = object()
-        return self._enqueue([_Job("plan", plan, Future(), group) for plan in plans])
+        if weights is None:
+            weights = [1] * len(plans)
+        return self._enqueue([_Job("plan", plan, Future(), group, w) for plan, w in zip(plans, weights, strict=True)])
 
-    def submit_call(self, fn: CallFn) -> Future:
+    def submit_call(self, fn: CallFn) -> Future[Any]:
         return self._enqueue([_Job("call", fn, Future())])[0]
 
     def run(self, fn: CallFn, timeout: float | None = None) -> Any:
         """``submit_call`` and wait (for tools, tests and start-up)."""
         return self.submit_call(fn).result(timeout)
 
-    def execute(self, plan: PlanFn, timeout: float | None = None) -> Any:
-        return self.submit_plan(plan).result(timeout)
-
     # ── internals ───────────────────────────────────────────────────────────
 
-    def _enqueue(self, jobs: list[_Job]) -> list[Future]:
+    def _enqueue(self, jobs: list[_Job]) -> list[Future[Any]]:
         """Queue ``jobs`` all at once, or none (Overloaded: the worker is stopping, or
         they do not all fit in ``max_queue``)."""
         with self._cv:
@@ -434,7 +438,7 @@ class GpuWorker:
         land after every read the previous one makes."""
         t0 = time.perf_counter()
         batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align, self.policy)
-        planned: list[tuple[_Job, Callable]] = []
+        planned: list[tuple[_Job, FinishFn]] = []
         # An arena is bound whole-or-in-part, so a coalesced batch must keep each
         # arena within the binding limit: a job that would pass it goes back to
         # the front of the queue for the next batch (a job alone may use it all).
@@ -497,5 +501,5 @@ class _InFlight:
 
     batch: Batch
     encoded: Any
-    planned: list[tuple[_Job, Callable]]
+    planned: list[tuple[_Job, FinishFn]]
     t0: float

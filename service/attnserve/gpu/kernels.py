@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from collections.abc import Sequence
-from typing import Any, Callable, Protocol
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Union, cast
 
 import numpy as np
 import wgpu
@@ -50,7 +50,13 @@ from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
 from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
 
+if TYPE_CHECKING:  # annotations only (numpy.typing is not imported at run time)
+    import numpy.typing as npt
+
 TABLES = whole("tables")  # every layer's page table (pool.PageTables), bound whole
+
+# A column of a batched plan, one int per attend (or layer): a sequence or an int array.
+IntColumn = Union[Sequence[int], np.ndarray]
 
 __all__ = [
     "Attend",
@@ -72,7 +78,6 @@ __all__ = [
     "plan_attend_plain",
     "plan_attend_turboquant",
     "split_eligible",
-    "choose_split",
     "split_sizes",
     "attend_output_bytes",
 ]
@@ -84,7 +89,7 @@ def attend_output_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:
     return n_queries * n_heads * (head_dim + 1) * 4
 
 
-def _chunks(n: int, limit: int):
+def _chunks(n: int, limit: int) -> Iterator[tuple[int, int]]:
     base = 0
     while base < n:
         rows = min(limit, n - base)
@@ -124,7 +129,7 @@ _SHAPE_FIELDS = (
 )
 
 
-def _shape_columns(attends: list["Attend"]) -> dict[str, list]:
+def _shape_columns(attends: list["Attend"]) -> dict[str, list[Any]]:
     """:meth:`Attend.shape_params` of each of ``attends``, as columns."""
     return {field: [getattr(a, attr) for a in attends] for field, attr in _SHAPE_FIELDS}
 
@@ -260,9 +265,9 @@ class Rotate:
     q: Resource
     q_out: Resource
     signs: Resource
-    q_off: Sequence[int]
-    out_off: Sequence[int]
-    sign_off: Sequence[int]
+    q_off: IntColumn
+    out_off: IntColumn
+    sign_off: IntColumn
     n_queries: int
     n_heads: int
     head_dim: int
@@ -345,7 +350,7 @@ class _Rows:
 
     @classmethod
     def of(
-        cls, counts: Sequence[int], per_item: dict[str, Any], ramps: dict[str, tuple[Any, Any]] | None = None
+        cls, counts: IntColumn, per_item: dict[str, Any], ramps: dict[str, tuple[Any, Any]] | None = None
     ) -> "_Rows":
         """The rows of items of ``counts[i]`` rows each, built as arrays: a
         ``per_item`` field holds one value per item (the same in its rows); a ramp
@@ -362,8 +367,10 @@ class _Rows:
         j = np.arange(rows.n) - np.repeat(np.cumsum(n) - n, n)  # each row's index in its item
         rows.cols = {name: np.repeat(np.asarray(values), n) for name, values in per_item.items()}
         for name, (first, step) in (ramps or {}).items():
-            first, step = (x if np.isscalar(x) else np.repeat(np.asarray(x, dtype=np.int64), n) for x in (first, step))
-            rows.cols[name] = first + j * step
+            base: Any  # first and step per row, each a scalar or an array
+            inc: Any
+            base, inc = (x if np.isscalar(x) else np.repeat(np.asarray(x, dtype=np.int64), n) for x in (first, step))
+            rows.cols[name] = base + j * inc
         return rows
 
 
@@ -418,12 +425,12 @@ class Append:
     page_shift: int
     n_kv_heads: int
     head_dim: int
-    n_rows: Sequence[int]
-    t0: Sequence[int]
-    k_off: Sequence[int]
-    v_off: Sequence[int]
-    table_off: Sequence[int]
-    sign_off: Sequence[int] = ()
+    n_rows: IntColumn
+    t0: IntColumn
+    k_off: IntColumn
+    v_off: IntColumn
+    table_off: IntColumn
+    sign_off: IntColumn = ()
 
     @property
     def row_words(self) -> int:
@@ -496,7 +503,7 @@ def _flush_encode(kernel: str, keys: bool, batch: Batch, items: list[Append]) ->
 
 # ── split-KV (flash-decoding) path ──────────────────────────────────────────
 
-SPLIT_TILE = 32  # the shortest split choose_split makes
+SPLIT_TILE = 32  # the shortest split split_sizes makes
 SPLIT_GROUPS = (1, 2, 4, 8)  # the GQA groups a split workgroup serves whole
 # group * split_len, the scores a split kernel holds in workgroup memory (MAX_SCORES
 # in shaders/include/split_plain_decls.wgsl and split_tqx_decls.wgsl): the plain
@@ -563,19 +570,6 @@ def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int,
     return head_dim % 4 == 0 and head_dim <= 128  # plain: vec4 columns
 
 
-def choose_split(
-    kv_format: str,
-    max_seq: int,
-    n_kv_heads: int,
-    n_queries: int,
-    group: int,
-    target_workgroups: int = KernelPolicy.target_workgroups,
-) -> tuple[int, int]:
-    """(split_len, n_splits) of one attend over ``max_seq`` timesteps (:func:`split_sizes`)."""
-    split_len, n_splits = split_sizes(kv_format, np.asarray([max_seq]), n_kv_heads, n_queries, group, target_workgroups)
-    return int(split_len[0]), int(n_splits[0])
-
-
 def split_sizes(
     kv_format: str,
     max_seq: np.ndarray,
@@ -627,15 +621,15 @@ class Attends:
     head_dim: int
     causal: bool
     scale: float
-    length: Sequence[int]
-    start_pos: Sequence[int]
-    q_off: Sequence[int]
-    out_off: Sequence[int]
-    table_off: Sequence[int]
-    sign_off: Sequence[int] = ()
+    length: IntColumn
+    start_pos: IntColumn
+    q_off: IntColumn
+    out_off: IntColumn
+    table_off: IntColumn
+    sign_off: IntColumn = ()
 
     @classmethod
-    def of(cls, a: Attend, sign_off: Sequence[int] = ()) -> "Attends":
+    def of(cls, a: Attend, sign_off: IntColumn = ()) -> "Attends":
         """The one attend ``a``."""
         (q, q_off), (out, out_off) = _bind(a.q), _bind(a.out)
         return cls(q, out, a.cache, a.page_shift, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim, a.causal,
@@ -671,9 +665,9 @@ class _SplitItem:
     n_splits: np.ndarray
     part_off: np.ndarray
     tq: bool
-    t_lo: np.ndarray | int = 0
-    row_base: np.ndarray | int = 0
-    split_base: np.ndarray | int = 0
+    t_lo: IntColumn | int = 0
+    row_base: IntColumn | int = 0
+    split_base: IntColumn | int = 0
     split_total: np.ndarray | None = None
     # the merge of windowed attends: splits [0, n_rotated) are the codes' (rotated)
     n_rotated: np.ndarray | None = None
@@ -720,7 +714,7 @@ def _splits(batch: Batch, kv_format: str, a: Attends, keys: np.ndarray) -> tuple
 
 def _partials(batch: Batch, a: Attends, n_splits: np.ndarray) -> np.ndarray:
     """Word offsets of each attend's partials of ``n_splits[i]`` splits, in scratch."""
-    nbytes = partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim)
+    nbytes: npt.NDArray[np.int64] = partial_bytes(a.n_queries, a.n_heads, n_splits, a.head_dim)
     first = batch.scratch(int(nbytes.sum()), arena="partial").offset
     return (first + np.cumsum(nbytes) - nbytes) // 4
 
@@ -756,11 +750,11 @@ class ExactRows:
     kv_format: str
     sinks_cache: Cache | None  # None: no sinks
     recent_cache: Cache | None  # None: no window
-    sinks: Sequence[int]
-    sinks_table: Sequence[int]
-    exact_from: Sequence[int]
-    recent_base: Sequence[int]
-    recent_table: Sequence[int]
+    sinks: IntColumn
+    sinks_table: IntColumn
+    exact_from: IntColumn
+    recent_base: IntColumn
+    recent_table: IntColumn
 
 
 def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) -> None:
@@ -782,8 +776,9 @@ def plan_split_windowed(batch: Batch, a: Attends, kv_format: str, x: ExactRows) 
     exact_from = np.clip(np.asarray(x.exact_from, np.int64), sinks, length)
     rotated = _rotated(batch, a, kv_format)
     band = dataclasses.replace(rotated, length=exact_from)
-    head = dataclasses.replace(a, cache=x.sinks_cache, length=sinks, table_off=x.sinks_table, sign_off=())
-    tail = dataclasses.replace(a, cache=x.recent_cache, table_off=x.recent_table, sign_off=())
+    # a part's cache is None only where no attend has rows in it: its split is never dispatched
+    head = dataclasses.replace(a, cache=cast(Cache, x.sinks_cache), length=sinks, table_off=x.sinks_table, sign_off=())
+    tail = dataclasses.replace(a, cache=cast(Cache, x.recent_cache), table_off=x.recent_table, sign_off=())
     len_c, n_c = _splits(batch, kv_format, band, exact_from - sinks)
     len_s, n_s = _splits(batch, x.kv_format, head, sinks)
     len_r, n_r = _splits(batch, x.kv_format, tail, length - exact_from)
@@ -968,7 +963,9 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
     if items[0].tq is None:
         per_item = dict(n_queries=[a.n_queries for a in attends], q_stride=[a.n_heads * a.head_dim for a in attends])
     else:
-        per_item = dict(q_cap=[a.n_queries for a in attends], sign_off=[_word(it.tq.signs) for _, it, _ in blocks])
+        # every item of a TurboQuant group has its layer (TqLayer): one kernel
+        sign_off = [_word(cast(TqLayer, it.tq).signs) for _, it, _ in blocks]
+        per_item = dict(q_cap=[a.n_queries for a in attends], sign_off=sign_off)
     rows = _Rows.of(
         [1] * len(blocks),
         dict(
@@ -1006,7 +1003,7 @@ def _flush_tiled(kernel: str, constants: dict[str, int] | None, batch: Batch, it
 # ── one planning entry point per kv format ──────────────────────────────────
 
 
-def _plan_one(batch: Batch, plan: Callable[..., None], *args) -> None:
+def _plan_one(batch: Batch, plan: Callable[..., None], *args: Any) -> None:
     """Queue a single-attend plan (tiled, single-pass) to be recorded with the
     batch's attention kernels, after every write and rotation of the batch."""
     batch.defer(PHASE_ATTEND, object(), args, lambda b, items: plan(b, *items[0]))

@@ -10,6 +10,8 @@ same buffer of words either way, so the two sides cannot disagree on a layout.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = [
@@ -207,18 +209,20 @@ PARAMS_OF = {
 }
 
 
-def pack(dtype: np.dtype, **values) -> bytes:
+def pack(dtype: np.dtype, **values: Any) -> bytes:
     """One params block as bytes (:func:`pack_array` of one)."""
     return pack_array(dtype, 1, **values).tobytes()
 
 
-def pack_array(dtype: np.dtype, n: int, **columns) -> np.ndarray:
+def pack_array(dtype: np.dtype, n: int, **columns: Any) -> np.ndarray:
     """``n`` params blocks as one structured array (a batched kernel's one block per
     row): each column is a scalar (the same in every block) or a sequence of ``n``
     values; fields not given are zero, unknown names raise."""
     rec = np.zeros(n, dtype=dtype)
+    names = dtype.names
+    assert names is not None, "a params block is a structured dtype"
     for name, value in columns.items():
-        if name not in dtype.names:
+        if name not in names:
             raise KeyError(f"{name!r} is not a field of this params block {dtype.names}")
         rec[name] = value
     return rec
@@ -228,9 +232,11 @@ def wgsl_struct(name: str) -> str:
     """The WGSL declaration of the block ``STRUCTS[name]``: one field a word, in
     the host's order, so its offsets are the dtype's (checked here)."""
     dtype = STRUCTS[name]
+    names, fields = dtype.names, dtype.fields
+    assert names is not None and fields is not None, "a params block is a structured dtype"
     lines = [f"// {name}: generated from attnserve/gpu/params.py, one 4-byte word a field", f"struct {name} {{"]
-    for i, field in enumerate(dtype.names):
-        kind, offset = dtype.fields[field][0], dtype.fields[field][1]
+    for i, field in enumerate(names):
+        kind, offset = fields[field][0], fields[field][1]
         if offset != 4 * i or kind.itemsize != 4:
             raise ValueError(f"{name}.{field}: not word {i} of the block")
         lines.append(f"    {field}: {'f32' if kind.kind == 'f' else 'u32'},")

@@ -224,7 +224,7 @@ def _expand(
     for k, v in defines.items():
         text = text.replace("{" + k + "}", v)
 
-    def one(m: re.Match) -> str:
+    def one(m: re.Match[str]) -> str:
         path = include_path(m.group(1), folder)
         if used is not None:
             used.add(path)
@@ -267,8 +267,11 @@ class PipelineCache:
 
     def __init__(self, device: wgpu.GPUDevice):
         self._device = device
-        self._modules: dict[tuple, wgpu.GPUShaderModule] = {}
-        self._pipelines: dict[tuple, tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]] = {}
+        # (file, defines, folder) of KernelSpec; (kernel, sorted constants) of get()
+        self._modules: dict[tuple[str, tuple[tuple[str, str], ...], Path | None], wgpu.GPUShaderModule] = {}
+        self._pipelines: dict[
+            tuple[str, tuple[tuple[str, int], ...]], tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]
+        ] = {}
         self._lock = threading.Lock()
         self._started = False  # warm_up has run: later pipelines are first uses, logged
 
