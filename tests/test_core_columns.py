@@ -17,7 +17,7 @@ import pytest
 from attnserve.engine import Engine
 from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
 
-from _core import CORE_PAGE_TOKENS as P, core_engine, read_words, rows
+from _core import CORE_PAGE_TOKENS as P, core_engine, item_path, read_words, rows
 
 pytestmark = pytest.mark.gpu
 
@@ -70,8 +70,9 @@ def _pairs(engine, formats, lengths, rng, layers=2, heads=(H, HKV)):
         for li in range(layers):
             if length:
                 k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
-                for s in pair:
-                    engine.append(s.layers[li], k, v).result()
+                with item_path():
+                    for s in pair:
+                        engine.append(s.layers[li], k, v).result()
         out.append(pair)
     return out
 
@@ -88,7 +89,8 @@ def _check_step(engine, pairs, li, q, k, v, skip=()):
             assert got.lengths[i] == -1 and not got.out[i].any() and not got.lse[i].any()
             continue
         fused = {} if k is None else {"k": k[i], "v": v[i]}
-        one = engine.attend(pairs[i][1].layers[li], q[i], **fused).result()
+        with item_path():
+            one = engine.attend(pairs[i][1].layers[li], q[i], **fused).result()
         assert got.lengths[i] == one.length
         np.testing.assert_array_equal(got.out[i], one.out)
         np.testing.assert_array_equal(got.lse[i], one.lse)  # the columns' log-sum-exp too
@@ -149,8 +151,9 @@ def test_windowed_layers_are_columns_bit_identical_to_one_by_one(engine, rng, co
         pair = [engine.session_kv(config) for _ in range(2)]
         for li in range(2):
             k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
-            for s in pair:
-                engine.append(s.layers[li], k, v).result()
+            with item_path():
+                for s in pair:
+                    engine.append(s.layers[li], k, v).result()
         pairs.append(pair)
     b = len(pairs)
     steps = [(1, 1), (1, 1), (3, 3), (1, 1), (1, P + 2), (1, 0), (2, 1), (1, 1)]  # (query rows, appended rows)
@@ -232,8 +235,9 @@ def test_a_layer_that_moves_while_its_group_is_planned(fmt, rng, columns):
         sessions = [eng.session_kv(SessionConfig(1, H, HKV, D, fmt, 8 * P, 7)) for _ in range(4)]
         a, other, twin_a, twin_other = sessions
         ka, kb = rows(rng, 5 * P, HKV, D), rows(rng, 3 * P - 1, HKV, D)
-        for s, kk in ((a, ka), (other, kb), (twin_a, ka), (twin_other, kb)):
-            eng.append(s.layers[0], kk, kk).result()
+        with item_path():
+            for s, kk in ((a, ka), (other, kb), (twin_a, ka), (twin_other, kb)):
+                eng.append(s.layers[0], kk, kk).result()
         assert a.layers[0].slab is other.layers[0].slab and a.layers[0].slab.free_pages == 0
         slab = a.layers[0].slab
         q = rng.standard_normal((2, 1, H, D)).astype(np.float32)
@@ -242,7 +246,8 @@ def test_a_layer_that_moves_while_its_group_is_planned(fmt, rng, columns):
         got = eng.worker.submit_plan(eng.plan_stacked(layers, q, k=k, v=k, start_pos=[None, None])).result()
         assert not got.errors and columns == [2] and a.layers[0].slab is not slab
         for i, twin in enumerate((twin_other, twin_a)):
-            want, length = eng.attend(twin.layers[0], q[i], k=k[i], v=k[i]).result()
+            with item_path():
+                want, length = eng.attend(twin.layers[0], q[i], k=k[i], v=k[i]).result()
             assert got.lengths[i] == length
             np.testing.assert_array_equal(got.out[i], want)
         for mine, twin in ((a, twin_a), (other, twin_other)):
@@ -381,8 +386,9 @@ def test_windowed_layers_steps_are_replayed_on_every_layer(rng, columns, replays
         # slabs grown first (and their pages given back): a slab that grows between two
         # layers of a step has new buffers, so the later layer records anew
         warm = engine.session_kv(SessionConfig(num_layers, h, hkv, D, "tq4", 4096, 299, sinks=4, window=4096))
-        for layer in warm.layers:
-            engine.append(layer, rows(rng, 40 * P, hkv, D), rows(rng, 40 * P, hkv, D)).result()
+        with item_path():
+            for layer in warm.layers:
+                engine.append(layer, rows(rng, 40 * P, hkv, D), rows(rng, 40 * P, hkv, D)).result()
         engine.release(warm).result()
         configs = [("tq4", 3, P + 3), ("tq4", 0, 2 * P), ("tq4", 2, 0), ("tq4", 4, 5)]
         lengths = [P + 1, 2 * P - 1, 5, 3 * P]  # past every sink: no sink is written by the steps
@@ -392,8 +398,9 @@ def test_windowed_layers_steps_are_replayed_on_every_layer(rng, columns, replays
             pair = [engine.session_kv(config) for _ in range(2)]
             for li in range(num_layers):
                 k, v = rows(rng, length, hkv, D), rows(rng, length, hkv, D)
-                for s in pair:
-                    engine.append(s.layers[li], k, v).result()
+                with item_path():
+                    for s in pair:
+                        engine.append(s.layers[li], k, v).result()
             pairs.append(pair)
         plans, b = engine.worker.arenas.step_plans, len(pairs)
         steps = [(1, 1), (1, P + 1), (2, 1), (1, 0), (1, 2 * P), (1, 1)]  # (query rows, appended rows)

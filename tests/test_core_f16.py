@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from attnserve.errors import InvalidRequest
+from attnserve.step.rules import kv_rows_problem
 
 from _core import read_words, reserve, rows, session
 
@@ -40,8 +41,8 @@ def test_values_past_float16_range_are_refused(engine, rng):
     k = rows(rng, 3, 1, 8)
     v = k.copy()
     v[2, 0, 5] = -70000.0
-    with pytest.raises(InvalidRequest, match=r"v\[2, 0, 5\]: -70000 is past 65504"):
-        engine.check_kv_rows(s.config, k, v, "f16")
+    problem = kv_rows_problem(engine.max_binding, s.config, k, v, "f16")
+    assert isinstance(problem, InvalidRequest) and problem.detail.startswith("v[2, 0, 5]: -70000 is past 65504")
     v[2, 0, 5] = -65504.0  # the largest float16 is taken
-    assert engine.check_kv_rows(s.config, k, v, "f16") == 3
+    assert kv_rows_problem(engine.max_binding, s.config, k, v, "f16") is None
     assert s.layers[0].length == 0

@@ -381,6 +381,7 @@ def test_rows_whose_outliers_float16_cannot_hold_are_refused(engine, rng, fmt):
     same row scaled to just under the bound is stored, its words are the oracle's and
     attention from them is the oracle's."""
     from attnserve.errors import InvalidRequest
+    from attnserve.step.rules import kv_rows_problem
     from attnserve.turboquant import MAX_OUTLIER, outlier_bound
 
     spec = TQ_SPECS[fmt]
@@ -395,10 +396,11 @@ def test_rows_whose_outliers_float16_cannot_hold_are_refused(engine, rng, fmt):
         (kk if name == "k" else vv)[3, 1] = bad
         if n:
             assert outlier_bound(bad[None, None], n, bits)[0, 0] > MAX_OUTLIER
-            with pytest.raises(InvalidRequest, match=rf"{name}\[3, 1\]: {fmt} keeps its {n} largest channels"):
-                engine.check_kv_rows(s.config, kk, vv, fmt)
+            problem = kv_rows_problem(engine.max_binding, s.config, kk, vv, fmt)
+            assert isinstance(problem, InvalidRequest)
+            assert problem.detail.startswith(f"{name}[3, 1]: {fmt} keeps its {n} largest channels")
         else:  # values without outliers: codes and a norm under MAX_NORM hold it
-            assert engine.check_kv_rows(s.config, kk, vv, fmt) == L
+            assert kv_rows_problem(engine.max_binding, s.config, kk, vv, fmt) is None
     assert layer.length == 0
     # just under the bound: stored, as the oracle stores it
     k[3, 1] = bad * (0.9999 * MAX_OUTLIER / outlier_bound(bad[None, None], spec.key_outliers, spec.key_bits)[0, 0])
@@ -407,7 +409,7 @@ def test_rows_whose_outliers_float16_cannot_hold_are_refused(engine, rng, fmt):
             0.9999 * MAX_OUTLIER / outlier_bound(bad[None, None], spec.value_outliers, spec.value_bits)[0, 0]
         )
     k, v = k.astype(np.float32), v.astype(np.float32)
-    assert engine.check_kv_rows(s.config, k, v, fmt) == L
+    assert kv_rows_problem(engine.max_binding, s.config, k, v, fmt) is None
     engine.append(layer, k, v).result()
     kw, vw = read_words(engine, layer)
     assert check_tqx_words(kw, vw, k, v, spec, ps, js, layer.capacity) <= 2

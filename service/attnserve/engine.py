@@ -20,22 +20,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .errors import InvalidRequest
+from .errors import ApiError, InvalidRequest
 from .metrics import Counter
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
-from .gpu.kernels import KernelPolicy, attend_output_bytes, rotated_q_bytes
+from .gpu.kernels import KernelPolicy, attend_output_bytes
 from .gpu.batch import Batch, Items, Seg
-from .kvcache import LayerCache, SessionConfig, SessionKV
+from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
-from .formats import F16_MAX, TQ_SPECS
-from .turboquant import (
-    MAX_NORM,
-    MAX_OUTLIER,
-    largest_norm,
-    largest_outlier_bound,
-    outlier_bound,
-    outlier_rest_factor,
-)
 
 __all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter"]
 
@@ -70,31 +61,56 @@ class AttendResult(tuple):
         return self[1]
 
 
-def _plan_attend_item(
+def _plan_item(
     batch: Batch,
     layer: LayerCache,
-    q: Seg,
+    q: Seg | None,
     shape: tuple[int, ...],
-    out: Seg,
+    out: Seg | None,
     rows: tuple[Seg, Seg, int] | None,
     start_pos: int | None,
     causal: bool,
     scale: float,
 ) -> int:
-    """Plan one attend of uploaded queries ``q`` (``shape`` ``[n, H, d]``) into
-    ``out`` on ``layer``, after its fused append of uploaded ``rows`` ``(k, v,
-    n_rows)`` if any, at ``start_pos`` (default ``length - n``); returns the length
-    it attends over. Atomic: if the job (or the item) is rolled back, the layer is
-    put back as it was."""
+    """Plan one item of a step on ``layer`` alone: the append of uploaded ``rows``
+    ``(k, v, n_rows)`` if any, then the attend of uploaded queries ``q`` (``shape``
+    ``[n, H, d]``; None: an append alone) into ``out`` at ``start_pos`` (default
+    ``length - n``); returns the layer's length after it. Atomic: if the job (or
+    the item) is rolled back, the layer is put back as it was."""
     batch.on_rollback(functools.partial(layer.restore, layer.state()))
     if rows is not None:
         layer.plan_append_rows(batch, *rows)
-    n, length = shape[0], layer.length
+    length = layer.length
+    if q is None:
+        layer._call_done(batch)
+        return length
+    assert out is not None
+    n = shape[0]
     sp = length - n if start_pos is None else int(start_pos)
     if sp < 0 or sp + n > length:
-        raise ValueError(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
+        raise OutOfRange(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
     layer.plan_attend_rows(batch, q, shape, out=out, length=length, start_pos=sp, causal=causal, scale=scale)
     return length
+
+
+def _one(plan: PlanFn, appended: bool = False) -> PlanFn:
+    """A step of one's job giving its item's answer: the new length (``appended``:
+    an append alone) or an :class:`AttendResult`; the item's error, raised."""
+
+    def one(batch: Batch) -> Callable[[memoryview | None], object]:
+        finish = plan(batch)
+
+        def answer(out: memoryview | None) -> object:
+            r = finish(out)
+            if r.errors:
+                raise r.errors[0]
+            if appended:
+                return int(r.lengths[0])
+            return AttendResult(r.out[0], int(r.lengths[0]), r.lse[0])
+
+        return answer
+
+    return one
 
 
 def step_fallbacks_counter() -> Counter:
@@ -102,7 +118,8 @@ def step_fallbacks_counter() -> Counter:
     return Counter(
         "attnserve_step_fallbacks_total",
         "Stacked steps planned item by item because their columns gave up, by reason "
-        "(binding_limit: past the adapter's binding limit; error: a failure, logged with its traceback).",
+        "(binding_limit: past the adapter's binding limit; item_refused: an item refused on the GPU thread, "
+        "such as a layer past max_tokens; error: a failure, logged with its traceback).",
         ("reason",),
     )
 
@@ -112,16 +129,17 @@ class _OneByOne(Exception):
 
 
 class StackedResult(NamedTuple):
-    """What a stacked step's job gives: ``out [B, n, H, d]`` float32 (zeros for a
-    failed item), ``lengths [B]`` (the layer's length each item attended over; -1
-    for a failed item), ``errors`` (item index -> the exception that failed it
-    while it was planned; the item changed nothing) and ``lse [B, n, H]`` (as
-    :class:`AttendResult`'s; zeros for a failed item)."""
+    """What a step's job gives: ``out [B, n, H, d]`` float32 (zeros for a failed
+    item; None for appends alone), ``lengths [B]`` (the layer's length each item
+    attended over, or appended to; -1 for a failed item), ``errors`` (item index ->
+    the exception that failed it while it was planned; the item changed nothing)
+    and ``lse [B, n, H]`` (as :class:`AttendResult`'s; zeros for a failed item;
+    None for appends alone)."""
 
-    out: np.ndarray
+    out: np.ndarray | None
     lengths: np.ndarray
     errors: dict[int, BaseException]
-    lse: np.ndarray
+    lse: np.ndarray | None
 
 
 class Engine:
@@ -202,102 +220,6 @@ class Engine:
         """A session's layers over this engine's pools (no GPU memory until appends)."""
         return SessionKV(config, self.pools)
 
-    # ── request checks (InvalidRequest, before anything is queued) ───────────
-
-    @staticmethod
-    def kv_values_clear(k: np.ndarray, v: np.ndarray, kv_format: str) -> np.ndarray:
-        """For stacked rows ``k, v [B, m, Hkv, d]``: per item, whether its values
-        clearly pass :meth:`check_kv_rows`' value checks for ``kv_format`` (with a
-        margin, so float rounding cannot disagree with the per-item check; an item
-        that is not clear is checked alone, which names its bad row)."""
-        b = k.shape[0]
-        clear = np.ones(b, dtype=bool)
-        margin = 1.0 - 1e-5
-        if kv_format in TQ_SPECS:
-            spec = TQ_SPECS[kv_format]
-            for a, n, bits in ((k, spec.key_outliers, spec.key_bits), (v, spec.value_outliers, spec.value_bits)):
-                norms = np.sqrt(np.einsum("...d,...d->...", a, a, dtype=np.float64)).reshape(b, -1)
-                clear &= norms.max(axis=1) <= MAX_NORM * margin
-                if n:
-                    clear &= outlier_bound(a, n, bits).reshape(b, -1).max(axis=1) <= MAX_OUTLIER * margin
-        elif kv_format == "f16":
-            for a in (k, v):
-                clear &= np.abs(a).reshape(b, -1).max(axis=1) <= F16_MAX
-        return clear
-
-    def check_kv_rows(
-        self, config: SessionConfig, k: np.ndarray, v: np.ndarray, kv_format: str, *, values_clear: bool = False
-    ) -> int:
-        """``k, v`` fit a layer of ``kv_format`` of a session of ``config`` and this
-        adapter; returns their rows (``values_clear``: :meth:`kv_values_clear`
-        passed them, so only their shapes are checked here)."""
-        want = (config.num_kv_heads, config.head_dim)
-        if k.shape[0] < 1 or k.shape[1:] != want:
-            raise InvalidRequest(f"k: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(k.shape)}")
-        if v.shape != k.shape:
-            raise InvalidRequest(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
-        if values_clear:
-            pass
-        elif kv_format in TQ_SPECS:
-            # a norm past float16's range would be stored as inf and turn the layer's answers into NaN
-            for name, a in (("k", k), ("v", v)):
-                norm, (i, h) = largest_norm(a)
-                if not norm <= MAX_NORM:
-                    raise InvalidRequest(
-                        f"{name}[{i}, {h}]: norm {norm:.6g} is over {MAX_NORM:g}, the largest norm "
-                        f"{kv_format} stores (float16); scale the rows down"
-                    )
-            # a stored outlier channel past float16's range would be inf (formats with outliers)
-            spec = TQ_SPECS[kv_format]
-            for name, a, n, bits in (
-                ("k", k, spec.key_outliers, spec.key_bits),
-                ("v", v, spec.value_outliers, spec.value_bits),
-            ):
-                if not n:
-                    continue
-                bound, (i, h) = largest_outlier_bound(a, n, bits)
-                if not bound <= MAX_OUTLIER:
-                    factor = outlier_rest_factor(config.head_dim, bits)
-                    raise InvalidRequest(
-                        f"{name}[{i}, {h}]: {kv_format} keeps its {n} largest channels as float16, and one "
-                        f"of them could be stored as up to {bound:.6g} (its largest |value| + {factor:.4g} x "
-                        f"the norm of the rest of the row), over {MAX_OUTLIER:g}; scale the rows down"
-                    )
-        elif kv_format == "f16":
-            # a value past float16's range would be stored as inf
-            for name, a in (("k", k), ("v", v)):
-                big = np.abs(a) > F16_MAX
-                if big.any():
-                    i, h, j = (int(x) for x in np.argwhere(big)[0])
-                    raise InvalidRequest(
-                        f"{name}[{i}, {h}, {j}]: {float(a[i, h, j]):.6g} is past {F16_MAX:g}, the largest value "
-                        "f16 stores; scale the rows down or use f32"
-                    )
-        limit = self.ctx.max_binding
-        if k.nbytes > limit:
-            rows = limit // (k.nbytes // k.shape[0])
-            raise InvalidRequest(
-                f"k, v: {k.shape[0]} rows are more than this adapter takes in one request (at most {rows}); "
-                "split the append"
-            )
-        return k.shape[0]
-
-    def check_query_rows(self, config: SessionConfig, q: np.ndarray, kv_format: str) -> int:
-        """``q`` fits a layer of ``kv_format`` of a session of ``config`` and this
-        adapter; returns its rows."""
-        want = (config.num_qo_heads, config.head_dim)
-        if q.shape[0] < 1 or q.shape[1:] != want:
-            raise InvalidRequest(f"q: expected shape [n >= 1, {want[0]}, {want[1]}], got {list(q.shape)}")
-        n = q.shape[0]
-        need = max(q.nbytes, rotated_q_bytes(n, *want) if kv_format in TQ_SPECS else 0)
-        limit = self.ctx.max_binding
-        if need > limit:
-            rows = limit // (need // n)
-            raise InvalidRequest(
-                f"q: {n} rows are more than this adapter takes in one request (at most {rows}); split the attend"
-            )
-        return n
-
     # ── jobs ────────────────────────────────────────────────────────────────
 
     def append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> Future:
@@ -305,16 +227,10 @@ class Engine:
         return self.worker.submit_plan(self.plan_append(layer, k, v))
 
     def plan_append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> PlanFn:
-        """The job of :meth:`append`, checked but not queued (see :meth:`submit_group`)."""
+        """The job of :meth:`append`, checked but not queued (see :meth:`submit_group`):
+        a step of one (:meth:`plan_stacked`)."""
         k, v = _as_rows(k, "k"), _as_rows(v, "v")
-        self._check_rows(layer, k, v)
-
-        def plan(batch):
-            batch.on_rollback(functools.partial(layer.restore, layer.state()))
-            length = layer.plan_append(batch, k, v)
-            return lambda out: length
-
-        return plan
+        return _one(self.plan_stacked([layer], None, k=k[None], v=v[None], start_pos=[None]), appended=True)
 
     def attend(self, layer: LayerCache, q: np.ndarray, **options: object) -> Future:
         """Optionally append ``k, v`` first (fused step), then attend ``q [n, H, d]``;
@@ -337,36 +253,22 @@ class Engine:
         causal: bool = True,
         scale: float | None = None,
     ) -> PlanFn:
-        """The job of :meth:`attend`, checked but not queued (see :meth:`submit_group`)."""
+        """The job of :meth:`attend`, checked but not queued (see :meth:`submit_group`):
+        a step of one (:meth:`plan_stacked`)."""
         q = _as_rows(q, "q")
         if (k is None) != (v is None):
             raise ValueError("k and v go together")
+        fused = {}
         if k is not None:
-            k, v = _as_rows(k, "k"), _as_rows(v, "v")
-            self._check_rows(layer, k, v)
-        d = q.shape[2]
-        if d != layer.head_dim:
-            raise ValueError(f"q head_dim {d} != cache head_dim {layer.head_dim}")
-        sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-
-        def plan(batch):
-            rows = None if k is None else (*layer.upload_rows(batch, k, v), k.shape[0])
-            n, h, _ = q.shape
-            seg = batch.output(attend_output_bytes(n, h, d))
-            length = _plan_attend_item(batch, layer, batch.upload(q), q.shape, seg, rows, start_pos, causal, sc)
-
-            def finish(out):
-                arr = np.frombuffer(out, dtype="<f4", count=seg.size // 4, offset=seg.offset)
-                return AttendResult(arr[: q.size].reshape(q.shape), length, arr[q.size :].reshape(n, h))
-
-            return finish
-
-        return plan
+            fused = {"k": _as_rows(k, "k")[None], "v": _as_rows(v, "v")[None]}  # type: ignore[arg-type]
+        if q.shape[2] != layer.head_dim:
+            raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {layer.head_dim}")
+        return _one(self.plan_stacked([layer], q[None], start_pos=[start_pos], causal=causal, scale=scale, **fused))
 
     def plan_stacked(
         self,
         layers: Sequence[LayerCache | None],
-        q: np.ndarray,
+        q: np.ndarray | None,
         *,
         k: np.ndarray | None = None,
         v: np.ndarray | None = None,
@@ -374,16 +276,19 @@ class Engine:
         causal: bool = True,
         scale: float | None = None,
     ) -> PlanFn:
-        """One job for a stacked step: item ``i`` is :meth:`plan_attend` of
-        ``q[i]`` (``k[i]``, ``v[i]``: a fused append) on ``layers[i]`` at
-        ``start_pos[i]`` (an item whose layer is None is skipped: one refused
-        before), the items planned in order into one batch. The arrays are
-        uploaded once (an aligned segment per item) and the outputs are one array;
-        an item that fails to plan is rolled back alone. The future gives a
+        """One job for a step: item ``i`` is the attend of ``q[i]`` ``[n, H, d]``
+        (None: appends alone) after the fused append of ``k[i]``, ``v[i]`` if given,
+        on ``layers[i]`` at ``start_pos[i]`` (an item whose layer is None is skipped:
+        one refused before), the items planned in order into one batch. The arrays
+        are uploaded once (an aligned segment per item) and the outputs are one
+        array; an item that fails to plan is rolled back alone. The future gives a
         :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``, ``errors``)."""
-        q = np.ascontiguousarray(q, dtype="<f4")
-        b, _, _, d = q.shape
-        if len(layers) != b or len(start_pos) != b or (k is None) != (v is None):
+        if q is None and k is None:
+            raise ValueError("a step attends (q), appends (k, v), or both")
+        if q is not None:
+            q = np.ascontiguousarray(q, dtype="<f4")
+        b = len(layers)
+        if len(start_pos) != b or (k is None) != (v is None) or (q is not None and q.shape[0] != b):
             raise ValueError("one layer and start_pos per stacked item, and k and v together")
         if k is not None:
             k, v = np.ascontiguousarray(k, dtype="<f4"), np.ascontiguousarray(v, dtype="<f4")
@@ -392,15 +297,19 @@ class Engine:
         taking = [layer for layer in layers if layer is not None]
         if k is not None:
             for layer in {(l.n_kv_heads, l.head_dim): l for l in taking}.values():  # once per layer shape
-                self._check_rows(layer, k[0], v[0])
+                self._check_rows(layer, k[0], v[0])  # type: ignore[index]
+        d = (q if q is not None else k).shape[3]  # type: ignore[union-attr]
         if any(layer.head_dim != d for layer in taking):
             raise ValueError(f"q head_dim {d} != a cache's head_dim")
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+        shape: tuple[int, ...] = () if q is None else q.shape[1:]
 
         def plan(batch):
             batch.records = batch.empty  # only a batch's first job records its plan (Batch.record)
-            qs = batch.upload_items(q)
-            outs = batch.output_items(b, attend_output_bytes(*q.shape[1:]))
+            qs = outs = None
+            if q is not None:
+                qs = batch.upload_items(q)
+                outs = batch.output_items(b, attend_output_bytes(*shape))
             rows = {}  # the fused rows, once per row dtype the layers take (before any item can roll back)
             if k is not None:
                 for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
@@ -410,9 +319,7 @@ class Engine:
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
             mark = batch.mark()
             try:  # the common case as columns; anything unusual is planned item by item below
-                one_by_one = self._plan_columns(
-                    batch, layers, qs, outs, rows, k, q.shape[1:], start_pos, causal, sc, lengths
-                )
+                one_by_one = self._plan_columns(batch, layers, qs, outs, rows, k, shape, start_pos, causal, sc, lengths)
                 if batch.largest_arena > cap:
                     raise _OneByOne
             except Exception as e:  # never silent: counted, and logged (a failure with its traceback)
@@ -429,9 +336,9 @@ class Engine:
                 mark = batch.mark()
                 try:
                     item_rows = None if k is None else (*(a.seg(i) for a in rows[layer.row_dtype]), k.shape[1])
-                    length = _plan_attend_item(
-                        batch, layer, qs.seg(i), q.shape[1:], outs.seg(i), item_rows, start_pos[i], causal, sc
-                    )
+                    length = _plan_item(
+                        batch, layer, qs and qs.seg(i), shape, outs and outs.seg(i), item_rows, start_pos[i], causal, sc
+                    )  # fmt: skip
                     if batch.largest_arena > cap and (lengths >= 0).any():  # the first item may use it all
                         full = InvalidRequest(
                             f"this batched step's GPU buffers pass the adapter's binding limit ({cap} bytes) at "
@@ -444,8 +351,14 @@ class Engine:
                     errors[i] = e
 
             def finish(out):
-                arr = outs.view(out, "<f4", q.shape[1:])
-                lse = outs.view(out, "<f4", q.shape[1:3], start=q[0].nbytes)
+                if outs is None:
+                    return StackedResult(None, lengths, errors, None)
+                if not (lengths >= 0).any():  # nothing answered (nothing may have been read back)
+                    return StackedResult(
+                        np.zeros((b, *shape), "<f4"), lengths, errors, np.zeros((b, *shape[:2]), "<f4")
+                    )
+                arr = outs.view(out, "<f4", shape)
+                lse = outs.view(out, "<f4", shape[:2], start=4 * int(np.prod(shape)))
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
                 if unanswered.any():
                     arr, lse = arr.copy(), lse.copy()
@@ -462,6 +375,12 @@ class Engine:
         if isinstance(e, _OneByOne):
             self.step_fallbacks.inc("binding_limit")
             log.debug("a stacked step's columns pass the binding limit: planned item by item", extra={"items": items})
+        elif isinstance(e, (ApiError, OutOfRange)):
+            self.step_fallbacks.inc("item_refused")
+            log.debug(
+                "a stacked step's item was refused on the GPU thread: planned item by item to name it",
+                extra={"items": items, "problem": str(e)},
+            )
         else:
             self.step_fallbacks.inc("error")
             log.warning(
@@ -474,11 +393,11 @@ class Engine:
     def _plan_columns(
         batch: Batch,
         layers: Sequence[LayerCache | None],
-        qs: Items,
-        outs: Items,
+        qs: Items | None,
+        outs: Items | None,
         rows: dict[str, tuple[Items, Items]],
         k: np.ndarray | None,
-        shape: tuple[int, int, int],
+        shape: tuple[int, ...],
         start_pos: Sequence[int | None],
         causal: bool,
         scale: float,
@@ -492,7 +411,6 @@ class Engine:
         taking = [i for i, layer in enumerate(layers) if layer is not None]
         if len({id(layers[i]) for i in taking}) != len(taking):
             return taking
-        n, h, d = shape
         groups: dict[tuple[int, type], list[int]] = {}
         for i in taking:
             groups.setdefault((id(layers[i].pool), type(layers[i])), []).append(i)  # type: ignore[union-attr]
@@ -501,7 +419,7 @@ class Engine:
         for idx in groups.values():
             first = layers[idx[0]]
             assert first is not None
-            if not first.attends_split(batch.policy, n, h):
+            if qs is not None and not first.attends_split(batch.policy, shape[0], shape[1]):
                 left += idx
                 continue
             items = np.asarray(idx)

@@ -44,6 +44,11 @@ __all__ = [
 ]
 
 
+class OutOfRange(ValueError):
+    """An item's query rows fall outside its layer: refused before it is queued, so
+    only an engine's own caller (a tool, a test) gets this far."""
+
+
 class LayerCache:
     """One layer of one session: a page table into its format's pool."""
 
@@ -196,6 +201,10 @@ class LayerCache:
         returns the new length."""
         raise NotImplementedError
 
+    def _call_done(self, batch: Batch) -> None:
+        """The layer's call (an append, or an attend after its fused append) is
+        planned (a windowed layer lets its older exact rows go)."""
+
     def _append(self, batch: Batch, n_rows, t0, k_off, v_off) -> K.Append:
         """This layer's append of uploaded rows (word offsets in the input arena), as
         the one entry of an :class:`~attnserve.gpu.kernels.Append`."""
@@ -221,8 +230,8 @@ class LayerCache:
         batch: Batch,
         layers: Sequence["LayerCache"],
         items: np.ndarray,
-        q: Items,
-        out: Items,
+        q: Items | None,
+        out: Items | None,
         rows: tuple[Items, Items, int] | None,
         shape: tuple[int, int, int],
         start_pos: np.ndarray,
@@ -239,13 +248,20 @@ class LayerCache:
         attends join the batch's deferred kernels as one entry each per slab, or,
         where a step over other layers at the same lengths recorded them
         (``batch.StepPlans``), are replayed with these layers' page tables. Returns
-        the length each item attends over. Raises (ValueError, CapacityExceeded) where
+        the length each item attends over (``q`` None: appends alone, planned as
+        columns; the new lengths). Raises (ValueError, CapacityExceeded) where
         one item alone would; the caller then plans the items one by one, so the
         columns never decide an item's problem. Atomic: on rollback every layer is
         put back."""
         kind = type(layers[0])  # the methods of the layers' own kind
         saved = [layer.state() for layer in layers]
         batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
+        if q is None:  # appends alone: each layer's call is its append
+            assert rows is not None
+            after, where = kind._take_columns(batch, layers, items, rows)
+            kind._write_columns(batch, layers, where, items, rows, after - rows[2])
+            kind._columns_done(batch, layers)
+            return after
         # the layers' state first (pages, page tables, signs, lengths, what their
         # attends read); then the commands, recorded, or replayed where a step over
         # other layers at the same lengths recorded them
@@ -295,6 +311,9 @@ class LayerCache:
         pool, m = layers[0].pool, rows[2]
         before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
         after = before + m
+        over = np.flatnonzero(after > np.fromiter((layer.max_tokens for layer in layers), np.int64, len(layers)))
+        if len(over):  # refused before it was queued; here only an engine's caller can get this far
+            layers[int(over[0])]._ensure_pages(batch, int(after[over[0]]))  # raises CapacityExceeded
         held = np.fromiter((len(layer.pages) for layer in layers), np.int64, len(layers))
         for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
             layers[i]._ensure_pages(batch, int(after[i]))
@@ -369,7 +388,7 @@ class LayerCache:
     def _attend(self, batch: Batch, q, shape: tuple, out, length: int, start_pos: int, causal: bool, scale: float):
         n, h, d = shape
         if self.slab is None or length > self.capacity:
-            raise ValueError(f"attend over {length} timesteps of a layer holding {self.length}")
+            raise OutOfRange(f"attend over {length} timesteps of a layer holding {self.length}")
         return K.Attend(
             q, out, self.slab, self.table_offset(batch), self.pool.page_shift,
             n, h, self.n_kv_heads, d, length, start_pos, causal, scale,
@@ -861,7 +880,7 @@ def _start_positions(start_pos: np.ndarray, after: np.ndarray, n: int) -> np.nda
     against its layer's length."""
     sp = np.where(start_pos < 0, after - n, start_pos)
     if (sp < 0).any() or (sp + n > after).any():
-        raise ValueError("start_pos + n rows exceeds a layer's length")
+        raise OutOfRange("start_pos + n rows exceeds a layer's length")
     return sp
 
 
@@ -897,7 +916,7 @@ class _Where:
     def of(cls, batch: Batch, layers: Sequence[LayerCache]) -> "_Where":
         slabs = [layer.slab for layer in layers]
         if any(slab is None for slab in slabs):
-            raise ValueError("attend over a layer that holds no timestep")
+            raise OutOfRange("attend over a layer that holds no timestep")
         table_off = np.fromiter((layer.table_offset(batch) for layer in layers), np.int64, len(layers))
         signs = np.asarray(type(layers[0]).sign_words(batch, layers), dtype=np.int64)
         ids = [id(slab) for slab in slabs]

@@ -4,7 +4,7 @@
 engine once the device is open, the snapshot directory, and the lifecycle flags
 (ready, draining, requests in flight); it deletes sessions (and expires idle
 ones), offloads large work to threads, and settles each queued job's reservation
-when the job is done, with its request timeout (:meth:`Runtime.track`).
+when the job is done, with its request timeout (:meth:`Runtime.watch_all`).
 
 The owner (tenant) of a request is the key id the app's middleware found for its
 bearer token (``None`` without API keys), kept in the ASGI scope under
@@ -30,7 +30,7 @@ from .engine import Engine, step_fallbacks_counter
 from .errors import NotReady
 from .formats import KV_FORMATS
 from .metrics import Borrowed, Gauge, Metrics
-from .store import JobReservations, Reservation, Session, Store
+from .store import Session, StepReservation, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
 
@@ -186,41 +186,31 @@ class Runtime:
     async def offload(self, fn: Callable[..., Any], *args: Any, size: int) -> Any:
         return await offload(fn, *args, size=size, threshold=self.settings.offload_bytes)
 
-    def track(self, fut: Future, res: Reservation) -> None:
-        """Settle ``res`` in the store on the event loop as soon as ``fut`` is done
-        (independently of the request that queued it), and arm the request timeout.
-
-        Timeout (``request_timeout_s``): it bounds the wait in the GPU queue. When it
-        passes and the job has not started, the job is cancelled (the GPU thread
-        skips it: nothing is applied) if that changes nothing another queued job was
-        checked against: an attend without an append always, an append only when it
-        is the last job queued for its layer; otherwise the check repeats shortly
-        (jobs queued after it time out first, from the tail). A cancelled job's
-        request answers ``503 timeout`` with ``Retry-After``; a job that has started
-        always completes, and its request answers normally.
-        """
-        self.store.commit(res)
-        self.watch_all([fut], [(res,)])
-
     def watch_all(
         self,
         futs: list[Future],
-        reservations: list[JobReservations],
-        item_errors: Callable[[Any], Sequence[BaseException | None] | None] | None = None,
+        reservations: list[StepReservation],
+        item_errors: list[Callable[[Any], Sequence[BaseException | None] | None]],
     ) -> asyncio.Future:
-        """:meth:`track` for jobs queued together whose reservations are already
-        committed (a batched step commits each item as it is checked, so later items
-        see it); ``reservations[i]`` are job ``i``'s (a stacked step is one job whose
-        items' reservations are one ``StepReservation``, or one per item:
-        ``item_errors(result)`` gives each item its error, None where it succeeded,
-        or None when every item succeeded). One wake-up of the event loop settles
-        them all when the last is done (a job that the timeout cancels settles at
-        once); the returned future is done then. One timer serves the group's
-        timeout, cancelling from the tail (a job only when every one of its
-        reservations may be dropped)."""
+        """Settle the reservations of jobs queued together (a request's steps, each
+        committed as it was checked, so the next was checked against it) in the
+        store on the event loop as soon as they are done (independently of the
+        request that queued them), and arm the request timeout. ``reservations[i]``
+        is job ``i``'s; ``item_errors[i](result)`` gives each of its items its error
+        (None where it succeeded), or None when every item succeeded. One wake-up of
+        the event loop settles them all when the last is done (a job that the timeout
+        cancels settles at once); the returned future is done then.
+
+        Timeout (``request_timeout_s``): it bounds the wait in the GPU queue. When it
+        passes and a job has not started, the job is cancelled (the GPU thread skips
+        it: nothing is applied) if that changes nothing another queued job was
+        checked against (``Store.cancellable``); otherwise the check repeats shortly
+        (jobs queued after it time out first, from the tail). A job that has started
+        always completes, and its items answer normally.
+        """
         loop = self.loop or asyncio.get_running_loop()
         all_done: asyncio.Future = loop.create_future()
-        jobs = [_Watched(f, r) for f, r in zip(futs, reservations)]
+        jobs = [_Watched(f, r, e) for f, r, e in zip(futs, reservations, item_errors, strict=True)]
         remaining = len(jobs)
         lock = threading.Lock()
         timer: asyncio.TimerHandle | None = None
@@ -231,11 +221,11 @@ class Runtime:
                 f = job.fut
                 error = asyncio.CancelledError() if f.cancelled() else f.exception()
                 errors: Sequence[BaseException | None] | None
-                if error is None and item_errors is not None:
-                    errors = item_errors(f.result())
+                if error is None:
+                    errors = job.item_errors(f.result())
                 else:
-                    errors = None if error is None else [error] * len(job.res)
-                self.store.finish_job(job.res, errors)
+                    errors = [error] * len(job.res)
+                self.store.finish_step(job.res, errors)
 
         def settle_all() -> None:  # on the event loop
             if timer is not None:
@@ -302,11 +292,14 @@ class Runtime:
 class _Watched:
     """One job of :meth:`Runtime.watch_all`."""
 
-    __slots__ = ("fut", "res", "cancelling", "settled")
+    __slots__ = ("fut", "res", "item_errors", "cancelling", "settled")
 
-    def __init__(self, fut: Future, res: JobReservations):
+    def __init__(
+        self, fut: Future, res: StepReservation, item_errors: Callable[[Any], Sequence[BaseException | None] | None]
+    ):
         self.fut = fut
         self.res = res
+        self.item_errors = item_errors
         self.cancelling = False
         self.settled = False
 

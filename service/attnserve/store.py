@@ -9,9 +9,9 @@ The GPU worker runs jobs later, in submission order. So each layer keeps a
 *reserved* length and capacity (its state after every queued job), and each
 session its reserved GPU bytes. A request is validated against the reserved
 state (offset, capacity, start_pos, memory budget) and, once its job is queued,
-:meth:`Store.commit` moves the reserved state forward. When a job fails, its
+:meth:`Store.commit_step` moves the reserved state forward. When a job fails, its
 rows are given back; whenever a session has no job left in flight, its reserved
-state is set again from what the caches really hold (:meth:`Store.finish`), so
+state is set again from what the caches really hold (:meth:`Store.finish_step`), so
 the accounting can never drift.
 
 Tenants: a session belongs to an *owner* (an API key's id, or ``None`` without
@@ -29,14 +29,22 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .errors import CapacityExceeded, InvalidRequest, OffsetMismatch, OutOfMemory, SessionExists, SessionNotFound
+from .errors import (
+    ApiError,
+    CapacityExceeded,
+    InvalidRequest,
+    OffsetMismatch,
+    OutOfMemory,
+    SessionExists,
+    SessionNotFound,
+)
 from .kvcache import LayerCache, SessionConfig, SessionKV, bytes_growth
 
-__all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "Reservation", "Store", "Owner"]
+__all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "StepReservation", "Store", "Owner"]
 
 Owner = Optional[str]
 
@@ -65,7 +73,7 @@ class LayerState:
     length: int = 0
     capacity: int = 0
     # committed jobs not yet done, in queue order (the last one may be cancelled safely)
-    inflight: list["Reservation | StepReservation"] = field(default_factory=list)
+    inflight: list["StepReservation"] = field(default_factory=list)
 
     @property
     def max_tokens(self) -> int:
@@ -124,41 +132,12 @@ class Session:
         }
 
 
-class Reservation:
-    """What one queued job will do to a session: ``rows`` appended to ``layer``
-    (a plain class with slots: a stacked step makes one per item)."""
-
-    __slots__ = ("session", "layer", "rows", "new_length", "new_capacity", "delta_bytes", "committed")
-
-    def __init__(
-        self, session: Session, layer: LayerState, rows: int = 0, new_length: int = 0, new_capacity: int = 0,
-        delta_bytes: int = 0,
-    ):  # fmt: skip
-        self.session = session
-        self.layer = layer
-        self.rows = rows
-        self.new_length = new_length
-        self.new_capacity = new_capacity
-        self.delta_bytes = delta_bytes
-        self.committed = False
-
-    def __repr__(self) -> str:
-        return (
-            f"Reservation(session={self.session.id!r}, rows={self.rows}, new_length={self.new_length}, "
-            f"new_capacity={self.new_capacity}, delta_bytes={self.delta_bytes})"
-        )
-
-    def layer_states(self) -> tuple[LayerState]:
-        """The layers it stands in the ``inflight`` queue of."""
-        return (self.layer,)
-
-
 class StepReservation:
-    """What one stacked step's job will do to its sessions, as columns: ``rows``
-    appended to one layer of each of ``sessions`` (distinct, one owner), and per item
-    the layer's new length, capacity and bytes (``new_length[i]``, ...). One object
-    for the whole step: it stands in each of its layers' ``inflight`` queues where a
-    :class:`Reservation` would, so the step makes no object per item."""
+    """What one step's job will do to its sessions, as columns: ``rows`` appended to
+    one layer of each of ``sessions`` (distinct, one owner), and per item the layer's
+    new length, capacity and bytes (``new_length[i]``, ...). One object for the whole
+    step: it stands in each of its layers' ``inflight`` queues, so a step makes no
+    object per item."""
 
     __slots__ = ("sessions", "layers", "rows", "new_length", "new_capacity", "delta_bytes", "total_bytes", "committed")
 
@@ -183,11 +162,6 @@ class StepReservation:
 
     def layer_states(self) -> list[LayerState]:
         return self.layers
-
-
-#: The reservations of one queued job: one per operation (a batched step's items
-#: are jobs of one each), or a stacked step's as one :class:`StepReservation`.
-JobReservations = Union[tuple[Reservation, ...], StepReservation]
 
 
 class StepGroup:
@@ -287,7 +261,7 @@ class Store:
         ``what`` names the session being placed in a refusal.
 
         Raises:
-            SessionExists, OutOfMemory: as :meth:`create` and :meth:`check_budget`.
+            SessionExists, OutOfMemory: as :meth:`create` and :meth:`reserve_step`.
         """
         self.check_room(session_id, owner, quotas=quotas)
         budget = self.memory_budget_bytes
@@ -419,15 +393,19 @@ class Store:
             used = self.tenant_bytes(owner)
             if used + nbytes > quota:
                 self._refused("bytes")
-                raise OutOfMemory(
-                    f"the request needs {nbytes} more GPU bytes; this API key's sessions hold {used} of "
-                    f"its quota of {quota} bytes",
-                    quota="bytes",
-                    quota_limit=quota,
-                    budget_bytes=quota,
-                    used_bytes=used,
-                    requested_bytes=nbytes,
-                )
+                raise self._quota_problem(used, nbytes, quota)
+
+    @staticmethod
+    def _quota_problem(used: int, nbytes: int, quota: int) -> OutOfMemory:
+        return OutOfMemory(
+            f"the request needs {nbytes} more GPU bytes; this API key's sessions hold {used} of "
+            f"its quota of {quota} bytes",
+            quota="bytes",
+            quota_limit=quota,
+            budget_bytes=quota,
+            used_bytes=used,
+            requested_bytes=nbytes,
+        )
 
     # ── reservations ────────────────────────────────────────────────────────
 
@@ -436,98 +414,95 @@ class Store:
         """GPU bytes held or reserved by queued jobs (what the budget counts)."""
         return self.reserved_bytes + self.releasing_bytes + sum(self.holds.values())
 
-    def plan_append(self, session: Session, layer: int, rows: int, offset: int | None) -> Reservation:
-        """Check an append of ``rows`` to ``layer`` at ``offset`` against the reserved
-        state; returns the reservation (nothing changes until :meth:`commit`).
-
-        Raises:
-            OffsetMismatch: ``offset`` is not the layer's length.
-            CapacityExceeded: the append would pass ``max_tokens``.
-        """
-        ls = session.layers[layer]
-        if offset is not None and offset != ls.length:
-            raise OffsetMismatch(
-                f"offset {offset} is not the layer's length {ls.length}; nothing was appended",
-                length=ls.length,
-            )
-        new_length = ls.length + rows
-        if new_length > ls.max_tokens:
-            raise CapacityExceeded(
-                f"appending {rows} rows to length {ls.length} would pass max_tokens {ls.max_tokens}",
-                length=ls.length,
-                max_tokens=ls.max_tokens,
-            )
-        new_cap = ls.cache.capacity_after(ls.capacity, new_length)
-        delta = ls.cache.bytes_for(new_cap) - ls.cache.bytes_for(ls.capacity)
-        return Reservation(session, ls, rows, new_length, new_cap, delta)
-
-    def plan_read(self, session: Session, layer: int, offset: int | None) -> Reservation:
-        """An attend without a fused append: only ``offset`` is checked."""
-        ls = session.layers[layer]
-        if offset is not None and offset != ls.length:
-            raise OffsetMismatch(f"offset {offset} is not the layer's length {ls.length}", length=ls.length)
-        return Reservation(session, ls, 0, ls.length, ls.capacity, 0)
-
-    def plan_step(
-        self, sessions: list[Session], layer: int, rows: int, offsets: list[int | None]
-    ) -> StepReservation | None:
-        """:meth:`plan_append` (``rows`` > 0) or :meth:`plan_read` of ``layer`` of
-        each of ``sessions`` (distinct, one owner) at ``offsets[i]``, and
-        :meth:`check_budget` of them all, checked as columns. None when any of them
-        would be refused: the caller checks them one by one, which names each problem.
-        Nothing changes until the step is committed (:meth:`commit_step`)."""
-        states = [s.layers[layer] for s in sessions]
+    def step_lengths(
+        self, states: Sequence[LayerState], rows: int, offsets: Sequence[int | None]
+    ) -> tuple[np.ndarray, dict[int, ApiError]]:
+        """The rules of a step's ``offsets`` and capacities, as columns: each of
+        ``states`` (a layer of distinct sessions) takes ``rows`` appended rows (0: an
+        attend without a fused append) at ``offsets[i]`` (None: anywhere). Returns
+        each layer's new reserved length and the problem of each item refused (by
+        position): an offset that is not the layer's length (409 offset-mismatch), or
+        an append past its ``max_tokens`` (409 capacity-exceeded)."""
         count = len(states)
         length = np.fromiter((ls.length for ls in states), np.int64, count)
+        new_length = length + rows
+        problems: dict[int, ApiError] = {}
         if any(o is not None for o in offsets):
             given = np.fromiter((-1 if o is None else o for o in offsets), np.int64, count)
-            if ((given >= 0) & (given != length)).any():
-                return None
-        new_length = length + rows
+            for i in np.flatnonzero((given >= 0) & (given != length)).tolist():
+                detail = f"offset {offsets[i]} is not the layer's length {length[i]}"
+                problems[i] = OffsetMismatch(
+                    detail + ("; nothing was appended" if rows else ""), length=int(length[i])
+                )  # fmt: skip
+        if rows:
+            max_tokens = np.fromiter((ls.max_tokens for ls in states), np.int64, count)
+            for i in np.flatnonzero(new_length > max_tokens).tolist():
+                problems.setdefault(i, CapacityExceeded(
+                    f"appending {rows} rows to length {length[i]} would pass max_tokens {max_tokens[i]}",
+                    length=int(length[i]), max_tokens=int(max_tokens[i]),
+                ))  # fmt: skip
+        return new_length, problems
+
+    def reserve_step(
+        self, sessions: list[Session], states: list[LayerState], rows: int, new_length: np.ndarray
+    ) -> tuple[StepReservation, dict[int, ApiError]]:
+        """The reservation of a step whose items passed every other rule: ``rows``
+        appended to ``states[i]`` (of ``sessions[i]``: distinct, one owner) for its
+        new length ``new_length[i]``, with the rule of the memory budget and the
+        owner's byte quota, each item in order against the bytes of those before it
+        (507 out-of-memory). Returns the reservation of the items that pass (not
+        committed: :meth:`commit_step`) and the problem of each refused (by position)."""
+        count = len(states)
         capacity = np.fromiter((ls.capacity for ls in states), np.int64, count)
         delta = np.zeros(count, np.int64)
-        total = 0
-        if rows:
+        problems: dict[int, ApiError] = {}
+        if rows and count:
             caches = [ls.cache for ls in states]
-            if (new_length > np.fromiter((c.max_tokens for c in caches), np.int64, count)).any():
-                return None
             page = caches[0].page_tokens  # one page size for every pool of the engine
             new_capacity = np.maximum(capacity, -(-new_length // page) * page)  # a capacity is whole pages
             delta = bytes_growth(caches, capacity, new_capacity)
             capacity = new_capacity
             total = int(delta.sum())
-            budget = self.memory_budget_bytes
-            if total > 0 and budget and self.used_bytes + total > budget:
-                return None
-            quota = self.quota_bytes_per_key
-            if total > 0 and quota and self.tenant_bytes(sessions[0].owner) + total > quota:
-                return None
-        return StepReservation(
-            sessions, states, rows, new_length.tolist(), capacity.tolist(), delta.tolist(), total
+            budget, quota = self.memory_budget_bytes, self.quota_bytes_per_key
+            owner = sessions[0].owner
+            if total > 0 and (
+                (budget and self.used_bytes + total > budget) or (quota and self.tenant_bytes(owner) + total > quota)
+            ):
+                problems = self._past_budget(owner, delta.tolist())
+        if problems:
+            keep = [i for i in range(count) if i not in problems]
+            sessions, states = [sessions[i] for i in keep], [states[i] for i in keep]
+            new_length, capacity, delta = new_length[keep], capacity[keep], delta[keep]
+        reservation = StepReservation(
+            sessions, states, rows, new_length.tolist(), capacity.tolist(), delta.tolist(), int(delta.sum())
         )  # fmt: skip
+        return reservation, problems
 
-    def check_budget(self, res: Reservation) -> None:
-        """Raises OutOfMemory when the reservation would pass the memory budget, or
-        the owner's byte quota."""
-        budget = self.memory_budget_bytes
-        if budget and res.delta_bytes > 0 and self.used_bytes + res.delta_bytes > budget:
-            raise OutOfMemory(
-                f"the request needs {res.delta_bytes} more GPU bytes; {self.used_bytes} of the "
-                f"budget of {budget} are in use",
-                budget_bytes=budget,
-                used_bytes=self.used_bytes,
-                requested_bytes=res.delta_bytes,
-            )
-        self._check_quota_bytes(res.session.owner, res.delta_bytes)
-
-    def commit(self, res: Reservation) -> None:
-        """The job is queued: move the reserved state forward."""
-        self._commit_item(res.session, res.layer, res, res.new_length, res.new_capacity, res.delta_bytes)
-        self.reserved_bytes += res.delta_bytes
-        res.committed = True
+    def _past_budget(self, owner: Owner, delta: list[int]) -> dict[int, ApiError]:
+        """Which of a step's items the memory budget or the owner's quota refuse, each
+        against the bytes of the items before it that pass: the budget's problem
+        first, then the quota's (by position)."""
+        problems: dict[int, ApiError] = {}
+        budget, quota = self.memory_budget_bytes, self.quota_bytes_per_key
+        used, held = self.used_bytes, self.tenant_bytes(owner)
+        for i, need in enumerate(delta):
+            if need <= 0:
+                continue
+            if budget and used + need > budget:
+                problems[i] = OutOfMemory(
+                    f"the request needs {need} more GPU bytes; {used} of the budget of {budget} are in use",
+                    budget_bytes=budget, used_bytes=used, requested_bytes=need,
+                )  # fmt: skip
+            elif quota and held + need > quota:
+                self._refused("bytes")
+                problems[i] = self._quota_problem(held, need, quota)
+            else:
+                used += need
+                held += need
+        return problems
 
     def commit_step(self, step: StepReservation) -> None:
-        """:meth:`commit` of every item of a stacked step's job at once."""
+        """The step's job is queued: move the reserved state of its layers forward."""
         for s, ls, n, c, d in zip(step.sessions, step.layers, step.new_length, step.new_capacity, step.delta_bytes):
             self._commit_item(s, ls, step, n, c, d)
         self.reserved_bytes += step.total_bytes
@@ -540,34 +515,18 @@ class Store:
         s.pending += 1
         ls.inflight.append(res)  # type: ignore[arg-type]
 
-    def cancellable(self, job: JobReservations) -> bool:
-        """Whether a job with these reservations may be dropped before it runs
-        without changing what any other queued job was checked against: each of them
-        appends nothing, or is followed in its layers' queues only by reservations of
-        the same job."""
-        entries: tuple = (job,) if isinstance(job, StepReservation) else job
-        ours = {id(r) for r in entries}
-        for res in entries:
-            if res.rows == 0:
-                continue
-            for layer in res.layer_states():
-                inflight = layer.inflight
-                for i in range(len(inflight) - 1, -1, -1):
-                    if inflight[i] is res:
-                        break
-                    if id(inflight[i]) not in ours:
-                        return False
-                else:
-                    return False  # not queued (cannot happen for a committed reservation)
-        return True
-
-    def finish(self, res: Reservation, error: BaseException | None) -> None:
-        """The job is done, failed or was cancelled (on the event loop, right after)."""
-        self._finish_item(res.session, res.layer, res, res.rows, res.delta_bytes, error)
+    def cancellable(self, step: StepReservation) -> bool:
+        """Whether a job with this reservation may be dropped before it runs without
+        changing what any other queued job was checked against: it appends nothing,
+        or it is the last reservation in each of its layers' queues."""
+        if step.rows == 0:
+            return True
+        return all(layer.inflight and layer.inflight[-1] is step for layer in step.layers)
 
     def finish_step(self, step: StepReservation, errors: Sequence[BaseException | None] | None) -> None:
-        """:meth:`finish` of every item of a stacked step's job: ``errors[i]`` is item
-        ``i``'s (None: it succeeded), or None when every item succeeded."""
+        """The step's job is done, failed or was cancelled (on the event loop, right
+        after): ``errors[i]`` is item ``i``'s (None: it succeeded), or None when
+        every item succeeded."""
         rows, items = step.rows, zip(step.sessions, step.layers, step.delta_bytes)
         if errors is None:
             for s, ls, d in items:
@@ -575,14 +534,6 @@ class Store:
         else:
             for (s, ls, d), e in zip(items, errors, strict=True):
                 self._finish_item(s, ls, step, rows, d, e)
-
-    def finish_job(self, job: JobReservations, errors: Sequence[BaseException | None] | None) -> None:
-        """:meth:`finish` of each of a job's reservations (``errors`` as :meth:`finish_step`'s)."""
-        if isinstance(job, StepReservation):
-            self.finish_step(job, errors)
-            return
-        for i, res in enumerate(job):
-            self.finish(res, None if errors is None else errors[i])
 
     def _finish_item(
         self, s: Session, ls: LayerState, res: object, rows: int, delta_bytes: int, error: BaseException | None

@@ -19,34 +19,26 @@ queues a document (in arrival order, with no ``await``) and returns a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
 from .codec import Fields, MediaKind
 from .errors import ApiError, InternalError, InvalidRequest
-from .operations import (
+from .runtime import Runtime
+from .step.answer import answer_document, count_problems
+from .step.parse import (
     APPEND_FIELDS,
     ATTEND_FIELDS,
-    append_fields,
-    attend_document,
-    attend_fields,
-    check_append,
-    check_attend,
-    layer_index,
-    queue_one,
-)
-from .runtime import Runtime
-from .steps import (
     BATCH_ITEM_FIELDS,
     STACKED_FIELDS,
-    answer_document,
-    count_errors,
-    finish_any,
+    append_fields,
+    attend_fields,
+    one_append,
+    one_attend,
     parse_batch_document,
-    queue_batch,
-    settled,
 )
+from .step.plan import finish_request, queue_request
+from .step.rules import layer_problem
 from .store import Owner
 
 __all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document", "count_reply"]
@@ -133,37 +125,29 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
     engine = rt.ready_engine()
     if op == "attend_batch":
         parsed = parse_batch_document(doc, HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
-        queued = queue_batch(rt, engine, owner, parsed)
-
-        async def batch_result(kind: MediaKind) -> dict[str, Any]:
-            outcome = await finish_any(rt, queued)
-            count_errors(rt, outcome)
-            return answer_document(parsed, outcome, kind, instance)
-
-        return Pending(rid, instance, batch_result)
-    if op == "session":
+    elif op == "session":
         f = Fields(doc, (*HEAD, "session_id"), "session")
         raise Reply({"id": rid, "status": 200, "result": rt.store.get(f.str("session_id"), owner).info()})
-    fields = (*HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
-    f = Fields(doc, fields, op)
-    session = rt.store.get(f.str("session_id"), owner)
-    li = layer_index(session, f.int("layer", lo=0))
-    want_lse = False
-    if op == "append":
-        checked = check_append(rt, engine, session, li, append_fields(f, max_bytes))
     else:
-        req = attend_fields(f, max_bytes)
-        want_lse = req.return_lse
-        checked = check_attend(rt, engine, session, li, req)
-    fut = queue_one(rt, engine, checked)
+        fields = (*HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
+        f = Fields(doc, fields, op)
+        session = rt.store.get(f.str("session_id"), owner)
+        layer = f.int("layer", lo=0)
+        problem = layer_problem(session, layer)
+        if problem is not None:
+            raise problem
+        if op == "append":
+            parsed = one_append(session.id, layer, append_fields(f, max_bytes))
+        else:
+            parsed = one_attend(session.id, layer, attend_fields(f, max_bytes))
+    queued = queue_request(rt, engine, owner, parsed)
+    if parsed.form == "one" and 0 in queued.problems:
+        raise queued.problems[0]
 
     async def result(kind: MediaKind) -> Any:
-        done = await asyncio.gather(asyncio.wrap_future(fut), return_exceptions=True)
-        r = settled(rt, fut, checked, done[0])
-        if isinstance(r, ApiError):
-            return r
-        if op == "append":
-            return {"length": r}
-        return attend_document(r, kind, want_lse)
+        outcome = await finish_request(rt, queued)
+        if parsed.form != "one":
+            count_problems(rt, outcome)
+        return answer_document(outcome, kind, instance)
 
     return Pending(rid, instance, result)

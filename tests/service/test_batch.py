@@ -246,10 +246,11 @@ def test_queue_full_fails_every_item_and_changes_nothing(api, engine, rng):
 
 
 def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
-    """Items alike (one layer, shapes, causal, scale) are one GPU job, as the stacked
-    form is; items that differ run as a group of jobs; both answer per item, in the
-    items form, and a refused item keeps its problem."""
-    from attnserve.steps import parse_batch_document
+    """Items alike (one layer, shapes, causal, scale) are one step and one GPU job, as
+    the stacked form is; items that differ, or name a session again, are steps of
+    their own in one submission; both answer per item, in the items form, and a
+    refused item keeps its problem."""
+    from attnserve.step.parse import parse_batch_document
 
     ids = [api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16, num_layers=2)["session_id"] for _ in range(3)]
 
@@ -261,9 +262,17 @@ def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
     mixed_layers = [item(ids[0]), item(ids[1], layer=1)]
     mixed_causal = [item(ids[0]), item(ids[1], causal=False)]
     max_bytes = server.runtime.settings.max_body_bytes
-    assert parse_batch_document(to_wire({"items": alike}, "msgpack"), (), "batch", max_bytes, 64).stacked is not None
-    for items in (mixed_layers, mixed_causal):
-        assert parse_batch_document(to_wire({"items": items}, "msgpack"), (), "batch", max_bytes, 64).stacked is None
+    repeated = [item(ids[0]), item(ids[1]), item(ids[0])]
+
+    def steps(items):
+        return [
+            s.items
+            for s in parse_batch_document(to_wire({"items": items}, "msgpack"), (), "batch", max_bytes, 64).steps
+        ]
+
+    assert steps(alike) == [[0, 1, 2, 3]]
+    assert steps(mixed_layers) == steps(mixed_causal) == [[0], [1]]
+    assert steps(repeated) == [[0, 1], [2]]
     jobs = server.runtime.metrics.gpu_jobs
     for items, want_jobs in ((alike, 1), (mixed_layers, 2)):
         before = jobs.value()

@@ -228,14 +228,14 @@ def test_a_started_job_completes_despite_the_timeout(engine, rng):
         model = Model(2, 1, 32)
         layer = srv.runtime.store.get(sid, None).kv.layers[0]
         gate, entered = threading.Event(), threading.Event()
-        original = layer.plan_append
+        original = layer.state
 
-        def slow_plan(batch, k, v):  # runs on the GPU thread: the job has started
+        def slow_plan():  # runs on the GPU thread as the step is planned: the job has started
             entered.set()
             gate.wait(30)
-            return original(batch, k, v)
+            return original()
 
-        layer.plan_append = slow_plan
+        layer.state = slow_plan
         try:
             with ThreadPoolExecutor(1) as pool:
                 k, v = rows(rng, 4, 1, 32), rows(rng, 4, 1, 32)
@@ -245,7 +245,7 @@ def test_a_started_job_completes_despite_the_timeout(engine, rng):
                 gate.set()
                 r = fut.result()
         finally:
-            layer.plan_append = original
+            layer.state = original
         assert r.status == 200 and r.body["length"] == 4
         model.add(0, k, v)
         q = rows(rng, 4, 2, 32)

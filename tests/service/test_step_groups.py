@@ -105,12 +105,23 @@ def _sessions(store: Store, lengths: list[int]):
     return sessions
 
 
+def _plan(store: Store, sessions, rows: int, offsets):
+    """A step's store rules (``step_lengths``, then ``reserve_step`` of the items that
+    pass them): its reservation (not committed) and each refused item's problem."""
+    states = [s.layers[0] for s in sessions]
+    new_length, problems = store.step_lengths(states, rows, offsets)
+    keep = [i for i in range(len(states)) if i not in problems]
+    step, over = store.reserve_step([sessions[i] for i in keep], [states[i] for i in keep], rows, new_length[keep])
+    problems.update({keep[j]: p for j, p in over.items()})
+    return step, problems
+
+
 def test_a_step_reserves_commits_and_finishes_as_columns_with_one_object():
     store = _store()
     sessions = _sessions(store, [3, 4, 0])  # the first and last open a page with one row, the second not
     before = store.reserved_bytes
-    step = store.plan_step(sessions, 0, 1, [3, None, 0])
-    assert step is not None and len(step) == 3
+    step, problems = _plan(store, sessions, 1, [3, None, 0])
+    assert not problems and len(step) == 3
     assert step.new_length == [4, 5, 1] and step.new_capacity == [4, 8, 4]
     assert step.delta_bytes == [0, PAGE_BYTES, PAGE_BYTES] and step.total_bytes == 2 * PAGE_BYTES
     assert [ls.length for s in sessions for ls in s.layers] == [3, 4, 0]  # nothing until committed
@@ -128,13 +139,23 @@ def test_a_step_reserves_commits_and_finishes_as_columns_with_one_object():
     assert store.reserved_bytes == before + 2 * PAGE_BYTES
 
 
-def test_a_step_is_refused_as_columns_where_any_item_would_be():
+def test_a_step_refuses_each_item_by_its_own_rule_and_reserves_the_rest():
     store = _store()
-    sessions = _sessions(store, [3, 64])
-    assert store.plan_step(sessions, 0, 1, [None, None]) is None  # the second passes max_tokens
-    assert store.plan_step(sessions[:1], 0, 1, [2]) is None  # an offset that is not the length
-    tight = Store(max_sessions=10, memory_budget_bytes=PAGE_BYTES)
-    assert tight.plan_step(_sessions(tight, [4, 4]), 0, 1, [None, None]) is None  # two new pages: past the budget
+    sessions = _sessions(store, [3, 64, 5])
+    step, problems = _plan(store, sessions, 1, [None, None, 4])
+    assert {i: p.slug for i, p in problems.items()} == {1: "capacity-exceeded", 2: "offset-mismatch"}
+    assert problems[1].detail == "appending 1 rows to length 64 would pass max_tokens 64"
+    assert problems[2].detail == "offset 4 is not the layer's length 5; nothing was appended"
+    assert step.sessions == sessions[:1] and step.new_length == [4]
+    read, problems = _plan(store, sessions[2:], 0, [4])  # an attend without rows: its offset alone
+    assert problems[0].detail == "offset 4 is not the layer's length 5" and len(read) == 0
+    # the budget: each item against the bytes of those before it that pass
+    tight = Store(max_sessions=10, memory_budget_bytes=0)
+    three = _sessions(tight, [4, 8, 4])
+    tight.memory_budget_bytes = tight.used_bytes + PAGE_BYTES  # room for one new page
+    step, problems = _plan(tight, three, 1, [None] * 3)
+    assert step.sessions == three[:1] and sorted(problems) == [1, 2]
+    assert problems[1].slug == "out-of-memory" and problems[1].extra["used_bytes"] == tight.used_bytes + PAGE_BYTES
 
 
 def _windowed(length: int, sinks: int, window: int, exact_page_bytes: int = 30):
@@ -172,30 +193,32 @@ def test_a_step_of_windowed_layers_is_reserved_as_columns_as_one_by_one():
                                          nbytes=0), owner=None, session_id=f"w{i}")  # fmt: skip
         s.layers[0].length, s.layers[0].capacity = n, -(-n // P) * P
         sessions.append(s)
-    step = store.plan_step(sessions, 0, 2, [None] * 4)
-    assert step is not None
-    alone = [store.plan_append(s, 0, 2, None) for s in sessions]
-    assert step.delta_bytes == [r.delta_bytes for r in alone] and any(step.delta_bytes)
-    assert step.new_capacity == [r.new_capacity for r in alone]
+    step, problems = _plan(store, sessions, 2, [None] * 4)
+    assert not problems
+    alone = [_plan(store, [s], 2, [None])[0] for s in sessions]
+    assert step.delta_bytes == [r.delta_bytes[0] for r in alone] and any(step.delta_bytes)
+    assert step.new_capacity == [r.new_capacity[0] for r in alone]
+    assert step.delta_bytes == [s.layers[0].cache.bytes_for(c) - s.layers[0].cache.bytes_for(s.layers[0].capacity)
+                                for s, c in zip(sessions, step.new_capacity)]  # fmt: skip
 
 
 def test_a_failed_item_of_a_step_gives_its_rows_back_and_the_others_keep_theirs():
     store = _store()
     sessions = _sessions(store, [2, 2])
-    step = store.plan_step(sessions, 0, 1, [None, None])
+    step = _plan(store, sessions, 1, [None, None])[0]
     store.commit_step(step)
-    later = store.plan_append(sessions[1], 0, 1, None)  # a single append queued behind the step
-    store.commit(later)
+    later = _plan(store, sessions[1:], 1, [None])[0]  # a step of one queued behind the step
+    store.commit_step(later)
     assert sessions[1].layers[0].inflight == [step, later]
     assert not store.cancellable(step)  # another job was checked against it
-    assert store.cancellable((later,))
+    assert store.cancellable(later)
     sessions[0].kv.layers[0].applied(1)  # item 0 ran; item 1 failed while planned
-    store.finish_job(step, [None, RuntimeError("planned badly")])
+    store.finish_step(step, [None, RuntimeError("planned badly")])
     assert sessions[0].pending == 0 and sessions[0].layers[0].length == 3
     assert sessions[1].pending == 1 and sessions[1].layers[0].inflight == [later]
     assert sessions[1].layers[0].length == 3 and sessions[1].dirty  # its reserved row given back, under `later`'s
     sessions[1].kv.layers[0].applied(1)  # `later` ran
-    store.finish(later, None)
+    store.finish_step(later, None)
     assert sessions[1].pending == 0 and sessions[1].layers[0].length == 3  # resynced from the cache
     assert not sessions[1].dirty and not sessions[1].failed
 
@@ -203,10 +226,10 @@ def test_a_failed_item_of_a_step_gives_its_rows_back_and_the_others_keep_theirs(
 def test_a_step_dropped_by_the_timeout_is_cancellable_when_last_in_every_layer():
     store = _store()
     sessions = _sessions(store, [1, 1, 1])
-    step = store.plan_step(sessions, 0, 1, [None] * 3)
+    step = _plan(store, sessions, 1, [None] * 3)[0]
     store.commit_step(step)
     assert store.cancellable(step)
-    store.finish_job(step, [TimeoutError()] * 3)  # cancelled: nothing applied
+    store.finish_step(step, [TimeoutError()] * 3)  # cancelled: nothing applied
     assert [s.layers[0].length for s in sessions] == [1, 1, 1] and all(s.pending == 0 for s in sessions)
-    read = store.plan_step(sessions, 0, 0, [1, 1, 1])  # an attend without rows: no bytes, no capacity
+    read = _plan(store, sessions, 0, [1, 1, 1])[0]  # an attend without rows: no bytes, no capacity
     assert read.new_length == [1, 1, 1] and read.total_bytes == 0

@@ -1,12 +1,14 @@
 """``POST /v1/batch/attend``: the batched step over HTTP (its parse, checks,
-queueing and answer are ``steps.py``'s, which the stream shares)."""
+queueing and answer are the ``step`` package's, which every transport shares)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
 from ..codec import read_body, respond
-from ..steps import count_errors, encode_answer, finish_any, parse_batch, queue_batch
+from ..step.answer import count_problems, encode_answer
+from ..step.parse import parse_batch
+from ..step.plan import finish_request, queue_request
 from .deps import EngineDep, OwnerDep, RuntimeDep, WireDep
 from .schemas import ok, problems, request_body
 
@@ -35,8 +37,8 @@ async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: 
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     parsed = await rt.offload(parse_batch, raw, wire.request, max_bytes, rt.settings.max_batch_items, size=len(raw))
-    outcome = await finish_any(rt, queue_batch(rt, engine, owner, parsed))
-    count_errors(rt, outcome)
+    outcome = await finish_request(rt, queue_request(rt, engine, owner, parsed))
+    count_problems(rt, outcome)
     size = len(raw) * (1 if wire.response == "msgpack" else 6)
-    body = await rt.offload(encode_answer, parsed, outcome, wire.response, request.url.path, size=size)
+    body = await rt.offload(encode_answer, outcome, wire.response, request.url.path, size=size)
     return respond(None, wire, body=body)

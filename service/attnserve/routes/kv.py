@@ -2,8 +2,8 @@
 
 Each request goes: negotiate (415, declared 413) -> session and layer (404) ->
 read the body (streamed 413) -> decode (400) and check fields (422), off the
-event loop when large -> check against the session's reserved state (422, 409,
-507) -> queue one GPU job -> await it. Everything up to the queueing runs
+event loop when large -> a step of one (``step/``): its rules against the
+session's reserved state (422, 409, 507) -> queue its GPU job -> await it. Everything up to the queueing runs
 without an ``await`` after the body is decoded, so a request is either refused
 with every cache untouched, or queued in order.
 """
@@ -15,20 +15,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from ..codec import MediaKind, Wire, encode, read_body, respond
-from ..engine import AttendResult
+from ..codec import Wire, read_body, respond
+from ..runtime import Runtime
+from ..step.answer import answer_document, encode_answer
+from ..step.parse import Parsed, one_append, one_attend, parse_append, parse_attend
+from ..step.plan import finish_request, queue_request
+from ..step.rules import layer_problem
 from ..store import Session
-from .deps import EngineDep, LayerPath, OwnerDep, Runtime, RuntimeDep, SessionDep, WireDep
-from ..operations import (
-    attend_document,
-    check_append,
-    check_attend,
-    count_rows,
-    layer_index,
-    parse_append,
-    parse_attend,
-    queue_one,
-)
+from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, WireDep
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -40,23 +34,41 @@ router = APIRouter(prefix="/v1/sessions/{session_id}/layers/{layer}", tags=["kv"
 
 
 def _layer(session: Session, layer_path: str) -> int:
-    return layer_index(session, int(layer_path))  # the path pattern allows 1 to 10 digits only
+    layer = int(layer_path)  # the path pattern allows 1 to 10 digits only
+    problem = layer_problem(session, layer)
+    if problem is not None:
+        raise problem
+    return layer
 
 
 async def _read(
-    request: Request, rt: Runtime, wire: Wire, session: Session, owner: str | None, layer: str, parse: Any
-) -> tuple[Session, int, Any]:
+    request: Request, rt: Runtime, wire: Wire, session: Session, layer: str, parse: Any, one: Any
+) -> Parsed:
     """Read and parse the body (``parse(raw, kind, max_bytes)``, off the event loop
-    when large); return the session looked up again after those awaits (it may have
-    been deleted, or even deleted and created anew under the same id, meanwhile),
-    the layer index, and the parsed request. A layer out of range is a 404 before
-    any of the body is read."""
-    _layer(session, layer)
+    when large) into a step of one (``one(session_id, layer, parsed)``). A layer out
+    of range is a 404 before any of the body is read."""
+    li = _layer(session, layer)
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
     req = await rt.offload(parse, raw, wire.request, max_bytes, size=len(raw))
-    session = rt.store.get(session.id, owner)
-    return session, _layer(session, layer), req
+    return one(session.id, li, req)
+
+
+async def _run(rt: Runtime, engine: Any, owner: str | None, parsed: Parsed) -> Any:
+    """Check and queue a route's step of one, and await it: its outcome (a refusal
+    raises its problem). Its checks see the store as it is after the body's awaits
+    (the session may have been deleted, or deleted and created anew, meanwhile). A
+    job the request timeout drops answers through the middleware (503)."""
+    queued = queue_request(rt, engine, owner, parsed)
+    if 0 in queued.problems:
+        raise queued.problems[0]
+    outcome = await finish_request(rt, queued, what="request")
+    problem = outcome.problems.get(0)
+    if problem is not None:
+        if queued.futures and queued.futures[0].cancelled():
+            raise asyncio.CancelledError  # the request timeout dropped it: the middleware answers 503
+        raise problem
+    return outcome
 
 
 @router.post(
@@ -84,16 +96,9 @@ async def append_kv(
     session: SessionDep,
     owner: OwnerDep,
 ) -> Response:
-    session, li, req = await _read(request, rt, wire, session, owner, layer, parse_append)
-    # From here to the queueing: no await, so the check and the queue order agree.
-    op = check_append(rt, engine, session, li, req)
-    length = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
-    count_rows(rt, op)
-    return respond({"length": length}, wire)
-
-
-def _attend_body(result: AttendResult, kind: MediaKind, return_lse: bool) -> bytes:
-    return encode(attend_document(result, kind, return_lse), kind)
+    parsed = await _read(request, rt, wire, session, layer, parse_append, one_append)
+    outcome = await _run(rt, engine, owner, parsed)
+    return respond(answer_document(outcome, wire.response, request.url.path), wire)
 
 
 @router.post(
@@ -122,10 +127,10 @@ async def attend(
     session: SessionDep,
     owner: OwnerDep,
 ) -> Response:
-    session, li, req = await _read(request, rt, wire, session, owner, layer, parse_attend)
-    op = check_attend(rt, engine, session, li, req)
-    result = await asyncio.shield(asyncio.wrap_future(queue_one(rt, engine, op)))
-    count_rows(rt, op)
-    size = result.out.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
-    body = await rt.offload(_attend_body, result, wire.response, req.return_lse, size=size)
+    parsed = await _read(request, rt, wire, session, layer, parse_attend, one_attend)
+    outcome = await _run(rt, engine, owner, parsed)
+    q = parsed.steps[0].q
+    assert q is not None
+    size = q.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
+    body = await rt.offload(encode_answer, outcome, wire.response, request.url.path, size=size)
     return respond(None, wire, body=body)
