@@ -1,5 +1,6 @@
 """The tree is lint-clean and formatted (ruff), and the client package, which ships
-py.typed, passes mypy --strict: the configuration is in pyproject.toml."""
+py.typed, and the server package pass mypy --strict: the configuration is in
+pyproject.toml."""
 
 from __future__ import annotations
 
@@ -36,5 +37,12 @@ def test_ruff_format():
 
 def test_mypy_client_strict():
     r = _run([*_tool("mypy")])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "Success" in r.stdout
+
+
+def test_mypy_service_strict():
+    # the same configuration (strict; wgpu, untyped, is Any), on the server package
+    r = _run([*_tool("mypy"), "service/attnserve"])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "Success" in r.stdout

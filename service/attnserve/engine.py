@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypedDict, cast
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from .gpu.kernels import KernelPolicy, attend_output_bytes
 from .gpu.batch import Batch, Items, Seg
 from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter"]
 
@@ -40,7 +43,7 @@ def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
     return a
 
 
-class AttendResult(tuple):
+class AttendResult(tuple[np.ndarray, int]):
     """An attend's answer: the pair ``(out [n, H, d] float32, length)`` (the layer's
     length it attended over), and beside it ``lse [n, H]`` float32, the log-sum-exp
     of each row's scaled scores (natural log; ``kernels.attend_output_bytes``)."""
@@ -128,6 +131,16 @@ class _OneByOne(Exception):
     """The columns of a stacked step passed the binding limit: plan it item by item."""
 
 
+class AttendOptions(TypedDict, total=False):
+    """The options of :meth:`Engine.attend` (those of :meth:`Engine.plan_attend`)."""
+
+    k: np.ndarray | None
+    v: np.ndarray | None
+    start_pos: int | None
+    causal: bool
+    scale: float | None
+
+
 class StackedResult(NamedTuple):
     """What a step's job gives: ``out [B, n, H, d]`` float32 (zeros for a failed
     item; None for appends alone), ``lengths [B]`` (the layer's length each item
@@ -187,7 +200,7 @@ class Engine:
         self.worker.policy = policy
 
     @classmethod
-    def open(cls, adapter: str | None = None, cuda_context: str = "auto", **kw) -> "Engine":
+    def open(cls, adapter: str | None = None, cuda_context: str = "auto", **kw: Any) -> "Engine":
         return cls(open_device(adapter, cuda_context), **kw)
 
     def close(self) -> None:
@@ -196,7 +209,7 @@ class Engine:
 
     # ── the device ──────────────────────────────────────────────────────────
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """The adapter: name, backend, type, vendor, binding limits."""
         return self.ctx.describe()
 
@@ -222,7 +235,7 @@ class Engine:
 
     # ── jobs ────────────────────────────────────────────────────────────────
 
-    def append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> Future:
+    def append(self, layer: LayerCache, k: np.ndarray, v: np.ndarray) -> Future[int]:
         """Append rows ``k, v [n, Hkv, d]``; the future gives the new length."""
         return self.worker.submit_plan(self.plan_append(layer, k, v))
 
@@ -232,7 +245,7 @@ class Engine:
         k, v = _as_rows(k, "k"), _as_rows(v, "v")
         return _one(self.plan_stacked([layer], None, k=k[None], v=v[None], start_pos=[None]), appended=True)
 
-    def attend(self, layer: LayerCache, q: np.ndarray, **options: object) -> Future:
+    def attend(self, layer: LayerCache, q: np.ndarray, **options: Unpack[AttendOptions]) -> Future[AttendResult]:
         """Optionally append ``k, v`` first (fused step), then attend ``q [n, H, d]``;
         ``options`` are those of :meth:`plan_attend` (``k``, ``v``, ``start_pos``,
         ``causal``, ``scale``).
@@ -240,7 +253,7 @@ class Engine:
         The future gives an :class:`AttendResult` ``(out [n, H, d] float32, length)``.
         ``start_pos`` defaults to ``length - n`` after the fused append.
         """
-        return self.worker.submit_plan(self.plan_attend(layer, q, **options))  # type: ignore[arg-type]
+        return self.worker.submit_plan(self.plan_attend(layer, q, **options))
 
     def plan_attend(
         self,
@@ -258,12 +271,12 @@ class Engine:
         q = _as_rows(q, "q")
         if (k is None) != (v is None):
             raise ValueError("k and v go together")
-        fused = {}
-        if k is not None:
-            fused = {"k": _as_rows(k, "k")[None], "v": _as_rows(v, "v")[None]}  # type: ignore[arg-type]
+        ks = vs = None
+        if k is not None and v is not None:  # (both or neither: checked above)
+            ks, vs = _as_rows(k, "k")[None], _as_rows(v, "v")[None]
         if q.shape[2] != layer.head_dim:
             raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {layer.head_dim}")
-        return _one(self.plan_stacked([layer], q[None], start_pos=[start_pos], causal=causal, scale=scale, **fused))
+        return _one(self.plan_stacked([layer], q[None], k=ks, v=vs, start_pos=[start_pos], causal=causal, scale=scale))
 
     def plan_stacked(
         self,
@@ -290,30 +303,34 @@ class Engine:
         b = len(layers)
         if len(start_pos) != b or (k is None) != (v is None) or (q is not None and q.shape[0] != b):
             raise ValueError("one layer and start_pos per stacked item, and k and v together")
+        taking = [layer for layer in layers if layer is not None]
         if k is not None:
             k, v = np.ascontiguousarray(k, dtype="<f4"), np.ascontiguousarray(v, dtype="<f4")
             if k.shape[0] != b or v.shape != k.shape:
                 raise ValueError(f"k/v must both be [{b}, m, Hkv, d], got {k.shape} and {v.shape}")
-        taking = [layer for layer in layers if layer is not None]
-        if k is not None:
             for layer in {(l.n_kv_heads, l.head_dim): l for l in taking}.values():  # once per layer shape
-                self._check_rows(layer, k[0], v[0])  # type: ignore[index]
-        d = (q if q is not None else k).shape[3]  # type: ignore[union-attr]
+                self._check_rows(layer, k[0], v[0])
+        d = q.shape[3] if q is not None else cast(np.ndarray, k).shape[3]  # (q None: k is given, checked above)
         if any(layer.head_dim != d for layer in taking):
             raise ValueError(f"q head_dim {d} != a cache's head_dim")
         sc = float(scale) if scale is not None else 1.0 / math.sqrt(d)
         shape: tuple[int, ...] = () if q is None else q.shape[1:]
 
-        def plan(batch):
+        def plan(batch: Batch) -> Callable[[memoryview | None], StackedResult]:
             batch.records = batch.empty  # only a batch's first job records its plan (Batch.record)
             qs = outs = None
             if q is not None:
                 qs = batch.upload_items(q)
                 outs = batch.output_items(b, attend_output_bytes(*shape))
-            rows = {}  # the fused rows, once per row dtype the layers take (before any item can roll back)
+            # the fused rows, once per row dtype the layers take (before any item can roll back)
+            rows: dict[str, tuple[Items, Items]] = {}
             if k is not None:
+                assert v is not None  # k and v go together (checked above)
                 for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
-                    rows[dtype] = tuple(batch.upload_items(a.astype(dtype, copy=False)) for a in (k, v))
+                    rows[dtype] = (
+                        batch.upload_items(k.astype(dtype, copy=False)),
+                        batch.upload_items(v.astype(dtype, copy=False)),
+                    )
             lengths = np.full(b, -1, dtype=np.int64)
             errors: dict[int, BaseException] = {}
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
@@ -335,9 +352,14 @@ class Engine:
                     continue
                 mark = batch.mark()
                 try:
-                    item_rows = None if k is None else (*(a.seg(i) for a in rows[layer.row_dtype]), k.shape[1])
+                    assert layer is not None  # one_by_one names the items with a layer
+                    item_rows: tuple[Seg, Seg, int] | None = None
+                    if k is not None:
+                        k_items, v_items = rows[layer.row_dtype]
+                        item_rows = (k_items.seg(i), v_items.seg(i), k.shape[1])
                     length = _plan_item(
-                        batch, layer, qs and qs.seg(i), shape, outs and outs.seg(i), item_rows, start_pos[i], causal, sc
+                        batch, layer, None if qs is None else qs.seg(i), shape, None if outs is None else outs.seg(i),
+                        item_rows, start_pos[i], causal, sc,
                     )  # fmt: skip
                     if batch.largest_arena > cap and (lengths >= 0).any():  # the first item may use it all
                         full = InvalidRequest(
@@ -350,13 +372,14 @@ class Engine:
                     batch.rollback(mark)
                     errors[i] = e
 
-            def finish(out):
+            def finish(out: memoryview | None) -> StackedResult:
                 if outs is None:
                     return StackedResult(None, lengths, errors, None)
                 if not (lengths >= 0).any():  # nothing answered (nothing may have been read back)
                     return StackedResult(
                         np.zeros((b, *shape), "<f4"), lengths, errors, np.zeros((b, *shape[:2]), "<f4")
                     )
+                assert out is not None  # an item answered: its outputs were read back
                 arr = outs.view(out, "<f4", shape)
                 lse = outs.view(out, "<f4", shape[:2], start=4 * int(np.prod(shape)))
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
@@ -411,49 +434,40 @@ class Engine:
         taking = [i for i, layer in enumerate(layers) if layer is not None]
         if len({id(layers[i]) for i in taking}) != len(taking):
             return taking
-        groups: dict[tuple[int, type], list[int]] = {}
+        present = cast("Sequence[LayerCache]", layers)  # at the indices in taking, which alone are read below
+        groups: dict[tuple[int, type[LayerCache]], list[int]] = {}
         for i in taking:
-            groups.setdefault((id(layers[i].pool), type(layers[i])), []).append(i)  # type: ignore[union-attr]
+            groups.setdefault((id(present[i].pool), type(present[i])), []).append(i)
         left: list[int] = []
         sp_all = np.fromiter((-1 if p is None else p for p in start_pos), np.int64, len(start_pos))
         for idx in groups.values():
-            first = layers[idx[0]]
-            assert first is not None
+            first = present[idx[0]]
             if qs is not None and not first.attends_split(batch.policy, shape[0], shape[1]):
                 left += idx
                 continue
             items = np.asarray(idx)
-            group = [layers[i] for i in idx]
+            group = [present[i] for i in idx]
             item_rows = None if k is None else (*rows[first.row_dtype], k.shape[1])
             lengths[items] = first.plan_stacked(
-                batch,
-                group,
-                items,
-                qs,
-                outs,
-                item_rows,
-                shape,
-                sp_all[items],
-                causal,
-                scale,  # type: ignore[arg-type]
+                batch, group, items, qs, outs, item_rows, shape, sp_all[items], causal, scale
             )
         return sorted(left)
 
-    def submit_group(self, plans: list[PlanFn]) -> list[Future]:
+    def submit_group(self, plans: list[PlanFn]) -> list[Future[Any]]:
         """Queue ``plans`` together: they run in order in one GPU submission with one
         readback (a batched step). All or none are queued (Overloaded: none)."""
         return self.worker.submit_plans(plans)
 
-    def call(self, fn: Callable[[GpuContext], object]) -> Future:
+    def call(self, fn: Callable[[GpuContext], object]) -> Future[Any]:
         """Run ``fn(ctx)`` alone on the GPU thread (readbacks, restores, frees)."""
         return self.worker.submit_call(fn)
 
-    def fork(self, src: SessionKV, kv: SessionKV, lengths: list[int]) -> Future:
+    def fork(self, src: SessionKV, kv: SessionKV, lengths: list[int]) -> Future[None]:
         """Make ``kv`` (a new session of ``src``'s config) share ``src``'s first
         ``lengths[i]`` timesteps of each layer, after every job queued on ``src``."""
         return self.worker.submit_call(lambda ctx: kv.fork_from(ctx.device, src, lengths))
 
-    def release(self, session: SessionKV) -> Future:
+    def release(self, session: SessionKV) -> Future[None]:
         return self.worker.submit_call(lambda ctx: session.release())
 
     @staticmethod

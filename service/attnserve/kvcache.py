@@ -20,17 +20,21 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import numpy as np
 import wgpu
 
-from .gpu.batch import PHASE_WRITE, Batch, Items, Seg, whole
+from .gpu.batch import PHASE_WRITE, Batch, Items, Resource, Seg, whole
 from .gpu import kernels as K
 from .pool import (
     DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, TableRegion, copy_host_rows, copy_rows,
 )  # fmt: skip
 from .formats import PLAIN_DTYPES, check_head_dim, is_plain
 from .turboquant import layer_signs_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "LayerCache",
@@ -42,6 +46,13 @@ __all__ = [
     "layer_formats",
     "SessionKV",
 ]
+
+
+# What LayerCache.state gives and restore takes back: opaque to its callers (a
+# windowed layer's holds its exact rows' caches' states too)
+LayerState = tuple[Any, ...]
+# A windowed layer's parameters, as columns (arrays) or one layer's (a scalar)
+IntArray = Union[np.ndarray, np.int64]
 
 
 class OutOfRange(ValueError):
@@ -110,14 +121,14 @@ class LayerCache:
 
     # ── device work (GPU owner thread) ──────────────────────────────────────
 
-    def state(self) -> tuple:
+    def state(self) -> LayerState:
         """What planning may change: restore it with :meth:`restore` when a job
         that already planned into this layer fails (its ops are rolled back; the
         pool takes its pages back through the batch's own undo). ``pages`` is kept
         by reference: the layer only ever replaces its list, never changes it."""
         return (self.length, self.slab, self.pages)
 
-    def restore(self, state: tuple) -> None:
+    def restore(self, state: LayerState) -> None:
         self.length, self.slab, self.pages = state
 
     def _ensure_pages(self, batch: Batch, new_length: int) -> None:
@@ -145,6 +156,7 @@ class LayerCache:
         """The layer's slab is full and at its largest: move every page to a slab
         with room for ``more`` besides (the one copy of a layer's rows)."""
         pool, old_slab, old = self.pool, self.slab, self.pages
+        assert old_slab is not None  # pool.take raises PoolFull only for a layer's own slab
         slab, pages = pool.take(batch, batch.device, None, len(old) + more, self, exclude=old_slab)
         batch.on_rollback(lambda: pool.untake(slab, pages))
         # its appends earlier in this batch are deferred writes into the old slab: the
@@ -205,12 +217,16 @@ class LayerCache:
         """The layer's call (an append, or an attend after its fused append) is
         planned (a windowed layer lets its older exact rows go)."""
 
-    def _append(self, batch: Batch, n_rows, t0, k_off, v_off) -> K.Append:
+    def _append(
+        self, batch: Batch, n_rows: K.IntColumn, t0: K.IntColumn, k_off: K.IntColumn, v_off: K.IntColumn
+    ) -> K.Append:
         """This layer's append of uploaded rows (word offsets in the input arena), as
         the one entry of an :class:`~attnserve.gpu.kernels.Append`."""
         table = (self.table_offset(batch),)
+        slab = self.slab
+        assert slab is not None  # _ensure_pages took the pages of its rows (n >= 1)
         return K.Append(
-            self.kv_format, self.slab, self.pool.page_shift, self.n_kv_heads, self.head_dim,
+            self.kv_format, slab, self.pool.page_shift, self.n_kv_heads, self.head_dim,
             n_rows, t0, k_off, v_off, table, self.sign_words(batch, [self]),
         )  # fmt: skip
 
@@ -233,7 +249,7 @@ class LayerCache:
         q: Items | None,
         out: Items | None,
         rows: tuple[Items, Items, int] | None,
-        shape: tuple[int, int, int],
+        shape: tuple[int, ...],
         start_pos: np.ndarray,
         causal: bool,
         scale: float,
@@ -255,13 +271,19 @@ class LayerCache:
         put back."""
         kind = type(layers[0])  # the methods of the layers' own kind
         saved = [layer.state() for layer in layers]
-        batch.on_rollback(lambda: [layer.restore(st) for layer, st in zip(layers, saved)])
+
+        def restore_all() -> None:
+            for layer, st in zip(layers, saved):
+                layer.restore(st)
+
+        batch.on_rollback(restore_all)
         if q is None:  # appends alone: each layer's call is its append
             assert rows is not None
             after, where = kind._take_columns(batch, layers, items, rows)
             kind._write_columns(batch, layers, where, items, rows, after - rows[2])
             kind._columns_done(batch, layers)
             return after
+        assert out is not None  # an attend's queries come with its outputs
         # the layers' state first (pages, page tables, signs, lengths, what their
         # attends read); then the commands, recorded, or replayed where a step over
         # other layers at the same lengths recorded them
@@ -276,6 +298,8 @@ class LayerCache:
         where = kind._attend_state(batch, layers, where, sp)
         # recorded where a later layer of a session may replay it (not a session's
         # last layer of the format: a one-layer client's steps record nothing)
+        key: tuple[object, ...] | None
+        objects: tuple[object, ...]
         plans, key, objects, recorded = batch.arenas.step_plans, None, (), None
         follows = any(layer.format_follows for layer in layers)
         if not batch.deferring and (follows or len(plans)):
@@ -302,8 +326,8 @@ class LayerCache:
 
     @classmethod
     def _take_columns(
-        cls, batch: Batch, layers: Sequence["LayerCache"], items: np.ndarray, rows: tuple[Items, Items, int]
-    ) -> tuple[np.ndarray, "_Where"]:
+        cls, batch: Batch, layers: Sequence[Self], items: np.ndarray, rows: tuple[Items, Items, int]
+    ) -> tuple[np.ndarray, _Where]:
         """The state of an append of ``rows`` ``(k, v, m)``' item ``items[i]`` (``m``
         rows) to ``layers[i]`` (distinct layers of one pool and kind): the pages they
         need taken, where they are then (:class:`_Where`), their new lengths (set,
@@ -326,8 +350,8 @@ class LayerCache:
     def _write_columns(
         cls,
         batch: Batch,
-        layers: Sequence["LayerCache"],
-        where: "_Where",
+        layers: Sequence[Self],
+        where: _Where,
         items: np.ndarray,
         rows: tuple[Items, Items, int],
         before: np.ndarray,
@@ -344,27 +368,25 @@ class LayerCache:
             ))  # fmt: skip
 
     @classmethod
-    def _attend_state(
-        cls, batch: Batch, layers: Sequence["LayerCache"], where: "_Where", start_pos: np.ndarray
-    ) -> "_Where":
+    def _attend_state(cls, batch: Batch, layers: Sequence[Self], where: _Where, start_pos: np.ndarray) -> _Where:
         """Where the attends of :meth:`plan_stacked` (from ``start_pos``) read besides
         ``where`` says (a windowed layer's exact rows), brought up to date."""
         return where
 
     @classmethod
-    def _columns_done(cls, batch: Batch, layers: Sequence["LayerCache"]) -> None:
+    def _columns_done(cls, batch: Batch, layers: Sequence[Self]) -> None:
         """:meth:`plan_stacked`'s commands are planned (a windowed layer's call is done)."""
 
     @classmethod
     def _attend_columns(
         cls,
         batch: Batch,
-        layers: Sequence["LayerCache"],
-        where: "_Where",
+        layers: Sequence[Self],
+        where: _Where,
         items: np.ndarray,
         q: Items,
         out: Items,
-        shape: tuple[int, int, int],
+        shape: tuple[int, ...],
         length: np.ndarray,
         start_pos: np.ndarray,
         causal: bool,
@@ -385,7 +407,17 @@ class LayerCache:
         takes the split kernels (what :meth:`plan_stacked` plans as columns)."""
         return policy.path(self.kv_format, n_queries, n_heads, self.n_kv_heads, self.head_dim) == "split"
 
-    def _attend(self, batch: Batch, q, shape: tuple, out, length: int, start_pos: int, causal: bool, scale: float):
+    def _attend(
+        self,
+        batch: Batch,
+        q: Resource,
+        shape: tuple[int, ...],
+        out: Resource,
+        length: int,
+        start_pos: int,
+        causal: bool,
+        scale: float,
+    ) -> K.Attend:
         n, h, d = shape
         if self.slab is None or length > self.capacity:
             raise OutOfRange(f"attend over {length} timesteps of a layer holding {self.length}")
@@ -395,7 +427,16 @@ class LayerCache:
         )  # fmt: skip
 
     def plan_attend_rows(
-        self, batch: Batch, q: Seg, shape: tuple, *, out, length: int, start_pos: int, causal: bool, scale: float
+        self,
+        batch: Batch,
+        q: Seg,
+        shape: tuple[int, ...],
+        *,
+        out: Resource,
+        length: int,
+        start_pos: int,
+        causal: bool,
+        scale: float,
     ) -> None:
         """Attention for uploaded queries ``q`` of ``shape = (n, H, d)`` over the
         first ``length`` timesteps, into ``out`` (a segment or a buffer); the
@@ -407,6 +448,7 @@ class LayerCache:
         start) read back in the contiguous layout of ``len(counts) * P`` rows; the
         rows not read are zero."""
         P, layout, slab = self.pool.page_tokens, self.pool.layout, self.slab
+        assert slab is not None  # the layer holds the pages read
         cap = len(counts) * P
         usage = wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
         k, v = (device.create_buffer(size=n, usage=usage) for n in layout.buffer_bytes(cap))
@@ -437,10 +479,12 @@ class LayerCache:
         contiguous layout of ``P`` rows (the journal's page records)."""
         P, layout = self.pool.page_tokens, self.pool.layout
         kall, vall = self._read_rows(device, first, [P] * count)
+        # copy_host_rows only slices its sources: memoryviews read as bytes do
+        ksrc, vsrc = cast(bytes, kall), cast(bytes, vall)
         out = []
         for i in range(count):
             kb, vb = (bytearray(n) for n in layout.buffer_bytes(P))
-            copy_host_rows(layout, (kall, vall, count * P, i * P), (kb, vb, P, 0), P)
+            copy_host_rows(layout, (ksrc, vsrc, count * P, i * P), (kb, vb, P, 0), P)
             out.append((bytes(kb), bytes(vb)))
         return out
 
@@ -485,17 +529,19 @@ class LayerCache:
         pool, P = self.pool, self.pool.page_tokens
         full, part = divmod(length, P)
         copies = DirectCopies(device)
-        slab, pages = src.slab, list(src.pages[:full])
+        src_slab = src.slab
+        assert src_slab is not None  # src holds length >= 1 timesteps
+        slab, pages = src_slab, list(src.pages[:full])
         if part:
             try:
                 _, own = pool.take(copies, device, slab, 1, self)
             except PoolFull:
-                slab, own = pool.take(copies, device, None, full + 1, self, exclude=src.slab)
+                slab, own = pool.take(copies, device, None, full + 1, self, exclude=src_slab)
                 pages, own = own[:full], own[full:]
-                pool.copy_pages(copies, src.slab, src.pages[:full], slab, pages)  # no room to share: its own copy
-            copy_rows(copies, pool.layout, (src.slab.k, src.slab.v, src.slab.rows, src.pages[full] * P),
+                pool.copy_pages(copies, src_slab, src.pages[:full], slab, pages)  # no room to share: its own copy
+            copy_rows(copies, pool.layout, (src_slab.k, src_slab.v, src_slab.rows, src.pages[full] * P),
                       (slab.k, slab.v, slab.rows, own[0] * P), part)  # fmt: skip
-            if slab is src.slab:
+            if slab is src_slab:
                 pool.share(slab, pages, self)
             pages += own
         else:
@@ -503,12 +549,12 @@ class LayerCache:
         copies.run()
         self.slab, self.pages, self.length = slab, pages, length
 
-    def read_exact(self, device: wgpu.GPUDevice) -> dict | None:
+    def read_exact(self, device: wgpu.GPUDevice) -> dict[str, Any] | None:
         """The rows a layer keeps exactly beside its cache, as a snapshot keeps them
         (``snapshot_format``'s ``exact`` member); None: it keeps none."""
         return None
 
-    def load_exact(self, device: wgpu.GPUDevice, exact: dict | None) -> None:
+    def load_exact(self, device: wgpu.GPUDevice, exact: dict[str, Any] | None) -> None:
         """Restore what :meth:`read_exact` gave (after :meth:`load_words`)."""
 
     def drop_front(self, batch: Batch, pages: int) -> None:
@@ -527,6 +573,7 @@ class LayerCache:
 
     def release(self) -> None:
         if self.pages:
+            assert self.slab is not None  # its pages are in it
             self.pool.drop(self.slab, self.pages, self)
         if self._region is not None:
             self.pool.tables.drop(self._region)
@@ -539,21 +586,32 @@ class PlainLayerCache(LayerCache):
     numpy rounds, before they are uploaded): slab row ``r`` at ``r * kv_dim``
     elements (``kv_dim = Hkv * d``)."""
 
+    def __init__(self, *, pool: PagePool, max_tokens: int, layer: int = 0):
+        super().__init__(pool=pool, max_tokens=max_tokens, layer=layer)
+        self.row_dtype = PLAIN_DTYPES[self.kv_format]  # the format's own (its kv_format never changes)
+
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    @property
-    def row_dtype(self) -> str:
-        return PLAIN_DTYPES[self.kv_format]
-
-    def plan_append_rows(self, batch, ks, vs, n):
+    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
         self._ensure_pages(batch, self.length + n)
         K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
         self.length += n
         return self.length
 
-    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+    def plan_attend_rows(
+        self,
+        batch: Batch,
+        q: Seg,
+        shape: tuple[int, ...],
+        *,
+        out: Resource,
+        length: int,
+        start_pos: int,
+        causal: bool,
+        scale: float,
+    ) -> None:
         a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
         K.plan_attend_plain(batch, a, self.kv_format)
 
@@ -562,12 +620,12 @@ class TurboQuantLayerCache(LayerCache):
     """TurboQuant K/V words (``turboquant`` and its variants, ``formats.TQ_SPECS``) in
     the layout of ``shaders/tqx.wgsl``, in pool slabs."""
 
-    def __init__(self, *, seed: int, **kw):
+    def __init__(self, *, seed: int, **kw: Any):
         super().__init__(**kw)
         self.seed = seed
 
     @property
-    def _signs_key(self) -> tuple:
+    def _signs_key(self) -> tuple[str, int, int, int]:
         return ("signs", self.seed, self.layer, self.head_dim)
 
     def signs(self, batch: Batch) -> Seg:
@@ -576,7 +634,7 @@ class TurboQuantLayerCache(LayerCache):
 
     @staticmethod
     def sign_words(batch: Batch, layers: Sequence[LayerCache]) -> Sequence[int]:
-        keys = [layer._signs_key for layer in layers]  # type: ignore[attr-defined]
+        keys = [layer._signs_key for layer in cast("Sequence[TurboQuantLayerCache]", layers)]
         segs = batch.upload_once_each(keys, lambda key: layer_signs_bytes(*key[1:]))
         return [seg.offset // 4 for seg in segs]
 
@@ -584,13 +642,24 @@ class TurboQuantLayerCache(LayerCache):
     def plan_split_attends(batch: Batch, a: K.Attends, kv_format: str) -> None:
         K.plan_split_turboquant(batch, a, kv_format)
 
-    def plan_append_rows(self, batch, ks, vs, n):
+    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
         self._ensure_pages(batch, self.length + n)
         K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
         self.length += n
         return self.length
 
-    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+    def plan_attend_rows(
+        self,
+        batch: Batch,
+        q: Seg,
+        shape: tuple[int, ...],
+        *,
+        out: Resource,
+        length: int,
+        start_pos: int,
+        causal: bool,
+        scale: float,
+    ) -> None:
         a = self._attend(batch, q, shape, out, length, start_pos, causal, scale)
         K.plan_attend_turboquant(batch, a, K.TqLayer(self.signs(batch), self.kv_format))
 
@@ -609,7 +678,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
     ``recent`` go: between calls the exact rows are the sinks and at most ``window``
     plus a page. Always the split path (``kernels.plan_split_windowed``)."""
 
-    def __init__(self, *, sinks: int, window: int, exact_pool: PagePool, **kw):
+    def __init__(self, *, sinks: int, window: int, exact_pool: PagePool, **kw: Any):
         super().__init__(**kw)
         self.sinks, self.window = sinks, window
         self.head = PlainLayerCache(pool=exact_pool, max_tokens=sinks, layer=self.layer) if sinks else None
@@ -617,7 +686,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self.recent_base = 0  # the timestep of recent's row 0 (its dropped pages' rows before it)
         self.held_from = 0  # exact rows older than this are read from the codes
 
-    def attends_split(self, policy, n_queries, n_heads):
+    def attends_split(self, policy: K.KernelPolicy, n_queries: int, n_heads: int) -> bool:
         return True  # always (kernels.plan_split_windowed)
 
     def exact_from(self, start_pos: int) -> int:
@@ -644,13 +713,13 @@ class WindowedLayerCache(TurboQuantLayerCache):
         capacity = self.pool.pages_for(length) * self.pool.page_tokens
         return copied + self._exact_pages(capacity) * self.recent.pool.page_bytes
 
-    def state(self) -> tuple:
+    def state(self) -> LayerState:
         return (
             super().state(), self.head.state() if self.head else None, self.recent.state(),
             self.recent_base, self.held_from,
         )  # fmt: skip
 
-    def restore(self, state: tuple) -> None:
+    def restore(self, state: LayerState) -> None:
         own, head, recent, self.recent_base, self.held_from = state
         super().restore(own)
         if self.head:
@@ -662,7 +731,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self._call_done(batch)  # an append alone is a call
         return length
 
-    def plan_append_rows(self, batch, ks, vs, n):
+    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
         before = self.length
         super().plan_append_rows(batch, ks, vs, n)
         row = self.n_kv_heads * self.head_dim * 4  # bytes of one float32 row as uploaded
@@ -673,18 +742,30 @@ class WindowedLayerCache(TurboQuantLayerCache):
             self.recent.plan_append_rows(batch, ks, vs, n)
         return self.length
 
-    def plan_attend_rows(self, batch, q, shape, *, out, length, start_pos, causal, scale):
+    def plan_attend_rows(
+        self,
+        batch: Batch,
+        q: Seg,
+        shape: tuple[int, ...],
+        *,
+        out: Resource,
+        length: int,
+        start_pos: int,
+        causal: bool,
+        scale: float,
+    ) -> None:
         a = K.Attends.of(
             self._attend(batch, q, shape, out, length, start_pos, causal, scale), self.sign_words(batch, [self])
         )
         head, recent = self.head, self.recent
-        has_head, has_recent = head is not None and head.slab is not None, recent.slab is not None
+        head_slab = head.slab if head is not None else None
+        has_head, has_recent = head_slab is not None, recent.slab is not None
         x = K.ExactRows(
             recent.kv_format,
-            head.slab if has_head else None,  # type: ignore[union-attr]
+            head_slab,
             recent.slab if has_recent else None,
             (self.sinks if has_head else 0,),
-            (head.table_offset(batch) if has_head else 0,),  # type: ignore[union-attr]
+            (head.table_offset(batch) if head is not None and has_head else 0,),
             (self.exact_from(start_pos),),
             (self.recent_base,),
             (recent.table_offset(batch) if has_recent else 0,),
@@ -693,7 +774,9 @@ class WindowedLayerCache(TurboQuantLayerCache):
         self._call_done(batch)
 
     @classmethod
-    def _take_columns(cls, batch, layers, items, rows):
+    def _take_columns(
+        cls, batch: Batch, layers: Sequence[Self], items: np.ndarray, rows: tuple[Items, Items, int]
+    ) -> tuple[np.ndarray, _Where]:
         """The codes' append (as any TurboQuant layer's), the sinks' (written one by
         one: only the first ``sinks`` timesteps of a layer write them) and the recent
         rows' (every layer with a window, one plain append of their own: in
@@ -701,12 +784,15 @@ class WindowedLayerCache(TurboQuantLayerCache):
         after, where = super()._take_columns(batch, layers, items, rows)
         k, v, m = rows
         before = after - m
-        for i in np.flatnonzero(before < np.fromiter((layer.sinks for layer in layers), np.int64, len(layers))):
+        sinking = np.flatnonzero(before < np.fromiter((layer.sinks for layer in layers), np.int64, len(layers)))
+        for i in sinking.tolist():
             layer = layers[i]
+            head = layer.head
+            assert head is not None  # a layer with sinks has their cache
             n = min(layer.sinks, int(after[i])) - int(before[i])
             ks, vs = k.seg(int(items[i])), v.seg(int(items[i]))
             row = ks.size // m  # bytes of one row as uploaded
-            layer.head.plan_append_rows(batch, Seg(ks.arena, ks.offset, n * row), Seg(vs.arena, vs.offset, n * row), n)
+            head.plan_append_rows(batch, Seg(ks.arena, ks.offset, n * row), Seg(vs.arena, vs.offset, n * row), n)
         windowed = np.asarray([i for i, layer in enumerate(layers) if layer.window], np.int64)
         if len(windowed):
             recents = [layers[i].recent for i in windowed.tolist()]
@@ -715,14 +801,22 @@ class WindowedLayerCache(TurboQuantLayerCache):
         return after, where
 
     @classmethod
-    def _write_columns(cls, batch, layers, where, items, rows, before):
+    def _write_columns(
+        cls,
+        batch: Batch,
+        layers: Sequence[Self],
+        where: _Where,
+        items: np.ndarray,
+        rows: tuple[Items, Items, int],
+        before: np.ndarray,
+    ) -> None:
         super()._write_columns(batch, layers, where, items, rows, before)
         r = where.recent
         if r is not None:
             type(r.caches[0])._write_columns(batch, r.caches, r.where, items[r.index], rows, r.after - rows[2])
 
     @classmethod
-    def _attend_state(cls, batch, layers, where, start_pos):
+    def _attend_state(cls, batch: Batch, layers: Sequence[Self], where: _Where, start_pos: np.ndarray) -> _Where:
         """Each layer's sinks and recent rows (``where.exact``): their slabs and page
         tables (brought up to date), and from which timestep on its attend reads
         exactly (:meth:`exact_from`, as columns)."""
@@ -751,7 +845,20 @@ class WindowedLayerCache(TurboQuantLayerCache):
         return dataclasses.replace(where, exact=exact)
 
     @classmethod
-    def _attend_columns(cls, batch, layers, where, items, q, out, shape, length, start_pos, causal, scale):
+    def _attend_columns(
+        cls,
+        batch: Batch,
+        layers: Sequence[Self],
+        where: _Where,
+        items: np.ndarray,
+        q: Items,
+        out: Items,
+        shape: tuple[int, ...],
+        length: np.ndarray,
+        start_pos: np.ndarray,
+        causal: bool,
+        scale: float,
+    ) -> None:
         """:func:`kernels.plan_split_windowed` of every layer at once: one entry per
         slab of the codes, of the sinks and of the recent rows (``where.exact``)."""
         first, x = layers[0], where.exact
@@ -771,7 +878,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
             K.plan_split_windowed(batch, a, first.kv_format, rows)
 
     @classmethod
-    def _columns_done(cls, batch, layers):
+    def _columns_done(cls, batch: Batch, layers: Sequence[Self]) -> None:
         for layer in layers:
             layer._call_done(batch)
 
@@ -787,11 +894,11 @@ class WindowedLayerCache(TurboQuantLayerCache):
             self.recent.drop_front(batch, gone)
             self.recent_base += gone * self.recent.page_tokens
 
-    def read_exact(self, device: wgpu.GPUDevice) -> dict:
+    def read_exact(self, device: wgpu.GPUDevice) -> dict[str, Any]:
         """The exact rows as a snapshot keeps them (``snapshot_format``: the layer's
         ``exact`` member): the sinks' and the recent rows' words, where they start."""
 
-        def rows(cache: PlainLayerCache) -> dict:
+        def rows(cache: PlainLayerCache) -> dict[str, Any]:
             kb, vb = cache.read_words(device)
             return {"length": cache.length, "capacity": cache.capacity, "k": kb, "v": vb}
 
@@ -802,7 +909,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
             "held_from": self.held_from,
         }
 
-    def load_exact(self, device: wgpu.GPUDevice, exact: dict | None) -> None:
+    def load_exact(self, device: wgpu.GPUDevice, exact: dict[str, Any] | None) -> None:
         """Restore what :meth:`read_exact` gave (after the codes' ``load_words``); None:
         a layer of no exact rows yet."""
         if exact is None:
@@ -840,7 +947,7 @@ class WindowedLayerCache(TurboQuantLayerCache):
 
 
 def exact_from(
-    sinks: np.ndarray, window: np.ndarray, held_from: np.ndarray, max_tokens: np.ndarray, start_pos: np.ndarray
+    sinks: IntArray, window: IntArray, held_from: IntArray, max_tokens: IntArray, start_pos: IntArray
 ) -> np.ndarray:
     """The first timestep past the sinks a windowed layer's attend from ``start_pos``
     reads exactly (``reference.exact_from``; a layer without a window: ``max_tokens``,
@@ -848,7 +955,7 @@ def exact_from(
     return np.where(window > 0, np.maximum(np.maximum(sinks, start_pos + 1 - window), held_from), max_tokens)
 
 
-def exact_pages(sinks: np.ndarray, window: np.ndarray, capacity: np.ndarray, page_tokens: int) -> np.ndarray:
+def exact_pages(sinks: IntArray, window: IntArray, capacity: IntArray, page_tokens: int) -> np.ndarray:
     """Pages of exact rows a windowed layer (:class:`WindowedLayerCache`) of
     ``capacity`` timesteps holds at most between calls, as columns: the sinks', and
     the window's plus one (it starts inside a page)."""
@@ -862,10 +969,10 @@ def bytes_growth(caches: Sequence[LayerCache], capacity: np.ndarray, new_capacit
     of an engine)."""
     count, page = len(caches), caches[0].page_tokens
     page_bytes = np.fromiter((c.pool.page_bytes for c in caches), np.int64, count)
-    growth = (new_capacity - capacity) // page * page_bytes
+    growth: np.ndarray = (new_capacity - capacity) // page * page_bytes
     windowed = [i for i, c in enumerate(caches) if isinstance(c, WindowedLayerCache)]
     if windowed:
-        w: list[WindowedLayerCache] = [caches[i] for i in windowed]  # type: ignore[misc]
+        w = cast("list[WindowedLayerCache]", [caches[i] for i in windowed])
         sinks, window = (np.fromiter((getattr(c, name) for c in w), np.int64, len(w)) for name in ("sinks", "window"))
         exact_bytes = np.fromiter((c.recent.pool.page_bytes for c in w), np.int64, len(w))
         more = exact_pages(sinks, window, new_capacity[windowed], page) - exact_pages(
@@ -921,7 +1028,7 @@ class _Where:
         signs = np.asarray(type(layers[0]).sign_words(batch, layers), dtype=np.int64)
         ids = [id(slab) for slab in slabs]
         parts = [np.arange(len(ids))] if ids.count(ids[0]) == len(ids) else _by_value(ids)
-        return cls(slabs, table_off, signs, parts)  # type: ignore[arg-type]
+        return cls(cast("list[Slab]", slabs), table_off, signs, parts)  # none is None (checked above)
 
     def signs_of(self, idx: np.ndarray) -> Sequence[int]:
         return self.signs[idx] if len(self.signs) else ()
@@ -951,12 +1058,12 @@ class _Where:
         q: Items,
         out: Items,
         rows: tuple[Items, Items, int] | None,
-        shape: tuple[int, int, int],
+        shape: tuple[int, ...],
         after: np.ndarray,
         start_pos: np.ndarray,
         causal: bool,
         scale: float,
-    ) -> tuple[tuple, tuple]:
+    ) -> tuple[tuple[object, ...], tuple[object, ...]]:
         """What the commands of a stacked step over ``layers`` (placed here) are made
         from, but the page tables' offsets (a replay puts each layer's own in): the
         layers' kind, format and pool, the step's shape, arrays and lengths, the
@@ -965,7 +1072,7 @@ class _Where:
         its ids stand for (a replay checks they are the same objects)."""
         first = layers[0]
         slabs = [self.slabs[int(idx[0])] for idx in self.parts]
-        parts: list = [tuple(idx.tobytes() for idx in self.parts)]
+        parts: list[object] = [tuple(idx.tobytes() for idx in self.parts)]
         if self.recent is not None:
             r = self.recent
             slabs += [r.where.slabs[int(idx[0])] for idx in r.where.parts]
@@ -974,7 +1081,8 @@ class _Where:
             x = self.exact
             for idx in x.groups:
                 i0 = int(idx[0])
-                slabs += [c.slab for c in (x.heads[i0], x.recents[i0]) if c is not None]
+                # the caches _attend_state kept hold a slab each
+                slabs += cast("list[Slab]", [c.slab for c in (x.heads[i0], x.recents[i0]) if c is not None])
                 parts.append((idx.tobytes(), x.heads[i0] is not None, x.recents[i0] is not None))
             parts += [x.sinks.tobytes(), x.exact_from.tobytes(), x.recent_base.tobytes()]
         objects = tuple(o for slab in slabs for o in (slab, slab.k, slab.v))
@@ -995,7 +1103,7 @@ class _Recent:
     where they are."""
 
     index: np.ndarray
-    caches: list[LayerCache]
+    caches: list[PlainLayerCache]
     after: np.ndarray
     where: _Where
 
@@ -1007,8 +1115,8 @@ class _Exact:
     first timestep read from the recent rows, the recent rows' first timestep, both
     page tables' offsets (0: no table), and the layers grouped by their three slabs."""
 
-    heads: list[LayerCache | None]
-    recents: list[LayerCache | None]
+    heads: list[PlainLayerCache | None]
+    recents: list[PlainLayerCache | None]
     sinks: np.ndarray
     exact_from: np.ndarray
     recent_base: np.ndarray

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable
 
 from .engine import Engine
 from .errors import InvalidRequest
@@ -29,7 +29,7 @@ def check_kept(rt: Runtime, config: SessionConfig) -> None:
 
 
 async def place_session(
-    rt: Runtime, engine: Engine, kv: SessionKV, fill: Callable[[], Future], hold: tuple[str | None, str]
+    rt: Runtime, engine: Engine, kv: SessionKV, fill: Callable[[], Future[Any]], hold: tuple[str | None, str]
 ) -> Session:
     """A new session whose caches ``fill()`` queues the GPU call to fill (a snapshot's
     load, a fork), under the id and bytes ``hold`` took (``Store.hold``): waits for

@@ -144,7 +144,7 @@ class Runtime:
 
     # ── sessions ────────────────────────────────────────────────────────────
 
-    def drop_session(self, session: Session, engine: Engine) -> Future:
+    def drop_session(self, session: Session, engine: Engine) -> Future[None]:
         """Delete a session: queue the release of its GPU memory (after its jobs),
         drop it from the store and its snapshot file from the snapshot directory.
         Returns the release's future. Raises Overloaded (queue full): nothing changed."""
@@ -152,7 +152,7 @@ class Runtime:
         freed = self.store.remove(session)
         loop = self.loop or asyncio.get_running_loop()
 
-        def released(_f: Future) -> None:
+        def released(_f: Future[None]) -> None:
             try:
                 loop.call_soon_threadsafe(self.store.released, freed, session.family)
             except RuntimeError:  # pragma: no cover - the loop is gone (shutdown)
@@ -188,10 +188,10 @@ class Runtime:
 
     def watch_all(
         self,
-        futs: list[Future],
+        futs: list[Future[Any]],
         reservations: list[StepReservation],
         item_errors: list[Callable[[Any], Sequence[BaseException | None] | None]],
-    ) -> asyncio.Future:
+    ) -> asyncio.Future[None]:
         """Settle the reservations of jobs queued together (a request's steps, each
         committed as it was checked, so the next was checked against it) in the
         store on the event loop as soon as they are done (independently of the
@@ -209,7 +209,7 @@ class Runtime:
         always completes, and its items answer normally.
         """
         loop = self.loop or asyncio.get_running_loop()
-        all_done: asyncio.Future = loop.create_future()
+        all_done: asyncio.Future[None] = loop.create_future()
         jobs = [_Watched(f, r, e) for f, r, e in zip(futs, reservations, item_errors, strict=True)]
         remaining = len(jobs)
         lock = threading.Lock()
@@ -235,7 +235,7 @@ class Runtime:
             if not all_done.done():
                 all_done.set_result(None)
 
-        def done(job: _Watched, f: Future) -> None:  # on the GPU thread, or on the loop for our cancel
+        def done(job: _Watched, f: Future[Any]) -> None:  # on the GPU thread, or on the loop for our cancel
             nonlocal remaining
             ours = job.cancelling and f.cancelled()
             if ours:  # settle now, before any other check
@@ -295,7 +295,10 @@ class _Watched:
     __slots__ = ("fut", "res", "item_errors", "cancelling", "settled")
 
     def __init__(
-        self, fut: Future, res: StepReservation, item_errors: Callable[[Any], Sequence[BaseException | None] | None]
+        self,
+        fut: Future[Any],
+        res: StepReservation,
+        item_errors: Callable[[Any], Sequence[BaseException | None] | None],
     ):
         self.fut = fut
         self.res = res
@@ -311,7 +314,7 @@ def install_gauges(rt: Runtime) -> None:
     """The gauges that describe state, computed when /metrics is scraped."""
     m = rt.metrics
 
-    def by_format(i: int):
+    def by_format(i: int) -> list[tuple[tuple[str, ...], float]]:
         counts = rt.store.by_format()
         return [((fmt,), counts.get(fmt, (0, 0))[i]) for fmt in KV_FORMATS]
 
@@ -390,7 +393,7 @@ def install_gauges(rt: Runtime) -> None:
         )
     )
 
-    def tenants(i: int):
+    def tenants(i: int) -> list[tuple[tuple[str, ...], float]]:
         return [((owner or "",), v[i]) for owner, v in rt.store.by_tenant().items()]
 
     m.add_gauge(
@@ -410,7 +413,7 @@ def install_gauges(rt: Runtime) -> None:
         )
     )
 
-    def info():
+    def info() -> list[tuple[tuple[str, ...], float]]:
         d = rt.engine.describe() if rt.engine is not None else {}
         return [((__version__, d.get("name", ""), d.get("backend", "")), 1)]
 

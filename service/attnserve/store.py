@@ -23,13 +23,14 @@ bytes) are checked with the global limits and answer 507 out-of-memory with a
 
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 import secrets
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import numpy as np
 
@@ -205,7 +206,7 @@ class Store:
         self.releasing_bytes = 0  # bytes of deleted sessions whose release is still queued
         self.holds: dict[tuple[Owner, str], int] = {}  # (owner, id) of sessions being restored: their bytes
         self.generation = 0  # counts every session added or removed (StepGroup's validity)
-        self._steps: dict[tuple, StepGroup] = {}
+        self._steps: dict[tuple[Owner, tuple[str, ...]], StepGroup] = {}
 
     # ── sessions ────────────────────────────────────────────────────────────
 
@@ -317,7 +318,7 @@ class Store:
             found = [get((owner, sid)) for sid in session_ids]
             if any(s is None for s in found) or len({id(s) for s in found}) != len(found):
                 return None
-            group = StepGroup(self.generation, found)  # type: ignore[arg-type]
+            group = StepGroup(self.generation, cast("list[Session]", found))  # none is None (checked above)
             self._steps.pop(key, None)
             self._steps[key] = group
             while len(self._steps) > self.STEP_GROUPS:
@@ -363,7 +364,9 @@ class Store:
         source.family.add(fork)
         fork.family = source.family
 
-    def idle(self, ttl: float, now: float | None = None) -> list[Session]:
+    # (Store.list, above, shadows the builtin in the annotations below: builtins.list)
+
+    def idle(self, ttl: float, now: float | None = None) -> builtins.list[Session]:
         """Sessions unused for ``ttl`` seconds, with no job in flight."""
         now = time.monotonic() if now is None else now
         return [s for s in self.sessions.values() if s.pending == 0 and not s.closed and now - s.last_used >= ttl]
@@ -444,7 +447,7 @@ class Store:
         return new_length, problems
 
     def reserve_step(
-        self, sessions: list[Session], states: list[LayerState], rows: int, new_length: np.ndarray
+        self, sessions: builtins.list[Session], states: builtins.list[LayerState], rows: int, new_length: np.ndarray
     ) -> tuple[StepReservation, dict[int, ApiError]]:
         """The reservation of a step whose items passed every other rule: ``rows``
         appended to ``states[i]`` (of ``sessions[i]``: distinct, one owner) for its
@@ -478,7 +481,7 @@ class Store:
         )  # fmt: skip
         return reservation, problems
 
-    def _past_budget(self, owner: Owner, delta: list[int]) -> dict[int, ApiError]:
+    def _past_budget(self, owner: Owner, delta: builtins.list[int]) -> dict[int, ApiError]:
         """Which of a step's items the memory budget or the owner's quota refuse, each
         against the bytes of the items before it that pass: the budget's problem
         first, then the quota's (by position)."""
@@ -509,11 +512,13 @@ class Store:
         step.committed = True
 
     @staticmethod
-    def _commit_item(s: Session, ls: LayerState, res: object, new_length: int, new_capacity: int, delta: int) -> None:
+    def _commit_item(
+        s: Session, ls: LayerState, res: StepReservation, new_length: int, new_capacity: int, delta: int
+    ) -> None:
         ls.length, ls.capacity = new_length, new_capacity
         s.reserved_bytes += delta
         s.pending += 1
-        ls.inflight.append(res)  # type: ignore[arg-type]
+        ls.inflight.append(res)
 
     def cancellable(self, step: StepReservation) -> bool:
         """Whether a job with this reservation may be dropped before it runs without
@@ -536,7 +541,7 @@ class Store:
                 self._finish_item(s, ls, step, rows, d, e)
 
     def _finish_item(
-        self, s: Session, ls: LayerState, res: object, rows: int, delta_bytes: int, error: BaseException | None
+        self, s: Session, ls: LayerState, res: StepReservation, rows: int, delta_bytes: int, error: BaseException | None
     ) -> None:
         s.pending -= 1
         inflight = ls.inflight

@@ -9,7 +9,7 @@ from ..codec import read_body, respond
 from ..step.answer import count_problems, encode_answer
 from ..step.parse import parse_batch
 from ..step.plan import finish_request, queue_request
-from .deps import EngineDep, OwnerDep, RuntimeDep, WireDep
+from .deps import EngineDep, OwnerDep, RuntimeDep, WireDep, merge_responses
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -28,10 +28,10 @@ router = APIRouter(prefix="/v1/batch", tags=["kv"])
     "`limits.max_batch_items` items (`/v1/info`).",
     response_class=Response,
     openapi_extra=request_body("BatchAttendJson", "BatchAttendMsgpack"),
-    responses={
-        **ok(200, "One result per item", "BatchAttendResultJson", "BatchAttendResultMsgpack"),
-        **problems(400, 408, 413, 415, 422, 500, 503, slugs={408: "body-timeout"}),
-    },
+    responses=merge_responses(
+        ok(200, "One result per item", "BatchAttendResultJson", "BatchAttendResultMsgpack"),
+        problems(400, 408, 413, 415, 422, 500, 503, slugs={408: "body-timeout"}),
+    ),
 )
 async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep) -> Response:
     max_bytes = rt.settings.max_body_bytes

@@ -11,18 +11,20 @@ with every cache untouched, or queued in order.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
 
-from ..codec import Wire, read_body, respond
+from ..codec import MediaKind, Wire, read_body, respond
+from ..engine import Engine
 from ..runtime import Runtime
 from ..step.answer import answer_document, encode_answer
 from ..step.parse import Parsed, one_append, one_attend, parse_append, parse_attend
-from ..step.plan import finish_request, queue_request
+from ..step.plan import Outcome, finish_request, queue_request
 from ..step.rules import layer_problem
 from ..store import Session
-from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, WireDep
+from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, WireDep, merge_responses
 from .schemas import ok, problems, request_body
 
 __all__ = ["router"]
@@ -31,6 +33,8 @@ __all__ = ["router"]
 _STATUSES = (400, 404, 408, 409, 413, 415, 422, 500, 503, 507)
 
 router = APIRouter(prefix="/v1/sessions/{session_id}/layers/{layer}", tags=["kv"])
+
+_Body = TypeVar("_Body")  # what a route's parse gives (an AppendRequest, an AttendRequest)
 
 
 def _layer(session: Session, layer_path: str) -> int:
@@ -42,7 +46,13 @@ def _layer(session: Session, layer_path: str) -> int:
 
 
 async def _read(
-    request: Request, rt: Runtime, wire: Wire, session: Session, layer: str, parse: Any, one: Any
+    request: Request,
+    rt: Runtime,
+    wire: Wire,
+    session: Session,
+    layer: str,
+    parse: Callable[[bytes, MediaKind | None, int], _Body],
+    one: Callable[[str, int, _Body], Parsed],
 ) -> Parsed:
     """Read and parse the body (``parse(raw, kind, max_bytes)``, off the event loop
     when large) into a step of one (``one(session_id, layer, parsed)``). A layer out
@@ -50,11 +60,11 @@ async def _read(
     li = _layer(session, layer)
     max_bytes = rt.settings.max_body_bytes
     raw = await read_body(request, max_bytes)
-    req = await rt.offload(parse, raw, wire.request, max_bytes, size=len(raw))
+    req: _Body = await rt.offload(parse, raw, wire.request, max_bytes, size=len(raw))
     return one(session.id, li, req)
 
 
-async def _run(rt: Runtime, engine: Any, owner: str | None, parsed: Parsed) -> Any:
+async def _run(rt: Runtime, engine: Engine, owner: str | None, parsed: Parsed) -> Outcome:
     """Check and queue a route's step of one, and await it: its outcome (a refusal
     raises its problem). Its checks see the store as it is after the body's awaits
     (the session may have been deleted, or deleted and created anew, meanwhile). A
@@ -79,13 +89,13 @@ async def _run(rt: Runtime, engine: Any, owner: str | None, parsed: Parsed) -> A
     "a retried append is safe.",
     response_class=Response,
     openapi_extra=request_body("AppendJson", "AppendMsgpack"),
-    responses={
-        **ok(200, "The layer's new length", "AppendResult"),
-        **problems(
+    responses=merge_responses(
+        ok(200, "The layer's new length", "AppendResult"),
+        problems(
             *_STATUSES,
             slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded"},
         ),
-    },
+    ),
 )
 async def append_kv(
     request: Request,
@@ -110,13 +120,13 @@ async def append_kv(
     "[n, num_qo_heads]: each row's log-sum-exp (natural log) of its scaled scores, to merge partial attention.",
     response_class=Response,
     openapi_extra=request_body("AttendJson", "AttendMsgpack"),
-    responses={
-        **ok(200, "The attention output and the layer's length", "AttendResultJson", "AttendResultMsgpack"),
-        **problems(
+    responses=merge_responses(
+        ok(200, "The attention output and the layer's length", "AttendResultJson", "AttendResultMsgpack"),
+        problems(
             *_STATUSES,
             slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append)"},
         ),
-    },
+    ),
 )
 async def attend(
     request: Request,

@@ -93,10 +93,12 @@ def _stacked_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[
         lse = np.zeros((b, *shape[:2]), dtype="<f4")
         lengths = [None] * b
         for c, result in outcome.results:
+            r_out, r_lse = result.out, result.lse
+            assert r_out is not None and r_lse is not None  # the stacked form attends (q)
             for i in c.passed:
                 if i not in result.errors:
                     p = c.step.items[i]
-                    out[p], lse[p], lengths[p] = result.out[i], result.lse[i], int(result.lengths[i])
+                    out[p], lse[p], lengths[p] = r_out[i], r_lse[i], int(result.lengths[i])
     for p in problems:
         lengths[p] = None
     doc = {

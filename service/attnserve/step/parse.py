@@ -16,7 +16,7 @@ as an item (kept in :attr:`Parsed.errors` at the item's position).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -161,7 +161,7 @@ def _fused_kv(f: Fields, elements: int, ndim: int = 3, finite: bool = True) -> t
 
 def _attend_scale(f: Fields) -> float | None:
     """The optional ``scale`` of an attend: a finite float32 (the kernels take it so)."""
-    scale = f.number("scale", None)
+    scale: float | None = f.number("scale", None)
     if scale is not None:
         with np.errstate(over="ignore"):
             if not np.isfinite(np.float32(scale)):
@@ -255,12 +255,13 @@ def group_items(items: dict[int, _Item]) -> list[Step]:
     new one. So checking the steps in order checks the items of one session and
     layer in item order."""
     groups: list[list[int]] = []
-    open_by_key: dict[tuple, int] = {}
+    open_by_key: dict[tuple[object, ...], int] = {}
     named: list[set[str]] = []
     last: dict[tuple[str, int], int] = {}  # (session, layer) -> the step its last item went into
     for i, it in items.items():
         a = it.attend
-        key = (it.layer, a.q.shape, None if a.k is None else a.k.shape, a.causal, a.scale)
+        kv = None if a.k is None or a.v is None else (a.k.shape, a.v.shape)
+        key = (it.layer, a.q.shape, kv, a.causal, a.scale)
         g = open_by_key.get(key)
         mine = (it.session_id, it.layer)
         if g is None or it.session_id in named[g] or g < last.get(mine, -1):
@@ -278,9 +279,9 @@ def _stack(items: list[_Item], positions: list[int]) -> Step:
     first = items[0].attend
     q = np.stack([it.attend.q for it in items])
     k = v = None
-    if first.k is not None:
-        k = np.stack([it.attend.k for it in items])  # type: ignore[misc]
-        v = np.stack([it.attend.v for it in items])  # type: ignore[misc]
+    if first.k is not None:  # then every item's (group_items' key), v too (_fused_kv)
+        k = np.stack(cast("list[np.ndarray]", [it.attend.k for it in items]))
+        v = np.stack(cast("list[np.ndarray]", [it.attend.v for it in items]))
     return Step(
         [it.session_id for it in items], items[0].layer, q, k, v,
         [it.attend.offset for it in items], [it.attend.start_pos for it in items],
@@ -335,7 +336,7 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
 
 
 def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
-    values = f.list(name, None)
+    values: list[Any] | None = f.list(name, None)
     if values is not None and len(values) != b:
         raise InvalidRequest(f"{name}: expected {b} values (one per session id, null for none), got {len(values)}")
     return values

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from ..engine import Engine, StackedResult
 from ..errors import ApiError, InternalError, RequestTimeout
 from ..gpu.device import PlanFn
 from ..kvcache import LayerCache
 from ..runtime import Runtime
-from ..store import Owner
+from ..store import Owner, StepReservation
 from .parse import Parsed
 from .rules import Checked, check_step
 
@@ -38,8 +40,8 @@ class Queued:
     request: Parsed
     problems: dict[int, ApiError]
     checked: list[Checked] = field(default_factory=list)
-    futures: list[Future] = field(default_factory=list)
-    done: asyncio.Future | None = None
+    futures: list[Future[StackedResult]] = field(default_factory=list)
+    done: asyncio.Future[None] | None = None
 
 
 @dataclass(eq=False)
@@ -83,8 +85,8 @@ def queue_request(rt: Runtime, engine: Engine, owner: Owner, request: Parsed) ->
         return queued
     queued.done = rt.watch_all(
         queued.futures,
-        [c.reservation for c in queued.checked],
-        [_item_errors(c) for c in queued.checked],  # type: ignore[misc]
+        cast("list[StepReservation]", [c.reservation for c in queued.checked]),  # a queued step's is set
+        [_item_errors(c) for c in queued.checked],
     )
     return queued
 
@@ -93,10 +95,10 @@ def _plan(engine: Engine, c: Checked) -> PlanFn:
     """The job of a checked step: its rows that passed, planned as one."""
     step, b = c.step, len(c.step)
     assert c.reservation is not None
-    caches = [ls.cache for ls in c.reservation.layers]
+    caches: list[LayerCache | None] = [ls.cache for ls in c.reservation.layers]
     start: list[int | None]
     if len(c.passed) == b:
-        layers: list[LayerCache | None] = caches  # type: ignore[assignment]
+        layers = caches
         start = list(c.start_pos) if c.start_pos else [None] * b
     else:
         layers, start = [None] * b, [None] * b
@@ -109,7 +111,7 @@ def _plan(engine: Engine, c: Checked) -> PlanFn:
     )
 
 
-def _item_errors(c: Checked):  # type: ignore[no-untyped-def]
+def _item_errors(c: Checked) -> Callable[[StackedResult], list[BaseException | None] | None]:
     """Each reserved item's error in a step's result (None: none failed)."""
     passed = c.passed
 
@@ -158,7 +160,7 @@ def _count_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries: int
             rt.metrics.rows.inc("query", fmt, amount=queries * count)
 
 
-def failure(rt: Runtime, fut: Future, error: BaseException | None, what: str = "item") -> ApiError:
+def failure(rt: Runtime, fut: Future[Any], error: BaseException | None, what: str = "item") -> ApiError:
     """The problem of an item whose job was dropped by the request timeout, or
     that failed with ``error``."""
     if fut.cancelled():  # the request timeout dropped it from the queue: nothing applied

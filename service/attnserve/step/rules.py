@@ -22,8 +22,8 @@ checked against it. Nothing here awaits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
     problems: dict[int, ApiError] = {}
     group = store.step_group(step.session_ids, owner) if len(step) > 1 else None  # (one id: no group to keep)
     if group is not None:  # the sessions, and what follows from them alone, resolved once per set of ids
-        sessions: list[Session | None] = group.sessions  # type: ignore[assignment]
+        sessions: Sequence[Session | None] = group.sessions
         shapes = group.memo.get(("shapes", step.layer))
         if shapes is None:
             layer_problems: dict[int, ApiError] = {}
@@ -86,7 +86,8 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
         _check_arrays(engine.max_binding, config, fmt, step, rows, problems)
     live = [i for i in range(len(step)) if i not in problems]
     live = [i for i in live if i not in problems]
-    states = [sessions[i].layers[step.layer] for i in live]  # type: ignore[union-attr]
+    found = cast("Sequence[Session]", sessions)  # a live row's session was found (rule 2)
+    states = [found[i].layers[step.layer] for i in live]
     new_length, refused = store.step_lengths(states, step.rows, [step.offsets[i] for i in live])
     start_pos: list[int] = []
     if step.q is not None:
@@ -99,7 +100,7 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
         start_pos = [start_pos[j] for j in keep] if start_pos else start_pos
     if not live:
         return Checked(step, problems, [], [], [], None)
-    reservation, over = store.reserve_step([sessions[i] for i in live], states, step.rows, new_length)  # type: ignore[misc]
+    reservation, over = store.reserve_step([found[i] for i in live], states, step.rows, new_length)
     if over:
         for j, problem in over.items():
             problems[live[j]] = problem
@@ -124,7 +125,7 @@ def _sessions(store: Store, owner: Owner, step: Step, problems: dict[int, ApiErr
 
 
 def _by_shape(
-    sessions: list[Session | None],
+    sessions: Sequence[Session | None],
     layer: int,
     live: Iterable[int],
     problems: dict[int, ApiError],
