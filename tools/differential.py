@@ -134,7 +134,7 @@ class Mix:
     def session(self, i: int) -> tuple[str, dict[str, Any]]:
         r = self.rng
         fmt = FORMATS[i % len(FORMATS)]
-        h, hkv, d = [(4, 2, 16), (6, 3, 32), (4, 4, 16)][i % 3]
+        h, hkv, d = [(4, 2, 32), (6, 3, 32), (4, 4, 32)][i % 3]
         body: dict[str, Any] = {
             "num_layers": 2, "num_qo_heads": h, "num_kv_heads": hkv, "head_dim": d, "kv_format": fmt,
             "max_tokens": int(r.choice([64, 4096])), "seed": i,
@@ -149,7 +149,7 @@ class Mix:
         """One operation on ``sid`` (an attend, maybe fused, or an append), maybe bad."""
         r, cfg = self.rng, self.sessions.get(sid, self.sessions["s0"])
         h, hkv, d = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"]
-        layer = int(r.choice([0, 1, 1, 0, 5])) if r.random() < 0.95 else 7
+        layer = int(r.integers(0, 2)) if r.random() < 0.95 else int(r.choice([2, 7]))
         n, m = int(r.choice([1, 1, 2, 5])), int(r.choice([0, 1, 1, 3]))
         doc: dict[str, Any] = {"session_id": sid, "layer": layer}
         bad = r.random()
@@ -169,8 +169,10 @@ class Mix:
                 doc["return_lse"] = True
         if r.random() < 0.1:
             doc["offset"] = int(r.integers(0, 20))
-        if 0.04 <= bad < 0.07:
+        if 0.04 <= bad < 0.06:
             doc["q" if "q" in doc else "k"] = self.arr(1, h + 1, d)  # a wrong shape
+        elif 0.06 <= bad < 0.07 and "k" in doc:
+            doc["k"] = doc["v"] = self.arr(m, hkv + 1, d)  # k and v of the wrong shape
         elif 0.07 <= bad < 0.09:
             doc["bogus"] = 1  # an unknown member
         return doc
@@ -183,11 +185,12 @@ def _route(doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _stacked(mix: Mix, ids: list[str]) -> dict[str, Any]:
-    """A stacked step on ``ids`` (decode shape of ``s0``'s family: 4 q / 2 KV heads of 16)."""
+    """A stacked step on ``ids`` (the decode shape of ``s0``'s family: 4 q / 2 KV heads of 32)."""
     r, b = mix.rng, len(ids)
-    doc: dict[str, Any] = {"session_ids": ids, "layer": int(r.choice([0, 1, 0, 2])), "q": mix.arr(b, 1, 4, 16)}
+    layer = int(r.integers(0, 2)) if r.random() < 0.95 else 2
+    doc: dict[str, Any] = {"session_ids": ids, "layer": layer, "q": mix.arr(b, 1, 4, 32)}
     if r.random() < 0.8:
-        doc.update(k=mix.arr(b, 1, 2, 16), v=mix.arr(b, 1, 2, 16))
+        doc.update(k=mix.arr(b, 1, 2, 32), v=mix.arr(b, 1, 2, 32))
     if r.random() < 0.2:
         doc["offsets"] = [None if r.random() < 0.5 else int(r.integers(0, 10)) for _ in ids]
     if r.random() < 0.2:
@@ -203,35 +206,39 @@ def run(old: Path, new: Path, ops: int, seed: int, budget: int, logs: Path) -> d
         for i in range(12):
             sid, body = mix.session(i)
             _same("create", [s.call("PUT", f"/v1/sessions/{sid}", body) for s in servers])
-        ids = list(mix.sessions) + ["nope"]
-        family = [sid for sid, c in mix.sessions.items() if (c["num_qo_heads"], c["head_dim"]) == (4, 16)]
+        family = [sid for sid, c in mix.sessions.items() if (c["num_qo_heads"], c["head_dim"]) == (4, 32)]
+
+        def pick_id(pool: list[str]) -> str:  # now and then one that does not exist
+            return "nope" if mix.rng.random() < 0.04 else str(mix.rng.choice(pool))
+
+        ids = list(mix.sessions)
         done = 0
         while done < ops:
             r = mix.rng.random()
             if r < 0.4:
-                doc = mix.op(str(mix.rng.choice(ids)))
+                doc = mix.op(pick_id(ids))
                 what, answers = "route", [s.call("POST", *_route(doc)) for s in servers]
             elif r < 0.6:
                 items = []
                 for _ in range(int(mix.rng.integers(1, 7))):
-                    item = mix.op(str(mix.rng.choice(ids)))
+                    item = mix.op(pick_id(ids))
                     if item.pop("op") == "append":  # an item is an attend: an append's rows fused with a query
                         cfg = mix.sessions.get(item["session_id"], mix.sessions["s0"])
                         item["q"] = mix.arr(1, cfg["num_qo_heads"], cfg["head_dim"])
                     items.append(item)
                 what, answers = "items", [s.call("POST", "/v1/batch/attend", {"items": items}) for s in servers]
             elif r < 0.8:
-                pick = [str(x) for x in mix.rng.choice(family + ["nope"], size=int(mix.rng.integers(1, 6)))]
+                pick = [pick_id(family) for _ in range(int(mix.rng.integers(1, 6)))]
                 doc = _stacked(mix, pick)
                 what, answers = "stacked", [s.call("POST", "/v1/batch/attend", doc) for s in servers]
             else:
                 frames = []
                 for j in range(int(mix.rng.integers(1, 6))):
                     if mix.rng.random() < 0.2:
-                        pick = [str(x) for x in mix.rng.choice(family, size=int(mix.rng.integers(1, 4)))]
+                        pick = [pick_id(family) for _ in range(int(mix.rng.integers(1, 4)))]
                         frame = {"op": "attend_batch", **_stacked(mix, pick)}
                     else:
-                        frame = mix.op(str(mix.rng.choice(ids)))
+                        frame = mix.op(pick_id(ids))
                     frames.append({"id": j, **frame})
                 what, answers = "stream", [s.stream(frames) for s in servers]
             _same(what, answers, seed=seed, step=done)
@@ -247,10 +254,44 @@ def run(old: Path, new: Path, ops: int, seed: int, budget: int, logs: Path) -> d
     return compared
 
 
+#: What the compared answers held: answers (200) and problems, by type (items and frames each counted).
+TALLY: dict[str, int] = {}
+
+
+def _tally(doc: Any) -> None:
+    if isinstance(doc, dict):
+        if "type" in doc and "status" in doc and "detail" in doc:  # a problem
+            key = str(doc["type"]).rsplit("/", 1)[-1]
+            TALLY[key] = TALLY.get(key, 0) + 1
+            return
+        if "out" in doc or "length" in doc:
+            TALLY["answered"] = TALLY.get("answered", 0) + 1
+        for v in doc.values():
+            _tally(v)
+    elif isinstance(doc, (list, tuple)):
+        for v in doc:
+            _tally(v)
+
+
 def _same(what: str, answers: list[Any], **where: Any) -> None:
+    if what != "info":
+        _tally(answers[0])
     if answers[0] != answers[1]:
         print(f"DIFFERENT {what} {where}:\n old: {answers[0]!r:.3000}\n new: {answers[1]!r:.3000}", file=sys.stderr)
         raise SystemExit(1)
+
+
+def _commit(tree: Path) -> str:
+    """The tree's commit (``+dirty`` with uncommitted changes), or its path outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return str(tree)
+    if head.returncode:
+        return str(tree)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def main() -> None:
@@ -265,8 +306,10 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.monotonic()
     compared = run(a.old.resolve(), a.new.resolve(), a.ops, a.seed, a.budget_bytes, a.logs)
-    doc = {"old": str(a.old), "new": str(a.new), "seed": a.seed, "ops": a.ops, "budget_bytes": a.budget_bytes,
-           "compared": compared, "differences": 0, "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+    doc = {"old": _commit(a.old), "new": _commit(a.new), "date": time.strftime("%Y-%m-%d"), "seed": a.seed,
+           "ops": a.ops, "budget_bytes": a.budget_bytes,
+           "compared": compared, "outcomes": dict(sorted(TALLY.items())), "differences": 0,
+           "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
     print(json.dumps(doc))
     write_result(a.json_out, doc)
 

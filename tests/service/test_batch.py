@@ -285,3 +285,22 @@ def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
     assert r.body["results"][3]["error"]["type"] == "/problems/session-not-found"
     for s in ids:
         api.delete(s)
+
+
+def test_items_whose_v_differs_from_k_are_refused_alone(api, rng):
+    """Items alike but for ``v``'s shape are not one step: the one whose ``v`` is not
+    ``k``'s shape gets its own 422, the others are answered (the tree before the
+    step path answered the whole batch 500: it stacked such items by ``k``'s shape)."""
+    sid = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"]
+    other = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"]
+    good = {"session_id": sid, "layer": 0, "q": rows(rng, 1, 4, 16), "k": rows(rng, 1, 2, 16), "v": rows(rng, 1, 2, 16)}
+    bad = {**good, "session_id": other, "v": rows(rng, 1, 3, 16)}
+    r = _batch(api, [good, bad])
+    assert r.status == 200, r.body
+    first, second = r.body["results"]
+    assert first["length"] == 1
+    assert second["error"]["status"] == 422 and second["error"]["item"] == 1
+    assert second["error"]["detail"] == "v: expected the shape of k [1, 2, 16], got [1, 3, 16]"
+    assert api.info(other)["lengths"] == [0]
+    for s in (sid, other):
+        api.delete(s)
