@@ -381,7 +381,7 @@ class Engine:
                     )
                 assert out is not None  # an item answered: its outputs were read back
                 arr = outs.view(out, "<f4", shape)
-                lse = outs.view(out, "<f4", shape[:2], start=4 * int(np.prod(shape)))
+                lse = outs.view(out, "<f4", shape[:2], start=4 * math.prod(shape))
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
                 if unanswered.any():
                     arr, lse = arr.copy(), lse.copy()
@@ -432,6 +432,8 @@ class Engine:
         items left to plan one by one (every item, if a layer appears twice: items of
         one layer apply in order, each against the one before)."""
         taking = [i for i, layer in enumerate(layers) if layer is not None]
+        if len(taking) == 1 and not layers[taking[0]].format_follows:  # type: ignore[union-attr]
+            return taking  # one item and no later layer to replay its plan on: planned alone is cheaper
         if len({id(layers[i]) for i in taking}) != len(taking):
             return taking
         present = cast("Sequence[LayerCache]", layers)  # at the indices in taking, which alone are read below

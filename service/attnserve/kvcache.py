@@ -335,9 +335,10 @@ class LayerCache:
         pool, m = layers[0].pool, rows[2]
         before = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
         after = before + m
-        over = np.flatnonzero(after > np.fromiter((layer.max_tokens for layer in layers), np.int64, len(layers)))
-        if len(over):  # refused before it was queued; here only an engine's caller can get this far
-            layers[int(over[0])]._ensure_pages(batch, int(after[over[0]]))  # raises CapacityExceeded
+        past = after > np.fromiter((layer.max_tokens for layer in layers), np.int64, len(layers))
+        if past.any():  # refused before it was queued; here only an engine's caller can get this far
+            i = int(np.flatnonzero(past)[0])
+            layers[i]._ensure_pages(batch, int(after[i]))  # raises CapacityExceeded
         held = np.fromiter((len(layer.pages) for layer in layers), np.int64, len(layers))
         for i in np.flatnonzero((after + pool.page_tokens - 1) >> pool.page_shift > held).tolist():
             layers[i]._ensure_pages(batch, int(after[i]))

@@ -432,14 +432,16 @@ class Store:
         problems: dict[int, ApiError] = {}
         if any(o is not None for o in offsets):
             given = np.fromiter((-1 if o is None else o for o in offsets), np.int64, count)
-            for i in np.flatnonzero((given >= 0) & (given != length)).tolist():
+            wrong = (given >= 0) & (given != length)
+            for i in np.flatnonzero(wrong).tolist() if wrong.any() else ():
                 detail = f"offset {offsets[i]} is not the layer's length {length[i]}"
                 problems[i] = OffsetMismatch(
                     detail + ("; nothing was appended" if rows else ""), length=int(length[i])
                 )  # fmt: skip
         if rows:
             max_tokens = np.fromiter((ls.max_tokens for ls in states), np.int64, count)
-            for i in np.flatnonzero(new_length > max_tokens).tolist():
+            past = new_length > max_tokens
+            for i in np.flatnonzero(past).tolist() if past.any() else ():
                 problems.setdefault(i, CapacityExceeded(
                     f"appending {rows} rows to length {length[i]} would pass max_tokens {max_tokens[i]}",
                     length=int(length[i]), max_tokens=int(max_tokens[i]),

@@ -108,7 +108,7 @@ async def append_kv(
 ) -> Response:
     parsed = await _read(request, rt, wire, session, layer, parse_append, one_append)
     outcome = await _run(rt, engine, owner, parsed)
-    return respond(answer_document(outcome, wire.response, request.url.path), wire)
+    return respond(answer_document(outcome, wire.response, request.scope["path"]), wire)
 
 
 @router.post(
@@ -142,5 +142,5 @@ async def attend(
     q = parsed.steps[0].q
     assert q is not None
     size = q.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
-    body = await rt.offload(encode_answer, outcome, wire.response, request.url.path, size=size)
+    body = await rt.offload(encode_answer, outcome, wire.response, request.scope["path"], size=size)
     return respond(None, wire, body=body)
