@@ -41,9 +41,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# transformers' models first, with bench/ (this script's folder) off the path: from 5.25 they
-# import Hugging Face's `kernels` package, which bench/kernels.py would shadow
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 import transformers  # noqa: E402
 import transformers.modeling_utils  # noqa: E402, F401
 from packaging.version import Version  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Decode time against context, each kernel and its torch peer, log scale: the chart
-docs/benchmarks.md leads with, from a bench/kernels.py result file.
+docs/benchmarks.md leads with, from a bench/kernel_bench.py result file.
 
     python bench/plot_kernels.py bench/results/h200-latest.json docs/h200-decode.png
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("results", type=Path, help="a bench/kernels.py --json-out file")
+    ap.add_argument("results", type=Path, help="a bench/kernel_bench.py --json-out file")
     ap.add_argument("png", type=Path, help="where to write the chart")
     args = ap.parse_args(argv)
     import matplotlib

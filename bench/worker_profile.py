@@ -43,7 +43,7 @@ from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
-from kernels import D, H, HKV, plan_batched_steps  # noqa: E402
+from kernel_bench import D, H, HKV, plan_batched_steps  # noqa: E402
 from tools.common import write_result  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def run(
 
 def phases(new_batch, plan, stacked: bool, read_only: bool, sessions: list, q: np.ndarray, repeats: int = 7) -> dict:
     """Where the GPU time of one step goes: the step as served (whole, then each
-    dispatch timed in a pass of its own), without its appends, and bench/kernels.py's
+    dispatch timed in a pass of its own), without its appends, and bench/kernel_bench.py's
     batched plan of the same layers (one query upload shared, outputs left on the GPU,
     no readback): per dispatch the median GPU µs over ``repeats`` steps, and each
     plan's whole GPU span and wall time of submit + readback."""

@@ -15,7 +15,7 @@ import dataclasses
 import wgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
-import kernels as B  # noqa: E402
+import kernel_bench as B  # noqa: E402
 
 FMA = """
 @group(0) @binding(0) var<storage, read_write> out: array<f32>;

@@ -2,13 +2,13 @@
 """Does the GPU run a decode step at full speed under wgpu/Vulkan? (diagnostic)
 
 The batched decode step of N sessions x context (f32, one query row each, the plan
-of bench/kernels.py's batched rows) timed on the GPU per dispatch: R steps recorded
+of bench/kernel_bench.py's batched rows) timed on the GPU per dispatch: R steps recorded
 into one submission (does the split kernel speed up from the first step to the
 last?), then single-step submissions back to back and with host pauses between
 them (the service's pattern). ``--cuda`` first opens what a CUDA program would and
 keeps it: ``init`` (cuInit alone), ``retain`` (the primary context retained, not
 current: what attnserve.gpu.cuda_clocks.hold does), ``hold`` (retained and
-current), ``torch`` (a tensor on the GPU, as bench/kernels.py makes for its copy
+current), ``torch`` (a tensor on the GPU, as bench/kernel_bench.py makes for its copy
 bandwidth and its peer). The H200's answer (docs/benchmarks.md): 3.46 ms a step
 with none, 0.79 ms with retain, hold or torch. Run
 ``nvidia-smi --query-gpu=clocks.sm --format=csv -lms 100`` beside it.
@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT / "bench")
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
-from kernels import D, H, HKV, fill_layer, plan_batched_steps  # noqa: E402
+from kernel_bench import D, H, HKV, fill_layer, plan_batched_steps  # noqa: E402
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402

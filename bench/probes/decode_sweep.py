@@ -4,7 +4,7 @@
     python bench/probes/decode_sweep.py [--contexts 4096,32768,131072] [--targets 256,512,1024,2048]
                                  [--json-out bench/results/h200-decode-sweep.json]
 
-For each format and context, times one decode attend (as bench/kernels.py does:
+For each format and context, times one decode attend (as bench/kernel_bench.py does:
 many attends in one submission, GPU time only) with the split-KV kernels at
 several split sizes (``target_workgroups``); the subgroup variant (one subgroup
 per key) it also timed went, measured slower at every context. Prints ms and GB/s of the bytes
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
-import kernels as B  # noqa: E402
+import kernel_bench as B  # noqa: E402
 
 
 def main(argv=None) -> int:

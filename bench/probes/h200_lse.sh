@@ -5,7 +5,7 @@
 # 1. tests: the log-sum-exp tests on the NVIDIA adapter (subgroup kernels included, which
 #    lavapipe does not run): every kernel path's lse against the float64 oracle, the
 #    API forms, merge, and the sharded session against two and three live servers;
-# 2. kernels: what writing the lse costs the kernels: bench/kernels.py (decode at 4k/32k/128k,
+# 2. kernels: what writing the lse costs the kernels: bench/kernel_bench.py (decode at 4k/32k/128k,
 #    prefill 2048x2048 and 512x8192; f32 and tq4) of OLD_TREE (`git archive COMMIT
 #    service client shaders bench tools`, before the lse) and of this tree, alternating
 #    twice so the host's drift does not pass for a change.
@@ -27,10 +27,10 @@ for round in 1 2; do
   for tree in old new; do
     root=$NEW
     [ "$tree" = old ] && root=$OLD
-    (cd "$root" && PYTHONPATH="/tmp/site:$root/service:$root/client:$root" timeout 120 python3 bench/kernels.py \
+    (cd "$root" && PYTHONPATH="/tmp/site:$root/service:$root/client:$root" timeout 120 python3 bench/kernel_bench.py \
       --adapter nvidia --formats f32,tq4 --only decode --batched "" --budget 0.2 \
       --json-out "$OUTDIR/kernels-decode-$tree-$round.json" >/dev/null 2>&1 \
-      && PYTHONPATH="/tmp/site:$root/service:$root/client:$root" timeout 120 python3 bench/kernels.py \
+      && PYTHONPATH="/tmp/site:$root/service:$root/client:$root" timeout 120 python3 bench/kernel_bench.py \
       --adapter nvidia --formats f32,tq4 --only prefill --budget 0.2 \
       --json-out "$OUTDIR/kernels-prefill-$tree-$round.json" >/dev/null 2>&1) || echo "kernels $tree $round failed"
   done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Exact sinks and a recent window (issue 27) on the lent H200, in two device calls:
 #   bash bench/probes/h200_windows.sh kernels OUT_DIR
-#     windowed decode against the same format without them (bench/kernels.py, 32 query
+#     windowed decode against the same format without them (bench/kernel_bench.py, 32 query
 #     heads, 8 KV heads, head_dim 128; 4k, 32k, 128k), and the windowed core tests on the GPU
 #   bash bench/probes/h200_windows.sh e2e OUT_DIR GGUF NAME=SETTING@SEEDS ...
 #     SmolLM2-135M end to end through the service over the long texts, the runs at
@@ -11,7 +11,7 @@ MODE=${1:?kernels or e2e}
 OUTDIR=${2:?out dir}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PYTHONPATH:$(pwd)"
 if [ "$MODE" = kernels ]; then
-  timeout 420 python3 bench/kernels.py --adapter nvidia --only decode \
+  timeout 420 python3 bench/kernel_bench.py --adapter nvidia --only decode \
     --formats tq4,tq4/s4w128,tq4/s0w128,tq3,tq3/s4w128,turboquant,turboquant/s4w128 \
     --json-out "$OUTDIR/kernels-windows.json"
   if python3 -c "import pytest" 2>/dev/null; then

@@ -7,7 +7,7 @@ Times one decode attend (32 query heads, 8 KV heads, d = 128) at the given
 context with variants of the split kernel cut short: after the score phase,
 after the softmax, and in full; and the step without its merge pass (and, for
 TurboQuant, without the query rotation), so the differences give each phase's
-share. GPU time only, many attends per submission (as bench/kernels.py).
+share. GPU time only, many attends per submission (as bench/kernel_bench.py).
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
-import kernels as B  # noqa: E402
+import kernel_bench as B  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 

@@ -7,7 +7,7 @@ Times the plain (f32, f16) prefill (2048 causal queries over 2048 keys, and 512 
 32 query heads, 8 KV heads, d = 128) with the query-block tiled kernel and the
 register-blocked one in its variants (register prefetch on/off, pipelines
 specialized on the shape or generic), and the TurboQuant tiled prefill, as
-bench/kernels.py times them (GPU time only).
+bench/kernel_bench.py times them (GPU time only).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
-import kernels as B  # noqa: E402
+import kernel_bench as B  # noqa: E402
 from attnserve.formats import is_plain  # noqa: E402  (kernels.py put service/ on the path)
 
 VARIANTS = {

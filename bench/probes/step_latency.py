@@ -2,7 +2,7 @@
 """Latency of one submission of a batched decode step against the GPU time per
 step when many steps share a submission: is a step's wait GPU work or a cost per
 submission? (N sessions x context, f32, one query row each; the steps of
-bench/kernels.py's batched rows, ``iters`` of them per submission.)
+bench/kernel_bench.py's batched rows, ``iters`` of them per submission.)
 
     python bench/probes/step_latency.py [--adapter nvidia] [--sessions 16,32,64] [--context 4096] [--presize]
 """
@@ -22,7 +22,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
-from kernels import D, H, HKV, fill_layer, time_batched  # noqa: E402
+from kernel_bench import D, H, HKV, fill_layer, time_batched  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     engine = Engine.open(args.adapter)
     rng = np.random.default_rng(0)
     for n in map(int, args.sessions.split(",")):
-        if args.presize:  # as bench/kernels.py's batched rows: the slab grows with one big session first
+        if args.presize:  # as bench/kernel_bench.py's batched rows: the slab grows with one big session first
             big = engine.session_kv(SessionConfig(1, H, HKV, D, "f32", n * args.context, 99))
             fill_layer(engine, big.layers[0], n * args.context, rng)
             engine.release(big).result()

@@ -32,9 +32,9 @@ merge) and the split kernel alone (the rotation and merge dispatches dropped),
 many steps recorded into one submission: GPU time from timestamps written
 before and after it when the device has ``timestamp-query`` (asked for here),
 and the wall time from submit to completion (amortized over the steps, as
-bench/kernels.py). For reference: the step with only its rotation and merge
+bench/kernel_bench.py). For reference: the step with only its rotation and merge
 (the split kernel dropped: what they cost), the f32 split step, torch bf16 SDPA
-(when a CUDA torch is there) and the copy bandwidth (bench/kernels.py's
+(when a CUDA torch is there) and the copy bandwidth (bench/kernel_bench.py's
 helpers). Prints a table and the best variant per context; writes it all as JSON
 to bench/results/tq-decode-variants-<adapter>.json (tools.common.write_result).
 Exit status 1 when an output check failed or a variant could not run.
@@ -62,7 +62,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "service"), str(ROOT / "client"), str(ROOT)]
-import kernels as B  # noqa: E402  (bench/kernels.py: Engine, fill_layer, copy_gbps, torch peers)
+import kernel_bench as B  # noqa: E402  (bench/kernel_bench.py: Engine, fill_layer, copy_gbps, torch peers)
 from gpu_timing import GpuTimer, request_timestamps  # noqa: E402
 
 from attnserve.gpu import kernels as K  # noqa: E402

@@ -4,7 +4,7 @@
     python bench/probes/trusted_probe.py [--trusted]
 
 Times the default decode (32k, 128k) and prefill (2048 x 2048) attends of both
-formats, as bench/kernels.py does. With --trusted every shader module is
+formats, as bench/kernel_bench.py does. With --trusted every shader module is
 created through wgpu-native's `wgpuDeviceCreateShaderModuleTrusted` with no
 runtime checks (naga then adds no index clamps; the Vulkan driver's own robust
 buffer access, where enabled, still bounds storage reads), instead of
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: kernels.py
-import kernels as B  # noqa: E402
+import kernel_bench as B  # noqa: E402
 from tools import reference as ref  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 

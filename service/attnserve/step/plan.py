@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -139,9 +140,7 @@ async def finish_request(rt: Runtime, queued: Queued, what: str = "item") -> Out
                 problems[items[i]] = problem
             continue
         result: StackedResult = fut.result()
-        per_format: dict[str, int] = {}
-        for fmt in c.formats:
-            per_format[fmt] = per_format.get(fmt, 0) + 1
+        per_format = Counter(c.formats)
         for i, e in result.errors.items():
             problems[items[i]] = failure(rt, fut, e, what)
             per_format[c.formats[c.passed.index(i)]] -= 1

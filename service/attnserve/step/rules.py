@@ -85,22 +85,31 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
         )
     for config, fmt, rows in by_shape:
         _check_arrays(engine.max_binding, config, fmt, step, rows, problems)
-    live = [i for i in range(len(step)) if i not in problems] if problems else list(range(len(step)))
     found = cast("Sequence[Session]", sessions)  # a live row's session was found (rule 2)
-    states = [found[i].layers[step.layer] for i in live]
-    new_length, refused = store.step_lengths(states, step.rows, [step.offsets[i] for i in live])
+    if problems:
+        live = [i for i in range(len(step)) if i not in problems]
+        mine, offsets = [found[i] for i in live], [step.offsets[i] for i in live]
+    else:  # every row (the common case): the step's own lists
+        live, mine, offsets = list(range(len(step))), list(found), step.offsets
+    states = [s.layers[step.layer] for s in mine]
+    new_length, refused = store.step_lengths(states, step.rows, offsets)
     start_pos: list[int] = []
     if step.q is not None:
         refused |= _start_positions(step, live, new_length, refused, start_pos)
-    keep = [j for j in range(len(live)) if j not in refused]
     if refused:
         for j, problem in refused.items():
             problems[live[j]] = problem
-        live, states, new_length = [live[j] for j in keep], [states[j] for j in keep], new_length[keep]
+        keep = [j for j in range(len(live)) if j not in refused]
+        live, mine, states, new_length = (
+            [live[j] for j in keep],
+            [mine[j] for j in keep],
+            [states[j] for j in keep],
+            new_length[keep],
+        )
         start_pos = [start_pos[j] for j in keep] if start_pos else start_pos
     if not live:
         return Checked(step, problems, [], [], [], None)
-    reservation, over = store.reserve_step([found[i] for i in live], states, step.rows, new_length)
+    reservation, over = store.reserve_step(mine, states, step.rows, new_length)
     if over:
         for j, problem in over.items():
             problems[live[j]] = problem
@@ -315,11 +324,12 @@ def _start_positions(
     if any(p is not None for p in given):
         g = np.fromiter((-1 if p is None else p for p in given), np.int64, len(live))
         sp = np.where(g < 0, new_length - n, g)
-    else:
+        bad = (sp < 0) | (sp + n > new_length)
+    else:  # length - n: inside the length unless the layer is shorter than n
         sp = new_length - n
+        bad = sp < 0
     out.extend(sp.tolist())
     problems: dict[int, ApiError] = {}
-    bad = (sp < 0) | (sp + n > new_length)
     for j in np.flatnonzero(bad).tolist() if bad.any() else ():
         if j in refused:
             continue

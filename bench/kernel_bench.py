@@ -3,7 +3,7 @@
 of formats.KV_FORMATS, e.g. the variants tq4, tq3; ``tq4/s4w128``: tq4 with 4 exact
 sinks and an exact window of 128, the session's ``sinks`` and ``window``), against torch SDPA.
 
-    python bench/kernels.py [--json-out bench/results/h200-latest.json] [--quick]
+    python bench/kernel_bench.py [--json-out bench/results/h200-latest.json] [--quick]
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128. Decode (one query row) at
 contexts 4096, 32768, 131072; prefill 2048 causal queries over 2048 keys, and
