@@ -430,10 +430,9 @@ class Store:
         length = np.fromiter((ls.length for ls in states), np.int64, count)
         new_length = length + rows
         problems: dict[int, ApiError] = {}
-        if any(o is not None for o in offsets):
-            given = np.fromiter((-1 if o is None else o for o in offsets), np.int64, count)
-            wrong = (given >= 0) & (given != length)
-            for i in np.flatnonzero(wrong).tolist() if wrong.any() else ():
+        if any(o is not None for o in offsets):  # compared as Python ints: an offset may pass int64
+            lengths = length.tolist()
+            for i in [i for i, o in enumerate(offsets) if o is not None and o != lengths[i]]:
                 detail = f"offset {offsets[i]} is not the layer's length {length[i]}"
                 problems[i] = OffsetMismatch(
                     detail + ("; nothing was appended" if rows else ""), length=int(length[i])

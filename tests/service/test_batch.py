@@ -304,3 +304,24 @@ def test_items_whose_v_differs_from_k_are_refused_alone(api, rng):
     assert api.info(other)["lengths"] == [0]
     for s in (sid, other):
         api.delete(s)
+
+
+def test_integers_past_int64_are_refused_as_any_other_wrong_value(api, rng):
+    """An offset or start_pos past int64 (the fuzzer's 1913730379018524164096) is an
+    offset that is not the length (409) or a start_pos past it (422), in every form;
+    the rules compare them as Python ints, never through an int64 array."""
+    huge = 1913730379018524164096
+    sid = api.create(num_qo_heads=4, num_kv_heads=2, head_dim=16)["session_id"]
+    k = rows(rng, 1, 2, 16)
+    r = api.call("POST", f"/v1/sessions/{sid}/layers/0/kv", {"k": k, "v": k, "offset": huge})
+    assert r.status == 409 and r.body["detail"] == f"offset {huge} is not the layer's length 0; nothing was appended"
+    q = rows(rng, 1, 4, 16)
+    r = api.call("POST", f"/v1/sessions/{sid}/layers/0/attend", {"q": q, "k": k, "v": k, "start_pos": huge})
+    assert r.status == 422 and r.body["detail"].startswith(f"start_pos: 1 query rows from start_pos {huge} pass")
+    stacked = {"session_ids": [sid, sid], "layer": 0, "q": np.stack([q, q]), "k": np.stack([k, k]),
+               "v": np.stack([k, k]), "offsets": [huge, None], "start_pos": [None, huge]}  # fmt: skip
+    r = api.call("POST", "/v1/batch/attend", stacked)
+    assert r.status == 200, r.body
+    assert [e["status"] for e in r.body["errors"]] == [409, 422]
+    assert api.info(sid)["lengths"] == [0]
+    api.delete(sid)

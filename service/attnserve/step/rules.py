@@ -321,8 +321,8 @@ def _start_positions(
     in ``live`` (rows already ``refused`` are skipped)."""
     n = step.queries
     given = [step.start_pos[i] for i in live]
-    if any(p is not None for p in given):
-        g = np.fromiter((-1 if p is None else p for p in given), np.int64, len(live))
+    if any(p is not None for p in given):  # (past int64 is past any length: held at 2^62 to compare)
+        g = np.fromiter((-1 if p is None else min(p, 1 << 62) for p in given), np.int64, len(live))
         sp = np.where(g < 0, new_length - n, g)
         bad = (sp < 0) | (sp + n > new_length)
     else:  # length - n: inside the length unless the layer is shorter than n
@@ -333,7 +333,7 @@ def _start_positions(
     for j in np.flatnonzero(bad).tolist() if bad.any() else ():
         if j in refused:
             continue
-        length, start = int(new_length[j]), int(sp[j])
+        length, start = int(new_length[j]), int(sp[j]) if given[j] is None else given[j]
         if given[j] is None:
             detail = (
                 f"start_pos: q has {n} rows but the layer holds {length} timesteps (the default "
