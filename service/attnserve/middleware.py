@@ -78,7 +78,7 @@ class RequestMiddleware:
                 try:
                     scope[OWNER_KEY] = rt.keys.authenticate(_header(scope, b"authorization"))
                 except Unauthorized as e:
-                    rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
+                    rt.metrics.auth_failures.labels(getattr(e, "reason", "invalid")).inc()
                     await answer(e)
                 else:
                     await self.app(scope, receive, send_wrapper)
@@ -116,7 +116,7 @@ class RequestMiddleware:
             rt.metrics.observe_request(template, method, status, dt)
             slug = scope.get(PROBLEM_KEY)
             if slug:
-                rt.metrics.errors.inc(slug)
+                rt.metrics.errors_by[slug].inc()
             params = scope.get("path_params") or {}
             fields: dict[str, Any] = {
                 "method": method,

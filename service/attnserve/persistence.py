@@ -336,10 +336,10 @@ class SnapshotDir:
         for name, size in zip(names, sizes):
             result = await self._restore_one(stems[name].get(SUFFIX), engine, stems[name].get(J.SUFFIX))
             counts[result] += 1
-            self.rt.metrics.snapshot_restores.inc(result)
+            self.rt.metrics.snapshot_restores.labels(result).inc()
             progress.step(size)
         dt = progress.elapsed()
-        self.rt.metrics.snapshot_seconds.observe(dt, "restore")
+        self.rt.metrics.snapshot_seconds.labels("restore").observe(dt)
         log.info("snapshots restored", extra={"dir": str(self.path), **counts, **progress.fields()})
         return counts
 
@@ -495,17 +495,17 @@ class SnapshotDir:
                 written = _size(await self.save(session, engine))
             except Exception as e:
                 counts["error"] += 1
-                self.rt.metrics.snapshot_writes.inc("error")
+                self.rt.metrics.snapshot_writes.labels("error").inc()
                 log.error(
                     "cannot write a session's snapshot",
                     extra={"session_id": session.id, "error": f"{type(e).__name__}: {e}"},
                 )
             else:
                 counts["ok"] += 1
-                self.rt.metrics.snapshot_writes.inc("ok")
+                self.rt.metrics.snapshot_writes.labels("ok").inc()
             progress.step(written)
         dt = progress.elapsed()
-        self.rt.metrics.snapshot_seconds.observe(dt, "save")
+        self.rt.metrics.snapshot_seconds.labels("save").observe(dt)
         log.info("snapshots written", extra={"dir": str(self.path), **counts, **progress.fields()})
         return counts
 

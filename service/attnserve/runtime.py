@@ -26,10 +26,10 @@ from . import __version__
 from .auth import KeyRing
 from .codec import offload
 from .config import Settings
-from .engine import Engine, step_fallbacks_counter
+from .engine import Engine, step_fallbacks_counter, step_plans_counter
 from .errors import NotReady
 from .formats import KV_FORMATS
-from .metrics import Borrowed, Gauge, Metrics
+from .metrics import Metrics
 from .store import Session, StepReservation, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
@@ -61,12 +61,12 @@ class Runtime:
             memory_budget_bytes=settings.memory_budget_bytes,
             quota_sessions_per_key=settings.quota_sessions_per_key,
             quota_bytes_per_key=settings.quota_bytes_per_key,
-            on_quota=self.metrics.quota_rejections.inc,
+            on_quota=lambda quota: self.metrics.quota_rejections.labels(quota).inc(),
         )
-        for reason in ("missing", "invalid"):
-            self.metrics.auth_failures.inc(reason, amount=0)
+        for reason in ("missing", "invalid"):  # exposed from the start, at 0
+            self.metrics.auth_failures.labels(reason)
         for quota in ("sessions", "bytes"):
-            self.metrics.quota_rejections.inc(quota, amount=0)
+            self.metrics.quota_rejections.labels(quota)
         self.persistence: Any = None  # a persistence.SnapshotDir when snapshot_dir is set
         self.engine: Engine | None = engine
         self.ready = False
@@ -276,7 +276,7 @@ class Runtime:
                     if cancelled:
                         if state is not None:
                             state.timed_out = True
-                        self.metrics.timeouts.inc(amount=len(job.res))  # a stacked step: each item
+                        self.metrics.timeouts.inc(len(job.res))  # a stacked step: each item
                 if again and not all_done.done():
                     timer = loop.call_later(min(0.05, timeout), expire)
 
@@ -312,109 +312,88 @@ class _Watched:
 
 def install_gauges(rt: Runtime) -> None:
     """The gauges that describe state, computed when /metrics is scraped."""
-    m = rt.metrics
+    m, s = rt.metrics, rt.settings
 
     def by_format(i: int) -> list[tuple[tuple[str, ...], float]]:
         counts = rt.store.by_format()
         return [((fmt,), counts.get(fmt, (0, 0))[i]) for fmt in KV_FORMATS]
 
-    m.add_gauge(Gauge("attnserve_sessions", "Sessions held, by kv format.", ("kv_format",), lambda: by_format(0)))
-    m.add_gauge(Borrowed(step_fallbacks_counter(), lambda: rt.engine.step_fallbacks if rt.engine is not None else None))
+    m.add_gauge("attnserve_sessions", "Sessions held, by kv format.", ("kv_format",), lambda: by_format(0))
+    fallbacks, plans = step_fallbacks_counter(), step_plans_counter()  # read while there is no engine
+    m.add_counter(lambda: rt.engine.step_fallbacks if rt.engine is not None else fallbacks)
+    m.add_counter(lambda: rt.engine.step_plans if rt.engine is not None else plans)
     m.add_gauge(
-        Gauge(
-            "attnserve_kv_bytes",
-            "GPU bytes the sessions' caches hold, by kv format.",
-            ("kv_format",),
-            lambda: by_format(1),
-        )
+        "attnserve_kv_bytes", "GPU bytes the sessions' caches hold, by kv format.", ("kv_format",), lambda: by_format(1)
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_memory_used_bytes",
-            "GPU bytes held or reserved by queued work (what the budget counts).",
-            fn=lambda: [((), rt.store.used_bytes)],
-        )
+        "attnserve_memory_used_bytes",
+        "GPU bytes held or reserved by queued work (what the budget counts).",
+        (),
+        lambda: [((), rt.store.used_bytes)],
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_memory_budget_bytes",
-            "The GPU memory budget (0: none).",
-            fn=lambda: [((), rt.settings.memory_budget_bytes)],
-        )
+        "attnserve_memory_budget_bytes",
+        "The GPU memory budget (0: none).",
+        (),
+        lambda: [((), rt.settings.memory_budget_bytes)],
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_gpu_queue_depth",
-            "Jobs waiting for or running on the GPU thread.",
-            fn=lambda: [((), rt.engine.worker.queue_depth if rt.engine is not None else 0)],
-        )
+        "attnserve_gpu_queue_depth",
+        "Jobs waiting for or running on the GPU thread.",
+        (),
+        lambda: [((), rt.engine.worker.queue_depth if rt.engine is not None else 0)],
+    )
+    m.add_gauge("attnserve_requests_in_flight", "HTTP requests being handled now.", (), lambda: [((), rt.in_flight)])
+    m.add_gauge(
+        "attnserve_ready",
+        "1 when the device is open and the server is not draining.",
+        (),
+        lambda: [((), int(rt.ready and not rt.draining))],
     )
     m.add_gauge(
-        Gauge("attnserve_requests_in_flight", "HTTP requests being handled now.", fn=lambda: [((), rt.in_flight)])
-    )
-    m.add_gauge(
-        Gauge(
-            "attnserve_ready",
-            "1 when the device is open and the server is not draining.",
-            fn=lambda: [((), int(rt.ready and not rt.draining))],
-        )
-    )
-    s = rt.settings
-    m.add_gauge(
-        Gauge(
-            "attnserve_gpu_queue_limit",
-            "Most jobs that may wait for the GPU (503 overloaded past it).",
-            fn=lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
-        )
+        "attnserve_gpu_queue_limit",
+        "Most jobs that may wait for the GPU (503 overloaded past it).",
+        (),
+        lambda: [((), rt.engine.worker.max_queue if rt.engine is not None else s.max_queue)],
     )
     # The configured limits (0: none), one metric per unit.
     m.add_gauge(
-        Gauge(
-            "attnserve_limit_sessions",
-            "Configured session limits (0: none), by name.",
-            ("name",),
-            fn=lambda: [(("max_sessions",), s.max_sessions), (("quota_sessions_per_key",), s.quota_sessions_per_key)],
-        )
+        "attnserve_limit_sessions",
+        "Configured session limits (0: none), by name.",
+        ("name",),
+        lambda: [(("max_sessions",), s.max_sessions), (("quota_sessions_per_key",), s.quota_sessions_per_key)],
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_limit_bytes",
-            "Configured byte limits (0: none), by name.",
-            ("name",),
-            fn=lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
-        )
+        "attnserve_limit_bytes",
+        "Configured byte limits (0: none), by name.",
+        ("name",),
+        lambda: [(("quota_bytes_per_key",), s.quota_bytes_per_key)],
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_limit_seconds",
-            "Configured time limits (0: none), by name.",
-            ("name",),
-            fn=lambda: [(("request_timeout",), s.request_timeout_s), (("session_ttl",), s.session_ttl_seconds)],
-        )
+        "attnserve_limit_seconds",
+        "Configured time limits (0: none), by name.",
+        ("name",),
+        lambda: [(("request_timeout",), s.request_timeout_s), (("session_ttl",), s.session_ttl_seconds)],
     )
 
     def tenants(i: int) -> list[tuple[tuple[str, ...], float]]:
         return [((owner or "",), v[i]) for owner, v in rt.store.by_tenant().items()]
 
     m.add_gauge(
-        Gauge(
-            "attnserve_tenant_sessions",
-            "Sessions each tenant holds (tenant: its API key id; empty without keys).",
-            ("tenant",),
-            lambda: tenants(0),
-        )
+        "attnserve_tenant_sessions",
+        "Sessions each tenant holds (tenant: its API key id; empty without keys).",
+        ("tenant",),
+        lambda: tenants(0),
     )
     m.add_gauge(
-        Gauge(
-            "attnserve_tenant_bytes",
-            "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
-            ("tenant",),
-            lambda: tenants(1),
-        )
+        "attnserve_tenant_bytes",
+        "GPU bytes each tenant's sessions hold or have reserved (what its quota counts).",
+        ("tenant",),
+        lambda: tenants(1),
     )
 
     def info() -> list[tuple[tuple[str, ...], float]]:
         d = rt.engine.describe() if rt.engine is not None else {}
         return [((__version__, d.get("name", ""), d.get("backend", "")), 1)]
 
-    m.add_gauge(Gauge("attnserve_build_info", "Version and GPU adapter.", ("version", "adapter", "backend"), info))
+    m.add_gauge("attnserve_build_info", "Version and GPU adapter.", ("version", "adapter", "backend"), info)

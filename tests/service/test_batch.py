@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.config import Settings
+from metric_helpers import count
 from svc_helpers import F32_TOL, Api, LiveServer, Model, from_wire, rel_err, rows, to_wire
 
 BATCH = "/v1/batch/attend"
@@ -275,10 +276,10 @@ def test_items_of_one_layer_and_shape_run_as_one_stacked_job(api, server, rng):
     assert steps(repeated) == [[0, 1], [2]]
     jobs = server.runtime.metrics.gpu_jobs
     for items, want_jobs in ((alike, 1), (mixed_layers, 2)):
-        before = jobs.value()
+        before = count(jobs)
         r = _batch(api, items)
         assert r.status == 200
-        assert jobs.value() - before == want_jobs
+        assert count(jobs) - before == want_jobs
     assert r.body["results"][1]["length"] == 1  # ids[1]'s layer 1
     r = _batch(api, alike)
     assert [res.get("length") for res in r.body["results"][:3]] == [3, 2, 2]

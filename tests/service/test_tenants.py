@@ -12,6 +12,7 @@ import pytest
 from attnserve.auth import KeyRing, key_id
 from attnserve.config import Settings
 from attnserve_client import wire
+from metric_helpers import count
 from svc_helpers import F32_TOL, Api, LiveServer, Model, Scrape, rel_err, rows
 
 KEY_A = "tenant-a-0123456789abcdef"
@@ -44,7 +45,7 @@ def apis(keyed):
 def test_every_v1_request_needs_a_valid_key(keyed, apis):
     a, _, anon = apis
     m0 = keyed.runtime.metrics.auth_failures
-    missing0, invalid0 = m0.value("missing"), m0.value("invalid")
+    missing0, invalid0 = count(m0, "missing"), count(m0, "invalid")
     for method, path in (
         ("GET", "/v1/sessions"),
         ("POST", "/v1/sessions"),
@@ -65,7 +66,7 @@ def test_every_v1_request_needs_a_valid_key(keyed, apis):
     assert r.status == 401  # only the Bearer scheme
     r = anon.call("GET", "/v1/sessions", headers={"Authorization": f"bearer {KEY_A}"})
     assert r.status == 200  # the scheme is case-insensitive
-    assert m0.value("missing") >= missing0 + 6 and m0.value("invalid") >= invalid0 + 2
+    assert count(m0, "missing") >= missing0 + 6 and count(m0, "invalid") >= invalid0 + 2
     # probes and metrics stay open (metrics_auth is off)
     for path in ("/livez", "/readyz", "/health", "/metrics"):
         assert anon.client.get(path).status_code == 200, path

@@ -114,4 +114,4 @@ def _stacked_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[
 def count_problems(rt: Runtime, outcome: Outcome) -> None:
     """Count a finished batch's failed items by problem."""
     for problem in outcome.problems.values():
-        rt.metrics.errors.inc(problem.slug)
+        rt.metrics.errors_by[problem.slug].inc()
