@@ -10,8 +10,8 @@ planning and encoding.
 
 With ``--layers L`` the sessions have L layers and the steps go through them in
 turn, as an engine's decode does: step ``i`` is layer ``i % L``'s, and layers 1..L-1
-of a token attend at the lengths layer 0 did (a stacked step's plan is recorded on
-layer 0 and replayed for the others: ``batch.StepPlans``).
+of a token attend at the lengths layer 0 did (a stacked step's plan is made on
+layer 0 and run on the others: ``gpu/step_plan.py``).
 
 It drives the engine directly (no HTTP): one :class:`~attnserve.gpu.batch.Batch`
 per step, on the calling thread while the GPU worker is idle, so the phases are
@@ -40,6 +40,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
+from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
@@ -75,6 +76,7 @@ def run(
     k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
     qb, kb = np.broadcast_to(q, (n, *q.shape)).copy(), np.broadcast_to(k1, (n, *k1.shape)).copy()
     arenas = engine.worker.arenas
+    step_plans = StepPlans()  # the sessions' step plans, as the store keeps a group's
 
     turn = [0]  # the steps so far: the layer of the next one
 
@@ -84,7 +86,7 @@ def run(
         if stacked:  # one job for the step, its items planned as columns (Engine.plan_stacked)
             fused = {} if read_only else {"k": kb, "v": kb}
             layers = [s.layers[li] for s in sessions]
-            return [engine.plan_stacked(layers, qb, start_pos=[None] * n, **fused)(batch)]
+            return [engine.plan_stacked(layers, qb, start_pos=[None] * n, plans=step_plans, **fused)(batch)]
         fused = {} if read_only else {"k": k1, "v": k1}
         return [engine.plan_attend(s.layers[li], q, **fused)(batch) for s in sessions]
 
@@ -118,8 +120,14 @@ def run(
 
     # the worker must be idle while this thread drives the device
     engine.worker.run(lambda c: None)
-    plans = getattr(arenas, "step_plans", None)  # absent before the recorded plans (a tree before them)
-    hits0, misses0 = (plans.hits, plans.misses) if plans else (0, 0)
+    events = engine.step_plans
+
+    def plan_events() -> dict[str, float]:
+        return {e: events.value(e, "") for e in ("made", "run")} | {
+            "missed": sum(events.value("missed", r) for r in PLAN_REASONS)
+        }
+
+    before = plan_events()
     for _ in range(3):
         step(None)
     times = np.array([step(None) for _ in range(steps)]) * 1e3  # timed without the profiler
@@ -127,7 +135,7 @@ def run(
     for _ in range(steps if top else 0):
         step(prof)
     med = np.median(times, axis=0)
-    replays = {"hits": plans.hits - hits0, "misses": plans.misses - misses0} if plans else None
+    replays = {e: n - before[e] for e, n in plan_events().items()}
     res = {
         "kv_format": fmt,
         **({"sinks": exact[0], "window": exact[1]} if any(exact) else {}),

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 from attnserve.engine import Engine
+from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans
 from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
 
 from _core import CORE_PAGE_TOKENS as P, core_engine, item_path, read_words, rows
+from metric_helpers import count
 
 pytestmark = pytest.mark.gpu
 
@@ -77,11 +79,17 @@ def _pairs(engine, formats, lengths, rng, layers=2, heads=(H, HKV)):
     return out
 
 
-def _check_step(engine, pairs, li, q, k, v, skip=()):
-    """One stacked step on the sessions' layer ``li`` against their twins' one by one."""
+def _missed(events):
+    """The misses an engine's ``step_plans`` counted, by reason."""
+    return {r: count(events, "missed", r) for r in PLAN_REASONS if count(events, "missed", r)}
+
+
+def _check_step(engine, pairs, li, q, k, v, skip=(), plans=None):
+    """One stacked step on the sessions' layer ``li`` against their twins' one by
+    one (``plans``: the sessions' step plans, as the store keeps them)."""
     b = len(pairs)
     layers = [None if i in skip else pairs[i][0].layers[li] for i in range(b)]
-    plan = engine.plan_stacked(layers, q, k=k, v=v, start_pos=[None] * b)
+    plan = engine.plan_stacked(layers, q, k=k, v=v, start_pos=[None] * b, plans=plans)
     got = engine.worker.submit_plan(plan).result()
     assert not got.errors
     for i in range(b):
@@ -312,16 +320,16 @@ def test_uploads_gather_small_arrays_and_keep_large_ones_as_they_are(monkeypatch
     assert up.image()[48:] == b"jk" and len(up.runs) == 3
 
 
-def _stacked(engine, pairs, li, q, k, v):
+def _stacked(engine, pairs, li, q, k, v, plans=None):
     return engine.plan_stacked(
-        [p[0].layers[li] for p in pairs], q, k=k, v=k if v is None else v, start_pos=[None] * len(pairs)
+        [p[0].layers[li] for p in pairs], q, k=k, v=k if v is None else v, start_pos=[None] * len(pairs), plans=plans
     )
 
 
 def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, columns, replays):
     """Issue 25's plan once per step: an engine's step attends the same sessions at
     the same lengths on every layer, so the commands recorded on its first layer
-    are replayed on the others (``batch.StepPlans``), each layer's own page tables
+    are run on the others (``gpu/step_plan.py``), each layer's own page tables
     put in. Several formats, lengths across page boundaries, appends of 1 and of
     several rows that open new pages, a step of several query rows, one without an
     append, and two layers' steps in one batch: bit for bit what each item gets
@@ -341,17 +349,19 @@ def _replayed_steps(engine, rng, columns):
     formats = ["f32", "tq4", "f16", "turboquant", "tq4", "f32"]
     lengths = [P - 1, P, 2 * P + 3, 1, 3 * P - 1, 2 * P]
     pairs = _pairs(engine, formats, lengths, rng, layers=num_layers)
-    plans = engine.worker.arenas.step_plans
+    plans, events = StepPlans(), engine.step_plans
     b, groups = len(pairs), len(set(formats))  # one group (pool) per format: one plan each per layer
     steps = [(1, 1), (1, 1), (2, P + 1), (1, 0), (3, 2), (1, 1)]  # (query rows, appended rows)
     for n, m in steps:
-        hits = plans.hits
+        runs, made = count(events, "run", ""), count(events, "made", "")
         for li in range(num_layers):  # every layer of the step, as a model runs them
             q = rng.standard_normal((b, n, H, D)).astype(np.float32)
             k = None if not m else rng.standard_normal((b, m, HKV, D)).astype(np.float32)
             v = None if not m else rng.standard_normal((b, m, HKV, D)).astype(np.float32)
-            _check_step(engine, pairs, li, q, k, v)
-        assert plans.hits - hits == (num_layers - 1) * groups  # layers 1.. of the step: replayed
+            _check_step(engine, pairs, li, q, k, v, plans=plans)
+        assert count(events, "run", "") - runs == (num_layers - 1) * groups  # layers 1.. of the step: run
+        assert count(events, "made", "") - made == groups  # made on layer 0 alone
+    assert not _missed(events)
     _same_words(engine, pairs)
     assert sum(columns) == len(steps) * num_layers * b
 
@@ -360,11 +370,14 @@ def _replayed_steps(engine, rng, columns):
     q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
     kv = [rng.standard_normal((b, 1, HKV, D)).astype(np.float32) for _ in range(num_layers)]
     for li in (0, 1):
-        _check_step(engine, pairs, li, q, kv[li], kv[li])
-    hits = plans.hits
-    futures = engine.worker.submit_plans([_stacked(engine, pairs, li, q, kv[li], kv[li]) for li in (2, 3)])
+        _check_step(engine, pairs, li, q, kv[li], kv[li], plans=plans)
+    runs = count(events, "run", "")
+    futures = engine.worker.submit_plans([_stacked(engine, pairs, li, q, kv[li], kv[li], plans) for li in (2, 3)])
     got = [f.result() for f in futures]
-    assert plans.hits - hits == groups
+    assert count(events, "run", "") - runs == groups
+    # the second job, not its batch's first, misses visibly: its first group's arrays
+    # are elsewhere in the arenas, and the later groups follow that group's deferred kernels
+    assert _missed(events) == {"arrays": 1, "deferred": groups - 1}
     for li, step in zip((2, 3), got):
         assert not step.errors
         for i in range(b):
@@ -402,16 +415,17 @@ def test_windowed_layers_steps_are_replayed_on_every_layer(rng, columns, replays
                     for s in pair:
                         engine.append(s.layers[li], k, v).result()
             pairs.append(pair)
-        plans, b = engine.worker.arenas.step_plans, len(pairs)
+        plans, events, b = StepPlans(), engine.step_plans, len(pairs)
         steps = [(1, 1), (1, P + 1), (2, 1), (1, 0), (1, 2 * P), (1, 1)]  # (query rows, appended rows)
         for n, m in steps:
-            hits = plans.hits
+            runs = count(events, "run", "")
             for li in range(num_layers):
                 q = rng.standard_normal((b, n, h, D)).astype(np.float32)
                 k = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
                 v = None if not m else rng.standard_normal((b, m, hkv, D)).astype(np.float32)
-                _check_step(engine, pairs, li, q, k, v)
-            assert plans.hits - hits == num_layers - 1  # one group (the tq4 pool): layers 1.. replayed
+                _check_step(engine, pairs, li, q, k, v, plans=plans)
+            assert count(events, "run", "") - runs == num_layers - 1  # one group (the tq4 pool): layers 1.. run
+        assert not _missed(events)
         assert sum(columns) == len(steps) * num_layers * b
         _same_words(engine, pairs)
         for mine, twin in pairs:
@@ -516,11 +530,11 @@ def test_only_a_layer_with_a_later_layer_of_its_format_records(engine, rng, monk
         return plan
 
     monkeypatch.setattr(Batch, "recorded", spy)
-    one = _pairs(engine, ["f32", "tq4"], [P + 1, 3], rng, layers=1)
+    one, plans = _pairs(engine, ["f32", "tq4"], [P + 1, 3], rng, layers=1), StepPlans()
     for _ in range(2):
         q = rng.standard_normal((2, 1, H, D)).astype(np.float32)
         k = rng.standard_normal((2, 1, HKV, D)).astype(np.float32)
-        _check_step(engine, one, 0, q, k, k)
+        _check_step(engine, one, 0, q, k, k, plans=plans)
     assert recorded == []
     mixed = [engine.session_kv(SessionConfig(3, H, HKV, D, ["f32", "tq4", "f32"], 4096, 5)) for _ in range(2)]
     for li in range(3):
@@ -530,8 +544,9 @@ def test_only_a_layer_with_a_later_layer_of_its_format_records(engine, rng, monk
     assert [layer.format_follows for layer in mixed[0].layers] == [True, False, False]
     q = rng.standard_normal((1, 1, H, D)).astype(np.float32)
     k = rng.standard_normal((1, 1, HKV, D)).astype(np.float32)
+    plans = StepPlans()
     for li in range(3):
-        _check_step(engine, [mixed], li, q, k, k)
+        _check_step(engine, [mixed], li, q, k, k, plans=plans)
     assert recorded == [True]  # layer 0 (f32, with layer 2 after it) only
 
 
@@ -545,13 +560,13 @@ def test_columns_that_fail_fall_back_visibly_to_the_same_answers(engine, rng, mo
     def broken(*args, **kw):
         raise RuntimeError("a bug in the columns")
 
-    before = engine.step_fallbacks.value("error")
+    before = count(engine.step_fallbacks, "error")
     monkeypatch.setattr(LayerCache, "plan_stacked", staticmethod(broken))
     q = rng.standard_normal((b, 1, H, D)).astype(np.float32)
     k, v = (rng.standard_normal((b, 2, HKV, D)).astype(np.float32) for _ in range(2))
     with caplog.at_level("WARNING", logger="attnserve"):
         _check_step(engine, pairs, 0, q, k, v)
-    assert engine.step_fallbacks.value("error") == before + 1
+    assert count(engine.step_fallbacks, "error") == before + 1
     logged = [r for r in caplog.records if "planned item by item" in r.getMessage()]
     assert logged and logged[0].exc_info and "a bug in the columns" in str(logged[0].exc_info[1])
     _same_words(engine, pairs)

@@ -19,19 +19,21 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypedDict, cast
 
 import numpy as np
+from prometheus_client import Counter
 
 from .errors import ApiError, InvalidRequest
-from .metrics import Counter
+from .metrics import Bound
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import KernelPolicy, attend_output_bytes
 from .gpu.batch import Batch, Items, Seg
+from .gpu.step_plan import StepPlans
 from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
 from .pool import PageLayout, PagePools
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter"]
+__all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter", "step_plans_counter"]
 
 log = logging.getLogger("attnserve")
 
@@ -124,6 +126,19 @@ def step_fallbacks_counter() -> Counter:
         "(binding_limit: past the adapter's binding limit; item_refused: an item refused on the GPU thread, "
         "such as a layer past max_tokens; error: a failure, logged with its traceback).",
         ("reason",),
+        registry=None,  # the app's /metrics reads it (Metrics.add_counter)
+    )
+
+
+def step_plans_counter() -> Counter:
+    """The counter of what became of stacked steps' plans, by event and reason."""
+    return Counter(
+        "attnserve_step_plans_total",
+        "Stacked steps' plans (made on a step's first layer, run on the later ones), by event: made, run, "
+        "or missed (a later layer could not run its step's plan; reason: the field of the plan's basis that "
+        "differed, such as lengths or layout, or unrecordable, shared_batch, deferred). Logged at debug.",
+        ("event", "reason"),
+        registry=None,  # the app's /metrics reads it (Metrics.add_counter)
     )
 
 
@@ -172,6 +187,9 @@ class Engine:
         #: stacked steps the columns gave up on, planned item by item, by reason
         #: (binding_limit, error): /metrics' attnserve_step_fallbacks_total
         self.step_fallbacks = step_fallbacks_counter()
+        #: what became of stacked steps' plans: /metrics' attnserve_step_plans_total
+        self.step_plans = step_plans_counter()
+        self._plan_events = Bound(self.step_plans)  # its children, bound once (a step's every layer counts)
         limit = min(ctx.max_binding, int(ctx.limits.get("max-buffer-size", ctx.max_binding)))
         # every session's pages, per layout, and their page tables (touched only on the GPU
         # thread); pool_slab_bytes bounds the slabs, the binding limit the tables
@@ -288,14 +306,18 @@ class Engine:
         start_pos: Sequence[int | None],
         causal: bool = True,
         scale: float | None = None,
+        plans: StepPlans | None = None,
     ) -> PlanFn:
         """One job for a step: item ``i`` is the attend of ``q[i]`` ``[n, H, d]``
         (None: appends alone) after the fused append of ``k[i]``, ``v[i]`` if given,
         on ``layers[i]`` at ``start_pos[i]`` (an item whose layer is None is skipped:
         one refused before), the items planned in order into one batch. The arrays
         are uploaded once (an aligned segment per item) and the outputs are one
-        array; an item that fails to plan is rolled back alone. The future gives a
-        :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``, ``errors``)."""
+        array; an item that fails to plan is rolled back alone. ``plans``: where
+        the plans of the steps these layers' sessions take are kept (a step's
+        first layer makes one, the later layers run it: ``gpu/step_plan.py``). The
+        future gives a :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``,
+        ``errors``)."""
         if q is None and k is None:
             raise ValueError("a step attends (q), appends (k, v), or both")
         if q is not None:
@@ -336,7 +358,9 @@ class Engine:
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
             mark = batch.mark()
             try:  # the common case as columns; anything unusual is planned item by item below
-                one_by_one = self._plan_columns(batch, layers, qs, outs, rows, k, shape, start_pos, causal, sc, lengths)
+                one_by_one = self._plan_columns(
+                    batch, layers, qs, outs, rows, k, shape, start_pos, causal, sc, lengths, plans
+                )
                 if batch.largest_arena > cap:
                     raise _OneByOne
             except Exception as e:  # never silent: counted, and logged (a failure with its traceback)
@@ -396,24 +420,31 @@ class Engine:
     def _fell_back(self, e: Exception, items: int) -> None:
         """A stacked step planned item by item after its columns gave up (``e``)."""
         if isinstance(e, _OneByOne):
-            self.step_fallbacks.inc("binding_limit")
+            self.step_fallbacks.labels("binding_limit").inc()
             log.debug("a stacked step's columns pass the binding limit: planned item by item", extra={"items": items})
         elif isinstance(e, (ApiError, OutOfRange)):
-            self.step_fallbacks.inc("item_refused")
+            self.step_fallbacks.labels("item_refused").inc()
             log.debug(
                 "a stacked step's item was refused on the GPU thread: planned item by item to name it",
                 extra={"items": items, "problem": str(e)},
             )
         else:
-            self.step_fallbacks.inc("error")
+            self.step_fallbacks.labels("error").inc()
             log.warning(
                 "a stacked step's columns failed: planned item by item (the answers are the same, slower)",
                 exc_info=e,
                 extra={"items": items},
             )
 
-    @staticmethod
+    def _plan_event(self, event: str, reason: str, layer: int) -> None:
+        """What became of a step's plan on ``layer`` (``gpu/step_plan.py``): counted;
+        a plan a later layer could not run, logged too (debug) with the reason."""
+        self._plan_events[event, reason].inc()
+        if event == "missed":
+            log.debug("a layer's step did not run its step's plan", extra={"layer": layer, "reason": reason})
+
     def _plan_columns(
+        self,
         batch: Batch,
         layers: Sequence[LayerCache | None],
         qs: Items | None,
@@ -425,6 +456,7 @@ class Engine:
         causal: bool,
         scale: float,
         lengths: np.ndarray,
+        plans: StepPlans | None,
     ) -> list[int]:
         """Plan a stacked step's items as columns where it can: when its layers are
         distinct, every item whose layer's kind takes the split path, in one group per
@@ -432,8 +464,8 @@ class Engine:
         items left to plan one by one (every item, if a layer appears twice: items of
         one layer apply in order, each against the one before)."""
         taking = [i for i, layer in enumerate(layers) if layer is not None]
-        if len(taking) == 1 and not layers[taking[0]].format_follows:  # type: ignore[union-attr]
-            return taking  # one item and no later layer to replay its plan on: planned alone is cheaper
+        if len(taking) == 1 and not layers[taking[0]].format_follows and not plans:  # type: ignore[union-attr]
+            return taking  # one item, no later layer to run a plan on, none made: planned alone is cheaper
         if len({id(layers[i]) for i in taking}) != len(taking):
             return taking
         present = cast("Sequence[LayerCache]", layers)  # at the indices in taking, which alone are read below
@@ -451,7 +483,7 @@ class Engine:
             group = [present[i] for i in idx]
             item_rows = None if k is None else (*rows[first.row_dtype], k.shape[1])
             lengths[items] = first.plan_stacked(
-                batch, group, items, qs, outs, item_rows, shape, sp_all[items], causal, scale
+                batch, group, items, qs, outs, item_rows, shape, sp_all[items], causal, scale, plans, self._plan_event
             )
         return sorted(left)
 

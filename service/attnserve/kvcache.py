@@ -27,6 +27,7 @@ import wgpu
 
 from .gpu.batch import PHASE_WRITE, Batch, Items, Resource, Seg, whole
 from .gpu import kernels as K
+from .gpu.step_plan import PlanBasis, PlanEvent, StepPlan, StepPlans
 from .pool import (
     DirectCopies, PageLayout, PagePool, PagePools, PoolFull, Slab, TableRegion, copy_host_rows, copy_rows,
 )  # fmt: skip
@@ -58,6 +59,10 @@ IntArray = Union[np.ndarray, np.int64]
 class OutOfRange(ValueError):
     """An item's query rows fall outside its layer: refused before it is queued, so
     only an engine's own caller (a tool, a test) gets this far."""
+
+
+def _no_event(event: str, reason: str, layer: int) -> None:
+    """A :data:`PlanEvent` nobody hears (an engine's direct caller's steps)."""
 
 
 class LayerCache:
@@ -253,6 +258,8 @@ class LayerCache:
         start_pos: np.ndarray,
         causal: bool,
         scale: float,
+        plans: StepPlans | None = None,
+        plan_event: PlanEvent = _no_event,
     ) -> np.ndarray:
         """Plan the attends of a stacked step's items ``items`` on ``layers`` (one
         each: distinct layers of one pool and kind, every attend on the split path) as
@@ -261,9 +268,10 @@ class LayerCache:
         ``start_pos[i]`` (-1: ``length - n``). The group's pages are taken and its page
         tables brought up to date on the GPU (each layer's new entries only: the
         tables stay there between batches, ``pool.PageTables``); its writes and
-        attends join the batch's deferred kernels as one entry each per slab, or,
-        where a step over other layers at the same lengths recorded them
-        (``batch.StepPlans``), are replayed with these layers' page tables. Returns
+        attends join the batch's deferred kernels as one entry each per slab; or,
+        where ``plans`` (its sessions' plans) holds its step's plan made on an
+        earlier layer from the same basis, that plan is run with these layers' page
+        tables (``gpu/step_plan.py``; ``plan_event`` hears what became of it). Returns
         the length each item attends over (``q`` None: appends alone, planned as
         columns; the new lengths). Raises (ValueError, CapacityExceeded) where
         one item alone would; the caller then plans the items one by one, so the
@@ -285,8 +293,7 @@ class LayerCache:
             return after
         assert out is not None  # an attend's queries come with its outputs
         # the layers' state first (pages, page tables, signs, lengths, what their
-        # attends read); then the commands, recorded, or replayed where a step over
-        # other layers at the same lengths recorded them
+        # attends read); then the commands
         if rows is None:
             after, where = (
                 np.fromiter((layer.length for layer in layers), np.int64, len(layers)),
@@ -296,19 +303,19 @@ class LayerCache:
             after, where = kind._take_columns(batch, layers, items, rows)
         sp = _start_positions(start_pos, after, shape[0])
         where = kind._attend_state(batch, layers, where, sp)
-        # recorded where a later layer of a session may replay it (not a session's
-        # last layer of the format: a one-layer client's steps record nothing)
-        key: tuple[object, ...] | None
-        objects: tuple[object, ...]
-        plans, key, objects, recorded = batch.arenas.step_plans, None, (), None
-        follows = any(layer.format_follows for layer in layers)
-        if not batch.deferring and (follows or len(plans)):
-            key, objects = where.plan_key(batch, layers, items, q, out, rows, shape, after, sp, causal, scale)
-            recorded = plans.get(key, objects)
+        # the step's plan run where an earlier layer of its sessions made it; else the
+        # commands planned, and recorded as the plan where a later layer of its
+        # sessions may run it (not a session's last layer of the format)
+        recorded, basis, follows = None, None, any(layer.format_follows for layer in layers)
+        group, layer_no = (id(layers[0].pool), kind), layers[0].layer
+        if plans is not None:
+            if not batch.deferring:  # (deferred kernels come first: nothing to run or record)
+                basis = where.basis(batch, layers, items, q, out, rows, shape, after, sp, causal, scale)
+            recorded = plans.find(group, layer_no, basis, plan_event)
         if recorded is not None:
             batch.replay(recorded, where.tables())
         else:
-            recording = key is not None and follows and batch.record()
+            recording = basis is not None and follows and batch.record()
             try:
                 if rows is not None:
                     kind._write_columns(batch, layers, where, items, rows, after - rows[2])
@@ -317,10 +324,10 @@ class LayerCache:
                 if recording:
                     batch.abandon_recording()
                 raise
-            if recording:
-                plan = batch.recorded(where.tables(), where.placeholders())
-                if plan is not None:
-                    plans.put(key, objects, plan)
+            if plans is not None and follows:
+                made = batch.recorded(where.tables(), where.placeholders()) if recording else None
+                why = "" if made else "unrecordable" if recording else "deferred" if basis is None else "shared_batch"
+                plans.keep(group, StepPlan(layer_no, basis, made, why), plan_event)
         kind._columns_done(batch, layers)
         return after
 
@@ -1051,7 +1058,7 @@ class _Where:
             return ()
         return (0,)
 
-    def plan_key(
+    def basis(
         self,
         batch: Batch,
         layers: Sequence[LayerCache],
@@ -1064,13 +1071,12 @@ class _Where:
         start_pos: np.ndarray,
         causal: bool,
         scale: float,
-    ) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    ) -> PlanBasis:
         """What the commands of a stacked step over ``layers`` (placed here) are made
-        from, but the page tables' offsets (a replay puts each layer's own in): the
-        layers' kind, format and pool, the step's shape, arrays and lengths, the
-        kernel policy (by value: an engine's policy may be replaced), the slabs,
-        signs and exact rows, and the batch's layout. Returns the key and the objects
-        its ids stand for (a replay checks they are the same objects)."""
+        from, but the page tables' offsets (a run of its plan puts each layer's own
+        in): the layers' kind, format and pool, the step's shape, arrays and
+        lengths, the kernel policy (by value: an engine's policy may be replaced),
+        the slabs, signs and exact rows, and the batch's layout."""
         first = layers[0]
         slabs = [self.slabs[int(idx[0])] for idx in self.parts]
         parts: list[object] = [tuple(idx.tobytes() for idx in self.parts)]
@@ -1086,15 +1092,20 @@ class _Where:
                 slabs += cast("list[Slab]", [c.slab for c in (x.heads[i0], x.recents[i0]) if c is not None])
                 parts.append((idx.tobytes(), x.heads[i0] is not None, x.recents[i0] is not None))
             parts += [x.sinks.tobytes(), x.exact_from.tobytes(), x.recent_base.tobytes()]
-        objects = tuple(o for slab in slabs for o in (slab, slab.k, slab.v))
-        key = (
-            type(first), first.kv_format, id(first.pool), shape, causal, scale, batch.policy,
-            None if rows is None else (rows[0].base, rows[0].stride, rows[1].base, rows[1].stride, rows[2]),
-            q.base, q.stride, out.base, out.stride,
-            items.tobytes(), after.tobytes(), start_pos.tobytes(), self.signs.tobytes(),
-            tuple(parts), tuple(slab.rows for slab in slabs), tuple(map(id, objects)), batch.layout(),
+        return PlanBasis(
+            kind=(type(first), first.kv_format, id(first.pool)),
+            options=(shape, causal, scale, batch.policy),
+            arrays=(
+                q.base, q.stride, out.base, out.stride,
+                None if rows is None else (rows[0].base, rows[0].stride, rows[1].base, rows[1].stride, rows[2]),
+            ),
+            items=items.tobytes(),
+            lengths=after.tobytes(),
+            start_pos=start_pos.tobytes(),
+            placement=(self.signs.tobytes(), tuple(parts), tuple(slab.rows for slab in slabs)),
+            layout=batch.layout(),
+            bound=tuple(o for slab in slabs for o in (slab, slab.k, slab.v)),
         )  # fmt: skip
-        return key, objects
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from .errors import (
     SessionExists,
     SessionNotFound,
 )
+from .gpu.step_plan import StepPlans
 from .kvcache import LayerCache, SessionConfig, SessionKV, bytes_growth
 
 __all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "StepReservation", "Store", "Owner"]
@@ -97,6 +98,8 @@ class Session:
         self.last_used = time.monotonic()
         # the sessions that may share pages with this one (forks of forks): one set, shared
         self.family: set[Session] = {self}
+        # the plans of the steps that name this session alone (StepGroup.plans' twin)
+        self.plans = StepPlans()
 
     @property
     def key(self) -> tuple[Owner, str]:
@@ -170,14 +173,16 @@ class StepGroup:
     is added or removed (``generation``): an engine's step sends the same batch of
     sessions for every layer, and step after step (vLLM's persistent batch). ``memo``
     holds what callers derive from the sessions alone (their shapes, a layer's
-    formats), which cannot change while the group is valid."""
+    formats), which cannot change while the group is valid; ``plans`` the plans of
+    their steps (each made on a step's first layer, run on the later ones)."""
 
-    __slots__ = ("generation", "sessions", "memo")
+    __slots__ = ("generation", "sessions", "memo", "plans")
 
     def __init__(self, generation: int, sessions: list["Session"]):
         self.generation = generation
         self.sessions = sessions
         self.memo: dict[Any, Any] = {}
+        self.plans = StepPlans()
 
 
 class Store:
@@ -310,7 +315,8 @@ class Store:
         """The owner's sessions named by ``session_ids`` (strings), in order, each
         counted as a use (as :meth:`get` counts one); None when one is not there or is
         named twice (the caller then looks each up with :meth:`get`, which names the
-        problem). Resolved once per set of ids while no session is added or removed."""
+        problem). Resolved once per set of ids while no session is added or removed,
+        and kept (its memo and plans) when they resolve to the very same sessions."""
         key = (owner, tuple(session_ids))
         group = self._steps.get(key)
         if group is None or group.generation != self.generation:
@@ -318,7 +324,10 @@ class Store:
             found = [get((owner, sid)) for sid in session_ids]
             if any(s is None for s in found) or len({id(s) for s in found}) != len(found):
                 return None
-            group = StepGroup(self.generation, cast("list[Session]", found))  # none is None (checked above)
+            if group is not None and all(a is b for a, b in zip(found, group.sessions)):
+                group.generation = self.generation  # the very sessions: their memo and plans hold
+            else:
+                group = StepGroup(self.generation, cast("list[Session]", found))  # none is None (checked above)
             self._steps.pop(key, None)
             self._steps[key] = group
             while len(self._steps) > self.STEP_GROUPS:

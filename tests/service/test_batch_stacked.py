@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attnserve_client import AsyncClient, BatchError, Client, OffsetMismatch, SessionNotFound
-from svc_helpers import F32_TOL, Api, Model, from_wire, rel_err, rows
+from svc_helpers import F32_TOL, Api, Model, Scrape, from_wire, rel_err, rows
 
 BATCH = "/v1/batch/attend"
 
@@ -354,3 +354,54 @@ def test_async_client_attend_stacked(server, rng):
                 await s.delete()
 
     asyncio.run(go())
+
+
+def _plan_events(api: Api) -> dict[str, float]:
+    m = Scrape(api.client.get("/metrics").text)
+    reasons = {dict(k).get("reason") for k in m.samples.get("attnserve_step_plans_total", {})}
+    missed = {r: m.get("attnserve_step_plans_total", event="missed", reason=r) for r in reasons if r}
+    return {e: m.get("attnserve_step_plans_total", event=e, reason="") for e in ("made", "run")} | missed
+
+
+def test_a_steps_plan_is_made_on_its_first_layer_and_run_on_the_others(api, rng):
+    """Plan once per step, run per layer, through the routes: an engine's token steps
+    layer 0..3 of the same sessions at the same lengths, stacked and as single
+    attends; the step's plan is made on layer 0 and run on layers 1..3 (counted in
+    attnserve_step_plans_total), bit for bit what twin sessions answer item by
+    item. A step that changes what the plan is made from (another row count) is
+    a visible miss, by reason."""
+    h, hkv, d, layers = 4, 2, 16, 4
+    spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format="f32", num_layers=layers)
+    pairs = [(api.create(**spec)["session_id"], api.create(**spec)["session_id"]) for _ in range(5)]
+    ids, twins = [a for a, _ in pairs], [b for _, b in pairs]
+    for layer in range(layers):  # every layer's first page taken first: no slab grows between layers below
+        k = rows(rng, 1, hkv, d)
+        for sid in ids + twins:
+            assert api.append(sid, layer, k, k).status == 200
+    before = _plan_events(api)
+    for token in range(3):
+        for layer in range(layers):
+            q, k, v = _stack(rng, 5, 1, h, d), _stack(rng, 5, 1, hkv, d), _stack(rng, 5, 1, hkv, d)
+            r = _stacked(api, {"session_ids": ids, "layer": layer, "q": q, "k": k, "v": v})
+            assert r.status == 200 and r.body["errors"] == [], r.body
+            for i, b in enumerate(twins):
+                single = api.attend(b, layer, q[i], k=k[i], v=v[i])
+                assert r.body["out"][i].tobytes() == single.body["out"].tobytes()
+    after = _plan_events(api)
+    # the stacked steps: made on layer 0, run on 1..3; the twins' single attends (each
+    # a step of one session): the same, per session
+    assert after["made"] - before["made"] == 3 * (1 + len(twins))
+    assert after["run"] - before["run"] == 3 * (layers - 1) * (1 + len(twins))
+    assert {r: n - before.get(r, 0) for r, n in after.items() if r not in ("made", "run")} == {
+        r: 0 for r in after if r not in ("made", "run")
+    }
+    # layer 0 with one query row, layer 1 with two: the plan cannot run, and says why
+    q, k = _stack(rng, 5, 1, h, d), _stack(rng, 5, 1, hkv, d)
+    assert _stacked(api, {"session_ids": ids, "layer": 0, "q": q, "k": k, "v": k}).status == 200
+    q2 = _stack(rng, 5, 2, h, d)
+    assert _stacked(api, {"session_ids": ids, "layer": 1, "q": q2, "k": k, "v": k, "causal": False}).status == 200
+    final = _plan_events(api)
+    assert final.get("options", 0) - after.get("options", 0) == 1  # the query rows are the plan's options
+    for a, b in pairs:
+        api.delete(a)
+        api.delete(b)

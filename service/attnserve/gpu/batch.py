@@ -45,7 +45,7 @@ import wgpu
 from .shaders import PipelineCache
 
 __all__ = [
-    "Seg", "Items", "Batch", "Arenas", "Recorded", "StepPlans", "whole", "PERSISTENT",
+    "Seg", "Items", "Batch", "Arenas", "Recorded", "whole", "PERSISTENT",
     "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE",
 ]  # fmt: skip
 
@@ -170,41 +170,6 @@ class Recorded:
     placeholders: tuple[int, ...] = ()
 
 
-class StepPlans:
-    """Recorded plans of stacked steps (:class:`Recorded`), by what they were
-    planned from (the caller's key), the least recently used dropped past
-    ``SIZE``: an engine's step attends the same sessions at the same lengths on
-    every layer, so the plan of its first layer serves the others (FlashInfer's
-    plan once, run per layer). Kept by the GPU thread's :class:`Arenas`."""
-
-    SIZE = 16
-
-    def __init__(self) -> None:
-        self._plans: OrderedDict[object, tuple[Recorded, tuple[object, ...]]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._plans)
-
-    def get(self, key: object, objects: tuple[object, ...]) -> Recorded | None:
-        """The plan recorded under ``key`` whose ``objects`` (GPU buffers and slabs
-        it binds) are the very ones given now (a key holds their ids only)."""
-        found = self._plans.get(key)
-        if found is None or len(found[1]) != len(objects) or any(a is not b for a, b in zip(found[1], objects)):
-            self.misses += 1
-            return None
-        self._plans.move_to_end(key)
-        self.hits += 1
-        return found[0]
-
-    def put(self, key: object, objects: tuple[object, ...], plan: Recorded) -> None:
-        self._plans[key] = (plan, objects)
-        self._plans.move_to_end(key)
-        while len(self._plans) > self.SIZE:
-            self._plans.popitem(last=False)
-
-
 class Arenas:
     """Persistent arena and staging buffers of one device, grown on demand.
 
@@ -226,7 +191,6 @@ class Arenas:
         self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], wgpu.GPUBindGroup] = OrderedDict()
         self.bind_group_hits = 0
         self.bind_group_misses = 0
-        self.step_plans = StepPlans()
 
     @property
     def cached_bind_groups(self) -> int:

@@ -108,7 +108,7 @@ def _plan(engine: Engine, c: Checked) -> PlanFn:
             if c.start_pos:
                 start[i] = c.start_pos[j]
     return engine.plan_stacked(
-        layers, step.q, k=step.k, v=step.v, start_pos=start, causal=step.causal, scale=step.scale
+        layers, step.q, k=step.k, v=step.v, start_pos=start, causal=step.causal, scale=step.scale, plans=c.plans
     )
 
 
@@ -152,11 +152,12 @@ async def finish_request(rt: Runtime, queued: Queued, what: str = "item") -> Out
 def _count_rows(rt: Runtime, per_format: dict[str, int], rows: int, queries: int) -> None:
     """The row metrics of a step's completed items (``per_format[fmt]`` of each kv
     format): one increment per format."""
+    counted = rt.metrics.rows_by
     for fmt, count in per_format.items():
         if count and rows:
-            rt.metrics.rows.inc("append", fmt, amount=rows * count)
+            counted["append", fmt].inc(rows * count)
         if count and queries:
-            rt.metrics.rows.inc("query", fmt, amount=queries * count)
+            counted["query", fmt].inc(queries * count)
 
 
 def failure(rt: Runtime, fut: Future[Any], error: BaseException | None, what: str = "item") -> ApiError:

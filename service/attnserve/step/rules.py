@@ -32,6 +32,7 @@ from ..engine import Engine
 from ..errors import ApiError, InvalidRequest, LayerNotFound
 from ..formats import F16_MAX, TQ_SPECS
 from ..gpu.kernels import rotated_q_bytes
+from ..gpu.step_plan import StepPlans
 from ..kvcache import SessionConfig
 from ..store import Owner, Session, StepReservation, Store
 from ..turboquant import (
@@ -52,7 +53,9 @@ class Checked:
     """A step checked and reserved: ``problems`` (step row -> the problem that
     refused it) and, when any row passed, the rows that did (``passed``, in order),
     their sessions' layers' kv formats and first query positions, and their
-    reservation (committed)."""
+    reservation (committed); ``plans``: where the plans of the steps its sessions
+    take are kept (a group's, or a lone session's; None for a step of other
+    rows)."""
 
     step: Step
     problems: dict[int, ApiError]
@@ -60,6 +63,7 @@ class Checked:
     formats: list[str]
     start_pos: list[int]
     reservation: StepReservation | None
+    plans: StepPlans | None = None
 
 
 def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checked:
@@ -118,7 +122,8 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
     if not live:
         return Checked(step, problems, [], [], [], None)
     store.commit_step(reservation)
-    return Checked(step, problems, live, [formats[i] for i in live], start_pos, reservation)
+    plans = group.plans if group is not None else found[0].plans if len(step) == 1 else None
+    return Checked(step, problems, live, [formats[i] for i in live], start_pos, reservation, plans)
 
 
 def _sessions(store: Store, owner: Owner, step: Step, problems: dict[int, ApiError]) -> list[Session | None]:
