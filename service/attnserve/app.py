@@ -12,7 +12,7 @@ closes the engine after its queue drains.
 Tenants: with API keys configured, the request middleware checks the bearer
 token of every ``/v1`` request (and of ``/metrics`` with ``metrics_auth``) before
 anything else but the drain check, answers 401 without a valid one, and puts
-the key's id in the scope for :func:`~attnserve.routes.deps.get_owner`.
+the key's id in the scope for :func:`~attnserve.transport.deps.get_owner`.
 
 Errors: routes raise :class:`~attnserve.errors.ApiError` subclasses; one handler
 turns them (and FastAPI's validation errors, unknown routes, wrong methods) into
@@ -42,7 +42,6 @@ from .codec import problem_response
 from .instance import InstanceHeaderMiddleware
 from .config import Settings, get_settings
 from .engine import Engine
-from .frames import FrameServer
 from .errors import (
     ApiError,
     InvalidRequest,
@@ -53,11 +52,13 @@ from .errors import (
 from .gpu.device import DeviceError
 from .gpu.kernels import KernelPolicy
 from .persistence import SnapshotDir
-from .routes import batch, kv, problem_pages, probes, sessions, snapshots, stream
+from .routes import problem_pages, probes, sessions, snapshots
+from .transport import http, websocket
+from .transport.frames import FrameServer
 from .middleware import PROBLEM_KEY, RequestMiddleware
 from .runtime import Runtime, install_gauges
 from .warmup import warm_up
-from .routes.schemas import COMPONENTS
+from .contract import components
 
 __all__ = ["create_app", "open_engine", "DOCS_ASSETS"]
 
@@ -205,9 +206,8 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     )
     app.state.runtime = rt
     app.include_router(sessions.router)
-    app.include_router(kv.router)
-    app.include_router(batch.router)
-    app.include_router(stream.router)
+    app.include_router(http.router)
+    app.include_router(websocket.router)
     app.include_router(snapshots.router)
     app.include_router(probes.router)
     app.include_router(problem_pages.router)
@@ -227,7 +227,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 routes=app.routes,
                 tags=app.openapi_tags,
             )
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components())
             if rt.keys.enabled:
                 schema["components"]["securitySchemes"] = {
                     "apiKey": {"type": "http", "scheme": "bearer", "description": "An API key as a bearer token."}

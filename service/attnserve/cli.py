@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence, get_args, get_origin
 import uvicorn
 from pydantic import SecretStr
 
-from .websocket_protocol import stream_websocket_protocol
-
 if TYPE_CHECKING:
     from .config import Settings
 
@@ -135,6 +133,9 @@ def _urls(server: uvicorn.Server) -> list[str]:
 def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn configuration ``attnserve serve`` runs ``app`` under (tests start
     their servers from it too, with ``overrides`` such as the port)."""
+    # imported here, as the app is: the WebSocket transport's module brings the app's stack
+    from .transport.websocket import stream_websocket_protocol
+
     options: dict[str, Any] = dict(
         host=settings.host,
         port=settings.port,
@@ -149,7 +150,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         # for a few percent of bytes (docs/api.md#streaming-transport-v1stream-websocket).
         ws_per_message_deflate=False,
         # the keepalive judges a late pong only while the server reads the stream, and a
-        # peer that reads nothing for stream_send_timeout_s is dropped (websocket_protocol)
+        # peer that reads nothing for stream_send_timeout_s is dropped (transport/websocket.py)
         ws=stream_websocket_protocol(settings.stream_send_timeout_s),
         ws_ping_interval=settings.stream_ping_interval_s or None,
         ws_ping_timeout=settings.stream_ping_timeout_s,

@@ -19,7 +19,6 @@ turns documents into checked Python values.
 
 from __future__ import annotations
 
-import builtins
 import json
 import math
 from collections.abc import Callable
@@ -44,7 +43,6 @@ __all__ = [
     "negotiate",
     "read_body",
     "decode_document",
-    "Fields",
     "encode",
     "respond",
     "array_out",
@@ -225,100 +223,6 @@ def decode_document(raw: bytes, kind: MediaKind | None, max_bytes: int) -> Any:
         raise MalformedBody(str(e)) from None
 
 
-_MISSING: Any = object()
-
-
-class Fields:
-    """Typed access to the members of a request document, refusing unknown ones.
-
-    ``None`` (JSON ``null``, MessagePack ``nil``) counts as absent for optional
-    members. Every refusal is ``422 invalid-request`` naming the member.
-    """
-
-    def __init__(self, doc: Any, allowed: tuple[str, ...], what: str):
-        if not isinstance(doc, dict):
-            raise InvalidRequest(f"{what}: expected an object (a map), got {_type_name(doc)}")
-        unknown = [k for k in doc if k not in allowed]
-        if unknown:
-            raise InvalidRequest(
-                f"{what}: unknown field(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(allowed)}",
-                fields=[str(u) for u in unknown],
-            )
-        self.doc = doc
-
-    def _get(self, name: str, default: Any) -> Any:
-        value = self.doc.get(name)
-        if value is None:
-            if default is _MISSING:
-                raise InvalidRequest(f"{name}: required")
-            return default
-        return value
-
-    def int(self, name: str, default: Any = _MISSING, *, lo: int | None = None, hi: int | None = None) -> Any:
-        value = self._get(name, default)
-        if value is default and default is not _MISSING:
-            return value
-        if type(value) is not int:
-            raise InvalidRequest(f"{name}: expected an integer, got {_type_name(value)} {_short(value)}")
-        if lo is not None and value < lo or hi is not None and value > hi:
-            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-            raise InvalidRequest(f"{name}: expected an integer in {rng}, got {value}")
-        return value
-
-    def bool(self, name: str, default: Any = _MISSING) -> Any:
-        value = self._get(name, default)
-        if type(value) is not bool:
-            raise InvalidRequest(f"{name}: expected true or false, got {_type_name(value)} {_short(value)}")
-        return value
-
-    def str(self, name: str, default: Any = _MISSING, *, choices: tuple[str, ...] | None = None) -> Any:
-        value = self._get(name, default)
-        if not isinstance(value, str):
-            raise InvalidRequest(f"{name}: expected a string, got {_type_name(value)} {_short(value)}")
-        if choices is not None and value not in choices:
-            raise InvalidRequest(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
-        return value
-
-    def number(self, name: builtins.str, default: Any = _MISSING) -> Any:
-        value = self._get(name, default)
-        if value is default and default is not _MISSING:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidRequest(f"{name}: expected a number, got {_type_name(value)} {_short(value)}")
-        try:
-            f = float(value)
-        except OverflowError:
-            f = math.inf
-        if not math.isfinite(f):
-            raise InvalidRequest(f"{name}: expected a finite number, got {value}")
-        return f
-
-    def list(self, name: builtins.str, default: Any = _MISSING) -> Any:
-        value = self._get(name, default)
-        if value is default and default is not _MISSING:
-            return value
-        if not isinstance(value, list):
-            raise InvalidRequest(f"{name}: expected an array, got {_type_name(value)} {_short(value)}")
-        return value
-
-    def array(
-        self,
-        name: builtins.str,
-        default: Any = _MISSING,
-        *,
-        max_elements: builtins.int = wire.MAX_ELEMENTS,
-        ndim: builtins.int = 3,
-        finite: builtins.bool = True,
-    ) -> Any:
-        value = self._get(name, default)
-        if value is default and default is not _MISSING:
-            return value
-        try:
-            return wire.decode_array(value, name=name, ndim=ndim, finite=finite, max_elements=max_elements)
-        except wire.WireError as e:
-            raise InvalidRequest(str(e)) from None
-
-
 def check_finite(a: np.ndarray, name: str) -> None:
     """Refuse (422, naming the first bad element's index) an array with a NaN or
     infinity, as a decoded request array is refused."""
@@ -326,33 +230,6 @@ def check_finite(a: np.ndarray, name: str) -> None:
         wire.check_finite(a, name=name)
     except wire.WireError as e:
         raise InvalidRequest(str(e)) from None
-
-
-def _type_name(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return "binary"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return type(v).__name__
-
-
-def _short(v: Any) -> str:
-    if isinstance(v, (dict, list, bytes, bytearray, memoryview)):
-        return ""
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 # ── answers ─────────────────────────────────────────────────────────────────

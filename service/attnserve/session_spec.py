@@ -1,47 +1,17 @@
 """What a session is made of, as a client asks for it: the checked fields of a
-create request (also a snapshot's configuration), and their limits."""
+create request (also a snapshot's configuration); their model and limits are
+:class:`attnserve.contract.CreateSession`'s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .codec import Fields
+from .contract import CreateSession, Fields
 from .errors import InvalidRequest
 from .formats import KV_FORMATS, TQ_SPECS, check_head_dim
 from .kvcache import layer_formats
 
-__all__ = [
-    "MAX_LAYERS",
-    "MAX_QO_HEADS",
-    "MAX_SEED",
-    "MAX_SINKS",
-    "MAX_WINDOW",
-    "CREATE_FIELDS",
-    "EXACT_FORMATS",
-    "CreateRequest",
-    "parse_create",
-]
-
-MAX_LAYERS = 256
-MAX_QO_HEADS = 256
-MAX_SEED = (1 << 64) - 1
-MAX_SINKS = 4096  # exact first timesteps of a compressed layer
-MAX_WINDOW = 1 << 20  # exact recent timesteps of a compressed layer
-CREATE_FIELDS = (
-    "num_layers",
-    "num_qo_heads",
-    "num_kv_heads",
-    "head_dim",
-    "kv_format",
-    "exact_layers",
-    "exact_format",
-    "sinks",
-    "window",
-    "max_tokens",
-    "seed",
-)
-#: The formats a layer kept exact by ``exact_layers`` may take.
-EXACT_FORMATS = ("f16", "f32")
+__all__ = ["CreateRequest", "parse_create"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +35,7 @@ def _kv_format(f: Fields, num_layers: int) -> str | tuple[str, ...]:
     """``kv_format``: one format for every layer, or an array of one per layer."""
     value = f.doc.get("kv_format")
     if not isinstance(value, list):
-        single: str = f.str("kv_format", "f32", choices=KV_FORMATS)
+        single: str = f.str("kv_format")
         return single
     if len(value) != num_layers:
         raise InvalidRequest(
@@ -81,8 +51,8 @@ def _kv_format(f: Fields, num_layers: int) -> str | tuple[str, ...]:
 def _exact_layers(f: Fields, num_layers: int, kv_format: str | tuple[str, ...]) -> str | tuple[str, ...]:
     """``exact_layers`` (layer indexes, negative ones counted from the last layer) in
     ``exact_format``: the per-layer formats they make, or ``kv_format`` unchanged."""
-    exact_format = f.str("exact_format", "f16", choices=EXACT_FORMATS)
-    given = f.list("exact_layers", None)
+    exact_format = f.str("exact_format")
+    given = f.list("exact_layers")
     if given is None:
         if f.doc.get("exact_format") is not None:
             raise InvalidRequest("exact_format: applies to exact_layers, which is not given")
@@ -100,11 +70,11 @@ def _exact_layers(f: Fields, num_layers: int, kv_format: str | tuple[str, ...]) 
 
 
 def parse_create(doc: object) -> CreateRequest:
-    f = Fields(doc, CREATE_FIELDS, "session")
-    num_layers = f.int("num_layers", 1, lo=1, hi=MAX_LAYERS)
+    f = Fields(doc, CreateSession, "session")
+    num_layers = f.int("num_layers")
     kv_format = _exact_layers(f, num_layers, _kv_format(f, num_layers))
-    num_qo_heads = f.int("num_qo_heads", lo=1, hi=MAX_QO_HEADS)
-    num_kv_heads = f.int("num_kv_heads", lo=1, hi=MAX_QO_HEADS)
+    num_qo_heads = f.int("num_qo_heads")
+    num_kv_heads = f.int("num_kv_heads")
     if num_qo_heads % num_kv_heads:
         raise InvalidRequest(
             f"num_kv_heads: expected a divisor of num_qo_heads {num_qo_heads} (GQA), got {num_kv_heads}"
@@ -115,10 +85,10 @@ def parse_create(doc: object) -> CreateRequest:
             check_head_dim(fmt, head_dim)
         except ValueError as e:
             raise InvalidRequest(f"head_dim: {e}") from None
-    max_tokens = f.int("max_tokens", None, lo=1)
-    seed = f.int("seed", None, lo=0, hi=MAX_SEED)
-    sinks = f.int("sinks", 0, lo=0, hi=MAX_SINKS)
-    window = f.int("window", 0, lo=0, hi=MAX_WINDOW)
+    max_tokens = f.int("max_tokens")
+    seed = f.int("seed")
+    sinks = f.int("sinks")
+    window = f.int("window")
     if (sinks or window) and not any(fmt in TQ_SPECS for fmt in layer_formats(kv_format, num_layers)):
         raise InvalidRequest(
             "sinks, window: they keep rows exact beside a compressed layer's codes, and every layer of this "

@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from attnserve.codec import decode_document
 from attnserve.errors import ApiError
-from attnserve.routes.kv import parse_append, parse_attend
+from attnserve.step.parse import parse_append, parse_attend
 from attnserve.session_spec import parse_create
 from attnserve_client import wire
 from attnserve_client.wire import WireError

@@ -10,7 +10,7 @@ from attnserve.codec import accept_kind, media_kind
 from attnserve.config import Settings
 from attnserve.engine import _as_rows
 from attnserve.errors import InvalidRequest, MalformedBody
-from attnserve.routes.kv import parse_append, parse_attend
+from attnserve.step.parse import parse_append, parse_attend
 from attnserve_client import wire
 
 

@@ -15,7 +15,7 @@ import pytest
 from fastapi import Request
 
 from attnserve.config import Settings
-from attnserve.routes.deps import get_owner
+from attnserve.transport.deps import get_owner
 from attnserve_client import wire
 from svc_helpers import F32_TOL, PAGE, Api, LiveServer, Model, rel_err, rows
 

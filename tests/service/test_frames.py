@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from attnserve import frames as frames_module
+from attnserve.transport import frames as frames_module
 from attnserve.config import Settings
 from attnserve_client import (
     AsyncClient,

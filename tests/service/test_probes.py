@@ -75,15 +75,17 @@ def test_info(api, server, enc):
 
 
 def test_info_matches_its_schema(api):
+    """/v1/info is what its published schema (the ServerInfo model's) says."""
+    from jsonschema import Draft202012Validator
+
     spec = api.client.get("/openapi.json").json()
     schema = spec["components"]["schemas"]["ServerInfo"]
     info = api.call("GET", "/v1/info").body
-    assert set(schema["required"]) <= set(info)
     assert schema["properties"]["auth"]["type"] == "boolean" and "auth" in schema["required"]
-    kinds = {"boolean": bool, "integer": int, "string": str, "array": list, "object": dict, "null": type(None)}
-    for name, prop in schema["properties"].items():
-        types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
-        assert name not in info or isinstance(info[name], tuple(kinds[t] for t in types)), name
+    errors = [e.message[:200] for e in Draft202012Validator(schema).iter_errors(info)]
+    assert not errors, errors[:3]
+    wrong = {**info, "auth": "yes", "version": 1}
+    assert len(list(Draft202012Validator(schema).iter_errors(wrong))) == 2  # the check can fail
 
 
 def test_operation_ids_are_readable(api):

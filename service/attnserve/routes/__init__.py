@@ -1,5 +1,8 @@
-"""One router per resource: sessions, kv (append and attend), snapshots, probes."""
+"""The control plane over HTTP, one router per resource: sessions, snapshots,
+probes, problem pages. The data plane's routes (append, attend, the batched step)
+are ``transport/``'s, whose dependencies these import (the bodies' models and
+schemas: ``attnserve.contract``)."""
 
-from . import kv, probes, sessions, snapshots
+from . import probes, sessions, snapshots
 
-__all__ = ["kv", "probes", "sessions", "snapshots"]
+__all__ = ["probes", "sessions", "snapshots"]

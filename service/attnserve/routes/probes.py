@@ -15,9 +15,9 @@ from ..codec import respond
 from ..errors import NotReady
 from .. import formats
 from ..metrics import CONTENT_TYPE
-from ..session_spec import MAX_LAYERS, MAX_QO_HEADS
-from .deps import OwnerDep, Runtime, RuntimeDep, WireDep, merge_responses
-from .schemas import ok, problems
+from ..contract import MAX_LAYERS, MAX_QO_HEADS
+from ..transport.deps import OwnerDep, Runtime, RuntimeDep, WireDep, merge_responses
+from ..contract import ok, problems
 
 __all__ = ["router", "API_VERSION"]
 

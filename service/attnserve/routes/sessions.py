@@ -13,9 +13,9 @@ from ..errors import InvalidRequest
 from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import check_session_id
-from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
+from ..transport.deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
 from ..lifecycle import check_kept, place_session
-from .schemas import ok, problems, request_body
+from ..contract import ok, problems, request_body
 
 __all__ = ["router"]
 

@@ -11,9 +11,9 @@ from ..codec import read_body, respond, wire
 from ..errors import UnsupportedMediaType
 from ..snapshot_format import build_blob, load, parse_blob, read_layers, restore_bytes
 from ..store import check_session_id
-from .deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
+from ..transport.deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
 from ..lifecycle import check_kept, place_session
-from .schemas import ok, problems
+from ..contract import ok, problems
 
 __all__ = ["router"]
 

@@ -9,6 +9,6 @@ one module each, in the order a request walks them:
    one submission, and awaited;
 5. ``answer``: the answer document, in the form the request came in.
 
-The transports (``routes/kv.py``, ``routes/batch.py``, ``stream_ops.py`` for the
-WebSocket stream and the frame transport) call these and nothing else of the path.
+The transports (``transport/``: ``http.py``, and ``ops.py`` for the WebSocket
+stream and the frame transport) call these and nothing else of the path.
 """

@@ -20,14 +20,11 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from ..codec import Fields, MediaKind, check_finite, decode_document
+from ..codec import MediaKind, check_finite, decode_document
+from ..contract import Append, Attend, BatchItem, BatchItems, Fields, StackedBatch
 from ..errors import ApiError, InvalidRequest
 
 __all__ = [
-    "APPEND_FIELDS",
-    "ATTEND_FIELDS",
-    "BATCH_ITEM_FIELDS",
-    "STACKED_FIELDS",
     "AppendRequest",
     "AttendRequest",
     "Parsed",
@@ -42,10 +39,6 @@ __all__ = [
     "parse_batch_document",
 ]
 
-APPEND_FIELDS = ("k", "v", "offset")
-ATTEND_FIELDS = ("q", "k", "v", "offset", "start_pos", "causal", "scale", "return_lse")
-BATCH_ITEM_FIELDS = ("session_id", "layer", *ATTEND_FIELDS)
-STACKED_FIELDS = ("session_ids", "layer", "q", "k", "v", "offsets", "start_pos", "causal", "scale", "return_lse")
 F32_MAX = float(np.finfo(np.float32).max)
 
 #: How a request was sent, which is how it is answered: one operation (a route,
@@ -131,7 +124,7 @@ def append_fields(f: Fields, max_bytes: int) -> AppendRequest:
     me = max_elements(max_bytes)
     k = f.array("k", max_elements=me)
     v = f.array("v", max_elements=me)
-    return AppendRequest(k, v, f.int("offset", None, lo=0))
+    return AppendRequest(k, v, f.int("offset"))
 
 
 def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
@@ -142,18 +135,18 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
         q,
         k,
         v,
-        offset=f.int("offset", None, lo=0),
-        start_pos=f.int("start_pos", None, lo=0),
-        causal=f.bool("causal", True),
+        offset=f.int("offset"),
+        start_pos=f.int("start_pos"),
+        causal=f.bool("causal"),
         scale=_attend_scale(f),
-        return_lse=f.bool("return_lse", False),
+        return_lse=f.bool("return_lse"),
     )
 
 
-def _fused_kv(f: Fields, elements: int, ndim: int = 3, finite: bool = True) -> tuple[Any, Any]:
+def _fused_kv(f: Fields, elements: int, finite: bool = True) -> tuple[Any, Any]:
     """The optional ``k``, ``v`` of an attend (a fused append): both or neither."""
-    k = f.array("k", None, max_elements=elements, ndim=ndim, finite=finite)
-    v = f.array("v", None, max_elements=elements, ndim=ndim, finite=finite)
+    k = f.array("k", max_elements=elements, finite=finite)
+    v = f.array("v", max_elements=elements, finite=finite)
     if (k is None) != (v is None):
         raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
     return k, v
@@ -161,7 +154,7 @@ def _fused_kv(f: Fields, elements: int, ndim: int = 3, finite: bool = True) -> t
 
 def _attend_scale(f: Fields) -> float | None:
     """The optional ``scale`` of an attend: a finite float32 (the kernels take it so)."""
-    scale: float | None = f.number("scale", None)
+    scale: float | None = f.number("scale")
     if scale is not None:
         with np.errstate(over="ignore"):
             if not np.isfinite(np.float32(scale)):
@@ -170,11 +163,11 @@ def _attend_scale(f: Fields) -> float | None:
 
 
 def parse_append(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AppendRequest:
-    return append_fields(Fields(decode_document(raw, kind, max_bytes), APPEND_FIELDS, "append"), max_bytes)
+    return append_fields(Fields(decode_document(raw, kind, max_bytes), Append, "append"), max_bytes)
 
 
 def parse_attend(raw: bytes, kind: MediaKind | None, max_bytes: int) -> AttendRequest:
-    return attend_fields(Fields(decode_document(raw, kind, max_bytes), ATTEND_FIELDS, "attend"), max_bytes)
+    return attend_fields(Fields(decode_document(raw, kind, max_bytes), Attend, "attend"), max_bytes)
 
 
 # ── one operation: a step of one ────────────────────────────────────────────
@@ -209,8 +202,8 @@ def parse_batch_document(doc: Any, head: tuple[str, ...], what: str, max_bytes: 
     """:func:`parse_batch` of a decoded document whose members may also include
     ``head`` (a stream frame's ``id`` and ``op``)."""
     if isinstance(doc, dict) and "session_ids" in doc:
-        return _parse_stacked(Fields(doc, (*head, *STACKED_FIELDS), what), max_bytes, max_items)
-    return _parse_items(Fields(doc, (*head, "items"), what), max_bytes, max_items)
+        return _parse_stacked(Fields(doc, StackedBatch, what, head=head), max_bytes, max_items)
+    return _parse_items(Fields(doc, BatchItems, what, head=head), max_bytes, max_items)
 
 
 def _check_count(n: int, max_items: int, name: str) -> None:
@@ -237,9 +230,9 @@ def _parse_items(f: Fields, max_bytes: int, max_items: int) -> Parsed:
     items: dict[int, _Item] = {}
     for i, doc in enumerate(docs):
         try:
-            g = Fields(doc, BATCH_ITEM_FIELDS, f"items[{i}]")
+            g = Fields(doc, BatchItem, f"items[{i}]")
             session_id = g.str("session_id")
-            layer = g.int("layer", lo=0)
+            layer = g.int("layer")
             items[i] = _Item(session_id, layer, attend_fields(g, max_bytes))
         except ApiError as e:
             errors[i] = e
@@ -298,10 +291,10 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
     ids = f.list("session_ids")
     _check_count(len(ids), max_items, "session_ids")
     b = len(ids)
-    layer = f.int("layer", lo=0)
+    layer = f.int("layer")
     me = max_elements(max_bytes)
-    q = f.array("q", max_elements=me, ndim=4, finite=False)
-    k, v = _fused_kv(f, me, ndim=4, finite=False)
+    q = f.array("q", max_elements=me, finite=False)
+    k, v = _fused_kv(f, me, finite=False)
     arrays = [(name, a) for name, a in (("q", q), ("k", k), ("v", v)) if a is not None]
     for name, a in arrays:
         if a.shape[0] != b:
@@ -309,7 +302,7 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
                 f"{name}: expected {b} stacked items (one per session id) in dimension 0, got shape {list(a.shape)}"
             )
     per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
-    causal, scale, return_lse = f.bool("causal", True), _attend_scale(f), f.bool("return_lse", False)
+    causal, scale, return_lse = f.bool("causal"), _attend_scale(f), f.bool("return_lse")
     errors: dict[int, ApiError] = {}
     for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
         if np.isfinite(a).all():
@@ -338,7 +331,7 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
 
 
 def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
-    values: list[Any] | None = f.list(name, None)
+    values: list[Any] | None = f.list(name)
     if values is not None and len(values) != b:
         raise InvalidRequest(f"{name}: expected {b} values (one per session id, null for none), got {len(values)}")
     return values

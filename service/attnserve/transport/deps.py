@@ -1,4 +1,6 @@
-"""The typed dependencies every router shares.
+"""The typed FastAPI dependencies every HTTP router shares: the data plane's
+(``transport/http.py``) and the control plane's above it (``routes/``: sessions,
+snapshots, probes), with :func:`merge_responses` for their OpenAPI answers.
 
 Routes get the app's :class:`~attnserve.runtime.Runtime`, and everything derived
 from it, through ``Annotated`` dependencies (``RuntimeDep``, ``WireDep``,
@@ -44,7 +46,7 @@ __all__ = [
 
 
 def merge_responses(*parts: Mapping[int, Any]) -> dict[int | str, dict[str, Any]]:
-    """A route's OpenAPI ``responses``: ``parts`` (``schemas.ok``, ``schemas.problems``,
+    """A route's OpenAPI ``responses``: ``parts`` (``contract.ok``, ``contract.problems``,
     literal entries) merged in order, as ``{**a, **b}`` would, typed as FastAPI takes them."""
     return {status: doc for part in parts for status, doc in part.items()}
 

@@ -1,11 +1,14 @@
-"""Append K/V to a layer, and attend (with an optional fused append).
+"""The data plane over HTTP: append K/V to a layer, attend (with an optional fused
+append), and the batched step (``POST /v1/batch/attend``), as one router.
 
-Each request goes: negotiate (415, declared 413) -> session and layer (404) ->
-read the body (streamed 413) -> decode (400) and check fields (422), off the
-event loop when large -> a step of one (``step/``): its rules against the
-session's reserved state (422, 409, 507) -> queue its GPU job -> await it. Everything up to the queueing runs
-without an ``await`` after the body is decoded, so a request is either refused
-with every cache untouched, or queued in order.
+Each request goes: negotiate (415, declared 413) -> session and layer (404; the
+batched step's items: each in its own result) -> read the body (streamed 413) ->
+decode (400) and check fields (422), off the event loop when large -> a step
+(``step/``; a single append or attend is a step of one): its rules against the
+session's reserved state (422, 409, 507) -> queue its GPU job -> await it -> the
+answer.
+Everything up to the queueing runs without an ``await`` after the body is decoded,
+so a request is either refused with every cache untouched, or queued in order.
 """
 
 from __future__ import annotations
@@ -19,20 +22,23 @@ from fastapi import APIRouter, Request, Response
 from ..codec import MediaKind, Wire, read_body, respond
 from ..engine import Engine
 from ..runtime import Runtime
-from ..step.answer import answer_document, encode_answer
-from ..step.parse import Parsed, one_append, one_attend, parse_append, parse_attend
+from ..step.answer import answer_document, count_problems, encode_answer
+from ..step.parse import Parsed, one_append, one_attend, parse_append, parse_attend, parse_batch
 from ..step.plan import Outcome, finish_request, queue_request
 from ..step.rules import layer_problem
 from ..store import Session
 from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, WireDep, merge_responses
-from .schemas import ok, problems, request_body
+from ..contract import ok, problems, request_body
 
 __all__ = ["router"]
 
 # The statuses an append or attend can answer with.
 _STATUSES = (400, 404, 408, 409, 413, 415, 422, 500, 503, 507)
 
-router = APIRouter(prefix="/v1/sessions/{session_id}/layers/{layer}", tags=["kv"])
+router = APIRouter(tags=["kv"])
+
+#: The path of a session's layer, under which its append and attend live.
+LAYER_PATH = "/v1/sessions/{session_id}/layers/{layer}"
 
 _Body = TypeVar("_Body")  # what a route's parse gives (an AppendRequest, an AttendRequest)
 
@@ -82,7 +88,7 @@ async def _run(rt: Runtime, engine: Engine, owner: str | None, parsed: Parsed) -
 
 
 @router.post(
-    "/kv",
+    f"{LAYER_PATH}/kv",
     summary="Append K/V rows to a layer",
     description="Appends n >= 1 timesteps to the layer and answers its new length. With `offset`, the "
     "append happens only if the layer's length is `offset` (409 offset-mismatch with `length` otherwise): "
@@ -112,7 +118,7 @@ async def append_kv(
 
 
 @router.post(
-    "/attend",
+    f"{LAYER_PATH}/attend",
     summary="Attend (with an optional fused append)",
     description="Appends `k`, `v` first when given (checked with `offset` before), then attends the query rows "
     "`q`: row i sits at position start_pos + i and, with `causal`, attends to timesteps 0..start_pos + i. "
@@ -143,4 +149,31 @@ async def attend(
     assert q is not None
     size = q.nbytes * (1 if wire.response == "msgpack" else 6)  # JSON text is ~6x the float32 bytes
     body = await rt.offload(encode_answer, outcome, wire.response, request.scope["path"], size=size)
+    return respond(None, wire, body=body)
+
+
+@router.post(
+    "/v1/batch/attend",
+    summary="Batched step: attend (with optional fused appends) for many sessions at once",
+    description="One layer's work for many sessions: `items` is an array of attends, each with `session_id` "
+    "and `layer` and the members of `POST /v1/sessions/{id}/layers/{layer}/attend`. The items that pass "
+    "their checks run in one GPU submission; items of one session and layer apply in item order. The answer "
+    "has one result per item, in order: `{out, length}`, or `{error}` holding the item's problem (the item "
+    "changed nothing). A body malformed as a whole is one problem, as on the other routes. At most "
+    "`limits.max_batch_items` items (`/v1/info`).",
+    response_class=Response,
+    openapi_extra=request_body("BatchAttendJson", "BatchAttendMsgpack"),
+    responses=merge_responses(
+        ok(200, "One result per item", "BatchAttendResultJson", "BatchAttendResultMsgpack"),
+        problems(400, 408, 413, 415, 422, 500, 503, slugs={408: "body-timeout"}),
+    ),
+)
+async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: EngineDep, owner: OwnerDep) -> Response:
+    max_bytes = rt.settings.max_body_bytes
+    raw = await read_body(request, max_bytes)
+    parsed = await rt.offload(parse_batch, raw, wire.request, max_bytes, rt.settings.max_batch_items, size=len(raw))
+    outcome = await finish_request(rt, queue_request(rt, engine, owner, parsed))
+    count_problems(rt, outcome)
+    size = len(raw) * (1 if wire.response == "msgpack" else 6)
+    body = await rt.offload(encode_answer, outcome, wire.response, request.url.path, size=size)
     return respond(None, wire, body=body)

@@ -10,7 +10,7 @@ host, in the same process and event loop as the HTTP server. ``docs/api.md``
     "ATF1" | u32 head_len | u32 body_len | head (MessagePack map) | body (bytes)
 
 (little-endian lengths). A request's head is a request document of the stream
-(:mod:`attnserve.stream_ops`) whose arrays are references into the body,
+(:mod:`attnserve.transport.ops`) whose arrays are references into the body,
 ``{"dtype": "<f4", "shape": [...], "at": [offset, nbytes]}`` (offset a multiple
 of 4); a reply's arrays are references into its body the same way. The first
 frame of a connection is ``{"op": "hello", "id", "version": 1, "key"?}``: the API
@@ -35,13 +35,14 @@ from typing import Any
 import numpy as np
 from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, VERSION, frame_buffers, read_prefix, resolve_arrays
 
-from . import __version__
-from .codec import BODY_IDLE_TIMEOUT_S, Fields, wire
-from .instance import instance_name
-from .errors import ApiError, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge, Unauthorized
-from .runtime import Runtime
-from .store import Owner
-from .stream_ops import Pending, Reply, begin, count_reply, error_document, request_id
+from .. import __version__
+from ..codec import BODY_IDLE_TIMEOUT_S, wire
+from ..contract import Fields, StreamHello
+from ..instance import instance_name
+from ..errors import ApiError, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge, Unauthorized
+from ..runtime import Runtime
+from ..store import Owner
+from .ops import Pending, Reply, begin, count_reply, error_document, request_id
 
 __all__ = ["FrameServer", "FRAMES_INSTANCE"]
 
@@ -198,14 +199,14 @@ class _Connection(asyncio.BufferedProtocol):
             rid = request_id(doc)
             if not isinstance(doc, dict) or doc.get("op") != "hello":
                 raise InvalidRequest("frame: the first frame of a connection must be {op: hello, version: 1}")
-            f = Fields(doc, ("id", "op", "version", "key"), "hello")
+            f = Fields(doc, StreamHello, "hello")
             f.int("version", lo=VERSION, hi=VERSION)
             key = f.str("key", "")
             if rt.keys.enabled:
                 try:
                     self.owner = rt.keys.authenticate(b"Bearer " + key.encode() if key else None)
                 except Unauthorized as e:
-                    rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
+                    rt.metrics.auth_failures.labels(getattr(e, "reason", "invalid")).inc()
                     raise
             rt.ready_engine()
         except ApiError as e:

@@ -1,7 +1,8 @@
 """The operations of a pipelined connection, whatever carries its frames: the
-WebSocket stream (``routes/stream.py``) and the TCP frame transport
-(``frames.py``) turn each received frame into a request document, and this module
-checks and queues it and turns its outcome into the reply document.
+WebSocket stream (``transport/websocket.py``) and the TCP frame transport
+(``transport/frames.py``) turn each received frame into a request document, and
+this module checks and queues it (through ``step/``) and turns its outcome into
+the reply document.
 
 A request document is a map ``{"id": <int or string>, "op": <name>, ...members}``:
 
@@ -22,24 +23,21 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
-from .codec import Fields, MediaKind
-from .errors import ApiError, InternalError, InvalidRequest
-from .runtime import Runtime
-from .step.answer import answer_document, count_problems
-from .step.parse import (
-    APPEND_FIELDS,
-    ATTEND_FIELDS,
-    BATCH_ITEM_FIELDS,
-    STACKED_FIELDS,
+from ..codec import MediaKind
+from ..contract import AppendItem, BatchItem, BatchItems, Fields, StackedBatch, members
+from ..errors import ApiError, InternalError, InvalidRequest
+from ..runtime import Runtime
+from ..step.answer import answer_document, count_problems
+from ..step.parse import (
     append_fields,
     attend_fields,
     one_append,
     one_attend,
     parse_batch_document,
 )
-from .step.plan import finish_request, queue_request
-from .step.rules import layer_problem
-from .store import Owner
+from ..step.plan import finish_request, queue_request
+from ..step.rules import layer_problem
+from ..store import Owner
 
 __all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document", "count_reply"]
 
@@ -47,6 +45,8 @@ log = logging.getLogger("attnserve")
 
 OPS = ("attend", "append", "attend_batch", "session", "ping")
 HEAD = ("id", "op")
+# what a frame of any op may name (each op's own members are checked after)
+_ANY_OP = (*members(BatchItem), *members(StackedBatch), *members(BatchItems))
 
 
 class Reply(Exception):
@@ -86,7 +86,7 @@ def count_reply(rt: Runtime, doc: dict[str, Any], route: str, method: str, secon
     """The metrics of one reply document: its request, latency and problem type."""
     rt.metrics.observe_request(route, method, int(doc["status"]), seconds)
     if "error" in doc:
-        rt.metrics.errors.inc(doc["error"]["type"].rsplit("/", 1)[-1])
+        rt.metrics.errors_by[doc["error"]["type"].rsplit("/", 1)[-1]].inc()
 
 
 def request_id(doc: Any) -> Any:
@@ -112,7 +112,7 @@ def begin(rt: Runtime, owner: Owner, doc: Any, instance: str) -> Pending:
     rid: Any = None
     try:
         rid = request_id(doc)
-        op = Fields(doc, (*HEAD, *BATCH_ITEM_FIELDS, *STACKED_FIELDS, "items"), "frame").str("op", choices=OPS)
+        op = Fields(doc, _ANY_OP, "frame", head=HEAD).str("op", choices=OPS)
         return _dispatch(rt, owner, op, doc, rid, instance)
     except ApiError as e:
         raise Reply(error_document(rid, e, instance)) from None
@@ -129,10 +129,9 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
         f = Fields(doc, (*HEAD, "session_id"), "session")
         raise Reply({"id": rid, "status": 200, "result": rt.store.get(f.str("session_id"), owner).info()})
     else:
-        fields = (*HEAD, "session_id", "layer", *(APPEND_FIELDS if op == "append" else ATTEND_FIELDS))
-        f = Fields(doc, fields, op)
+        f = Fields(doc, AppendItem if op == "append" else BatchItem, op, head=HEAD)
         session = rt.store.get(f.str("session_id"), owner)
-        layer = f.int("layer", lo=0)
+        layer = f.int("layer")
         problem = layer_problem(session, layer)
         if problem is not None:
             raise problem

@@ -1,6 +1,8 @@
-"""The streaming transport: ``/v1/stream``, a WebSocket carrying the data-plane
+"""The WebSocket transport: ``/v1/stream``, a WebSocket carrying the data-plane
 operations as MessagePack frames, so an engine keeps one connection and
-pipelines requests with no HTTP parsing per call.
+pipelines requests with no HTTP parsing per call; and the uvicorn protocol it
+runs on (:class:`StreamWebSocketProtocol`, below), which ``cli.py`` hands the
+server.
 
 A request frame is a map ``{"id": <int or string>, "op": <name>, ...members}``:
 
@@ -23,7 +25,7 @@ until one is answered (the socket's flow control pushes back both ways; a peer
 that does not read its replies stops being read, and nothing is buffered without
 bound). The keepalive's pong deadline runs only while the server reads the
 connection, and a peer that reads no reply for ``stream_send_timeout_s`` is
-dropped (:mod:`attnserve.websocket_protocol`). A full GPU queue is a 503
+dropped (:class:`StreamWebSocketProtocol`). A full GPU queue is a 503
 ``overloaded`` reply. An operation whose reply was sent is applied; a connection
 that drops loses no queued operation (it completes; its reply is lost).
 """
@@ -37,14 +39,15 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from ..codec import MediaKind, decode_document, encode
 from ..errors import ApiError, Unauthorized
 from ..runtime import OWNER_KEY, Runtime
 from ..store import Owner
-from ..stream_ops import Pending, Reply, begin, count_reply, error_document
+from .ops import Pending, Reply, begin, count_reply, error_document
 
-__all__ = ["router", "STREAM_PATH"]
+__all__ = ["router", "STREAM_PATH", "StreamWebSocketProtocol", "stream_websocket_protocol"]
 
 log = logging.getLogger("attnserve")
 
@@ -60,7 +63,7 @@ async def stream(ws: WebSocket) -> None:
         try:
             owner = rt.keys.authenticate(ws.headers.get("authorization", "").encode() or None)
         except Unauthorized as e:
-            rt.metrics.auth_failures.inc(getattr(e, "reason", "invalid"))
+            rt.metrics.auth_failures.labels(getattr(e, "reason", "invalid")).inc()
             await ws.close(code=1008, reason="unauthorized: a valid bearer key is required")
             return
     if rt.draining or not rt.ready:
@@ -161,3 +164,94 @@ def _size_hint(doc: dict[str, Any]) -> int:
     out = doc.get("result", {}).get("out") if isinstance(doc.get("result"), dict) else None
     data = out.get("data") if isinstance(out, dict) else None
     return len(data) if isinstance(data, (bytes, bytearray)) else 0
+
+
+# ── the protocol under it ────────────────────────────────────────────────────
+
+
+class StreamWebSocketProtocol(WebSocketsSansIOProtocol):
+    """The WebSocket protocol ``/v1/stream`` runs on: uvicorn's (websockets' sans-I/O
+    protocol) with a keepalive that never drops a live peer the server itself holds
+    back, and a send timeout (:data:`send_timeout_s` seconds without progress; 0:
+    none) that drops a peer that reads nothing.
+
+    uvicorn pings every ``ws_ping_interval`` and closes the connection (1011
+    keepalive ping timeout) when no pong comes within ``ws_ping_timeout``. But a pong
+    is a frame like any other: it arrives behind the data frames the peer sent before
+    it, and the stream stops reading data frames while its in-flight operations are
+    running (backpressure). With GPU work in flight for longer than the timeout, a
+    peer that reads every reply and answers every ping was dropped with all its
+    queued replies. Here the pong's deadline does not run out while the server is not
+    reading (the app has not taken the last data frame): it is moved on, and judged
+    again once the server reads, so only a peer that is read and still does not
+    answer is dropped.
+
+    A peer that died while the server was not reading is found either way: once its
+    operations finish, the server reads again (the pong deadline runs), or, if its
+    replies cannot be written, by the send timeout: while the socket's write buffer
+    is full (the peer reads nothing), the connection is aborted when the buffer has
+    not shrunk for ``send_timeout_s`` (nginx's ``send_timeout``). Its operations
+    still complete; only their replies are lost.
+    """
+
+    send_timeout_s: float = 60.0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # the write buffer's size when the send timer was last set
+
+    # -- keepalive ---------------------------------------------------------------
+
+    def keepalive_timeout(self) -> None:
+        if self.read_paused and not self.transport.is_closing():
+            # The server is not reading (the app has not taken the last data frame):
+            # the pong may be queued behind frames not read yet. Judge it once the
+            # server reads again.
+            assert self.ping_timeout is not None
+            self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
+            return
+        super().keepalive_timeout()
+
+    # -- send timeout ------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_timeout_s > 0 and self._send_timer is None:
+            self._arm_send_timer()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_send_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_send_timer()
+        super().connection_lost(exc)
+
+    def _arm_send_timer(self) -> None:
+        self._unsent = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timed_out)
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if self.transport.is_closing():
+            return
+        if self.transport.get_write_buffer_size() < self._unsent:  # the peer read some: it lives
+            self._arm_send_timer()
+            return
+        log.warning(
+            f"a /v1/stream peer read nothing for {self.send_timeout_s:g} s: its connection is closed "
+            "(its operations complete; their replies are lost)",
+            extra={"client": "%s:%d" % self.client if self.client else None, "unsent_bytes": self._unsent},
+        )
+        self.transport.abort()
+
+
+def stream_websocket_protocol(send_timeout_s: float) -> type[StreamWebSocketProtocol]:
+    """The protocol class for uvicorn's ``ws`` option with this send timeout."""
+    return type(StreamWebSocketProtocol.__name__, (StreamWebSocketProtocol,), {"send_timeout_s": send_timeout_s})
