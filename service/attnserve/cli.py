@@ -333,15 +333,31 @@ def _metavar(name: str, field: Any) -> str:
     return "N" if field.annotation in (int, int | None) else name.upper()
 
 
+class _NoOption(argparse.Action):
+    """A secret's option, refused without its value being shown (else argparse would read
+    ``--api-keys KEY`` as an abbreviation of ``--api-keys-file`` and name KEY as a file)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from .config import Settings, env_name
+
+        instead = env_name(self.dest)
+        if f"{self.dest}_file" in Settings.model_fields:
+            instead += f" or name a file of them with {_flag(self.dest + '_file')}"
+        parser.error(f"{_flag(self.dest)} is no option: a command line is visible to every user (ps); set {instead}")
+
+
 def add_setting_options(parser: argparse.ArgumentParser) -> None:
-    """One option per setting (but secrets), each named after its field, its help the
-    field's description, its variable and its built-in default. Values go to
-    :class:`Settings` as given, so flags and variables are checked alike."""
+    """One option per setting (a secret's is refused: _NoOption), each named after its
+    field, its help the field's description, its variable and its built-in default. Values
+    go to :class:`Settings` as given, so flags and variables are checked alike."""
     from .config import Settings, env_name
 
     for name, field in Settings.model_fields.items():
-        if _is_secret(field):
-            continue  # API keys: the environment or --api-keys-file only (SERVE_EPILOG)
+        if _is_secret(field):  # API keys: the environment or --api-keys-file only (SERVE_EPILOG)
+            parser.add_argument(
+                _flag(name), nargs="?", action=_NoOption, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
+            continue
         text = f"{field.description} [{env_name(name)}; default: {_shown_default(field)}]".replace("%", "%%")
         if field.annotation is bool:
             parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)

@@ -12,7 +12,16 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    ByteSize,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .formats import KV_FORMATS
@@ -34,31 +43,36 @@ ENV_PREFIX = "ATTNSERVE_"
 MiB = 1 << 20
 GiB = 1 << 30
 
-# k, m, g, t and KiB..TiB: powers of 1024; kB, MB, GB, TB: powers of 1000; B or nothing: bytes
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1} | {
-    f"{u}{suffix}": (1000 if suffix == "b" else 1024) ** (i + 1)
-    for i, u in enumerate("kmgt")
-    for suffix in ("", "i", "ib", "b")
-}
+# A size is a whole number of bytes, or a number and a unit, which pydantic's ByteSize reads
+# (IEC units: KiB, MiB, GiB, TiB are powers of 1024; kB, MB, GB, TB powers of 1000) once
+# parse_size has checked the text and spelt its unit as ByteSize does. Three rules are ours:
+# - k, m, g, t alone (and ki, mi, ...) are powers of 1024, as attnserve has always read
+#   them (ByteSize reads k, m, g as powers of 1000): spelt KiB, MiB, ... for it;
+# - the whole text is the size: ByteSize reads a number at the start and drops the rest
+#   ("1,5g" is 1 byte to it, "8GiB of it" 8GiB), and counts bits ("8bit"), which no setting does;
+# - a size is a whole number of bytes: ByteSize drops a fraction ("0.5b" is 0: no budget).
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([kmgt])(i?)(b?)|b)?\s*", re.IGNORECASE)
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_NOT_A_SIZE = "not a size: an integer, or a number with a unit such as 64k, 512MiB, 8GiB, 10MB"
 
 
 def parse_size(value: object) -> object:
-    """A byte count from ``8GiB``, ``512MiB``, ``64k``, ``1.5g``, ``10MB`` (decimal) or a
-    plain integer; anything else is handed on to pydantic as it is."""
+    """A byte count from ``8GiB``, ``512MiB``, ``64k`` (= 64KiB), ``1.5g``, ``10MB`` (decimal)
+    or a plain integer; anything else is handed on to pydantic as it is."""
     if not isinstance(value, str):
         return value
     m = _SIZE.fullmatch(value)
     if m is None:
-        raise ValueError("not a size: an integer, or a number with a unit such as 64k, 512MiB, 8GiB, 10MB")
-    number, unit = m.group(1), (m.group(2) or "").lower()
-    mult = _UNITS[unit]
-    if "." not in number:
-        return int(number) * mult
-    whole = float(number) * mult
-    if whole != int(whole):
+        raise ValueError(_NOT_A_SIZE)
+    number, prefix, binary, decimal = m.groups()
+    unit = f"{prefix.upper()}{'B' if decimal and not binary else 'iB'}" if prefix else ""
+    try:
+        size = int(_BYTE_SIZE.validate_python(number + unit))
+    except ValidationError:  # a number too large for a float
+        raise ValueError(_NOT_A_SIZE) from None
+    if "." in number and size != float(number) * ByteSize.byte_sizes.get(unit.lower(), 1):
         raise ValueError(f"not a whole number of bytes: {value.strip()}")
-    return int(whole)
+    return size
 
 
 def format_size(n: int) -> str:

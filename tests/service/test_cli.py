@@ -200,6 +200,45 @@ def test_every_setting_is_an_option_with_its_variable_and_built_in_default():
         assert " ".join(field.description.split()) in text, name
     assert "[ATTNSERVE_MAX_SESSIONS; default: 1024]" in text and "777" not in text
     assert "[ATTNSERVE_MEMORY_BUDGET_BYTES; default: 8GiB]" in text and "12345" not in text
+    # a size says it takes a unit, and shows its default in one (pydantic-settings' CLI: "int", "8589934592")
+    assert "--memory-budget-bytes SIZE " in text and "[ATTNSERVE_OFFLOAD_BYTES; default: 256KiB]" in text
+
+
+@pytest.mark.parametrize("argv", [["--api-keys", "k-1f3"], ["--api-keys=k-1f3"], ["--api-keys"]])
+def test_api_keys_have_no_option(argv, capsys):
+    """A key on a command line is visible to every user of the machine (ps): ``--api-keys``
+    is refused, its value never shown, not just left out of the help (pydantic-settings'
+    CliSuppress hides an option but still takes it), nor read as an abbreviation of
+    ``--api-keys-file`` (argparse's prefix matching)."""
+    from attnserve import cli
+
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["serve", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "k-1f3" not in err
+    assert err.endswith(
+        "error: --api-keys is no option: a command line is visible to every user (ps); "
+        "set ATTNSERVE_API_KEYS or name a file of them with --api-keys-file\n"
+    )
+    assert not hasattr(parser.parse_args(["serve"]), "api_keys")
+
+
+def test_a_bad_size_is_named_by_the_flag_or_variable_that_set_it(monkeypatch):
+    from pydantic import ValidationError
+
+    from attnserve import cli
+    from attnserve.config import Settings
+
+    monkeypatch.setenv("ATTNSERVE_QUOTA_BYTES_PER_KEY", "0.5b")
+    args = cli.build_parser().parse_args(["serve", "--max-body-bytes", "1,5g", "--memory-budget-bytes", "8GiB"])
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    with pytest.raises(ValidationError) as e:
+        Settings(**given)
+    assert cli.settings_errors(e.value, given, {"ATTNSERVE_QUOTA_BYTES_PER_KEY": "0.5b"}) == [
+        "--max-body-bytes=1,5g: not a size: an integer, or a number with a unit such as 64k, 512MiB, 8GiB, 10MB",
+        "ATTNSERVE_QUOTA_BYTES_PER_KEY=0.5b: not a whole number of bytes: 0.5b",
+    ]
 
 
 def test_options_reach_the_settings(monkeypatch):

@@ -3,40 +3,106 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from attnserve.config import GiB, MiB, Settings, format_size, parse_size, unknown_env
 
 SIZE_FIELDS = ["memory_budget_bytes", "max_body_bytes", "offload_bytes", "quota_bytes_per_key", "pool_slab_bytes"]
 
 
+# Every form a size has been documented or accepted in, with what it has always meant:
+# pydantic's ByteSize reads the numbers, but k, m, g, t alone stay powers of 1024 (ByteSize
+# reads them as powers of 1000; test_the_short_forms_are_binary_unlike_byte_sizes).
 @pytest.mark.parametrize(
     "text, n",
     [
         ("8GiB", 8 * GiB),
+        ("8gib", 8 * GiB),
         ("512MiB", 512 * MiB),
         ("64k", 65536),
         ("64K", 65536),
+        ("64 k", 65536),
+        ("64ki", 65536),
         ("64KiB", 65536),
+        ("64kib", 65536),
+        ("64kb", 64000),
+        ("64KB", 64000),
+        ("3kB", 3000),
         ("1.5g", 3 * GiB // 2),
+        ("1.5G", 3 * GiB // 2),
+        ("1.5gb", 1_500_000_000),
+        ("0.5k", 512),
+        ("1 GiB", GiB),
         ("2 TiB", 2 << 40),
+        ("1t", 1 << 40),
         ("10MB", 10_000_000),
-        ("3kb", 3000),
+        ("10mb", 10_000_000),
+        ("10M", 10 * MiB),
+        ("1m", MiB),
         ("123", 123),
         ("0", 0),
         (" 4096 ", 4096),
         ("7b", 7),
-        ("1m", MiB),
+        ("7B", 7),
+        ("9007199254740993", 2**53 + 1),  # a plain integer is exact at any size
     ],
 )
 def test_sizes(text, n):
-    assert parse_size(text) == n
+    size = parse_size(text)
+    assert size == n and type(size) is int
 
 
-@pytest.mark.parametrize("text", ["lots", "8 GiBs", "-1", "1.3333b", "0x10", "", "k"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "lots",
+        "8 GiBs",
+        "8GiB of it",  # ByteSize alone reads 8GiB and drops the rest
+        "1,5g",  # ByteSize alone: 1 byte
+        "1.5.5g",
+        "-1",
+        "1e3",
+        "0x10",
+        "",
+        "k",
+        "8bit",  # ByteSize alone: 1 byte
+        "1kbit",
+        "9" * 400 + "k",
+    ],
+)
 def test_bad_sizes(text):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^not a size: an integer, or a number with a unit such as 64k, 512MiB"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["12.5", "1.3333b", "0.5b", "1.5", "0.1g"])
+def test_a_size_is_a_whole_number_of_bytes(text):
+    """ByteSize alone drops the fraction: 0.5b would be 0, which for a budget means none."""
+    with pytest.raises(ValueError, match="^not a whole number of bytes: "):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "text, ours, byte_size",
+    [("64k", 64 << 10, 64_000), ("64K", 64 << 10, 64_000), ("10m", 10 << 20, 10**7), ("1.5g", 3 << 29, 15 * 10**8)],
+)
+def test_the_short_forms_are_binary_unlike_byte_sizes(text, ours, byte_size):
+    """Why parse_size spells the unit for ByteSize: read as ByteSize reads it, an
+    operator's 64k would silently become 64000 bytes."""
+    assert parse_size(text) == ours and TypeAdapter(ByteSize).validate_python(text) == byte_size
+
+
+def test_a_bad_size_names_its_setting():
+    with pytest.raises(ValidationError) as e:
+        Settings(memory_budget_bytes="1,5g")
+    (err,) = e.value.errors()
+    assert err["loc"] == ("memory_budget_bytes",) and "not a size" in err["msg"]
+    with pytest.raises(ValidationError) as e:
+        Settings(quota_bytes_per_key="0.5b")
+    (err,) = e.value.errors()
+    assert err["loc"] == ("quota_bytes_per_key",) and "not a whole number of bytes: 0.5b" in err["msg"]
+    with pytest.raises(ValidationError, match="max_body_bytes"):
+        Settings(max_body_bytes="1kB")  # a size, but below the setting's least (1024)
 
 
 @pytest.mark.parametrize("field", SIZE_FIELDS)
@@ -46,6 +112,7 @@ def test_every_size_setting_takes_units_as_a_variable_or_an_argument(field, monk
     assert getattr(Settings(**{field: "3MiB"}), field) == 3 * MiB
     assert getattr(Settings(**{field: 4 * MiB}), field) == 4 * MiB  # plain integers keep working
     assert getattr(Settings(**{field: "5242880"}), field) == 5 * MiB
+    assert type(getattr(Settings(**{field: "64k"}), field)) is int  # an int to the rest of the service
     monkeypatch.setenv("ATTNSERVE_" + field.upper(), "two megs")
     with pytest.raises(ValidationError, match=field):
         Settings()
