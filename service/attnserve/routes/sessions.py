@@ -150,7 +150,7 @@ def _decode_fork(raw: bytes, kind: MediaKind | None, max_bytes: int) -> tuple[st
     "either side frees only the pages nobody else holds; a snapshot of a fork is self-contained.",
     status_code=201,
     response_class=Response,
-    openapi_extra=request_body("ForkSession"),
+    openapi_extra=request_body("ForkSession", required=False),
     responses=merge_responses(
         ok(201, "The new session's info", "SessionInfo"),
         problems(400, 404, 408, 409, 413, 415, 422, 503, 507, slugs={404: "session-not-found", 409: "session-exists"}),
