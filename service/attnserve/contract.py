@@ -3,7 +3,7 @@
 The models say each member's name, type, default, bounds, choices and meaning.
 From them follow:
 
-* the checks of a request document (:class:`attnserve.codec.Fields` reads a
+* the checks of a request document (:class:`Fields` reads a
   model's members: unknown names are refused with a "did you mean" hint, and each
   member is checked against its type, bounds and choices, naming it in the
   problem);
@@ -13,8 +13,9 @@ From them follow:
 
 The service reads bodies itself (MessagePack or JSON, arrays wrapped without a
 copy and checked as columns), so the models are not instantiated on the hot path:
-pydantic's own validation of an attend costs more than the checks here, and
-words its problems otherwise than the API's documented ones.
+pydantic's own validation would not check the arrays (wrapped, not parsed), words
+its problems otherwise than the API's documented ones, and costs about what the
+checks here cost for an attend's other members (4-5 us either way, measured).
 """
 
 from __future__ import annotations
