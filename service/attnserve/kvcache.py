@@ -5,7 +5,7 @@ slab that hold timesteps ``0 .. length-1`` (page ``i`` holds ``i*P .. i*P+P-1``)
 An append takes pages as it needs them (nothing is copied to grow); the kernels
 read through the page table (``gpu/kernels.py``). Every method that touches the
 device (``plan_*``, ``read_words``, ``load_words``, ``release``) runs on the GPU
-owner thread; the sizing methods (``capacity_after``, ``bytes_for``) are pure and
+owner thread; the sizing methods (``bytes_for``, ``fork_bytes``) are pure and
 safe anywhere, which is how the service checks capacity and memory budgets
 *before* it queues any work.
 
@@ -99,10 +99,6 @@ class LayerCache:
     def capacity(self) -> int:
         """Timesteps the layer's pages hold."""
         return len(self.pages) * self.pool.page_tokens
-
-    def capacity_after(self, capacity: int, new_length: int) -> int:
-        """Capacity once ``new_length`` timesteps are held, from ``capacity`` (whole pages)."""
-        return max(capacity, self.pool.pages_for(new_length) * self.pool.page_tokens)
 
     def bytes_for(self, capacity: int) -> int:
         """GPU bytes of the pages holding ``capacity`` timesteps."""

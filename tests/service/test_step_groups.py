@@ -77,9 +77,6 @@ class _Cache:
         self.max_tokens, self.page_tokens, self.kv_format = 64, P, "f32"
         self.pool = SimpleNamespace(page_bytes=PAGE_BYTES)
 
-    def capacity_after(self, capacity: int, new_length: int) -> int:
-        return max(capacity, -(-new_length // P) * P)
-
     def bytes_for(self, capacity: int) -> int:
         return capacity // P * PAGE_BYTES
 
