@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 43 item 3 on the lent H200: where a call's fixed cost goes, in stages that
+# each fit a device call:
+#   TRANSPORT_PROBE=PATH OLD_TREE=DIR bash bench/probes/h200_fixed_cost.sh OUT STAGE...
+# floors:   the stack's floors (the shared transport probe at TRANSPORT_PROBE: FastAPI
+#           echo over HTTP and WebSocket, a tiny wgpu submit + readback);
+# readback: bench/probes/readback_probe.py: a tiny submission phase by phase, for each
+#           way of waiting for the map, alone and beside a busy Python thread, under
+#           the default and a 0.5 ms GIL switch interval;
+# worker:   bench/worker_profile.py --stacked: the GPU thread's plan / encode / submit /
+#           readback of a fused decode step (32 q / 8 KV heads of 128, f32, 4k) of 1
+#           and of 32 sessions;
+# service:  bench/service.py: stacked steps of 32 sessions x 4k over HTTP, the stream
+#           and the frames, and the single fused step (p50 per call);
+# ab:       the single fused decode step of OLD_TREE's server and this tree's in turn
+#           (bench/probes/ab_single.py).
+set -uo pipefail
+OUT=${1:?OUT}
+shift
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    floors) timeout 120 python3 "${TRANSPORT_PROBE:?}" "$OUT/transport_probe.json" > "$OUT/transport_probe.log" 2>&1
+            tail -3 "$OUT/transport_probe.log"; cat "$OUT/transport_probe.json" ;;
+    readback) timeout 200 python3 bench/probes/readback_probe.py --adapter nvidia --iters 3000 \
+                --json-out "$OUT/readback.json" 2>&1 | grep -v "^ \|^{\|^}" ;;
+    worker) for n in 1 32; do
+              timeout 150 python3 bench/worker_profile.py --adapter nvidia --sessions $n --context 4096 --stacked \
+                --steps 300 --formats f32 2>&1 | tail -2 | tee "$OUT/worker_$n.txt"
+            done ;;
+    service) timeout 280 python3 bench/service.py --adapter nvidia --context 4096 --steps 200 --sessions 32 \
+               --formats f32 --skip-threads --transports http,stream,frames --forms stacked \
+               --json-out "$OUT/service.json" > "$OUT/service.log" 2>&1
+             tail -30 "$OUT/service.log" ;;
+    ab) timeout 280 python3 bench/probes/ab_single.py --adapter nvidia --rounds 2 --steps 300 "${OLD_TREE:?}" . 2>&1 \
+          | tail -12 | tee "$OUT/ab_single.txt" ;;
+  esac
+done
