@@ -151,7 +151,9 @@ async def read_body(request: Request, max_body_bytes: int, *, idle_timeout_s: fl
     streamed bytes pass the limit (the rest is never buffered); and refusing it
     (408) when no byte arrives for ``idle_timeout_s`` (default
     :data:`BODY_IDLE_TIMEOUT_S`). A body of a declared length is received into
-    one buffer of that length (its bytes held once, not again to join them)."""
+    one buffer of that length (its bytes held once, not again to join them), or,
+    where the server hands it over whole (uvicorn does, once it has it all), kept
+    as it came: no copy."""
     cl = request.headers.get("content-length")
     declared = int(cl) if cl is not None and cl.strip().isdigit() else None
     if declared is not None and declared > max_body_bytes:
@@ -161,8 +163,10 @@ async def read_body(request: Request, max_body_bytes: int, *, idle_timeout_s: fl
             headers=_CLOSE,
         )
     idle = BODY_IDLE_TIMEOUT_S if idle_timeout_s is None else idle_timeout_s
-    # a declared body of more than one chunk goes straight into its buffer
-    into = bytearray(declared) if declared is not None and declared > _ONE_CHUNK else None
+    # a declared body of more than one chunk goes straight into a buffer of its length
+    # (made once the first chunk shows the body does not come whole)
+    want = declared if declared is not None and declared > _ONE_CHUNK else None
+    into: bytearray | None = None
     chunks: list[bytes] = []
     total = 0
     stream = request.stream().__aiter__()
@@ -186,9 +190,12 @@ async def read_body(request: Request, max_body_bytes: int, *, idle_timeout_s: fl
                 max_body_bytes=max_body_bytes,
                 headers=_CLOSE,
             )
-        if into is not None and total <= len(into):
-            into[total - len(chunk) : total] = chunk
-        else:
+        if want is not None and total <= want and not (total == len(chunk) == want):
+            if into is None:
+                into = bytearray(want)
+            # (through a memoryview: a slice of a bytearray set from bytes copies them twice)
+            memoryview(into)[total - len(chunk) : total] = chunk
+        else:  # kept as it came: the whole declared body in one piece, a body of no declared length, bytes past it
             chunks.append(chunk)
     if into is not None:
         if chunks or total < len(into):  # not the length declared: the server checks it, this keeps it right
