@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
+import msgpack
 import anyio.to_thread
 import numpy as np
 from attnserve_client import wire  # the attnserve-client distribution, a dependency
@@ -249,10 +250,15 @@ def array_out(arr: np.ndarray, kind: MediaKind) -> Any:
     return arr.tolist()
 
 
-def encode(obj: Any, kind: MediaKind) -> bytes:
+def encode(obj: Any, kind: MediaKind) -> bytes | memoryview:
+    """An answer's bytes: MessagePack as the packer wrote them (a view of its buffer,
+    not copied again into a ``bytes``: ``wire.packb``'s result is one more copy of
+    every array), or JSON."""
     if kind == "msgpack":
-        data: bytes = wire.packb(obj)
-        return data
+        packer = msgpack.Packer(use_bin_type=True, autoreset=False)  # wire.packb's options
+        packer.pack(obj)
+        view: memoryview = packer.getbuffer()
+        return view
     return json.dumps(obj, separators=(",", ":")).encode()
 
 

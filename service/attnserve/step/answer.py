@@ -44,7 +44,7 @@ def answer_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[st
     return {"results": results}
 
 
-def encode_answer(outcome: Outcome, kind: MediaKind, instance: str) -> bytes:
+def encode_answer(outcome: Outcome, kind: MediaKind, instance: str) -> bytes | memoryview:
     return encode(answer_document(outcome, kind, instance), kind)
 
 

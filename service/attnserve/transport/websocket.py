@@ -147,14 +147,14 @@ class _Connection:
             body = await self.rt.offload(_encode_frame, doc, kind, size=_size_hint(doc))
             async with self.send_lock:
                 if kind == "json":
-                    await self.ws.send_text(body.decode())
+                    await self.ws.send_text(bytes(body).decode())
                 else:
-                    await self.ws.send_bytes(body)
+                    await self.ws.send_bytes(body)  # (a view of the packer's buffer: sent as bytes are)
         except Exception:  # the peer went away: its operations still complete
             self.open = False
 
 
-def _encode_frame(doc: dict[str, Any], kind: MediaKind) -> bytes:
+def _encode_frame(doc: dict[str, Any], kind: MediaKind) -> bytes | memoryview:
     if kind == "json":
         return json.dumps(doc, separators=(",", ":"), default=str).encode()
     return encode(doc, kind)
