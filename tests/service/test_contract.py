@@ -54,10 +54,13 @@ def test_the_documents_examples_work_as_sent(api):
     answered 2xx: create a session, append to it, attend, batch."""
     spec = api.client.get("/openapi.json").json()
     create = _example(spec, CREATE)
-    r = api.call("POST", CREATE, {**create, "session_id": "my-session-1"}, enc="json")
-    if r.status == 422:  # session_id is a PUT's; the example's session is created by POST and renamed
-        r = api.client.put("/v1/sessions/my-session-1", json=create)
-        assert r.status_code == 201, r.text
+    r = api.call("POST", CREATE, create, enc="json")
+    assert r.status == 201
+    api.delete(r.body["session_id"])
+    param = spec["paths"]["/v1/sessions/{session_id}"]["put"]["parameters"][0]
+    assert param["schema"]["examples"] == ["my-session-1"]  # the path's example id, which the other examples name
+    r = api.client.put("/v1/sessions/my-session-1", json=create)
+    assert r.status_code == 201, r.text
     layer = "/v1/sessions/{session_id}/layers/{layer}"
     path = layer.replace("{session_id}", "my-session-1").replace("{layer}", "0")
     append = _example(spec, layer + "/kv")
