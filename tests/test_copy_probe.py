@@ -7,15 +7,10 @@ nothing."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PROBE = ROOT / "bench" / "probes" / "copy_probe.py"
+from script_helpers import run_script
 
 pytestmark = pytest.mark.gpu
 
@@ -28,14 +23,8 @@ def _stage(way: dict, stage: str) -> dict:
 
 def test_copy_probe_counts_the_known_copies(engine, tmp_path):  # engine: an adapter is there (else skip/fail)
     out = tmp_path / "copies.json"
-    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
-    r = subprocess.run(
-        [sys.executable, str(PROBE), "--mib", "0.25", "--transports", "http", "--json-out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = run_script(
+        "bench/probes/copy_probe.py", "--mib", "0.25", "--transports", "http", "--json-out", str(out), timeout=300
     )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())

@@ -7,20 +7,18 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_helpers import ROOT, run_script
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
-def _run(old: Path, new: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "tools/differential.py"), "--old", str(old), "--new", str(new)]
-    cmd += ["--ops", "60", "--seed", "5", "--logs", str(tmp_path)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+def _run(old: Path, new: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    args = ("--old", str(old), "--new", str(new), "--ops", "60", "--seed", "5", "--logs", str(tmp_path))
+    return run_script("tools/differential.py", *args, timeout=500)
 
 
 def _tree(tmp_path: Path, name: str) -> Path:

@@ -5,28 +5,16 @@ never asserted against a speed (benchmarks measure; tests check that they run)."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from script_helpers import run_script
 
 
 @pytest.mark.gpu
 def test_server_cpu_quick_reports_every_kind(engine, tmp_path):
     out = tmp_path / "cpu.json"
-    env = dict(os.environ, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR", "/tmp"))
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "server_cpu.py"), "--quick", "--json-out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    r = run_script("bench/server_cpu.py", "--quick", "--json-out", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in report.items() if k != "adapter"}, indent=1))
