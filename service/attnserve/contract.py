@@ -592,25 +592,25 @@ def request_body(json_schema: str, msgpack_schema: str | None = None, *, require
     sends, with the schema's first example) or MessagePack."""
     schema = components()[json_schema]
     example = (schema.get("examples") or schema.get("anyOf", [{}])[0].get("examples") or [None])[0]
-    json_body: dict[str, Any] = {"schema": ref(json_schema)}
+    content = _content(json_schema, msgpack_schema)
     if example is not None:
-        json_body["example"] = example
-    return {
-        "requestBody": {
-            "required": required,
-            "content": {wire.JSON: json_body, wire.MSGPACK: {"schema": ref(msgpack_schema or json_schema)}},
-        }
-    }
+        content[wire.JSON]["example"] = example
+    return {"requestBody": {"required": required, "content": content}}
 
 
 def ok(status: int, description: str, json_schema: str, msgpack_schema: str | None = None) -> dict[int, Any]:
-    msgpack_schema = msgpack_schema or json_schema
     return {
         status: {
             "description": description + " (MessagePack or JSON, as negotiated).",
-            "content": {wire.MSGPACK: {"schema": ref(msgpack_schema)}, wire.JSON: {"schema": ref(json_schema)}},
+            "content": _content(json_schema, msgpack_schema),
         }
     }
+
+
+def _content(json_schema: str, msgpack_schema: str | None) -> dict[str, dict[str, Any]]:
+    """A body's media types: JSON (first: what /docs shows and sends) and MessagePack
+    (``msgpack_schema``, or the JSON one for a body without arrays)."""
+    return {wire.JSON: {"schema": ref(json_schema)}, wire.MSGPACK: {"schema": ref(msgpack_schema or json_schema)}}
 
 
 PROBLEM_STATUSES: dict[int, str] = {
