@@ -42,6 +42,7 @@ from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans  # noqa: E402
 from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.metrics import counted  # noqa: E402
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402
 from kernel_bench import D, H, HKV, plan_batched_steps  # noqa: E402
@@ -123,8 +124,8 @@ def run(
     events = engine.step_plans
 
     def plan_events() -> dict[str, float]:
-        return {e: events.value(e, "") for e in ("made", "run")} | {
-            "missed": sum(events.value("missed", r) for r in PLAN_REASONS)
+        return {e: counted(events, e, "") for e in ("made", "run")} | {
+            "missed": sum(counted(events, "missed", r) for r in PLAN_REASONS)
         }
 
     before = plan_events()

@@ -19,7 +19,7 @@ from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans
 from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
 
 from _core import CORE_PAGE_TOKENS as P, core_engine, item_path, read_words, rows
-from metric_helpers import count
+from attnserve.metrics import counted as count
 
 pytestmark = pytest.mark.gpu
 

@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Bound", "Metrics", "CONTENT_TYPE"]
+__all__ = ["Bound", "Metrics", "CONTENT_TYPE", "counted"]
 
 # What generate_latest writes: the text exposition format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,6 +60,15 @@ class Bound(dict[str | tuple[str, ...], M]):
         child: M = self.metric.labels(*key) if isinstance(key, tuple) else self.metric.labels(key)
         self[key] = child
         return child
+
+
+def counted(counter: Counter, *labelvalues: str) -> float:
+    """``counter``'s value for ``labelvalues`` (in its label names' order; none for
+    a counter without labels): 0 before the first increment of that label set."""
+    for sample in counter.collect()[0].samples:
+        if sample.name.endswith("_total") and tuple(sample.labels.values()) == labelvalues:
+            return float(sample.value)
+    return 0.0
 
 
 class _Bounds(Collector):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnserve.config import Settings
-from metric_helpers import count
+from attnserve.metrics import counted as count
 from svc_helpers import F32_TOL, Api, LiveServer, Model, from_wire, rel_err, rows, to_wire
 
 BATCH = "/v1/batch/attend"

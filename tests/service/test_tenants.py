@@ -12,7 +12,7 @@ import pytest
 from attnserve.auth import KeyRing, key_id
 from attnserve.config import Settings
 from attnserve_client import wire
-from metric_helpers import count
+from attnserve.metrics import counted as count
 from svc_helpers import F32_TOL, Api, LiveServer, Model, Scrape, rel_err, rows
 
 KEY_A = "tenant-a-0123456789abcdef"
