@@ -9,7 +9,8 @@ document of the stream); its arrays are *references* into ``body``::
 
     {"dtype": "<f4", "shape": [d0, ...], "at": [offset, nbytes]}
 
-(``offset`` a multiple of 4), so array bytes are never copied into or out of
+(``offset`` a multiple of 4: a sender pads a half-precision array of an odd
+element count with zero bytes up to the next), so array bytes are never copied into or out of
 MessagePack: a sender hands its arrays' memory to the socket, a receiver views
 them in the buffer it received the frame into. An array may also be the usual
 inline wire map (``data`` as ``bin``). The first frame of a connection is
@@ -58,6 +59,10 @@ def _refer(obj: Any, parts: list[memoryview], offset: list[int], depth: int) -> 
             parts.append(data)
             ref = {"dtype": obj["dtype"], "shape": obj["shape"], "at": [offset[0], data.nbytes]}
             offset[0] += data.nbytes
+            if offset[0] % 4:  # the next array starts at a multiple of 4
+                pad = 4 - offset[0] % 4
+                parts.append(memoryview(bytes(pad)))
+                offset[0] += pad
             return ref
         if depth < _DEPTH:
             return {k: _refer(v, parts, offset, depth + 1) for k, v in obj.items()}

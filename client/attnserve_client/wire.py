@@ -7,9 +7,13 @@ message names the argument and says what was expected and what came.
 
 An array on the wire is, in MessagePack, the map::
 
-    {"dtype": "<f4", "shape": [d0, d1, ...], "data": <bin: prod(shape) * 4 bytes>}
+    {"dtype": "<f4", "shape": [d0, d1, ...], "data": <bin: prod(shape) * itemsize bytes>}
 
-(C order, little-endian float32), and in JSON nested lists of numbers.
+(C order, little-endian) of one of :data:`DTYPES`: ``"<f4"`` (float32),
+``"<f2"`` (IEEE float16) or ``"bfloat16"`` (the upper half of a float32, as
+engines run); in JSON nested lists of numbers (float32). numpy has no bfloat16:
+its arrays are held as two-byte void (:data:`BFLOAT16`, the raw bits), and
+:func:`to_float32` widens any of the three exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import msgpack
 import numpy as np
 
 __all__ = [
+    "BFLOAT16",
     "DTYPE",
+    "DTYPES",
     "JSON",
     "MAX_ELEMENTS",
     "MAX_NDIM",
@@ -32,7 +38,11 @@ __all__ = [
     "PROBLEM_JSON",
     "WireError",
     "as_float32",
+    "as_wire_array",
     "check_finite",
+    "dtype_name",
+    "nonfinite",
+    "to_float32",
     "decode_array",
     "encode_array",
     "is_msgpack",
@@ -53,9 +63,16 @@ JSON = "application/json"
 #: RFC 9457 problem details, the media type of every error answer.
 PROBLEM_JSON = "application/problem+json"
 
-#: The only dtype on the wire: little-endian float32.
+#: The default dtype on the wire (and JSON's): little-endian float32.
 DTYPE = "<f4"
 _F32 = np.dtype(DTYPE)
+#: bfloat16 as numpy holds it: two bytes, the upper half of a float32's bits, as
+#: void (numpy has no bfloat16, and void refuses arithmetic and casts that would
+#: read the bits as something else).
+BFLOAT16 = np.dtype("V2")
+#: Every dtype an array may have on the wire, by its name there.
+DTYPES: dict[str, np.dtype[Any]] = {DTYPE: _F32, "<f2": np.dtype("<f2"), "bfloat16": BFLOAT16}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
 #: Most dimensions an array on the wire may have.
 MAX_NDIM = 8
 #: Default cap on the number of elements of one decoded array (1 GiB of float32).
@@ -124,23 +141,70 @@ def as_float32(a: Any, *, name: str = "array") -> np.ndarray:
         return arr.astype(_F32, order="C", copy=False)
 
 
+def dtype_name(arr: np.ndarray) -> str:
+    """The wire name (a key of :data:`DTYPES`) of an array's dtype.
+
+    Raises:
+        WireError: the dtype is not one the wire carries.
+    """
+    name = _NAMES.get(arr.dtype)
+    if name is None:
+        raise WireError(f"array: expected a dtype of {sorted(DTYPES)}, got {arr.dtype}")
+    return name
+
+
+def as_wire_array(a: Any, *, name: str = "array") -> np.ndarray:
+    """``a`` as a C-contiguous array of one of :data:`DTYPES`, as it is when it
+    already is one (float16 and bfloat16 stay half; no copy when contiguous);
+    any other float array (float64, big-endian) converted once to float32 as
+    :func:`as_float32` does.
+
+    Raises:
+        WireError: as :func:`as_float32`.
+    """
+    if isinstance(a, np.ndarray) and a.dtype in _NAMES:
+        return a if a.flags.c_contiguous else a.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+    return as_float32(a, name=name)
+
+
+def to_float32(arr: np.ndarray) -> np.ndarray:
+    """An array of :data:`DTYPES` as float32, exactly (every float16 and bfloat16
+    value is one); a float32 array as it is."""
+    if arr.dtype == BFLOAT16:
+        bits = np.ascontiguousarray(arr).view("<u2").astype("<u4") << 16
+        return bits.view(_F32)
+    return arr.astype(_F32, copy=False)
+
+
+def nonfinite(arr: np.ndarray) -> np.ndarray:
+    """Where a float array of :data:`DTYPES` (or any float dtype) holds a NaN or an
+    infinity, as a bool array of its shape."""
+    if arr.dtype == BFLOAT16:  # exponent bits all ones: infinite or NaN
+        return (np.ascontiguousarray(arr).view("<u2") & 0x7F80) == 0x7F80
+    return ~np.isfinite(arr)
+
+
 def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
-    """Return ``arr`` unchanged if every element is finite.
+    """Return ``arr`` unchanged if every element is finite (any of :data:`DTYPES`).
 
     Raises:
         WireError: an element is NaN or infinite; the message gives its index.
     """
-    if arr.size and not np.isfinite(arr).all():
-        where = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
-        raise WireError(f"{name}: expected finite values, got {float(arr[where])} at index {where}")
+    if not arr.size:
+        return arr
+    bad = nonfinite(arr)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise WireError(f"{name}: expected finite values, got {float(to_float32(arr[where][None])[0])} at index {where}")
     return arr
 
 
 def encode_array(a: Any, *, name: str = "array") -> dict[str, Any]:
-    """Encode a float array as the wire map ``{"dtype": "<f4", "shape": [...], "data": ...}``.
+    """Encode a float array as the wire map ``{"dtype": ..., "shape": [...], "data": ...}``.
 
-    ``a`` is converted with :func:`as_float32` (no copy when it already is
-    C-contiguous ``<f4``). ``data`` is a zero-copy byte view of that array (a
+    ``a`` keeps its dtype when it is one of :data:`DTYPES` (float32, float16,
+    bfloat16) and is converted to float32 otherwise (:func:`as_wire_array`; no copy
+    when it already is C-contiguous). ``data`` is a zero-copy byte view of that array (a
     ``memoryview`` of format ``"B"``, or ``b""`` when the array is empty): it is
     bytes-like, packs as MessagePack ``bin`` and compares equal to the bytes it
     holds, but it keeps the array alive and reflects later writes to it.
@@ -148,9 +212,9 @@ def encode_array(a: Any, *, name: str = "array") -> dict[str, Any]:
     Raises:
         WireError: as :func:`as_float32`.
     """
-    arr = as_float32(a, name=name)
-    data: bytes | memoryview = arr.data.cast("B") if arr.size else b""
-    return {"dtype": DTYPE, "shape": list(arr.shape), "data": data}
+    arr = as_wire_array(a, name=name)
+    data: bytes | memoryview = arr.reshape(-1).view(np.uint8).data.cast("B") if arr.size else b""
+    return {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape), "data": data}
 
 
 def decode_array(
@@ -161,15 +225,15 @@ def decode_array(
     finite: bool = True,
     max_elements: int = MAX_ELEMENTS,
 ) -> np.ndarray:
-    """Decode one array from its wire form into a float32 ndarray of the sent shape.
+    """Decode one array from its wire form into an ndarray of the sent shape and dtype.
 
     ``obj`` is either the MessagePack map (exactly the keys ``dtype``, ``shape`` and
-    ``data``; ``dtype == "<f4"``; ``shape`` a list of ints >= 0; ``data`` exactly
-    ``prod(shape) * 4`` bytes) or, from JSON, uniformly nested lists of numbers
-    (``int`` or ``float``, not ``bool``).
+    ``data``; ``dtype`` one of :data:`DTYPES`; ``shape`` a list of ints >= 0; ``data``
+    exactly ``prod(shape) * itemsize`` bytes) or, from JSON, uniformly nested lists
+    of numbers (``int`` or ``float``, not ``bool``), decoded as float32.
 
     The map form is decoded without copying: the result is
-    ``np.frombuffer(data, "<f4").reshape(shape)`` and is **read-only** when ``data`` is
+    ``np.frombuffer(data, dtype).reshape(shape)`` and is **read-only** when ``data`` is
     ``bytes``; copy it before writing to it. The list form gives a new writable array.
 
     Args:
@@ -212,9 +276,9 @@ def _decode_map(obj: dict[Any, Any], name: str, ndim: int | None, max_elements: 
     keys = set(obj)
     if keys != _ARRAY_KEYS:
         raise WireError(f"{name}: expected exactly the keys ['data', 'dtype', 'shape'], got {sorted(map(str, keys))}")
-    dtype = obj["dtype"]
-    if not isinstance(dtype, str) or dtype != DTYPE:
-        raise WireError(f"{name}: expected dtype {DTYPE!r}, got {dtype!r}")
+    dtype = DTYPES.get(obj["dtype"]) if isinstance(obj["dtype"], str) else None
+    if dtype is None:
+        raise WireError(f"{name}: expected dtype one of {sorted(DTYPES)}, got {obj['dtype']!r:.40}")
     shape = obj["shape"]
     if (
         not isinstance(shape, (list, tuple))
@@ -228,9 +292,12 @@ def _decode_map(obj: dict[Any, Any], name: str, ndim: int | None, max_elements: 
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"{name}: expected data as bytes, got {type(data).__name__}")
     nbytes = memoryview(data).nbytes
-    if nbytes != count * 4:
-        raise WireError(f"{name}: expected {count * 4} data bytes for shape {tuple(shape)}, got {nbytes}")
-    return np.frombuffer(data, dtype=_F32).reshape(shape)
+    if nbytes != count * dtype.itemsize:
+        raise WireError(
+            f"{name}: expected {count * dtype.itemsize} data bytes for shape {tuple(shape)} of {obj['dtype']}, "
+            f"got {nbytes}"
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def _decode_lists(obj: list[Any], name: str, ndim: int | None, max_elements: int) -> np.ndarray:

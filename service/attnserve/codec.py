@@ -244,10 +244,11 @@ def check_finite(a: np.ndarray, name: str) -> None:
 
 
 def array_out(arr: np.ndarray, kind: MediaKind) -> Any:
-    """An array for an answer: the wire map for MessagePack, nested lists for JSON."""
+    """An array for an answer: the wire map for MessagePack (in its dtype), nested
+    lists of numbers for JSON (a half array's values, exactly)."""
     if kind == "msgpack":
         return wire.encode_array(arr)
-    return arr.tolist()
+    return wire.to_float32(arr).tolist()
 
 
 def encode(obj: Any, kind: MediaKind) -> bytes | memoryview:

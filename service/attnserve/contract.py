@@ -87,6 +87,9 @@ class ArrayOf:
         return {_ARRAY: self.rank}  # the encoding's array schema, put in by components()
 
 
+#: An array's dtype by its wire name (``wire.DTYPES``).
+WireDtype = Literal["<f4", "<f2", "bfloat16"]
+assert set(WireDtype.__args__) == set(wire.DTYPES), "the contract names every wire dtype"  # type: ignore[attr-defined]
 Array2 = Annotated[Any, ArrayOf(2)]
 Array3 = Annotated[Any, ArrayOf(3)]
 Array4 = Annotated[Any, ArrayOf(4)]
@@ -108,13 +111,14 @@ def _array_json(rank: int) -> dict[str, Any]:
 def _array_msgpack(rank: int) -> dict[str, Any]:
     return {
         "title": f"Array (MessagePack, rank {rank})",
-        "description": f"A float32 array {ARRAY_RANKS[rank]} as a MessagePack map: C order, little endian; "
-        "`data` is a `bin` of exactly prod(shape) * 4 bytes.",
+        "description": f"An array {ARRAY_RANKS[rank]} as a MessagePack map: C order, little endian, of dtype "
+        "`<f4` (float32), `<f2` (IEEE float16) or `bfloat16` (a float32's upper 16 bits); `data` is a `bin` "
+        "of exactly prod(shape) * itemsize bytes (4, 2, 2).",
         "type": "object",
         "required": ["dtype", "shape", "data"],
         "additionalProperties": False,
         "properties": {
-            "dtype": {"type": "string", "const": "<f4"},
+            "dtype": {"type": "string", "enum": list(wire.DTYPES)},
             "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": rank, "maxItems": rank},
             "data": {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"},
         },
@@ -305,6 +309,11 @@ class Attend(BaseModel):
         description="Answer lse beside out: each row's log-sum-exp of its scaled scores over the "
         "keys it attended (natural log), to merge attention over disjoint keys exactly.",
     )
+    out_dtype: Optional[WireDtype] = Field(
+        None,
+        description="The dtype of out: `<f4`, `<f2` or `bfloat16` (rounded to nearest even on the GPU); "
+        "default q's. JSON answers give its values as numbers. lse stays float32.",
+    )
 
 
 class _ItemHead(BaseModel):
@@ -372,6 +381,7 @@ class StackedBatch(BaseModel):
     causal: bool = Attend.model_fields["causal"]  # type: ignore[assignment]  # (the attend's member, as it is)
     scale: Optional[float] = Attend.model_fields["scale"]  # type: ignore[assignment]
     return_lse: bool = Attend.model_fields["return_lse"]  # type: ignore[assignment]
+    out_dtype: Optional[WireDtype] = Attend.model_fields["out_dtype"]  # type: ignore[assignment]
 
 
 class StreamHello(BaseModel):
@@ -431,7 +441,7 @@ class Problem(BaseModel):
 
 
 class AttendResult(BaseModel):
-    out: Array3 = Field(description="[n, num_qo_heads, head_dim] float32.")
+    out: Array3 = Field(description="[n, num_qo_heads, head_dim] in out_dtype (default q's dtype).")
     length: int = Field(description="The layer's length after the call.")
     lse: Optional[Array2] = Field(
         None,
@@ -449,7 +459,9 @@ class BatchResults(BaseModel):
 
 
 class StackedResult(BaseModel):
-    out: Array4 = Field(description="[B, n, num_qo_heads, head_dim] float32; zeros for a failed item.")
+    out: Array4 = Field(
+        description="[B, n, num_qo_heads, head_dim] in out_dtype (default q's dtype); zeros for a failed item."
+    )
     lse: Optional[Array3] = Field(
         None,
         description="[B, n, num_qo_heads] float32, with return_lse: each row's log-sum-exp of its "
@@ -704,6 +716,8 @@ class Fields:
         value = self.doc.get(name)
         if value is None:
             value = self._default(name, default)
+            if value is None:  # an optional member, absent
+                return None
         if not isinstance(value, str):
             raise InvalidRequest(f"{name}: expected a string, got {_type_name(value)} {_short(value)}")
         if choices is _MODEL:

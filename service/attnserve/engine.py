@@ -24,7 +24,7 @@ from prometheus_client import Counter
 from .errors import ApiError, InvalidRequest
 from .metrics import Bound
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
-from .gpu.kernels import KernelPolicy, attend_output_bytes
+from .gpu.kernels import ELEMENT_KINDS, KernelPolicy, attend_output_bytes, plan_answer, plan_upload_as
 from .gpu.batch import Batch, Items, Seg
 from .gpu.step_plan import StepPlans
 from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
@@ -38,8 +38,15 @@ __all__ = ["Engine", "AttendResult", "StackedResult", "step_fallbacks_counter", 
 log = logging.getLogger("attnserve")
 
 
+def _as_array(a: np.ndarray) -> np.ndarray:
+    """``a`` C-contiguous, in its dtype when it is one a step takes (float32,
+    float16, bfloat16: ``kernels.ELEMENT_KINDS``), else as float32."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a, dtype=None if a.dtype in ELEMENT_KINDS else "<f4")
+
+
 def _as_rows(a: np.ndarray, name: str) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype="<f4")
+    a = _as_array(a)
     if a.ndim != 3:
         raise ValueError(f"{name} must be 3-D [rows, heads, head_dim], got shape {a.shape}")
     return a
@@ -154,6 +161,7 @@ class AttendOptions(TypedDict, total=False):
     start_pos: int | None
     causal: bool
     scale: float | None
+    out_dtype: np.dtype[Any] | None
 
 
 class StackedResult(NamedTuple):
@@ -283,6 +291,7 @@ class Engine:
         start_pos: int | None = None,
         causal: bool = True,
         scale: float | None = None,
+        out_dtype: np.dtype[Any] | None = None,
     ) -> PlanFn:
         """The job of :meth:`attend`, checked but not queued (see :meth:`submit_group`):
         a step of one (:meth:`plan_stacked`)."""
@@ -294,7 +303,11 @@ class Engine:
             ks, vs = _as_rows(k, "k")[None], _as_rows(v, "v")[None]
         if q.shape[2] != layer.head_dim:
             raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {layer.head_dim}")
-        return _one(self.plan_stacked([layer], q[None], k=ks, v=vs, start_pos=[start_pos], causal=causal, scale=scale))
+        return _one(
+            self.plan_stacked(
+                [layer], q[None], k=ks, v=vs, start_pos=[start_pos], causal=causal, scale=scale, out_dtype=out_dtype
+            )
+        )
 
     def plan_stacked(
         self,
@@ -307,6 +320,8 @@ class Engine:
         causal: bool = True,
         scale: float | None = None,
         plans: StepPlans | None = None,
+        out_dtype: np.dtype[Any] | None = None,
+        return_lse: bool = True,
     ) -> PlanFn:
         """One job for a step: item ``i`` is the attend of ``q[i]`` ``[n, H, d]``
         (None: appends alone) after the fused append of ``k[i]``, ``v[i]`` if given,
@@ -317,17 +332,26 @@ class Engine:
         the plans of the steps these layers' sessions take are kept (a step's
         first layer makes one, the later layers run it: ``gpu/step_plan.py``). The
         future gives a :class:`StackedResult` (``out [B, n, H, d]``, ``lengths``,
-        ``errors``)."""
+        ``errors``).
+
+        ``q``, ``k``, ``v`` may be float32, float16 or bfloat16 (``wire.BFLOAT16``),
+        converted on the GPU (``kernels.plan_upload_as``); ``out`` is in
+        ``out_dtype`` (default: ``q``'s), converted on the GPU unless float32, and
+        then with its log-sum-exp only when ``return_lse``."""
         if q is None and k is None:
             raise ValueError("a step attends (q), appends (k, v), or both")
         if q is not None:
-            q = np.ascontiguousarray(q, dtype="<f4")
+            q = _as_array(q)
+        answer_dtype = np.dtype(out_dtype if out_dtype is not None else "<f4" if q is None else q.dtype)
+        if answer_dtype not in ELEMENT_KINDS:
+            raise ValueError(f"out_dtype: expected float32, float16 or bfloat16, got {answer_dtype}")
+        narrowed = answer_dtype != np.dtype("<f4")
         b = len(layers)
         if len(start_pos) != b or (k is None) != (v is None) or (q is not None and q.shape[0] != b):
             raise ValueError("one layer and start_pos per stacked item, and k and v together")
         taking = [layer for layer in layers if layer is not None]
         if k is not None:
-            k, v = np.ascontiguousarray(k, dtype="<f4"), np.ascontiguousarray(v, dtype="<f4")
+            k, v = _as_array(k), _as_array(cast(np.ndarray, v))
             if k.shape[0] != b or v.shape != k.shape:
                 raise ValueError(f"k/v must both be [{b}, m, Hkv, d], got {k.shape} and {v.shape}")
             for layer in {(l.n_kv_heads, l.head_dim): l for l in taking}.values():  # once per layer shape
@@ -342,17 +366,14 @@ class Engine:
             batch.records = batch.empty  # only a batch's first job records its plan (Batch.record)
             qs = outs = None
             if q is not None:
-                qs = batch.upload_items(q)
-                outs = batch.output_items(b, attend_output_bytes(*shape))
+                qs = plan_upload_as(batch, q, "<f4")
+                outs = batch.output_items(b, attend_output_bytes(*shape), read=not narrowed)
             # the fused rows, once per row dtype the layers take (before any item can roll back)
             rows: dict[str, tuple[Items, Items]] = {}
             if k is not None:
                 assert v is not None  # k and v go together (checked above)
                 for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
-                    rows[dtype] = (
-                        batch.upload_items(k.astype(dtype, copy=False)),
-                        batch.upload_items(v.astype(dtype, copy=False)),
-                    )
+                    rows[dtype] = (plan_upload_as(batch, k, dtype), plan_upload_as(batch, v, dtype))
             lengths = np.full(b, -1, dtype=np.int64)
             errors: dict[int, BaseException] = {}
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
@@ -395,21 +416,32 @@ class Engine:
                 except Exception as e:  # this item alone: its commands and host state are undone
                     batch.rollback(mark)
                     errors[i] = e
+            answer: tuple[Seg, Seg | None] | None = None
+            if outs is not None and narrowed and (lengths >= 0).any():
+                answer = plan_answer(batch, outs, shape, answer_dtype, return_lse)
 
             def finish(out: memoryview | None) -> StackedResult:
                 if outs is None:
                     return StackedResult(None, lengths, errors, None)
                 if not (lengths >= 0).any():  # nothing answered (nothing may have been read back)
                     return StackedResult(
-                        np.zeros((b, *shape), "<f4"), lengths, errors, np.zeros((b, *shape[:2]), "<f4")
+                        np.zeros((b, *shape), answer_dtype), lengths, errors, np.zeros((b, *shape[:2]), "<f4")
                     )
                 assert out is not None  # an item answered: its outputs were read back
-                arr = outs.view(out, "<f4", shape)
-                lse = outs.view(out, "<f4", shape[:2], start=4 * math.prod(shape))
+                if answer is None:
+                    arr = outs.view(out, "<f4", shape)
+                    lse = outs.view(out, "<f4", shape[:2], start=4 * math.prod(shape))
+                else:  # converted into the answer arena, items back to back
+                    at, (out_seg, lse_seg) = batch.answer_at, answer
+                    arr = np.frombuffer(out, answer_dtype, b * math.prod(shape), at + out_seg.offset).reshape(b, *shape)
+                    lse = (
+                        np.zeros((b, *shape[:2]), "<f4") if lse_seg is None
+                        else np.frombuffer(out, "<f4", b * math.prod(shape[:2]), at + lse_seg.offset).reshape(b, *shape[:2])
+                    )  # fmt: skip
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
                 if unanswered.any():
                     arr, lse = arr.copy(), lse.copy()
-                    arr[unanswered] = 0.0
+                    arr.view(np.uint8).reshape(b, -1)[unanswered] = 0  # (any dtype: bfloat16 is void)
                     lse[unanswered] = 0.0
                 return StackedResult(arr, lengths, errors, lse)
 

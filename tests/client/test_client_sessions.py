@@ -546,7 +546,7 @@ def test_malformed_success_answers_raise_invalid_response(make_client, fake):
         (
             wire.packb({"out": {"dtype": "<f8", "shape": [1], "data": b"\0" * 8}, "length": 1}),
             {"content-type": wire.MSGPACK},
-            r"attend: out: expected dtype '<f4'",
+            r"attend: out: expected dtype one of",
         ),
     ]
     for content, headers, message in cases:

@@ -34,12 +34,13 @@ def wire_trip(a: np.ndarray, name: str = "x") -> np.ndarray:
 
 @settings(max_examples=150, deadline=None)
 @given(float_arrays(), st.booleans())
-def test_msgpack_round_trip_gives_float32_of_same_values(a, transpose):
+def test_msgpack_round_trip_keeps_a_wire_dtype_and_gives_float32_of_others(a, transpose):
     if transpose:
         a = a.T  # non-contiguous when ndim >= 2
     out = wire_trip(a)
-    assert out.dtype == np.dtype("<f4") and out.shape == a.shape and out.flags.c_contiguous
-    np.testing.assert_array_equal(out, a.astype(np.float32))
+    kept = a.dtype == np.dtype("<f2")  # little-endian float16 travels as it is; float64, big-endian: float32
+    assert out.dtype == np.dtype("<f2" if kept else "<f4") and out.shape == a.shape and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, a if kept else a.astype(np.float32))
 
 
 @settings(max_examples=100, deadline=None)
@@ -127,16 +128,16 @@ def arr_map(shape=(2, 3), data=None, dtype="<f4", **extra):
             r"expected exactly the keys \['data', 'dtype', 'shape'\], got \['dtype', 'shape'\]",
         ),
         (arr_map(extra=1), r"expected exactly the keys .* got \['data', 'dtype', 'extra', 'shape'\]"),
-        (arr_map(dtype="<f8"), r"expected dtype '<f4', got '<f8'"),
-        (arr_map(dtype=">f4"), r"expected dtype '<f4', got '>f4'"),
-        (arr_map(dtype=b"<f4"), r"expected dtype '<f4', got b'<f4'"),
+        (arr_map(dtype="<f8"), r"expected dtype one of \['<f2', '<f4', 'bfloat16'\], got '<f8'"),
+        (arr_map(dtype=">f4"), r"expected dtype one of \['<f2', '<f4', 'bfloat16'\], got '>f4'"),
+        (arr_map(dtype=b"<f4"), r"expected dtype one of \['<f2', '<f4', 'bfloat16'\], got b'<f4'"),
         (arr_map(shape=(2, -1), data=b""), r"expected shape as a list of at most 8 ints >= 0, got \[2, -1\]"),
         (arr_map(shape=[2, True], data=b"\0" * 8), r"expected shape as a list .* got \[2, True\]"),
         (arr_map(shape=[2.0], data=b"\0" * 8), r"expected shape as a list .* got \[2.0\]"),
         (arr_map(shape="23", data=b""), r"expected shape as a list .* got 'str'"),
         (arr_map(shape=[1] * 9, data=b"\0" * 4), r"expected shape as a list of at most 8 ints >= 0, got 'list'"),
-        (arr_map(data=b"\0" * 23), r"expected 24 data bytes for shape \(2, 3\), got 23"),
-        (arr_map(data=b"\0" * 25), r"expected 24 data bytes for shape \(2, 3\), got 25"),
+        (arr_map(data=b"\0" * 23), r"expected 24 data bytes for shape \(2, 3\) of <f4, got 23"),
+        (arr_map(data=b"\0" * 25), r"expected 24 data bytes for shape \(2, 3\) of <f4, got 25"),
         (arr_map(data="x" * 24), r"expected data as bytes, got str"),
         (arr_map(shape=[2**40, 2**40, 0], data=b""), r"expected at most \d+ elements"),
         (arr_map(shape=[0, 2**62], data=b""), r"expected at most \d+ elements"),

@@ -10,6 +10,11 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
 * ``scratch(nbytes)`` reserves GPU-only space (e.g. rotated queries);
 * ``output(nbytes)`` reserves space in the output arena, copied to one
   persistent ``MAP_READ`` staging buffer and read back once per batch;
+* ``upload_wire(data)`` places host bytes that a kernel converts before use (a
+  half-precision array as received) in the wire arena, ``reserve_items`` space for
+  them in the input arena, and ``answer(nbytes)`` space in the answer arena, where
+  a kernel writes outputs in the answer's dtype (read back after the output arena,
+  which is then read back only when a job reads it: ``output(..., read=True)``);
 * ``dispatch(kernel, bindings, grid)`` and ``copy(...)`` record commands in
   order, referring to real buffers or to arena segments;
 * ``attach(name, provider)`` binds a buffer that outlives batches (the page
@@ -18,7 +23,7 @@ Jobs do not touch the device directly. They *plan* into a :class:`Batch`:
   ``flush()`` (``encode()`` calls it) every phase's groups of items are recorded,
   after the commands above, each group by its ``flush(batch, items)`` (one
   dispatch for many jobs' rows). Phases run in order: writes (encodes),
-  rotations, attention, merges.
+  rotations, attention, merges, answers.
 
 ``encode(slot)`` materializes the arenas and encodes every command in recorded
 order (consecutive dispatches share one compute pass; wgpu inserts the barriers
@@ -46,11 +51,12 @@ from .shaders import PipelineCache
 
 __all__ = [
     "Seg", "Items", "Batch", "Arenas", "Recorded", "whole", "PERSISTENT",
-    "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE",
+    "PHASE_WRITE", "PHASE_ROTATE", "PHASE_ATTEND", "PHASE_MERGE", "PHASE_ANSWER",
 ]  # fmt: skip
 
-# The phases of deferred work, recorded in this order after the batch's commands.
-PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE = range(4)
+# The phases of deferred work, recorded in this order after the batch's commands
+# (answers: outputs converted to the answer's dtype, after every kernel wrote them).
+PHASE_WRITE, PHASE_ROTATE, PHASE_ATTEND, PHASE_MERGE, PHASE_ANSWER = range(5)
 # Params bytes a deferred item may upload at flush, counted when it is deferred
 # (so the input arena's size is known while jobs are planned).
 DEFERRED_ROW_BYTES = 128
@@ -68,8 +74,8 @@ if TYPE_CHECKING:  # the type only: kernels.py plans into batches, not the other
 
 @dataclass(frozen=True)
 class Seg:
-    """A byte range of one of the batch's arenas ("in", "scratch", "partial" or "out"),
-    or of a persistent buffer (``PERSISTENT``)."""
+    """A byte range of one of the batch's arenas ("in", "scratch", "partial", "out",
+    "wire" or "answer"), or of a persistent buffer (``PERSISTENT``)."""
 
     arena: str
     offset: int
@@ -112,8 +118,9 @@ Encoded = tuple[wgpu.GPUCommandBuffer, wgpu.GPUBuffer | None, int]
 # What :meth:`Batch.defer` queues: a group's flush, ``flush(batch, items)``.
 FlushFn = Callable[["Batch", list[Any]], None]
 # Where a batch's planning stood (:meth:`Batch.mark`): ops, dispatches, the uploads'
-# mark, the arenas' sizes, undo entries, deferred items, deferred input bytes.
-Mark = tuple[int, int, tuple[int, int], dict[str, int], int, int, int]
+# mark, the arenas' sizes, undo entries, deferred items, deferred input bytes, the
+# wire uploads' mark.
+Mark = tuple[int, int, tuple[int, int], dict[str, int], int, int, int, tuple[int, int]]
 # A bind group's entries: (binding, buffer, offset, size) each.
 BindEntries = tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
 
@@ -133,6 +140,11 @@ _ARENA_USAGE = {
     # buffer cannot be bound read-only and read-write in the same dispatch
     "partial": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
     "out": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST,
+    # arrays as they came (half precision), converted into the input arena by a kernel
+    # (which binds the input arena read-write: they cannot be in it)
+    "wire": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST,
+    # outputs converted to the answer's dtype (from the output arena), read back
+    "answer": wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
 }
 
 
@@ -321,7 +333,12 @@ class Batch:
         self.arenas = arenas
         self.align = max(int(align), 16)
         self._uploads = _Uploads()
-        self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0}
+        self._wire_uploads = _Uploads()
+        self._sizes = {"in": 0, "scratch": 0, "partial": 0, "out": 0, "wire": 0, "answer": 0}
+        # whether a job reads the output arena itself (else only the answer arena is
+        # read back); where the answer arena starts in what read_back gives (encode)
+        self._reads_out = False
+        self.answer_at = 0
         self.ops: list[Op] = []
         self.n_dispatches = 0
         self._undo: list[Callable[[], object]] = []
@@ -371,6 +388,27 @@ class Batch:
         self._uploads.add(seg.offset, data)
         return seg
 
+    def upload_wire(self, data: memoryview) -> Seg:
+        """Host bytes into the wire arena (for a kernel to convert into the input
+        arena before any other reads them), padded to whole words."""
+        if self._recording is not None:  # data a replay would not have
+            self._recording.replayable = False
+        if data.nbytes % 4:
+            data = memoryview(bytes(data) + bytes(4 - data.nbytes % 4))
+        seg = self._reserve("wire", data.nbytes)
+        self._wire_uploads.add(seg.offset, data)
+        return seg
+
+    def reserve_items(self, count: int, nbytes: int) -> "Items":
+        """``count`` aligned segments of ``nbytes`` in the input arena, written on
+        the GPU (a kernel converts the batch's wire arena into them), not uploaded."""
+        return self._reserve_items("in", count, nbytes)
+
+    def answer(self, nbytes: int) -> Seg:
+        """Space in the answer arena, read back after the output arena: what
+        :meth:`read_back` gives holds it from byte ``answer_at + offset``."""
+        return self._reserve("answer", nbytes)
+
     def upload_items(self, data: np.ndarray) -> "Items":
         """The items ``data[0], data[1], ...`` of a C-contiguous array into the input
         arena, each its own aligned segment, in one copy (a stacked step's queries
@@ -386,9 +424,11 @@ class Batch:
         self._uploads.add(items.base, flat.data.cast("B"))
         return items
 
-    def output_items(self, count: int, nbytes: int) -> "Items":
+    def output_items(self, count: int, nbytes: int, read: bool = True) -> "Items":
         """``count`` output segments of ``nbytes`` each, evenly spaced (read back as
-        one array with :meth:`Items.view`)."""
+        one array with :meth:`Items.view`; ``read=False``: not read back, a kernel
+        converts them into the answer arena)."""
+        self._reads_out |= read
         return self._reserve_items("out", count, nbytes)
 
     def _reserve_items(self, arena: str, count: int, nbytes: int) -> "Items":
@@ -435,6 +475,7 @@ class Batch:
         return self._reserve(arena, nbytes)
 
     def output(self, nbytes: int) -> Seg:
+        self._reads_out = True
         return self._reserve("out", nbytes)
 
     def dispatch(
@@ -554,15 +595,17 @@ class Batch:
             len(self._undo),
             len(self._deferred),
             self._deferred_in,
+            self._wire_uploads.mark(),
         )
 
     def rollback(self, mark: Mark) -> None:
         """Drop everything planned since ``mark`` and undo its host-state changes."""
-        n_ops, n_disp, n_up, sizes, n_undo, n_deferred, deferred_in = mark
+        n_ops, n_disp, n_up, sizes, n_undo, n_deferred, deferred_in, n_wire = mark
         del self.ops[n_ops:]
         del self._deferred[n_deferred:]
         self._deferred_in = deferred_in
         self._uploads.rollback(n_up)
+        self._wire_uploads.rollback(n_wire)
         self.n_dispatches = n_disp
         self._sizes = sizes
         while len(self._undo) > n_undo:
@@ -608,6 +651,7 @@ class Batch:
             bufs[name] = provider(self.device)
         queue = self.device.queue
         self._uploads.write(queue, bufs["in"])
+        self._wire_uploads.write(queue, bufs["wire"])
         enc = self.device.create_command_encoder()
         cpass = None
         n_timed = 0
@@ -645,12 +689,18 @@ class Batch:
                 enc.copy_buffer_to_buffer(sbuf, soff + so, dbuf, doff + do, size)
         if cpass is not None:
             cpass.end()
-        n_out = _round_up(self._sizes["out"], 4)
+        # read back: the output arena (when a job reads it), then the answer arena
+        n_out = _round_up(self._sizes["out"], 4) if self._reads_out else 0
+        n_answer = _round_up(self._sizes["answer"], 4)
+        self.answer_at = n_out
         staging = None
-        if n_out:
-            staging = self.arenas.get_staging(n_out, slot)
-            enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
-        return enc.finish(), staging, n_out
+        if n_out + n_answer:
+            staging = self.arenas.get_staging(n_out + n_answer, slot)
+            if n_out:
+                enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
+            if n_answer:
+                enc.copy_buffer_to_buffer(bufs["answer"], 0, staging, n_out, n_answer)
+        return enc.finish(), staging, n_out + n_answer
 
     def queue_submit(self, encoded: Encoded | None) -> None:
         """Submit what :meth:`encode` made; returns at once (the GPU runs it)."""

@@ -42,13 +42,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Union, cast
 
 import numpy as np
 import wgpu
+from attnserve_client.wire import BFLOAT16
 
 from ..errors import InvalidRequest
 from ..turboquant import qjl_scale
 from . import params as P
 from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
-from .batch import PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Resource, Seg, whole
+from .batch import PHASE_ANSWER, PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Items, Resource, Seg, whole
 
 if TYPE_CHECKING:  # annotations only (numpy.typing is not imported at run time)
     import numpy.typing as npt
@@ -80,7 +81,93 @@ __all__ = [
     "split_eligible",
     "split_sizes",
     "attend_output_bytes",
+    "ELEMENT_KINDS",
+    "plan_upload_as",
+    "plan_answer",
 ]
+
+#: The dtypes an array may come in and an answer go out in, by the convert kernel's
+#: kind (``shaders/convert.wgsl``): float32, IEEE float16, bfloat16 (``wire.BFLOAT16``).
+ELEMENT_KINDS: dict[np.dtype[Any], int] = {np.dtype("<f4"): 0, np.dtype("<f2"): 1, BFLOAT16: 2}
+_CONVERT_GROUP = 256  # convert.wgsl's workgroup size
+
+
+def _convert(
+    batch: Batch, src: Seg, dst: Seg, params: Seg, src_dtype: np.dtype[Any], dst_dtype: np.dtype[Any], total: int
+) -> None:
+    pairs = (total + 1) // 2
+    groups = max(1, min(-(-pairs // _CONVERT_GROUP), _limit(batch)))
+    constants = {"SRC_KIND": ELEMENT_KINDS[src_dtype], "DST_KIND": ELEMENT_KINDS[dst_dtype]}
+    batch.dispatch("convert", {0: src, 1: dst, 2: params}, (groups, 1, 1), constants=constants)
+
+
+def plan_upload_as(batch: Batch, data: np.ndarray, dtype: str) -> Items:
+    """The items ``data[0], data[1], ...`` in the input arena as ``dtype`` (a row
+    dtype: ``<f4`` or ``<f2``): uploaded as they are when ``data`` has that dtype,
+    else uploaded as they came (the wire arena) and converted on the GPU, before
+    any kernel of the batch reads them (``shaders/convert.wgsl``, bit-exact)."""
+    want = np.dtype(dtype)
+    if data.dtype == want:
+        return batch.upload_items(data)
+    count = int(data.shape[0])
+    per_item = int(data[0].size)
+    if want.itemsize == 2 and per_item % 2 and count > 1:  # (a plain f16 layer's rows are whole words)
+        raise ValueError(f"half-precision items of an odd size ({per_item}) cannot be converted in place")
+    items = batch.reserve_items(count, per_item * want.itemsize)
+    src = batch.upload_wire(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
+    params = batch.upload_wire(
+        P.pack_array(
+            P.CONVERT_PARAMS, 1, total=count * per_item, per_item=per_item, src_base=src.offset // 4,
+            src_stride=0, dst_base=items.base // 4, dst_stride=0 if count == 1 else items.stride // 4,
+        ).view(np.uint8).data
+    )  # fmt: skip
+    _convert(batch, whole("wire"), whole("in"), params, data.dtype, want, count * per_item)
+    return items
+
+
+@dataclass(frozen=True)
+class _Answer:
+    outs: Items
+    per_item: int  # output elements of an item
+    lse_rows: int  # log-sum-exp values of an item (0: not answered)
+    dtype: np.dtype[Any]
+    out: Seg  # where the outputs go in the answer arena
+    lse: Seg | None
+
+
+def plan_answer(
+    batch: Batch, outs: Items, shape: tuple[int, ...], dtype: np.dtype[Any], lse: bool
+) -> tuple[Seg, Seg | None]:
+    """The outputs ``[count, *shape]`` of a step (float32 items ``outs``, each its
+    outputs then its log-sum-exp: :func:`attend_output_bytes`) converted to ``dtype``
+    into the answer arena, all items back to back, after every kernel of the batch
+    (and with ``lse``, the log-sum-exp ``[count, *shape[:2]]``, float32, after
+    them): the segments, read back at :attr:`Batch.answer_at` plus their offset."""
+    per_item = int(np.prod(shape))
+    count = outs.count
+    out = batch.answer(count * per_item * dtype.itemsize)
+    lse_rows = int(np.prod(shape[:2])) if lse else 0
+    lse_seg = batch.answer(count * lse_rows * 4) if lse else None
+    item = _Answer(outs, per_item, lse_rows, dtype, out, lse_seg)
+    batch.defer(PHASE_ANSWER, object(), item, _flush_answer, rows=2)
+    return out, lse_seg
+
+
+def _flush_answer(batch: Batch, items: list[_Answer]) -> None:
+    for a in items:
+        f32 = np.dtype("<f4")
+        parts = [(a.out, a.dtype, a.per_item, 0)]
+        if a.lse is not None:
+            parts.append((a.lse, f32, a.lse_rows, a.per_item))
+        for dst, dtype, per_item, skip in parts:
+            total = a.outs.count * per_item
+            params = batch.upload_params(
+                P.pack_array(
+                    P.CONVERT_PARAMS, 1, total=total, per_item=per_item, src_base=a.outs.base // 4 + skip,
+                    src_stride=a.outs.stride // 4, dst_base=dst.offset // 4, dst_stride=0,
+                )
+            )  # fmt: skip
+            _convert(batch, whole("out"), whole("answer"), params, f32, dtype, total)
 
 
 def attend_output_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:

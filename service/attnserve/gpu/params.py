@@ -24,6 +24,7 @@ __all__ = [
     "TQ_SPLIT_PARAMS",
     "MERGE_PARAMS",
     "KV_WRITE_PARAMS",
+    "CONVERT_PARAMS",
     "PARAMS_OF",
     "STRUCTS",
     "pack",
@@ -181,6 +182,11 @@ MERGE_PARAMS = _block(
 
 FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 
+# struct ConvertParams: convert.wgsl `cparams` (one block per dispatch): `total`
+# elements in items of `per_item`, from word src_base (stride: words per item, 0:
+# contiguous) to word dst_base (dst_stride likewise)
+CONVERT_PARAMS = _block("total", "per_item", "src_base", "src_stride", "dst_base", "dst_stride", "_pad0", "_pad1")
+
 # WGSL struct name -> block, for `// #struct NAME` in the shaders
 STRUCTS = {
     "PrefillParams": PREFILL_PARAMS,
@@ -191,6 +197,7 @@ STRUCTS = {
     "TqSplitParams": TQ_SPLIT_PARAMS,
     "MergeParams": MERGE_PARAMS,
     "KvWriteParams": KV_WRITE_PARAMS,
+    "ConvertParams": CONVERT_PARAMS,
 }
 
 # (shader file, the params variable) -> block, for the layout test
@@ -203,6 +210,7 @@ PARAMS_OF = {
     ("attention_merge.wgsl", "mparams"): MERGE_PARAMS,
     ("tqx.wgsl", "eparams"): TQX_ENCODE_PARAMS,
     ("kv_write.wgsl", "wparams"): KV_WRITE_PARAMS,
+    ("convert.wgsl", "cparams"): CONVERT_PARAMS,
     ("flash_attention_tqx.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_tiled.wgsl", "params"): TQ_ATTENTION_PARAMS,
     ("flash_attention_tqx_split.wgsl", "params"): TQ_SPLIT_PARAMS,

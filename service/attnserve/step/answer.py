@@ -89,7 +89,7 @@ def _stacked_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[
         out, lse = result.out, result.lse
         lengths: list[int | None] = result.lengths.tolist()
     else:
-        out = np.zeros((b, *shape), dtype="<f4")
+        out = np.zeros((b, *shape), dtype=request.out_dtype)
         lse = np.zeros((b, *shape[:2]), dtype="<f4")
         lengths = [None] * b
         for c, result in outcome.results:

@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from ..codec import MediaKind, check_finite, decode_document
+from ..codec import MediaKind, check_finite, decode_document, wire
 from ..contract import Append, Attend, BatchItem, BatchItems, Fields, StackedBatch
 from ..errors import ApiError, InvalidRequest
 
@@ -63,6 +63,7 @@ class AttendRequest:
     causal: bool
     scale: float | None
     return_lse: bool = False  # answer the rows' log-sum-exp beside out
+    out_dtype: np.dtype[Any] | None = None  # None: q's
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ class Step:
     operation of ``q[i]`` (None: an append, no attend), after the fused append of
     ``k[i]``, ``v[i]`` if given, on session ``session_ids[i]`` at ``offsets[i]`` and
     ``start_pos[i]`` (None: not given). ``items[i]`` is row ``i``'s position in its
-    request."""
+    request. ``q``, ``k``, ``v`` are float32, float16 or bfloat16 (``k`` and ``v``
+    alike); ``out_dtype`` is the outputs' (None: ``q``'s); ``lse``: an item asks for
+    its log-sum-exp."""
 
     session_ids: list[Any]
     layer: int
@@ -83,6 +86,8 @@ class Step:
     causal: bool
     scale: float | None
     items: list[int]
+    out_dtype: np.dtype[Any] | None = None
+    lse: bool = False
 
     def __len__(self) -> int:
         return len(self.session_ids)
@@ -110,14 +115,15 @@ class Parsed:
     errors: dict[int, ApiError] = field(default_factory=dict)
     want_lse: list[bool] = field(default_factory=list)
     out_shape: tuple[int, ...] = ()  # the stacked form's per-item output shape (n, H, d)
+    out_dtype: np.dtype[Any] = np.dtype("<f4")  # the stacked form's output dtype
 
 
 # ── members ─────────────────────────────────────────────────────────────────
 
 
 def max_elements(max_bytes: int) -> int:
-    """The most array elements a body of ``max_bytes`` can carry."""
-    return max(1, max_bytes // 4)
+    """The most array elements a body of ``max_bytes`` can carry (half precision)."""
+    return max(1, max_bytes // 2)
 
 
 def append_fields(f: Fields, max_bytes: int) -> AppendRequest:
@@ -140,7 +146,14 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
         causal=f.bool("causal"),
         scale=_attend_scale(f),
         return_lse=f.bool("return_lse"),
+        out_dtype=_out_dtype(f),
     )
+
+
+def _out_dtype(f: Fields) -> np.dtype[Any] | None:
+    """The optional ``out_dtype`` of an attend: a wire dtype's name."""
+    name: str | None = f.str("out_dtype")
+    return None if name is None else wire.DTYPES[name]
 
 
 def _fused_kv(f: Fields, elements: int, finite: bool = True) -> tuple[Any, Any]:
@@ -149,6 +162,10 @@ def _fused_kv(f: Fields, elements: int, finite: bool = True) -> tuple[Any, Any]:
     v = f.array("v", max_elements=elements, finite=finite)
     if (k is None) != (v is None):
         raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
+    if k is not None and k.dtype != v.dtype:
+        raise InvalidRequest(
+            f"k, v: expected one dtype for both, got {wire.dtype_name(k)} and {wire.dtype_name(v)}"
+        )
     return k, v
 
 
@@ -178,6 +195,7 @@ def one_attend(session_id: str, layer: int, req: AttendRequest) -> Parsed:
     step = Step(
         [session_id], layer, req.q[None], None if req.k is None else req.k[None],
         None if req.v is None else req.v[None], [req.offset], [req.start_pos], req.causal, req.scale, [0],
+        req.out_dtype, req.return_lse,
     )  # fmt: skip
     return Parsed("one", 1, [step], want_lse=[req.return_lse])
 
@@ -242,7 +260,8 @@ def _parse_items(f: Fields, max_bytes: int, max_items: int) -> Parsed:
 
 def group_items(items: dict[int, _Item]) -> list[Step]:
     """The items (by position) grouped into steps: one per layer, query and row
-    shape, ``causal`` and ``scale``, in order of first appearance. An item goes into
+    shape and dtype, ``causal``, ``scale`` and ``out_dtype``, in order of first
+    appearance. An item goes into
     the latest step of its kind unless that step already names its session, or an
     earlier item of its session and layer went into a later step: then it opens a
     new one. So checking the steps in order checks the items of one session and
@@ -253,8 +272,8 @@ def group_items(items: dict[int, _Item]) -> list[Step]:
     last: dict[tuple[str, int], int] = {}  # (session, layer) -> the step its last item went into
     for i, it in items.items():
         a = it.attend
-        kv = None if a.k is None or a.v is None else (a.k.shape, a.v.shape)
-        key = (it.layer, a.q.shape, kv, a.causal, a.scale)
+        kv = None if a.k is None or a.v is None else (a.k.shape, a.v.shape, a.k.dtype)
+        key = (it.layer, a.q.shape, a.q.dtype, kv, a.causal, a.scale, a.out_dtype)
         g = open_by_key.get(key)
         mine = (it.session_id, it.layer)
         if g is None or it.session_id in named[g] or g < last.get(mine, -1):
@@ -278,7 +297,7 @@ def _stack(items: list[_Item], positions: list[int]) -> Step:
     return Step(
         [it.session_id for it in items], items[0].layer, q, k, v,
         [it.attend.offset for it in items], [it.attend.start_pos for it in items],
-        first.causal, first.scale, positions,
+        first.causal, first.scale, positions, first.out_dtype, any(it.attend.return_lse for it in items),
     )  # fmt: skip
 
 
@@ -303,11 +322,13 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
             )
     per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
     causal, scale, return_lse = f.bool("causal"), _attend_scale(f), f.bool("return_lse")
+    out_dtype = _out_dtype(f)
     errors: dict[int, ApiError] = {}
     for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
-        if np.isfinite(a).all():
+        bad = wire.nonfinite(a)
+        if not bad.any():
             continue
-        for i in np.flatnonzero(~np.isfinite(a.reshape(b, -1)).all(axis=1)).tolist():
+        for i in np.flatnonzero(bad.reshape(b, -1).any(axis=1)).tolist():
             try:
                 check_finite(a[i], name)
             except ApiError as e:
@@ -326,8 +347,13 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
                 errors.setdefault(
                     i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
                 )
-    whole = Step(ids, layer, q, k, v, ints["offsets"], ints["start_pos"], causal, scale, list(range(b)))
-    return Parsed("stacked", b, _without_repeats(whole, errors), errors, [return_lse] * b, tuple(q.shape[1:]))
+    whole = Step(
+        ids, layer, q, k, v, ints["offsets"], ints["start_pos"], causal, scale, list(range(b)), out_dtype, return_lse
+    )
+    return Parsed(
+        "stacked", b, _without_repeats(whole, errors), errors, [return_lse] * b, tuple(q.shape[1:]),
+        q.dtype if out_dtype is None else out_dtype,
+    )  # fmt: skip
 
 
 def _per_item(f: Fields, name: str, b: int) -> list[Any] | None:
@@ -367,5 +393,5 @@ def _rows(step: Step, idx: list[int]) -> Step:
     return Step(
         [step.session_ids[i] for i in idx], step.layer, pick(step.q), pick(step.k), pick(step.v),
         [step.offsets[i] for i in idx], [step.start_pos[i] for i in idx], step.causal, step.scale,
-        [step.items[i] for i in idx],
+        [step.items[i] for i in idx], step.out_dtype, step.lse,
     )  # fmt: skip

@@ -108,8 +108,9 @@ def _plan(engine: Engine, c: Checked) -> PlanFn:
             if c.start_pos:
                 start[i] = c.start_pos[j]
     return engine.plan_stacked(
-        layers, step.q, k=step.k, v=step.v, start_pos=start, causal=step.causal, scale=step.scale, plans=c.plans
-    )
+        layers, step.q, k=step.k, v=step.v, start_pos=start, causal=step.causal, scale=step.scale, plans=c.plans,
+        out_dtype=step.out_dtype, return_lse=step.lse,
+    )  # fmt: skip
 
 
 def _item_errors(c: Checked) -> Callable[[StackedResult], list[BaseException | None] | None]:
