@@ -108,3 +108,30 @@ def item_path():
         yield
     finally:
         Engine._plan_columns = original  # type: ignore[method-assign]
+
+
+def bf16_nearest(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (``wire.BFLOAT16`` bits), derived in float64
+    from the two neighbours (the truncation and the next value up in magnitude):
+    the nearer, a tie to the even one; past the largest finite bfloat16's halfway
+    point, infinity; NaN stays NaN. The oracle of the GPU's narrowing, independent of
+    its integer formula."""
+    bits = np.ascontiguousarray(x, np.float32).view("<u4")
+    low = (bits >> 16).astype(np.uint32)
+    high = low + 1
+    as64 = np.ascontiguousarray(x, np.float32).astype(np.float64)
+    lo = (low << 16).view(np.float32).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        hi = (high.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        d_lo, d_hi = np.abs(as64 - lo), np.abs(hi - as64)
+        # a truncation that is the largest finite magnitude: "high" is infinity, reached
+        # when x is at least halfway to 2^128 (the next power that would follow)
+        top = (low & 0x7FFF) == 0x7F7F
+        halfway = np.where(top, np.abs(lo) + 2.0 ** (127 - 7) / 2, np.nan)
+        pick_high = np.where(top, np.abs(as64) >= halfway, (d_hi < d_lo) | ((d_hi == d_lo) & (low & 1 == 1)))
+    out = np.where(pick_high, high, low)
+    nan = np.isnan(as64)
+    out = np.where(nan, (low | 0x40), out)
+    inf = np.isinf(as64)
+    out = np.where(inf, low, out)
+    return out.astype("<u2").view("V2")

@@ -3,6 +3,7 @@ a small HTTP helper speaking both encodings, and the oracle bookkeeping."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ from _core import CORE_PAGE_TOKENS
 from attnserve_client import wire
 from tools.common import free_port  # noqa: F401  (the tests import it from here)
 from live_server import LiveServer  # noqa: F401  (the tests import it from here)
+from attnserve_client.framing import PREFIX, frame_buffers, read_prefix, resolve_arrays
 from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
@@ -112,3 +114,53 @@ class Scrape:
 
     def has(self, name: str, **labels: str) -> bool:
         return frozenset(labels.items()) in self.samples.get(name, {})
+
+
+class RawFrames:
+    """A bare socket speaking the framing, for what the client library never sends."""
+
+    def __init__(self, port: int, hello: bool = True, key: str | None = None):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        if hello:
+            r = self.call({"id": 0, "op": "hello", "version": 1, **({"key": key} if key else {})})
+            assert r["status"] == 200, r
+
+    def send(self, doc) -> None:
+        self.sock.sendmsg(frame_buffers(doc, wire.packb))
+
+    def recv(self):
+        prefix = self._exactly(PREFIX.size)
+        if prefix is None:
+            return None
+        head_len, body_len = read_prefix(prefix)
+        buf = self._exactly(head_len + body_len)
+        doc = wire.unpackb(buf[:head_len], max_bytes=1 << 20)
+        resolve_arrays(doc, memoryview(buf)[head_len:])
+        return doc
+
+    def call(self, doc):
+        self.send(doc)
+        return self.recv()
+
+    def _exactly(self, n: int):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                assert not buf, "the connection closed mid-frame"
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def closed(self, timeout: float = 10) -> bool:
+        """Whether the server closed the connection (EOF) within ``timeout``."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:  # closed with bytes of ours unread
+            return True
+        except socket.timeout:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()

@@ -28,8 +28,8 @@ from attnserve_client import (
     wire,
 )
 from attnserve_client.errors import APIConnectionError
-from attnserve_client.framing import PREFIX, frame_buffers, read_prefix, resolve_arrays
-from svc_helpers import F32_TOL, LiveServer, Model, rel_err, rows
+from attnserve_client.framing import PREFIX, frame_buffers
+from svc_helpers import F32_TOL, LiveServer, Model, RawFrames, rel_err, rows
 
 
 @pytest.fixture(scope="module")
@@ -37,56 +37,6 @@ def fserver(engine):
     srv = LiveServer(Settings(frames_port=0), engine=engine).start()
     yield srv
     srv.stop()
-
-
-class RawFrames:
-    """A bare socket speaking the framing, for what the client library never sends."""
-
-    def __init__(self, port: int, hello: bool = True, key: str | None = None):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        if hello:
-            r = self.call({"id": 0, "op": "hello", "version": 1, **({"key": key} if key else {})})
-            assert r["status"] == 200, r
-
-    def send(self, doc) -> None:
-        self.sock.sendmsg(frame_buffers(doc, wire.packb))
-
-    def recv(self):
-        prefix = self._exactly(PREFIX.size)
-        if prefix is None:
-            return None
-        head_len, body_len = read_prefix(prefix)
-        buf = self._exactly(head_len + body_len)
-        doc = wire.unpackb(buf[:head_len], max_bytes=1 << 20)
-        resolve_arrays(doc, memoryview(buf)[head_len:])
-        return doc
-
-    def call(self, doc):
-        self.send(doc)
-        return self.recv()
-
-    def _exactly(self, n: int):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                assert not buf, "the connection closed mid-frame"
-                return None
-            buf += chunk
-        return bytes(buf)
-
-    def closed(self, timeout: float = 10) -> bool:
-        """Whether the server closed the connection (EOF) within ``timeout``."""
-        self.sock.settimeout(timeout)
-        try:
-            return self.sock.recv(1 << 16) == b""
-        except ConnectionResetError:  # closed with bytes of ours unread
-            return True
-        except socket.timeout:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "tq4")]

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from ..codec import wire
 from ..engine import Engine
 from ..errors import ApiError, InvalidRequest, LayerNotFound
 from ..formats import F16_MAX, TQ_SPECS
@@ -194,7 +195,10 @@ def _check_arrays(
     item_shape = k.shape[1:]
     problem = _kv_shape_problem(config, item_shape, v.shape[1:])
     if problem is None:
-        if fmt in TQ_SPECS or fmt == "f16":  # the formats whose values have a range
+        # the formats whose values have a range (float16 rows always fit a float16 layer)
+        if fmt in TQ_SPECS or fmt == "f16" and k.dtype != np.float16:
+            if k.dtype == wire.BFLOAT16:  # its range is float32's: judged on its values
+                k, v = wire.to_float32(k), wire.to_float32(v)
             whole = len(rows) == len(k)  # every row of the step: no gather
             idx = np.asarray(rows)
             clear = kv_values_clear(k if whole else k[idx], v if whole else v[idx], fmt)
@@ -203,7 +207,8 @@ def _check_arrays(
                 values = _kv_values_problem(config, k[i], v[i], fmt)
                 if values is not None:
                     problems[i] = values
-        problem = _kv_binding_problem(max_binding, item_shape, k.itemsize)
+        # the rows as received (the wire arena) and as the layer takes them (the input arena)
+        problem = _kv_binding_problem(max_binding, item_shape, max(step.k.itemsize, 2 if fmt == "f16" else 4))
     if problem is not None:
         for i in rows:
             problems.setdefault(i, problem)
