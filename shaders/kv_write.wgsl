@@ -1,7 +1,7 @@
 // The write path of the plain kv formats (`kv_write_rows`): a batch's appended rows
 // copied into their pool slabs, one params block per row, each row to the slab row its
-// layer's page table names (the plain twin of tqx.wgsl's encodes; f32 rows as sent,
-// f16 rows rounded on the host). A row is `row_words` u32 words (kv_dim f32 values, or
+// layer's page table names (the plain twin of tqx.wgsl's encodes; rows in the layer's
+// dtype, as sent or converted by convert.wgsl before this runs). A row is `row_words` u32 words (kv_dim f32 values, or
 // kv_dim IEEE halves two to a word: f16 takes an even head_dim), the same layout in the
 // input arena and in the slab (row-major [rows, kv_dim], pool.py).
 //
