@@ -37,10 +37,12 @@ from ._steps import (
     StackedOptions,
     StackedStep,
     attend_answer,
+    answer_dtype,
     batch_body,
     batch_idempotent,
     batch_results,
     item_parts,
+    decode_out,
     item_results,
     merge_items,
     merge_stacked,
@@ -269,6 +271,7 @@ class _AttendArgs(NamedTuple):
     causal: bool
     scale: float | None
 
+    out_dtype: str | None  # the wire name asked for (None: q's)
 
 def _int_member(body: Any, key: str, what: str) -> int:
     value = body.get(key) if isinstance(body, Mapping) else None
@@ -550,11 +553,11 @@ class _BaseClient:
         groups = yield from self._replica_groups(ids)
         if len(groups) == 1:
             doc = yield from self._routed_batch(ids, body, batch_idempotent(checked))
-            return batch_results(checked, doc)
+            return batch_results(checked, body, doc)
 
         def part(sub: list[AttendItem], sub_body: dict[str, Any], idempotent: bool) -> Flow[list[Any]]:
             doc = yield from self._routed_batch([i.session_id for i in sub], sub_body, idempotent)
-            return item_results(sub, doc)
+            return item_results(sub, sub_body, doc)
 
         parts = yield _Parallel([part(*p) for p in item_parts(checked, body, groups)])
         return merge_items(len(checked), groups, parts)
@@ -617,7 +620,7 @@ class _SessionBase(Generic[_C]):
 
     def _check_rows(self, a: Any, name: str, heads: int, rows: str) -> np.ndarray:
         try:
-            arr = tensors.as_float32(a, name=name)
+            arr = tensors.as_wire_array(a, name=name)
         except wire.WireError as exc:
             raise refused(InvalidRequest, str(exc)) from None
         d = self._config.head_dim
@@ -636,14 +639,20 @@ class _SessionBase(Generic[_C]):
             raise refused(InvalidRequest, f"k, v: expected both or neither, got only {'k' if v is None else 'v'}")
         return self._check_kv(k, v)
 
-    def _check_attend(self, layer: Any, q: Any, k: Any, v: Any, start_pos: Any, causal: Any, scale: Any) -> _AttendArgs:
+    def _check_attend(
+        self, layer: Any, q: Any, k: Any, v: Any, start_pos: Any, causal: Any, scale: Any, out_dtype: Any
+    ) -> _AttendArgs:
         """An attend's arguments, each checked before anything is sent (the fused rows
         when ``k`` or ``v`` is given)."""
         layer = self._check_layer(layer)
         rows = self._check_rows(q, "q", self._config.num_qo_heads, "n")
         if k is not None or v is not None:
             k, v = self._check_pair(k, v)
-        return _AttendArgs(layer, q, rows, k, v, *_attend_options(start_pos, causal, scale))
+        try:
+            out_dtype = tensors.out_dtype_name(out_dtype)
+        except wire.WireError as exc:
+            raise refused(InvalidRequest, str(exc)) from None
+        return _AttendArgs(layer, q, rows, k, v, *_attend_options(start_pos, causal, scale), out_dtype)
 
     def _check_kv(self, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray]:
         k = self._check_rows(k, "k", self._config.num_kv_heads, "m")
@@ -662,6 +671,10 @@ class _SessionBase(Generic[_C]):
         self._lengths = list(info.lengths)
         return info
 
+        if v.dtype != k.dtype:
+            raise refused(
+                InvalidRequest, f"v: expected the dtype of k ({wire.dtype_name(k)}), got {wire.dtype_name(v)}"
+            )
     def _offset_flow(self, layer: int) -> Flow[int]:
         length = self._lengths[layer]
         if length is None:
@@ -716,7 +729,8 @@ class _SessionBase(Generic[_C]):
         scale: float | None,
         return_lse: bool = False,
     ) -> Flow[Any]:
-        layer, like, q, k, v, start_pos, causal, scale = self._check_attend(layer, q, k, v, start_pos, causal, scale)
+        checked = self._check_attend(layer, q, k, v, start_pos, causal, scale, out_dtype)
+        layer, like, q, k, v, start_pos, causal, scale, out_dtype = checked
         n = q.shape[0]
 
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": causal}
@@ -727,19 +741,22 @@ class _SessionBase(Generic[_C]):
         if start_pos is not None:
             query["start_pos"] = start_pos
         if k is None or v is None:  # not fused (both or neither, checked)
+        out_dtype: Any = None,
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-            return self._answer_from(layer, reply, n, like, return_lse)
+            return self._answer_from(layer, reply, n, like, query)
 
         offset = yield from self._offset_flow(layer)
         body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
         reply = yield from self._write(layer, "attend", body)
         if not reply.ok:
+        if out_dtype is not None:
+            query["out_dtype"] = out_dtype
             length = self._landed_length(layer, reply, offset + k.shape[0])
             # The lost first attempt appended k, v but its output was lost with its
             # answer: attend again, without k, v, at the position that call had.
             query.setdefault("start_pos", length - n)
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
-        return self._answer_from(layer, reply, n, like, return_lse)
+        return self._answer_from(layer, reply, n, like, query)
 
     def _exit_flow(self) -> Flow[None]:
         """The delete at the end of a ``with`` block: a session already gone (deleted
@@ -763,19 +780,17 @@ class _SessionBase(Generic[_C]):
             return (yield from self._client._get_info_flow(body["session_id"]))
         raise error
 
-    def _answer_from(self, layer: int, reply: _Reply, n: int, like: Any, return_lse: bool) -> Any:
+    def _answer_from(self, layer: int, reply: _Reply, n: int, like: Any, sent: Mapping[str, Any]) -> Any:
+        """The answer to the attend whose members were ``sent``."""
         if not reply.ok:
             raise reply.error()
         body = self._client._decode(reply)
         self._length_from(layer, body, "attend")
-        try:
-            out = wire.decode_array(body.get("out"), name="out", ndim=3, finite=False)
-        except wire.WireError as exc:
-            raise InvalidResponse(f"attend: {exc}") from None
+        out = decode_out(body, answer_dtype(sent), 3, "attend")
         expected = (n, self._config.num_qo_heads, self._config.head_dim)
         if out.shape != expected:
             raise InvalidResponse(f"attend: expected out of shape {expected}, got {out.shape}")
-        return attend_answer(body, out, like, return_lse, "attend")
+        return attend_answer(body, out, like, sent, "attend")
 
 
 # -- synchronous -------------------------------------------------------------------
@@ -785,10 +800,11 @@ class Session(_SessionBase["Client"]):
     """One session: a KV cache for every layer of one sequence, on the server.
 
     Made by :meth:`Client.create_session` or :meth:`Client.get_session`. Arrays go in
-    as any float array-like (converted once to C-contiguous little-endian float32)
-    and come out as float32 ndarrays. A session tracks each layer's length and sends
-    it as ``offset`` with every append, so a retried append never appends twice;
-    drive one layer of a session from one thread at a time.
+    as any float array-like or tensor, in their own dtype when the wire carries it
+    (float32, float16, bfloat16) and converted once to float32 otherwise, and come
+    out in ``q``'s dtype (or an attend's ``out_dtype``). A session tracks each
+    layer's length and sends it as ``offset`` with every append, so a retried append
+    never appends twice; drive one layer of a session from one thread at a time.
 
     A context manager: ``with client.create_session(...) as s:`` deletes the session
     when the block ends, also on an exception (a session already gone by then is no
@@ -804,7 +820,7 @@ class Session(_SessionBase["Client"]):
 
         Args:
             layer: ``0 <= layer < num_layers``.
-            k, v: ``[m, num_kv_heads, head_dim]`` float arrays, ``m >= 1``, finite.
+            k, v: ``[m, num_kv_heads, head_dim]`` float arrays of one dtype, ``m >= 1``, finite.
 
         Raises:
             LayerNotFound, InvalidRequest: a bad layer or array, refused before sending
@@ -839,6 +855,7 @@ class Session(_SessionBase["Client"]):
         v: Any = None,
         start_pos: int | None = None,
         causal: bool = True,
+        out_dtype: Any = None,
         scale: float | None = None,
         return_lse: Literal[True],
     ) -> Attention: ...
@@ -853,6 +870,7 @@ class Session(_SessionBase["Client"]):
         start_pos: int | None = None,
         causal: bool = True,
         scale: float | None = None,
+        out_dtype: Any = None,
         return_lse: bool = False,
     ) -> Any:
         """Attention of ``q`` over ``layer``'s cache; with ``k``, ``v`` append them first (fused).
@@ -866,17 +884,25 @@ class Session(_SessionBase["Client"]):
             scale: softmax scale, default ``1 / sqrt(head_dim)``.
             return_lse: also answer each row's log-sum-exp (see Returns).
 
+        out_dtype: Any = None,
         Returns:
-            ``[n, num_qo_heads, head_dim]`` float32, C-contiguous, read-only (a view of
+            ``[n, num_qo_heads, head_dim]`` in ``out_dtype`` (default ``q``'s: float32,
+            float16, or bfloat16 as ``wire.BFLOAT16``, two-byte void that
+            ``wire.to_float32`` widens; a tensor when ``q`` is one, see
+            :mod:`attnserve_client.tensors`), C-contiguous, read-only (a view of
             the answer's bytes; ``.copy()`` it to write). The layer's length after the
             call is in :attr:`lengths`. With ``return_lse``, :class:`Attention`
             ``(out, lse)``: ``lse [n, num_qo_heads]`` float32, the natural log of the sum
             of ``exp(scale * q . k_t)`` over the timesteps each row attended, what
             :func:`attnserve_client.merge` needs to combine attends over disjoint keys.
         """
-        return self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
+        flow = self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse, out_dtype)
+        return self._client._run(flow)
 
     def fork(self, session_id: str | None = None, length: int | None = None) -> Session:
+            out_dtype: the dtype ``out`` comes back in, default ``q``'s as sent:
+                ``"<f4"``/``"float32"``, ``"<f2"``/``"float16"``, ``"bfloat16"``, or a
+                numpy or torch dtype of those (``tensors.out_dtype_name``).
         """A new session that starts as this one's first ``length`` timesteps of every
         layer (default: each layer's current length), sharing its full GPU pages.
 
@@ -1165,7 +1191,9 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         return_lse: bool = False,
     ) -> Any:
         """See :meth:`Session.attend`."""
-        return await self._client._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
+        out_dtype: Any = None,
+        flow = self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse, out_dtype)
+        return await self._client._run(flow)
 
     async def fork(self, session_id: str | None = None, length: int | None = None) -> AsyncSession:
         """See :meth:`Session.fork`."""
@@ -1179,6 +1207,7 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         return self
 
     async def __aexit__(
+        out_dtype: Any = None,
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self._client._run(self._exit_flow())
@@ -1192,6 +1221,7 @@ class AsyncClient(_BaseClient):
     """
 
     def __init__(
+        out_dtype: Any = None,
         self,
         base_url: str | httpx.URL | None = None,
         *,

@@ -37,7 +37,8 @@ __all__ = [
 class AttendItem:
     """One attend of a batched step: ``q`` over ``layer`` of ``session`` (a session
     object or its id), with an optional fused append of ``k``, ``v`` (checked at
-    ``offset`` when given) and the options of ``Session.attend``."""
+    ``offset`` when given) and the options of ``Session.attend`` (``out_dtype``:
+    the dtype its output comes back in, default ``q``'s; see ``tensors.out_dtype_name``)."""
 
     session: Any
     layer: int
@@ -49,6 +50,7 @@ class AttendItem:
     causal: bool = True
     scale: float | None = None
     return_lse: bool = False
+    out_dtype: Any = None
 
     @property
     def session_id(self) -> str:
@@ -63,8 +65,8 @@ ItemLike = Union[AttendItem, Mapping[str, Any]]
 
 class AttendOptions(TypedDict, total=False):
     """The options of one attend: a fused append of ``k``, ``v`` (checked at ``offset``
-    when given), ``start_pos``, ``causal``, ``scale`` and ``return_lse`` (as
-    ``Session.attend``)."""
+    when given), ``start_pos``, ``causal``, ``scale``, ``return_lse`` and
+    ``out_dtype`` (as ``Session.attend``)."""
 
     k: Any
     v: Any
@@ -73,17 +75,20 @@ class AttendOptions(TypedDict, total=False):
     causal: bool
     scale: float | None
     return_lse: bool
+    out_dtype: Any
 
 
 class StackedOptions(TypedDict, total=False):
     """The options of a stacked step: one value per session in ``offsets`` and
-    ``start_pos`` (None: none), and ``causal``, ``scale``, ``return_lse`` for all."""
+    ``start_pos`` (None: none), and ``causal``, ``scale``, ``return_lse``,
+    ``out_dtype`` for all."""
 
     offsets: Sequence[int | None] | None
     start_pos: Sequence[int | None] | None
     causal: bool
     scale: float | None
     return_lse: bool
+    out_dtype: Any
 
 
 class BatchError(AttnServeError):
@@ -112,9 +117,30 @@ def as_item(item: ItemLike) -> AttendItem:
 
 def _array(a: Any, name: str) -> dict[str, Any]:
     try:
-        return wire.encode_array(wire.check_finite(tensors.as_float32(a, name=name), name=name), name=name)
+        return wire.encode_array(wire.check_finite(tensors.as_wire_array(a, name=name), name=name), name=name)
     except wire.WireError as exc:
         raise InvalidInput(str(exc)) from None
+
+
+def _check_kv_dtypes(doc: Mapping[str, Any]) -> None:
+    """A fused append's ``k`` and ``v`` (encoded, when there are) go in one dtype."""
+    if "k" in doc and doc["k"]["dtype"] != doc["v"]["dtype"]:
+        raise InvalidInput(f"v: expected the dtype of k ({doc['k']['dtype']}), got {doc['v']['dtype']}")
+
+
+def _out_dtype(value: Any) -> str | None:
+    """An attend's ``out_dtype`` as its wire name (``tensors.out_dtype_name``)."""
+    try:
+        return tensors.out_dtype_name(value)
+    except wire.WireError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def answer_dtype(sent: Mapping[str, Any]) -> str:
+    """The dtype an attend's ``out`` comes back in, from its members as sent: its
+    ``out_dtype``, else its ``q``'s."""
+    dtype: str = sent.get("out_dtype") or sent["q"]["dtype"]
+    return dtype
 
 
 def attend_members(item: AttendItem) -> dict[str, Any]:
@@ -131,6 +157,7 @@ def attend_members(item: AttendItem) -> dict[str, Any]:
         raise InvalidInput("k, v: expected both or neither")
     if item.k is not None:
         doc["k"], doc["v"] = _array(item.k, "k"), _array(item.v, "v")
+        _check_kv_dtypes(doc)
     for name in ("offset", "start_pos"):
         value = getattr(item, name)
         if value is not None:
@@ -139,6 +166,9 @@ def attend_members(item: AttendItem) -> dict[str, Any]:
         doc["scale"] = float(item.scale)
     if item.return_lse:
         doc["return_lse"] = True
+    out_dtype = _out_dtype(item.out_dtype)
+    if out_dtype is not None:
+        doc["out_dtype"] = out_dtype
     return doc
 
 
@@ -154,14 +184,27 @@ def batch_idempotent(items: list[AttendItem]) -> bool:
     return all(i.k is None or i.offset is not None for i in items)
 
 
-def attend_out(doc: Any, what: str) -> tuple[np.ndarray, int]:
+def attend_out(doc: Any, sent: Mapping[str, Any], what: str) -> tuple[np.ndarray, int]:
+    """The ``out`` (:func:`decode_out`) and ``length`` of an attend's answer ``doc``
+    (``sent``: the attend's members as sent)."""
     if not isinstance(doc, Mapping) or type(doc.get("length")) is not int:
         raise InvalidResponse(f"{what}: expected {{out, length}}, got {doc!r:.200}")
+    return decode_out(doc, answer_dtype(sent), 3, what), doc["length"]
+
+
+def decode_out(doc: Mapping[str, Any], dtype: str, ndim: int, what: str) -> np.ndarray:
+    """An answer's ``out`` of ``ndim`` dimensions, which comes in ``dtype`` (a wire
+    name, :func:`answer_dtype`): a MessagePack array must have that dtype; JSON's
+    numbers (float32, a half answer's values exactly) are taken into it."""
     try:
-        out = wire.decode_array(doc.get("out"), name="out", ndim=3, finite=False)
+        out = wire.decode_array(doc.get("out"), name="out", ndim=ndim, finite=False)
     except wire.WireError as exc:
         raise InvalidResponse(f"{what}: {exc}") from None
-    return out, doc["length"]
+    if isinstance(doc.get("out"), list):
+        return tensors.to_wire_dtype(out, dtype)
+    if wire.dtype_name(out) != dtype:
+        raise InvalidResponse(f"{what}: expected out of dtype {dtype}, got {wire.dtype_name(out)}")
+    return out
 
 
 def lse_out(doc: Any, out: np.ndarray, what: str) -> np.ndarray:
@@ -176,18 +219,20 @@ def lse_out(doc: Any, out: np.ndarray, what: str) -> np.ndarray:
     return lse
 
 
-def as_given(out: np.ndarray, lse: np.ndarray | None, like: Any) -> Any:
-    """``out`` as the queries ``like`` were given (``tensors.answer``), or
-    :class:`Attention` ``(out, lse)`` of both when there is an ``lse``."""
+def as_given(out: np.ndarray, lse: np.ndarray | None, like: Any, out_dtype: str | None = None) -> Any:
+    """``out`` as the queries ``like`` were given (``tensors.answer``; ``out_dtype``:
+    the wire name the caller asked for, if any), or :class:`Attention` ``(out, lse)``
+    of both when there is an ``lse``."""
     if lse is None:
-        return tensors.answer(out, like)
-    return Attention(tensors.answer(out, like), tensors.answer(lse, like))
+        return tensors.answer(out, like, out_dtype)
+    return Attention(tensors.answer(out, like, out_dtype), tensors.answer(lse, like, "<f4"))  # lse: always float32
 
 
-def attend_answer(doc: Any, out: np.ndarray, like: Any, return_lse: bool, what: str) -> Any:
-    """An attend's answer as the caller asked for it: ``out``, or :class:`Attention`
-    ``(out, lse)`` with ``return_lse`` (:func:`as_given`)."""
-    return as_given(out, lse_out(doc, out, what) if return_lse else None, like)
+def attend_answer(doc: Any, out: np.ndarray, like: Any, sent: Mapping[str, Any], what: str) -> Any:
+    """An attend's answer as the caller asked for it (``sent``: its members as sent):
+    ``out``, or :class:`Attention` ``(out, lse)`` with ``return_lse`` (:func:`as_given`)."""
+    lse = lse_out(doc, out, what) if sent.get("return_lse") else None
+    return as_given(out, lse, like, sent.get("out_dtype"))
 
 
 def track_length(item: AttendItem, length: int) -> None:
@@ -197,9 +242,10 @@ def track_length(item: AttendItem, length: int) -> None:
         lengths[item.layer] = length
 
 
-def batch_results(items: list[AttendItem], doc: Any) -> list[np.ndarray]:
-    """Per item its output; raises :class:`BatchError` when any item failed."""
-    return raise_failed(item_results(items, doc))
+def batch_results(items: list[AttendItem], body: Mapping[str, Any], doc: Any) -> list[np.ndarray]:
+    """Per item its output (``body``: the step as sent); raises :class:`BatchError`
+    when any item failed."""
+    return raise_failed(item_results(items, body, doc))
 
 
 def raise_failed(results: list[Any]) -> list[Any]:
@@ -210,22 +256,23 @@ def raise_failed(results: list[Any]) -> list[Any]:
     return results
 
 
-def item_results(items: list[AttendItem], doc: Any) -> list[Any]:
-    """Per item its output, or the :class:`APIError` of an item that failed."""
+def item_results(items: list[AttendItem], body: Mapping[str, Any], doc: Any) -> list[Any]:
+    """Per item its output, or the :class:`APIError` of an item that failed
+    (``body``: the step as sent, ``{"items": [...]}``)."""
     results = doc.get("results") if isinstance(doc, Mapping) else None
     if not isinstance(results, list) or len(results) != len(items):
         raise InvalidResponse(f"attend_batch: expected {len(items)} results, got {results!r:.200}")
     out: list[Any] = []
-    for i, (item, r) in enumerate(zip(items, results)):
+    for i, (item, sent, r) in enumerate(zip(items, body["items"], results)):
         if isinstance(r, Mapping) and isinstance(r.get("error"), Mapping):
             err = r["error"]
             status = err.get("status") if type(err.get("status")) is int else 500
             out.append(parse_problem(status, err))
             continue
         what = f"attend_batch item {i}"
-        arr, length = attend_out(r, what)
+        arr, length = attend_out(r, sent, what)
         track_length(item, length)
-        out.append(attend_answer(r, arr, item.q, item.return_lse, what))
+        out.append(attend_answer(r, arr, item.q, sent, what))
     return out
 
 
@@ -243,6 +290,8 @@ class StackedStep:
     squeeze: bool
     like: Any = None  # the queries as given: a tensor's output is a tensor (tensors.answer)
     return_lse: bool = False  # answer Attention(out, lse)
+    out_dtype: str | None = None  # the wire name the caller asked the output in (None: q's)
+    answered_in: str = wire.DTYPE  # the dtype out comes in: out_dtype, else q's (answer_dtype)
     # q, k, v as converted for the wire, in their given shapes (None: no k, v): a step
     # split over replicas slices these (``stacked_parts``) rather than converting again
     host: dict[str, np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)
@@ -260,7 +309,7 @@ class StackedStep:
         """``out`` (and ``lse``) as the step's queries were given (:func:`as_given`)."""
         if self.return_lse and lse is None:
             raise InvalidResponse("attend_stacked: expected lse (return_lse)")
-        return as_given(out, lse if self.return_lse else None, self.like)
+        return as_given(out, lse if self.return_lse else None, self.like, self.out_dtype)
 
     def outcome(self, doc: Any) -> tuple[np.ndarray, np.ndarray | None, dict[int, APIError]]:
         """The stacked output, its ``lse`` (None unless asked for) and the errors of
@@ -268,10 +317,7 @@ class StackedStep:
         if not isinstance(doc, Mapping) or not isinstance(doc.get("lengths"), list):
             raise InvalidResponse(f"attend_stacked: expected {{out, lengths, errors}}, got {doc!r:.200}")
         lengths, errors = doc["lengths"], doc.get("errors") or []
-        try:
-            out = wire.decode_array(doc.get("out"), name="out", ndim=4, finite=False)
-        except wire.WireError as exc:
-            raise InvalidResponse(f"attend_stacked: {exc}") from None
+        out = decode_out(doc, self.answered_in, 4, "attend_stacked")
         b = len(self.sessions)
         if out.shape[0] != b or len(lengths) != b or not isinstance(errors, list):
             raise InvalidResponse(f"attend_stacked: expected {b} items, got out {list(out.shape)}")
@@ -299,7 +345,7 @@ def _item(answer: Any, i: int) -> Any:
 def _stacked_array(a: Any, name: str, b: int | None) -> tuple[dict[str, Any], np.ndarray]:
     """``a`` encoded as ``[B, rows, heads, head_dim]``, and as converted in its given shape."""
     try:
-        given = arr = wire.check_finite(tensors.as_float32(a, name=name), name=name)
+        given = arr = wire.check_finite(tensors.as_wire_array(a, name=name), name=name)
     except wire.WireError as exc:
         raise InvalidInput(str(exc)) from None
     if arr.ndim == 3:
@@ -341,6 +387,7 @@ def stacked_body(
     if k is not None:
         body["k"], host["k"] = _stacked_array(k, "k", b)
         body["v"], host["v"] = _stacked_array(v, "v", b)
+        _check_kv_dtypes(body)
     for name, values in (("offsets", offsets), ("start_pos", start_pos)):
         checked = _per_session(values, name, b)
         if checked is not None:
@@ -349,8 +396,12 @@ def stacked_body(
         body["scale"] = float(scale)
     if return_lse:
         body["return_lse"] = True
+    out_dtype = _out_dtype(options.get("out_dtype"))
+    if out_dtype is not None:
+        body["out_dtype"] = out_dtype
     idempotent = k is None or (offsets is not None and None not in body["offsets"])
-    return StackedStep(sessions, int(layer), qa.ndim == 3, q, bool(return_lse), host), body, idempotent
+    step = StackedStep(sessions, int(layer), qa.ndim == 3, q, bool(return_lse), out_dtype, answer_dtype(body), host)
+    return step, body, idempotent
 
 
 # -- a batched step split over replicas -----------------------------------------
@@ -410,7 +461,7 @@ def merge_stacked(step: StackedStep, groups: list[list[int]], parts: list[Any]) 
             continue
         sub_out, sub_lse, failed = got
         if out is None:
-            out = np.zeros((n, *sub_out.shape[1:]), dtype=np.float32)
+            out = np.zeros((n, *sub_out.shape[1:]), dtype=sub_out.dtype)  # every part's: step.answered_in
             lse = None if sub_lse is None else np.zeros((n, *sub_lse.shape[1:]), dtype=np.float32)
         out[idx] = sub_out
         if lse is not None:

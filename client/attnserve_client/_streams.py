@@ -247,10 +247,11 @@ def _append_members(session: Any, layer: int, k: Any, v: Any, offset: int | None
     return doc
 
 
-def _attend_result(item: AttendItem, doc: Any) -> Any:
-    out, length = attend_out(doc, "attend")
+def _attend_result(item: AttendItem, sent: Mapping[str, Any], doc: Any) -> Any:
+    """The answer ``doc`` to the attend ``item`` whose members were ``sent``."""
+    out, length = attend_out(doc, sent, "attend")
     track_length(item, length)
-    return attend_answer(doc, out, item.q, item.return_lse, "attend")
+    return attend_answer(doc, out, item.q, sent, "attend")
 
 
 def _append_result(item: AttendItem, doc: Any) -> int:
@@ -422,7 +423,8 @@ class Stream:
         """Send an attend (the options of ``Session.attend``, and ``offset``); its
         future gives the output."""
         item = AttendItem(session, layer, q, **options)
-        return self._one(item.session_id, "attend", attend_members(item), lambda doc: _attend_result(item, doc))
+        members = attend_members(item)
+        return self._one(item.session_id, "attend", members, lambda doc: _attend_result(item, members, doc))
 
     def attend(self, session: Any, layer: int, q: Any, **kw: Any) -> np.ndarray:
         """As ``Session.attend``, for ``session`` (a session or its id)."""
@@ -443,9 +445,13 @@ class Stream:
         ids = [item.session_id for item in checked]
         groups = self._groups(ids)
         if len(groups) == 1:
-            return self._link(groups[0][0], ids[0]).submit("attend_batch", body, lambda d: batch_results(checked, d))
+            return self._link(groups[0][0], ids[0]).submit(
+                "attend_batch", body, lambda d: batch_results(checked, body, d)
+            )
         parts = [
-            self._link(place, sub[0].session_id).submit("attend_batch", sub_body, lambda d, s=sub: item_results(s, d))
+            self._link(place, sub[0].session_id).submit(
+                "attend_batch", sub_body, lambda d, s=sub, b=sub_body: item_results(s, b, d)
+            )
             for (place, _), (sub, sub_body, _) in zip(groups, item_parts(checked, body, [g for _, g in groups]))
         ]
         return _joined(parts, lambda got: merge_items(len(checked), [g for _, g in groups], got))
@@ -740,7 +746,8 @@ class AsyncStream:
         """As ``Session.attend``, for ``session`` (a session or its id), with ``offset``."""
         item = AttendItem(session, layer, q, **options)
         out: np.ndarray = await self._one(
-            item.session_id, "attend", attend_members(item), lambda doc: _attend_result(item, doc)
+        members = attend_members(item)
+            item.session_id, "attend", members, lambda doc: _attend_result(item, members, doc)
         )
         return out
 
@@ -762,13 +769,13 @@ class AsyncStream:
         groups = await self._where(ids)
         if len(groups) == 1:
             link = await self._link(groups[0][0], ids[0])
-            outs: list[np.ndarray] = await link.call("attend_batch", body, lambda d: batch_results(checked, d))
+            outs: list[np.ndarray] = await link.call("attend_batch", body, lambda d: batch_results(checked, body, d))
             return outs
         parts = item_parts(checked, body, [g for _, g in groups])
         got = await self._split(
             ids,
             [
-                (place, sub[0].session_id, sub_body, lambda d, s=sub: item_results(s, d))
+                (place, sub[0].session_id, sub_body, lambda d, s=sub, b=sub_body: item_results(s, b, d))
                 for (place, _), (sub, sub_body, _) in zip(groups, parts)
             ],
         )

@@ -11,8 +11,9 @@ union of the keys:
     lse = M + log(sum_j w_j)
 
 A part whose ``lse`` is ``-inf`` (no key) weighs nothing; when no part has a key
-the merge is ``out = 0``, ``lse = -inf``. :func:`merge` takes numpy arrays
-(computed in float64) or torch tensors (computed on their device in float32, or
+the merge is ``out = 0``, ``lse = -inf``. :func:`merge` takes numpy arrays of
+any float dtype, bfloat16 (``wire.BFLOAT16``) included (computed in float64), or
+torch tensors (computed on their device in float32, or
 float64 when given float64), as the FlashInfer ``merge_state`` family does.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from . import tensors
+from . import tensors, wire
 
 __all__ = ["Attention", "merge"]
 
@@ -60,8 +61,8 @@ def merge(parts: Sequence[Attention | tuple[Any, Any]]) -> Attention:
             )
     if tensors.is_tensor(out0):
         return _merge_torch(pairs)
-    outs = np.stack([np.asarray(o, np.float64) for o, _ in pairs])  # [P, ..., H, d]
-    lses = np.stack([np.asarray(s, np.float64) for _, s in pairs])  # [P, ..., H]
+    outs = np.stack([_float64(o) for o, _ in pairs])  # [P, ..., H, d]
+    lses = np.stack([_float64(s) for _, s in pairs])  # [P, ..., H]
     top = lses.max(axis=0)
     safe = np.where(np.isneginf(top), 0.0, top)  # no key anywhere: every weight 0
     w = np.exp(lses - safe)
@@ -70,6 +71,12 @@ def merge(parts: Sequence[Attention | tuple[Any, Any]]) -> Attention:
         out = np.where(total[..., None] > 0, (w[..., None] * outs).sum(axis=0) / total[..., None], 0.0)
         lse = np.where(total > 0, safe + np.log(total), -np.inf)
     return Attention(out.astype(np.float32), lse.astype(np.float32))
+
+
+def _float64(a: Any) -> np.ndarray:
+    """A numpy part as float64 (a bfloat16 one widened from its bits)."""
+    arr = np.asarray(a)
+    return (wire.to_float32(arr) if arr.dtype == wire.BFLOAT16 else arr).astype(np.float64)
 
 
 def _merge_torch(pairs: list[tuple[Any, Any]]) -> Attention:

@@ -40,11 +40,13 @@ Design, as a production user expects it:
   every layer (the usual case) gets the same borders on every layer.
 * **Attends** run on every shard holding a timestep some query row can see, all at
   once (threads for :class:`ShardedSession`, ``asyncio.gather`` for
-  :class:`AsyncShardedSession`), each with ``return_lse=True``, and the parts are
-  merged exactly on the host (:func:`attnserve_client.merge.merge`). A fused
-  append (``k``, ``v``) rides on the last shard's call when the rows fit in it;
-  otherwise (a border crossed) the rows are appended first. Across borders, for a
-  shard holding ``[a, b)`` and query rows at positions ``p = start_pos + i``: causal
+  :class:`AsyncShardedSession`), each with ``return_lse=True`` and
+  ``out_dtype="<f4"``, and the parts are merged exactly on the host
+  (:func:`attnserve_client.merge.merge`), then rounded once to the dtype the
+  attend answers in (``out_dtype``, default ``q``'s). A fused append (``k``,
+  ``v``) rides on the last shard's call when the rows fit in it; otherwise (a
+  border crossed) the rows are appended first. Across borders, for a shard
+  holding ``[a, b)`` and query rows at positions ``p = start_pos + i``: causal
   rows with ``p < a`` see nothing of it (left out of its call), rows with
   ``a <= p < b`` a causal prefix (local ``start_pos = p - a``), rows with ``p >= b``
   the whole shard (a non-causal call; split into calls of at most ``b - a`` rows,
@@ -87,6 +89,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from . import tensors, wire
 from ._client import AsyncClient, Client, SessionSpec, _check_session_id, _int_arg, new_session_id
 from ._steps import as_given
 from .errors import (
@@ -597,9 +600,10 @@ class _ShardedBase:
         causal: bool,
         scale: float | None,
         return_lse: bool,
+        out_dtype: Any,
     ) -> Flow[Any]:
-        checked = self._shards[0].session._check_attend(layer, q, k, v, start_pos, causal, scale)
-        layer, like, q, k, v, start_pos, causal, scale = checked
+        checked = self._shards[0].session._check_attend(layer, q, k, v, start_pos, causal, scale, out_dtype)
+        layer, like, q, k, v, start_pos, causal, scale, out_dtype = checked
         n = q.shape[0]
         fused = k is not None
 
@@ -647,13 +651,17 @@ class _ShardedBase:
             self._raise_failed(sent, results, layer)
             break
 
-        out, lse = _merge_calls(q.shape, calls, results)
-        return as_given(out, lse if return_lse else None, like)
+        out, lse = _merge_calls(q.shape, calls, results)  # float32: the shards answer float32
+        out = tensors.to_wire_dtype(out, out_dtype or wire.dtype_name(q))  # as one session answers
+        return as_given(out, lse if return_lse else None, like, out_dtype)
 
     def _shard_call(
         self, layer: int, q: np.ndarray, call: ShardCall, scale: float | None, kv: tuple[Any, Any] | None
     ) -> _Call:
-        kwargs: dict[str, Any] = {"start_pos": call.start_pos, "causal": call.causal, "return_lse": True}
+        # float32 parts: merged in float32 (float64 on the host), rounded once at the end
+        kwargs: dict[str, Any] = {
+            "start_pos": call.start_pos, "causal": call.causal, "return_lse": True, "out_dtype": wire.DTYPE,
+        }  # fmt: skip
         if scale is not None:
             kwargs["scale"] = scale
         if kv is not None:
@@ -765,19 +773,22 @@ class ShardedSession(_ShardedBase):
         causal: bool = True,
         scale: float | None = None,
         return_lse: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
         """Attention of ``q`` ``[n, num_qo_heads, head_dim]`` over ``layer``'s timesteps
         in every shard, as :meth:`Session.attend` (``k``, ``v`` appended first, in the
         same call where they fit in the last shard).
 
         Returns:
-            ``out [n, num_qo_heads, head_dim]`` float32 (a tensor when ``q`` is one);
-            with ``return_lse``, :class:`~attnserve_client.merge.Attention` ``(out, lse)``.
+            ``out [n, num_qo_heads, head_dim]`` in ``out_dtype``, default ``q``'s (a
+            tensor when ``q`` is one): the shards answer float32, merged in float32 and
+            rounded once, to nearest even; with ``return_lse``,
+            :class:`~attnserve_client.merge.Attention` ``(out, lse)``.
 
         Raises:
             ShardLost: a shard's server did not answer or lost it; nothing answered.
         """
-        return self._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
+        return self._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse, out_dtype))
 
     def delete(self) -> None:
         """Delete every shard (at once); raises :class:`ShardLost` for a shard whose
@@ -870,9 +881,10 @@ class AsyncShardedSession(_ShardedBase):
         causal: bool = True,
         scale: float | None = None,
         return_lse: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
         """See :meth:`ShardedSession.attend`."""
-        return await self._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse))
+        return await self._run(self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse, out_dtype))
 
     async def delete(self) -> None:
         """See :meth:`ShardedSession.delete`."""

@@ -49,8 +49,8 @@ __all__ = ["ATTN_IMPLEMENTATION", "AttnServeCache", "attention", "padding_mask"]
 #: The name to give transformers: ``attn_implementation="attnserve"``.
 ATTN_IMPLEMENTATION = "attnserve"
 
-#: The largest request the cache sends by default (its rows of q, k and v as
-#: float32): long prompts go in chunks of rows of about this size.
+#: The largest request the cache sends by default (its rows of q, k and v, in the
+#: model's dtype): long prompts go in chunks of rows of about this size.
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 _pending = threading.local()  # the last update's (cache, layer, key, value), per thread
@@ -111,8 +111,8 @@ class AttnServeCache(Cache):
         config: the model's config (``model.config``): layers, heads, head_dim.
         kv_format: the sessions' kv format, one for all layers or one per layer.
         transport: the stream's transport, ``"websocket"`` or ``"frames"``.
-        max_chunk_bytes: the most q, k, v bytes (float32) of one request: longer
-            prompts are sent in chunks of rows.
+        max_chunk_bytes: the most q, k, v bytes (in the model's dtype) of one
+            request: longer prompts are sent in chunks of rows.
         keep_sessions: leave the sessions on the server at :meth:`close`.
         **session: the other fields of ``Client.create_session`` (``sinks``,
             ``window``, ``exact_layers``, ``exact_format``, ``max_tokens``, ``seed``).
@@ -271,11 +271,14 @@ class AttnServeCache(Cache):
                 self._make_sessions(batch, heads, kv_heads, d)
             if batch != len(self.sessions):
                 raise ValueError(f"a batch of {batch} sequences for a cache of {len(self.sessions)}")
-            q = tensors.as_float32(query.transpose(1, 2), name="q")  # [B, n, H, d] on the host
-            k = tensors.as_float32(key.transpose(1, 2), name="k")
-            v = tensors.as_float32(value.transpose(1, 2), name="v")
-            rows = max(1, self.max_chunk_bytes // (batch * (heads + 2 * kv_heads) * d * 4))
-            out = np.zeros((batch, n, heads, d), np.float32)
+            # [B, n, H, d] on the host, in the model's dtype (bfloat16, float16 and
+            # float32 as they are; float64 as float32); the output comes back in q's
+            q = tensors.as_wire_array(query.transpose(1, 2), name="q")
+            k = tensors.as_wire_array(key.transpose(1, 2), name="k")
+            v = tensors.as_wire_array(value.transpose(1, 2), name="v")
+            row_bytes = batch * d * (heads * q.itemsize + 2 * kv_heads * k.itemsize)
+            rows = max(1, self.max_chunk_bytes // row_bytes)
+            out = np.zeros((batch, n, heads, d), q.dtype)  # zero bits: 0.0 in every wire dtype
             if real is None or real.all():
                 waited = self._stacked(layer, q, k, v, out, rows, scale, causal)
             else:

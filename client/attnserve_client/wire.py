@@ -12,8 +12,9 @@ An array on the wire is, in MessagePack, the map::
 (C order, little-endian) of one of :data:`DTYPES`: ``"<f4"`` (float32),
 ``"<f2"`` (IEEE float16) or ``"bfloat16"`` (the upper half of a float32, as
 engines run); in JSON nested lists of numbers (float32). numpy has no bfloat16:
-its arrays are held as two-byte void (:data:`BFLOAT16`, the raw bits), and
-:func:`to_float32` widens any of the three exactly.
+its arrays are held as two-byte void (:data:`BFLOAT16`, the raw bits),
+:func:`to_float32` widens any of the three exactly and :func:`to_bfloat16` rounds
+to bfloat16.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "check_finite",
     "dtype_name",
     "nonfinite",
+    "to_bfloat16",
     "to_float32",
     "decode_array",
     "encode_array",
@@ -176,12 +178,34 @@ def to_float32(arr: np.ndarray) -> np.ndarray:
     return arr.astype(_F32, copy=False)
 
 
+def to_bfloat16(a: Any, *, name: str = "array") -> np.ndarray:
+    """``a`` rounded to bfloat16 (:data:`BFLOAT16`, C-contiguous), to nearest even
+    on the float32 bits, as engines and the server's GPU round: a value at or past
+    the midpoint above bfloat16's largest becomes infinite, infinities stay, a NaN
+    stays NaN (quiet), float32 subnormals round to bfloat16's. Any other float
+    array is first converted to float32 (:func:`as_float32`).
+
+    Raises:
+        WireError: as :func:`as_float32`.
+    """
+    arr = as_float32(a, name=name)
+    bits = arr.reshape(-1).view("<u4")  # 1-d: array arithmetic, never numpy scalars
+    even = (bits >> 16) & 1  # ties go to the even upper half
+    rounded = (bits + 0x7FFF + even) >> 16  # wraps only for NaNs (above 0xFF80_0000), replaced below
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    upper = np.where(nan, (bits >> 16) | 0x0040, rounded)  # a NaN keeps its sign and top bits, made quiet
+    return upper.astype("<u2").reshape(arr.shape).view(BFLOAT16)
+
+
 def nonfinite(arr: np.ndarray) -> np.ndarray:
     """Where a float array of :data:`DTYPES` (or any float dtype) holds a NaN or an
     infinity, as a bool array of its shape."""
+    bad: np.ndarray
     if arr.dtype == BFLOAT16:  # exponent bits all ones: infinite or NaN
-        return (np.ascontiguousarray(arr).view("<u2") & 0x7F80) == 0x7F80
-    return ~np.isfinite(arr)
+        bad = (np.ascontiguousarray(arr).view("<u2") & 0x7F80) == 0x7F80
+    else:
+        bad = ~np.isfinite(arr)
+    return bad
 
 
 def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
@@ -195,7 +219,9 @@ def check_finite(arr: np.ndarray, *, name: str = "array") -> np.ndarray:
     bad = nonfinite(arr)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise WireError(f"{name}: expected finite values, got {float(to_float32(arr[where][None])[0])} at index {where}")
+        raise WireError(
+            f"{name}: expected finite values, got {float(to_float32(arr[where][None])[0])} at index {where}"
+        )
     return arr
 
 

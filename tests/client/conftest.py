@@ -32,7 +32,7 @@ try:
 except ImportError:  # a plain checkout: use the sources
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client"))
 
-from attnserve_client import AsyncClient, AsyncSession, Client, wire
+from attnserve_client import AsyncClient, AsyncSession, Client, tensors, wire
 
 BASE_URL = "http://attnserve.test"
 MAX_BODY = 1 << 20
@@ -96,6 +96,7 @@ class FakeServer:
         self.answer_json = False
         self.ready = True
         self.memory_budget: int | None = None
+        self.out_dtype: str | None = None  # answer every out in this dtype, whatever was asked (a wrong server)
         self._next_id = 0
 
     # -- test controls --
@@ -237,6 +238,7 @@ class FakeServer:
         }
 
     def _array(self, body: dict[str, Any], key: str, heads: int, s: dict[str, Any]) -> np.ndarray:
+        """``body[key]`` in the dtype it came in (float32, float16, or bfloat16)."""
         try:
             a = wire.decode_array(body[key], name=key, ndim=3)
         except wire.WireError as exc:
@@ -253,6 +255,8 @@ class FakeServer:
         v = self._array(body, "v", s["num_kv_heads"], s)
         if k.shape != v.shape:
             raise Problem(422, "invalid-request", "k and v differ in shape")
+        if k.dtype != v.dtype:
+            raise Problem(422, "invalid-request", "k and v differ in dtype")
         length = s["k"][layer].shape[0]
         if "offset" in body and body["offset"] != length:
             raise Problem(409, "offset-mismatch", f"offset {body['offset']} != length {length}", length=length)
@@ -260,7 +264,7 @@ class FakeServer:
             raise Problem(409, "capacity-exceeded", f"max_tokens {s['max_tokens']}")
         if self.memory_budget is not None and k.nbytes * 2 > self.memory_budget:
             raise Problem(507, "out-of-memory", "over the memory budget")
-        return k, v
+        return wire.to_float32(k), wire.to_float32(v)  # held as float32, as the server computes
 
     def _kv(self, s: dict[str, Any], layer: int, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or "k" not in body or "v" not in body:
@@ -274,6 +278,9 @@ class FakeServer:
         if not isinstance(body, dict) or "q" not in body:
             raise Problem(422, "invalid-request", "q is required")
         q = self._array(body, "q", s["num_qo_heads"], s)
+        out_dtype = body.get("out_dtype", wire.dtype_name(q))
+        if out_dtype not in wire.DTYPES:
+            raise Problem(422, "invalid-request", f"out_dtype: expected one of {sorted(wire.DTYPES)}")
         kv = self._append(s, layer, body)
         length = s["k"][layer].shape[0] + (kv[0].shape[0] if kv else 0)
         n = q.shape[0]
@@ -284,13 +291,16 @@ class FakeServer:
             s["k"][layer] = np.concatenate([s["k"][layer], kv[0]])
             s["v"][layer] = np.concatenate([s["v"][layer], kv[1]])
         scale = body.get("scale", 1.0 / math.sqrt(s["head_dim"]))
+        q = wire.to_float32(q)
         out = reference_attention(q, s["k"][layer], s["v"][layer], start_pos, body.get("causal", True), scale)
+        # computed in float64, answered in float32 rounded once to the dtype asked (as the server does)
+        out = tensors.to_wire_dtype(out.astype(np.float32), self.out_dtype or out_dtype)
         return {"out": wire.encode_array(out), "length": length}
 
 
 def _to_json(body: Any) -> Any:
     if isinstance(body, dict) and set(body) == {"dtype", "shape", "data"}:
-        return wire.decode_array(body, name="out", finite=False).tolist()
+        return wire.to_float32(wire.decode_array(body, name="out", finite=False)).tolist()
     if isinstance(body, dict):
         return {k: _to_json(v) for k, v in body.items()}
     if isinstance(body, list):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import attnserve_client as ac
-from attnserve_client import wire
+from attnserve_client import tensors, wire
 
 BASE_URL = "http://attnserve.test"  # where conftest's make_client points
 
@@ -333,14 +333,22 @@ def test_append_and_fused_attend_always_send_the_tracked_offset(client, fake):
     assert "offset" not in body_of(fake.requests[-1])
 
 
-def test_inputs_are_converted_once_to_little_endian_float32(client, fake):
+def test_inputs_go_in_their_wire_dtype_others_converted_once_to_little_endian_float32(client, fake):
     s = new_session(client, num_layers=1)
     k64 = rng.standard_normal((4, 2, 16))
-    v16 = rng.standard_normal((4, 2, 16)).astype(np.float16)
-    s.append(0, k64.astype(">f8"), v16)
+    s.append(0, k64.astype(">f8"), k64.astype(">f4"))
     body = body_of(fake.requests[-1])
     assert body["k"] == {"dtype": "<f4", "shape": [4, 2, 16], "data": k64.astype("<f4").tobytes()}
-    assert body["v"]["data"] == v16.astype("<f4").tobytes()
+    assert body["v"] == body["k"]
+    # float16 and bfloat16 go as they are: nothing converted to float32
+    k16, v16 = k64.astype(np.float16), k64[::-1].astype(np.float16)
+    s.append(0, k16, v16)
+    body = body_of(fake.requests[-1])
+    assert body["k"] == {"dtype": "<f2", "shape": [4, 2, 16], "data": k16.tobytes()}
+    assert body["v"]["data"] == v16.tobytes()
+    kb = wire.to_bfloat16(k64)
+    s.append(0, kb, kb)
+    assert body_of(fake.requests[-1])["k"] == {"dtype": "bfloat16", "shape": [4, 2, 16], "data": kb.tobytes()}
     # Lists and non-contiguous views are fine too.
     wide = rng.standard_normal((2, 16, 8)).astype(np.float32)
     q = wide.transpose(0, 2, 1)  # [2, 8, 16], not C-contiguous
@@ -395,6 +403,22 @@ def test_inputs_are_converted_once_to_little_endian_float32(client, fake):
         (lambda s: s.attend(0, rand(1, 8, 16), scale=math.nan), r"^scale: expected a finite float, got nan$"),
         (lambda s: s.attend(0, rand(1, 8, 16), scale=True), r"^scale: expected a finite float, got True$"),
         (lambda s: s.attend(0, rand(1, 8, 16), causal="yes"), r"^causal: expected a bool, got 'yes'$"),
+        (
+            lambda s: s.append(0, rand(2, 2, 16), rand(2, 2, 16, dtype=np.float16)),
+            r"^v: expected the dtype of k \(<f4\), got <f2$",
+        ),
+        (
+            lambda s: s.attend(0, rand(1, 8, 16), k=wire.to_bfloat16(rand(1, 2, 16)), v=rand(1, 2, 16)),
+            r"^v: expected the dtype of k \(bfloat16\), got <f4$",
+        ),
+        (
+            lambda s: s.attend(0, rand(1, 8, 16), out_dtype="float64"),
+            r"^out_dtype: expected one of \['<f2', '<f4', 'bfloat16'\] \(float32, float16, bfloat16\), "
+            r"a numpy or torch dtype of those, or None, got 'float64'$",
+        ),
+        (lambda s: s.attend(0, rand(1, 8, 16), out_dtype=np.float64), r"^out_dtype: expected .* got <class"),
+        (lambda s: s.attend(0, rand(1, 8, 16), out_dtype=">f2"), r"^out_dtype: expected .* got '>f2'$"),
+        (lambda s: s.attend(0, rand(1, 8, 16), out_dtype=2), r"^out_dtype: expected .* got 2$"),
     ],
 )
 def test_bad_inputs_are_refused_before_anything_is_sent(client, fake, call, message):
@@ -458,6 +482,119 @@ def test_json_answers_decode_the_same(client, fake, attention):
     assert out.dtype == np.float32 and out.shape == (2, 8, 16)
     np.testing.assert_allclose(out, attention(q, k, v, 3, True, 0.25), rtol=1e-5, atol=1e-6)
     assert s.info().lengths == (5, 0)
+
+
+# -- dtypes: half precision in, answers in out_dtype -------------------------------------------
+
+
+def in_wire_dtype(out64: np.ndarray, dtype: str) -> np.ndarray:
+    """float64 attention as an attend answers it in ``dtype``: float32, rounded once."""
+    return tensors.to_wire_dtype(out64.astype(np.float32), dtype)
+
+
+@pytest.mark.parametrize(
+    "given, name",
+    [
+        (None, None),
+        ("<f4", "<f4"),
+        ("float32", "<f4"),
+        (np.float32, "<f4"),
+        ("<f2", "<f2"),
+        ("float16", "<f2"),
+        (np.dtype("<f2"), "<f2"),
+        ("bfloat16", "bfloat16"),
+        (wire.BFLOAT16, "bfloat16"),
+    ],
+)
+def test_out_dtype_is_sent_only_when_given_and_the_answer_comes_in_it(client, fake, attention, given, name):
+    s = new_session(client, num_layers=1)
+    k, v = rand(6, 2, 16), rand(6, 2, 16)
+    s.append(0, k, v)
+    q = wire.to_bfloat16(rand(2, 8, 16))  # bfloat16 queries: answered in bfloat16 unless asked otherwise
+    for fused in (False, True):
+        kv = dict(k=k[:1], v=v[:1]) if fused else {}
+        out = s.attend(0, q, out_dtype=given, **kv)
+        body = body_of(fake.requests[-1])
+        assert body["q"]["dtype"] == "bfloat16" and body.get("out_dtype", None) == name
+        length = s.lengths[0]
+        K, V = fake.kv(s.session_id, 0)
+        want = in_wire_dtype(attention(wire.to_float32(q), K, V, length - 2, True, 0.25), name or "bfloat16")
+        assert out.dtype == want.dtype and out.shape == (2, 8, 16) and out.tobytes() == want.tobytes()
+
+
+def test_an_answer_comes_in_q_s_dtype_by_default(client, fake, attention):
+    s = new_session(client, num_layers=1)
+    k, v = rand(5, 2, 16, dtype=np.float16), rand(5, 2, 16, dtype=np.float16)
+    s.append(0, k, v)
+    q = rand(3, 8, 16, dtype=np.float16)
+    out = s.attend(0, q)
+    assert "out_dtype" not in body_of(fake.requests[-1])
+    want = in_wire_dtype(attention(q, k.astype(np.float32), v.astype(np.float32), 2, True, 0.25), "<f2")
+    assert out.dtype == np.float16 and out.tobytes() == want.tobytes()
+    assert s.attend(0, q.astype(np.float64)).dtype == np.float32  # float64 goes, and comes back, as float32
+
+
+def test_an_out_in_another_dtype_than_asked_is_refused(client, fake):
+    s = new_session(client, num_layers=1)
+    s.append(0, rand(4, 2, 16), rand(4, 2, 16))
+    fake.out_dtype = "<f4"  # a server that answers float32 whatever was asked
+    with pytest.raises(ac.InvalidResponse, match=r"^attend: expected out of dtype <f2, got <f4$"):
+        s.attend(0, rand(1, 8, 16, dtype=np.float16))
+    fake.out_dtype = "<f2"
+    with pytest.raises(ac.InvalidResponse, match=r"^attend: expected out of dtype bfloat16, got <f2$"):
+        s.attend(0, rand(1, 8, 16), out_dtype="bfloat16")
+    with pytest.raises(ac.InvalidResponse, match=r"^attend: expected out of dtype <f4, got <f2$"):
+        s.attend(0, rand(1, 8, 16))
+
+
+def test_json_answers_come_in_the_dtype_asked(client, fake, attention):
+    fake.answer_json = True  # numbers: float32 holding the half's values exactly
+    s = new_session(client, num_layers=1)
+    k, v = rand(5, 2, 16), rand(5, 2, 16)
+    s.append(0, k, v)
+    q = rand(2, 8, 16)
+    want = attention(q, k, v, 3, True, 0.25)
+    out = s.attend(0, q, out_dtype="bfloat16")
+    assert out.dtype == wire.BFLOAT16 and out.tobytes() == in_wire_dtype(want, "bfloat16").tobytes()
+    out = s.attend(0, q.astype(np.float16))
+    assert out.dtype == np.float16
+
+
+def _raw(fake, path: str, doc: dict) -> None:
+    """The next request to ``path`` is answered ``doc`` (MessagePack), whatever it asked."""
+    fake.fail("raw", path=path, status=200, content=wire.packb(doc), headers={"content-type": wire.MSGPACK})
+
+
+def test_batched_steps_send_out_dtype_only_when_given_and_refuse_another_dtype(client, fake):
+    a, b = new_session(client, num_layers=1), new_session(client, num_layers=1)
+    items = [
+        ac.AttendItem(a, 0, rand(1, 8, 16, dtype=np.float16)),
+        ac.AttendItem(b, 0, rand(1, 8, 16), out_dtype="bfloat16"),
+    ]
+    half, brain = np.zeros((1, 8, 16), np.float16), wire.to_bfloat16(np.ones((1, 8, 16)))
+    results = [{"out": wire.encode_array(half), "length": 0}, {"out": wire.encode_array(brain), "length": 0}]
+    _raw(fake, "/v1/batch/attend", {"results": results})
+    outs = client.attend_batch(items)
+    sent = body_of(fake.requests[-1])["items"]
+    assert "out_dtype" not in sent[0] and sent[1]["out_dtype"] == "bfloat16"
+    assert outs[0].dtype == np.float16 and outs[1].dtype == wire.BFLOAT16 and outs[1].tobytes() == brain.tobytes()
+    _raw(fake, "/v1/batch/attend", {"results": results[::-1]})
+    with pytest.raises(ac.InvalidResponse, match=r"^attend_batch item 0: expected out of dtype <f2, got bfloat16$"):
+        client.attend_batch(items)
+
+    q = rand(2, 1, 8, 16, dtype=np.float16)
+    stacked = {"out": wire.encode_array(np.ones((2, 1, 8, 16), np.float32)), "lengths": [0, 0], "errors": []}
+    _raw(fake, "/v1/batch/attend", stacked)
+    out = client.attend_stacked([a, b], 0, q, out_dtype=np.float32)
+    assert body_of(fake.requests[-1])["out_dtype"] == "<f4" and out.dtype == np.float32
+    _raw(fake, "/v1/batch/attend", stacked)
+    with pytest.raises(ac.InvalidResponse, match=r"^attend_stacked: expected out of dtype <f2, got <f4$"):
+        client.attend_stacked([a, b], 0, q)
+    assert "out_dtype" not in body_of(fake.requests[-1])
+    with pytest.raises(ac.InvalidInput, match=r"^out_dtype: expected one of"):
+        client.attend_stacked([a, b], 0, q, out_dtype="half")
+    with pytest.raises(ac.InvalidInput, match=r"^out_dtype: expected one of"):
+        client.attend_batch([ac.AttendItem(a, 0, q[0], out_dtype=np.float64)])
 
 
 # -- errors from the server -------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch  # installed by the test command
 
 from tools import reference as ref
-from attnserve_client import Attention, merge
+from attnserve_client import Attention, merge, wire
 
 
 def _split_oracle(rng, cuts, n=5, h=6, hkv=2, d=16, scale=0.4):
@@ -36,6 +36,18 @@ def test_merged_parts_are_attention_over_the_union(rng, cuts):
     np.testing.assert_allclose(got.lse, want_lse, atol=2e-6, rtol=1e-6)
     # the order of the parts does not matter
     np.testing.assert_allclose(merge(parts[::-1]).out, got.out, atol=1e-7, rtol=0)
+
+
+def test_half_parts_merge_as_their_float32_values(rng):
+    """Attends of float16 or bfloat16 queries answer out in that dtype: merged as
+    the values they hold (bfloat16 as numpy holds it, wire.BFLOAT16)."""
+    parts, _ = _split_oracle(rng, (6, 19))
+    for narrow in (lambda a: a.astype(np.float16), wire.to_bfloat16):
+        half = [Attention(narrow(out), lse) for out, lse in parts]
+        widened = [Attention(wire.to_float32(out), lse) for out, lse in half]
+        got, want = merge(half), merge(widened)
+        assert got.out.dtype == np.float32 and got.out.tobytes() == want.out.tobytes()
+        assert got.lse.tobytes() == want.lse.tobytes()
 
 
 def test_a_part_with_no_key_weighs_nothing(rng):

@@ -17,6 +17,9 @@
   a present one or one of another shape are refused.
 * A replica out of memory closes its shard; a shard whose server is stopped, or
   that lost its session, makes the attend raise ``ShardLost`` naming it.
+* Half queries (float16, bfloat16; numpy and torch): every shard is asked for
+  float32 parts, and the merge is rounded once: bit for bit the float32 attend of
+  the same values, rounded.
 
 Tolerances (norm-wise: max |error| over max |reference|), 1e-5 throughout. f32: the
 sharded and the unsharded outputs are the same float32 attention summed in another
@@ -49,8 +52,11 @@ from attnserve_client import (
     Client,
     InvalidInput,
     InvalidResponse,
+    Session,
     SessionNotFound,
     ShardedSession,
+    tensors,
+    wire,
 )
 from attnserve_client.merge import merge
 from attnserve_client.sharded import AsyncShardedSession, ShardLost, plan_attend
@@ -562,3 +568,36 @@ def test_the_async_open(replicas, rng):
 
         asyncio.run(main())
         assert _held(clients, original.session_id) == []
+
+
+def test_half_queries_are_merged_in_float32_and_rounded_once(replicas, rng, monkeypatch):
+    torch = pytest.importorskip("torch")
+    asked = []
+    attend = Session.attend
+
+    def shard_attend(self, *args, **kw):
+        asked.append(kw.get("out_dtype"))
+        return attend(self, *args, **kw)
+
+    monkeypatch.setattr(Session, "attend", shard_attend)
+    clients = _clients([r.url for r in replicas[:2]])
+    try:
+        with ShardedSession.create(clients, shard_tokens=SHARD, **SPEC) as s:
+            s.append(0, rows(rng, 50, HKV), rows(rng, 50, HKV))  # three shards: rows at 30.. see two
+            q32 = rows(rng, 4, H)
+            for name, q in (("<f2", q32.astype(np.float16)), ("bfloat16", wire.to_bfloat16(q32))):
+                merged = s.attend(0, wire.to_float32(q), start_pos=30)  # float32 of the same values
+                got = s.attend(0, q, start_pos=30)
+                assert got.dtype == wire.DTYPES[name] and got.tobytes() == tensors.to_wire_dtype(merged, name).tobytes()
+                assert s.attend(0, q, start_pos=30, out_dtype="float32").tobytes() == merged.tobytes()
+            t = torch.from_numpy(q32).bfloat16()
+            out, lse = s.attend(0, t, start_pos=30, return_lse=True)
+            merged = s.attend(0, t.float().numpy(), start_pos=30)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, torch.from_numpy(merged.copy()).bfloat16())
+            assert s.attend(0, t, start_pos=30, out_dtype=torch.float32).dtype == torch.float32
+            with pytest.raises(InvalidInput, match=r"^out_dtype: expected one of"):
+                s.attend(0, q32, out_dtype=np.float64)
+        assert asked and set(asked) == {"<f4"}  # every shard call: float32 parts
+    finally:
+        for client in clients:
+            client.close()

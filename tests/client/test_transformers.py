@@ -9,6 +9,8 @@ transformers' own sdpa path, with the live server (lavapipe in CI).
   with biases, Qwen3 with q/k norms, Mistral): the same tokens and logits.
 - Beam search and num_return_sequences (forks), per-layer formats, refusals, and
   a failed call that leaves the cache refusing further use.
+- bfloat16 and float16 models: q, k, v sent in the model's dtype and the attention
+  answered in it; the same tokens, logits within a few of the dtype's ulps.
 
 torch, transformers, gguf and accelerate are installed by the test command.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import attnserve_client as ac
 import attnserve_client.transformers as ast
+from attnserve_client import wire
 
 LOGIT_TOL = 1e-3
 KW = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)
@@ -247,3 +251,38 @@ def test_a_batch_whose_sessions_cannot_all_be_made_leaves_none(client):
         with pytest.raises(RuntimeError, match="out of step"):
             cache.get_seq_length()
     assert live_ids(client) == before
+
+
+# -- half-precision models -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_model_sends_its_own_dtype_and_gets_it_back(client, dtype, monkeypatch):
+    """q, k, v go on the wire in the model's dtype and the attention comes back in it;
+    the generation is sdpa's. attnserve computes in float32 and rounds the output
+    once, where sdpa computes in the model's dtype: logits within a few of its ulps
+    (measured: 3 at most, bfloat16 and float16)."""
+    model = small_model("llama").to(dtype)
+    sent, answered = [], []
+    encode, attend = wire.encode_array, ast.AttnServeCache.attend
+
+    def spy_encode(a, *, name="array"):
+        sent.append((name, wire.dtype_name(np.asarray(a))))
+        return encode(a, name=name)
+
+    def spy_attend(self, *args):
+        answered.append(attend(self, *args))
+        return answered[-1]
+
+    monkeypatch.setattr(wire, "encode_array", spy_encode)
+    monkeypatch.setattr(ast.AttnServeCache, "attend", spy_attend)
+    name = {torch.bfloat16: "bfloat16", torch.float16: "<f2"}[dtype]
+    for lengths in ([7, 3, 12], [9]):  # padding (items), and none (stacked steps); in chunks
+        sent.clear()
+        ref, got, _ = generate(model, padded_ids(lengths), client, {"max_chunk_bytes": 2_000}, max_new_tokens=8, **KW)
+        assert torch.equal(ref.sequences, got.sequences)
+        scale = max(float(a.abs().max()) for a in ref.logits)
+        worst = max(float((a - b).abs().max()) for a, b in zip(ref.logits, got.logits))
+        assert worst <= 8 * torch.finfo(dtype).eps * scale, worst
+        assert {(n, d) for n, d in sent if n in ("q", "k", "v")} == {("q", name), ("k", name), ("v", name)}
+    assert answered and all(a.dtype == dtype for a in answered)

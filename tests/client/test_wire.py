@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import msgpack
@@ -104,6 +105,88 @@ def test_as_float32_overflow_becomes_inf_and_check_finite_names_the_index():
     assert np.isinf(a[0, 1])
     with pytest.raises(WireError, match=r"q: expected finite values, got .*inf.* at index \(0, 1\)"):
         wire.check_finite(a, name="q")
+
+
+# -- half precision ------------------------------------------------------------------------
+
+
+def bfloat16_by_value(x: np.ndarray) -> np.ndarray:
+    """The oracle: each float32 (not NaN) rounded to bfloat16 by its value, in float64.
+    Of the two bfloat16 values around it (its upper half, and the next one away from
+    zero, 2**128 standing for infinity), the nearer; on a tie the one whose bits are
+    even. The bits (upper halves) as ``<u2``."""
+    out = []
+    for u in x.astype("<f4").reshape(-1).view("<u4").tolist():
+        lo, hi = u >> 16, (u >> 16) + 1
+        if u & 0xFFFF == 0:  # exact: zeros, infinities, every bfloat16 value
+            out.append(lo)
+            continue
+
+        def value(h: int) -> float:
+            if h & 0x7FFF == 0x7F80:
+                return math.copysign(2.0**128, -1.0 if h & 0x8000 else 1.0)
+            return float(np.array([h << 16], "<u4").view("<f4")[0])
+
+        x64 = float(np.array([u], "<u4").view("<f4")[0])
+        below, above = abs(x64 - value(lo)), abs(value(hi) - x64)
+        out.append(lo if below < above or (below == above and lo % 2 == 0) else hi)
+    return np.array(out, "<u2").reshape(x.shape)
+
+
+def f32(*bits: int) -> np.ndarray:
+    return np.array(bits, "<u4").view("<f4")
+
+
+SPECIAL_F32 = f32(
+    0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF,  # ties to even (down, up), just past, just short
+    0xBF808000, 0xBF818000,  # the same below zero
+    0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF,  # the largest: below the midpoint, at it, past (infinite)
+    0x00000001, 0x00008000, 0x00018000, 0x00008001, 0x007FFFFF, 0x80000001,  # subnormals, their ties, the top one
+    0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x3F800000,  # exact: zeros, infinities, one
+)  # fmt: skip
+
+
+def test_to_bfloat16_rounds_to_nearest_even_as_the_value_oracle():
+    got = wire.to_bfloat16(SPECIAL_F32)
+    assert got.dtype == wire.BFLOAT16 and got.shape == SPECIAL_F32.shape and got.flags.c_contiguous
+    want = bfloat16_by_value(SPECIAL_F32)
+    np.testing.assert_array_equal(got.view("<u2"), want)
+    assert want[:4].tolist() == [0x3F80, 0x3F82, 0x3F81, 0x3F80]  # the oracle's own ties
+    assert want[6:10].tolist() == [0x7F7F, 0x7F80, 0x7F80, 0xFF80]  # overflow: infinite from the midpoint on
+    assert want[10:16].tolist() == [0x0000, 0x0000, 0x0002, 0x0001, 0x0080, 0x8000]  # subnormals
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 2**32, size=20_000, dtype=np.uint64).astype("<u4")
+    finite = bits.view("<f4")[~np.isnan(bits.view("<f4"))]
+    np.testing.assert_array_equal(wire.to_bfloat16(finite).view("<u2"), bfloat16_by_value(finite))
+
+
+def test_to_bfloat16_keeps_nan_and_takes_any_float_array():
+    nans = f32(0x7FC00000, 0x7F800001, 0xFF800001, 0xFFFFFFFF, 0x7FFFFFFF)  # quiet, signalling, signs, all ones
+    got = wire.to_bfloat16(nans).view("<u2")
+    assert np.isnan(wire.to_float32(got.view(wire.BFLOAT16))).all()
+    assert (got >> 15).tolist() == [0, 0, 1, 1, 0]  # signs kept
+    assert wire.to_bfloat16(np.float32(1.5)).shape == () and wire.to_bfloat16(np.zeros((0, 3))).shape == (0, 3)
+    wide = np.random.default_rng(6).standard_normal((3, 4))
+    assert wire.to_bfloat16(wide).tobytes() == wire.to_bfloat16(wide.astype(np.float32)).tobytes()  # via float32
+    strided = wide.astype(">f4").T
+    assert wire.to_bfloat16(strided).tobytes() == wire.to_bfloat16(np.ascontiguousarray(strided, "<f4")).tobytes()
+    with pytest.raises(WireError, match=r"^k: expected a float array, got dtype int64$"):
+        wire.to_bfloat16(np.arange(3), name="k")
+
+
+@pytest.mark.parametrize("dtype", sorted(wire.DTYPES))
+def test_every_wire_dtype_round_trips_bit_for_bit(dtype):
+    values = np.random.default_rng(7).standard_normal((3, 2, 5)).astype(np.float32)
+    a = wire.to_bfloat16(values) if dtype == "bfloat16" else values.astype(wire.DTYPES[dtype])
+    enc = encode_array(a)
+    assert enc["dtype"] == dtype and enc["data"] == a.tobytes()  # as it is: no copy, no conversion
+    out = wire_trip(a)
+    assert out.dtype == a.dtype and out.shape == a.shape and out.tobytes() == a.tobytes()
+    assert np.shares_memory(wire.as_wire_array(a), a)
+    # JSON carries numbers: float32 holding the half's values exactly, rounded back to the same bits
+    numbers = decode_array(json.loads(json.dumps(wire.to_float32(a).tolist())), name="x")
+    back = wire.to_bfloat16(numbers) if dtype == "bfloat16" else numbers.astype(wire.DTYPES[dtype])
+    assert back.tobytes() == a.tobytes()
 
 
 # -- strict validation -------------------------------------------------------------------
