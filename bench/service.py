@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from _server import serving
 
-from tools.common import metric_sum, parse_prometheus, percentiles, write_result
+from tools.common import as_dtype, metric_sum, parse_prometheus, percentiles, write_result
 
 from attnserve_client import AttendItem, Client
 
@@ -79,11 +79,13 @@ def open_stream(c: Client, transport: str):
     return c.stream(transport="frames" if transport == "frames" else "websocket")
 
 
-def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: str = "http") -> dict:
+def one_session(
+    c: Client, fmt: str, context: int, steps: int, rng, transport: str = "http", dtype: str = "f32"
+) -> dict:
     sess = c.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=fmt)
     prefill(sess, 0, context, rng)
-    q = rng.standard_normal((1, H, D), dtype=np.float32)
-    k = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    q = as_dtype(rng.standard_normal((1, H, D), dtype=np.float32), dtype)
+    k = as_dtype(rng.standard_normal((1, HKV, D), dtype=np.float32), dtype)
     stream = open_stream(c, transport)
     step = (lambda: stream.attend(sess, 0, q, k=k, v=k)) if stream else (lambda: sess.attend(0, q, k=k, v=k))
     for _ in range(10):  # warm-up
@@ -104,6 +106,7 @@ def one_session(c: Client, fmt: str, context: int, steps: int, rng, transport: s
     gpu_ms = 1e3 * s_sub / max(n_sub, 1)
     return {
         "kv_format": fmt,
+        "dtype": dtype,
         "transport": transport,
         "context": context,
         "steps": steps,
@@ -123,6 +126,7 @@ def batched(
     transport: str,
     pipeline: int = 1,
     form: str = "items",
+    dtype: str = "f32",
 ) -> dict:
     """Engine-shaped: every step is one batched request with one fused decode item
     per session; ``pipeline`` batches in flight on the stream (each for its own
@@ -136,8 +140,8 @@ def batched(
             prefill(s, 0, context, rng)
             sessions.append(s)
         groups.append(sessions)
-    q = rng.standard_normal((1, H, D), dtype=np.float32)
-    k = rng.standard_normal((1, HKV, D), dtype=np.float32)
+    q = as_dtype(rng.standard_normal((1, H, D), dtype=np.float32), dtype)
+    k = as_dtype(rng.standard_normal((1, HKV, D), dtype=np.float32), dtype)
     stream = open_stream(c, transport)
     if form == "stacked":
         qs, ks = np.repeat(q, n_sessions, 0), np.repeat(k, n_sessions, 0)
@@ -185,6 +189,7 @@ def batched(
             s.delete()
     return {
         "kv_format": fmt,
+        "dtype": dtype,
         "transport": transport,
         "form": form,
         "sessions": n_sessions,
@@ -267,6 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-single", action="store_true", help="leave out the single-session runs")
     ap.add_argument("--skip-threads", action="store_true", help="leave out the thread-per-session run")
     ap.add_argument("--transports", default="http,stream,frames", help="transports to run (http, stream, frames)")
+    ap.add_argument("--dtypes", default="f32", help="the arrays' dtypes to run (f32, f16, bf16)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
 
@@ -290,19 +296,23 @@ def main(argv=None) -> int:
         }
         print(f"# adapter: {info.get('adapter')}", flush=True)
         formats = args.formats.split(",")
+        dtypes = args.dtypes.split(",")
         for fmt in formats if not args.skip_single else ():
             for transport in transports:
-                r = one_session(c, fmt, args.context, args.steps, rng, transport)
-                result["single"].append(r)
-                print(json.dumps(r), flush=True)
+                for dtype in dtypes:
+                    r = one_session(c, fmt, args.context, args.steps, rng, transport, dtype)
+                    result["single"].append(r)
+                    print(json.dumps(r), flush=True)
         for fmt in formats:
             for form in args.forms.split(","):
                 for transport, pipeline in runs:
-                    r = batched(
-                        c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline, form
-                    )
-                    result["batched"].append(r)
-                    print(json.dumps(r), flush=True)
+                    for dtype in dtypes:
+                        r = batched(
+                            c, fmt, args.sessions, args.concurrent_context, args.seconds, rng, transport, pipeline,
+                            form, dtype,
+                        )  # fmt: skip
+                        result["batched"].append(r)
+                        print(json.dumps(r), flush=True)
         for fmt in formats if not args.skip_threads else ():
             r = many_sessions(c, url, fmt, args.sessions, args.concurrent_context, args.seconds, rng)
             result["concurrent"].append(r)

@@ -48,7 +48,7 @@ from attnserve.cli import server_config  # noqa: E402
 from attnserve.config import Settings  # noqa: E402
 from attnserve.gc_policy import apply_gc_policy  # noqa: E402
 from attnserve_client import Client  # noqa: E402
-from tools.common import free_port, metric_sum, parse_prometheus, write_result  # noqa: E402
+from tools.common import as_dtype, free_port, metric_sum, parse_prometheus, write_result  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 
@@ -128,8 +128,8 @@ class Driver:
         with c.stream(transport="frames" if a.transport == "frames" else "websocket") as stream:
             for b in batches:
                 ids = [s.session_id for s in sessions[:b]]
-                q = rng.standard_normal((b, 1, H, D), dtype=np.float32)
-                kv = rng.standard_normal((b, 1, HKV, D), dtype=np.float32)
+                q = as_dtype(rng.standard_normal((b, 1, H, D), dtype=np.float32), a.dtype)
+                kv = as_dtype(rng.standard_normal((b, 1, HKV, D), dtype=np.float32), a.dtype)
                 for _ in range(3):
                     stream.attend_stacked(ids, 0, q, kv, kv)
                 gpu0, cpu0, t0 = self.gpu_seconds(), self.cpu(), time.perf_counter()
@@ -145,7 +145,7 @@ class Driver:
                     "gpu_submission_ms": round(1e3 * (gpu1 - gpu0) / a.steps, 3),
                 }
                 per_batch.append(row)
-                print(json.dumps({"kv_format": fmt, **row}), flush=True)
+                print(json.dumps({"kv_format": fmt, "dtype": a.dtype, **row}), flush=True)
             profile = None
             if a.top:  # the largest batch's steps again, under the profiler
                 profile = self.profiled(lambda: [stream.attend_stacked(ids, 0, q, kv, kv) for _ in range(a.steps)])
@@ -154,6 +154,7 @@ class Driver:
             s.delete()
         out = {
             "kv_format": fmt,
+            "dtype": a.dtype,
             "sinks": a.sinks,
             "window": a.window,
             "transport": a.transport,
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--transport", choices=("stream", "frames"), default="stream")
+    ap.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32", help="the step's arrays' dtype")
     ap.add_argument("--top", type=int, default=0, help="cProfile rows of the event loop to print (0: no profile)")
     ap.add_argument("--sinks", type=int, default=0, help="a compressed session's exact first timesteps")
     ap.add_argument("--window", type=int, default=0, help="a compressed session's exact recent window")

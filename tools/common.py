@@ -15,6 +15,20 @@ import numpy as np
 from loadtest.prometheus import metric_delta, metric_sum, parse_prometheus  # noqa: F401
 
 
+def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``a`` as an engine of ``dtype`` sends it: ``f32`` as it is, ``f16``
+    (numpy's float16) or ``bf16`` (``wire.BFLOAT16``), rounded to nearest even."""
+    from attnserve_client import wire  # (the client package: the tools that send arrays have it)
+
+    if dtype == "f32":
+        return a
+    if dtype == "f16":
+        return a.astype(np.float16)
+    if dtype == "bf16":
+        return wire.to_bfloat16(a)
+    raise ValueError(f"dtype: expected f32, f16 or bf16, got {dtype!r}")
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

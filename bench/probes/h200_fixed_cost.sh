@@ -11,7 +11,13 @@
 #           readback of a fused decode step (32 q / 8 KV heads of 128, f32, 4k) of 1
 #           and of 32 sessions;
 # service:  bench/service.py: stacked steps of 32 sessions x 4k over HTTP, the stream
-#           and the frames, and the single fused step (p50 per call);
+#           and the frames, and the single fused step (p50 per call), with float32 and
+#           with bfloat16 arrays (DTYPES, default f32,bf16);
+# profile:  bench/step_profile.py: host CPU per thread of stacked steps of 1, 32 and 64
+#           sessions x 4k over the frames, fitted per item and fixed, f32 and bf16;
+# generate: bench/generate.py on random models (--random): smollm2-135m in float32 and
+#           bfloat16 at batch 1 and 32 x 1,024, and llama3-8b in bfloat16 at batch 1 and
+#           32 x 4,096 (NEW tokens each, default 64), sdpa beside attnserve f32 over the frames;
 # ab:       the single fused decode step of OLD_TREE's server and this tree's in turn
 #           (bench/probes/ab_single.py).
 set -uo pipefail
@@ -32,9 +38,23 @@ for stage in "$@"; do
                 --steps 300 --formats f32 2>&1 | tail -2 | tee "$OUT/worker_$n.txt"
             done ;;
     service) timeout 280 python3 bench/service.py --adapter nvidia --context 4096 --steps 200 --sessions 32 \
-               --formats f32 --skip-threads --transports http,stream,frames --forms stacked \
+               --formats f32 --skip-threads --transports ${TRANSPORTS:-http,stream,frames} --forms stacked \
+               --dtypes ${DTYPES:-f32,bf16} --seconds ${SECONDS_EACH:-8} --pipeline 1 \
                --json-out "$OUT/service.json" > "$OUT/service.log" 2>&1
              tail -30 "$OUT/service.log" ;;
+    profile) for dt in f32 bf16; do
+               timeout 200 python3 bench/step_profile.py --adapter nvidia --batches 1,32,64 --context 4096 \
+                 --formats f32 --transport frames --dtype $dt --steps 100 --json-out "$OUT/profile_$dt.json" 2>&1 \
+                 | grep -v Warning | tail -5
+             done ;;
+    generate) for dt in float32 bfloat16; do
+                timeout 240 python3 bench/generate.py --adapter nvidia --random smollm2-135m --dtype $dt --batches 1,32 \
+                  --prompt 1024 --new ${NEW:-64} --settings f32 --transport frames --out "$OUT/generate_smollm2_$dt.json" 2>&1 \
+                  | grep setting
+              done
+              timeout 400 python3 bench/generate.py --adapter nvidia --random llama3-8b --dtype bfloat16 --batches 1,32 \
+                --prompt 4096 --new ${NEW:-64} --settings f32 --transport frames --out "$OUT/generate_llama3_8b.json" 2>&1 \
+                | grep setting ;;
     ab) timeout 280 python3 bench/probes/ab_single.py --adapter nvidia --rounds 2 --steps 300 "${OLD_TREE:?}" . 2>&1 \
           | tail -12 | tee "$OUT/ab_single.txt" ;;
   esac
