@@ -36,13 +36,13 @@ from ._steps import (
     AttendItem,
     StackedOptions,
     StackedStep,
-    attend_answer,
     answer_dtype,
+    attend_answer,
     batch_body,
     batch_idempotent,
     batch_results,
-    item_parts,
     decode_out,
+    item_parts,
     item_results,
     merge_items,
     merge_stacked,
@@ -270,8 +270,8 @@ class _AttendArgs(NamedTuple):
     start_pos: int | None
     causal: bool
     scale: float | None
-
     out_dtype: str | None  # the wire name asked for (None: q's)
+
 
 def _int_member(body: Any, key: str, what: str) -> int:
     value = body.get(key) if isinstance(body, Mapping) else None
@@ -659,6 +659,10 @@ class _SessionBase(Generic[_C]):
         v = self._check_rows(v, "v", self._config.num_kv_heads, "m")
         if v.shape != k.shape:
             raise refused(InvalidRequest, f"v: expected the shape of k {k.shape}, got {v.shape}")
+        if v.dtype != k.dtype:
+            raise refused(
+                InvalidRequest, f"v: expected the dtype of k ({wire.dtype_name(k)}), got {wire.dtype_name(v)}"
+            )
         return k, v
 
     # -- flows -------------------------------------------------------------------
@@ -671,10 +675,6 @@ class _SessionBase(Generic[_C]):
         self._lengths = list(info.lengths)
         return info
 
-        if v.dtype != k.dtype:
-            raise refused(
-                InvalidRequest, f"v: expected the dtype of k ({wire.dtype_name(k)}), got {wire.dtype_name(v)}"
-            )
     def _offset_flow(self, layer: int) -> Flow[int]:
         length = self._lengths[layer]
         if length is None:
@@ -728,6 +728,7 @@ class _SessionBase(Generic[_C]):
         causal: bool,
         scale: float | None,
         return_lse: bool = False,
+        out_dtype: Any = None,
     ) -> Flow[Any]:
         checked = self._check_attend(layer, q, k, v, start_pos, causal, scale, out_dtype)
         layer, like, q, k, v, start_pos, causal, scale, out_dtype = checked
@@ -736,12 +737,13 @@ class _SessionBase(Generic[_C]):
         query: dict[str, Any] = {"q": wire.encode_array(q, name="q"), "causal": causal}
         if return_lse:
             query["return_lse"] = True
+        if out_dtype is not None:
+            query["out_dtype"] = out_dtype
         if scale is not None:
             query["scale"] = scale
         if start_pos is not None:
             query["start_pos"] = start_pos
         if k is None or v is None:  # not fused (both or neither, checked)
-        out_dtype: Any = None,
             reply = yield from self._client._call("POST", self._path(layer, "attend"), query)
             return self._answer_from(layer, reply, n, like, query)
 
@@ -749,8 +751,6 @@ class _SessionBase(Generic[_C]):
         body = dict(query, k=wire.encode_array(k, name="k"), v=wire.encode_array(v, name="v"), offset=offset)
         reply = yield from self._write(layer, "attend", body)
         if not reply.ok:
-        if out_dtype is not None:
-            query["out_dtype"] = out_dtype
             length = self._landed_length(layer, reply, offset + k.shape[0])
             # The lost first attempt appended k, v but its output was lost with its
             # answer: attend again, without k, v, at the position that call had.
@@ -843,6 +843,7 @@ class Session(_SessionBase["Client"]):
         causal: bool = True,
         scale: float | None = None,
         return_lse: Literal[False] = False,
+        out_dtype: Any = None,
     ) -> np.ndarray: ...
 
     @overload
@@ -855,9 +856,9 @@ class Session(_SessionBase["Client"]):
         v: Any = None,
         start_pos: int | None = None,
         causal: bool = True,
-        out_dtype: Any = None,
         scale: float | None = None,
         return_lse: Literal[True],
+        out_dtype: Any = None,
     ) -> Attention: ...
 
     def attend(
@@ -870,8 +871,8 @@ class Session(_SessionBase["Client"]):
         start_pos: int | None = None,
         causal: bool = True,
         scale: float | None = None,
-        out_dtype: Any = None,
         return_lse: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
         """Attention of ``q`` over ``layer``'s cache; with ``k``, ``v`` append them first (fused).
 
@@ -883,8 +884,10 @@ class Session(_SessionBase["Client"]):
             causal: row ``i`` attends to timesteps ``0..start_pos + i``; else to all.
             scale: softmax scale, default ``1 / sqrt(head_dim)``.
             return_lse: also answer each row's log-sum-exp (see Returns).
+            out_dtype: the dtype ``out`` comes back in, default ``q``'s as sent:
+                ``"<f4"``/``"float32"``, ``"<f2"``/``"float16"``, ``"bfloat16"``, or a
+                numpy or torch dtype of those (``tensors.out_dtype_name``).
 
-        out_dtype: Any = None,
         Returns:
             ``[n, num_qo_heads, head_dim]`` in ``out_dtype`` (default ``q``'s: float32,
             float16, or bfloat16 as ``wire.BFLOAT16``, two-byte void that
@@ -900,9 +903,6 @@ class Session(_SessionBase["Client"]):
         return self._client._run(flow)
 
     def fork(self, session_id: str | None = None, length: int | None = None) -> Session:
-            out_dtype: the dtype ``out`` comes back in, default ``q``'s as sent:
-                ``"<f4"``/``"float32"``, ``"<f2"``/``"float16"``, ``"bfloat16"``, or a
-                numpy or torch dtype of those (``tensors.out_dtype_name``).
         """A new session that starts as this one's first ``length`` timesteps of every
         layer (default: each layer's current length), sharing its full GPU pages.
 
@@ -1162,6 +1162,7 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         causal: bool = True,
         scale: float | None = None,
         return_lse: Literal[False] = False,
+        out_dtype: Any = None,
     ) -> np.ndarray: ...
 
     @overload
@@ -1176,6 +1177,7 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         causal: bool = True,
         scale: float | None = None,
         return_lse: Literal[True],
+        out_dtype: Any = None,
     ) -> Attention: ...
 
     async def attend(
@@ -1189,9 +1191,9 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         causal: bool = True,
         scale: float | None = None,
         return_lse: bool = False,
+        out_dtype: Any = None,
     ) -> Any:
         """See :meth:`Session.attend`."""
-        out_dtype: Any = None,
         flow = self._attend_flow(layer, q, k, v, start_pos, causal, scale, return_lse, out_dtype)
         return await self._client._run(flow)
 
@@ -1207,7 +1209,6 @@ class AsyncSession(_SessionBase["AsyncClient"]):
         return self
 
     async def __aexit__(
-        out_dtype: Any = None,
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self._client._run(self._exit_flow())
@@ -1221,7 +1222,6 @@ class AsyncClient(_BaseClient):
     """
 
     def __init__(
-        out_dtype: Any = None,
         self,
         base_url: str | httpx.URL | None = None,
         *,

@@ -745,8 +745,8 @@ class AsyncStream:
     async def attend(self, session: Any, layer: int, q: Any, **options: Unpack[AttendOptions]) -> np.ndarray:
         """As ``Session.attend``, for ``session`` (a session or its id), with ``offset``."""
         item = AttendItem(session, layer, q, **options)
-        out: np.ndarray = await self._one(
         members = attend_members(item)
+        out: np.ndarray = await self._one(
             item.session_id, "attend", members, lambda doc: _attend_result(item, members, doc)
         )
         return out
