@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from _core import CORE_PAGE_TOKENS as P, read_words, rows, session
-from attnserve.gpu.batch import Batch
 
 
 @pytest.mark.parametrize("fmt", ["f32", "turboquant"])
-def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt, monkeypatch):
+def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt):
     h, hkv, d = 4, 2, 32
     seeds = [int(rng.integers(2**53)) for _ in range(3)]
     piped = [session(engine, fmt, h, hkv, d, seed=s) for s in seeds]
@@ -31,19 +30,10 @@ def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt, monkeypatch
         n = 5 if i == 4 else 1
         kv = None if i == 7 else (rows(rng, n, hkv, d), rows(rng, n, hkv, d))
         steps.append((i % 3, rows(rng, n, h, d), kv))
-    # how each batch is waited for: by the worker's own device poll when nothing was
-    # submitted after it, else through wgpu-py's poll thread (Batch.read_back)
-    waits: list[bool] = []
-    read_back = Batch.read_back
-    monkeypatch.setattr(
-        Batch, "read_back", lambda self, enc, last=False: (waits.append(last), read_back(self, enc, last))[1]
-    )
     want = []
     for j, q, kv in steps:
         fused = {} if kv is None else {"k": kv[0], "v": kv[1]}
         want.append(engine.attend(alone[j].layers[0], q, **fused).result())
-    assert waits == [True] * len(steps)  # one at a time: each the device's last submission
-    waits.clear()
     worker = engine.worker
     saved, overlapped = worker.max_batch_jobs, worker.overlapped
     gate, held = threading.Event(), threading.Event()
@@ -61,7 +51,6 @@ def test_pipelined_batches_answer_as_one_at_a_time(engine, rng, fmt, monkeypatch
     finally:
         worker.max_batch_jobs = saved
     assert worker.overlapped - overlapped >= len(steps) - 1  # each submitted while the one before ran
-    assert waits.count(False) == worker.overlapped - overlapped and waits[-1] is True
     deadline = time.monotonic() + 10
     while worker.queue_depth and time.monotonic() < deadline:  # the last batch read back: idle again
         time.sleep(0.01)

@@ -707,27 +707,14 @@ class Batch:
         if encoded is not None:
             self.device.queue.submit([encoded[0]])
 
-    def read_back(self, encoded: Encoded | None, last: bool = False) -> memoryview | None:
-        """Wait for a submitted batch and read what it reads back (None if nothing).
-
-        ``last``: it is the last submission of the device (none after it), so this
-        thread waits for the device itself, a blocking ``wgpuDevicePoll`` (without
-        the GIL), and the map is done when it returns; else (a later batch runs
-        behind it, which a whole-device poll would wait for too) through wgpu-py's
-        ``map_sync``, whose poll thread wakes this one: one more thread hand-off
-        under the GIL (on an H100, a tiny submission's wait 110 µs against 64:
-        ``bench/probes/readback_probe.py``, docs/benchmarks.md)."""
+    def read_back(self, encoded: Encoded | None) -> memoryview | None:
+        """Wait for a submitted batch and read its output arena (None if it has none)."""
         if encoded is None:
             return None
         _, staging, n_out = encoded
         if staging is None:
             return None
-        if last:
-            mapped = staging.map_async(wgpu.MapMode.READ, 0, n_out)
-            self.device._poll_wait()  # wgpu-py's blocking wgpuDevicePoll (no public name in 0.32)
-            mapped.sync_wait()  # resolved by the poll: returns at once
-        else:
-            staging.map_sync(wgpu.MapMode.READ, 0, n_out)
+        staging.map_sync(wgpu.MapMode.READ, 0, n_out)
         try:  # numpy copies large arrays without the GIL (bytes() holds it): the event loop runs meanwhile
             data = np.frombuffer(staging.read_mapped(0, n_out, copy=False), np.uint8).copy().data
         finally:

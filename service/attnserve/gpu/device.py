@@ -390,7 +390,7 @@ class GpuWorker:
             if jobs is None:
                 if in_flight is None:
                     return  # stopping, and everything is done
-                self._settle(in_flight, last=True)
+                self._settle(in_flight)
                 in_flight = None
                 with self._cv:
                     self._busy = False
@@ -399,14 +399,14 @@ class GpuWorker:
             try:
                 if jobs[0].kind == "call":
                     if in_flight is not None:
-                        self._settle(in_flight, last=True)
+                        self._settle(in_flight)
                         in_flight = None
                     self._run_call(jobs[0])
                 else:
                     submitted = self._submit_batch(jobs, slot=self.batches % STAGING_SLOTS)
                     if in_flight is not None:
                         self.overlapped += submitted is not None
-                        self._settle(in_flight, last=submitted is None)
+                        self._settle(in_flight)
                     in_flight = submitted
             except BaseException as e:  # pragma: no cover - last-resort guard
                 log.exception("gpu worker error")
@@ -474,12 +474,10 @@ class GpuWorker:
         self.dispatches += batch.n_dispatches
         return _InFlight(batch, encoded, planned, t0)
 
-    def _settle(self, flight: _InFlight, last: bool) -> None:
-        """Read a submitted batch back and set its jobs' futures (``last``: nothing
-        was submitted after it, so this thread may wait for the device itself:
-        :meth:`Batch.read_back`)."""
+    def _settle(self, flight: _InFlight) -> None:
+        """Read a submitted batch back and set its jobs' futures."""
         try:
-            out = flight.batch.read_back(flight.encoded, last=last)
+            out = flight.batch.read_back(flight.encoded)
         except BaseException as e:
             log.exception("gpu readback failed")
             for job, _ in flight.planned:
