@@ -3,11 +3,11 @@
 // (overflow to infinity), in integer arithmetic, so every adapter gives numpy's bits
 // (WGSL's pack2x16float leaves rounding and range to the implementation).
 //
-// Used twice per step that sends or asks for half precision (kernels.py
-// plan_upload_as, plan_answer): a half array as received (the "wire" arena) into
-// float32 items of the input arena before any kernel reads them, and an attend's
-// float32 outputs into the answer's dtype (the "answer" arena, read back) after every
-// kernel wrote them.
+// Used twice per batch that sends or asks for half precision (kernels.py
+// plan_uploads_as, plan_answer): the half arrays as received (the "wire" arena) into
+// items of the input arena in their layers' dtype before any kernel reads them, and
+// attends' float32 outputs into the answer's dtype (the "answer" arena, read back)
+// after every kernel wrote them: one dispatch each, a params block per array.
 //
 // Element g of `total` (items of `per_item` elements, back to back) is at element
 //   g                                        of a contiguous side (stride 0), or
@@ -19,17 +19,14 @@
 // @binding(0) src:     array<u32>  read
 // @binding(1) dst:     array<u32>  written
 // @binding(2) cparams: array<ConvertParams> (gpu/params.py CONVERT_PARAMS), one block
-// Overrides SRC_KIND, DST_KIND: 0 float32, 1 float16, 2 bfloat16.
-// Dispatch: (workgroups, 1, 1) of 256 threads, a thread per pair of elements, striding
-// by the grid.
+//   per array (workgroup_id.y); its src_kind, dst_kind: 0 float32, 1 float16, 2 bfloat16
+// Dispatch: (workgroups, arrays, 1) of 256 threads, a thread per pair of elements,
+// striding by the grid's x.
 
 @group(0) @binding(0) var<storage, read> src: array<u32>;
 @group(0) @binding(1) var<storage, read_write> dst: array<u32>;
 // #struct ConvertParams
 @group(0) @binding(2) var<storage, read> cparams: array<ConvertParams>;
-
-override SRC_KIND: u32 = 1u;
-override DST_KIND: u32 = 0u;
 
 const WG: u32 = 256u;
 
@@ -102,52 +99,58 @@ fn f32_to_bf16_bits(x: u32) -> u32 {
 }
 
 // the float32 bits of element g of src
-fn load_bits(g: u32, per_item: u32, src_base: u32, src_stride: u32) -> u32 {
-    if (SRC_KIND == 0u) {
+fn load_bits(g: u32, per_item: u32, src_base: u32, src_stride: u32, src_kind: u32) -> u32 {
+    if (src_kind == 0u) {
         return src[src_base + position(g, per_item, src_stride, 1u)];
     }
     let at = position(g, per_item, src_stride, 2u);
     let h = (src[src_base + at / 2u] >> (16u * (at % 2u))) & 0xffffu;
-    if (SRC_KIND == 2u) {
+    if (src_kind == 2u) {
         return h << 16u;
     }
     return f16_to_f32_bits(h);
 }
 
-fn narrow_bits(x: u32) -> u32 {
-    if (DST_KIND == 2u) {
+fn narrow_bits(x: u32, dst_kind: u32) -> u32 {
+    if (dst_kind == 2u) {
         return f32_to_bf16_bits(x);
     }
     return f32_to_f16_bits(x);
 }
 
 @compute @workgroup_size(256, 1, 1)
-fn convert(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let p = cparams[0];
+fn convert(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let p = cparams[wid.y];
     let total = p.total;
     let per_item = p.per_item;
     let src_base = p.src_base;
     let src_stride = p.src_stride;
     let dst_base = p.dst_base;
     let dst_stride = p.dst_stride;
+    let src_kind = p.src_kind;
+    let dst_kind = p.dst_kind;
     let pairs = (total + 1u) / 2u;
-    for (var t = gid.x; t < pairs; t += nwg.x * WG) {
+    for (var t = wid.x * WG + lid.x; t < pairs; t += nwg.x * WG) {
         let g = 2u * t;
         let has_b = g + 1u < total;
-        let a = load_bits(g, per_item, src_base, src_stride);
+        let a = load_bits(g, per_item, src_base, src_stride, src_kind);
         var b = 0u;
         if (has_b) {
-            b = load_bits(g + 1u, per_item, src_base, src_stride);
+            b = load_bits(g + 1u, per_item, src_base, src_stride, src_kind);
         }
-        if (DST_KIND == 0u) {
+        if (dst_kind == 0u) {
             dst[dst_base + position(g, per_item, dst_stride, 1u)] = a;
             if (has_b) {
                 dst[dst_base + position(g + 1u, per_item, dst_stride, 1u)] = b;
             }
         } else {
-            var word = narrow_bits(a);
+            var word = narrow_bits(a, dst_kind);
             if (has_b) {
-                word = word | (narrow_bits(b) << 16u);
+                word = word | (narrow_bits(b, dst_kind) << 16u);
             }
             dst[dst_base + position(g, per_item, dst_stride, 2u) / 2u] = word;
         }

@@ -10,7 +10,7 @@ import pytest
 
 from _core import bf16_nearest
 from attnserve.gpu.batch import Seg
-from attnserve.gpu.kernels import plan_answer, plan_upload_as
+from attnserve.gpu.kernels import plan_answer, plan_uploads_as
 from attnserve_client import wire
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def _widened(engine, data: np.ndarray, dtype: str) -> np.ndarray:
     read back through a copy into the output arena."""
 
     def plan(batch):
-        items = plan_upload_as(batch, data, dtype)
+        (items,) = plan_uploads_as(batch, [(data, dtype)])
         out = batch.output(items.stride * items.count)
         batch.copy(Seg("in", items.base, items.stride * items.count), 0, out, 0, items.stride * items.count)
 

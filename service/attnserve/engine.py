@@ -24,7 +24,7 @@ from prometheus_client import Counter
 from .errors import ApiError, InvalidRequest
 from .metrics import Bound
 from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
-from .gpu.kernels import ELEMENT_KINDS, KernelPolicy, attend_output_bytes, plan_answer, plan_upload_as
+from .gpu.kernels import ELEMENT_KINDS, KernelPolicy, attend_output_bytes, plan_answer, plan_uploads_as
 from .gpu.batch import Batch, Items, Seg
 from .gpu.step_plan import StepPlans
 from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
@@ -364,16 +364,19 @@ class Engine:
 
         def plan(batch: Batch) -> Callable[[memoryview | None], StackedResult]:
             batch.records = batch.empty  # only a batch's first job records its plan (Batch.record)
+            # the queries, and the fused rows once per row dtype the layers take, in the
+            # input arena as the kernels read them (before any item can roll back)
+            row_dtypes = list(dict.fromkeys(layer.row_dtype for layer in taking)) if k is not None else []
+            arrays = [] if q is None else [(q, "<f4")]
+            arrays += [(a, dtype) for dtype in row_dtypes for a in (k, v)]
+            uploaded = plan_uploads_as(batch, cast("list[tuple[np.ndarray, str]]", arrays))
             qs = outs = None
             if q is not None:
-                qs = plan_upload_as(batch, q, "<f4")
+                qs = uploaded.pop(0)
                 outs = batch.output_items(b, attend_output_bytes(*shape), read=not narrowed)
-            # the fused rows, once per row dtype the layers take (before any item can roll back)
-            rows: dict[str, tuple[Items, Items]] = {}
-            if k is not None:
-                assert v is not None  # k and v go together (checked above)
-                for dtype in dict.fromkeys(layer.row_dtype for layer in taking):
-                    rows[dtype] = (plan_upload_as(batch, k, dtype), plan_upload_as(batch, v, dtype))
+            rows: dict[str, tuple[Items, Items]] = {
+                dtype: (uploaded[2 * i], uploaded[2 * i + 1]) for i, dtype in enumerate(row_dtypes)
+            }
             lengths = np.full(b, -1, dtype=np.int64)
             errors: dict[int, BaseException] = {}
             cap = self.ctx.max_binding  # an arena is bound whole: the step's items must fit in one
@@ -434,9 +437,10 @@ class Engine:
                 else:  # converted into the answer arena, items back to back
                     at, (out_seg, lse_seg) = batch.answer_at, answer
                     arr = np.frombuffer(out, answer_dtype, b * math.prod(shape), at + out_seg.offset).reshape(b, *shape)
+                    rows_lse = (b, *shape[:2])
                     lse = (
-                        np.zeros((b, *shape[:2]), "<f4") if lse_seg is None
-                        else np.frombuffer(out, "<f4", b * math.prod(shape[:2]), at + lse_seg.offset).reshape(b, *shape[:2])
+                        np.zeros(rows_lse, "<f4") if lse_seg is None
+                        else np.frombuffer(out, "<f4", math.prod(rows_lse), at + lse_seg.offset).reshape(rows_lse)
                     )  # fmt: skip
                 unanswered = lengths < 0  # skipped or failed: their rows of the arena hold no output
                 if unanswered.any():

@@ -49,7 +49,9 @@ from ..turboquant import qjl_scale
 from . import params as P
 from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
-from .batch import PHASE_ANSWER, PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Items, Resource, Seg, whole
+from .batch import (
+    PHASE_ANSWER, PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Items, Resource, Seg, whole,
+)  # fmt: skip
 
 if TYPE_CHECKING:  # annotations only (numpy.typing is not imported at run time)
     import numpy.typing as npt
@@ -82,7 +84,7 @@ __all__ = [
     "split_sizes",
     "attend_output_bytes",
     "ELEMENT_KINDS",
-    "plan_upload_as",
+    "plan_uploads_as",
     "plan_answer",
 ]
 
@@ -92,37 +94,45 @@ ELEMENT_KINDS: dict[np.dtype[Any], int] = {np.dtype("<f4"): 0, np.dtype("<f2"): 
 _CONVERT_GROUP = 256  # convert.wgsl's workgroup size
 
 
-def _convert(
-    batch: Batch, src: Seg, dst: Seg, params: Seg, src_dtype: np.dtype[Any], dst_dtype: np.dtype[Any], total: int
-) -> None:
-    pairs = (total + 1) // 2
+def _convert(batch: Batch, src: Seg, dst: Seg, params: Seg, blocks: np.ndarray) -> None:
+    """One ``convert`` dispatch over the arrays of ``blocks`` (CONVERT_PARAMS rows,
+    uploaded at ``params``): a row of workgroups each."""
+    pairs = int(((blocks["total"].astype(np.int64) + 1) // 2).max())
     groups = max(1, min(-(-pairs // _CONVERT_GROUP), _limit(batch)))
-    constants = {"SRC_KIND": ELEMENT_KINDS[src_dtype], "DST_KIND": ELEMENT_KINDS[dst_dtype]}
-    batch.dispatch("convert", {0: src, 1: dst, 2: params}, (groups, 1, 1), constants=constants)
+    batch.dispatch("convert", {0: src, 1: dst, 2: params}, (groups, len(blocks), 1))
 
 
-def plan_upload_as(batch: Batch, data: np.ndarray, dtype: str) -> Items:
-    """The items ``data[0], data[1], ...`` in the input arena as ``dtype`` (a row
-    dtype: ``<f4`` or ``<f2``): uploaded as they are when ``data`` has that dtype,
-    else uploaded as they came (the wire arena) and converted on the GPU, before
-    any kernel of the batch reads them (``shaders/convert.wgsl``, bit-exact)."""
-    want = np.dtype(dtype)
-    if data.dtype == want:
-        return batch.upload_items(data)
-    count = int(data.shape[0])
-    per_item = int(data[0].size)
-    if want.itemsize == 2 and per_item % 2 and count > 1:  # (a plain f16 layer's rows are whole words)
-        raise ValueError(f"half-precision items of an odd size ({per_item}) cannot be converted in place")
-    items = batch.reserve_items(count, per_item * want.itemsize)
-    src = batch.upload_wire(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
-    params = batch.upload_wire(
-        P.pack_array(
-            P.CONVERT_PARAMS, 1, total=count * per_item, per_item=per_item, src_base=src.offset // 4,
-            src_stride=0, dst_base=items.base // 4, dst_stride=0 if count == 1 else items.stride // 4,
-        ).view(np.uint8).data
-    )  # fmt: skip
-    _convert(batch, whole("wire"), whole("in"), params, data.dtype, want, count * per_item)
-    return items
+def plan_uploads_as(batch: Batch, arrays: Sequence[tuple[np.ndarray, str]]) -> list[Items]:
+    """Each array ``(data, dtype)``'s items ``data[0], data[1], ...`` in the input
+    arena as ``dtype`` (a row dtype: ``<f4`` or ``<f2``): uploaded as they are when
+    ``data`` has that dtype, else uploaded as they came (the wire arena) and
+    converted on the GPU, all of them by one dispatch recorded now, before any
+    kernel of the batch reads them (``shaders/convert.wgsl``, bit-exact)."""
+    out: list[Items] = []
+    blocks = []
+    for data, dtype in arrays:
+        want = np.dtype(dtype)
+        if data.dtype == want:
+            out.append(batch.upload_items(data))
+            continue
+        count, per_item = int(data.shape[0]), int(data[0].size)
+        if want.itemsize == 2 and per_item % 2 and count > 1:  # (a plain f16 layer's rows are whole words)
+            raise ValueError(f"half-precision items of an odd size ({per_item}) cannot be converted in place")
+        items = batch.reserve_items(count, per_item * want.itemsize)
+        src = batch.upload_wire(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
+        blocks.append(
+            dict(
+                total=count * per_item, per_item=per_item, src_base=src.offset // 4, src_stride=0,
+                dst_base=items.base // 4, dst_stride=0 if count == 1 else items.stride // 4,
+                src_kind=ELEMENT_KINDS[data.dtype], dst_kind=ELEMENT_KINDS[want],
+            )
+        )  # fmt: skip
+        out.append(items)
+    if blocks:
+        rows = P.pack_array(P.CONVERT_PARAMS, len(blocks), **{k: [b[k] for b in blocks] for k in blocks[0]})
+        params = batch.upload_wire(rows.view(np.uint8).data)
+        _convert(batch, whole("wire"), whole("in"), params, rows)
+    return out
 
 
 @dataclass(frozen=True)
@@ -142,32 +152,30 @@ def plan_answer(
     outputs then its log-sum-exp: :func:`attend_output_bytes`) converted to ``dtype``
     into the answer arena, all items back to back, after every kernel of the batch
     (and with ``lse``, the log-sum-exp ``[count, *shape[:2]]``, float32, after
-    them): the segments, read back at :attr:`Batch.answer_at` plus their offset."""
+    them): the segments, read back at :attr:`Batch.answer_at` plus their offset.
+    Every answer of a batch is converted by one dispatch."""
     per_item = int(np.prod(shape))
     count = outs.count
     out = batch.answer(count * per_item * dtype.itemsize)
     lse_rows = int(np.prod(shape[:2])) if lse else 0
     lse_seg = batch.answer(count * lse_rows * 4) if lse else None
     item = _Answer(outs, per_item, lse_rows, dtype, out, lse_seg)
-    batch.defer(PHASE_ANSWER, object(), item, _flush_answer, rows=2)
+    batch.defer(PHASE_ANSWER, "answer", item, _flush_answers, rows=2)
     return out, lse_seg
 
 
-def _flush_answer(batch: Batch, items: list[_Answer]) -> None:
-    for a in items:
-        f32 = np.dtype("<f4")
-        parts = [(a.out, a.dtype, a.per_item, 0)]
-        if a.lse is not None:
-            parts.append((a.lse, f32, a.lse_rows, a.per_item))
-        for dst, dtype, per_item, skip in parts:
-            total = a.outs.count * per_item
-            params = batch.upload_params(
-                P.pack_array(
-                    P.CONVERT_PARAMS, 1, total=total, per_item=per_item, src_base=a.outs.base // 4 + skip,
-                    src_stride=a.outs.stride // 4, dst_base=dst.offset // 4, dst_stride=0,
-                )
-            )  # fmt: skip
-            _convert(batch, whole("out"), whole("answer"), params, f32, dtype, total)
+def _flush_answers(batch: Batch, items: list[_Answer]) -> None:
+    f32 = np.dtype("<f4")
+    parts = [(a, a.out, a.dtype, a.per_item, 0) for a in items]
+    parts += [(a, a.lse, f32, a.lse_rows, a.per_item) for a in items if a.lse is not None]
+    rows = P.pack_array(
+        P.CONVERT_PARAMS, len(parts),
+        total=[a.outs.count * n for a, _, _, n, _ in parts], per_item=[n for *_, n, _ in parts],
+        src_base=[a.outs.base // 4 + skip for a, *_, skip in parts], src_stride=[a.outs.stride // 4 for a, *_ in parts],
+        dst_base=[cast(Seg, dst).offset // 4 for _, dst, *_ in parts], dst_stride=0,
+        src_kind=ELEMENT_KINDS[f32], dst_kind=[ELEMENT_KINDS[dt] for _, _, dt, *_ in parts],
+    )  # fmt: skip
+    _convert(batch, whole("out"), whole("answer"), batch.upload_params(rows), rows)
 
 
 def attend_output_bytes(n_queries: int, n_heads: int, head_dim: int) -> int:

@@ -72,8 +72,7 @@ KERNELS: dict[str, KernelSpec] = {
     "attention_merge": KernelSpec("attention_merge.wgsl", "attention_merge", ((0, R), (1, RW), (2, R), (3, R))),
     # the plain formats' appends (rows of whole words, the same layout in f32 and f16 slabs)
     "kv_write_rows": KernelSpec("kv_write.wgsl", "kv_write_rows", ((0, R), (1, RW), (2, RW), (3, R), (4, R))),
-    # half-precision arrays in and answers out (constants {"SRC_KIND", "DST_KIND"}:
-    # 0 float32, 1 float16, 2 bfloat16)
+    # half-precision arrays in and answers out (one params block per array)
     "convert": KernelSpec("convert.wgsl", "convert", ((0, R), (1, RW), (2, R))),
 }
 
