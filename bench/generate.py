@@ -276,8 +276,11 @@ def main(argv=None) -> int:
         "transformers": __import__("transformers").__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    budget = {"ATTNSERVE_MEMORY_BUDGET_BYTES": str(args.memory_budget_gib << 30)}  # llama3-8b x 32 x 4k: 34 GiB
-    with serving(args.adapter, **budget) as (_, url), Client(url, timeout=300) as client:
+    env = {
+        "ATTNSERVE_MEMORY_BUDGET_BYTES": str(args.memory_budget_gib << 30),  # llama3-8b x 32 x 4k: 34 GiB
+        "ATTNSERVE_FRAMES_PORT": "0",  # the frame transport on a free port (--transport frames)
+    }
+    with serving(args.adapter, **env) as (_, url), Client(url, timeout=300) as client:
         doc["adapter"] = client.info().get("adapter")
         doc["speed"] = []
         speed(args, model, tok, client, device, doc)
