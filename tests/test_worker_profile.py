@@ -14,8 +14,23 @@ pytestmark = pytest.mark.gpu
 def test_worker_profile_times_a_stacked_step_and_counts_its_plans(engine, tmp_path):  # engine: an adapter is there
     out = tmp_path / "worker.json"
     r = run_script(
-        "bench/worker_profile.py", "--sessions", "3", "--context", "40", "--stacked", "--steps", "4",
-        "--formats", "f32", "--layers", "2", "--top", "0", "--json-out", str(out), timeout=300,
+        "bench/worker_profile.py",
+        "--sessions",
+        "3",
+        "--context",
+        "40",
+        "--stacked",
+        "--steps",
+        "4",
+        "--formats",
+        "f32",
+        "--layers",
+        "2",
+        "--top",
+        "0",
+        "--json-out",
+        str(out),
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["results"]

@@ -24,6 +24,7 @@ from ._client import (
 )
 from ._steps import AttendItem, BatchError
 from ._streams import AsyncStream, AsyncStreamOpening, Stream
+from ._shm import AsyncShmStream, ShmStream
 from ._types import SessionInfo
 from ._version import __version__
 from .merge import Attention, merge
@@ -35,6 +36,7 @@ from .errors import (
     APITimeoutError,
     AttnServeError,
     CapacityExceeded,
+    Forbidden,
     InvalidInput,
     InvalidRequest,
     InvalidResponse,
@@ -67,6 +69,7 @@ __all__ = [
     "AsyncClient",
     "AsyncSession",
     "AsyncShardedSession",
+    "AsyncShmStream",
     "AsyncStream",
     "AsyncStreamOpening",
     "AttendItem",
@@ -75,6 +78,7 @@ __all__ = [
     "AttnServeError",
     "CapacityExceeded",
     "Client",
+    "Forbidden",
     "InvalidInput",
     "InvalidRequest",
     "InvalidResponse",
@@ -94,6 +98,7 @@ __all__ = [
     "SessionNotFound",
     "ShardedSession",
     "ShardLost",
+    "ShmStream",
     "Stream",
     "Unauthorized",
     "UnsupportedMediaType",

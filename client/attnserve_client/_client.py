@@ -31,6 +31,7 @@ import numpy as np
 
 from . import tensors, wire
 from ._routing import ROUTE_HEADER, ReplicaMap
+from ._shm import AsyncShmStream, ShmStream, ShmTarget, shm_target
 from ._streams import STREAM_TRANSPORTS, AsyncStream, AsyncStreamOpening, FrameTarget, Groups, Stream
 from ._steps import (
     AttendItem,
@@ -520,6 +521,17 @@ class _BaseClient:
                 )
             address = (httpx.URL(self.base_url).host, frames["port"])
         return FrameTarget((str(address[0]), int(address[1])), self._api_key)
+
+    def _shm_target_flow(
+        self, transport: str, frames_address: Any, shm_socket: Any, region_bytes: Any, copy_outputs: Any
+    ) -> Flow[ShmTarget | None]:
+        """Where a stream over the shared-memory transport connects (``None``: another transport)."""
+        if transport == "shm" and frames_address is not None:
+            raise InvalidInput("frames_address: only with transport='frames'")
+        target = yield from shm_target(
+            transport, shm_socket, region_bytes, copy_outputs, self._api_key, self._server_info_flow
+        )
+        return target
 
     def _stream_headers(self, route: Any) -> dict[str, str]:
         if route is None:
@@ -1062,7 +1074,14 @@ class Client(_BaseClient):
         return self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
     def stream(
-        self, route: Any = None, *, transport: str = "websocket", frames_address: tuple[str, int] | None = None
+        self,
+        route: Any = None,
+        *,
+        transport: str = "websocket",
+        frames_address: tuple[str, int] | None = None,
+        shm_socket: str | None = None,
+        region_bytes: int | None = None,
+        copy_outputs: bool = True,
     ) -> Stream:
         """Open a streaming connection: the same operations over one connection,
         pipelined (see :class:`Stream`). Use it as a context manager.
@@ -1076,7 +1095,17 @@ class Client(_BaseClient):
         ``transport="frames"`` is the frame transport (``docs/api.md``): plain TCP with
         arrays as raw bytes, the fastest data plane, to one server (no router): at
         ``frames_address`` (host, port), by default the port ``GET /v1/info`` names
-        on the host of ``base_url``."""
+        on the host of ``base_url``.
+
+        ``transport="shm"`` is the shared-memory transport (``docs/api.md``), for a
+        server on this host: the frames over a Unix socket (``shm_socket``, by default
+        the one ``GET /v1/info`` names), the arrays through a memory region of
+        ``region_bytes`` both map (default 64 MiB, at most the server's largest). It
+        returns a :class:`ShmStream`; ``copy_outputs=False`` answers views of the
+        region instead of copies, valid until the stream's next operation is sent."""
+        shm = self._run(self._shm_target_flow(transport, frames_address, shm_socket, region_bytes, copy_outputs))
+        if shm is not None:
+            return ShmStream(self.base_url, shm, self.timeout.connect)
         target = self._run(self._frame_target_flow(transport, frames_address))
         return Stream(
             self.base_url,
@@ -1294,15 +1323,28 @@ class AsyncClient(_BaseClient):
         return await self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
     def stream(
-        self, route: Any = None, *, transport: str = "websocket", frames_address: tuple[str, int] | None = None
+        self,
+        route: Any = None,
+        *,
+        transport: str = "websocket",
+        frames_address: tuple[str, int] | None = None,
+        shm_socket: str | None = None,
+        region_bytes: int | None = None,
+        copy_outputs: bool = True,
     ) -> AsyncStreamOpening:
         """Open a streaming connection; concurrent awaits of its methods pipeline on
         it. ``async with client.stream() as s: ...`` closes it on exit;
         ``s = await client.stream()`` leaves closing it to the caller. ``route``,
-        ``transport``, ``frames_address``: as for :meth:`Client.stream`."""
+        ``transport``, ``frames_address``, ``shm_socket``, ``region_bytes``,
+        ``copy_outputs``: as for :meth:`Client.stream` (``"shm"`` opens an
+        :class:`AsyncShmStream`)."""
         headers = self._stream_headers(route)
 
         async def open_stream() -> AsyncStream:
+            flow = self._shm_target_flow(transport, frames_address, shm_socket, region_bytes, copy_outputs)
+            shm = await self._run(flow)
+            if shm is not None:
+                return await AsyncShmStream.open_shm(self.base_url, shm, self.timeout.connect)
             target = await self._run(self._frame_target_flow(transport, frames_address))
             return await AsyncStream.open(
                 self.base_url,

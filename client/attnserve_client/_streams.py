@@ -54,8 +54,9 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["Stream", "AsyncStream", "STREAM_PATH", "Groups", "FrameTarget", "STREAM_TRANSPORTS"]
 
 STREAM_PATH = "/v1/stream"
-#: What a stream can travel over: ``/v1/stream``, or the frame transport.
-STREAM_TRANSPORTS = ("websocket", "frames")
+#: What a stream can travel over: ``/v1/stream``, the frame transport, or the
+#: shared-memory transport (``_shm.py``).
+STREAM_TRANSPORTS = ("websocket", "frames", "shm")
 
 # The client's answer to "where do these sessions live": per replica (None: the
 # stream's first connection), the indexes of the ids it holds.

@@ -32,6 +32,7 @@ __all__ = [
     "APITimeoutError",
     "AttnServeError",
     "CapacityExceeded",
+    "Forbidden",
     "InvalidInput",
     "InvalidRequest",
     "InvalidResponse",
@@ -148,6 +149,12 @@ class Unauthorized(APIError):
     slug = problems.UNAUTHORIZED.slug
 
 
+class Forbidden(APIError):
+    """403: the shared-memory transport refused a process of another user."""
+
+    slug = problems.FORBIDDEN.slug
+
+
 class SessionNotFound(APIError):
     """404: unknown session id (or one that belongs to another API key)."""
 
@@ -246,6 +253,7 @@ _BY_SLUG: dict[str, type[APIError]] = {
     for cls in (
         MalformedBody,
         Unauthorized,
+        Forbidden,
         SessionNotFound,
         LayerNotFound,
         OffsetMismatch,

@@ -16,6 +16,10 @@ them in the buffer it received the frame into. An array may also be the usual
 inline wire map (``data`` as ``bin``). The first frame of a connection is
 ``{"op": "hello", "id", "version": 1, "key"?}``, answered with the server's
 limits or with a problem that closes the connection.
+
+The shared-memory transport (:mod:`attnserve_client.shm`) speaks the same frames
+over a Unix socket, and its arrays may also refer to a range of the region both
+sides map: ``{"dtype", "shape", "shm": [offset, nbytes]}``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ MAX_HEAD_BYTES = 1 << 20
 _DEPTH = 4
 _ARRAY = frozenset({"dtype", "shape", "data"})
 _ARRAY_REF = frozenset({"dtype", "shape", "at"})
+_REGION_REF = frozenset({"dtype", "shape", "shm"})
 
 
 def frame_buffers(doc: dict[str, Any], pack: Any) -> list[Any]:
@@ -92,33 +97,43 @@ def read_prefix(prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
     return head_len, body_len
 
 
-def resolve_arrays(doc: Any, body: memoryview, depth: int = 0) -> None:
+def resolve_arrays(doc: Any, body: memoryview, depth: int = 0, *, region: memoryview | None = None) -> None:
     """Replace, in place, each array reference of a received head by the wire map
-    whose ``data`` is its range of ``body`` (a view, no copy).
+    whose ``data`` is its range of ``body`` (``at``), or of ``region`` (``shm``: the
+    shared-memory transport's region, where there is one): a view, no copy.
 
     Raises:
-        WireError: a reference is malformed or outside the body; the message names it.
+        WireError: a reference is malformed or outside the body (the region), or
+            refers to a region where there is none; the message names it.
     """
     if depth >= _DEPTH:
         return
     members = doc.items() if isinstance(doc, dict) else enumerate(doc) if _holds_containers(doc) else ()
     for name, value in list(members):
-        if isinstance(value, dict) and "at" in value:
-            doc[name] = _array_of(value, body, str(name))
+        if isinstance(value, dict) and ("at" in value or "shm" in value):
+            doc[name] = _array_of(value, body, str(name), region)
         elif isinstance(value, (dict, list)):
-            resolve_arrays(value, body, depth + 1)
+            resolve_arrays(value, body, depth + 1, region=region)
 
 
-def _array_of(ref: dict[str, Any], body: memoryview, name: str) -> dict[str, Any]:
-    if ref.keys() != _ARRAY_REF:
-        raise WireError(f"{name}: expected exactly the keys ['at', 'dtype', 'shape'], got {sorted(map(str, ref))}")
-    at = ref["at"]
+def _array_of(ref: dict[str, Any], body: memoryview, name: str, region: memoryview | None) -> dict[str, Any]:
+    key, keys, buf, what = "at", _ARRAY_REF, body, "the body"
+    if "shm" in ref:
+        if region is None:
+            raise WireError(
+                f"{name}: shm: a reference into a shared-memory region, which only a connection of the "
+                "shared-memory transport has; send the array's bytes in the frame's body (at)"
+            )
+        key, keys, buf, what = "shm", _REGION_REF, region, "the region"
+    if ref.keys() != keys:
+        raise WireError(f"{name}: expected exactly the keys {sorted(keys)}, got {sorted(map(str, ref))}")
+    at = ref[key]
     if not (isinstance(at, list) and len(at) == 2 and all(type(x) is int and x >= 0 for x in at)):
-        raise WireError(f"{name}: at: expected [offset, nbytes], two integers >= 0, got {at!r:.60}")
+        raise WireError(f"{name}: {key}: expected [offset, nbytes], two integers >= 0, got {at!r:.60}")
     offset, nbytes = at
-    if offset % 4 or offset + nbytes > body.nbytes:
+    if offset % 4 or offset + nbytes > buf.nbytes:
         raise WireError(
-            f"{name}: at: expected a range of the body's {body.nbytes} bytes starting at a multiple of 4, "
+            f"{name}: {key}: expected a range of {what}'s {buf.nbytes} bytes starting at a multiple of 4, "
             f"got [{offset}, {nbytes}]"
         )
-    return {"dtype": ref["dtype"], "shape": ref["shape"], "data": body[offset : offset + nbytes]}
+    return {"dtype": ref["dtype"], "shape": ref["shape"], "data": buf[offset : offset + nbytes]}

@@ -23,6 +23,7 @@ __all__ = [
     "PROBLEM_HELP",
     "MALFORMED_BODY",
     "UNAUTHORIZED",
+    "FORBIDDEN",
     "SESSION_NOT_FOUND",
     "LAYER_NOT_FOUND",
     "NOT_FOUND",
@@ -55,6 +56,7 @@ class ProblemType(NamedTuple):
 
 MALFORMED_BODY = ProblemType(400, "malformed-body", "Malformed body")
 UNAUTHORIZED = ProblemType(401, "unauthorized", "Unauthorized")
+FORBIDDEN = ProblemType(403, "forbidden", "Forbidden")
 SESSION_NOT_FOUND = ProblemType(404, "session-not-found", "Session not found")
 LAYER_NOT_FOUND = ProblemType(404, "layer-not-found", "Layer not found")
 NOT_FOUND = ProblemType(404, "not-found", "Not found")  # no such route
@@ -80,6 +82,7 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
     for p in (
         MALFORMED_BODY,
         UNAUTHORIZED,
+        FORBIDDEN,
         SESSION_NOT_FOUND,
         LAYER_NOT_FOUND,
         NOT_FOUND,
@@ -120,6 +123,11 @@ PROBLEM_HELP: dict[str, ProblemHelp] = {
     UNAUTHORIZED.slug: ProblemHelp(
         "API keys are configured and the /v1 request carried no Authorization: Bearer header with one of them.",
         "Send one of the server's API keys as a bearer token (Authorization: Bearer <key>).",
+    ),
+    FORBIDDEN.slug: ProblemHelp(
+        "A connection to the shared-memory transport's socket came from a process of another user than the "
+        "server's (or root); it was closed.",
+        "Run the client as the server's user, or use the HTTP port, the stream or the frame transport.",
     ),
     SESSION_NOT_FOUND.slug: ProblemHelp(
         "No session has this id, or it belongs to another API key's tenant (deleted, expired after idling, "

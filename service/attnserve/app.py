@@ -55,6 +55,7 @@ from .persistence import SnapshotDir
 from .routes import problem_pages, probes, sessions, snapshots
 from .transport import http, websocket
 from .transport.frames import FrameServer
+from .transport.shm import ShmServer
 from .middleware import PROBLEM_KEY, RequestMiddleware
 from .runtime import Runtime, install_gauges
 from .warmup import warm_up
@@ -123,6 +124,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
         rt.engine = eng
         expiry: asyncio.Task[None] | None = None
         frames: FrameServer | None = None
+        shm: ShmServer | None = None
         try:
             if settings.snapshot_dir:
                 rt.persistence = SnapshotDir(settings.snapshot_dir, rt, settings.sync_interval_s)
@@ -133,15 +135,25 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 frames = FrameServer(rt)
                 await frames.start(settings.host, settings.frames_port)
                 rt.frames_port = frames.port
+            if settings.shm_socket is not None:
+                shm = ShmServer(rt)
+                await shm.start(settings.shm_socket)
+                rt.shm_socket = shm.path
             if settings.session_ttl_seconds > 0:
                 expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
         except BaseException:
             log.exception("start-up failed")
+            if frames is not None:
+                frames.stop_listening()
+            if shm is not None:
+                shm.stop_listening()  # its socket file goes
             if rt.persistence is not None:
                 await rt.persistence.stop_sync()
                 rt.persistence.close()
             if owned:
                 await asyncio.to_thread(eng.close)
+            elif previous_hooks is not None:  # the caller's engine keeps its hooks
+                eng.worker.on_batch, eng.worker.on_job_start = previous_hooks
             raise
         warmup: asyncio.Task[None] | None = None
         if settings.warmup_formats():  # the server answers (/readyz 503) while the kernels compile
@@ -161,10 +173,15 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 expiry.cancel()
             if frames is not None:
                 frames.stop_listening()
+            if shm is not None:
+                shm.stop_listening()
             if not await rt.wait_idle(settings.drain_timeout_s):
                 log.warning("drain timeout: requests still in flight", extra={"in_flight": rt.in_flight})
             if frames is not None:
                 frames.close_connections()
+            if shm is not None:
+                shm.close_connections()
+                await shm.wait_closed(1.0)  # each region unmapped as its connection goes
             if rt.persistence is not None:
                 try:
                     await rt.persistence.stop_sync()

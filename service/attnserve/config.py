@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Mapping
 from functools import lru_cache
@@ -84,6 +85,8 @@ def format_size(n: int) -> str:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
+#: Most bytes of a Unix socket's path (sun_path holds 108 with the NUL on Linux).
+_MAX_SOCKET_PATH = 107
 
 
 class Settings(BaseSettings):
@@ -108,6 +111,19 @@ class Settings(BaseSettings):
     )
     frames_max_connections: int = Field(
         default=1024, ge=1, description="Most frame-transport connections at once (past it a new one is refused)."
+    )
+    shm_socket: str | None = Field(
+        default=None,
+        description="Path of the shared-memory transport's Unix socket (the frame transport's operations, "
+        "arrays in a memory region the client shares: for a client on this host; docs/api.md, "
+        "Shared-memory transport); unset: off. Made with mode 0600 and removed at shutdown; a stale socket "
+        "there is replaced, anything else stops the start.",
+    )
+    shm_max_region_bytes: Size = Field(
+        default=256 * MiB,
+        ge=4096,
+        description="Largest memory region one shared-memory connection may share (its hello is refused "
+        "with 413 past it).",
     )
     adapter: str | None = Field(
         default=None,
@@ -279,10 +295,19 @@ class Settings(BaseSettings):
     def _lower(cls, v: object) -> object:
         return v.strip().lower() if isinstance(v, str) else v
 
-    @field_validator("adapter", "api_keys_file", "snapshot_dir", "frames_port", mode="before")
+    @field_validator("adapter", "api_keys_file", "snapshot_dir", "frames_port", "shm_socket", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("shm_socket")
+    @classmethod
+    def _socket_path(cls, v: str | None) -> str | None:
+        if v is not None and (len(os.fsencode(v)) > _MAX_SOCKET_PATH or "\0" in v):
+            raise ValueError(
+                f"a Unix socket's path is at most {_MAX_SOCKET_PATH} bytes without NUL, got {len(os.fsencode(v))}"
+            )
+        return v
 
     @field_validator("cuda_context")
     @classmethod

@@ -39,8 +39,8 @@ from .formats import KV_FORMATS
 __all__ = [
     "MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "MAX_SINKS", "MAX_WINDOW", "EXACT_FORMATS", "SESSION_ID_PATTERN",
     "Member", "members", "CreateSession", "ForkSession", "Append", "Attend", "BatchItem", "BatchItems",
-    "StackedBatch", "AppendItem", "StreamHello", "components", "ref", "array_schema", "request_body", "ok", "problems",
-    "PROBLEM_STATUSES", "Fields",
+    "StackedBatch", "AppendItem", "StreamHello", "ShmHello", "components", "ref", "array_schema", "request_body",
+    "ok", "problems", "PROBLEM_STATUSES", "Fields",
 ]  # fmt: skip
 
 MAX_LAYERS = 256
@@ -395,6 +395,13 @@ class StreamHello(BaseModel):
     key: Optional[str] = None
 
 
+class ShmHello(StreamHello):
+    """The first frame of a shared-memory connection (docs/api.md, shared-memory
+    transport): a frames hello, and the bytes of the region whose memfd it passes."""
+
+    region: int = Field(ge=1)
+
+
 # ── answers ─────────────────────────────────────────────────────────────────
 
 
@@ -533,6 +540,12 @@ class ServerInfo(BaseModel):
         None,
         description="The frame transport (docs/api.md#frame-transport-plain-tcp-arrays-as-raw-bytes): "
         "{port} on this server's host, or null when it is off.",
+    )
+    shm: Optional[dict[str, Any]] = Field(
+        None,
+        description="The shared-memory transport (docs/api.md#shared-memory-transport-same-host): "
+        "{socket, max_region_bytes}: the path of its Unix socket on this server's host and the largest "
+        "region a connection may share, or null when it is off.",
     )
 
 

@@ -367,9 +367,9 @@ class Engine:
             # the queries, and the fused rows once per row dtype the layers take, in the
             # input arena as the kernels read them (before any item can roll back)
             row_dtypes = list(dict.fromkeys(layer.row_dtype for layer in taking)) if k is not None else []
-            arrays = [] if q is None else [(q, "<f4")]
-            arrays += [(a, dtype) for dtype in row_dtypes for a in (k, v)]
-            uploaded = plan_uploads_as(batch, cast("list[tuple[np.ndarray, str]]", arrays))
+            arrays: list[tuple[np.ndarray, str]] = [] if q is None else [(q, "<f4")]
+            arrays += [(cast(np.ndarray, a), dtype) for dtype in row_dtypes for a in (k, v)]  # (k, v: given then)
+            uploaded = plan_uploads_as(batch, arrays)
             qs = outs = None
             if q is not None:
                 qs = uploaded.pop(0)

@@ -28,6 +28,7 @@ __all__ = [
     "InvalidSnapshot",
     "InvalidRequest",
     "Unauthorized",
+    "Forbidden",
     "Overloaded",
     "NotReady",
     "OutOfMemory",
@@ -136,6 +137,12 @@ class Unauthorized(ApiError):
     """401: API keys are configured and the bearer token is missing or wrong."""
 
     status, slug, title = problems.UNAUTHORIZED
+
+
+class Forbidden(ApiError):
+    """403: the peer of a shared-memory connection runs as another user."""
+
+    status, slug, title = problems.FORBIDDEN
 
 
 class Overloaded(ApiError):

@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Bound", "Metrics", "CONTENT_TYPE", "counted"]
+__all__ = ["Bound", "Metrics", "CONTENT_TYPE", "SHM_EVENTS", "counted"]
 
 # What generate_latest writes: the text exposition format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,7 +65,8 @@ class Bound(dict[str | tuple[str, ...], M]):
 def counted(counter: Counter, *labelvalues: str) -> float:
     """``counter``'s value for ``labelvalues`` (in its label names' order; none for
     a counter without labels): 0 before the first increment of that label set."""
-    for sample in counter.collect()[0].samples:
+    (family,) = counter.collect()
+    for sample in family.samples:
         if sample.name.endswith("_total") and tuple(sample.labels.values()) == labelvalues:
             return float(sample.value)
     return 0.0
@@ -95,6 +96,14 @@ class _Scraped(Collector):
     def collect(self) -> Iterator[Metric]:
         for source in self.sources:
             yield from source()
+
+
+#: The events ``attnserve_shm_events_total`` counts: a region mapped at a hello, and
+#: unmapped once its connection ended and its operations finished; an unmap deferred
+#: because an array still viewed the region (the mapping goes with the last view); a
+#: peer of another user refused; a reply's arrays sent in the frame because its
+#: ``reply_at`` could not hold them after all (logged as an error).
+SHM_EVENTS = ("mapped", "unmapped", "unmap_deferred", "peer_refused", "reply_in_frame")
 
 
 class Metrics:
@@ -168,6 +177,13 @@ class Metrics:
             "attnserve_snapshot_restores_total",
             "Snapshot files read at start, by result (ok, invalid: moved aside as .bad, skipped: kept).",
             ("result",),
+        )
+        self.shm_events = counter(
+            "attnserve_shm_events_total",
+            "Events of the shared-memory transport, by event (regions mapped and unmapped, unmaps deferred "
+            "until the last view of a region is gone, peers refused for their user, replies sent in the frame "
+            "for want of room in the region).",
+            ("event",),
         )
         self.snapshot_seconds = histogram(
             "attnserve_snapshot_seconds",

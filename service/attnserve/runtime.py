@@ -29,7 +29,7 @@ from .config import Settings
 from .engine import Engine, step_fallbacks_counter, step_plans_counter
 from .errors import NotReady
 from .formats import KV_FORMATS
-from .metrics import Metrics
+from .metrics import SHM_EVENTS, Metrics
 from .store import Session, StepReservation, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
@@ -67,6 +67,9 @@ class Runtime:
             self.metrics.auth_failures.labels(reason)
         for quota in ("sessions", "bytes"):
             self.metrics.quota_rejections.labels(quota)
+        if settings.shm_socket is not None:  # exposed from the start, at 0
+            for event in SHM_EVENTS:
+                self.metrics.shm_events.labels(event)
         self.persistence: Any = None  # a persistence.SnapshotDir when snapshot_dir is set
         self.engine: Engine | None = engine
         self.ready = False
@@ -75,6 +78,7 @@ class Runtime:
         self.in_flight = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.frames_port: int | None = None  # where the frame transport listens, once it does
+        self.shm_socket: str | None = None  # where the shared-memory transport listens, once it does
         self._idle: asyncio.Event | None = None
         self._when_ready: list[Callable[[], None]] = []
 

@@ -24,7 +24,7 @@ SLUGS = [
     for cls in ac.APIError.__subclasses__()
     if cls is not ac.APIStatusError
 ]
-assert len(SLUGS) == 16, SLUGS
+assert len(SLUGS) == 17, SLUGS
 
 
 def problem(status, slug, **extra):

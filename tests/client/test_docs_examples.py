@@ -12,8 +12,8 @@ docs/transformers.md, by their info string:
 - ```` ```python notest ````: a sketch that cannot run as it is (a signature, or
   code that needs a CUDA GPU or several servers); not run.
 
-The server serves the frame transport too (``frames_port``), as the streams
-examples need. An example that imports a module this environment lacks (torch,
+The server serves the frame and shared-memory transports too (``frames_port``,
+``shm_socket``), as the streams examples need. An example that imports a module this environment lacks (torch,
 transformers, the SmolLM2 GGUF) is skipped on a developer machine and fails under
 CI (``CI`` set), where everything is installed.
 """
@@ -95,8 +95,8 @@ def test_every_doc_has_examples_that_run():
 
 
 @pytest.fixture(scope="module")
-def server_url(start_live_server):
-    server = start_live_server(frames_port=0)
+def server_url(start_live_server, tmp_path_factory):
+    server = start_live_server(frames_port=0, shm_socket=str(tmp_path_factory.mktemp("shm") / "attnserve.sock"))
     try:
         yield server.url
     finally:

@@ -7,7 +7,14 @@ from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from attnserve.config import GiB, MiB, Settings, format_size, parse_size, unknown_env
 
-SIZE_FIELDS = ["memory_budget_bytes", "max_body_bytes", "offload_bytes", "quota_bytes_per_key", "pool_slab_bytes"]
+SIZE_FIELDS = [
+    "memory_budget_bytes",
+    "max_body_bytes",
+    "offload_bytes",
+    "quota_bytes_per_key",
+    "pool_slab_bytes",
+    "shm_max_region_bytes",
+]
 
 
 # Every form a size has been documented or accepted in, with what it has always meant:

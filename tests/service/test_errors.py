@@ -278,7 +278,9 @@ INVALID: list[tuple[str, str, Callable[[Seeded], Any], tuple[str, ...], str]] = 
     ("4d", "kv", lambda s: {"k": s.k()[None], "v": s.k()[None]}, ("json", "msgpack"), "dimensions"),
     ("v-shape", "kv", lambda s: {"k": s.k(2), "v": s.k(1)}, ("json", "msgpack"), "v"),
     ("dtype-f8", "kv", lambda s: {"k": _bad_map(s.k(), dtype="<f8"), "v": s.k()}, ("msgpack",), "dtype"),
-    ("dtype-f2", "kv", lambda s: {"k": _bad_map(s.k(), dtype="<f2"), "v": s.k()}, ("msgpack",), "dtype"),
+    ("dtype-name", "kv", lambda s: {"k": _bad_map(s.k(), dtype="float16"), "v": s.k()}, ("msgpack",), "dtype"),
+    ("dtype-kv-mixed", "kv", lambda s: {"k": s.k().astype(np.float16), "v": s.k()}, ("msgpack",), "dtype"),
+    ("bytes-of-dtype", "kv", lambda s: {"k": _bad_map(s.k(), dtype="<f2"), "v": s.k()}, ("msgpack",), "bytes"),
     ("dtype-big-endian", "kv", lambda s: {"k": _bad_map(s.k(), dtype=">f4"), "v": s.k()}, ("msgpack",), "dtype"),
     ("bytes-short", "kv", lambda s: {"k": s.k(), "v": _bad_map(s.k(), data=b"\0" * 7)}, ("msgpack",), "bytes"),
     (

@@ -421,6 +421,9 @@ class GpuWorker:
                         log.exception("after_run hook failed")
                 with self._cv:
                     self._busy = in_flight is not None
+            # the jobs' plans hold their requests' arrays (a shared-memory client's
+            # are views of its region): none is kept while the thread waits for more
+            jobs = submitted = None
 
     def _run_call(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():

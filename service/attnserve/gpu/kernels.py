@@ -166,13 +166,13 @@ def plan_answer(
 
 def _flush_answers(batch: Batch, items: list[_Answer]) -> None:
     f32 = np.dtype("<f4")
-    parts = [(a, a.out, a.dtype, a.per_item, 0) for a in items]
+    parts: list[tuple[_Answer, Seg, np.dtype[Any], int, int]] = [(a, a.out, a.dtype, a.per_item, 0) for a in items]
     parts += [(a, a.lse, f32, a.lse_rows, a.per_item) for a in items if a.lse is not None]
     rows = P.pack_array(
         P.CONVERT_PARAMS, len(parts),
         total=[a.outs.count * n for a, _, _, n, _ in parts], per_item=[n for *_, n, _ in parts],
         src_base=[a.outs.base // 4 + skip for a, *_, skip in parts], src_stride=[a.outs.stride // 4 for a, *_ in parts],
-        dst_base=[cast(Seg, dst).offset // 4 for _, dst, *_ in parts], dst_stride=0,
+        dst_base=[dst.offset // 4 for _, dst, *_ in parts], dst_stride=0,
         src_kind=ELEMENT_KINDS[f32], dst_kind=[ELEMENT_KINDS[dt] for _, _, dt, *_ in parts],
     )  # fmt: skip
     _convert(batch, whole("out"), whole("answer"), batch.upload_params(rows), rows)

@@ -186,9 +186,7 @@ FLAG_ROTATE = 1  # attention_merge: apply the TurboQuant inverse rotation
 # dispatch's workgroup_id.y): `total` elements in items of `per_item`, from word
 # src_base (stride: words per item, 0: contiguous) to word dst_base (dst_stride
 # likewise), of kind src_kind to dst_kind (0 float32, 1 float16, 2 bfloat16)
-CONVERT_PARAMS = _block(
-    "total", "per_item", "src_base", "src_stride", "dst_base", "dst_stride", "src_kind", "dst_kind"
-)
+CONVERT_PARAMS = _block("total", "per_item", "src_base", "src_stride", "dst_base", "dst_stride", "src_kind", "dst_kind")
 
 # WGSL struct name -> block, for `// #struct NAME` in the shaders
 STRUCTS = {

@@ -112,6 +112,9 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "journal": rt.persistence.journal_info() if rt.persistence is not None else None,
         "ready": bool(rt.ready and not rt.draining),
         "frames": {"port": rt.frames_port} if rt.frames_port is not None else None,
+        "shm": (
+            {"socket": rt.shm_socket, "max_region_bytes": s.shm_max_region_bytes} if rt.shm_socket is not None else None
+        ),
     }
 
 

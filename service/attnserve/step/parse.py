@@ -130,6 +130,7 @@ def append_fields(f: Fields, max_bytes: int) -> AppendRequest:
     me = max_elements(max_bytes)
     k = f.array("k", max_elements=me)
     v = f.array("v", max_elements=me)
+    _one_dtype(k, v)
     return AppendRequest(k, v, f.int("offset"))
 
 
@@ -162,11 +163,15 @@ def _fused_kv(f: Fields, elements: int, finite: bool = True) -> tuple[Any, Any]:
     v = f.array("v", max_elements=elements, finite=finite)
     if (k is None) != (v is None):
         raise InvalidRequest("k, v: a fused append needs both k and v (or neither)")
-    if k is not None and k.dtype != v.dtype:
-        raise InvalidRequest(
-            f"k, v: expected one dtype for both, got {wire.dtype_name(k)} and {wire.dtype_name(v)}"
-        )
+    if k is not None:
+        _one_dtype(k, v)
     return k, v
+
+
+def _one_dtype(k: np.ndarray, v: np.ndarray) -> None:
+    """Rows ``k`` and ``v`` go in one dtype (an engine's K and V share its model's)."""
+    if k.dtype != v.dtype:
+        raise InvalidRequest(f"k, v: expected one dtype for both, got {wire.dtype_name(k)} and {wire.dtype_name(v)}")
 
 
 def _attend_scale(f: Fields) -> float | None:

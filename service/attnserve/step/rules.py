@@ -208,7 +208,7 @@ def _check_arrays(
                 if values is not None:
                     problems[i] = values
         # the rows as received (the wire arena) and as the layer takes them (the input arena)
-        problem = _kv_binding_problem(max_binding, item_shape, max(step.k.itemsize, 2 if fmt == "f16" else 4))
+        problem = _kv_binding_problem(max_binding, item_shape, max(k.itemsize, 2 if fmt == "f16" else 4))
     if problem is not None:
         for i in rows:
             problems.setdefault(i, problem)

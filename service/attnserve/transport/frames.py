@@ -22,6 +22,11 @@ connection are in flight, one counting until its reply is handed to a socket tha
 is not over its write limit; past that the server reads nothing more from that
 connection. A frame that stalls for ``BODY_IDLE_TIMEOUT_S`` mid-way, or a
 connection that sends no hello in that time, is closed.
+
+The shared-memory transport (``transport/shm.py``) serves the same frames over a
+Unix socket: its connections are this module's, with the hooks it overrides
+(:meth:`_Connection._prepare`, :meth:`_Connection._outgoing`,
+:meth:`_Connection._released`), and its hello is checked by :func:`greet`.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from ..runtime import Runtime
 from ..store import Owner
 from .ops import Pending, Reply, begin, count_reply, error_document, request_id
 
-__all__ = ["FrameServer", "FRAMES_INSTANCE"]
+__all__ = ["ConnectionServer", "FrameServer", "FRAMES_INSTANCE", "greet", "hello_result", "decode_head"]
 
 log = logging.getLogger("attnserve")
 
@@ -52,12 +57,25 @@ log = logging.getLogger("attnserve")
 FRAMES_INSTANCE = "/v1/frames"
 
 
-class FrameServer:
-    """The listening socket and its connections."""
+class ConnectionServer:
+    """What the connections of a frame server share: the runtime, and the set of
+    those open (a connection leaves it once closed with its operations finished)."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.connections: set[_Connection] = set()
+
+    def close_connections(self) -> None:
+        """Close every connection (after the drain: what was in flight is answered)."""
+        for conn in list(self.connections):
+            conn.close()
+
+
+class FrameServer(ConnectionServer):
+    """The listening socket and its connections."""
+
+    def __init__(self, rt: Runtime):
+        super().__init__(rt)
         self._server: asyncio.base_events.Server | None = None
         self.port: int | None = None
 
@@ -71,17 +89,16 @@ class FrameServer:
         if self._server is not None:
             self._server.close()
 
-    def close_connections(self) -> None:
-        """Close every connection (after the drain: what was in flight is answered)."""
-        for conn in list(self.connections):
-            conn.close()
-
 
 class _Connection(asyncio.BufferedProtocol):
     """One client's connection: reads frames into buffers of their own size, checks
     and queues each, writes the replies as they finish."""
 
-    def __init__(self, server: FrameServer):
+    #: the ``instance`` of its problems, and the route and method of its metrics
+    INSTANCE = FRAMES_INSTANCE
+    METHOD = "TCP"
+
+    def __init__(self, server: ConnectionServer):
         self.server = server
         self.rt = server.rt
         self.transport: asyncio.Transport | None = None
@@ -141,7 +158,11 @@ class _Connection(asyncio.BufferedProtocol):
         if self.watchdog is not None:
             self.watchdog.cancel()
         if not self.tasks:
-            self.server.connections.discard(self)
+            self._released()
+
+    def _released(self) -> None:
+        """The connection is closed and its operations are finished."""
+        self.server.connections.discard(self)
 
     # ── frames in ───────────────────────────────────────────────────────────
 
@@ -175,53 +196,48 @@ class _Connection(asyncio.BufferedProtocol):
             return
         rid: Any = None
         try:
-            doc = _decode_head(view[:head_len])
+            doc = decode_head(view[:head_len])
             rid = request_id(doc)
-            _resolve_arrays(doc, view[head_len:])
-            pending = begin(self.rt, self.owner, doc, FRAMES_INSTANCE)
+            reply_to = self._prepare(doc, view[head_len:])
+            pending = begin(self.rt, self.owner, doc, self.INSTANCE)
         except Reply as r:
             self.send(r.doc, t0)
             return
         except ApiError as e:
-            self.send(error_document(rid, e, FRAMES_INSTANCE), t0)
+            self.send(error_document(rid, e, self.INSTANCE), t0)
             return
         self._hold_slot()
-        task = asyncio.get_running_loop().create_task(self._finish(pending, t0))
+        task = asyncio.get_running_loop().create_task(self._finish(pending, t0, reply_to))
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
 
+    def _prepare(self, doc: Any, body: memoryview) -> Any:
+        """Make a received request document ready for :func:`begin`: its array
+        references resolved into ``body``. Returns what :meth:`_outgoing` needs to
+        send its reply (nothing, here).
+
+        Raises:
+            ApiError: the frame's problem.
+        """
+        _resolve_arrays(doc, body)
+        return None
+
+    def _outgoing(self, doc: dict[str, Any], reply_to: Any) -> dict[str, Any]:
+        """The reply document as sent (here: as it is; its arrays go in the body)."""
+        return doc
+
     def _hello(self, head: memoryview, t0: float) -> None:
         """The first frame: the version and the key; any failure closes the connection."""
-        rt = self.rt
         rid: Any = None
         try:
-            doc = _decode_head(head)
+            doc = decode_head(head)
             rid = request_id(doc)
-            if not isinstance(doc, dict) or doc.get("op") != "hello":
-                raise InvalidRequest("frame: the first frame of a connection must be {op: hello, version: 1}")
-            f = Fields(doc, StreamHello, "hello")
-            f.int("version", lo=VERSION, hi=VERSION)
-            key = f.str("key", "")
-            if rt.keys.enabled:
-                try:
-                    self.owner = rt.keys.authenticate(b"Bearer " + key.encode() if key else None)
-                except Unauthorized as e:
-                    rt.metrics.auth_failures.labels(getattr(e, "reason", "invalid")).inc()
-                    raise
-            rt.ready_engine()
+            self.owner, _ = greet(self.rt, doc)
         except ApiError as e:
             self.refuse(rid, e, t0)
             return
         self.greeted = True
-        result = {
-            "version": VERSION,
-            "server": __version__,
-            "instance": instance_name(rt.settings.instance_name),
-            "max_head_bytes": MAX_HEAD_BYTES,
-            "max_body_bytes": rt.settings.max_body_bytes,
-            "max_in_flight": rt.settings.stream_max_in_flight,
-        }
-        self.send({"id": rid, "status": 200, "result": result}, t0)
+        self.send({"id": rid, "status": 200, "result": hello_result(self.rt)}, t0)
 
     # ── flow control ────────────────────────────────────────────────────────
 
@@ -244,13 +260,14 @@ class _Connection(asyncio.BufferedProtocol):
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         if not self.open and not self.tasks:
-            self.server.connections.discard(self)
+            self._released()
 
-    async def _finish(self, pending: Pending, t0: float) -> None:
+    async def _finish(self, pending: Pending, t0: float, reply_to: Any) -> None:
         """Await one operation and write its reply; the slot is held until the socket
         takes more (a peer that reads nothing stops being read)."""
         try:
-            self.send(await pending.reply("msgpack"), t0)
+            doc = await pending.reply("msgpack")
+            self.send(self._outgoing(doc, reply_to) if self.open else doc, t0)
             if not self.writable.is_set():
                 await self.writable.wait()
         finally:
@@ -278,14 +295,14 @@ class _Connection(asyncio.BufferedProtocol):
     # ── frames out ──────────────────────────────────────────────────────────
 
     def send(self, doc: dict[str, Any], t0: float) -> None:
-        count_reply(self.rt, doc, FRAMES_INSTANCE, "TCP", time.perf_counter() - t0)
+        count_reply(self.rt, doc, self.INSTANCE, self.METHOD, time.perf_counter() - t0)
         if not self.open or self.transport is None or self.transport.is_closing():
             return
         self.transport.writelines(frame_buffers(doc, wire.packb))
 
     def refuse(self, rid: Any, err: ApiError, t0: float | None = None) -> None:
         """Answer ``err`` and close the connection (the frames after it cannot be read)."""
-        self.send(error_document(rid, err, FRAMES_INSTANCE), time.perf_counter() if t0 is None else t0)
+        self.send(error_document(rid, err, self.INSTANCE), time.perf_counter() if t0 is None else t0)
         self.close()
 
     def close(self) -> None:
@@ -295,15 +312,56 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.close()  # after what is buffered is written
 
 
-def _decode_head(head: memoryview) -> Any:
+def decode_head(head: memoryview) -> Any:
+    """A frame's head (a MessagePack document).
+
+    Raises:
+        MalformedBody: it is none.
+    """
     try:
         return wire.unpackb(head, max_bytes=MAX_HEAD_BYTES)
     except wire.WireError as e:
         raise MalformedBody(f"frame head: {e}") from None
 
 
-def _resolve_arrays(doc: Any, body: memoryview) -> None:
+def _resolve_arrays(doc: Any, body: memoryview, region: memoryview | None = None) -> None:
     try:
-        resolve_arrays(doc, body.toreadonly())
+        resolve_arrays(doc, body.toreadonly(), region=region)
     except wire.WireError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def greet(rt: Runtime, doc: Any, model: type[StreamHello] = StreamHello) -> tuple[Owner, Fields]:
+    """Check the hello of a connection (a document of ``model``): the version and,
+    when the server has API keys, the key; and that the server takes work. Returns
+    the key's owner and the hello's members (``model``'s others are the caller's).
+
+    Raises:
+        ApiError: the problem that refuses the connection (the key is never logged).
+    """
+    if not isinstance(doc, dict) or doc.get("op") != "hello":
+        raise InvalidRequest("frame: the first frame of a connection must be {op: hello, version: 1}")
+    f = Fields(doc, model, "hello")
+    f.int("version", lo=VERSION, hi=VERSION)
+    key = f.str("key", "")
+    owner: Owner = None
+    if rt.keys.enabled:
+        try:
+            owner = rt.keys.authenticate(b"Bearer " + key.encode() if key else None)
+        except Unauthorized as e:
+            rt.metrics.auth_failures.labels(getattr(e, "reason", "invalid")).inc()
+            raise
+    rt.ready_engine()
+    return owner, f
+
+
+def hello_result(rt: Runtime) -> dict[str, Any]:
+    """The ``result`` of a hello's reply: the protocol's version, the server's and its limits."""
+    return {
+        "version": VERSION,
+        "server": __version__,
+        "instance": instance_name(rt.settings.instance_name),
+        "max_head_bytes": MAX_HEAD_BYTES,
+        "max_body_bytes": rt.settings.max_body_bytes,
+        "max_in_flight": rt.settings.stream_max_in_flight,
+    }
