@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,9 +74,12 @@ def prefill(sess, layer: int, n: int, rng, chunk: int = 1024) -> None:
 
 def open_stream(c: Client, transport: str):
     """The client's stream over ``transport`` (``stream``: the WebSocket; ``frames``:
-    the frame transport), or None for plain HTTP."""
+    the frame transport; ``shm``: the shared-memory transport, outputs read in place),
+    or None for plain HTTP."""
     if transport == "http":
         return None
+    if transport == "shm":
+        return c.stream(transport="shm", copy_outputs=False)
     return c.stream(transport="frames" if transport == "frames" else "websocket")
 
 
@@ -271,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--forms", default="items,stacked", help="batched-step body forms to run (items, stacked)")
     ap.add_argument("--skip-single", action="store_true", help="leave out the single-session runs")
     ap.add_argument("--skip-threads", action="store_true", help="leave out the thread-per-session run")
-    ap.add_argument("--transports", default="http,stream,frames", help="transports to run (http, stream, frames)")
+    ap.add_argument("--transports", default="http,stream,frames", help="transports to run (http, stream, frames, shm)")
     ap.add_argument("--dtypes", default="f32", help="the arrays' dtypes to run (f32, f16, bf16)")
     ap.add_argument("--json-out", type=Path)
     args = ap.parse_args(argv)
@@ -280,6 +284,7 @@ def main(argv=None) -> int:
         "ATTNSERVE_MEMORY_BUDGET_BYTES": str(64 << 30),
         "ATTNSERVE_DEFAULT_MAX_TOKENS": "200000",
         "ATTNSERVE_FRAMES_PORT": "0",  # the frame transport on a free port
+        "ATTNSERVE_SHM_SOCKET": str(Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "shm.sock"),
     }
     transports = args.transports.split(",")
     runs = [(t, 1) for t in transports] + [(t, args.pipeline) for t in transports if t != "http" and args.pipeline > 1]
