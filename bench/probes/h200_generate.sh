@@ -11,6 +11,10 @@
 #     attnserve f32 and tq4v3/s4w128; then the formats' fidelity through transformers
 #   bash bench/probes/h200_generate.sh fidelity OUT_DIR GGUF
 #     the formats' fidelity through transformers alone
+#   bash bench/probes/h200_generate.sh micro OUT_DIR
+#     micro-batches in flight (issue 43 item 5): a random SmolLM2-shaped model in float32,
+#     batch 32 and 1, prompt 1,024, 64 new tokens: sdpa, generate() on attnserve f32, and
+#     generate_overlapped unsplit (mb1) and in 2 micro-batches (mb2), over the frame transport
 set -u
 MODE=${1:?tests or bench}
 OUTDIR=${2:?out dir}
@@ -26,6 +30,11 @@ if [ "$MODE" = step ]; then  # the stacked decode call alone, as the cache sends
     timeout 150 python3 bench/probes/generate_step.py --adapter nvidia --batch $1 --layers $2 --context 1024 --calls 300 \
       2>&1 | grep variant
   done
+  exit 0
+fi
+if [ "$MODE" = micro ]; then
+  timeout 560 python3 bench/generate.py --adapter nvidia --random smollm2-135m --dtype float32 --batches 32,1 \
+    --prompt 1024 --new 64 --settings f32 --micro-batches 1,2 --transport frames --out "$OUTDIR/generate-micro.json" 2>&1
   exit 0
 fi
 GGUF=${3:?gguf}

@@ -23,6 +23,10 @@ the server. Long prompts go in chunks of rows (``max_chunk_bytes`` a request),
 pipelined on the stream. Beam search and ``num_return_sequences`` reorder and copy
 sequences with forks. See ``docs/transformers.md``.
 
+:func:`generate_overlapped` (``_micro_batches.py``) is a greedy loop of its own for
+Llama-family models: it runs the layers with the batch split into micro-batches
+whose calls on the cache's stream overlap each other's torch work.
+
 Needs ``torch`` and ``transformers`` >= 5 (the extra ``attnserve-client[transformers]``
 asks for >= 5.24, where ``generate`` takes the cache as ``cache=``; before, it was
 ``past_key_values=``, which 5.24 and later still take, with a ``FutureWarning``).
@@ -32,7 +36,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,7 +51,14 @@ from transformers.masking_utils import AttentionMaskInterface
 from . import tensors
 from ._steps import AttendItem, BatchError
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttnServeCache", "attention", "padding_mask"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "AttnServeCache",
+    "OverlappedGeneration",
+    "attention",
+    "generate_overlapped",
+    "padding_mask",
+]
 
 #: The name to give transformers: ``attn_implementation="attnserve"``.
 ATTN_IMPLEMENTATION = "attnserve"
@@ -74,6 +88,11 @@ class _Timeline(CacheLayerMixin):
         self.is_initialized = True
         self.seen += key_states.shape[-2]
         return key_states, value_states
+
+    def advance(self, positions: int) -> None:
+        """Count ``positions`` run outside ``update`` (``generate_overlapped``)."""
+        self.is_initialized = True
+        self.seen += positions
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -110,7 +129,7 @@ class AttnServeCache(Cache):
         client: an :class:`attnserve_client.Client`.
         config: the model's config (``model.config``): layers, heads, head_dim.
         kv_format: the sessions' kv format, one for all layers or one per layer.
-        transport: the stream's transport, ``"websocket"`` or ``"frames"``.
+        transport: the stream's transport, ``"websocket"``, ``"frames"`` or ``"shm"`` (a server on this host).
         max_chunk_bytes: the most q, k, v bytes (in the model's dtype) of one
             request: longer prompts are sent in chunks of rows.
         keep_sessions: leave the sessions on the server at :meth:`close`.
@@ -119,7 +138,9 @@ class AttnServeCache(Cache):
 
     ``stats`` counts the attention calls, their seconds, and the seconds of those
     spent waiting on the server (the rest is this process's conversions, encoding
-    and bookkeeping). Use it as a context manager, or call :meth:`close`.
+    and bookkeeping); ``overlapped_seconds``: of the calls' round trips, the seconds
+    this process spent on other work while they were in flight (only
+    :func:`generate_overlapped` has any). Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -143,7 +164,7 @@ class AttnServeCache(Cache):
         self.keep_sessions = keep_sessions
         self.stream = client.stream(transport=transport)
         self.sessions: list[Any] = []
-        self.stats = {"calls": 0, "seconds": 0.0, "server_seconds": 0.0}
+        self.stats = {"calls": 0, "seconds": 0.0, "server_seconds": 0.0, "overlapped_seconds": 0.0}
         self._broken: str | None = None
 
     # -- transformers' Cache ------------------------------------------------------
@@ -263,89 +284,154 @@ class AttnServeCache(Cache):
         sequence and attend ``query`` (``[B, heads, n, d]``) over it; ``real[b, i]``
         says whether row ``i`` of sequence ``b`` is a token (None: all are). Returns
         ``[B, n, heads, d]`` on ``query``'s device in its dtype, zero at padding."""
+        if not self.sessions:
+            batch, heads, _, d = query.shape
+            with self._out_of_step_on_failure():
+                self._make_sessions(batch, heads, key.shape[1], d)
+        return self._collect(self._send(layer, query, key, value, real, scale, causal))
+
+    @contextmanager
+    def _out_of_step_on_failure(self, what: str = "a failed attention call") -> Iterator[None]:
+        """A failure in the block leaves the cache out of step with the server (the
+        layers' timeline moved at update(), the server may hold some of the rows):
+        it refuses every use until reset(). A batch whose items failed raises the
+        first sequence's own error (all are in its chain)."""
+        try:
+            yield
+        except BaseException as exc:
+            self._broken = f"{what} left the cache out of step with the server: {exc!r}"
+            if isinstance(exc, BatchError):
+                raise next(iter(exc.errors.values())) from exc
+            raise
+
+    def _send(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        real: np.ndarray | None,
+        scale: float | None,
+        causal: bool,
+        rows: slice = slice(None),
+    ) -> _InFlight:
+        """Send :meth:`attend`'s fused append + attend for the sequences ``rows`` of
+        the batch (their sessions made), without waiting: :meth:`_collect` takes its
+        answer. Calls of disjoint ``rows`` may be in flight together on the stream."""
         started = time.perf_counter()
         batch, heads, n, d = query.shape
         kv_heads = key.shape[1]
-        try:
-            if not self.sessions:
-                self._make_sessions(batch, heads, kv_heads, d)
-            if batch != len(self.sessions):
-                raise ValueError(f"a batch of {batch} sequences for a cache of {len(self.sessions)}")
+        with self._out_of_step_on_failure():
+            sessions = self.sessions[rows]
+            if batch != len(sessions):
+                raise ValueError(f"a batch of {batch} sequences for {len(sessions)} sessions of the cache")
             # [B, n, H, d] on the host, in the model's dtype (bfloat16, float16 and
             # float32 as they are; float64 as float32); the output comes back in q's
             q = tensors.as_wire_array(query.transpose(1, 2), name="q")
             k = tensors.as_wire_array(key.transpose(1, 2), name="k")
             v = tensors.as_wire_array(value.transpose(1, 2), name="v")
             row_bytes = batch * d * (heads * q.itemsize + 2 * kv_heads * k.itemsize)
-            rows = max(1, self.max_chunk_bytes // row_bytes)
-            out = np.zeros((batch, n, heads, d), q.dtype)  # zero bits: 0.0 in every wire dtype
+            chunk_rows = max(1, self.max_chunk_bytes // row_bytes)
+            call = _InFlight(layer, query, np.zeros((batch, n, heads, d), q.dtype))  # zero bits: 0.0 in every dtype
             if real is None or real.all():
-                waited = self._stacked(layer, q, k, v, out, rows, scale, causal)
+                self._stacked(call, sessions, q, k, v, chunk_rows, scale, causal)
             else:
-                waited = self._items(layer, q, k, v, real, out, rows, scale, causal)
-        except BaseException as exc:
-            # the layers' timeline moved at update(): every failure leaves the cache out of step
-            self._broken = f"a failed attention call left the cache out of step with the server: {exc!r}"
-            if isinstance(exc, BatchError):  # the first sequence's own error (all are in the chain)
-                raise next(iter(exc.errors.values())) from exc
-            raise
-        answer: torch.Tensor = tensors.answer(out, query)
+                self._items(call, sessions, q, k, v, real, chunk_rows, scale, causal)
+        call.sent_at = time.perf_counter()
+        call.host_seconds = call.sent_at - started
+        return call
+
+    def _collect(self, call: _InFlight) -> torch.Tensor:
+        """Wait for the answers of a call :meth:`_send` sent; its output as
+        :meth:`attend` returns it. Counts the call in ``stats``."""
+        started = time.perf_counter()
+        with self._out_of_step_on_failure():
+            for chunk, fut in call.chunks:
+                call.out[:, chunk] = fut.result()
+            for where, fut in call.items:
+                for (b, sel), got in zip(where, fut.result()):
+                    call.out[b, sel] = got
+        waited = time.perf_counter() - started
+        answer: torch.Tensor = tensors.answer(call.out, call.query)
         self.stats["calls"] += 1
-        self.stats["seconds"] += time.perf_counter() - started
+        self.stats["seconds"] += call.host_seconds + time.perf_counter() - started
         self.stats["server_seconds"] += waited
+        # of the round trip, what passed before this wait began: this process's other work
+        self.stats["overlapped_seconds"] += max(0.0, min(call.answered_at(), started) - call.sent_at)
         return answer
 
-    def _held(self, layer: int) -> np.ndarray:
-        """The rows each sequence's session holds in ``layer`` (its real tokens only:
+    @staticmethod
+    def _held(sessions: list[Any], layer: int) -> np.ndarray:
+        """The rows each of ``sessions`` holds in ``layer`` (its real tokens only:
         padding is never sent), as the client tracks them from every answer."""
-        return np.array([s.lengths[layer] for s in self.sessions], np.int64)
+        return np.array([s.lengths[layer] for s in sessions], np.int64)
 
     def _stacked(
-        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, rows: int,
+        self, call: _InFlight, sessions: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: int,
         scale: float | None, causal: bool,
-    ) -> float:  # fmt: skip
+    ) -> None:  # fmt: skip
         """Every sequence adds all its n rows: stacked steps of ``rows`` rows each."""
         n = q.shape[1]
-        base = self._held(layer)
-        futures = []
+        base = self._held(sessions, call.layer)
         for c in range(0, n, rows):
-            part = slice(c, c + rows)
-            futures.append((part, self.stream.submit_attend_stacked(
-                self.sessions, layer, q[:, part], k[:, part], v[:, part],
+            chunk = slice(c, c + rows)
+            call.add_chunk(chunk, self.stream.submit_attend_stacked(
+                sessions, call.layer, q[:, chunk], k[:, chunk], v[:, chunk],
                 offsets=(base + c).tolist(), scale=scale, causal=causal,
-            )))  # fmt: skip
-        t0 = time.perf_counter()
-        for part, fut in futures:
-            out[:, part] = fut.result()
-        waited = time.perf_counter() - t0
-        return waited
+            ))  # fmt: skip
 
     def _items(
-        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, real: np.ndarray, out: np.ndarray,
+        self, call: _InFlight, sessions: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray, real: np.ndarray,
         rows: int, scale: float | None, causal: bool,
-    ) -> float:  # fmt: skip
+    ) -> None:  # fmt: skip
         """Each sequence adds only its real rows: one item per sequence and chunk."""
         picked = [np.flatnonzero(r) for r in real]
         longest = max(len(p) for p in picked)
-        base = self._held(layer)
-        futures = []
+        base = self._held(sessions, call.layer)
         for c in range(0, longest, rows):
             items, where = [], []
             for b, p in enumerate(picked):
                 sel = p[c : c + rows]
                 if len(sel):
                     items.append(AttendItem(
-                        self.sessions[b], layer, q[b, sel], k[b, sel], v[b, sel],
+                        sessions[b], call.layer, q[b, sel], k[b, sel], v[b, sel],
                         offset=int(base[b] + c), scale=scale, causal=causal,
                     ))  # fmt: skip
                     where.append((b, sel))
-            futures.append((where, self.stream.submit_attend_batch(items)))
-        t0 = time.perf_counter()
-        for where, fut in futures:
-            for (b, sel), got in zip(where, fut.result()):
-                out[b, sel] = got
-        waited = time.perf_counter() - t0
-        return waited
+            call.add_items(where, self.stream.submit_attend_batch(items))
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One attention call sent on the stream (``AttnServeCache._send``) whose answers
+    are not collected yet: its requests' futures, and where their answers go."""
+
+    layer: int
+    query: torch.Tensor  # the queries as given: the output comes back on their device, in their dtype
+    out: np.ndarray  # [B, n, heads, d]: zero at padding, filled as the answers are collected
+    chunks: list[tuple[slice, Future[Any]]] = field(default_factory=list)  # stacked steps: their rows
+    items: list[tuple[list[tuple[int, np.ndarray]], Future[Any]]] = field(default_factory=list)  # (sequence, rows)
+    sent_at: float = 0.0  # when the last request was sent (time.perf_counter)
+    host_seconds: float = 0.0  # this process's time converting and sending
+    answered: list[float] = field(default_factory=list)  # when each answer arrived (the stream's reader appends)
+
+    def add_chunk(self, chunk: slice, fut: Future[Any]) -> None:
+        self.chunks.append((chunk, fut))
+        self._time(fut)
+
+    def add_items(self, where: list[tuple[int, np.ndarray]], fut: Future[Any]) -> None:
+        self.items.append((where, fut))
+        self._time(fut)
+
+    def _time(self, fut: Future[Any]) -> None:
+        fut.add_done_callback(lambda _: self.answered.append(time.perf_counter()))
+
+    def answered_at(self) -> float:
+        """When the last answer arrived (once every future is done)."""
+        return max(self.answered, default=self.sent_at)
+
+    def futures(self) -> list[Future[Any]]:
+        return [fut for _, fut in self.chunks] + [fut for _, fut in self.items]
 
 
 def padding_mask(
@@ -408,3 +494,6 @@ def attention(
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+
+# the micro-batch loop (it uses the cache above): attnserve_client.transformers.generate_overlapped
+from ._micro_batches import OverlappedGeneration, generate_overlapped  # noqa: E402

@@ -286,3 +286,211 @@ def test_a_half_model_sends_its_own_dtype_and_gets_it_back(client, dtype, monkey
         assert worst <= 8 * torch.finfo(dtype).eps * scale, worst
         assert {(n, d) for n, d in sent if n in ("q", "k", "v")} == {("q", name), ("k", name), ("v", name)}
     assert answered and all(a.dtype == dtype for a in answered)
+
+
+# -- micro-batches in flight: generate_overlapped ----------------------------------------
+
+LENGTHS = [7, 3, 12, 5, 9]
+# against the plain attnserve path: the same answers; a micro-batch's matrix products round
+# differently from the whole batch's (measured: 1.2e-5 at most, logits of a few units)
+MB_LOGIT_TOL = 1e-4
+
+
+def overlapped(model, inputs, client, cache_options=None, **kw):
+    """``generate_overlapped`` on a fresh cache; its result and the cache's sessions' ids."""
+    with ast.AttnServeCache(client, model.config, **(cache_options or {})) as cache:
+        got = ast.generate_overlapped(
+            model, inputs["input_ids"], cache, attention_mask=inputs["attention_mask"], output_logits=True, **kw
+        )
+        ids = [s.session_id for s in cache.sessions]
+    return got, ids
+
+
+def assert_same_as_plain(plain, got, steps=None):
+    """The overlapped loop's tokens are the plain path's, its logits within float32's
+    tolerance of them (at every step, or only the ``steps`` given)."""
+    assert torch.equal(plain.sequences, got.sequences)
+    assert len(got.logits) == len(plain.logits)
+    for s, (a, b) in enumerate(zip(plain.logits, got.logits)):
+        if steps is None or s in steps:
+            assert torch.allclose(a, b, rtol=MB_LOGIT_TOL, atol=MB_LOGIT_TOL), (s, float((a - b).abs().max()))
+
+
+SPLITS = {(1, 2): [1], (2, 2): [1, 1], (3, 2): [2, 1], (5, 2): [3, 2], (5, 3): [2, 2, 1]}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "arch, batch, micro_batches",
+    [(arch, batch, 2) for arch in ("llama", "qwen2") for batch in (1, 2, 3, 5)]
+    + [("qwen3", 3, 2), ("mistral", 5, 2), ("llama", 5, 3)],
+)
+def test_micro_batches_give_the_tokens_of_sdpa_and_of_the_plain_path(arch, batch, micro_batches, client):
+    model = small_model(arch)
+    inputs = padded_ids(LENGTHS[:batch])  # left-padded prompts of different lengths (one alone: none)
+    new = dict(max_new_tokens=10, min_new_tokens=10)  # every sequence runs all 10 steps
+    ref, plain, _ = generate(model, inputs, client, **new, **KW)
+    assert_same_generation(ref, plain)
+    got, ids = overlapped(model, inputs, client, micro_batches=micro_batches, **new)
+    assert torch.equal(got.sequences, ref.sequences)
+    assert_same_as_plain(plain, got)
+    stats = got.stats
+    sizes = SPLITS[batch, micro_batches]
+    assert stats["micro_batches"] == len(sizes) and stats["micro_batch_sizes"] == sizes
+    assert (stats["fallback"] is not None) == (batch == 1)
+    assert stats["steps"] == 10
+    assert stats["attention_calls"] == 10 * 2 * len(sizes)  # a call per step, layer and micro-batch
+    assert 0 <= stats["server_seconds"] <= stats["attention_seconds"] <= stats["seconds"]
+    assert stats["overlapped_seconds"] >= 0
+    assert len(ids) == batch and not set(ids) & live_ids(client)
+
+
+def test_one_micro_batch_is_the_plain_loop(client, caplog):
+    model = small_model("llama")
+    with caplog.at_level("WARNING", logger="attnserve_client.transformers"):
+        got, _ = overlapped(model, padded_ids([6]), client, max_new_tokens=3, min_new_tokens=3)
+    assert got.stats["micro_batches"] == 1
+    assert "nothing overlaps" in got.stats["fallback"]
+    assert any("nothing overlaps" in r.getMessage() for r in caplog.records)
+    # asked for: no fallback; the loop over the whole batch is the model's forward bit for bit
+    inputs = padded_ids(LENGTHS)
+    _, plain, _ = generate(model, inputs, client, max_new_tokens=4, min_new_tokens=4, **KW)
+    got, _ = overlapped(model, inputs, client, max_new_tokens=4, min_new_tokens=4, micro_batches=1)
+    assert got.stats["micro_batches"] == 1 and got.stats["fallback"] is None
+    assert torch.equal(got.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(plain.logits, got.logits))
+
+
+def test_micro_batches_take_turns_with_their_calls_in_flight(client, monkeypatch):
+    """While one micro-batch's call is on the server the other's torch work runs:
+    each sends its call, then collects the other's; a micro-batch goes on to its
+    next step without waiting for the other's tokens. One micro-batch alternates."""
+    model = small_model("llama")
+    events = []
+    send, collect = ast.AttnServeCache._send, ast.AttnServeCache._collect
+
+    def spy_send(self, layer, *args):
+        call = send(self, layer, *args)
+        call.who = "AB"[args[-1].start or 0]
+        events.append(("send", call.who, layer))
+        return call
+
+    def spy_collect(self, call):
+        events.append(("collect", call.who, call.layer))
+        return collect(self, call)
+
+    monkeypatch.setattr(ast.AttnServeCache, "_send", spy_send)
+    monkeypatch.setattr(ast.AttnServeCache, "_collect", spy_collect)
+    overlapped(model, padded_ids([5, 8]), client, max_new_tokens=2, min_new_tokens=2)
+    s, c = "send", "collect"
+    step = [(s, "A", 0), (s, "B", 0), (c, "A", 0), (s, "A", 1), (c, "B", 0), (s, "B", 1), (c, "A", 1)]
+    # A's layer 1 answered: its token, then its next step's layer 0 while B's layer 1 is on the server
+    assert events == step + [(s, "A", 0), (c, "B", 1), (s, "B", 0), (c, "A", 0), (s, "A", 1), (c, "B", 0)] + [
+        (s, "B", 1),
+        (c, "A", 1),
+        (c, "B", 1),
+    ]
+    events.clear()
+    overlapped(model, padded_ids([5, 8]), client, max_new_tokens=2, min_new_tokens=2, micro_batches=1)
+    assert events == [(what, "A", layer) for _ in range(2) for layer in (0, 1) for what in (s, c)]
+
+
+def test_long_prompts_go_in_chunks_in_micro_batches(client):
+    model = small_model("llama")
+    inputs = padded_ids([150, 90, 40])  # micro-batches of 2 and 1, padded: items in chunks
+    new = dict(max_new_tokens=4, min_new_tokens=4)
+    _, plain, _ = generate(model, inputs, client, {"max_chunk_bytes": 10_240}, **new, **KW)
+    got, _ = overlapped(model, inputs, client, {"max_chunk_bytes": 10_240}, **new)
+    assert_same_as_plain(plain, got)
+    unpadded = {k: v[:, -40:] for k, v in inputs.items()}  # all 40 rows of each: stacked steps in chunks
+    _, plain, _ = generate(model, unpadded, client, {"max_chunk_bytes": 5_000}, **new, **KW)
+    got, _ = overlapped(model, unpadded, client, {"max_chunk_bytes": 5_000}, **new)
+    assert_same_as_plain(plain, got)
+
+
+def first_new_token(row: torch.Tensor, others: torch.Tensor) -> int:
+    """A token ``row`` generates first at some step past its first and ``others`` never do."""
+    for s in range(1, len(row)):
+        t = int(row[s])
+        if t not in row[:s].tolist() and t not in others.reshape(-1).tolist():
+            return t
+    raise AssertionError("no such token: change the prompts' seed")
+
+
+def test_eos_stops_a_micro_batch_on_its_own(client):
+    """A micro-batch whose every sequence reached EOS stops (its later tokens are
+    padding, as generate's; its logits NaN); the other goes on. The sequences are
+    generate's, whether one micro-batch stops early or both before max_new_tokens."""
+    model = small_model("llama")
+    inputs = padded_ids([5, 8])
+    width = inputs["input_ids"].shape[1]
+    ref, _, _ = generate(model, inputs, client, max_new_tokens=12, min_new_tokens=12, **KW)
+    new = ref.sequences[:, width:]
+    eos_a = first_new_token(new[0], new[1])
+    ref, plain, _ = generate(model, inputs, client, max_new_tokens=12, eos_token_id=eos_a, **KW)
+    assert_same_generation(ref, plain)
+    got, _ = overlapped(model, inputs, client, max_new_tokens=12, eos_token_id=eos_a)
+    stop = int((new[0] == eos_a).nonzero()[0])  # A's last step
+    assert got.sequences.shape == ref.sequences.shape == (2, width + 12)
+    assert torch.equal(got.sequences, ref.sequences) and (got.sequences[0, width + stop + 1 :] == 0).all()
+    assert_same_as_plain(plain, got, steps=range(stop + 1))
+    assert all(bool(got.logits[s][0].isnan().all()) for s in range(stop + 1, 12))  # A ran no more steps
+    assert all(torch.allclose(got.logits[s][1], plain.logits[s][1], atol=MB_LOGIT_TOL) for s in range(12))
+    assert got.stats["steps"] == 12
+    eos_b = first_new_token(new[1], new[0][: stop + 1])
+    ref, _, _ = generate(model, inputs, client, max_new_tokens=12, eos_token_id=[eos_a, eos_b], **KW)
+    got, _ = overlapped(model, inputs, client, max_new_tokens=12, eos_token_id=[eos_a, eos_b])
+    assert torch.equal(got.sequences, ref.sequences)
+    assert got.stats["steps"] == ref.sequences.shape[1] - width
+
+
+def test_micro_batch_refusals(client):
+    model = small_model("llama")
+    inputs = padded_ids([4, 6])
+    with ast.AttnServeCache(client, model.config) as cache:
+        run = lambda m=model, **kw: ast.generate_overlapped(  # noqa: E731
+            m, inputs["input_ids"], cache, 2, **{"attention_mask": inputs["attention_mask"], **kw}
+        )
+        gpt2 = AutoModelForCausalLM.from_config(
+            transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96)
+        ).eval()
+        with pytest.raises(ValueError, match="runs the layers of LlamaForCausalLM"):
+            run(gpt2)
+        with pytest.raises(ValueError, match="left-padded"):
+            run(attention_mask=inputs["attention_mask"].flip(1))
+        with pytest.raises(ValueError, match="micro_batches"):
+            run(micro_batches=0)
+        model.train()
+        with pytest.raises(ValueError, match="eval mode"):
+            run()
+        model.eval()
+        model.generation_config.repetition_penalty = 1.3
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            run()
+        model.generation_config.repetition_penalty = None
+        assert not cache.sessions  # nothing was made
+        out = run()
+        assert out.sequences.shape == (2, 8) and cache.get_seq_length() == 6 + 1
+        with pytest.raises(ValueError, match="fresh cache"):
+            run()
+    dynamic = transformers.LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(dynamic).eval()
+    with ast.AttnServeCache(client, model.config) as cache:
+        with pytest.raises(ValueError, match="'dynamic' rotary embedding"):
+            ast.generate_overlapped(model, inputs["input_ids"], cache, 2)
+
+
+def test_a_failed_micro_batch_leaves_the_cache_refusing(client):
+    model = small_model("llama")
+    before = live_ids(client)
+    with ast.AttnServeCache(client, model.config, max_tokens=16) as cache:
+        with pytest.raises(ac.CapacityExceeded):
+            ast.generate_overlapped(model, padded_ids([10, 4])["input_ids"], cache, 20, min_new_tokens=20)
+        with pytest.raises(RuntimeError, match="out of step"):
+            ast.generate_overlapped(model, padded_ids([3])["input_ids"], cache, 2)
+        cache.reset()  # a fresh start
+        out = ast.generate_overlapped(model, padded_ids([3, 3])["input_ids"], cache, 2)
+        assert out.sequences.shape == (2, 5)
+        assert len(live_ids(client) - before) == 2
+    assert live_ids(client) == before
