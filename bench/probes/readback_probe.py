@@ -20,6 +20,12 @@ the driver waits for it up to the interpreter's switch interval, 5 ms by default
 ``--switch-intervals`` runs them under each interval given). Every readback is checked (the
 dispatch writes the iteration's number). Prints one JSON document.
 
+It measures a tiny submission only: what a way of waiting costs once the work is
+done. It cannot show how late a way wakes after longer work. On the H100 the
+blocking poll on the submitting thread won here (64 µs against 110) but made a
+2 ms stacked step 5x slower in the service (docs/benchmarks.md, "Half precision on
+the wire"): check a change to the service's wait with a stacked step.
+
     python bench/probes/readback_probe.py [--adapter nvidia] [--iters 2000] [--json-out FILE]
 """
 
