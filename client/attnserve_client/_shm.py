@@ -27,6 +27,7 @@ from . import framing, wire
 from ._streams import (
     AsyncStream,
     Stream,
+    _AsyncFrameChannel,
     _AsyncLink,
     _frame_lengths,
     _hello,
@@ -481,17 +482,19 @@ class ShmStream(Stream):
 # -- asyncio ------------------------------------------------------------------
 
 
-class _AsyncShmChannel:
-    """:class:`_ShmChannel` for asyncio."""
+class _AsyncShmChannel(_AsyncFrameChannel):
+    """:class:`_ShmChannel` for asyncio: the frames' channel over a Unix socket,
+    its arrays in the region."""
 
     what = "shm"
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, region: _Region):
-        self._reader, self._writer, self.region = reader, writer, region
+        super().__init__(reader, writer)
+        self.region = region
         region.freed = asyncio.Event()
 
     @classmethod
-    async def open(cls, target: ShmTarget, open_timeout: float | None) -> _AsyncShmChannel:
+    async def open(cls, target: ShmTarget, open_timeout: float | None) -> _AsyncShmChannel:  # type: ignore[override]
         region = _Region(target.region_bytes, target.copy_outputs)
         try:
             sock = await asyncio.to_thread(_connect, target, region, open_timeout)
@@ -548,16 +551,8 @@ class _AsyncShmChannel:
             self.region.end(self.what, exc)
             raise
 
-    async def close(self) -> None:
-        if self._writer.can_write_eof():
-            self._writer.write_eof()  # the server answers what it read, then closes
-
     async def release(self) -> None:
-        self._writer.close()
-        try:
-            await self._writer.wait_closed()
-        except OSError:  # the server closed first
-            pass
+        await super().release()
         self.region.end(self.what, None)
         self.region.close()
 
@@ -567,7 +562,7 @@ class _AsyncShmLink(_AsyncLink):
 
     def __init__(self, channel: _AsyncShmChannel):
         self._shm = channel
-        super().__init__(channel)  # type: ignore[arg-type]  # a channel like the frames' (send is send_staged)
+        super().__init__(channel)  # a frames channel (its send unused: calls go through send_staged)
 
     async def call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
         if self._closed is not None:

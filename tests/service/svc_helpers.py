@@ -116,8 +116,87 @@ class Scrape:
         return frozenset(labels.items()) in self.samples.get(name, {})
 
 
+#: The twins' shapes and formats of the transports' bit-identity tests.
+TWIN_SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "tq4")]
+
+
+def drive_twins(client: Any, under_test: Any, beside: Any, rng: np.random.Generator) -> None:
+    """Three twins of each of :data:`TWIN_SHAPES`: one driven over the stream
+    ``under_test`` (stacked steps and a batched step of items, fused decode steps one
+    by one pipelined, appends across a page border), one over the stream ``beside``
+    (stacked steps), one by one over HTTP: every output bit-identical, f32 within the
+    float64 oracle's tolerance."""
+    from attnserve_client import AttendItem
+
+    for h, hkv, d, fmt in TWIN_SHAPES:
+        spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt, seed=7)
+        tested = [client.create_session(**spec) for _ in range(3)]
+        besides = [client.create_session(**spec) for _ in range(3)]
+        by_http = [client.create_session(**spec) for _ in range(3)]
+        models = [Model(h, hkv, d, layers=2) for _ in range(3)]
+        for n in [37, 1, 29, 1, 1]:  # 68 timesteps: past a page border (page 64)
+            for layer in (0, 1):
+                q = np.stack([rows(rng, n, h, d) for _ in range(3)])
+                k = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
+                v = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
+                for i, m in enumerate(models):
+                    m.add(layer, k[i], v[i])
+                want = [s.attend(layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(by_http)]
+                got_beside = beside.attend_stacked(besides, layer, q, k, v)
+                if n > 1:  # a stacked step, and a batched step of items
+                    got = list(under_test.attend_stacked(tested[:2], layer, q[:2], k[:2], v[:2]))
+                    got += under_test.attend_batch([AttendItem(tested[2], layer, q[2], k[2], v[2])])
+                else:  # fused decode steps one by one, pipelined
+                    futs = [under_test.submit_attend(s, layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(tested)]
+                    got = [f.result(timeout=60) for f in futs]
+                for i in range(3):
+                    assert got[i].dtype == np.float32 and got[i].shape == want[i].shape
+                    assert got[i].tobytes() == want[i].tobytes() == got_beside[i].tobytes()
+                    if fmt == "f32":
+                        assert rel_err(got[i], models[i].attention(layer, q[i])) <= F32_TOL
+        for i, s in enumerate(tested):
+            assert under_test.append(s, 0, k[i], v[i]) == models[i].lengths[0] + n
+            assert s.info().lengths[0] == models[i].lengths[0] + n
+        for s in tested + besides + by_http:
+            s.delete()
+
+
+def errors_stay_per_operation(client: Any, stream: Any, rng: np.random.Generator) -> Any:
+    """Problems over ``stream`` are each one operation's and change nothing: an
+    unknown session, an offset mismatch, a batch with one bad item among good ones,
+    then a ping on the same stream. Returns the session (3 timesteps) for the
+    caller's own checks; the caller deletes it."""
+    import pytest
+
+    from attnserve_client import AttendItem, BatchError, OffsetMismatch, SessionNotFound
+
+    s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+    assert stream.append(s, 0, rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)) == 3
+    with pytest.raises(SessionNotFound):
+        stream.attend("nope", 0, rows(rng, 1, 2, 8))
+    with pytest.raises(OffsetMismatch) as e:
+        stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=7)
+    assert e.value.length == 3
+    with pytest.raises(BatchError) as be:
+        stream.attend_batch(
+            [
+                AttendItem(s, 0, rows(rng, 1, 2, 8)),
+                AttendItem("nope", 0, rows(rng, 1, 2, 8)),
+                AttendItem(s, 0, rows(rng, 1, 2, 8)),
+            ]
+        )
+    assert isinstance(be.value.results[0], np.ndarray) and isinstance(be.value.errors[1], SessionNotFound)
+    assert isinstance(be.value.results[2], np.ndarray)
+    stream.ping()
+    assert s.info().lengths == (3,)
+    return s
+
+
 class RawFrames:
     """A bare socket speaking the framing, for what the client library never sends."""
+
+    #: the shared-memory region a reply's ``shm`` references point into (RawShm's)
+    region: memoryview | None = None
 
     def __init__(self, port: int, hello: bool = True, key: str | None = None):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -135,7 +214,7 @@ class RawFrames:
         head_len, body_len = read_prefix(prefix)
         buf = self._exactly(head_len + body_len)
         doc = wire.unpackb(buf[:head_len], max_bytes=1 << 20)
-        resolve_arrays(doc, memoryview(buf)[head_len:])
+        resolve_arrays(doc, memoryview(buf)[head_len:], region=self.region)
         return doc
 
     def call(self, doc):

@@ -17,19 +17,16 @@ from attnserve.transport import frames as frames_module
 from attnserve.config import Settings
 from attnserve_client import (
     AsyncClient,
-    AttendItem,
-    BatchError,
     Client,
     InvalidInput,
     NotReady,
-    OffsetMismatch,
     SessionNotFound,
     Unauthorized,
     wire,
 )
 from attnserve_client.errors import APIConnectionError
 from attnserve_client.framing import PREFIX, frame_buffers
-from svc_helpers import F32_TOL, LiveServer, Model, RawFrames, rel_err, rows
+from svc_helpers import F32_TOL, LiveServer, Model, RawFrames, drive_twins, errors_stay_per_operation, rel_err, rows
 
 
 @pytest.fixture(scope="module")
@@ -39,74 +36,18 @@ def fserver(engine):
     srv.stop()
 
 
-SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "tq4")]
-
-
 def test_frames_are_bit_identical_to_the_stream_and_to_single_calls(fserver, rng):
     """Three twins of each shape and format: one driven over the frames (single,
     batched items and stacked steps, with appends across page borders), one over the
     WebSocket stream, one by one over HTTP: every output bit-identical, f32 within
     the oracle's tolerance."""
-    with (
-        Client(fserver.url) as client,
-        client.stream(transport="frames") as fs,
-        client.stream() as ws,
-    ):
-        for h, hkv, d, fmt in SHAPES:
-            spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt, seed=7)
-            by_frames = [client.create_session(**spec) for _ in range(3)]
-            by_stream = [client.create_session(**spec) for _ in range(3)]
-            by_http = [client.create_session(**spec) for _ in range(3)]
-            models = [Model(h, hkv, d, layers=2) for _ in range(3)]
-            for n in [37, 1, 29, 1, 1]:  # 68 timesteps: past a page border (page 64)
-                for layer in (0, 1):
-                    q = np.stack([rows(rng, n, h, d) for _ in range(3)])
-                    k = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
-                    v = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
-                    for i, m in enumerate(models):
-                        m.add(layer, k[i], v[i])
-                    want = [s.attend(layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(by_http)]
-                    got_stream = ws.attend_stacked(by_stream, layer, q, k, v)
-                    if n > 1:  # a stacked step, and a batched step of items
-                        got = list(fs.attend_stacked(by_frames[:2], layer, q[:2], k[:2], v[:2]))
-                        got += fs.attend_batch([AttendItem(by_frames[2], layer, q[2], k[2], v[2])])
-                    else:  # fused decode steps one by one, pipelined
-                        futs = [fs.submit_attend(s, layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(by_frames)]
-                        got = [f.result(timeout=60) for f in futs]
-                    for i in range(3):
-                        assert got[i].dtype == np.float32 and got[i].shape == want[i].shape
-                        assert got[i].tobytes() == want[i].tobytes() == got_stream[i].tobytes()
-                        if fmt == "f32":
-                            assert rel_err(got[i], models[i].attention(layer, q[i])) <= F32_TOL
-            for i, s in enumerate(by_frames):
-                assert fs.append(s, 0, k[i], v[i]) == models[i].lengths[0] + n
-                assert s.info().lengths[0] == models[i].lengths[0] + n
-            for s in by_frames + by_stream + by_http:
-                s.delete()
+    with Client(fserver.url) as client, client.stream(transport="frames") as fs, client.stream() as ws:
+        drive_twins(client, fs, ws, rng)
 
 
 def test_frames_errors_are_per_operation_and_change_nothing(fserver, rng):
     with Client(fserver.url) as client, client.stream(transport="frames") as fs:
-        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-        assert fs.append(s, 0, rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)) == 3
-        with pytest.raises(SessionNotFound):
-            fs.attend("nope", 0, rows(rng, 1, 2, 8))
-        with pytest.raises(OffsetMismatch) as e:
-            fs.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=7)
-        assert e.value.length == 3
-        with pytest.raises(BatchError) as be:
-            fs.attend_batch(
-                [
-                    AttendItem(s, 0, rows(rng, 1, 2, 8)),
-                    AttendItem("nope", 0, rows(rng, 1, 2, 8)),
-                    AttendItem(s, 0, rows(rng, 1, 2, 8)),
-                ]
-            )
-        assert isinstance(be.value.results[0], np.ndarray) and isinstance(be.value.errors[1], SessionNotFound)
-        assert isinstance(be.value.results[2], np.ndarray)
-        fs.ping()
-        assert s.info().lengths == (3,)
-        s.delete()
+        errors_stay_per_operation(client, fs, rng).delete()
 
 
 def test_malformed_frames_get_problems_and_the_connection_stays(fserver, rng):

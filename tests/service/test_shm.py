@@ -26,13 +26,10 @@ from attnserve.transport import shm as shm_module
 from attnserve_client import (
     AsyncClient,
     AsyncShmStream,
-    AttendItem,
-    BatchError,
     Client,
     Forbidden,
     InvalidInput,
     NotReady,
-    OffsetMismatch,
     PayloadTooLarge,
     SessionNotFound,
     ShmStream,
@@ -40,13 +37,12 @@ from attnserve_client import (
     wire,
 )
 from attnserve_client.errors import APIConnectionError
-from attnserve_client.framing import PREFIX, frame_buffers, read_prefix, resolve_arrays
+from attnserve_client.framing import PREFIX, frame_buffers
 from attnserve_client.shm import ALIGN, create_region
-from svc_helpers import F32_TOL, LiveServer, Model, RawFrames, Scrape, rel_err, rows
+from svc_helpers import LiveServer, RawFrames, Scrape, drive_twins, errors_stay_per_operation, rows
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "tq4")]
 RAW_NAME = "attnserve-test-raw"  # the memfd name of the raw clients' regions (/proc/self/maps)
 
 
@@ -80,8 +76,9 @@ def _until(cond, timeout: float = 10.0) -> bool:
     return True
 
 
-class RawShm:
-    """A bare Unix socket speaking the transport, for what the library never sends."""
+class RawShm(RawFrames):
+    """A bare Unix socket speaking the transport, for what the library never sends
+    (the frames' framing: :class:`RawFrames`, over this socket and region)."""
 
     def __init__(
         self, path: str, region: int = 1 << 20, hello: bool = True, key: str | None = None, name: str = RAW_NAME
@@ -115,42 +112,6 @@ class RawShm:
         self.next += -(-nbytes // ALIGN) * ALIGN
         return [at, nbytes]
 
-    def send(self, doc) -> None:
-        self.sock.sendmsg(frame_buffers(doc, wire.packb))
-
-    def recv(self):
-        prefix = self._exactly(PREFIX.size)
-        if prefix is None:
-            return None
-        head_len, body_len = read_prefix(prefix)
-        buf = self._exactly(head_len + body_len)
-        doc = wire.unpackb(buf[:head_len], max_bytes=1 << 20)
-        resolve_arrays(doc, memoryview(buf)[head_len:], region=self.region)
-        return doc
-
-    def call(self, doc):
-        self.send(doc)
-        return self.recv()
-
-    def _exactly(self, n: int):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                assert not buf, "the connection closed mid-frame"
-                return None
-            buf += chunk
-        return bytes(buf)
-
-    def closed(self, timeout: float = 10) -> bool:
-        self.sock.settimeout(timeout)
-        try:
-            return self.sock.recv(1 << 16) == b""
-        except ConnectionResetError:
-            return True
-        except socket.timeout:
-            return False
-
     def close(self) -> None:
         self.sock.close()
         os.close(self.fd)
@@ -180,37 +141,7 @@ def test_shm_is_bit_identical_to_frames_and_to_single_calls(sserver, rng):
         client.stream(transport="frames") as fs,
     ):
         assert isinstance(ss, ShmStream) and ss.copy_outputs
-        for h, hkv, d, fmt in SHAPES:
-            spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=2, kv_format=fmt, seed=7)
-            by_shm = [client.create_session(**spec) for _ in range(3)]
-            by_frames = [client.create_session(**spec) for _ in range(3)]
-            by_http = [client.create_session(**spec) for _ in range(3)]
-            models = [Model(h, hkv, d, layers=2) for _ in range(3)]
-            for n in [37, 1, 29, 1, 1]:  # 68 timesteps: past a page border (page 64)
-                for layer in (0, 1):
-                    q = np.stack([rows(rng, n, h, d) for _ in range(3)])
-                    k = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
-                    v = np.stack([rows(rng, n, hkv, d) for _ in range(3)])
-                    for i, m in enumerate(models):
-                        m.add(layer, k[i], v[i])
-                    want = [s.attend(layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(by_http)]
-                    got_frames = fs.attend_stacked(by_frames, layer, q, k, v)
-                    if n > 1:  # a stacked step, and a batched step of items
-                        got = list(ss.attend_stacked(by_shm[:2], layer, q[:2], k[:2], v[:2]))
-                        got += ss.attend_batch([AttendItem(by_shm[2], layer, q[2], k[2], v[2])])
-                    else:  # fused decode steps one by one, pipelined
-                        futs = [ss.submit_attend(s, layer, q[i], k=k[i], v=v[i]) for i, s in enumerate(by_shm)]
-                        got = [f.result(timeout=60) for f in futs]
-                    for i in range(3):
-                        assert got[i].dtype == np.float32 and got[i].shape == want[i].shape
-                        assert got[i].tobytes() == want[i].tobytes() == got_frames[i].tobytes()
-                        if fmt == "f32":
-                            assert rel_err(got[i], models[i].attention(layer, q[i])) <= F32_TOL
-            for i, s in enumerate(by_shm):
-                assert ss.append(s, 0, k[i], v[i]) == models[i].lengths[0] + n
-                assert s.info().lengths[0] == models[i].lengths[0] + n
-            for s in by_shm + by_frames + by_http:
-                s.delete()
+        drive_twins(client, ss, fs, rng)
     metrics = Scrape(client_metrics(sserver))
     assert metrics.get("attnserve_shm_events_total", event="reply_in_frame") == 0
     assert metrics.get("attnserve_requests_total", route="/v1/shm", method="UNIX", status="200") > 0
@@ -321,25 +252,7 @@ def test_an_operation_larger_than_the_region_is_refused_before_sending(sserver, 
 
 def test_errors_are_per_operation_and_change_nothing(sserver, rng):
     with Client(sserver.url) as client, client.stream(transport="shm") as ss:
-        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-        assert ss.append(s, 0, rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)) == 3
-        with pytest.raises(SessionNotFound):
-            ss.attend("nope", 0, rows(rng, 1, 2, 8))
-        with pytest.raises(OffsetMismatch) as e:
-            ss.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=7)
-        assert e.value.length == 3
-        with pytest.raises(BatchError) as be:
-            ss.attend_batch(
-                [
-                    AttendItem(s, 0, rows(rng, 1, 2, 8)),
-                    AttendItem("nope", 0, rows(rng, 1, 2, 8)),
-                    AttendItem(s, 0, rows(rng, 1, 2, 8)),
-                ]
-            )
-        assert isinstance(be.value.results[0], np.ndarray) and isinstance(be.value.errors[1], SessionNotFound)
-        assert isinstance(be.value.results[2], np.ndarray)
-        ss.ping()
-        assert s.info().lengths == (3,)
+        s = errors_stay_per_operation(client, ss, rng)
         assert ss._region.ranges.taken_bytes == 0  # every operation's range is free again
         s.delete()
 
