@@ -29,6 +29,7 @@ from ._streams import (
     Stream,
     _AsyncFrameChannel,
     _AsyncLink,
+    _FrameChannel,
     _frame_lengths,
     _hello,
     _Link,
@@ -349,12 +350,13 @@ def _connect(target: ShmTarget, region: _Region, timeout: float | None) -> socke
 # -- sync ---------------------------------------------------------------------
 
 
-class _ShmChannel:
-    """A Unix socket carrying frames, and the region its arrays go through."""
+class _ShmChannel(_FrameChannel):
+    """A Unix socket carrying frames, and the region its arrays go through: the
+    frames' channel (its closing), connected and greeted by :func:`_connect`."""
 
     what = "shm"
 
-    def __init__(self, target: ShmTarget, open_timeout: float | None):
+    def __init__(self, target: ShmTarget, open_timeout: float | None):  # (not the TCP connect of the frames')
         self.region = _Region(target.region_bytes, target.copy_outputs)
         try:
             self._sock = _connect(target, self.region, open_timeout)
@@ -397,14 +399,8 @@ class _ShmChannel:
             self.region.end(self.what, exc)
             raise
 
-    def close(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_WR)  # the server answers what it read, then closes
-        except OSError:
-            pass
-
     def release(self) -> None:
-        self._sock.close()
+        super().release()
         self.region.end(self.what, None)
         self.region.close()
 
@@ -414,7 +410,7 @@ class _ShmLink(_Link):
 
     def __init__(self, channel: _ShmChannel):
         self._shm = channel
-        super().__init__(channel)  # type: ignore[arg-type]  # a channel like the frames' (send is send_staged)
+        super().__init__(channel)  # a frames channel (its send unused: operations go through send_staged)
 
     def submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future[Any]:
         doc, start = self._shm.stage({"op": op, **members})  # may wait for room, outside the lock

@@ -20,15 +20,13 @@ from attnserve.config import Settings
 from attnserve_client import (
     AsyncClient,
     AttendItem,
-    BatchError,
     Client,
-    OffsetMismatch,
     Overloaded,
     SessionNotFound,
     wire,
 )
 from attnserve_client.errors import APIConnectionError
-from svc_helpers import F32_TOL, LiveServer, Model, from_wire, rel_err, rows
+from svc_helpers import F32_TOL, LiveServer, Model, errors_stay_per_operation, from_wire, rel_err, rows
 from tools.raw_stream import RawStream, flood
 
 SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "turboquant")]
@@ -92,19 +90,7 @@ def test_stream_and_batch_are_bit_identical_to_single_calls(server, rng):
 
 def test_stream_errors_are_per_operation(server, rng):
     with Client(server.url) as client, client.stream() as stream:
-        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-        assert stream.append(s, 0, rows(rng, 3, 1, 8), rows(rng, 3, 1, 8)) == 3
-        with pytest.raises(SessionNotFound):
-            stream.attend("nope", 0, rows(rng, 1, 2, 8))
-        with pytest.raises(OffsetMismatch) as e:
-            stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8), offset=7)
-        assert e.value.length == 3
-        with pytest.raises(BatchError) as be:
-            stream.attend_batch([AttendItem(s, 0, rows(rng, 1, 2, 8)), AttendItem("nope", 0, rows(rng, 1, 2, 8))])
-        assert isinstance(be.value.results[0], np.ndarray) and isinstance(be.value.errors[1], SessionNotFound)
-        stream.ping()
-        assert s.info().lengths == (3,)
-        s.delete()
+        errors_stay_per_operation(client, stream, rng).delete()
 
 
 def test_malformed_frames_get_problems_and_the_connection_stays(server, rng):
