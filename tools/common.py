@@ -17,16 +17,14 @@ from loadtest.prometheus import metric_delta, metric_sum, parse_prometheus  # no
 
 def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
     """float32 ``a`` as an engine of ``dtype`` sends it: ``f32`` as it is, ``f16``
-    (numpy's float16) or ``bf16`` (``wire.BFLOAT16``), rounded to nearest even."""
-    from attnserve_client import wire  # (the client package: the tools that send arrays have it)
+    (numpy's float16) or ``bf16`` (``wire.BFLOAT16``), rounded to nearest even
+    (``attnserve_client.tensors.to_wire_dtype``)."""
+    from attnserve_client import tensors  # (the client package: the tools that send arrays have it)
 
-    if dtype == "f32":
-        return a
-    if dtype == "f16":
-        return a.astype(np.float16)
-    if dtype == "bf16":
-        return wire.to_bfloat16(a)
-    raise ValueError(f"dtype: expected f32, f16 or bf16, got {dtype!r}")
+    names = {"f32": "<f4", "f16": "<f2", "bf16": "bfloat16"}
+    if dtype not in names:
+        raise ValueError(f"dtype: expected f32, f16 or bf16, got {dtype!r}")
+    return tensors.to_wire_dtype(a, names[dtype])
 
 
 def free_port() -> int:
