@@ -6,9 +6,10 @@
 #
 # Two stages, both FROM debian:bookworm-slim with Python from Debian's packages (so
 # the image also builds from a locally imported base, without a registry):
-#   builder  builds the attnserve wheel (the server, the client package it
-#            imports, client/attnserve_client, and the load test, loadtest/) and
-#            a wheel of every dependency;
+#   builder  builds the attnserve wheel (the server with its one C extension,
+#            compiled here with gcc, the client package it imports,
+#            client/attnserve_client, and the load test, loadtest/) and a wheel
+#            of every dependency;
 #   runtime  installs those wheels (not the checkout) offline into a venv, with
 #            only the run-time libraries: the Vulkan loader, Mesa's lavapipe as
 #            the fallback without a GPU, and what NVIDIA's Vulkan driver links.
@@ -21,10 +22,11 @@ FROM debian:bookworm-slim AS builder
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-pip \
+        gcc libc6-dev python3-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY shaders/ shaders/
 COPY service/ service/
 COPY client/attnserve_client/ client/attnserve_client/

@@ -18,8 +18,11 @@ say() { echo "dev.sh: $*" >&2; }
 SERVE_STAMP="$VENV/.attnserve-installed-serve"
 TEST_STAMP="$VENV/.attnserve-installed-test"
 
+# (setup.py and the C source it compiles, service/attnserve/gpu/_commands.c, too: an
+# editable install builds the extension in place, and only an install rebuilds it)
 current() {
-  [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! client/pyproject.toml -nt "$1" ]
+  [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! client/pyproject.toml -nt "$1" ] \
+    && [ ! setup.py -nt "$1" ] && [ ! service/attnserve/gpu/_commands.c -nt "$1" ]
 }
 
 # ensure_venv serve|test: install what that command needs, unless already there (a
@@ -36,7 +39,7 @@ ensure_venv() {
   fi
   local why="first run: a few minutes"
   if [ -f "$TEST_STAMP" ] || { [ "$1" = serve ] && [ -f "$SERVE_STAMP" ]; }; then
-    why="the project metadata changed"
+    why="the project metadata or the C extension changed"
   fi
   if [ "$1" = test ]; then
     say "installing attnserve, its dependencies and the test extras into $VENV ($why) ..."
@@ -61,7 +64,7 @@ ensure_venv() {
     "$VENV/bin/python" -m pip install -q -e .
     touch "$SERVE_STAMP"
   fi
-  say "$VENV is ready (installed again only when pyproject.toml or client/pyproject.toml changes)"
+  say "$VENV is ready (installed again only when pyproject.toml, client/pyproject.toml, setup.py or _commands.c changes)"
 }
 
 . deploy/_adapter.sh

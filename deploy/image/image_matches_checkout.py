@@ -32,15 +32,25 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# A compiled extension is listed as its C source with the source's SHA-256 that its
+# build embedded (SOURCE_DIGEST, setup.py): the image holds the module, the
+# checkout the source.
 LISTER = """
-import hashlib, os, sys, sysconfig
+import hashlib, importlib.machinery, importlib.util, os, sys, sysconfig
 site = sys.argv[1] if len(sys.argv) > 1 else sysconfig.get_paths()["purelib"]
 for top in ("attnserve", "attnserve_client"):
     for folder, dirs, files in os.walk(os.path.join(site, top)):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
         for name in files:
             path = os.path.join(folder, name)
-            digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+            suffix = next((s for s in importlib.machinery.EXTENSION_SUFFIXES if name.endswith(s)), None)
+            if suffix:
+                spec = importlib.util.spec_from_file_location(name[: -len(suffix)], path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                digest, path = module.SOURCE_DIGEST, path[: -len(suffix)] + ".c"
+            else:
+                digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
             print(digest, os.path.relpath(path, site))
 """
 
@@ -77,7 +87,8 @@ def project_files(project: Path) -> dict[str, str]:
         else:
             folder = project / Path(*parts)
         target = Path(*parts)
-        patterns = ["*.py", *data.get(package, [])]
+        # *.c: an extension's source, which the image lists for its module (LISTER)
+        patterns = ["*.py", "*.c", *data.get(package, [])]
         for pattern in patterns:
             for path in folder.glob(pattern):
                 if path.is_file():

@@ -39,6 +39,7 @@ only after it ran: ``pool.py``).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union, cast
 import numpy as np
 import wgpu
 
+from . import native
 from .shaders import PipelineCache
 
 __all__ = [
@@ -114,7 +116,7 @@ Resource = Union[wgpu.GPUBuffer, Seg]
 Op = tuple[Any, ...]
 # What :meth:`Batch.encode` made: the command buffer, the readback buffer (None when
 # nothing is read back) and the bytes read back.
-Encoded = tuple[wgpu.GPUCommandBuffer, wgpu.GPUBuffer | None, int]
+Encoded = tuple[wgpu.GPUCommandBuffer | None, wgpu.GPUBuffer | None, int]
 # What :meth:`Batch.defer` queues: a group's flush, ``flush(batch, items)``.
 FlushFn = Callable[["Batch", list[Any]], None]
 # Where a batch's planning stood (:meth:`Batch.mark`): ops, dispatches, the uploads'
@@ -125,6 +127,8 @@ Mark = tuple[int, int, tuple[int, int], dict[str, int], int, int, int, tuple[int
 BindEntries = tuple[tuple[int, wgpu.GPUBuffer, int, int], ...]
 
 _WHOLE = -1
+# a dispatch's grid, padded to three dimensions for the command program
+_GRID_PAD = (1, 1, 1)
 
 
 def whole(arena: str) -> Seg:
@@ -200,7 +204,10 @@ class Arenas:
         self.max_binding = int(max_binding or device.limits["max-storage-buffer-binding-size"])
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
         self.staging: list[wgpu.GPUBuffer | None] = [None] * STAGING_SLOTS
-        self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], wgpu.GPUBindGroup] = OrderedDict()
+        self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], tuple[wgpu.GPUBindGroup, int]] = (
+            OrderedDict()
+        )
+        self._pipeline_handles: dict[wgpu.GPUComputePipeline, int] = {}
         self.bind_group_hits = 0
         self.bind_group_misses = 0
 
@@ -215,19 +222,20 @@ class Arenas:
         bufs = [*list(self.buffers.values()), *[s for s in list(self.staging) if s is not None]]
         return sum(b.size for b in bufs)
 
-    def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> wgpu.GPUBindGroup:
-        """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
-        size), ...), made once and reused: a decode loop binds the same cache
-        buffers and arena offsets step after step, and making a bind group costs
-        more host time than the dispatch it serves. The key holds the buffer
+    def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> int:
+        """The handle of the bind group of ``layout`` over ``entries`` ((binding,
+        buffer, offset, size), ...), made once and reused: a decode loop binds the
+        same cache buffers and arena offsets step after step, and making a bind group
+        costs more host time than the dispatch it serves. The key holds the buffer
         objects themselves, so a released buffer's entries can never match a new
-        buffer (they age out of the cache)."""
+        buffer (they age out of the cache); the cache holds the bind group, which
+        owns the handle."""
         key = (layout, entries)
-        bg = self._bind_groups.get(key)
-        if bg is not None:
+        cached = self._bind_groups.get(key)
+        if cached is not None:
             self._bind_groups.move_to_end(key)
             self.bind_group_hits += 1
-            return bg
+            return cached[1]
         self.bind_group_misses += 1
         bg = self.device.create_bind_group(
             layout=layout,
@@ -236,10 +244,18 @@ class Arenas:
                 for b, buf, off, size in entries
             ],
         )
-        self._bind_groups[key] = bg
+        self._bind_groups[key] = (bg, native.handle(bg))
         while len(self._bind_groups) > self.BIND_GROUPS:
             self._bind_groups.popitem(last=False)
-        return bg
+        return self._bind_groups[key][1]
+
+    def handle(self, pipeline: wgpu.GPUComputePipeline) -> int:
+        """A pipeline's handle (pipelines are never released: one per kernel
+        variant, kept by the pipeline cache)."""
+        h = self._pipeline_handles.get(pipeline)
+        if h is None:
+            h = self._pipeline_handles[pipeline] = native.handle(pipeline)
+        return h
 
     def get(self, arena: str, size: int) -> wgpu.GPUBuffer:
         buf = self.buffers.get(arena)
@@ -300,10 +316,9 @@ class _Uploads:
             assert isinstance(gathered, bytearray)
             del gathered[last:]
 
-    def write(self, queue: wgpu.GPUQueue, buffer: wgpu.GPUBuffer) -> None:
-        for offset, data in self.runs:
-            if len(data):
-                queue.write_buffer(buffer, offset, data)
+    def add_writes(self, writes: "native.Writes", buffer: int) -> None:
+        """Append the runs to ``writes``, as writes into ``buffer`` (a handle)."""
+        writes += [(buffer, offset, data) for offset, data in self.runs if len(data)]
 
     def image(self) -> bytes:
         """The input arena's bytes as the runs will write them (tests)."""
@@ -636,25 +651,25 @@ class Batch:
             return buf, res.offset, _round_up(res.size, 4)
         return res, 0, res.size
 
-    def encode(self, slot: int = 0, timestamps: wgpu.GPUQuerySet | None = None) -> Encoded | None:
-        """Write the upload arena and encode every command (CPU work), reading the
-        output back through staging buffer ``slot``; returns what :meth:`queue_submit`
-        and :meth:`read_back` take. Split out so benchmarks can time the GPU part.
-        With ``timestamps`` (a timestamp query set of at least 2 per dispatch), each
-        dispatch is a compute pass of its own whose GPU start and end land at query
-        2i and 2i + 1 (profiling: ``bench/worker_profile.py --gpu-phases``)."""
+    def encode(self, slot: int = 0, timestamps: wgpu.GPUQuerySet | None = None, submit: bool = False) -> Encoded | None:
+        """Write the upload arena and record every command, reading the output back
+        through staging buffer ``slot``, in one compiled call (:mod:`.native`); with
+        ``submit``, submit it in the same call (the worker) and return no command
+        buffer, else return it for :meth:`queue_submit` (benchmarks time the parts).
+        Returns what :meth:`read_back` takes. With ``timestamps`` (a timestamp query
+        set of at least 2 per dispatch), each dispatch is a compute pass of its own
+        whose GPU start and end land at query 2i and 2i + 1 (profiling:
+        ``bench/worker_profile.py --gpu-phases``)."""
         self.flush()
         if not self.ops:
             return None
         bufs = {a: self.arenas.get(a, max(n, 4)) for a, n in self._sizes.items()}  # bound whole: all exist
         for name, provider in self._persistent.items():
             bufs[name] = provider(self.device)
-        queue = self.device.queue
-        self._uploads.write(queue, bufs["in"])
-        self._wire_uploads.write(queue, bufs["wire"])
-        enc = self.device.create_command_encoder()
-        cpass = None
-        n_timed = 0
+        writes: native.Writes = []
+        self._uploads.add_writes(writes, native.handle(bufs["in"]))
+        self._wire_uploads.add_writes(writes, native.handle(bufs["wire"]))
+        program: list[int] = []
         for op in self.ops:
             if op[0] == "dispatch":
                 _, kernel, bindings, grid, constants = op
@@ -662,33 +677,12 @@ class Batch:
                 bg = self.arenas.bind_group(
                     bgl, tuple((b, *self._resolve(res, bufs)) for b, res in sorted(bindings.items()))
                 )
-                if timestamps is not None:
-                    cpass = enc.begin_compute_pass(
-                        timestamp_writes={
-                            "query_set": timestamps,
-                            "beginning_of_pass_write_index": 2 * n_timed,
-                            "end_of_pass_write_index": 2 * n_timed + 1,
-                        }
-                    )
-                    n_timed += 1
-                elif cpass is None:
-                    cpass = enc.begin_compute_pass()
-                cpass.set_pipeline(pipe)
-                cpass.set_bind_group(0, bg)
-                cpass.dispatch_workgroups(*grid)
-                if timestamps is not None:
-                    cpass.end()
-                    cpass = None
+                program += (native.OP_DISPATCH, self.arenas.handle(pipe), bg, *grid, *_GRID_PAD[len(grid) :])
             else:
-                if cpass is not None:
-                    cpass.end()
-                    cpass = None
                 _, src, so, dst, do, size = op
                 sbuf, soff, _ = self._resolve(src, bufs)
                 dbuf, doff, _ = self._resolve(dst, bufs)
-                enc.copy_buffer_to_buffer(sbuf, soff + so, dbuf, doff + do, size)
-        if cpass is not None:
-            cpass.end()
+                program += (native.OP_COPY, native.handle(sbuf), soff + so, native.handle(dbuf), doff + do, size)
         # read back: the output arena (when a job reads it), then the answer arena
         n_out = _round_up(self._sizes["out"], 4) if self._reads_out else 0
         n_answer = _round_up(self._sizes["answer"], 4)
@@ -696,15 +690,18 @@ class Batch:
         staging = None
         if n_out + n_answer:
             staging = self.arenas.get_staging(n_out + n_answer, slot)
+            to = native.handle(staging)
             if n_out:
-                enc.copy_buffer_to_buffer(bufs["out"], 0, staging, 0, n_out)
+                program += (native.OP_COPY, native.handle(bufs["out"]), 0, to, 0, n_out)
             if n_answer:
-                enc.copy_buffer_to_buffer(bufs["answer"], 0, staging, n_out, n_answer)
-        return enc.finish(), staging, n_out + n_answer
+                program += (native.OP_COPY, native.handle(bufs["answer"]), 0, to, n_out, n_answer)
+        commands = native.run(self.device, writes, array("Q", program), timestamps, submit)
+        return commands, staging, n_out + n_answer
 
     def queue_submit(self, encoded: Encoded | None) -> None:
-        """Submit what :meth:`encode` made; returns at once (the GPU runs it)."""
-        if encoded is not None:
+        """Submit what :meth:`encode` made without submitting; returns at once (the
+        GPU runs it)."""
+        if encoded is not None and encoded[0] is not None:
             self.device.queue.submit([encoded[0]])
 
     def read_back(self, encoded: Encoded | None) -> memoryview | None:

@@ -466,8 +466,7 @@ class GpuWorker:
                 break
             planned.append((job, finish))
         try:
-            encoded = batch.encode(slot)
-            batch.queue_submit(encoded)
+            encoded = batch.encode(slot, submit=True)
         except BaseException as e:
             log.exception("gpu submit failed")
             for job, _ in planned:
