@@ -100,6 +100,7 @@ def run(
             prof.enable()
         batch = new_batch()
         finishes = plan(batch, stacked, read_only)
+        batch.flush()  # the deferred groups' planning (encode would do it first)
         t1 = time.perf_counter()
         encoded = batch.encode()
         if prof:

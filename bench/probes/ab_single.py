@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A/B of the single fused decode step: the server of each given source tree (its
 ``service/`` and ``client/``), one after the other, alternating ``--rounds`` times,
-driven by this tree's client over HTTP and the stream (f32, 4k context).
+driven by this tree's client over HTTP, the stream and the frames (f32, 4k context).
 
     python bench/probes/ab_single.py --adapter nvidia ROOT_A ROOT_B
 """
@@ -50,9 +50,10 @@ def measure(root: str, adapter: str, steps: int, fmt: str) -> dict:
             q = rng.standard_normal((1, H, D), dtype=np.float32)
             k1 = rng.standard_normal((1, HKV, D), dtype=np.float32)
             res = {}
-            with c.stream() as st:
+            with c.stream() as st, c.stream(transport="frames") as fr:
                 for name, fn in (("http", lambda: s.attend(0, q, k=k1, v=k1)),
-                                 ("stream", lambda: st.attend(s, 0, q, k=k1, v=k1))):  # fmt: skip
+                                 ("stream", lambda: st.attend(s, 0, q, k=k1, v=k1)),
+                                 ("frames", lambda: fr.attend(s, 0, q, k=k1, v=k1))):  # fmt: skip
                     for _ in range(20):
                         fn()
                     lat = []

@@ -19,7 +19,12 @@
 #           bfloat16 at batch 1 and 32 x 1,024, and llama3-8b in bfloat16 at batch 1 and
 #           32 x 4,096 (NEW tokens each, default 64), sdpa beside attnserve f32 over the frames;
 # ab:       the single fused decode step of OLD_TREE's server and this tree's in turn
-#           (bench/probes/ab_single.py).
+#           (bench/probes/ab_single.py);
+# build:    this tree's C extension, built in place (python3 setup.py build_ext --inplace:
+#           the device runs the checkout from PYTHONPATH, with no pip install);
+# abservice: the service stage (frames only, f32 and bf16) run by OLD_TREE's bench and
+#           server, then by this tree's, twice in turn;
+# abworker: the worker stage, OLD_TREE's then this tree's.
 set -uo pipefail
 OUT=${1:?OUT}
 shift
@@ -55,6 +60,23 @@ for stage in "$@"; do
               timeout 400 python3 bench/generate.py --adapter nvidia --random llama3-8b --dtype bfloat16 --batches 1,32 \
                 --prompt 4096 --new ${NEW:-64} --settings f32 --transport frames --out "$OUT/generate_llama3_8b.json" 2>&1 \
                 | grep setting ;;
+    build) python3 setup.py -q build_ext --inplace 2>&1 | tail -5; ls service/attnserve/gpu/_commands*.so ;;
+    abservice) for round in 1 2; do
+                 for tree in "${OLD_TREE:?}" .; do
+                   (cd "$tree" && PYTHONPATH="$PWD/service:$PWD/client:$PWD:$PYTHONPATH" timeout 200 python3 \
+                      bench/service.py --adapter nvidia --context 4096 --steps 200 --sessions 32 --formats f32 \
+                      --skip-threads --transports frames --forms stacked --dtypes f32,bf16 --seconds 4 --pipeline 1 \
+                      --json-out "$OUT/service_${round}_$(basename "$(realpath "$tree")").json" 2>&1 | grep -v Warning \
+                      | tail -8)
+                 done
+               done ;;
+    abworker) for tree in "${OLD_TREE:?}" .; do
+                for n in 1 32; do
+                  (cd "$tree" && PYTHONPATH="$PWD/service:$PWD/client:$PWD:$PYTHONPATH" timeout 150 python3 \
+                     bench/worker_profile.py --adapter nvidia --sessions $n --context 4096 --stacked --layers 2 \
+                     --steps 300 --formats f32 --top 0 2>&1 | tail -1)
+                done
+              done ;;
     ab) timeout 280 python3 bench/probes/ab_single.py --adapter nvidia --rounds 2 --steps 300 "${OLD_TREE:?}" . 2>&1 \
           | tail -12 | tee "$OUT/ab_single.txt" ;;
   esac
