@@ -19,9 +19,10 @@ function that runs right after it, which sends them with the queries as one
 fused append + attend for the whole batch over the cache's stream: a stacked step
 when every sequence adds the same rows (decoding, or prompts without padding),
 else one item per sequence carrying only its real rows, so padding never reaches
-the server. Long prompts go in chunks of rows (``max_chunk_bytes`` a request),
-pipelined on the stream. Beam search and ``num_return_sequences`` reorder and copy
-sequences with forks. See ``docs/transformers.md``.
+the server. Long prompts go in chunks (``max_chunk_bytes`` a request: whole
+sequences while one fits, else runs of one sequence's rows), pipelined on the
+stream. Beam search and ``num_return_sequences`` reorder and copy sequences with
+forks. See ``docs/transformers.md``.
 
 :func:`generate_overlapped` (``_micro_batches.py``) is a greedy loop of its own for
 Llama-family models: it runs the layers with the batch split into micro-batches
@@ -346,8 +347,8 @@ class AttnServeCache(Cache):
         :meth:`attend` returns it. Counts the call in ``stats``."""
         started = time.perf_counter()
         with self._out_of_step_on_failure():
-            for chunk, fut in call.chunks:
-                call.out[:, chunk] = fut.result()
+            for part, fut in call.chunks:
+                call.out[part] = fut.result()
             for where, fut in call.items:
                 for (b, sel), got in zip(where, fut.result()):
                     call.out[b, sel] = got
@@ -370,14 +371,22 @@ class AttnServeCache(Cache):
         self, call: _InFlight, sessions: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: int,
         scale: float | None, causal: bool,
     ) -> None:  # fmt: skip
-        """Every sequence adds all its n rows: stacked steps of ``rows`` rows each."""
-        n = q.shape[1]
+        """Every sequence adds all its n rows: stacked steps of at most ``rows`` rows
+        of the whole batch's worth of bytes each. Each step takes whole sequences
+        (a run of them, all their rows) while one sequence's rows fit, else one
+        sequence's rows in runs: either way a step's arrays are contiguous runs of
+        ``q``, ``k``, ``v`` ([B, n, heads, d]), sent without a copy."""
+        batch, n = q.shape[:2]
         base = self._held(sessions, call.layer)
-        for c in range(0, n, rows):
-            chunk = slice(c, c + rows)
-            call.add_chunk(chunk, self.stream.submit_attend_stacked(
-                sessions, call.layer, q[:, chunk], k[:, chunk], v[:, chunk],
-                offsets=(base + c).tolist(), scale=scale, causal=causal,
+        per_step = rows * batch // n  # whole sequences a step holds
+        if per_step >= 1:
+            parts = [(slice(b, b + per_step), slice(0, n)) for b in range(0, batch, per_step)]
+        else:
+            parts = [(slice(b, b + 1), slice(c, c + rows)) for b in range(batch) for c in range(0, n, rows)]
+        for seqs, chunk in parts:
+            call.add_chunk((seqs, chunk), self.stream.submit_attend_stacked(
+                sessions[seqs], call.layer, q[seqs, chunk], k[seqs, chunk], v[seqs, chunk],
+                offsets=(base[seqs] + chunk.start).tolist(), scale=scale, causal=causal,
             ))  # fmt: skip
 
     def _items(
@@ -409,13 +418,14 @@ class _InFlight:
     layer: int
     query: torch.Tensor  # the queries as given: the output comes back on their device, in their dtype
     out: np.ndarray  # [B, n, heads, d]: zero at padding, filled as the answers are collected
-    chunks: list[tuple[slice, Future[Any]]] = field(default_factory=list)  # stacked steps: their rows
+    # stacked steps: (sequences, rows)
+    chunks: list[tuple[tuple[slice, slice], Future[Any]]] = field(default_factory=list)
     items: list[tuple[list[tuple[int, np.ndarray]], Future[Any]]] = field(default_factory=list)  # (sequence, rows)
     sent_at: float = 0.0  # when the last request was sent (time.perf_counter)
     host_seconds: float = 0.0  # this process's time converting and sending
     answered: list[float] = field(default_factory=list)  # when each answer arrived (the stream's reader appends)
 
-    def add_chunk(self, chunk: slice, fut: Future[Any]) -> None:
+    def add_chunk(self, chunk: tuple[slice, slice], fut: Future[Any]) -> None:
         self.chunks.append((chunk, fut))
         self._time(fut)
 
