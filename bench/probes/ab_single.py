@@ -31,7 +31,9 @@ def measure(root: str, adapter: str, steps: int, fmt: str) -> dict:
     port = free_port()
     env = dict(os.environ, ATTNSERVE_ADAPTER=adapter, ATTNSERVE_LOG_LEVEL="warning",
                PYTHONPATH=os.pathsep.join([f"{root}/service", f"{root}/client", os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "attnserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
+    argv = ["serve", "--host", "127.0.0.1", "--port", str(port)]
+    env["ATTNSERVE_FRAMES_PORT"] = str(free_port())
+    proc = subprocess.Popen([sys.executable, "-m", "attnserve", *argv],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
