@@ -29,7 +29,10 @@ echo "python $*" >> "$LOG"
 
 @pytest.fixture
 def checkout(tmp_path):
-    for name in ("dev.sh", "deploy/_adapter.sh", "pyproject.toml", "client/pyproject.toml"):
+    for name in (
+        "dev.sh", "deploy/_adapter.sh", "pyproject.toml", "client/pyproject.toml", "setup.py",
+        "service/attnserve/gpu/_commands.c",
+    ):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
     fake = tmp_path / "fake-python"
@@ -85,9 +88,30 @@ def test_changed_metadata_reinstalls(checkout):
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]
 
 
+@pytest.mark.parametrize("changed", ["setup.py", "service/attnserve/gpu/_commands.c"])
+def test_a_changed_extension_reinstalls(checkout, changed):
+    # an editable install builds the C extension in place: only an install rebuilds it
+    run(checkout, "test")
+    earlier = (checkout / changed).stat().st_mtime - 10  # the source changed after the installs
+    for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
+        os.utime(stamp, (earlier, earlier))
+    for other in ("pyproject.toml", "client/pyproject.toml", "setup.py", "service/attnserve/gpu/_commands.c"):
+        if other != changed:
+            os.utime(checkout / other, (earlier - 10, earlier - 10))
+    assert run_said(checkout, "test")[:2] == [
+        "dev.sh: installing attnserve, its dependencies and the test extras into .venv"
+        " (the project metadata or the C extension changed) ...",
+        "python -m pip install -q -e .[test]",
+    ]
+    assert run(checkout, "test") == ["python -m pytest"]
+
+
 def test_each_install_step_says_what_it_waits_for(checkout):
     # pip is quiet (-q); a line before each step, and one when all is installed
-    ready = "dev.sh: .venv is ready (installed again only when pyproject.toml or client/pyproject.toml changes)"
+    ready = (
+        "dev.sh: .venv is ready"
+        " (installed again only when pyproject.toml, client/pyproject.toml, setup.py or _commands.c changes)"
+    )
     assert run_said(checkout, "serve") == [
         "dev.sh: creating .venv ...",
         "dev.sh: installing attnserve and its dependencies into .venv (first run: a few minutes) ...",
@@ -110,5 +134,6 @@ def test_each_install_step_says_what_it_waits_for(checkout):
     for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
         os.utime(stamp, (earlier, earlier))
     assert run_said(checkout, "serve")[0] == (
-        "dev.sh: installing attnserve and its dependencies into .venv (the project metadata changed) ..."
+        "dev.sh: installing attnserve and its dependencies into .venv"
+        " (the project metadata or the C extension changed) ..."
     )
