@@ -34,6 +34,15 @@ def session(engine, fmt, h, hkv, d, *, layers=1, max_tokens=4096, seed=1234) -> 
     return engine.session_kv(SessionConfig(layers, h, hkv, d, fmt, max_tokens, seed))
 
 
+def filled(engine, rng, fmt, h, hkv, d, n):
+    """A one-layer session of ``fmt`` holding ``n`` random timesteps: the session,
+    its layer, and the rows appended (k, v)."""
+    kv = session(engine, fmt, h, hkv, d)
+    k, v = rows(rng, n, hkv, d), rows(rng, n, hkv, d)
+    engine.append(kv.layers[0], k, v).result()
+    return kv, kv.layers[0], k, v
+
+
 def core_engine(**options):
     """An engine on the tests' adapter (``ATTNSERVE_ADAPTER``, else the first) with the
     smallest page, so the kernels' tests cross page boundaries at every length (the

@@ -21,7 +21,7 @@ from tools import reference as ref
 from attnserve.formats import TQ_SPECS
 from attnserve.turboquant import layer_signs
 
-from _core import lse_err, read_words, rel_err, reserve, rows, session, stored
+from _core import filled, lse_err, read_words, rel_err, reserve, rows, session, stored
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("kernel_path")]
 
@@ -227,10 +227,7 @@ def test_failed_plan_fails_only_its_job(engine, rng):
 
 def test_a_failed_fused_attend_leaves_the_layer_as_it_was(engine, rng):
     h, hkv, d = 4, 2, 32
-    s = session(engine, "f32", h, hkv, d)
-    layer = s.layers[0]
-    k, v = rows(rng, 60, hkv, d), rows(rng, 60, hkv, d)
-    engine.append(layer, k, v).result()
+    s, layer, k, v = filled(engine, rng, "f32", h, hkv, d, 60)
     before = layer.state()
     q = rows(rng, 1, h, d)
     # the fused append (which would also grow the buffers past 64) plans, then

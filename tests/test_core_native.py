@@ -18,7 +18,7 @@ from attnserve.gpu import native
 from attnserve.gpu.batch import Batch
 from tools import reference as ref
 
-from _core import rel_err, rows, session
+from _core import filled, rel_err, rows, session
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +28,8 @@ def _batch(engine, ctx) -> Batch:
 
 
 def test_returned_and_submitted_commands_read_back_the_same(engine, rng):
-    h, hkv, d = 4, 2, 40
-    kv = session(engine, "f32", h, hkv, d)
-    layer = kv.layers[0]
-    k, v = rows(rng, 37, hkv, d), rows(rng, 37, hkv, d)
-    engine.append(layer, k, v).result()
-    q = rows(rng, 3, h, d)
+    kv, layer, k, v = filled(engine, rng, "f32", 4, 2, 40, 37)
+    q = rows(rng, 3, 4, 40)
 
     def both(ctx):
         got = []
