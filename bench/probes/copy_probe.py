@@ -37,8 +37,10 @@ While the one request is handled, four counters run:
   chunk from its own read buffer into a new bytes object in C, while the chunk
   before it is freed in the same gap between two events, which the peak cannot
   tell; tracemalloc's sightings of those chunks are shown as duplicates.
-* wrappers of ``GPUQueue.write_buffer`` (wgpu-native copies the bytes into its
-  staging memory: outside Python's allocators, so counted by the call's size) and
+* wrappers of ``GPUQueue.write_buffer`` and of the writes of a batch's compiled
+  recording (``attnserve.gpu.native``: the same wgpu-native call, made in C), where
+  wgpu-native copies the bytes into its staging memory (outside Python's
+  allocators, so counted by the write's size), and
   ``GPUBuffer.read_mapped`` (the readback; with ``copy=False`` a view, no copy: the
   copy out of the mapped memory is numpy's, which tracemalloc sees). The first
   readback divides the request into its way in and its way back.
@@ -338,6 +340,23 @@ class Recorder:
 
         _api.GPUQueue.write_buffer = counted_write_buffer
         _api.GPUBuffer.read_mapped = counted_read_mapped
+
+        # a batch's uploads: the writes of its compiled recording, one queue.write_buffer each in C
+        from attnserve.gpu import native
+
+        compiled = native._commands
+
+        class CountedCommands:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(compiled, name)
+
+            def record(self, device, queue, writes, program, query_set):  # noqa: ANN001, ANN201
+                if recorder.armed:
+                    for _, _, data in writes:
+                        recorder.note("wgpu_write_buffer", memoryview(data).nbytes, sys._getframe(1))
+                return compiled.record(device, queue, writes, program, query_set)
+
+        native._commands = CountedCommands()  # type: ignore[assignment]
 
     def note(self, kind: str, nbytes: int, frame: Any, **extra: Any) -> None:
         self._local.busy = True
