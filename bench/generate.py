@@ -200,7 +200,9 @@ def speed(args, model, tok, client, device, doc: dict) -> list[dict]:
 
 
 def row(name, batch, args, prefill, whole, got, ref, stats=None) -> dict:
-    decode = max(whole - prefill, 1e-9)
+    # the prefill is timed in a run of its own: with few new tokens the difference can
+    # be lost in the runs' spread (then no decode rate is given, rather than a huge one)
+    decode = whole - prefill if args.new > 1 and whole > prefill else None
     doc = {
         "setting": name,
         "batch": batch,
@@ -209,8 +211,8 @@ def row(name, batch, args, prefill, whole, got, ref, stats=None) -> dict:
         "prefill_s": round(prefill, 4),
         "generate_s": round(whole, 4),
         "tokens_per_s": round(batch * args.new / whole, 1),
-        "decode_tokens_per_s": round(batch * (args.new - 1) / decode, 1),
-        "decode_step_ms": round(1000 * decode / (args.new - 1), 3),
+        "decode_tokens_per_s": round(batch * (args.new - 1) / decode, 1) if decode else None,
+        "decode_step_ms": round(1000 * decode / (args.new - 1), 3) if decode else None,
         "tokens_as_sdpa": round(float((got == ref).float().mean()), 4),
     }
     if stats is not None:
@@ -303,11 +305,16 @@ def main(argv=None) -> int:
             "file": GGUF_NAME if args.gguf is None else path.name,
             "dtype": args.dtype,
         }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # ATTNSERVE_COMMIT names an exported tree (a device run); git only where ROOT is its
+    # checkout's top (an exported tree inside another checkout would name that one's HEAD)
+    git = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    commit = os.environ.get("ATTNSERVE_COMMIT") or (git[1] if len(git) == 2 and Path(git[0]) == ROOT else "")
     doc: dict = {
         "command": " ".join(["python bench/generate.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit.stdout.strip(),
+        "commit": commit or "unknown (not a git checkout; set ATTNSERVE_COMMIT)",
         "host": platform.node(),
         "model": described,
         "torch": torch.__version__,
