@@ -2,7 +2,8 @@
 over HTTP on the tests' adapter, its report is well formed and finds the copies that
 are known to be there (the kernel's read and write, msgpack's bin copies, the
 upload into wgpu's staging, the readback copy), so it cannot silently count
-nothing."""
+nothing; and over the shared-memory transport it counts the copies into the region,
+which no allocation shows."""
 
 from __future__ import annotations
 
@@ -65,3 +66,22 @@ def test_copy_probe_counts_the_known_copies(engine, tmp_path):  # engine: an ada
     assert _stage(way_out, "readback_copy")["copies"] == {"out": 1.0}
     # today's HTTP path is over the budget both ways (issue 43): at least those copies
     assert all(c >= 3.0 for c in way_in["copies"].values()) and way_out["copies"]["out"] >= 2.0
+
+
+def test_copy_probe_counts_the_shared_memory_transport(engine, tmp_path):
+    # the region's copies are no allocations: the probe counts them with wrappers, the
+    # client's in its own process; the transport is within the budget both ways
+    out = tmp_path / "copies.json"
+    r = run_script(
+        "bench/probes/copy_probe.py", "--mib", "0.25", "--transports", "shm", "--json-out", str(out), timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    shm = json.loads(out.read_text())["transports"]["shm"]
+    way_in, way_out = shm["in"], shm["out"]
+    assert _stage(way_in, "client_region_write")["copies"] == {"q": 1.0, "k": 1.0, "v": 1.0}
+    assert _stage(way_in, "wgpu_write_buffer")["copies"] == {"q": 1.0, "k": 1.0, "v": 1.0}
+    assert _stage(way_in, "kernel_read")["copies"] == {"q": 0.0, "k": 0.0, "v": 0.0}  # the frame's document only
+    assert _stage(way_out, "readback_copy")["copies"] == {"out": 1.0}
+    assert _stage(way_out, "shm_region_write")["copies"] == {"out": 1.0}
+    assert way_in["copies"] == {"q": 2.0, "k": 2.0, "v": 2.0} and way_in["within_budget"]
+    assert way_out["copies"] == {"out": 2.0} and way_out["within_budget"]

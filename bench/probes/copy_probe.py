@@ -4,7 +4,7 @@ way in (socket -> GPU upload) and back (GPU readback -> socket), per transport:
 issue 43's copy budget ("at most twice each way") checked, not assumed.
 
     python bench/probes/copy_probe.py [--adapter ADAPTER] [--mib 4]
-        [--transports http,stacked,stream,frames] [--json-out FILE] [--records]
+        [--transports http,stacked,stream,frames,shm] [--json-out FILE] [--records]
 
 The real app (``create_app``, the uvicorn configuration of ``attnserve serve``:
 uvloop, httptools, websockets' sans-I/O protocol, the frame transport on
@@ -16,7 +16,8 @@ the same connection and session, so lazy one-time allocations are not counted.
 Transports: ``http`` (``POST .../attend``, MessagePack), ``stacked`` (``POST
 /v1/batch/attend``, the stacked form of ``--items`` sessions, the arrays the same
 sizes in all), ``stream`` (an ``attend`` frame on ``/v1/stream``), ``frames`` (the
-same on the frame transport) and ``json`` (``POST .../attend`` in JSON, only when
+same on the frame transport), ``shm`` (the same on the shared-memory transport: the
+arrays in the client's region, the reply written there) and ``json`` (``POST .../attend`` in JSON, only when
 named: its "copies" are Python objects built, for contrast).
 
 While the one request is handled, four counters run:
@@ -44,6 +45,11 @@ While the one request is handled, four counters run:
   ``GPUBuffer.read_mapped`` (the readback; with ``copy=False`` a view, no copy: the
   copy out of the mapped memory is numpy's, which tracemalloc sees). The first
   readback divides the request into its way in and its way back.
+* for ``shm``, wrappers of ``place_arrays`` on both sides, which copy arrays into
+  the shared region (a mapping: no allocation for tracemalloc to see): the
+  client's, in its process (its arrays into the region: the way in's one move of
+  the bytes to the server, in place of the socket), reported with its answer; and
+  the server's (the reply's arrays into the client's ``reply_at``).
 * the event loop thread's ``read``/``write`` system calls (``rchar``, ``wchar``
   of ``/proc/self/task/TID/io``; libuv reads and writes sockets with them): the
   kernel's copy between the socket and user memory, counted before the readback
@@ -97,6 +103,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -110,8 +117,8 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 import numpy as np  # noqa: E402
 
 H, HKV, D = 32, 8, 128
-TRANSPORTS = ("http", "stacked", "stream", "frames", "json")
-DEFAULT_TRANSPORTS = "http,stacked,stream,frames"
+TRANSPORTS = ("http", "stacked", "stream", "frames", "shm", "json")
+DEFAULT_TRANSPORTS = "http,stacked,stream,frames,shm"
 #: The issue's budget: host copies of an item's bytes each way.
 BUDGET = 2
 WARM_REQUESTS = 2
@@ -141,8 +148,12 @@ def client_main(args: argparse.Namespace) -> int:
     with Client(args.client, timeout=600) as client, httpx.Client(base_url=args.client, timeout=600) as raw:
         sessions = [client.create_session(num_qo_heads=H, num_kv_heads=HKV, head_dim=D) for _ in range(items)]
         stream = None
+        region_writes: list[int] = []  # the bytes of each array the client copied into its region
         if args.transport in ("stream", "frames"):
             stream = client.stream(transport="websocket" if args.transport == "stream" else "frames")
+        elif args.transport == "shm":
+            count_region_writes(region_writes)
+            stream = client.stream(transport="shm", shm_socket=args.shm_socket)
 
         def one() -> np.ndarray:
             s = sessions[0]
@@ -162,15 +173,45 @@ def client_main(args: argparse.Namespace) -> int:
         for line in sys.stdin:
             if line.strip() != "go":
                 break
+            region_writes.clear()
             out = one()
             want = q.shape if args.transport == "stacked" else q.shape[1:]
             ok = tuple(out.shape) == tuple(want) and bool(np.isfinite(out).all())
-            print(json.dumps({"done": True, "ok": ok, "shape": list(out.shape)}), flush=True)
+            print(json.dumps({"done": True, "ok": ok, "shape": list(out.shape), "region_writes": region_writes}),
+                  flush=True)  # fmt: skip
         if stream is not None:
             stream.close()
         for s in sessions:
             s.delete()
     return 0
+
+
+def _copied_arrays(doc: Any, in_place: Any, depth: int = 0) -> list[int]:
+    """The bytes of each array ``shm.place_arrays(doc, ..., in_place)`` copies into
+    the region: every inline array whose bytes ``in_place`` does not find there."""
+    from attnserve_client import shm
+
+    if isinstance(doc, dict):
+        if doc.keys() == shm._ARRAY and isinstance(doc["data"], (bytes, bytearray, memoryview)):
+            data = memoryview(doc["data"]).cast("B")
+            return [data.nbytes] if in_place is None or in_place(data) is None else []
+        return [n for v in doc.values() for n in _copied_arrays(v, in_place, depth + 1)] if depth < 8 else []
+    if isinstance(doc, list) and depth < 8:
+        return [n for v in doc for n in _copied_arrays(v, in_place, depth + 1)]
+    return []
+
+
+def count_region_writes(into: list[int]) -> None:
+    """Count, into ``into``, the arrays the client's shm channel copies into its region."""
+    from attnserve_client import _shm
+
+    place = _shm.place_arrays
+
+    def counted(doc, region, start, end, in_place=None):  # noqa: ANN001, ANN202
+        into.extend(_copied_arrays(doc, in_place))
+        return place(doc, region, start, end, in_place)
+
+    _shm.place_arrays = counted
 
 
 # ── the counters (in the server's process) ───────────────────────────────────
@@ -358,6 +399,19 @@ class Recorder:
 
         native._commands = CountedCommands()  # type: ignore[assignment]
 
+        # the shared-memory transport's reply: its arrays copied into the client's region
+        from attnserve.transport import shm
+
+        place = shm.place_arrays
+
+        def counted_place_arrays(doc, region, start, end, in_place=None):  # noqa: ANN001, ANN202
+            if recorder.armed:
+                for nbytes in _copied_arrays(doc, in_place):
+                    recorder.note("shm_region_write", nbytes, sys._getframe(1))
+            return place(doc, region, start, end, in_place)
+
+        shm.place_arrays = counted_place_arrays
+
     def note(self, kind: str, nbytes: int, frame: Any, **extra: Any) -> None:
         self._local.busy = True
         try:
@@ -525,6 +579,8 @@ STAGES = [
           Where.alloc("attnserve_client/wire.py", "check_finite"), role="temporary"),
     Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
           Where.freed_inside("attnserve_client/wire.py", "check_finite"), role="temporary", whole=False),
+    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
+          Where.alloc("attnserve_client/wire.py", "nonfinite"), role="temporary"),
     Stage("stacked_finite_mask", "_parse_stacked: np.isfinite's mask of each stacked array (a byte per float)",
           Where.alloc("attnserve/step/parse.py", "_parse_stacked"), role="temporary"),
     # the way in: JSON (for contrast: Python objects and text, not copies of the bytes)
@@ -557,6 +613,8 @@ STAGES = [
     Stage("stacked_out_contiguous", "attnserve _stacked_document: np.ascontiguousarray(out) (each item's out "
           "and lse share its readback segment: out is strided)", Where.alloc("attnserve/step/answer.py",
           "_stacked_document")),
+    Stage("shm_region_write", "shm transport: the reply's arrays copied into the client's region (reply_at)",
+          Where.kind("shm_region_write")),
     Stage("msgpack_packb_buffer", "msgpack: packb's own buffer (written, copied into the result, freed; as many "
           "copies as the result holds)",
           Where.freed_inside("msgpack/__init__.py", "packb", depth=1), whole=False),
@@ -639,7 +697,8 @@ def copies_by_stage(records: list[dict[str, Any]], arrays: dict[str, int]) -> li
             stages[sid] = {
                 "stage": stage.id, "label": stage.label, "role": stage.role,
                 "method": {"wgpu_write_buffer": "wrapper", "wgpu_write_other": "wrapper", "wgpu_read_mapped": "wrapper",
-                           "loop_bytes": "data_received's argument"}.get(rec["kind"], "tracemalloc"),
+                           "shm_region_write": "wrapper", "loop_bytes": "data_received's argument"}.get(
+                               rec["kind"], "tracemalloc"),
                 "copies": dict.fromkeys(arrays, 0.0), "bytes": 0, "allocations": 0, "sites": {},
             }  # fmt: skip
         row = stages[sid]
@@ -706,6 +765,29 @@ def _prepare(records: list[dict[str, Any]], arrays_in: dict[str, int]) -> None:
             r["kind"] = "wgpu_write_other"
 
 
+def client_region_row(writes: list[int], arrays: dict[str, int]) -> dict[str, Any]:
+    """The way in's move of the bytes over the shared-memory transport: the client's
+    copies of its arrays into the region (counted in its process), in place of the
+    kernel's socket read of the other transports."""
+    row = {
+        "stage": "client_region_write",
+        "label": "shm transport: the client copies each array into its region (the server reads it there)",
+        "role": "copy",
+        "method": "wrapper (the client's process)",
+        "copies": dict.fromkeys(arrays, 0.0),
+        "bytes": sum(writes),
+        "allocations": len(writes),
+        "sites": ["attnserve_client/_shm.py _Region.fill: place_arrays"],
+    }
+    taken: collections.Counter[str] = collections.Counter()
+    for nbytes in writes:
+        name = _match_array(nbytes, arrays, taken)
+        if name is not None:
+            taken[name] += 1
+            row["copies"][name] += 1.0
+    return row
+
+
 def analyse(
     raw: dict[str, Any], arrays_in: dict[str, int], arrays_out: dict[str, int], min_bytes: int
 ) -> dict[str, Any]:
@@ -732,6 +814,8 @@ def analyse(
         kernel = kernel_row(direction, raw["io"], arrays)
         if kernel is not None:
             rows = [kernel, *rows] if direction == "in" else [*rows, kernel]
+        if direction == "in" and raw.get("region_writes") is not None:
+            rows = [client_region_row(raw["region_writes"], arrays), *rows]
         counted = [r for r in rows if r["role"] == "copy"]
         total = {a: round(sum(r["copies"][a] for r in counted), 2) for a in arrays}
         ways[direction] = {
@@ -755,7 +839,7 @@ def analyse(
 def measure(recorder: Recorder, url: str, transport: str, args: argparse.Namespace) -> dict[str, Any]:
     """One transport: its client child, two warm-up requests, one counted."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--client", url, "--transport", transport,
-           "--mib", str(args.mib), "--items", str(args.items)]  # fmt: skip
+           "--mib", str(args.mib), "--items", str(args.items), "--shm-socket", args.shm_socket or ""]  # fmt: skip
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     assert child.stdin is not None and child.stdout is not None
 
@@ -788,6 +872,8 @@ def measure(recorder: Recorder, url: str, transport: str, args: argparse.Namespa
     shape = [items, n, H, D] if transport == "stacked" else [n, H, D]
     kv_shape = [items, m, HKV, D] if transport == "stacked" else [m, HKV, D]
     raw = {"records": recorder.records, "boundary": recorder.boundary, "io": recorder.io}
+    if transport == "shm":
+        raw["region_writes"] = done["region_writes"]
     result = analyse(raw, {"q": q_bytes, "k": kv_bytes, "v": kv_bytes}, {"out": q_bytes}, recorder.min_bytes)
     shapes = {"q": shape, "k": kv_shape, "v": kv_shape, "out": shape}
     return {"transport": transport, "shapes": shapes, **result, "io": recorder.io}
@@ -861,12 +947,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--client", help=argparse.SUPPRESS)
     ap.add_argument("--transport", help=argparse.SUPPRESS)
+    ap.add_argument("--shm-socket", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
         return client_main(args)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if bad := sorted(set(transports) - set(TRANSPORTS)):
         ap.error(f"unknown transports {bad}: choose from {','.join(TRANSPORTS)}")
+    if "shm" in transports and not args.shm_socket:  # the server's socket, mode 0600, in a folder of its own
+        args.shm_socket = os.path.join(tempfile.mkdtemp(prefix="copy-probe-"), "shm.sock")
 
     recorder = Recorder(int(args.min_kib * 1024))
     threading.setprofile(recorder.hook)  # every thread started from now on: the server's, the GPU worker, anyio's
@@ -882,6 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(
         adapter=args.adapter or None,
         frames_port=0 if "frames" in transports else None,
+        shm_socket=args.shm_socket,
         warmup="none",  # the warm-up requests compile what the counted one runs
         log_level="warning",
     )
