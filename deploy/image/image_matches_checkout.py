@@ -87,8 +87,9 @@ def project_files(project: Path) -> dict[str, str]:
         else:
             folder = project / Path(*parts)
         target = Path(*parts)
-        # *.c: an extension's source, which the image lists for its module (LISTER)
-        patterns = ["*.py", "*.c", *data.get(package, [])]
+        # *.c: an extension's source, which the image lists for its module (LISTER);
+        # *.pyi: its typed interface, which setuptools ships beside it
+        patterns = ["*.py", "*.pyi", "*.c", *data.get(package, [])]
         for pattern in patterns:
             for path in folder.glob(pattern):
                 if path.is_file():
