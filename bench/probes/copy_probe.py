@@ -581,6 +581,10 @@ STAGES = [
           Where.freed_inside("attnserve_client/wire.py", "check_finite"), role="temporary", whole=False),
     Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
           Where.alloc("attnserve_client/wire.py", "nonfinite"), role="temporary"),
+    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
+          Where.freed_inside("attnserve_client/wire.py", "all_finite"), role="temporary", whole=False),
+    Stage("finite_block_buffers", "all_finite: its two block buffers (a mask of 256 Ki elements; bfloat16's bits)",
+          Where.alloc("attnserve_client/wire.py", "all_finite"), role="temporary", whole=False),
     Stage("stacked_finite_mask", "_parse_stacked: np.isfinite's mask of each stacked array (a byte per float)",
           Where.alloc("attnserve/step/parse.py", "_parse_stacked"), role="temporary"),
     # the way in: JSON (for contrast: Python objects and text, not copies of the bytes)

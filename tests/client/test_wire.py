@@ -447,3 +447,44 @@ def test_unpackb_counts_members_across_containers(parser, monkeypatch):
     with pytest.raises(WireError, match="members"):  # from the array's header
         unpackb(numbers, max_bytes=len(numbers), max_members=4999)
     assert len(unpackb(numbers, max_bytes=len(numbers), max_members=5000)) == 5000
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f2", "bfloat16"])
+@pytest.mark.parametrize("size", [1, 7, 1 << 18, (1 << 18) + 1, 2 * (1 << 18) + 3])
+def test_all_finite_is_what_nonfinite_says_in_blocks(dtype, size):
+    # all_finite checks in blocks of wire._FINITE_BLOCK elements: a bad value at
+    # either end of any block, of every kind, is found; a finite array passes
+    assert wire._FINITE_BLOCK == 1 << 18
+    rng = np.random.default_rng(size)
+    x = rng.standard_normal(size).astype(np.float32)
+    x[::97] = np.float32(3.0e38) if dtype != "<f2" else np.float32(6.0e4)  # large but finite in the dtype
+
+    def wire_array(values: np.ndarray) -> np.ndarray:
+        return wire.to_bfloat16(values) if dtype == "bfloat16" else values.astype(dtype)
+
+    a = wire_array(x)
+    assert wire.all_finite(a) and not wire.nonfinite(a).any()
+    assert wire.check_finite(a) is a
+    edges = {0, size - 1} | {e for b in range(0, size, 1 << 18) for e in (b, b - 1) if 0 <= e < size}
+    for where in sorted(edges):
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[where] = bad
+            b = wire_array(y)
+            assert not wire.all_finite(b), (where, bad)
+            assert wire.nonfinite(b).any()
+            with pytest.raises(WireError, match=rf"at index \({where},\)"):
+                wire.check_finite(b)
+    # any shape and layout: a transposed (non-contiguous) view too
+    if size >= 14:
+        y = x[: size - size % 7].copy()
+        y[-1] = np.nan
+        grid = wire_array(y).reshape(7, -1).T
+        assert not grid.flags.c_contiguous and not wire.all_finite(grid)
+        assert wire.all_finite(wire_array(x[: size - size % 7]).reshape(7, -1).T)
+
+
+def test_all_finite_of_an_empty_array():
+    for dtype in ("<f4", "<f2"):
+        assert wire.all_finite(np.zeros((0, 3), dtype))
+    assert wire.all_finite(np.zeros(0, wire.BFLOAT16))

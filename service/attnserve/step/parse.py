@@ -330,9 +330,9 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
     out_dtype = _out_dtype(f)
     errors: dict[int, ApiError] = {}
     for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
-        bad = wire.nonfinite(a)
-        if not bad.any():
+        if wire.all_finite(a):
             continue
+        bad = wire.nonfinite(a)
         for i in np.flatnonzero(bad.reshape(b, -1).any(axis=1)).tolist():
             try:
                 check_finite(a[i], name)
