@@ -575,14 +575,14 @@ STAGES = [
     # the way in: decoding
     Stage("msgpack_unpackb", "msgpack: unpackb copies each bin into a bytes object",
           Where.alloc("attnserve_client/wire.py", "unpackb")),
-    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
-          Where.alloc("attnserve_client/wire.py", "check_finite"), role="temporary"),
-    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
-          Where.freed_inside("attnserve_client/wire.py", "check_finite"), role="temporary", whole=False),
-    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
-          Where.alloc("attnserve_client/wire.py", "nonfinite"), role="temporary"),
-    Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)",
-          Where.freed_inside("attnserve_client/wire.py", "all_finite"), role="temporary", whole=False),
+    # the finite check's mask, wherever in wire.py it is made or freed
+    *(Stage("check_finite_mask", "check_finite: np.isfinite's mask (a byte per float)", match, role="temporary",
+            whole=whole) for match, whole in (
+        (Where.alloc("attnserve_client/wire.py", "check_finite"), True),
+        (Where.freed_inside("attnserve_client/wire.py", "check_finite"), False),
+        (Where.alloc("attnserve_client/wire.py", "nonfinite"), True),
+        (Where.freed_inside("attnserve_client/wire.py", "all_finite"), False),
+    )),
     Stage("finite_block_buffers", "all_finite: its two block buffers (a mask of 256 Ki elements; bfloat16's bits)",
           Where.alloc("attnserve_client/wire.py", "all_finite"), role="temporary", whole=False),
     Stage("stacked_finite_mask", "_parse_stacked: np.isfinite's mask of each stacked array (a byte per float)",
