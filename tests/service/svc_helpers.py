@@ -192,6 +192,49 @@ def errors_stay_per_operation(client: Any, stream: Any, rng: np.random.Generator
     return s
 
 
+def keys_and_tenants_hold(url: str, transport: str, rng: np.random.Generator, **where: Any) -> None:
+    """On a server of the keys ``key-a`` and ``key-b``: a ``transport`` stream (opened
+    with ``where``, its address) needs a right key, and one tenant's stream does not
+    see the other's sessions."""
+    import pytest
+
+    from attnserve_client import Client, SessionNotFound, Unauthorized
+
+    with pytest.raises(Unauthorized):
+        Client(url).stream(transport=transport, **where)
+    with pytest.raises(Unauthorized):
+        Client(url, api_key="wrong").stream(transport=transport, **where)
+    with Client(url, api_key="key-a") as a, Client(url, api_key="key-b") as b:
+        sb = b.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        with a.stream(transport=transport) as other:
+            with pytest.raises(SessionNotFound):
+                other.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
+        with b.stream(transport=transport) as own:
+            assert own.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
+        assert sb.info().lengths == (1,)
+
+
+def busy_and_draining_are_503(srv: Any, client: Any, stream: Any, second: Any, rng: np.random.Generator) -> None:
+    """With a server capped at one connection and ``stream`` holding it: ``second``
+    (a raw connection, no hello sent) is refused at once with a 503 and closed; a
+    drain makes each operation on ``stream`` a 503 (NotReady), and its end lets them
+    through again."""
+    import pytest
+
+    from attnserve_client import NotReady
+
+    s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+    r = second.recv()  # refused at once, before any hello
+    assert r["status"] == 503 and r["error"]["type"] == "/problems/not-ready", r
+    assert second.closed()
+    second.close()
+    srv.runtime.begin_drain()
+    with pytest.raises(NotReady):  # a connection open before the drain: each op is 503
+        stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
+    srv.runtime.draining = False
+    assert stream.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
+
+
 class RawFrames:
     """A bare socket speaking the framing, for what the client library never sends."""
 

@@ -19,14 +19,14 @@ from attnserve_client import (
     AsyncClient,
     Client,
     InvalidInput,
-    NotReady,
-    SessionNotFound,
-    Unauthorized,
     wire,
 )
 from attnserve_client.errors import APIConnectionError
 from attnserve_client.framing import PREFIX, frame_buffers
-from svc_helpers import F32_TOL, LiveServer, Model, RawFrames, drive_twins, errors_stay_per_operation, rel_err, rows
+from svc_helpers import (
+    F32_TOL, LiveServer, Model, RawFrames, busy_and_draining_are_503, drive_twins, errors_stay_per_operation,
+    keys_and_tenants_hold, rel_err, rows,
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +126,7 @@ def test_refusals_that_close_the_connection(fserver, greet, first, status, slug)
 def test_frames_need_a_key_and_see_only_the_tenants_sessions(engine, rng):
     srv = LiveServer(Settings(api_keys="key-a,key-b", frames_port=0), engine=engine).start()
     try:
-        port = srv.runtime.frames_port
-        with pytest.raises(Unauthorized):
-            Client(srv.url).stream(transport="frames", frames_address=("127.0.0.1", port))
-        with pytest.raises(Unauthorized):
-            Client(srv.url, api_key="wrong").stream(transport="frames", frames_address=("127.0.0.1", port))
-        with Client(srv.url, api_key="key-a") as a, Client(srv.url, api_key="key-b") as b:
-            sb = b.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            with a.stream(transport="frames") as fs:
-                with pytest.raises(SessionNotFound):
-                    fs.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
-            with b.stream(transport="frames") as fs:
-                assert fs.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
-            assert sb.info().lengths == (1,)
+        keys_and_tenants_hold(srv.url, "frames", rng, frames_address=("127.0.0.1", srv.runtime.frames_port))
     finally:
         srv.stop()
 
@@ -221,17 +209,7 @@ def test_too_many_connections_and_draining_are_503(engine, rng):
     try:
         port = srv.runtime.frames_port
         with Client(srv.url) as client, client.stream(transport="frames") as fs:
-            s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            second = RawFrames(port, hello=False)
-            r = second.recv()  # refused at once, before any hello
-            assert r["status"] == 503 and r["error"]["type"] == "/problems/not-ready", r
-            assert second.closed()
-            second.close()
-            srv.runtime.begin_drain()
-            with pytest.raises(NotReady):  # a connection open before the drain: each op is 503
-                fs.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
-            srv.runtime.draining = False
-            assert fs.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
+            busy_and_draining_are_503(srv, client, fs, RawFrames(port, hello=False), rng)
     finally:
         srv.stop()
     with pytest.raises(OSError):  # stopped: the port no longer listens

@@ -29,17 +29,17 @@ from attnserve_client import (
     Client,
     Forbidden,
     InvalidInput,
-    NotReady,
     PayloadTooLarge,
-    SessionNotFound,
     ShmStream,
-    Unauthorized,
     wire,
 )
 from attnserve_client.errors import APIConnectionError
 from attnserve_client.framing import PREFIX, frame_buffers
 from attnserve_client.shm import ALIGN, create_region
-from svc_helpers import LiveServer, RawFrames, Scrape, drive_twins, errors_stay_per_operation, rows
+from svc_helpers import (
+    LiveServer, RawFrames, Scrape, busy_and_draining_are_503, drive_twins, errors_stay_per_operation,
+    keys_and_tenants_hold, rows,
+)  # fmt: skip
 
 pytestmark = pytest.mark.gpu
 
@@ -430,18 +430,7 @@ def test_shm_needs_a_key_and_sees_only_the_tenants_sessions(engine, rng, tmp_pat
     path = str(tmp_path / "keys.sock")
     srv = LiveServer(Settings(api_keys="key-a,key-b", shm_socket=path), engine=engine).start()
     try:
-        with pytest.raises(Unauthorized):
-            Client(srv.url).stream(transport="shm", shm_socket=path, region_bytes=4096)
-        with pytest.raises(Unauthorized):
-            Client(srv.url, api_key="wrong").stream(transport="shm", shm_socket=path, region_bytes=4096)
-        with Client(srv.url, api_key="key-a") as a, Client(srv.url, api_key="key-b") as b:
-            sb = b.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            with a.stream(transport="shm") as ss:
-                with pytest.raises(SessionNotFound):
-                    ss.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
-            with b.stream(transport="shm") as ss:
-                assert ss.append(sb.session_id, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
-            assert sb.info().lengths == (1,)
+        keys_and_tenants_hold(srv.url, "shm", rng, shm_socket=path, region_bytes=4096)
     finally:
         srv.stop()
 
@@ -573,17 +562,7 @@ def test_too_many_connections_and_draining_are_503(engine, rng, tmp_path):
     srv = LiveServer(Settings(shm_socket=path, frames_max_connections=1), engine=engine).start()
     try:
         with Client(srv.url) as client, client.stream(transport="shm", region_bytes=4096) as ss:
-            s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-            second = RawShm(path, hello=False)
-            r = second.recv()  # refused at once, before its hello
-            assert r["status"] == 503 and r["error"]["type"] == "/problems/not-ready", r
-            assert second.closed()
-            second.close()
-            srv.runtime.begin_drain()
-            with pytest.raises(NotReady):  # a connection open before the drain: each op is 503
-                ss.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8))
-            srv.runtime.draining = False
-            assert ss.append(s, 0, rows(rng, 1, 1, 8), rows(rng, 1, 1, 8)) == 1
+            busy_and_draining_are_503(srv, client, ss, RawShm(path, hello=False), rng)
     finally:
         srv.stop()
     assert not os.path.exists(path)
