@@ -207,7 +207,6 @@ class Arenas:
         self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], tuple[wgpu.GPUBindGroup, int]] = (
             OrderedDict()
         )
-        self._pipeline_handles: dict[wgpu.GPUComputePipeline, int] = {}
         self.bind_group_hits = 0
         self.bind_group_misses = 0
 
@@ -248,14 +247,6 @@ class Arenas:
         while len(self._bind_groups) > self.BIND_GROUPS:
             self._bind_groups.popitem(last=False)
         return self._bind_groups[key][1]
-
-    def handle(self, pipeline: wgpu.GPUComputePipeline) -> int:
-        """A pipeline's handle (pipelines are never released: one per kernel
-        variant, kept by the pipeline cache)."""
-        h = self._pipeline_handles.get(pipeline)
-        if h is None:
-            h = self._pipeline_handles[pipeline] = native.handle(pipeline)
-        return h
 
     def get(self, arena: str, size: int) -> wgpu.GPUBuffer:
         buf = self.buffers.get(arena)
@@ -673,11 +664,11 @@ class Batch:
         for op in self.ops:
             if op[0] == "dispatch":
                 _, kernel, bindings, grid, constants = op
-                pipe, bgl = self.pipelines.get(kernel, constants)
+                pipe, bgl = self.pipelines.handle(kernel, constants)
                 bg = self.arenas.bind_group(
                     bgl, tuple((b, *self._resolve(res, bufs)) for b, res in sorted(bindings.items()))
                 )
-                program += (native.OP_DISPATCH, self.arenas.handle(pipe), bg, *grid, *_GRID_PAD[len(grid) :])
+                program += (native.OP_DISPATCH, pipe, bg, *grid, *_GRID_PAD[len(grid) :])
             else:
                 _, src, so, dst, do, size = op
                 sbuf, soff, _ = self._resolve(src, bufs)

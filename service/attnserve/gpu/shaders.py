@@ -26,6 +26,7 @@ import wgpu
 import numpy as np
 
 from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS
+from . import native
 from . import params as P
 
 __all__ = [
@@ -271,8 +272,9 @@ class PipelineCache:
         self._device = device
         # (file, defines, folder) of KernelSpec; (kernel, sorted constants) of get()
         self._modules: dict[tuple[str, tuple[tuple[str, str], ...], Path | None], wgpu.GPUShaderModule] = {}
+        # each pipeline with its bind group layout and its wgpu-native handle (native.handle)
         self._pipelines: dict[
-            tuple[str, tuple[tuple[str, int], ...]], tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]
+            tuple[str, tuple[tuple[str, int], ...]], tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout, int]
         ] = {}
         self._lock = threading.Lock()
         self._started = False  # warm_up has run: later pipelines are first uses, logged
@@ -289,6 +291,18 @@ class PipelineCache:
     ) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout]:
         """The pipeline of ``kernel`` with its WGSL ``override`` constants set
         to ``constants`` (one pipeline per distinct set)."""
+        pipe, bgl, _ = self._entry(kernel, constants)
+        return pipe, bgl
+
+    def handle(self, kernel: str, constants: dict[str, int] | None = None) -> tuple[int, wgpu.GPUBindGroupLayout]:
+        """What a batch's command program takes of :meth:`get`'s pipeline: its
+        wgpu-native handle (the pipeline, kept here, owns it), and its layout."""
+        _, bgl, handle = self._entry(kernel, constants)
+        return handle, bgl
+
+    def _entry(
+        self, kernel: str, constants: dict[str, int] | None
+    ) -> tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout, int]:
         key = (kernel, tuple(sorted((constants or {}).items())))
         with self._lock:
             if key not in self._pipelines:
@@ -314,7 +328,7 @@ class PipelineCache:
                     stage["constants"] = dict(constants)
                 t0 = time.perf_counter()
                 pipe = self._device.create_compute_pipeline(label=kernel, layout=layout, compute=stage)
-                self._pipelines[key] = (pipe, bgl)
+                self._pipelines[key] = (pipe, bgl, native.handle(pipe))
                 if self._started:
                     log.info(
                         f"compiled kernel {kernel} on its first use (ATTNSERVE_WARMUP compiles a kv format's at start)",
