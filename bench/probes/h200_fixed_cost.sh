@@ -26,9 +26,9 @@
 #           server, then by this tree's, twice in turn;
 # abworker: the worker stage, OLD_TREE's then this tree's;
 # timeline: bench/probes/call_timeline.py: a layer call stage by stage on both sides of
-#           the frames (32 q / 8 KV heads of 128 at 4k, 1 and 32 sessions, f32 and bf16
-#           arrays; SmolLM2-135M's shape, 9 q / 3 KV heads of 64, at 1k, 32 sessions),
-#           30 layers stepped in turn.
+#           the frames (32 q / 8 KV heads of 128 at 4k: 1 session of 30 layers and 32 of
+#           4, f32 and bf16 arrays; SmolLM2-135M's shape, 9 q / 3 KV heads of 64, at 1k,
+#           32 sessions of 30 layers), the layers stepped in turn.
 set -uo pipefail
 OUT=${1:?OUT}
 shift
@@ -65,8 +65,11 @@ for stage in "$@"; do
                 --prompt 4096 --new ${NEW:-64} --settings f32 --transport frames --out "$OUT/generate_llama3_8b.json" 2>&1 \
                 | grep setting ;;
     timeline) for dt in f32 bf16; do
-                timeout 240 python3 bench/probes/call_timeline.py --adapter nvidia --batches 1,32 --shape 32,8,128 \
-                  --context 4096 --layers 30 --calls 300 --dtype $dt --json-out "$OUT/timeline_$dt.json" 2>&1 | tail -3
+                timeout 150 python3 bench/probes/call_timeline.py --adapter nvidia --batches 1 --shape 32,8,128 \
+                  --context 4096 --layers 30 --calls 300 --dtype $dt --json-out "$OUT/timeline_1_$dt.json" 2>&1 | tail -2
+                timeout 150 python3 bench/probes/call_timeline.py --adapter nvidia --forms stacked --batches 32 \
+                  --shape 32,8,128 --context 4096 --layers 4 --calls 300 --dtype $dt \
+                  --json-out "$OUT/timeline_32_$dt.json" 2>&1 | tail -1
               done
               timeout 200 python3 bench/probes/call_timeline.py --adapter nvidia --forms stacked --batches 32 \
                 --shape 9,3,64 --context 1024 --layers 30 --calls 300 --json-out "$OUT/timeline_smollm2.json" 2>&1 | tail -1 ;;
