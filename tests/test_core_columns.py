@@ -510,6 +510,10 @@ def test_a_recorded_plan_is_replayed_with_each_layers_page_tables(engine):
     assert twice.record()
     twice.upload_params(rows)
     assert twice.recorded(np.array([40, 40])) is None  # two items' tables at one offset: no map back
+    stray = new_batch()
+    assert stray.record()
+    stray.upload_params(with_none)
+    assert stray.recorded(np.array([40, 7])) is None  # 0 names no table and is no placeholder: no map back
     busy = new_batch()
     busy.records = False  # a batch's later job (Engine.plan_stacked sets it): its dispatches shared
     assert not busy.record()

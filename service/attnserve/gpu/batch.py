@@ -176,14 +176,16 @@ class Recorded:
     in the same state: its commands, its params uploads (structured arrays, each
     at its offset of the input arena), the arenas' sizes after it, and the page
     tables' word offsets its params name (``tables``: one per item, in the order
-    the caller gives them again at replay)."""
+    the caller gives them again at replay). Each upload comes with where its
+    ``table_off`` fields name a table: the rows ``at`` name ``tables[which]`` (both
+    None for params without the field; a row naming a placeholder is in neither),
+    found once when the plan is made, so a replay only puts the new offsets in."""
 
     ops: tuple[Op, ...]
-    uploads: tuple[tuple[int, np.ndarray], ...]
+    uploads: tuple[tuple[int, np.ndarray, np.ndarray | None, np.ndarray | None], ...]
     sizes: tuple[tuple[str, int], ...]
     n_dispatches: int
     tables: np.ndarray
-    placeholders: tuple[int, ...] = ()
 
 
 class Arenas:
@@ -544,13 +546,26 @@ class Batch:
             self.flush()
         finally:
             self._recording = None
+        tables = np.array(tables, np.int64)
         if not recording.replayable or len(np.unique(tables)) != len(tables) or np.isin(placeholders, tables).any():
             return None
+        uploads = []
+        order = np.argsort(tables)
+        ordered = tables[order]
+        for offset, rows in recording.uploads:
+            if "table_off" not in rows.dtype.names:  # type: ignore[operator]
+                uploads.append((offset, rows, None, None))
+                continue
+            col = rows["table_off"].astype(np.int64)
+            pos = np.minimum(np.searchsorted(ordered, col), len(ordered) - 1)
+            found = ordered[pos] == col
+            if not (found | np.isin(col, placeholders)).all():  # an offset that is neither: no map back
+                return None
+            uploads.append((offset, rows, np.flatnonzero(found), order[pos[found]]))
         n_ops, n_disp = recording.mark[0], recording.mark[1]
         return Recorded(
-            tuple(self.ops[n_ops:]), tuple(recording.uploads), tuple(self._sizes.items()),
-            self.n_dispatches - n_disp, np.array(tables, np.int64), tuple(placeholders),
-        )  # fmt: skip
+            tuple(self.ops[n_ops:]), tuple(uploads), tuple(self._sizes.items()), self.n_dispatches - n_disp, tables
+        )
 
     def abandon_recording(self) -> None:
         """Stop recording without a plan (the job failed; it is rolled back)."""
@@ -562,19 +577,11 @@ class Batch:
         at ``tables[i]`` (each params field ``table_off`` that held ``plan.tables[i]``
         gets ``tables[i]``; the recorded offsets are distinct; a placeholder stays)."""
         assert not self._deferred, "a replay follows every deferred item"
-        order = np.argsort(plan.tables)
-        old, new = plan.tables[order], np.asarray(tables, np.int64)[order]
-        moved = not np.array_equal(old, new)
-        for offset, rows in plan.uploads:
-            if moved and "table_off" in rows.dtype.names:  # type: ignore[operator]
+        new = np.asarray(tables, np.int64)
+        for offset, rows, at, which in plan.uploads:
+            if at is not None and len(at):
                 rows = rows.copy()
-                col = rows["table_off"].astype(np.int64)
-                at = np.minimum(np.searchsorted(old, col), len(old) - 1)
-                found = old[at] == col
-                kept = np.isin(col, plan.placeholders)
-                if not (found | kept).all():
-                    raise AssertionError("a recorded table offset is not one of the plan's")
-                rows["table_off"] = np.where(found, new[at], col)
+                rows["table_off"][at] = new[which]
             self._uploads.add(offset, rows.view(np.uint8).data.cast("B"))
         self.ops.extend(plan.ops)
         self.n_dispatches += plan.n_dispatches
