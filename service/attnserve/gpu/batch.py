@@ -549,7 +549,7 @@ class Batch:
         tables = np.array(tables, np.int64)
         if not recording.replayable or len(np.unique(tables)) != len(tables) or np.isin(placeholders, tables).any():
             return None
-        uploads = []
+        uploads: list[tuple[int, np.ndarray, np.ndarray | None, np.ndarray | None]] = []
         order = np.argsort(tables)
         ordered = tables[order]
         for offset, rows in recording.uploads:
