@@ -54,10 +54,15 @@ class AttendItem:
 
     @property
     def session_id(self) -> str:
-        sid = getattr(self.session, "session_id", self.session)
-        if not isinstance(sid, str):
-            raise InvalidInput(f"session: expected a session or its id, got {self.session!r}")
-        return sid
+        return session_id_of(self.session)
+
+
+def session_id_of(session: Any) -> str:
+    """The id of ``session``: a session, or its id."""
+    sid = getattr(session, "session_id", session)
+    if not isinstance(sid, str):
+        raise InvalidInput(f"session: expected a session or its id, got {session!r}")
+    return sid
 
 
 ItemLike = Union[AttendItem, Mapping[str, Any]]
@@ -378,7 +383,7 @@ def stacked_body(
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
         raise InvalidInput(f"layer: expected an int >= 0, got {layer!r}")
     b = len(sessions)
-    ids = [AttendItem(s, int(layer), None).session_id for s in sessions]
+    ids = [session_id_of(s) for s in sessions]
     body: dict[str, Any] = {"session_ids": ids, "layer": int(layer), "causal": bool(causal)}
     body["q"], qa = _stacked_array(q, "q", b)
     host: dict[str, np.ndarray | None] = {"q": qa, "k": None, "v": None}
