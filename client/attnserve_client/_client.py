@@ -47,6 +47,7 @@ from ._steps import (
     item_results,
     merge_items,
     merge_stacked,
+    session_id_of,
     stacked_body,
     stacked_parts,
 )
@@ -536,7 +537,7 @@ class _BaseClient:
     def _stream_headers(self, route: Any) -> dict[str, str]:
         if route is None:
             return self._headers
-        return {**self._headers, ROUTE_HEADER: AttendItem(route, 0, None).session_id}
+        return {**self._headers, ROUTE_HEADER: session_id_of(route)}
 
     def _places_flow(self, ids: list[str]) -> Flow[Groups]:
         """Where a stream sends operations on ``ids``: per replica, the indexes of its

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
@@ -59,6 +60,9 @@ class ShmTarget:
     region_bytes: int
     copy_outputs: bool = True
     key: str | None = field(default=None, repr=False)
+    #: the user the server said it runs as (``GET /v1/info``), trusted beside this
+    #: process's user and root (None: not asked)
+    server_uid: int | None = None
 
 
 def shm_target(
@@ -90,11 +94,13 @@ def shm_target(
     if not isinstance(copy_outputs, bool):
         raise InvalidInput(f"copy_outputs: expected True or False, got {copy_outputs!r}")
     most: int | None = None
+    server_uid: int | None = None
     if shm_socket is None or region_bytes is None:
         served = (yield from info()).get("shm")
         if isinstance(served, dict) and isinstance(served.get("socket"), str):
             shm_socket = served["socket"] if shm_socket is None else shm_socket
             most = served.get("max_region_bytes") if type(served.get("max_region_bytes")) is int else None
+            server_uid = served.get("uid") if type(served.get("uid")) is int else None
         elif shm_socket is None:
             raise InvalidInput(
                 "transport='shm': the server does not serve the shared-memory transport "
@@ -102,7 +108,7 @@ def shm_target(
             )
     if region_bytes is None:
         region_bytes = DEFAULT_REGION_BYTES if most is None else min(DEFAULT_REGION_BYTES, most)
-    return ShmTarget(os.fspath(shm_socket), region_bytes, copy_outputs, key)
+    return ShmTarget(os.fspath(shm_socket), region_bytes, copy_outputs, key, server_uid)
 
 
 # -- the client's side of a region ------------------------------------------------
@@ -302,12 +308,32 @@ class _Region:
             pass
 
 
+#: ``struct ucred`` (``SO_PEERCRED``): pid (signed), uid, gid (unsigned).
+_UCRED = struct.Struct("iII")
+
+
+def _server_uid(sock: socket.socket) -> int:
+    """The user of the process at the other end of a connected Unix socket."""
+    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(uid)
+
+
+def _trusted_server(uid: int, reported: int | None) -> bool:
+    """Whether a server of user ``uid`` gets the region and the API key: this
+    process's user's, root's, or the user the server said it runs as (``reported``,
+    from ``GET /v1/info``: a server of another user that serves this root client)."""
+    return uid in (os.getuid(), 0) or uid == reported
+
+
 def _connect(target: ShmTarget, region: _Region, timeout: float | None) -> socket.socket:
     """A connection to ``target`` whose hello, sent with the region's descriptor,
-    was answered (blocking; the descriptor is closed).
+    was answered (blocking; the descriptor is closed). Nothing is sent to a server
+    of another user than this process's, root or the one the server reported
+    (``SO_PEERCRED``): a socket at the path that another user made gets neither the
+    region nor the key.
 
     Raises:
-        APIConnectionError: no connection, or no answer.
+        APIConnectionError: no connection, a server of another user, or no answer.
         APIError: the server refused the hello (its problem).
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -317,6 +343,13 @@ def _connect(target: ShmTarget, region: _Region, timeout: float | None) -> socke
             sock.connect(target.path)
         except OSError as exc:
             raise APIConnectionError(f"shm: cannot connect to {target.path}: {exc}") from exc
+        uid = _server_uid(sock)
+        if not _trusted_server(uid, target.server_uid):
+            said = "" if target.server_uid is None else f", nor the server's (uid {target.server_uid}, GET /v1/info)"
+            raise APIConnectionError(
+                f"shm: the process at {target.path} runs as uid {uid}, neither this process's user "
+                f"(uid {os.getuid()}) nor root{said}: the region and the API key were not sent to it"
+            )
         hello = {**_hello(target.key), "region": region.size}
         frame_bytes = b"".join(framing.frame_buffers(hello, wire.packb))
         sent: OSError | None = None

@@ -544,8 +544,9 @@ class ServerInfo(BaseModel):
     shm: Optional[dict[str, Any]] = Field(
         None,
         description="The shared-memory transport (docs/api.md#shared-memory-transport-same-host): "
-        "{socket, max_region_bytes}: the path of its Unix socket on this server's host and the largest "
-        "region a connection may share, or null when it is off.",
+        "{socket, max_region_bytes, uid}: the path of its Unix socket on this server's host, the largest "
+        "region a connection may share, and the user the server runs as (a client shares its region and key "
+        "only with a server of its own user, root, or this uid), or null when it is off.",
     )
 
 

@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import os
 import socket
+import threading
 import time
 
 import httpx
@@ -419,6 +420,81 @@ def test_a_peer_of_another_user_is_refused(sserver, monkeypatch):
         raw.close()
     after = Scrape(client_metrics(sserver)).get("attnserve_shm_events_total", event="peer_refused")
     assert after == before + 2
+
+
+def test_the_client_shares_nothing_with_a_server_of_another_user(tmp_path, monkeypatch):
+    """The client checks the server's user (SO_PEERCRED) before its hello: a socket
+    that another user made at the path gets neither the region nor the key. (A
+    test cannot change its uid: the check's uid is replaced, once it is shown to
+    read the listener's user.)"""
+    from attnserve_client import _shm as client_shm
+
+    path = str(tmp_path / "other.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    got = bytearray()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            while chunk := conn.recv(65536):
+                got.extend(chunk)
+
+    reader = threading.Thread(target=serve)
+    reader.start()
+    try:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(path)
+        assert client_shm._server_uid(probe) == os.getuid()  # the listener is this process
+        probe.close()
+        reader.join(5)
+        reader = threading.Thread(target=serve)
+        reader.start()
+        other = os.getuid() + 12345
+        assert client_shm._trusted_server(os.getuid(), None) and client_shm._trusted_server(0, None)
+        assert not client_shm._trusted_server(other, None) and not client_shm._trusted_server(other, other + 1)
+        assert client_shm._trusted_server(other, other)  # the user the server said it runs as
+        monkeypatch.setattr(client_shm, "_server_uid", lambda sock: other)
+        target = client_shm.ShmTarget(path, 1 << 16, key="sk-not-for-them", server_uid=other + 1)
+        region = client_shm._Region(target.region_bytes, True)
+        try:
+            said = f"runs as uid {other}, .* nor the server's \\(uid {other + 1}"
+            with pytest.raises(APIConnectionError, match=said):
+                client_shm._connect(target, region, timeout=5)
+        finally:
+            region.close()
+        reader.join(5)
+        assert not reader.is_alive() and bytes(got) == b""  # no hello, no key, no descriptor
+    finally:
+        listener.close()
+
+
+def test_the_client_trusts_the_user_the_server_reports(sserver, rng, monkeypatch):
+    """GET /v1/info names the user the server runs as; a stream that took the socket
+    from it connects to a server of that user (a root client's, of another user)."""
+    from attnserve_client import _shm as client_shm
+
+    with Client(sserver.url) as client:
+        assert client.info()["shm"]["uid"] == os.getuid()
+        seen = os.getuid() + 4242  # as if the server ran as another user, and said so
+        monkeypatch.setattr(client_shm, "_server_uid", lambda sock: seen)
+        with pytest.raises(APIConnectionError, match="were not sent"):
+            client.stream(transport="shm", shm_socket=_path(sserver), region_bytes=1 << 16)  # (info not asked)
+        real = client._server_info_flow
+
+        def told():  # GET /v1/info as that server would answer it
+            info = yield from real()
+            return {**info, "shm": {**info["shm"], "uid": seen}}
+
+        monkeypatch.setattr(client, "_server_info_flow", told)
+        s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
+        try:
+            with client.stream(transport="shm") as ss:
+                k = rng.standard_normal((3, 1, 8)).astype(np.float32)
+                assert ss.append(s, 0, k, k) == 3
+        finally:
+            s.delete()
 
 
 def test_the_socket_is_the_users_only():

@@ -6,6 +6,7 @@ None of them touches the GPU thread, so a slow GPU never stalls them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -113,7 +114,9 @@ def server_info(rt: Runtime, owner: str | None = None) -> dict[str, Any]:
         "ready": bool(rt.ready and not rt.draining),
         "frames": {"port": rt.frames_port} if rt.frames_port is not None else None,
         "shm": (
-            {"socket": rt.shm_socket, "max_region_bytes": s.shm_max_region_bytes} if rt.shm_socket is not None else None
+            {"socket": rt.shm_socket, "max_region_bytes": s.shm_max_region_bytes, "uid": os.getuid()}
+            if rt.shm_socket is not None
+            else None
         ),
     }
 
