@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
 import threading
 from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future
@@ -41,7 +40,7 @@ from ._streams import (
     _unpack,
 )
 from .errors import APIConnectionError, InvalidInput, InvalidResponse
-from .shm import ALIGN, Ranges, create_region, place_arrays, reply_bytes, request_bytes
+from .shm import ALIGN, Ranges, create_region, peer_uid, place_arrays, reply_bytes, request_bytes
 
 __all__ = ["ShmTarget", "ShmStream", "AsyncShmStream", "DEFAULT_REGION_BYTES", "shm_target"]
 
@@ -308,16 +307,6 @@ class _Region:
             pass
 
 
-#: ``struct ucred`` (``SO_PEERCRED``): pid (signed), uid, gid (unsigned).
-_UCRED = struct.Struct("iII")
-
-
-def _server_uid(sock: socket.socket) -> int:
-    """The user of the process at the other end of a connected Unix socket."""
-    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(uid)
-
-
 def _trusted_server(uid: int, reported: int | None) -> bool:
     """Whether a server of user ``uid`` gets the region and the API key: this
     process's user's, root's, or the user the server said it runs as (``reported``,
@@ -343,7 +332,7 @@ def _connect(target: ShmTarget, region: _Region, timeout: float | None) -> socke
             sock.connect(target.path)
         except OSError as exc:
             raise APIConnectionError(f"shm: cannot connect to {target.path}: {exc}") from exc
-        uid = _server_uid(sock)
+        uid = peer_uid(sock)
         if not _trusted_server(uid, target.server_uid):
             said = "" if target.server_uid is None else f", nor the server's (uid {target.server_uid}, GET /v1/info)"
             raise APIConnectionError(

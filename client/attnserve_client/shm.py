@@ -16,6 +16,8 @@ reply needs :func:`reply_bytes` of the request (each array rounded up to
 :data:`ALIGN`), which the server checks before it runs anything.
 
 * :func:`create_region`: a sealed memfd and its mapping (Linux);
+* :func:`peer_uid`: the user of the process at the socket's other end, which each
+  side checks before it trusts the other (Linux, ``SO_PEERCRED``);
 * :func:`reply_bytes`: the bytes a request's reply takes in the region;
 * :func:`request_bytes` and :func:`place_arrays`: a request's arrays copied into
   a range of the region (those already in it referred to where they are), or a
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -39,6 +43,7 @@ __all__ = [
     "SEALS",
     "aligned",
     "create_region",
+    "peer_uid",
     "reply_bytes",
     "request_bytes",
     "place_arrays",
@@ -57,6 +62,16 @@ _ARRAY = frozenset({"dtype", "shape", "data"})
 def aligned(n: int) -> int:
     """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return -(-n // ALIGN) * ALIGN
+
+
+#: ``struct ucred`` (``SO_PEERCRED``): pid (signed), uid, gid (unsigned).
+_UCRED = struct.Struct("iII")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket."""
+    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return int(uid)
 
 
 def create_region(nbytes: int, name: str = "attnserve-region") -> tuple[int, mmap.mmap]:

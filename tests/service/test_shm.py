@@ -36,7 +36,7 @@ from attnserve_client import (
 )
 from attnserve_client.errors import APIConnectionError
 from attnserve_client.framing import PREFIX, frame_buffers
-from attnserve_client.shm import ALIGN, create_region
+from attnserve_client.shm import ALIGN, create_region, peer_uid
 from svc_helpers import (
     LiveServer, RawFrames, Scrape, busy_and_draining_are_503, drive_twins, errors_stay_per_operation,
     keys_and_tenants_hold, rows,
@@ -404,7 +404,7 @@ def test_a_peer_of_another_user_is_refused(sserver, monkeypatch):
     """The peer's user comes from SO_PEERCRED (a test cannot change its uid: the
     check is made to refuse this process's)."""
     left, right = socket.socketpair(socket.AF_UNIX)
-    assert shm_module._peer_uid(left) == os.getuid()
+    assert peer_uid(left) == os.getuid()
     left.close()
     right.close()
     monkeypatch.setattr(shm_module, "_peer_allowed", lambda uid: False)
@@ -446,7 +446,7 @@ def test_the_client_shares_nothing_with_a_server_of_another_user(tmp_path, monke
     try:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.connect(path)
-        assert client_shm._server_uid(probe) == os.getuid()  # the listener is this process
+        assert peer_uid(probe) == os.getuid()  # the listener is this process
         probe.close()
         reader.join(5)
         reader = threading.Thread(target=serve)
@@ -455,7 +455,7 @@ def test_the_client_shares_nothing_with_a_server_of_another_user(tmp_path, monke
         assert client_shm._trusted_server(os.getuid(), None) and client_shm._trusted_server(0, None)
         assert not client_shm._trusted_server(other, None) and not client_shm._trusted_server(other, other + 1)
         assert client_shm._trusted_server(other, other)  # the user the server said it runs as
-        monkeypatch.setattr(client_shm, "_server_uid", lambda sock: other)
+        monkeypatch.setattr(client_shm, "peer_uid", lambda sock: other)
         target = client_shm.ShmTarget(path, 1 << 16, key="sk-not-for-them", server_uid=other + 1)
         region = client_shm._Region(target.region_bytes, True)
         try:
@@ -478,7 +478,7 @@ def test_the_client_trusts_the_user_the_server_reports(sserver, rng, monkeypatch
     with Client(sserver.url) as client:
         assert client.info()["shm"]["uid"] == os.getuid()
         seen = os.getuid() + 4242  # as if the server ran as another user, and said so
-        monkeypatch.setattr(client_shm, "_server_uid", lambda sock: seen)
+        monkeypatch.setattr(client_shm, "peer_uid", lambda sock: seen)
         with pytest.raises(APIConnectionError, match="were not sent"):
             client.stream(transport="shm", shm_socket=_path(sserver), region_bytes=1 << 16)  # (info not asked)
         real = client._server_info_flow

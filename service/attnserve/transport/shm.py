@@ -35,13 +35,12 @@ import mmap
 import os
 import socket
 import stat
-import struct
 import sys
 import time
 from typing import Any
 
 from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, frame_buffers, read_prefix
-from attnserve_client.shm import ALIGN, place_arrays, reply_bytes
+from attnserve_client.shm import ALIGN, peer_uid, place_arrays, reply_bytes
 
 from ..codec import BODY_IDLE_TIMEOUT_S, wire
 from ..contract import ShmHello
@@ -60,18 +59,10 @@ SHM_INSTANCE = "/v1/shm"
 METHOD = "UNIX"
 #: Descriptors a hello is read with room for: one is the region, more are refused.
 _MAX_FDS = 4
-#: ``struct ucred``: pid (signed), uid, gid (unsigned).
-_UCRED = struct.Struct("iII")
 #: How long a refusal's frame may take to be written before the socket is closed.
 _REFUSAL_TIMEOUT_S = 5.0
 #: How often, and how many times, an unmap deferred by a live view of the region is tried again.
 _UNMAP_RETRY_S, _UNMAP_RETRIES = 1.0, 30
-
-
-def _peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of a Unix socket."""
-    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(uid)
 
 
 def _peer_allowed(uid: int) -> bool:
@@ -175,7 +166,7 @@ class ShmServer(ConnectionServer):
             try:
                 if len(self.connections) + len(self.handshakes) > self.rt.settings.frames_max_connections:
                     raise NotReady("too many shared-memory connections; try again later")
-                uid = _peer_uid(sock)
+                uid = peer_uid(sock)
                 if not _peer_allowed(uid):
                     self.rt.metrics.shm_events.labels("peer_refused").inc()
                     log.warning("shared-memory transport: refused a peer of another user", extra={"uid": uid})
