@@ -223,20 +223,21 @@ class Arenas:
         bufs = [*list(self.buffers.values()), *[s for s in list(self.staging) if s is not None]]
         return sum(b.size for b in bufs)
 
-    def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> int:
-        """The handle of the bind group of ``layout`` over ``entries`` ((binding,
-        buffer, offset, size), ...), made once and reused: a decode loop binds the
-        same cache buffers and arena offsets step after step, and making a bind group
-        costs more host time than the dispatch it serves. The key holds the buffer
-        objects themselves, so a released buffer's entries can never match a new
-        buffer (they age out of the cache); the cache holds the bind group, which
-        owns the handle."""
+    def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> tuple[wgpu.GPUBindGroup, int]:
+        """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
+        size), ...) and its wgpu-native handle, made once and reused: a decode loop
+        binds the same cache buffers and arena offsets step after step, and making a
+        bind group costs more host time than the dispatch it serves. The key holds
+        the buffer objects themselves, so a released buffer's entries can never match
+        a new buffer (they age out of the cache). The bind group owns the handle: a
+        caller that records the handle holds the group until it is recorded (the
+        cache may drop it meanwhile)."""
         key = (layout, entries)
         cached = self._bind_groups.get(key)
         if cached is not None:
             self._bind_groups.move_to_end(key)
             self.bind_group_hits += 1
-            return cached[1]
+            return cached
         self.bind_group_misses += 1
         bg = self.device.create_bind_group(
             layout=layout,
@@ -245,10 +246,10 @@ class Arenas:
                 for b, buf, off, size in entries
             ],
         )
-        self._bind_groups[key] = (bg, native.handle(bg))
+        made = self._bind_groups[key] = (bg, native.handle(bg))
         while len(self._bind_groups) > self.BIND_GROUPS:
             self._bind_groups.popitem(last=False)
-        return self._bind_groups[key][1]
+        return made
 
     def get(self, arena: str, size: int) -> wgpu.GPUBuffer:
         buf = self.buffers.get(arena)
@@ -668,13 +669,18 @@ class Batch:
         self._uploads.add_writes(writes, native.handle(bufs["in"]))
         self._wire_uploads.add_writes(writes, native.handle(bufs["wire"]))
         program: list[int] = []
+        # the program's bind groups, held until it is recorded (native.run below; the
+        # command buffer then holds what it binds): a batch of more bind groups than
+        # the cache keeps drops its first ones from the cache before it is done
+        groups: list[wgpu.GPUBindGroup] = []
         for op in self.ops:
             if op[0] == "dispatch":
                 _, kernel, bindings, grid, constants = op
                 pipe, bgl = self.pipelines.handle(kernel, constants)
-                bg = self.arenas.bind_group(
+                group, bg = self.arenas.bind_group(
                     bgl, tuple((b, *self._resolve(res, bufs)) for b, res in sorted(bindings.items()))
                 )
+                groups.append(group)
                 program += (native.OP_DISPATCH, pipe, bg, *grid, *_GRID_PAD[len(grid) :])
             else:
                 _, src, so, dst, do, size = op
