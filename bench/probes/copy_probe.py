@@ -186,20 +186,18 @@ def client_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _copied_arrays(doc: Any, in_place: Any, depth: int = 0) -> list[int]:
+def _copied_arrays(doc: Any, in_place: Any) -> list[int]:
     """The bytes of each array ``shm.place_arrays(doc, ..., in_place)`` copies into
-    the region: every inline array whose bytes ``in_place`` does not find there."""
-    from attnserve_client import framing, shm
+    the region: every inline array (``shm``'s own walk of a document) whose bytes
+    ``in_place`` does not find there."""
+    from attnserve_client import shm
 
-    if isinstance(doc, dict):
-        if doc.keys() == shm._ARRAY and isinstance(doc["data"], (bytes, bytearray, memoryview)):
-            data = memoryview(doc["data"]).cast("B")
-            return [data.nbytes] if in_place is None or in_place(data) is None else []
-        if depth < framing._DEPTH:
-            return [n for v in doc.values() for n in _copied_arrays(v, in_place, depth + 1)]
-    elif framing._holds_containers(doc) and depth < framing._DEPTH:  # place_arrays' own walk
-        return [n for v in doc for n in _copied_arrays(v, in_place, depth + 1)]
-    return []
+    views = [
+        memoryview(a["data"]).cast("B")
+        for a in shm._arrays(doc)
+        if isinstance(a["data"], (bytes, bytearray, memoryview))
+    ]
+    return [v.nbytes for v in views if in_place is None or in_place(v) is None]
 
 
 def count_region_writes(into: list[int]) -> None:
