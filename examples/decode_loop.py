@@ -11,6 +11,9 @@ same q, k and v.
     python examples/decode_loop.py --kv-format turboquant   # prints the error only
 
 ``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
+A server with API keys takes the key from ``$ATTNSERVE_API_KEY``, as the client
+reads it; there is no option for it: a command line is visible to every user of
+the machine (``ps``).
 
 Exit status: 0 on success; 1 when an f32 output is off by more than 1e-4
 (max |out - ref| / max |ref| per call); 2 when the server cannot be used (or does
@@ -97,6 +100,9 @@ class TinyModel:
         return x + np.maximum(self.norm(x) @ p["w1"], 0.0) @ p["w2"]
 
 
+#: --help's last words: where the key comes from.
+KEY_EPILOG = "A server with API keys: set ATTNSERVE_API_KEY (no option takes a key: a command line shows in ps)."
+
 #: --kv-format's help: the server owns the list of formats.
 KV_FORMAT_HELP = "a kv format the server offers (GET /v1/info kv_formats: f32, f16, turboquant, tq4, ...)"
 
@@ -111,9 +117,8 @@ def unoffered_kv_format(client, kv_format: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=KEY_EPILOG)
     ap.add_argument("--url", default=None, help="the server (default: $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421)")
-    ap.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        with Client(args.url, api_key=args.api_key) as client:  # either one None: from the environment
+        with Client(args.url) as client:  # the key from $ATTNSERVE_API_KEY (module docstring)
             if why := unoffered_kv_format(client, args.kv_format):
                 print(f"error: {why}", file=sys.stderr)
                 return 2

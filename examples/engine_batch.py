@@ -15,6 +15,9 @@ output is checked against a float64 numpy reference of the same q, k and v.
     python examples/engine_batch.py --transport http        # batched steps over plain HTTP
 
 ``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
+A server with API keys takes the key from ``$ATTNSERVE_API_KEY``, as the client
+reads it; there is no option for it: a command line is visible to every user of
+the machine (``ps``).
 
 Exit status: 0 on success; 1 when an f32 output is off by more than 1e-4
 (max |out - ref| / max |ref| per item); 2 when the server cannot be used (or does
@@ -35,7 +38,7 @@ import numpy as np
 from attnserve_client import AttendItem, AttnServeError, Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_loop import KV_FORMAT_HELP, reference_attention, unoffered_kv_format  # noqa: E402  (one copy each)
+from decode_loop import KEY_EPILOG, KV_FORMAT_HELP, reference_attention, unoffered_kv_format  # noqa: E402  (one copy each)
 
 F32_TOLERANCE = 1e-4
 
@@ -69,9 +72,8 @@ class TinyModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=KEY_EPILOG)
     ap.add_argument("--url", default=None, help="the server (default: $ATTNSERVE_BASE_URL, else http://127.0.0.1:8421)")
-    ap.add_argument("--api-key", default=None, help="bearer token (default: $ATTNSERVE_API_KEY, never shown)")
     ap.add_argument("--sequences", type=int, default=8, help="sequences in the batch")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     try:
-        with Client(args.url, api_key=args.api_key) as client:  # either one None: from the environment
+        with Client(args.url) as client:  # the key from $ATTNSERVE_API_KEY (module docstring)
             if why := unoffered_kv_format(client, args.kv_format):
                 print(f"error: {why}", file=sys.stderr)
                 return 2
