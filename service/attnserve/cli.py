@@ -110,12 +110,16 @@ def _bind_sockets(host: str, port: int) -> list[socket.socket]:
 
 
 def _bind_error(settings: Settings, e: OSError, given: Mapping[str, Any]) -> str:
-    """``cannot listen on 127.0.0.1:8421 (--port=8421): address already in use; ...``."""
+    """``cannot listen on 127.0.0.1:8421 (--port=8421): address already in use; ...``,
+    naming what the user set of the settings that matter: the port when it is in
+    use, the host and the port otherwise (no such address, say)."""
     address = f"[{settings.host}]:{settings.port}" if ":" in settings.host else f"{settings.host}:{settings.port}"
-    set_by_user = [s for name in ("host", "port") if (s := _source(name, given, os.environ)) != name]
+    in_use = e.errno == errno.EADDRINUSE
+    names = ("port",) if in_use else ("host", "port")
+    set_by_user = [s for name in names if (s := _source(name, given, os.environ)) != name]
     where = f" ({', '.join(set_by_user)})" if set_by_user else ""
     reason = (e.strerror or str(e)).lower()
-    if e.errno == errno.EADDRINUSE:
+    if in_use:
         reason += "; another process listens there: stop it, or choose another port (--port, ATTNSERVE_PORT)"
     return f"cannot listen on {address}{where}: {reason}"
 

@@ -132,8 +132,11 @@ def test_a_busy_port_stops_the_start_naming_the_address():
         port = busy.getsockname()[1]
         by_option = _run("serve", "--port", str(port))
         by_variable = _run("serve", ATTNSERVE_PORT=str(port))
+        # the host set too (as dev.sh does): the port is what to change, and what is named
+        with_host = _run("serve", "--host", "127.0.0.1", "--port", str(port))
     hint = "another process listens there: stop it, or choose another port (--port, ATTNSERVE_PORT)"
-    for proc, source in ((by_option, f"--port={port}"), (by_variable, f"ATTNSERVE_PORT={port}")):
+    runs = ((by_option, f"--port={port}"), (by_variable, f"ATTNSERVE_PORT={port}"), (with_host, f"--port={port}"))
+    for proc, source in runs:
         assert proc.returncode == 3
         # one line, before the device is opened: no "ready", nor any log line
         assert proc.stderr.splitlines() == [
