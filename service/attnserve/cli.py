@@ -84,14 +84,26 @@ def _serve(args: argparse.Namespace) -> int:
         engine.close()
         for sock in sockets:
             sock.close()
+    if server.listen_error is not None:  # a listener lost as the server started: stopped, say why
+        print(f"attnserve: {_bind_error(settings, server.listen_error, given)}", file=sys.stderr)
+        return 3
     # uvicorn leaves started False when the start failed (restore failed): exit non-zero.
     return 0 if server.started else 3
 
 
+# listen()'s backlog: uvicorn.Config's default, given to uvicorn too (server_config),
+# which calls listen() again on the sockets of _bind_sockets with it
+_BACKLOG = 2048
+
+
 def _bind_sockets(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to ``port`` on every address ``host`` names (all of them for an
-    empty host), as asyncio's ``create_server`` binds them; uvicorn listens on them
-    once the app has started. Raises OSError (the port taken, no such address)."""
+    empty host), as asyncio's ``create_server`` binds them, and listening at once:
+    SO_REUSEADDR lets another process bind the port until one of them listens, so a
+    socket only bound would hold nothing while the device opens and the app starts,
+    and the second server to listen would fail only then, inside uvicorn. Connections
+    wait in the backlog until uvicorn serves them. Raises OSError (the port taken,
+    no such address)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
@@ -102,6 +114,7 @@ def _bind_sockets(host: str, port: int) -> list[socket.socket]:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            sock.listen(_BACKLOG)
     except OSError:
         for sock in sockets:
             sock.close()
@@ -124,8 +137,16 @@ def _bind_error(settings: Settings, e: OSError, given: Mapping[str, Any]) -> str
     return f"cannot listen on {address}{where}: {reason}"
 
 
+def _lost_listener(server: uvicorn.Server) -> bool:
+    """Whether a socket the started ``server`` was given does not listen: uvloop's
+    ``create_server(sock=...)`` closes a socket whose listen() fails (EADDRINUSE:
+    another process listened on the port first) without raising, and its server's
+    ``sockets`` then holds None."""
+    return any(sock is None for srv in server.servers for sock in (srv.sockets or [None]))
+
+
 def _urls(server: uvicorn.Server) -> list[str]:
-    """The URLs a started server listens on."""
+    """The URLs a started server listens on (see :func:`_lost_listener` first)."""
     urls = []
     for srv in server.servers:
         for sock in srv.sockets:
@@ -148,6 +169,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         lifespan="on",
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
         server_header=False,
+        backlog=_BACKLOG,  # as _bind_sockets listens
         ws_max_size=settings.max_body_bytes,  # a /v1/stream frame may be as large as a body
         # No permessage-deflate on /v1/stream: a generic client (Python websockets)
         # offers it by default, and compressing float arrays costs ~2.5 ms per step
@@ -229,9 +251,27 @@ class _Server(uvicorn.Server):
         self._rt = runtime
         self._drain_delay_s = drain_delay_s
         self._signalled = False
+        # why the server stopped as it started: a socket it was given does not listen
+        self.listen_error: OSError | None = None
 
     async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
+        try:
+            await super().startup(sockets)
+        except OSError as e:  # asyncio's loop: listen() raised, after the app's start
+            log.error(f"cannot listen: {e}", extra={"errno": e.errno})
+            self.listen_error = e
+            self.should_exit = True
+            for srv in getattr(self, "servers", []):  # those made before it
+                srv.close()
+            await self.lifespan.shutdown()
+            return
+        if self.started and _lost_listener(self):
+            # uvloop's loop closed it without a word: listen() on a bound TCP socket fails
+            # only with EADDRINUSE. Stop (uvicorn shuts the app down, started as it is).
+            log.error("a listening socket was lost as the server started: another process listens on the port")
+            self.listen_error = OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+            self.should_exit = True
+            return
         if self.started:  # the app is up: what is alive now lives as long as the process
             import gc
 
