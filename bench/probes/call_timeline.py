@@ -84,6 +84,12 @@ BOUNDARIES = (
     ("recv", "recv", "<"),
     ("settled", "settle", ">"),
 )
+#: the boundaries that are the exit of a function which wakes the call's caller before
+#: it returns (the GPU worker's ``_settle`` sets the futures, the loop's ``send`` writes
+#: the answer, the client's ``_settle`` sets the call's future): a call's may come after
+#: its end, in the next call's span, so each is the first exit after the call's own
+#: entry, not the first exit in its span (which may be the previous call's)
+AFTER_ENTRY = {"finished", "written", "settled"}
 
 
 def stamp_all(stamps: tuple[tuple[str, str | None, str, str], ...], events: list[tuple[float, str]]) -> None:
@@ -122,7 +128,8 @@ def serve_stamped(port: int, out: str) -> int:
     def dump() -> None:
         while True:
             time.sleep(0.2)
-            Path(out + ".tmp").write_text(json.dumps(events[:]))
+            at = time.perf_counter()  # every stamp made before it is in the copy
+            Path(out + ".tmp").write_text(json.dumps({"at": at, "events": events[:]}))
             os.replace(out + ".tmp", out)
 
     threading.Thread(target=dump, daemon=True).start()
@@ -140,14 +147,18 @@ def timeline(calls: list[tuple[float, float]], events: list[tuple[float, str]]) 
     per_call: list[dict[str, float]] = []
     for t0, t1 in calls:
         lo, hi = np.searchsorted(times, t0), np.searchsorted(times, t1)
-        first: dict[str, float] = {}
+        first: dict[str, int] = {}
         for i in range(lo, hi):
-            first.setdefault(names[i], times[i] - t0)
+            first.setdefault(names[i], i)
         marks = {"call": 0.0}
         for name, stage, edge in BOUNDARIES:
-            key = stage + edge
-            if key in first:
-                marks[name] = first[key]
+            at = first.get(stage + edge)
+            if name in AFTER_ENTRY:
+                entry = first.get(stage + "<")
+                exits = (i for i in range(entry or 0, len(names)) if names[i] == stage + ">")
+                at = None if entry is None else next(exits, None)
+            if at is not None:
+                marks[name] = times[at] - t0
         marks["end"] = t1 - t0
         per_call.append(marks)
     order = ["call", *[b[0] for b in BOUNDARIES], "end"]
@@ -162,6 +173,33 @@ def timeline(calls: list[tuple[float, float]], events: list[tuple[float, str]]) 
         gaps = [m[b] - m[a] for m in per_call if a in m and b in m]
         stages[f"{a} -> {b}"] = round(1e3 * float(np.median(gaps)), 3)
     return {"at_ms": at, "stages_ms": stages, "calls": len(calls)}
+
+
+def _returned(events: list[tuple[float, str]], stages: set[str]) -> bool:
+    """Whether every call of a function of ``stages`` stamped in ``events`` has returned."""
+    names = [n for _, n in events]
+    return all(names.count(stage + "<") == names.count(stage + ">") for stage in stages)
+
+
+def _stamps_of(out: str, end: float, events: list[tuple[float, str]]) -> list[tuple[float, str]]:
+    """The server's stamps once they hold every call up to the last's ``end``: a dump
+    made after it, in which every stamped function has returned (the GPU worker's
+    ``_take``, waiting for the next job, aside), and the client's own likewise (its
+    reader may still be in ``_settle``)."""
+    server_stages = {stage for *_, stage in SERVER_STAMPS} - {"take"}
+    client_stages = {stage for *_, stage in CLIENT_STAMPS}
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            dump = json.loads(Path(out).read_text())
+        except (OSError, ValueError):  # not written yet
+            dump = {"at": -np.inf, "events": []}
+        server_events = [tuple(e) for e in dump["events"]]
+        if dump["at"] > end and _returned(server_events, server_stages) and _returned(events, client_stages):
+            return server_events  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise SystemExit("the server's stamps of the last call did not come in 60 s")
+        time.sleep(0.05)
 
 
 def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -221,8 +259,7 @@ def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 fr.attend_stacked(sessions, layer, q, k=k, v=k)
                             if i >= args.layers:  # the first token's calls make the plans
                                 calls.append((t0, time.perf_counter()))
-                    time.sleep(0.5)  # the server's stamps written
-                    server_events = [tuple(e) for e in json.loads(Path(out).read_text())]
+                    server_events = _stamps_of(out, calls[-1][1], events)
                     row = {
                         "form": form, "batch": batch, "shape": [H, HKV, D], "context": args.context,
                         "layers": args.layers, "dtype": args.dtype, "kv_format": args.kv_format,
