@@ -25,7 +25,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .formats import KV_FORMATS
+from .formats import DEFAULT_KV_FORMAT, KV_FORMATS, RECOMMENDED
 
 __all__ = [
     "Settings",
@@ -156,11 +156,14 @@ class Settings(BaseSettings):
         description="Split-KV sizing: about this many workgroups per decode attend (the H200 optimum).",
     )
     warmup: str = Field(
-        default="f32",
+        # the default kv format and the recommended compressed one (formats.py)
+        default=",".join(dict.fromkeys((DEFAULT_KV_FORMAT, RECOMMENDED.kv_format))),
         description="The kv formats whose kernels are compiled at start, before /readyz reports ready (else "
         "the first request of each compiles them: seconds each on lavapipe): none, all, or kv formats "
-        "separated by commas. Each is warmed at every warmup_shapes shape it takes, for decode (one query "
-        "row) and prefill (many rows) with the kernels the kernels setting picks.",
+        "separated by commas (by default the default format and the recommended compressed one). Each is "
+        "warmed at every warmup_shapes shape it takes, for decode (one query row) and prefill (many rows) "
+        "with the kernels the kernels setting picks; a compressed format also with exact sinks and a window "
+        f"(the recommended {RECOMMENDED.sinks} and {RECOMMENDED.window}), whose attends take other kernels.",
     )
     warmup_shapes: str = Field(
         default="32x8x128",

@@ -34,7 +34,7 @@ from pydantic_core import core_schema
 
 from .codec import wire
 from .errors import InvalidRequest
-from .formats import KV_FORMATS
+from .formats import DEFAULT_KV_FORMAT, KV_FORMATS
 
 __all__ = [
     "MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "MAX_SINKS", "MAX_WINDOW", "EXACT_FORMATS", "SESSION_ID_PATTERN",
@@ -204,7 +204,7 @@ class CreateSession(BaseModel):
         description="f32: 1..128; f16: even, 2..128; turboquant and its variants (tq4, tq3, ...): 32, 64 or 128."
     )
     kv_format: Union[_Format, list[_Format]] = Field(
-        "f32",
+        DEFAULT_KV_FORMAT,
         description="One format for every layer, or an array of num_layers formats, one per layer "
         "(e.g. the first and last two layers f16, the rest turboquant).",
     )

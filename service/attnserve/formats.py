@@ -19,6 +19,12 @@ out, the kernels read them).
   (8 of a key, 2 of a value) and codes the rest (keys 2 bits, values 4); ``tq3o``
   (3.5 bits) keeps a key's 8 and codes values with 3 bits; ``tq2o`` (2.5 bits)
   keeps a key's 3 and codes keys and values with 2 bits.
+
+What to choose is said here once too: :data:`DEFAULT_KV_FORMAT` (``f32``, exact), what
+a session gets when it names no format, and :data:`RECOMMENDED`, the recommended
+compressed setting (``tq4v3`` with 4 exact sinks and a window of 128). The docs name
+them (``tests/test_docs_recommendation.py`` checks that they agree) and the kernel
+warm-up compiles both by default (``config.Settings.warmup``, ``warmup.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from typing import Any
 
 __all__ = [
     "KV_FORMATS",
+    "DEFAULT_KV_FORMAT",
+    "CompressedSetting",
+    "RECOMMENDED",
     "TqSpec",
     "TQ_SPECS",
     "TQ_VARIANTS",
@@ -91,6 +100,40 @@ TQ_VARIANTS: dict[str, TqSpec] = {
 TQ_SPECS: dict[str, TqSpec] = {"turboquant": TqSpec(2, True, 2), **TQ_VARIANTS}
 
 KV_FORMATS = ("f32", "f16", "turboquant", *TQ_VARIANTS)
+#: The kv format of a session that names none: exact.
+DEFAULT_KV_FORMAT = "f32"
+
+
+@dataclass(frozen=True)
+class CompressedSetting:
+    """A compressed kv format with exact rows beside its codes: a session's
+    ``kv_format``, ``sinks`` and ``window`` (docs/api.md, "Exact sinks and a recent
+    window")."""
+
+    kv_format: str
+    sinks: int
+    window: int
+
+    def fields(self) -> dict[str, Any]:
+        """The create request's fields (and ``Client.create_session``'s keywords)."""
+        return {"kv_format": self.kv_format, "sinks": self.sinks, "window": self.window}
+
+    def bits_per_element(self, head_dim: int, timesteps: int) -> float:
+        """Average cache bits per K or V element at ``timesteps``: the format's, plus
+        the exact rows' (float32)."""
+        return bits_per_element(self.kv_format, head_dim) + 32 * (self.sinks + self.window) / timesteps
+
+    def __str__(self) -> str:
+        return f"{self.kv_format} with sinks {self.sinks} and window {self.window}"
+
+
+#: The recommended compressed setting: the one closest to exact end to end per bit
+#: measured (docs/fidelity.md, "Current figures", its headline row: 3.88 bits per
+#: element at 32k timesteps and head_dim 128, top-1 0.9771, KL 0.0019 nats, perplexity
+#: +0.037 on SmolLM2-135M through transformers; bench/results/
+#: h200-generate-fidelity-69f159b.json). ``tq4`` alone is the closest compressed
+#: format without exact rows; there is no default compressed format.
+RECOMMENDED = CompressedSetting("tq4v3", sinks=4, window=128)
 #: The element type of each plain (uncompressed) format, as numpy names it
 #: (little-endian): the rows are stored as numpy rounds them to it.
 PLAIN_DTYPES = {"f32": "<f4", "f16": "<f2"}

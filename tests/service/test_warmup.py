@@ -1,6 +1,9 @@
 """The kernels' warm-up at start (warmup.py, settings warmup and warmup_shapes): the
 server answers while the kernels compile, /readyz (and /health) 503 until they are
-warm; after it, a decode step and a prefill chunk of the warmed shape compile nothing."""
+warm; after it, a decode step and a prefill chunk of the warmed shape compile nothing,
+with exact sinks and a window too; by default it warms the default format and the
+recommended compressed setting, and its log names each pipeline it compiles as the
+warm-up's, not as a first use."""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from pydantic import ValidationError
 
 from attnserve.app import create_app
 from attnserve.config import Settings
-from attnserve.formats import KV_FORMATS
+from attnserve.formats import DEFAULT_KV_FORMAT, KV_FORMATS, RECOMMENDED
 from attnserve.gpu.shaders import PipelineCache
-from attnserve.warmup import warmup_plan
+from attnserve.warmup import Warm, warmup_plan
 
 H, HKV, D = 4, 1, 32  # the warmed shape: GQA group 4, head_dim 32 (taken by f32 and turboquant)
 
@@ -25,7 +28,12 @@ H, HKV, D = 4, 1, 32  # the warmed shape: GQA group 4, head_dim 32 (taken by f32
 def test_warmup_settings(monkeypatch):
     monkeypatch.delenv("ATTNSERVE_WARMUP", raising=False)  # tests/conftest.py sets none for the test servers
     s = Settings()
-    assert (s.warmup_formats(), s.warmup_shape_list()) == (("f32",), [(32, 8, 128)])  # the defaults
+    # the defaults: the default format and the recommended compressed setting's, at a Llama-3-8B shape
+    assert (s.warmup_formats(), s.warmup_shape_list()) == (("f32", "tq4v3"), [(32, 8, 128)])
+    assert s.warmup_formats() == (DEFAULT_KV_FORMAT, RECOMMENDED.kv_format)
+    assert Warm(RECOMMENDED.kv_format, (32, 8, 128), RECOMMENDED.sinks, RECOMMENDED.window) in warmup_plan(
+        s.warmup_formats(), s.warmup_shape_list()
+    )
     s = Settings(warmup=" F32, turboquant,f32 ", warmup_shapes="32x8x128, 4 x 4 x 64")
     assert s.warmup == "f32,turboquant" and s.warmup_formats() == ("f32", "turboquant")
     assert s.warmup_shapes == "32x8x128,4x4x64" and s.warmup_shape_list() == [(32, 8, 128), (4, 4, 64)]
@@ -46,19 +54,27 @@ def test_warmup_settings(monkeypatch):
 def test_the_plan_warms_each_format_at_the_shapes_it_takes():
     shapes = [(8, 2, 96), (8, 2, 128)]
     assert warmup_plan(["f32", "turboquant"], shapes) == [
-        ("f32", (8, 2, 96)),
-        ("f32", (8, 2, 128)),
-        ("turboquant", (8, 2, 128)),  # a TurboQuant layer takes head_dim 32, 64 or 128 only
+        ("f32", (8, 2, 96), 0, 0),
+        ("f32", (8, 2, 128), 0, 0),
+        ("turboquant", (8, 2, 128), 0, 0),  # a TurboQuant layer takes head_dim 32, 64 or 128 only
+        ("turboquant", (8, 2, 128), 4, 128),  # and again with the recommended exact sinks and window
+    ]
+    assert [str(w) for w in warmup_plan(["tq4v3"], shapes)] == [
+        "tq4v3 at 8x2x128",
+        "tq4v3 with sinks 4 and window 128 at 8x2x128",
     ]
     assert warmup_plan([], shapes) == []
 
 
-def _decode_and_prefill(client: TestClient, kv_format: str, rng) -> None:
+def _decode_and_prefill(client: TestClient, kv_format: str, rng, sinks: int = 0, window: int = 0) -> None:
     """What a client does first: a session of the warmed shape, a prefill chunk, a decode step."""
-    r = client.post("/v1/sessions", json=dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=kv_format))
+    spec = dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, kv_format=kv_format, sinks=sinks, window=window)
+    r = client.post("/v1/sessions", json=spec)
     assert r.status_code == 201, r.text
     sid = r.json()["session_id"]
-    n = 32  # more query rows than the split kernels take: the prefill kernels
+    # more query rows than the split kernels take (the prefill kernels), and than the
+    # exact sinks and window hold (the codes are read too)
+    n = 32 + sinks + window
     kv = {name: rng.standard_normal((n, HKV, D)).tolist() for name in ("k", "v")}
     q = rng.standard_normal((n, H, D))
     r = client.post(f"/v1/sessions/{sid}/layers/0/attend", json=dict(q=q.tolist(), **kv))
@@ -71,6 +87,7 @@ def _decode_and_prefill(client: TestClient, kv_format: str, rng) -> None:
 def test_readyz_is_503_until_the_kernels_are_warm(engine, monkeypatch, caplog):
     # a pipeline cache of its own, so what the warm-up compiles is seen, whatever ran before
     cache = PipelineCache(engine.ctx.device)
+    monkeypatch.setattr(cache, "_started", True)  # as after the device's start: its compiles are logged
     monkeypatch.setattr(engine.ctx, "pipelines", cache)
     caplog.set_level(logging.INFO, logger="attnserve")
     gate = threading.Event()
@@ -105,17 +122,30 @@ def test_readyz_is_503_until_the_kernels_are_warm(engine, monkeypatch, caplog):
             rng = np.random.default_rng(0)
             for kv_format in ("f32", "turboquant"):
                 _decode_and_prefill(client, kv_format, rng)
+            _decode_and_prefill(client, "turboquant", rng, RECOMMENDED.sinks, RECOMMENDED.window)
             assert set(cache._pipelines) == warmed  # nothing left to compile on first use
     finally:
         gate.set()
+    assert not logging.getLogger("attnserve").filters  # a later compile is a first use again
     lines = [r.getMessage() for r in caplog.records if r.name == "attnserve"]
-    assert f"warming up the kernels: f32 at {H}x{HKV}x{D}, turboquant at {H}x{HKV}x{D}" in lines
+    shape = f"{H}x{HKV}x{D}"
+    plan = f"f32 at {shape}, turboquant at {shape}, turboquant with sinks 4 and window 128 at {shape}"
+    assert f"warming up the kernels: {plan} (a decode step and a prefill chunk each)" in lines
     progress = [ln for ln in lines if ln.startswith("kernels warm: ")]
-    assert [ln.split(" in ")[0] for ln in progress] == [
-        f"kernels warm: f32 at {H}x{HKV}x{D}",
-        f"kernels warm: turboquant at {H}x{HKV}x{D}",
-    ]
-    assert progress[0].endswith("s (1/2)") and progress[1].endswith("s (2/2)")
+    assert [ln.split(" in ")[0] for ln in progress] == [f"kernels warm: {what}" for what in plan.split(", ")]
+    for i, line in enumerate(progress, 1):
+        assert line.endswith(" compiled)") and f" s ({i}/3; " in line, line
+    # every pipeline it compiled has its line, naming the warm-up's session, none "on its first use"
+    compiled = [r for r in caplog.records if getattr(r, "kernel", None)]
+    assert not [r.getMessage() for r in compiled if "first use" in r.getMessage()]
+    assert sorted(r.kernel for r in compiled) == sorted(kernel for kernel, _ in warmed)
+    assert {r.warmup for r in compiled} <= set(plan.split(", "))
+    prefill = next(r for r in compiled if r.kernel == "attention_prefill_rb.f32")
+    assert prefill.getMessage().startswith(
+        f"compiled kernel attention_prefill_rb.f32 (GROUP={H // HKV}, HEAD_DIM={D}) for the warm-up of f32 at {shape}"
+    ), prefill.getMessage()
+    counts = [int(ln.rsplit("; ", 1)[1].split()[0]) for ln in progress]
+    assert sum(counts) == len(warmed)
     done = next(r for r in caplog.records if r.getMessage().startswith("kernel warm-up done in "))
     assert done.pipelines == len(warmed) and done.seconds >= 0
 
