@@ -22,6 +22,10 @@ OPERATIONS = ("create", "prefill_chunk", "prefill_batch", "decode", "decode_batc
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
+#: --batched: what carries the steps, each --transport choice as ``client.stream``'s
+#: ``transport`` names it (None: no stream, POST /v1/batch/attend).
+TRANSPORTS = {"stream": "websocket", "frames": "frames", "shm": "shm", "http": None}
+
 
 class UsageError(Exception):
     """A setup problem (bad argument, unreachable server): exit 2."""
@@ -52,7 +56,7 @@ class Config:
     mode: str = "closed"
     rate: float = 0.0
     batched: bool = False
-    transport: str = "stream"  # --batched: the steps' transport
+    transport: str = "stream"  # --batched: the steps' transport (TRANSPORTS)
     shards: int = 0  # sharded sessions: shards per session (0: plain sessions)
     shard_tokens: int = 0  # sharded sessions: timesteps per shard (0: from --shards)
     prefill: int = 256
@@ -142,10 +146,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
     )
     p.add_argument(
         "--transport",
-        choices=("stream", "http"),
+        choices=tuple(TRANSPORTS),
         default="stream",
-        help="--batched: the steps go over the stream (/v1/stream, one connection per replica, as an engine "
-        "would send them) or as POST /v1/batch/attend; sessions are created and deleted over HTTP either way",
+        help="--batched: what carries the steps, one connection per target as an engine keeps it: the "
+        "WebSocket /v1/stream (through a router too); the frame transport (plain TCP, a server run with "
+        "--frames-port); shared memory (a server on this host run with --shm-socket); or http, each step a "
+        "POST /v1/batch/attend. Sessions are created and deleted over HTTP whichever it is",
     )
     p.add_argument(
         "--shards",
@@ -263,6 +269,11 @@ def check_config(cfg: Config) -> None:
     need(0 <= cfg.warmup_s <= 3600, "--warmup-s must be in [0, 3600] seconds")
     need(cfg.mode == "closed" or cfg.rate > 0, "--mode open needs --rate > 0")
     need(not (cfg.batched and cfg.mode == "open"), "--batched runs a closed loop (an engine steps when it can)")
+    need(cfg.transport in TRANSPORTS, f"--transport: expected one of {', '.join(TRANSPORTS)}")
+    need(
+        cfg.batched or cfg.transport in ("stream", "http"),
+        f"--transport {cfg.transport} carries --batched steps (without --batched each user's calls go over HTTP)",
+    )
     need(cfg.shards >= 0 and cfg.shard_tokens >= 0, "--shards and --shard-tokens must be >= 0")
     need(not (cfg.sharded and cfg.batched), "sharded sessions run one session per user (not with --batched)")
     need(not (cfg.sharded and cfg.create == "post"), "sharded sessions name their shards (not with --create post)")

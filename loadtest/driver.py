@@ -22,7 +22,7 @@ import numpy as np
 
 from attnserve_client import APIError, AsyncClient, AsyncShardedSession, AttnServeError
 
-from .config import OPERATIONS, Config
+from .config import OPERATIONS, TRANSPORTS, Config
 from .prometheus import parse_prometheus
 
 #: --batched: array bytes of one batched request at most (a larger step is split).
@@ -297,13 +297,15 @@ class LoadTest:
         layer of every chunk or token one batched step for all of them (ops
         ``prefill_batch``, ``decode_batch``; ``decode_step`` = one token through all
         layers), then deleted; then the next cohort. A failed step ends its cohort.
-        The steps go over one stream per target (``--transport stream``) or over HTTP;
-        with several targets, session ``i`` of a cohort lives on target ``i % N`` and
-        each step is one batched step per target, at once."""
-        if self.cfg.transport != "stream":
+        The steps go over one stream per target (``--transport``: the WebSocket, the
+        frame transport or shared memory) or over HTTP; with several targets, session
+        ``i`` of a cohort lives on target ``i % N`` and each step is one batched step
+        per target, at once."""
+        transport = TRANSPORTS[self.cfg.transport]
+        if transport is None:
             await self._engine(clients, clients)
             return
-        streams = [await client.stream() for client in clients]
+        streams = [await client.stream(transport=transport) for client in clients]
         try:
             await self._engine(clients, streams)
         finally:

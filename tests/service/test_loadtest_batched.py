@@ -1,5 +1,6 @@
 """loadtest.py --batched against the real server: an engine-shaped closed loop (one
-batched step per layer for all sessions), verified against float64, no errors."""
+batched step per layer for all sessions), verified against float64, no errors, over
+each transport (the WebSocket stream, HTTP, the frame transport, shared memory)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from attnserve.config import Settings
+from svc_helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,6 +90,34 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path, transport):
     assert (posts >= ops["decode_batch"]["count"]) if transport == "http" else posts == 0, posts
 
 
+@pytest.fixture(scope="module")
+def tserver(engine, tmp_path_factory):
+    """A server with the frame transport and the shared-memory one."""
+    path = str(tmp_path_factory.mktemp("shm") / "attnserve.sock")
+    srv = LiveServer(Settings(frames_port=0, shm_socket=path), engine=engine).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(("transport", "route"), [("frames", "/v1/frames"), ("shm", "/v1/shm")])
+def test_batched_mode_over_frames_and_shared_memory(tserver, tmp_path, transport, route):
+    report = _run(tserver, tmp_path, "--batched", "--transport", transport, "--verify", "0.5", "--warmup-s", "1")
+    ops = report["operations"]
+    assert report["error_count"] == 0, report["errors"]
+    assert report["config"]["transport"] == transport
+    assert ops["prefill_batch"]["count"] >= 6 and ops["decode_batch"]["count"] >= 10
+    assert report["verify"]["checked"] > 0 and report["verify"]["failed"] == 0
+    # every step went over that transport: its replies counted, none over /v1/stream or HTTP
+    delta = {k: v for m in report["server_metrics"].values() for k, v in m["delta"].items()}
+    steps = ops["prefill_batch"]["count"] + ops["decode_batch"]["count"]
+    replies = sum(v for k, v in delta.items() if k.startswith("attnserve_requests_total{") and f'route="{route}"' in k)
+    assert replies >= steps, (replies, steps)
+    others = ("/v1/stream", "/v1/batch/attend")
+    assert not [k for k, v in delta.items() if v and k.startswith("attnserve_requests_total{") and any(
+        f'route="{r}"' in k for r in others
+    )]  # fmt: skip
+
+
 def test_batched_mode_progress_line_counts_the_attends(server, tmp_path):
     # the live line counts the attends and tokens of batched steps as the summary
     # does (it used to count only single attends: "attends 0.0/s" under --batched)
@@ -109,6 +141,17 @@ def test_batched_mode_refuses_open_loop(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "--batched runs a closed loop" in r.stderr
+
+
+def test_a_stream_transport_needs_batched(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "loadtest.py"), "--transport", "shm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--transport shm carries --batched steps" in r.stderr
 
 
 def test_a_large_step_is_split_and_keeps_item_order(server, rng, monkeypatch):
