@@ -127,12 +127,12 @@ class CompressedSetting:
         return f"{self.kv_format} with sinks {self.sinks} and window {self.window}"
 
 
-#: The recommended compressed setting: the one closest to exact end to end per bit
-#: measured (docs/fidelity.md, "Current figures", its headline row: 3.88 bits per
-#: element at 32k timesteps and head_dim 128, top-1 0.9771, KL 0.0019 nats, perplexity
-#: +0.037 on SmolLM2-135M through transformers; bench/results/
-#: h200-generate-fidelity-69f159b.json). ``tq4`` alone is the closest compressed
-#: format without exact rows; there is no default compressed format.
+#: The recommended compressed setting (docs/fidelity.md, "Current figures", its
+#: headline row: 3.88 bits per element at 32k timesteps and head_dim 128, top-1
+#: 0.9771, KL 0.0019 nats, perplexity +0.037 on SmolLM2-135M through transformers;
+#: bench/results/h200-generate-fidelity-69f159b.json; ``tq4`` with the same sinks and
+#: window is a little closer at half a bit more). ``tq4`` alone is the closest
+#: compressed format without exact rows; there is no default compressed format.
 RECOMMENDED = CompressedSetting("tq4v3", sinks=4, window=128)
 #: The element type of each plain (uncompressed) format, as numpy names it
 #: (little-endian): the rows are stored as numpy rounds them to it.
