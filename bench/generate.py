@@ -33,7 +33,8 @@ and ``overlapped_s`` (of the calls' round trips, the seconds spent on another
 micro-batch's work); their ``split_s`` server part is the time blocked on answers.
 
 ``--fidelity`` runs each setting teacher-forced over the two long texts (chunks of
-512 tokens through ``model(..., past_key_values=cache)``) against the exact
+512 tokens through ``model(..., cache=cache)``; ``past_key_values=`` before
+transformers 5.24) against the exact
 model's logits, over the positions with a next token: top-1 agreement, mean
 KL(exact || setting), the next token's NLL and the perplexity's change.
 """
@@ -133,8 +134,9 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
     return model.eval()
 
 
-# generate()'s keyword for the cache: cache= from transformers 5.24 on, past_key_values=
-# before (the device image's transformers may be older than the tests' pin)
+# generate()'s keyword for the cache, and the model's forward's: cache= from transformers
+# 5.24 on, past_key_values= before (the device image's transformers may be older than
+# the tests' pin; 5.25 warns that the forward's past_key_values= goes in 5.40)
 GENERATE_CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
@@ -243,7 +245,7 @@ def fidelity(args, model, tok, client, device) -> list[dict]:
         for t, ids in texts.items():
             with cache_for(client, model, setting, args.transport, args.chunk_bytes) as cache, torch.no_grad():
                 parts = [
-                    model(ids[:, c : c + 512], past_key_values=cache, use_cache=True).logits[0]
+                    model(ids[:, c : c + 512], **{GENERATE_CACHE_KEYWORD: cache}, use_cache=True).logits[0]
                     for c in range(0, ids.shape[1], 512)
                 ]
             runs.append(position_stats(exact[t], torch.cat(parts).double().cpu().numpy(), ids[0].tolist()))
