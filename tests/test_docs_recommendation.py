@@ -12,6 +12,7 @@ matter."""
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -163,6 +164,13 @@ def test_the_recommended_settings_figures_are_fidelitys(doc):
                     if float(kl) != want["kl"]:
                         bad.append((f"KL {kl}, not {want['kl']}", span))
     assert not bad, f"{doc}:\n" + "\n".join(f"  {why}: {c[:300]}" for why, c in bad)
+
+
+def test_the_client_defaults_to_the_default_kv_format():
+    # the client package cannot import the server's: its default is its own copy
+    from attnserve_client import Client
+
+    assert inspect.signature(Client._create_flow).parameters["kv_format"].default == DEFAULT_KV_FORMAT
 
 
 def test_the_readme_quickstart_creates_the_recommended_setting():
