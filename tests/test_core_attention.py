@@ -273,6 +273,57 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
 
 
+def test_a_batch_stays_within_the_arena_budget_and_a_larger_job_lets_its_arenas_go(engine, rng):
+    """batch_arena_bytes: jobs that would push an arena past the budget wait for the
+    next submission, so the arenas stay at the budget however many jobs are queued;
+    a job larger than the budget runs alone in arenas made for it, let go before the
+    next batch. Results stay exact."""
+    h, hkv, d = 8, 2, 64
+    arenas = engine.worker.arenas
+    saved = arenas.budget
+    sessions = [session(engine, "f32", h, hkv, d) for _ in range(6)]
+    data = []
+    for s in sessions:
+        k, v = rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)
+        engine.append(s.layers[0], k, v).result()
+        data.append((k, v))
+    budget = 160 * 1024  # one job (its split partials: 124 KiB), not two
+    try:
+        engine.call(lambda ctx: arenas.trim()).result()  # the fixture's earlier batches may have grown them
+        arenas.budget = budget
+        engine.call(lambda ctx: arenas.trim()).result()
+        before = engine.worker.batches
+        qs = [rows(rng, 30, h, d) for _ in sessions]
+        futs = [
+            engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)
+        ]
+        outs = [f.result() for f in futs]
+        assert engine.worker.batches - before >= 3
+        assert all(b.size <= budget for b in arenas.buffers.values()), (
+            str(sorted((a, b.size) for a, b in arenas.buffers.items())) + f" budget {budget}"
+        )
+        budget = arenas.budget = 1 << 16  # the smallest arena: a 1-row attend needs no more
+        big = rows(rng, 42, h, d)  # alone past the budget: arenas of its own size
+        out_big, _ = engine.attend(sessions[0].layers[0], big).result()
+        assert max(b.size for b in arenas.buffers.values()) > budget
+        small, _ = engine.attend(sessions[1].layers[0], qs[1][:1]).result()  # the next batch lets them go
+        assert all(b.size <= budget for b in arenas.buffers.values())
+        assert all(b is None or b.size <= 2 * budget for b in arenas.staging)
+    finally:
+        arenas.budget = saved
+    for s, (k, v), q, (out, length) in zip(sessions, data, qs, outs):
+        assert length == 42 == s.layers[0].length
+        kw, vw = engine.call(lambda ctx, l=s.layers[0]: l.read_words(ctx.device)).result()
+        kall = np.frombuffer(kw, np.float32).reshape(-1, hkv, d)[:42]
+        vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
+        np.testing.assert_array_equal(kall[:40], k)
+        assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
+        if s is sessions[0]:
+            assert rel_err(out_big, ref.attention(big, kall, vall)) <= F32_TOL
+        if s is sessions[1]:
+            assert rel_err(small, ref.attention(qs[1][:1], kall, vall)) <= F32_TOL
+
+
 @pytest.mark.parametrize("kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True)
 @pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):

@@ -91,6 +91,7 @@ def open_engine(settings: Settings, **kw: Any) -> Engine:
         settings.cuda_context,
         max_batch_jobs=settings.max_batch_jobs,
         max_queue=settings.max_queue,
+        batch_arena_bytes=settings.batch_arena_bytes,
         policy=policy,
         page_tokens=settings.page_tokens,
         pool_slab_bytes=settings.pool_slab_bytes,

@@ -185,13 +185,37 @@ class Settings(BaseSettings):
         "A layer's pages live in one slab, so this also caps a layer's tokens.",
     )
     max_batch_jobs: int = Field(default=256, ge=1, description="Most jobs coalesced into one GPU submission.")
+    batch_arena_bytes: Size = Field(
+        default=256 * MiB,
+        ge=1 * MiB,
+        description="The size the GPU worker keeps each of its six batch arenas at (a submission's inputs, "
+        "outputs and scratch; its two readback buffers at twice it): jobs are coalesced into one submission "
+        "only while every arena stays within it, and one larger request runs alone in arenas made for it and "
+        "let go after. So the device memory for work in flight stays within 10x this (GET /v1/info: arenas), "
+        "however many requests are queued (capped by the adapter's binding limit).",
+    )
     max_queue: int = Field(default=4096, ge=1, description="Most jobs waiting for the GPU (503 overloaded past it).")
     stream_max_in_flight: int = Field(
         default=256,
         ge=1,
-        description="Most operations one /v1/stream or frame-transport connection may have in flight, an operation "
-        "counting until its reply is written; past it the server reads no further frame of that "
-        "connection until one is answered (backpressure).",
+        description="Most operations one connection of /v1/stream, the frame transport or shared memory may have in "
+        "flight, an operation counting until its reply is flushed (stream_max_unsent_bytes); past it the server "
+        "reads no further frame of that connection until one is answered (backpressure).",
+    )
+    stream_max_in_flight_bytes: Size = Field(
+        default=8 * MiB,
+        ge=64 * 1024,
+        description="Most bytes of request frames one connection of /v1/stream, the frame transport or shared "
+        "memory may have in flight (arrays in a shared memory region not counted): past it the server reads no "
+        "further frame of that connection until an operation is answered (a larger frame is read alone).",
+    )
+    stream_max_unsent_bytes: Size = Field(
+        default=1 * MiB,
+        ge=64 * 1024,
+        description="Most reply bytes one connection of /v1/stream, the frame transport or shared memory may leave "
+        "unsent in its socket's buffer (its peer not reading): past it the server reads no further frame of "
+        "that connection, and each in-flight operation keeps its slot until the buffer is flushed below a "
+        "quarter of this. With stream_max_in_flight_bytes, this bounds the memory a connection holds.",
     )
     stream_ping_interval_s: float = Field(
         default=20.0,

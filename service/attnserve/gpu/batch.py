@@ -200,10 +200,13 @@ class Arenas:
     #: Bind groups kept for reuse (least recently used dropped past it).
     BIND_GROUPS = 8192
 
-    def __init__(self, device: wgpu.GPUDevice, max_binding: int | None = None):
+    def __init__(self, device: wgpu.GPUDevice, max_binding: int | None = None, budget: int | None = None):
         self.device = device
         # arenas are bound whole: never grown past what one binding may cover
         self.max_binding = int(max_binding or device.limits["max-storage-buffer-binding-size"])
+        #: the size an arena is kept at (the batch_arena_bytes setting): the worker coalesces
+        #: jobs up to it, and an arena a larger job needed is let go before the next batch
+        self.budget = min(int(budget or self.max_binding), self.max_binding) // 4 * 4
         self.buffers: dict[str, wgpu.GPUBuffer] = {}
         self.staging: list[wgpu.GPUBuffer | None] = [None] * STAGING_SLOTS
         self._bind_groups: OrderedDict[tuple[wgpu.GPUBindGroupLayout, BindEntries], tuple[wgpu.GPUBindGroup, int]] = (
@@ -219,9 +222,33 @@ class Arenas:
     @property
     def held_bytes(self) -> int:
         """GPU bytes of the arenas and readback buffers (they grow to the largest
-        batch and are kept); read from any thread (a copy of the lists)."""
+        batch within the budget and are kept); read from any thread (a copy of the lists)."""
         bufs = [*list(self.buffers.values()), *[s for s in list(self.staging) if s is not None]]
         return sum(b.size for b in bufs)
+
+    @property
+    def staging_budget(self) -> int:
+        """The size a readback buffer is kept at: it holds a batch's output and answer arenas."""
+        return 2 * self.budget
+
+    def trim(self) -> int:
+        """Let go of the arenas and readback buffers grown past the budget for a job
+        larger than it (the batch that used them holds them until it is read back),
+        with the bind groups that name them. Returns how many were let go."""
+        over = {id(b) for b in self.buffers.values() if b.size > self.budget}
+        over |= {id(b) for b in self.staging if b is not None and b.size > self.staging_budget}
+        if not over:
+            return 0
+        self.buffers = {a: b for a, b in self.buffers.items() if id(b) not in over}
+        self.staging = [None if b is not None and id(b) in over else b for b in self.staging]
+        self._forget(over)
+        return len(over)
+
+    def _forget(self, buffers: set[int]) -> None:
+        """Drop the cached bind groups that name any of ``buffers`` (by ``id``): a
+        buffer let go would otherwise live on in them until they age out."""
+        for key in [k for k in self._bind_groups if any(id(e[1]) in buffers for e in k[1])]:
+            del self._bind_groups[key]
 
     def bind_group(self, layout: wgpu.GPUBindGroupLayout, entries: BindEntries) -> tuple[wgpu.GPUBindGroup, int]:
         """The bind group of ``layout`` over ``entries`` ((binding, buffer, offset,
@@ -255,7 +282,9 @@ class Arenas:
         buf = self.buffers.get(arena)
         if buf is None or buf.size < size:
             new_size = _round_up(max(size, 2 * (buf.size if buf else 0), 1 << 16), 1 << 12)
-            new_size = max(size, min(new_size, self.max_binding // 4 * 4))
+            new_size = max(size, min(new_size, self.budget))
+            if buf is not None:  # grown: the old one goes with the bind groups that name it
+                self._forget({id(buf)})
             self.buffers[arena] = buf = self.device.create_buffer(
                 label=f"arena-{arena}", size=new_size, usage=_ARENA_USAGE[arena]
             )
@@ -267,6 +296,7 @@ class Arenas:
         old = self.staging[slot]
         if old is None or old.size < size:
             new_size = _round_up(max(size, 2 * (old.size if old else 0), 1 << 16), 1 << 12)
+            new_size = max(size, min(new_size, self.staging_budget))
             self.staging[slot] = old = self.device.create_buffer(
                 label=f"staging-{slot}",
                 size=new_size,

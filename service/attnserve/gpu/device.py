@@ -253,6 +253,7 @@ class GpuWorker:
         *,
         max_batch_jobs: int = 256,
         max_queue: int = 4096,
+        arena_budget: int | None = None,
         on_batch: Callable[[int, int, float], None] | None = None,
         on_job_start: Callable[[str, float], None] | None = None,
         policy: KernelPolicy | None = None,
@@ -264,7 +265,7 @@ class GpuWorker:
         self.max_queue = max_queue
         self.on_batch = on_batch
         self.on_job_start = on_job_start
-        self.arenas = Arenas(ctx.device, ctx.max_binding)
+        self.arenas = Arenas(ctx.device, ctx.max_binding, arena_budget)
         self.policy = policy if policy is not None else KernelPolicy()  # the engine's; read per batch
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queued = 0  # the weights of the jobs in _jobs
@@ -440,12 +441,17 @@ class GpuWorker:
         one meanwhile. The queue orders the two submissions, so this batch's writes
         land after every read the previous one makes."""
         t0 = time.perf_counter()
+        if self.arenas.trim():
+            log.debug(
+                "arenas grown past batch_arena_bytes for a large job let go", extra={"budget": self.arenas.budget}
+            )
         batch = Batch(self.ctx.device, self.ctx.pipelines, self.arenas, self.ctx.offset_align, self.policy)
         planned: list[tuple[_Job, FinishFn]] = []
-        # An arena is bound whole-or-in-part, so a coalesced batch must keep each
-        # arena within the binding limit: a job that would pass it goes back to
-        # the front of the queue for the next batch (a job alone may use it all).
-        cap = self.ctx.max_binding
+        # A coalesced batch keeps each arena within the arena budget (the device memory
+        # in-flight work holds), and a job of the group before it (one batched step)
+        # within the binding limit (an arena is bound whole-or-in-part): a job that would
+        # pass it goes back to the front of the queue for the next batch (a job alone
+        # may use up to the binding limit).
         for i, job in enumerate(jobs):
             if not job.started:
                 job.started = True
@@ -458,6 +464,8 @@ class GpuWorker:
                 batch.rollback(mark)
                 job.future.set_exception(e)
                 continue
+            same_step = bool(planned) and job.group is not None and job.group is planned[-1][0].group
+            cap = self.ctx.max_binding if same_step else min(self.arenas.budget, self.ctx.max_binding)
             if planned and batch.largest_arena > cap:
                 batch.rollback(mark)
                 with self._cv:
