@@ -177,7 +177,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         ws_per_message_deflate=False,
         # the keepalive judges a late pong only while the server reads the stream, and a
         # peer that reads nothing for stream_send_timeout_s is dropped (transport/websocket.py)
-        ws=stream_websocket_protocol(settings.stream_send_timeout_s),
+        ws=stream_websocket_protocol(settings.stream_send_timeout_s, settings.stream_max_unsent_bytes),
         ws_ping_interval=settings.stream_ping_interval_s or None,
         ws_ping_timeout=settings.stream_ping_timeout_s,
     )

@@ -18,10 +18,14 @@ key when the server has keys. Heads are at most :data:`MAX_HEAD_BYTES`, bodies a
 most ``max_body_bytes``.
 
 Flow control is the stream's: at most ``stream_max_in_flight`` operations of a
-connection are in flight, one counting until its reply is handed to a socket that
-is not over its write limit; past that the server reads nothing more from that
-connection. A frame that stalls for ``BODY_IDLE_TIMEOUT_S`` mid-way, or a
-connection that sends no hello in that time, is closed.
+connection, holding at most ``stream_max_in_flight_bytes`` of request frames, are
+in flight, one counting until its reply is flushed (the socket's unsent bytes
+back under a quarter of ``stream_max_unsent_bytes``, its write buffer's
+high-water mark); past either, or while the unsent bytes are over the high-water
+mark (replies that need no GPU, such as problems, hold no slot), the server reads
+nothing more from that connection. A frame that stalls for
+``BODY_IDLE_TIMEOUT_S`` mid-way, or a connection that sends no hello in that
+time, is closed.
 
 The shared-memory transport (``transport/shm.py``) serves the same frames over a
 Unix socket: its connections are this module's, with the hooks it overrides
@@ -106,6 +110,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.greeted = False
         self.open = True
         self.in_flight = 0
+        self.in_flight_bytes = 0  # of the request frames in flight
         self.reading = True
         self.writable = asyncio.Event()
         self.writable.set()
@@ -122,7 +127,7 @@ class _Connection(asyncio.BufferedProtocol):
     # ── asyncio callbacks ───────────────────────────────────────────────────
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a TCP transport (uvloop's is no subclass)
+        self._connected(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -132,6 +137,11 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self.server.connections.add(self)
         self._arm_watchdog()
+
+    def _connected(self, transport: asyncio.BaseTransport) -> None:
+        """Take the transport, its write buffer limited to ``stream_max_unsent_bytes``."""
+        self.transport = transport  # type: ignore[assignment]  # a TCP or Unix transport (uvloop's are no subclass)
+        transport.set_write_buffer_limits(high=self.rt.settings.stream_max_unsent_bytes)  # type: ignore[attr-defined]
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.filled :]
@@ -148,9 +158,11 @@ class _Connection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self.writable.clear()
+        self._set_reading()
 
     def resume_writing(self) -> None:
         self.writable.set()
+        self._set_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
@@ -206,8 +218,9 @@ class _Connection(asyncio.BufferedProtocol):
         except ApiError as e:
             self.send(error_document(rid, e, self.INSTANCE), t0)
             return
-        self._hold_slot()
-        task = asyncio.get_running_loop().create_task(self._finish(pending, t0, reply_to))
+        nbytes = len(view)
+        self._hold_slot(nbytes)
+        task = asyncio.get_running_loop().create_task(self._finish(pending, t0, reply_to, nbytes))
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -241,37 +254,53 @@ class _Connection(asyncio.BufferedProtocol):
 
     # ── flow control ────────────────────────────────────────────────────────
 
-    def _hold_slot(self) -> None:
+    def _hold_slot(self, nbytes: int) -> None:
         self.in_flight += 1
+        self.in_flight_bytes += nbytes
         self.rt.request_started()
-        if self.in_flight >= self.rt.settings.stream_max_in_flight and self.reading and self.open:
-            self.reading = False
-            assert self.transport is not None
-            self.transport.pause_reading()
+        self._set_reading()
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, nbytes: int) -> None:
         self.in_flight -= 1
+        self.in_flight_bytes -= nbytes
         self.rt.request_finished()
-        if not self.reading and self.open and self.in_flight < self.rt.settings.stream_max_in_flight:
-            self.reading = True
-            assert self.transport is not None
-            self.transport.resume_reading()
+        self._set_reading()
+
+    def _set_reading(self) -> None:
+        """Read the connection while it has a free slot, its frames in flight are
+        under their byte limit and its unsent bytes under the high-water mark; else
+        pause reading (the peer's sends back up)."""
+        transport = self.transport
+        if not self.open or transport is None or transport.is_closing():
+            return
+        settings = self.rt.settings
+        want = (
+            self.in_flight < settings.stream_max_in_flight
+            and self.in_flight_bytes < settings.stream_max_in_flight_bytes
+            and self.writable.is_set()
+        )
+        if want != self.reading:
+            self.reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         if not self.open and not self.tasks:
             self._released()
 
-    async def _finish(self, pending: Pending, t0: float, reply_to: Any) -> None:
-        """Await one operation and write its reply; the slot is held until the socket
-        takes more (a peer that reads nothing stops being read)."""
+    async def _finish(self, pending: Pending, t0: float, reply_to: Any, nbytes: int) -> None:
+        """Await one operation and write its reply; the slot is held until the reply
+        is flushed (a peer that reads nothing stops being read)."""
         try:
             doc = await pending.reply("msgpack")
             self.send(self._outgoing(doc, reply_to) if self.open else doc, t0)
             if not self.writable.is_set():
                 await self.writable.wait()
         finally:
-            self._release_slot()
+            self._release_slot(nbytes)
 
     def _arm_watchdog(self) -> None:
         self.watchdog = asyncio.get_running_loop().call_later(BODY_IDLE_TIMEOUT_S / 4, self._watch)

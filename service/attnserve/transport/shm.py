@@ -369,7 +369,7 @@ class _ShmConnection(_Connection):
         self._unmap_tries = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a Unix socket's transport
+        self._connected(transport)
         self.server.connections.add(self)
         self.send(*self._greeting)
         self._arm_watchdog()

@@ -19,13 +19,16 @@ arrive; replies come as each finishes (match them by ``id``).
 
 Authentication: the bearer key of the handshake (``Authorization`` header); a
 missing or wrong key closes the handshake (HTTP 403, close code 1008). At most
-``stream_max_in_flight`` operations of one connection are in flight, an operation
-counting until its reply is written: past that the server reads no further frame
-until one is answered (the socket's flow control pushes back both ways; a peer
-that does not read its replies stops being read, and nothing is buffered without
-bound). The keepalive's pong deadline runs only while the server reads the
-connection, and a peer that reads no reply for ``stream_send_timeout_s`` is
-dropped (:class:`StreamWebSocketProtocol`). A full GPU queue is a 503
+``stream_max_in_flight`` operations of one connection, holding at most
+``stream_max_in_flight_bytes`` of request frames, are in flight, an operation
+counting until its reply is flushed: written, and the socket's unsent bytes back
+under a quarter of ``stream_max_unsent_bytes`` (:class:`StreamWebSocketProtocol`
+sets the write buffer's limits and tells the connection when it drains). Past
+that the server reads no further frame until one is answered, so a peer that
+does not read its replies stops being read, and what a connection holds is
+bounded by the two settings. The keepalive's pong deadline runs only while the
+server reads the connection, and a peer that reads no reply for
+``stream_send_timeout_s`` is dropped. A full GPU queue is a 503
 ``overloaded`` reply. An operation whose reply was sent is applied; a connection
 that drops loses no queued operation (it completes; its reply is lost).
 """
@@ -36,7 +39,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -53,6 +56,11 @@ log = logging.getLogger("attnserve")
 
 router = APIRouter()
 STREAM_PATH = "/v1/stream"
+#: The scope extension through which :class:`StreamWebSocketProtocol` hands a
+#: connection the event that is set while its socket's unsent bytes are under the
+#: low-water mark (an asyncio.Event).
+FLUSHED_EXTENSION = "attnserve.flushed"
+_warned_unflushed = False
 
 
 @router.websocket(STREAM_PATH)
@@ -85,14 +93,21 @@ class _Connection:
         self.ws = ws
         self.owner = owner
         self.slots = asyncio.Semaphore(rt.settings.stream_max_in_flight)
+        self.in_flight_bytes = 0  # of the request frames in flight
+        self.room = asyncio.Event()  # set while in_flight_bytes is under its limit
+        self.room.set()
         self.send_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.open = True
+        self.flushed: asyncio.Event | None = ws.scope.get("extensions", {}).get(FLUSHED_EXTENSION)
+        if self.flushed is None:
+            _warn_unflushed()
 
     async def serve(self) -> None:
         try:
             while True:
-                await self.slots.acquire()  # backpressure: no further frame past the in-flight limit
+                await self.slots.acquire()  # backpressure: no further frame past the in-flight limits
+                await self.room.wait()
                 msg = await self.ws.receive()
                 if msg["type"] == "websocket.disconnect":
                     self.slots.release()
@@ -102,15 +117,19 @@ class _Connection:
                 kind: MediaKind = "msgpack"
                 if raw is None:
                     raw, kind = (msg.get("text") or "").encode(), "json"
+                nbytes = len(raw)
+                self.hold(nbytes)
                 try:
                     pending = await self.start(raw, kind)
                 except Reply as r:
                     try:
                         await self.send(r.doc, kind, t0)
+                        await self.drained()
                     finally:
-                        self.slots.release()
+                        self.release(nbytes)
                     continue
-                task = asyncio.create_task(self.finish(pending, kind, t0))
+                del raw, msg  # the operation holds what it needs of the frame
+                task = asyncio.create_task(self.finish(pending, kind, t0, nbytes))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
         except WebSocketDisconnect:
@@ -130,14 +149,33 @@ class _Connection:
             raise Reply(error_document(None, e, STREAM_PATH)) from None
         return begin(rt, self.owner, doc, STREAM_PATH)
 
-    async def finish(self, pending: Pending, kind: MediaKind, t0: float) -> None:
+    def hold(self, nbytes: int) -> None:
+        self.in_flight_bytes += nbytes
+        if self.in_flight_bytes >= self.rt.settings.stream_max_in_flight_bytes:
+            self.room.clear()
+
+    def release(self, nbytes: int) -> None:
+        """Let an operation's slot and its frame's bytes go."""
+        self.in_flight_bytes -= nbytes
+        if self.in_flight_bytes < self.rt.settings.stream_max_in_flight_bytes:
+            self.room.set()
+        self.slots.release()
+
+    async def finish(self, pending: Pending, kind: MediaKind, t0: float, nbytes: int) -> None:
         """Await one operation's result and write its reply; its in-flight slot is
-        held until the reply is written, so a peer that does not read its replies
-        stops being read (its unsent replies are bounded by the slots)."""
+        held until the reply is flushed (:meth:`drained`), so a peer that does not
+        read its replies stops being read."""
         try:
             await self.send(await pending.reply(kind), kind, t0)
+            await self.drained()
         finally:
-            self.slots.release()
+            self.release(nbytes)
+
+    async def drained(self) -> None:
+        """Return once the socket's unsent bytes are under the low-water mark (at
+        once when they are, or the connection is gone)."""
+        if self.flushed is not None and not self.flushed.is_set():
+            await self.flushed.wait()
 
     async def send(self, doc: dict[str, Any], kind: MediaKind, t0: float) -> None:
         count_reply(self.rt, doc, STREAM_PATH, "WS", time.perf_counter() - t0)
@@ -152,6 +190,17 @@ class _Connection:
                     await self.ws.send_bytes(body)  # (a view of the packer's buffer: sent as bytes are)
         except Exception:  # the peer went away: its operations still complete
             self.open = False
+
+
+def _warn_unflushed() -> None:
+    global _warned_unflushed
+    if not _warned_unflushed:
+        _warned_unflushed = True
+        log.warning(
+            "/v1/stream runs on a WebSocket protocol other than attnserve's (not started by `attnserve serve`): "
+            "a reply's slot is released once it is written, not once it is flushed, so stream_max_unsent_bytes "
+            "does not bound what an unread connection buffers"
+        )
 
 
 def _encode_frame(doc: dict[str, Any], kind: MediaKind) -> bytes | memoryview:
@@ -186,6 +235,11 @@ class StreamWebSocketProtocol(WebSocketsSansIOProtocol):
     again once the server reads, so only a peer that is read and still does not
     answer is dropped.
 
+    The write buffer's high-water mark is :data:`max_unsent_bytes` (its low-water
+    mark a quarter of it), and the connection's operations wait for it to drain
+    through the event handed to the app in the scope's extensions
+    (:data:`FLUSHED_EXTENSION`): set while the buffer is under the low-water mark.
+
     A peer that died while the server was not reading is found either way: once its
     operations finish, the server reads again (the pong deadline runs), or, if its
     replies cannot be written, by the send timeout: while the socket's write buffer
@@ -195,11 +249,24 @@ class StreamWebSocketProtocol(WebSocketsSansIOProtocol):
     """
 
     send_timeout_s: float = 60.0
+    max_unsent_bytes: int = 1 << 20
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent = 0  # the write buffer's size when the send timer was last set
+        self.flushed = asyncio.Event()
+        self.flushed.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport.set_write_buffer_limits(high=self.max_unsent_bytes)
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        if self.response.status_code == 101:  # the app runs: hand it the flush event
+            extensions = cast(dict[str, Any], self.scope["extensions"])
+            extensions[FLUSHED_EXTENSION] = self.flushed
 
     # -- keepalive ---------------------------------------------------------------
 
@@ -217,15 +284,18 @@ class StreamWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        self.flushed.clear()
         if self.send_timeout_s > 0 and self._send_timer is None:
             self._arm_send_timer()
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        self.flushed.set()
         self._cancel_send_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_send_timer()
+        self.flushed.set()  # nothing will drain now: the waiting operations let their slots go
         super().connection_lost(exc)
 
     def _arm_send_timer(self) -> None:
@@ -252,6 +322,10 @@ class StreamWebSocketProtocol(WebSocketsSansIOProtocol):
         self.transport.abort()
 
 
-def stream_websocket_protocol(send_timeout_s: float) -> type[StreamWebSocketProtocol]:
-    """The protocol class for uvicorn's ``ws`` option with this send timeout."""
-    return type(StreamWebSocketProtocol.__name__, (StreamWebSocketProtocol,), {"send_timeout_s": send_timeout_s})
+def stream_websocket_protocol(send_timeout_s: float, max_unsent_bytes: int) -> type[StreamWebSocketProtocol]:
+    """The protocol class for uvicorn's ``ws`` option with this send timeout and write buffer limit."""
+    return type(
+        StreamWebSocketProtocol.__name__,
+        (StreamWebSocketProtocol,),
+        {"send_timeout_s": send_timeout_s, "max_unsent_bytes": max_unsent_bytes},
+    )
