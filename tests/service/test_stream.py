@@ -27,7 +27,7 @@ from attnserve_client import (
 )
 from attnserve_client.errors import APIConnectionError
 from svc_helpers import F32_TOL, LiveServer, Model, errors_stay_per_operation, from_wire, rel_err, rows
-from tools.raw_stream import RawStream, flood
+from tools.raw_peers import RawStream, flood
 
 SHAPES = [(8, 2, 32, "f32"), (3, 1, 17, "f32"), (4, 4, 64, "turboquant"), (6, 2, 32, "turboquant")]
 
