@@ -21,7 +21,8 @@
   float32 parts, and the merge is rounded once: bit for bit the float32 attend of
   the same values, rounded.
 
-Tolerances (norm-wise: max |error| over max |reference|), 1e-5 throughout. f32: the
+Tolerances (rel_err: max |error| over max |reference|), 1e-5 but for a compressed
+format against the oracle (TQ4_ORACLE_TOL). f32: the
 sharded and the unsharded outputs are the same float32 attention summed in another
 order (each shard's partial softmax in float32, merged in float64 and rounded once,
 where one session's kernel merges its own splits), a few float32 ulps apart; every
@@ -30,7 +31,9 @@ compressed format (tq4) holds the same codes in the shards as in the unsharded
 session (same seed; a row's code does not depend on its position), so again only
 the order of the float32 sums differs, while one code that differed would miss by
 the format's error (about 0.1). Measured on lavapipe: at most 7e-7 (f32, against
-both) and 5e-7 (tq4 against its unsharded session).
+both) and 5e-7 (tq4 against its unsharded session; 8.9e-7 the worst of seeds 0..144,
+``tools/seed_sweeps.py sharded-tq4``). tq4 against the float64 oracle of the exact
+rows: see TQ4_ORACLE_TOL.
 """
 
 from __future__ import annotations
@@ -76,6 +79,24 @@ LAYERS = 2
 SHARD = 21  # timesteps per shard: not a multiple of the engine's 16-timestep pages
 SPEC = dict(num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=LAYERS)
 TOL = 1e-5
+# tq4 against the float64 oracle of the rows as sent: lossy, but attention. The error
+# is measured norm-wise (norm_err), over every element of an attend: rel_err's largest
+# element over the largest value has a long tail (over seeds 0..1999 of this workload,
+# median 0.23, p99 0.39, worst 0.59; ATTNSERVE_TEST_SEED=3588551583 gave 0.508 and
+# failed the 0.5 bound it had). norm_err of an attend, the worst of the 19 per seed,
+# over the same 2000 seeds (tools/seed_sweeps.py sharded-tq4-oracle: tq4 emulated by
+# the oracle of its codes, which matched the live sharded run's rel_err to 5e-5 on
+# seeds 0..144): mean 0.160, std 0.010, p99 0.198, worst 0.239 (a one-row decode
+# step). The bound is 1.46 times that worst, 19 standard deviations above the mean;
+# all zeros would be 1.0, attention over other rows about 1.4.
+TQ4_ORACLE_TOL = 0.35
+
+
+def norm_err(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| (Frobenius, in float64): a lossy format's error
+    over every element, not its largest one (see TQ4_ORACLE_TOL)."""
+    want = np.asarray(want, np.float64)
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
 def rows(rng: np.random.Generator, n: int, heads: int) -> np.ndarray:
@@ -264,25 +285,34 @@ def test_sharded_f32_matches_the_unsharded_session_and_the_oracle(replicas, rng,
         assert rel_err(out, want) < TOL, what
 
 
-def test_a_compressed_format_matches_its_unsharded_session(replicas, rng):
-    clients = _clients([r.url for r in replicas[:2]])
+def compressed_runs(clients: list[Client], rng: np.random.Generator) -> list[tuple[str, Any, Any, Any]]:
+    """A tq4 workload on an unsharded session, then on a sharded one of the same seed
+    over the first two of ``clients``: per attend, (what, the sharded output, the
+    unsharded one, the float64 oracle of the rows as sent). The test's, and
+    ``tools/seed_sweeps.py sharded-tq4``'s over many seeds."""
     spec = dict(SPEC, kv_format="tq4")
     w = _workload(rng, prefill=40, chunk=16, decode=5)
+    plain = clients[0].create_session(seed=1234, **spec)
+    expected = _run(plain, w)
+    plain.delete()
+    with ShardedSession.create(clients[:2], shard_tokens=SHARD, seed=1234, **spec) as sharded:
+        got = _run(sharded, w)
+        assert len(sharded.shards) == 3
+        seeds = {s.seed for c in clients for s in c.list_sessions() if s.session_id.startswith(sharded.session_id)}
+        assert seeds == {1234}
+    return [(what, out, plain_out, want) for (what, out, want), (_, plain_out, _) in zip(got, expected)]
+
+
+def test_a_compressed_format_matches_its_unsharded_session(replicas, rng):
+    clients = _clients([r.url for r in replicas[:2]])
     try:
-        plain = clients[0].create_session(seed=1234, **spec)
-        expected = _run(plain, w)
-        plain.delete()
-        with ShardedSession.create(clients, shard_tokens=SHARD, seed=1234, **spec) as sharded:
-            got = _run(sharded, w)
-            assert len(sharded.shards) == 3
-            seeds = {s.seed for c in clients for s in c.list_sessions() if s.session_id.startswith(sharded.session_id)}
-            assert seeds == {1234}
+        runs = compressed_runs(clients, rng)
     finally:
         for client in clients:
             client.close()
-    for (what, out, want), (_, plain_out, _) in zip(got, expected):
+    for what, out, plain_out, want in runs:
         assert rel_err(out, plain_out) < TOL, what
-        assert rel_err(out, want) < 0.5, what  # lossy, but attention
+        assert norm_err(out, want) < TQ4_ORACLE_TOL, what  # lossy, but attention
 
 
 def test_shards_share_the_first_shards_seed_and_the_logical_cap_holds(replicas):
