@@ -223,6 +223,11 @@ class Runtime:
             if not job.settled:
                 job.settled = True
                 f = job.fut
+                assert f is not None
+                # the future holds done's partial, which holds the job: let go of the
+                # future (and its result, the reply's arrays) so that it is freed as soon
+                # as its request is, not at the collector's next run (a cycle)
+                job.fut = None
                 error = asyncio.CancelledError() if f.cancelled() else f.exception()
                 errors: Sequence[BaseException | None] | None
                 if error is None:
@@ -236,6 +241,7 @@ class Runtime:
                 timer.cancel()  # drops the closure (and the jobs' results) at once, not after the timeout
             for job in jobs:
                 settle(job)
+            jobs.clear()  # the closures (done's, in the futures; expire's, its own) hold no job past here
             if not all_done.done():
                 all_done.set_result(None)
 
@@ -267,7 +273,7 @@ class Runtime:
                 again = False
                 for job in reversed(jobs):  # the tail first: it frees the checks of those before it
                     f = job.fut
-                    if f.done() or f.running():
+                    if f is None or f.done() or f.running():  # None: settled
                         continue
                     if not self.store.cancellable(job.res):
                         again = True
@@ -286,8 +292,8 @@ class Runtime:
 
             timer = loop.call_later(timeout, expire)
 
-        for job in jobs:
-            job.fut.add_done_callback(functools.partial(done, job))
+        for f, job in zip(futs, list(jobs)):
+            f.add_done_callback(functools.partial(done, job))
         if not jobs:
             settle_all()
         return all_done
@@ -304,7 +310,7 @@ class _Watched:
         res: StepReservation,
         item_errors: Callable[[Any], Sequence[BaseException | None] | None],
     ):
-        self.fut = fut
+        self.fut: Future[Any] | None = fut  # None once settled
         self.res = res
         self.item_errors = item_errors
         self.cancelling = False
