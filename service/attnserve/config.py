@@ -187,7 +187,7 @@ class Settings(BaseSettings):
     max_batch_jobs: int = Field(default=256, ge=1, description="Most jobs coalesced into one GPU submission.")
     batch_arena_bytes: Size = Field(
         default=256 * MiB,
-        ge=1 * MiB,
+        ge=64 * 1024,
         description="The size the GPU worker keeps each of its six batch arenas at (a submission's inputs, "
         "outputs and scratch; its two readback buffers at twice it): jobs are coalesced into one submission "
         "only while every arena stays within it, and one larger request runs alone in arenas made for it and "

@@ -14,6 +14,9 @@ SIZE_FIELDS = [
     "quota_bytes_per_key",
     "pool_slab_bytes",
     "shm_max_region_bytes",
+    "batch_arena_bytes",
+    "stream_max_in_flight_bytes",
+    "stream_max_unsent_bytes",
 ]
 
 
