@@ -282,7 +282,9 @@ def test_chunked_prefill_equals_one_call(engine, rng, path):
         assert rel_err(np.concatenate(parts), whole) <= 2e-6
     else:
         np.testing.assert_array_equal(np.concatenate(parts), whole)
-    # and close to exact attention: 4-bit keys and values
+    # and close to exact attention: 4-bit keys and values (over seeds 0..499, tq4
+    # emulated by the oracle of its codes, tools/seed_sweeps.py tq4-cos: 0.9905..0.9930,
+    # std 0.0004: 0.98 is 28 of them under the least)
     cos = float((whole * (want := ref.attention(q, k, v))).sum() / np.linalg.norm(whole) / np.linalg.norm(want))
     assert cos > 0.98, cos
 
