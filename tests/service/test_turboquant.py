@@ -4,6 +4,7 @@ attention, bit-identical for identical seeds and inputs, different for another s
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,8 +13,12 @@ from tools import reference as ref
 from svc_helpers import Api, Model, rows
 
 # 2-bit values and 3-bit keys on random Gaussian data: the relative (Frobenius) error
-# of the output is about 0.42 and its correlation with exact attention about 0.91
-# (observed over head_dim 32/64/128); the band leaves room for unlucky draws.
+# of the output and its correlation with exact attention. Over seeds 0..1999 for each
+# shape (tools/seed_sweeps.py turboquant-band: the session emulated by the oracle of
+# its codes): the workload's error 0.349..0.412 (std <= 0.010), correlation at least
+# 0.912; the peaked attend's (one query row: the widest spread) error 0.244..0.479
+# (mean 0.333, std 0.030 at head_dim 32: 0.6 is 8.9 of them above the mean),
+# correlation at least 0.883 (mean 0.943, std 0.011).
 MAX_REL = 0.6
 MIN_CORR = 0.8
 
@@ -55,22 +60,28 @@ def test_turboquant_within_the_band_of_exact_attention(api, rng, enc, h, hkv, d)
         kv_format="turboquant",
         seed=int(rng.integers(2**53)),
     )["session_id"]
-    outs, m = _workload(api, sid, rng, h, hkv, d, enc)
-    got = np.concatenate([o.reshape(-1) for o, _ in outs])
-    want = np.concatenate([w.reshape(-1) for _, w in outs])
-    rel, corr = band(got, want)
+    (rel, corr), (peak_rel, peak_corr), outs, m = bands(api, sid, rng, h, hkv, d, enc)
     assert rel < MAX_REL and corr > MIN_CORR, (rel, corr)
     for o, w in outs:
         assert np.isfinite(o).all() and o.shape == w.shape
     info = api.info(sid)
     assert info["lengths"] == m.lengths and info["kv_format"] == "turboquant"
     # peaked attention (one key far more similar than the rest) is recovered closely
+    assert peak_rel < MAX_REL and peak_corr > MIN_CORR, (peak_rel, peak_corr)
+    api.delete(sid)
+
+
+def bands(api: Any, sid: str, rng: np.random.Generator, h: int, hkv: int, d: int, enc: str = "msgpack"):
+    """The test's measurement: (rel, corr) of the workload's outputs, and of a peaked
+    attend (a query 4 times a stored key); the outputs, and the model. ``api`` is only
+    asked to attend (``tools/seed_sweeps.py turboquant-band`` emulates it)."""
+    outs, m = _workload(api, sid, rng, h, hkv, d, enc)
+    got = np.concatenate([o.reshape(-1) for o, _ in outs])
+    want = np.concatenate([w.reshape(-1) for _, w in outs])
     q = np.repeat(m.k[0][17:18], h // hkv, axis=1) * 4.0
     r = api.attend(sid, 0, q, causal=False, enc=enc)
     exact = ref.attention(q, m.k[0], m.v[0], causal=False)
-    rel, corr = band(r.body["out"], exact)
-    assert rel < MAX_REL and corr > MIN_CORR, (rel, corr)
-    api.delete(sid)
+    return band(got, want), band(r.body["out"], exact), outs, m
 
 
 def test_identical_seeds_and_inputs_give_identical_bits(api, server):
