@@ -6,13 +6,13 @@ measurement for seeds 0..N-1 (as ``ATTNSERVE_TEST_SEED=s`` would) and prints the
 distribution of the measured values; a test's bound is set with a margin above the
 worst seed, and its comment gives these numbers.
 
-    python tools/seed_sweeps.py SWEEP [--seeds 300] [--json-out FILE]
+    python tools/seed_sweeps.py SWEEP [--seeds 300] [--first 0] [--json-out FILE]
 
-Sweeps:
+Sweeps (the seeds each test's comment cites; on the 2-core host, with other work):
     sharded-tq4   tests/client/test_sharded.py::test_a_compressed_format_matches_its_unsharded_session
-                  (two live servers on the tests' adapter: about 2 s a seed on lavapipe)
+                  (two live servers on the tests' adapter: several seconds a seed on lavapipe)
     sharded-tq4-oracle  the same error against exact attention, tq4 emulated by the
-                  oracle of its codes (numpy: many seeds fast)
+                  oracle of its codes (2000 seeds in 10 minutes)
     estimator     tests/test_core_tq_state.py::test_estimator_unbiased_and_better_than_polarquant
     wrong-constant tests/test_core_tq_state.py::test_the_seed_comment_constant_would_be_biased
     values        tests/test_core_tq_state.py::test_value_reconstruction_bias_is_the_documented_one
@@ -53,9 +53,9 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def sharded_tq4(seeds: range) -> dict[str, Any]:
-    """Per seed, the largest error of an attend (rel_err: max |error| over max |oracle|)
-    of the sharded tq4 session against the float64 oracle of the exact rows, and
-    against its unsharded twin."""
+    """Per seed, the largest error of an attend of the sharded tq4 session against the
+    float64 oracle of the exact rows, as rel_err (max |error| over max |oracle|) and
+    as the test's norm_err, and against its unsharded twin (rel_err)."""
     import test_sharded as ts
     from _core import core_engine
 
@@ -65,23 +65,26 @@ def sharded_tq4(seeds: range) -> dict[str, Any]:
     engine = core_engine()
     servers = [ts.replica(engine, f"r{i}") for i in range(2)]
     clients = [Client(s.url) for s in servers]
-    oracle, twin, worst_what = [], [], {}
+    errs, norms, twin, worst_what = [], [], [], {}
     try:
         for seed in seeds:
             runs = ts.compressed_runs(clients, np.random.default_rng(seed))
-            errs = [(rel_err(out, want), what) for what, out, _, want in runs]
-            err, what = max(errs)
-            oracle.append(err)
+            errs.append(max(rel_err(out, want) for _, out, _, want in runs))
+            norm, what = max((ts.norm_err(out, want), what) for what, out, _, want in runs)
+            norms.append(norm)
             twin.append(max(rel_err(out, plain) for _, out, plain, _ in runs))
             worst_what[what] = worst_what.get(what, 0) + 1
-            print(f"seed {seed}: oracle {err:.4f} ({what}), twin {twin[-1]:.2e}", flush=True)
+            print(f"seed {seed}: oracle {errs[-1]:.4f}, norm-wise {norm:.4f} ({what}), twin {twin[-1]:.2e}", flush=True)
     finally:
         for c in clients:
             c.close()
         for s in servers:
             s.stop()
         engine.close()
-    return {"oracle": spread(oracle), "twin": spread(twin), "worst_attend": worst_what}
+    return {
+        "oracle rel_err": spread(errs), "oracle norm_err": spread(norms), "twin rel_err": spread(twin),
+        "norm_err's worst attend": worst_what,
+    }  # fmt: skip
 
 
 class _TqSession:
