@@ -241,29 +241,29 @@ def test_a_failed_fused_attend_leaves_the_layer_as_it_was(engine, rng):
     assert rel_err(out, ref.attention(q, k, v)) <= F32_TOL
 
 
-def test_a_batch_stays_within_the_binding_limit(engine, rng):
-    """Jobs that would push an arena past the binding limit wait for the next
-    submission (a job alone may still use it all); results stay exact."""
-    h, hkv, d = 8, 2, 64
-    limits = engine.ctx.limits
-    saved = limits["max-storage-buffer-binding-size"]
-    sessions = [session(engine, "f32", h, hkv, d) for _ in range(6)]
+def _filled_sessions(engine, rng, h, hkv, d, n=6):
+    """``n`` one-layer f32 sessions holding 40 random rows each, and their rows."""
+    sessions = [session(engine, "f32", h, hkv, d) for _ in range(n)]
     data = []
     for s in sessions:
         k, v = rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)
         engine.append(s.layers[0], k, v).result()
         data.append((k, v))
-    try:
-        limits["max-storage-buffer-binding-size"] = 40 * h * d * 4  # ~2 jobs' queries
-        before = engine.worker.batches
-        qs = [rows(rng, 30, h, d) for _ in sessions]
-        futs = [
-            engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)
-        ]
-        outs = [f.result() for f in futs]
-    finally:
-        limits["max-storage-buffer-binding-size"] = saved
-    assert engine.worker.batches - before >= 3
+    return sessions, data
+
+
+def _fused_attends(engine, rng, sessions, h, hkv, d):
+    """A fused attend of 30 query rows (and 2 appended rows) per session, queued
+    together; their queries and (out, length) results."""
+    qs = [rows(rng, 30, h, d) for _ in sessions]
+    futs = [engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)]
+    return qs, [f.result() for f in futs]
+
+
+def _check_fused(engine, sessions, data, qs, outs, hkv, d):
+    """Each session holds its 40 rows and 2 more, and its fused attend's output is
+    right against the oracle; returns each session's 42 rows (k, v) as read back."""
+    held = []
     for s, (k, v), q, (out, length) in zip(sessions, data, qs, outs):
         assert length == 42 == s.layers[0].length
         kw, vw = engine.call(lambda ctx, l=s.layers[0]: l.read_words(ctx.device)).result()
@@ -271,6 +271,25 @@ def test_a_batch_stays_within_the_binding_limit(engine, rng):
         vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
         np.testing.assert_array_equal(kall[:40], k)
         assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
+        held.append((kall, vall))
+    return held
+
+
+def test_a_batch_stays_within_the_binding_limit(engine, rng):
+    """Jobs that would push an arena past the binding limit wait for the next
+    submission (a job alone may still use it all); results stay exact."""
+    h, hkv, d = 8, 2, 64
+    limits = engine.ctx.limits
+    saved = limits["max-storage-buffer-binding-size"]
+    sessions, data = _filled_sessions(engine, rng, h, hkv, d)
+    try:
+        limits["max-storage-buffer-binding-size"] = 40 * h * d * 4  # ~2 jobs' queries
+        before = engine.worker.batches
+        qs, outs = _fused_attends(engine, rng, sessions, h, hkv, d)
+    finally:
+        limits["max-storage-buffer-binding-size"] = saved
+    assert engine.worker.batches - before >= 3
+    _check_fused(engine, sessions, data, qs, outs, hkv, d)
 
 
 def test_a_batch_stays_within_the_arena_budget_and_a_larger_job_lets_its_arenas_go(engine, rng):
@@ -281,23 +300,14 @@ def test_a_batch_stays_within_the_arena_budget_and_a_larger_job_lets_its_arenas_
     h, hkv, d = 8, 2, 64
     arenas = engine.worker.arenas
     saved = arenas.budget
-    sessions = [session(engine, "f32", h, hkv, d) for _ in range(6)]
-    data = []
-    for s in sessions:
-        k, v = rows(rng, 40, hkv, d), rows(rng, 40, hkv, d)
-        engine.append(s.layers[0], k, v).result()
-        data.append((k, v))
+    sessions, data = _filled_sessions(engine, rng, h, hkv, d)
     budget = 160 * 1024  # one job (its split partials: 124 KiB), not two
     try:
         engine.call(lambda ctx: arenas.trim()).result()  # the fixture's earlier batches may have grown them
         arenas.budget = budget
         engine.call(lambda ctx: arenas.trim()).result()
         before = engine.worker.batches
-        qs = [rows(rng, 30, h, d) for _ in sessions]
-        futs = [
-            engine.attend(s.layers[0], q, k=rows(rng, 2, hkv, d), v=rows(rng, 2, hkv, d)) for s, q in zip(sessions, qs)
-        ]
-        outs = [f.result() for f in futs]
+        qs, outs = _fused_attends(engine, rng, sessions, h, hkv, d)
         assert engine.worker.batches - before >= 3
         assert all(b.size <= budget for b in arenas.buffers.values()), (
             str(sorted((a, b.size) for a, b in arenas.buffers.items())) + f" budget {budget}"
@@ -311,17 +321,9 @@ def test_a_batch_stays_within_the_arena_budget_and_a_larger_job_lets_its_arenas_
         assert all(b is None or b.size <= 2 * budget for b in arenas.staging)
     finally:
         arenas.budget = saved
-    for s, (k, v), q, (out, length) in zip(sessions, data, qs, outs):
-        assert length == 42 == s.layers[0].length
-        kw, vw = engine.call(lambda ctx, l=s.layers[0]: l.read_words(ctx.device)).result()
-        kall = np.frombuffer(kw, np.float32).reshape(-1, hkv, d)[:42]
-        vall = np.frombuffer(vw, np.float32).reshape(-1, hkv, d)[:42]
-        np.testing.assert_array_equal(kall[:40], k)
-        assert rel_err(out, ref.attention(q, kall, vall)) <= F32_TOL
-        if s is sessions[0]:
-            assert rel_err(out_big, ref.attention(big, kall, vall)) <= F32_TOL
-        if s is sessions[1]:
-            assert rel_err(small, ref.attention(qs[1][:1], kall, vall)) <= F32_TOL
+    held = _check_fused(engine, sessions, data, qs, outs, hkv, d)
+    assert rel_err(out_big, ref.attention(big, *held[0])) <= F32_TOL
+    assert rel_err(small, ref.attention(qs[1][:1], *held[1])) <= F32_TOL
 
 
 @pytest.mark.parametrize("kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True)
