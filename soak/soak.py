@@ -68,7 +68,7 @@ from attnserve.formats import TQ_SPECS  # noqa: E402
 from attnserve.turboquant import layer_signs  # noqa: E402
 from attnserve_client import wire  # noqa: E402
 
-from tools.common import free_port, metric_sum, parse_prometheus, rel_err  # noqa: E402
+from tools.common import free_port, metric_sum, parse_prometheus, rel_err, stop_process  # noqa: E402
 
 F32_TOL = 1e-5  # GPU f32 attention vs the float64 oracle (max abs error / max abs value)
 TQ_TOL = 1e-4  # GPU TurboQuant attention vs its float64 oracle over the same codes
@@ -133,15 +133,9 @@ class Spawned:
         raise SystemExit("soak: the server did not become ready")
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, 60)
         self.log.close()
-        return self.proc.returncode
+        return code
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

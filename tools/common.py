@@ -5,7 +5,9 @@ float64 reference, latency percentiles. Standard library and numpy only."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
 import statistics
 from pathlib import Path
 
@@ -32,6 +34,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """Stop ``proc`` as a supervisor does: SIGTERM if it runs, SIGKILL after
+    ``timeout`` seconds; returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:

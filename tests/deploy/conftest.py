@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tools.common import free_port
+from tools.common import free_port, stop_process
 from tools.router import find_nginx, write_nginx_conf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,12 +123,7 @@ class Replica:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit status."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        return stop_process(self.proc, timeout)
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import numpy as np
 
 from attnserve_client import wire
 from svc_helpers import F32_TOL, Api, Model, rel_err, rows
-from tools.common import free_port, metric_sum, parse_prometheus  # noqa: F401  (metric_sum: the tests import it from here)
+from tools.common import free_port, metric_sum, parse_prometheus, stop_process  # noqa: F401  (metric_sum: the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,15 +89,9 @@ class ServerProcess:
     def stop(self, timeout: float = 30) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
 
     def log_text(self) -> str:
         try:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from svc_helpers import free_port
+from tools.common import stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIES = int(os.environ.get("ATTNSERVE_TEST_START_RACE_TRIES", "2"))
@@ -61,13 +62,7 @@ class _Server:
 
     def stop(self) -> int:
         """SIGTERM, SIGKILL after a minute; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(30)
+        return stop_process(self.proc, 60)
 
 
 def _wait_ready(url: str, server: _Server, timeout: float = 180) -> None:
