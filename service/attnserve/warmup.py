@@ -76,29 +76,6 @@ def warmup_plan(formats: Sequence[str], shapes: Sequence[Shape]) -> list[Warm]:
     return plan
 
 
-class _WarmupCompiles(logging.Filter):
-    """While the warm-up runs, on the ``attnserve`` logger: the pipeline cache's line
-    for a pipeline compiled after the device's start ("compiled kernel K on its first
-    use", with the ``kernel``, ``constants`` and ``seconds`` of its record) says that
-    the warm-up compiled it, and for which session (``warmup`` in the record)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.what = ""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        kernel = getattr(record, "kernel", None)
-        if kernel is not None and "first use" in str(record.msg):
-            constants = getattr(record, "constants", None) or {}
-            shown = f" ({', '.join(f'{k}={v}' for k, v in constants.items())})" if constants else ""
-            seconds = getattr(record, "seconds", None)
-            took = f" in {seconds} s" if seconds is not None else ""
-            record.msg = f"compiled kernel {kernel}{shown} for the warm-up of {self.what}{took}"
-            record.args = ()
-            record.warmup = self.what
-        return True
-
-
 async def warm_up(engine: Engine, formats: Sequence[str], shapes: Sequence[Shape]) -> None:
     """Compile the kernels a session of each format and shape uses (:func:`warmup_plan`),
     logging what it compiles (module docstring) and the time it took."""
@@ -110,12 +87,11 @@ async def warm_up(engine: Engine, formats: Sequence[str], shapes: Sequence[Shape
         f"warming up the kernels: {what} (a decode step and a prefill chunk each)",
         extra={"kernel_families": len(plan)},
     )
-    compiles = _WarmupCompiles()
-    log.addFilter(compiles)
+    pipelines = engine.ctx.pipelines
     try:
         start = time.monotonic()
         for i, warm in enumerate(plan, 1):
-            compiles.what = str(warm)
+            pipelines.warming = str(warm)  # its compiles are logged as this session's
             t0, before = time.monotonic(), len(engine.ctx.pipelines)
             await _run_once(engine, warm)
             seconds = round(time.monotonic() - t0, 2)
@@ -133,7 +109,7 @@ async def warm_up(engine: Engine, formats: Sequence[str], shapes: Sequence[Shape
                 },
             )
     finally:
-        log.removeFilter(compiles)
+        pipelines.warming = None  # a later compile is a request's first use
     seconds = round(time.monotonic() - start, 2)
     log.info(
         f"kernel warm-up done in {seconds} s",

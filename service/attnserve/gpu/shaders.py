@@ -153,10 +153,11 @@ def tqx_consts(kv_format: str) -> str:
     return "\n".join(out)
 
 
-#: The formats whose tqx kernels warm_up compiles at start: turboquant (the default
-#: compressed format) and every code path of the family (2-, 3- and 4-bit codes, QJL,
-#: outlier channels); the other variants' on first use (seven formats' worth tripled
-#: a start on lavapipe).
+#: The formats whose tqx kernels warm_up compiles at start (the unspecialized ones, so a
+#: bad shader fails the start): turboquant and every code path of the family (2-, 3- and
+#: 4-bit codes, QJL, outlier channels); the other variants' on first use (seven formats'
+#: worth tripled a start on lavapipe), the recommended setting's (formats.RECOMMENDED)
+#: by the kernel warm-up (warmup.py) at the session shapes it is given.
 TQX_WARM = ("turboquant", "tq4", "tq4q", "tq4o")
 
 for _base, (_file, _bindings, _features) in _TQX_KERNELS.items():
@@ -277,7 +278,10 @@ class PipelineCache:
             tuple[str, tuple[tuple[str, int], ...]], tuple[wgpu.GPUComputePipeline, wgpu.GPUBindGroupLayout, int]
         ] = {}
         self._lock = threading.Lock()
-        self._started = False  # warm_up has run: later pipelines are first uses, logged
+        self._started = False  # warm_up has run: later pipelines are logged
+        #: what the pipelines compiled now are for (the kernel warm-up sets it: "f32 at
+        #: 32x8x128"); None: a request's first use
+        self.warming: str | None = None
 
     def _module(self, spec: KernelSpec) -> wgpu.GPUShaderModule:
         key = (spec.file, spec.defines, spec.folder)
@@ -330,9 +334,23 @@ class PipelineCache:
                 pipe = self._device.create_compute_pipeline(label=kernel, layout=layout, compute=stage)
                 self._pipelines[key] = (pipe, bgl, native.handle(pipe))
                 if self._started:
+                    seconds, warming = _since(t0), self.warming
+                    if warming:
+                        shown = f" ({', '.join(f'{k}={v}' for k, v in constants.items())})" if constants else ""
+                        what = f"compiled kernel {kernel}{shown} for the warm-up of {warming} in {seconds} s"
+                    else:
+                        what = (
+                            f"compiled kernel {kernel} on its first use "
+                            "(ATTNSERVE_WARMUP compiles a kv format's at start)"
+                        )
                     log.info(
-                        f"compiled kernel {kernel} on its first use (ATTNSERVE_WARMUP compiles a kv format's at start)",
-                        extra={"kernel": kernel, "constants": dict(constants or {}), "seconds": _since(t0)},
+                        what,
+                        extra={
+                            "kernel": kernel,
+                            "constants": dict(constants or {}),
+                            "seconds": seconds,
+                            "warmup": warming,
+                        },
                     )
             return self._pipelines[key]
 
