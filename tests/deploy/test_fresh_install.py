@@ -7,6 +7,7 @@ its cache); nothing of this checkout's .venv is used."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,21 @@ def test_pip_install_client_alone(tmp_path):
     where = run([str(bin_ / "python"), "-c", code], cwd=tmp_path).stdout.strip()
     assert where.startswith(str(tmp_path / "venv")), where
     assert license_expression(bin_, "attnserve-client", tmp_path) == "Apache-2.0"
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/gcc", "no-such-compiler -pthread"])
+def test_a_build_without_a_compiler_says_so_in_one_line(tmp_path, cc):
+    """Without the C compiler the build would run, setup.py stops before the build
+    with one line naming what is missing and how to install it (not the compiler
+    call's error at the end of the build's log). It fails before compiling, but the
+    module's other tests install, so it is slow with them."""
+    src = copy_checkout(tmp_path / "src")
+    env = {**os.environ, "CC": cc}
+    r = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "t")],
+        cwd=src, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("attnserve: cannot build its C module")]
+    assert len(lines) == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"lacks a C compiler ({cc.split()[0]} is not on PATH)" in lines[0] and "apt-get install gcc" in lines[0]
