@@ -26,6 +26,15 @@ def server(engine) -> Iterator[LiveServer]:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def shm_server(engine, tmp_path_factory) -> Iterator[LiveServer]:
+    """A server with the frame transport and the shared-memory one (a module's own)."""
+    path = str(tmp_path_factory.mktemp("shm") / "attnserve.sock")
+    srv = LiveServer(Settings(frames_port=0, shm_socket=path), engine=engine).start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def api(server) -> Iterator[Api]:
     a = Api(server.url)

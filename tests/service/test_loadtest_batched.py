@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from attnserve.config import Settings
-from svc_helpers import LiveServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,18 +88,9 @@ def test_batched_mode_runs_cohorts_verified(server, tmp_path, transport):
     assert (posts >= ops["decode_batch"]["count"]) if transport == "http" else posts == 0, posts
 
 
-@pytest.fixture(scope="module")
-def tserver(engine, tmp_path_factory):
-    """A server with the frame transport and the shared-memory one."""
-    path = str(tmp_path_factory.mktemp("shm") / "attnserve.sock")
-    srv = LiveServer(Settings(frames_port=0, shm_socket=path), engine=engine).start()
-    yield srv
-    srv.stop()
-
-
 @pytest.mark.parametrize(("transport", "route"), [("frames", "/v1/frames"), ("shm", "/v1/shm")])
-def test_batched_mode_over_frames_and_shared_memory(tserver, tmp_path, transport, route):
-    report = _run(tserver, tmp_path, "--batched", "--transport", transport, "--verify", "0.5", "--warmup-s", "1")
+def test_batched_mode_over_frames_and_shared_memory(shm_server, tmp_path, transport, route):
+    report = _run(shm_server, tmp_path, "--batched", "--transport", transport, "--verify", "0.5", "--warmup-s", "1")
     ops = report["operations"]
     assert report["error_count"] == 0, report["errors"]
     assert report["config"]["transport"] == transport

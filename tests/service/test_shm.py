@@ -47,14 +47,6 @@ pytestmark = pytest.mark.gpu
 RAW_NAME = "attnserve-test-raw"  # the memfd name of the raw clients' regions (/proc/self/maps)
 
 
-@pytest.fixture(scope="module")
-def sserver(engine, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("shm") / "attnserve.sock")
-    srv = LiveServer(Settings(frames_port=0, shm_socket=path), engine=engine).start()
-    yield srv
-    srv.stop()
-
-
 def _path(srv: LiveServer) -> str:
     path = srv.runtime.shm_socket
     assert path is not None
@@ -131,19 +123,19 @@ def _out(r) -> np.ndarray:
 # -- answers ------------------------------------------------------------------------
 
 
-def test_shm_is_bit_identical_to_frames_and_to_single_calls(sserver, rng):
+def test_shm_is_bit_identical_to_frames_and_to_single_calls(shm_server, rng):
     """Three twins of each shape and format: one driven over the shared memory
     (single attends pipelined, batched items, stacked steps, appends across a page
     border), one over the frames, one by one over HTTP: every output bit-identical,
     f32 within the oracle's tolerance."""
     with (
-        Client(sserver.url) as client,
+        Client(shm_server.url) as client,
         client.stream(transport="shm") as ss,
         client.stream(transport="frames") as fs,
     ):
         assert isinstance(ss, ShmStream) and ss.copy_outputs
         drive_twins(client, ss, fs, rng)
-    metrics = Scrape(client_metrics(sserver))
+    metrics = Scrape(client_metrics(shm_server))
     assert metrics.get("attnserve_shm_events_total", event="reply_in_frame") == 0
     assert metrics.get("attnserve_requests_total", route="/v1/shm", method="UNIX", status="200") > 0
 
@@ -153,15 +145,15 @@ def client_metrics(srv: LiveServer) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["<f2", "bfloat16"])
-def test_half_precision_and_lse_are_bit_identical_to_the_frames(sserver, rng, dtype):
+def test_half_precision_and_lse_are_bit_identical_to_the_frames(shm_server, rng, dtype):
     """Bare clients: q, k, v of a half dtype in the region, out in each dtype and
     lse written to reply_at, against the same arrays in a frame's body."""
     h, hkv, d = 4, 2, 24
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         a = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
         b = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
     half = (lambda x: x.astype(np.float16)) if dtype == "<f2" else bf16_nearest
-    raw, frames = RawShm(_path(sserver)), RawFrames(sserver.runtime.frames_port)
+    raw, frames = RawShm(_path(shm_server)), RawFrames(shm_server.runtime.frames_port)
     try:
         for step, (n, out_dtype) in enumerate([(5, None), (1, "<f4"), (3, "bfloat16"), (1, "<f2")]):
             q, k, v = (half(rows(rng, n, heads, d)) for heads in (h, hkv, hkv))
@@ -183,16 +175,16 @@ def test_half_precision_and_lse_are_bit_identical_to_the_frames(sserver, rng, dt
     finally:
         raw.close()
         frames.close()
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         client.delete_session(a.session_id)
         client.delete_session(b.session_id)
 
 
-def test_half_precision_through_the_library(sserver, rng):
+def test_half_precision_through_the_library(shm_server, rng):
     """A bfloat16 engine's stacked step: bfloat16 in, bfloat16 out, as over the frames."""
     h, hkv, d = 4, 2, 32
     with (
-        Client(sserver.url) as client,
+        Client(shm_server.url) as client,
         client.stream(transport="shm") as ss,
         client.stream(transport="frames") as fs,
     ):
@@ -207,11 +199,11 @@ def test_half_precision_through_the_library(sserver, rng):
             s.delete()
 
 
-def test_lent_arrays_go_in_place_and_outputs_may_be_views(sserver, rng):
+def test_lent_arrays_go_in_place_and_outputs_may_be_views(shm_server, rng):
     """An engine writing q, k, v into arrays the stream lent sends them where they
     are; with copy_outputs=False the outputs are views of the region."""
     h, hkv, d = 4, 2, 16
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         a = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
         b = client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d)
         with client.stream(transport="shm", copy_outputs=False, region_bytes=1 << 16) as ss:
@@ -235,8 +227,8 @@ def test_lent_arrays_go_in_place_and_outputs_may_be_views(sserver, rng):
         b.delete()
 
 
-def test_an_operation_larger_than_the_region_is_refused_before_sending(sserver, rng):
-    with Client(sserver.url) as client, client.stream(transport="shm", region_bytes=4096) as ss:
+def test_an_operation_larger_than_the_region_is_refused_before_sending(shm_server, rng):
+    with Client(shm_server.url) as client, client.stream(transport="shm", region_bytes=4096) as ss:
         s = client.create_session(num_qo_heads=8, num_kv_heads=2, head_dim=64)
         with pytest.raises(InvalidInput, match="needs .* bytes of the shared region"):
             ss.append(s, 0, rows(rng, 8, 2, 64), rows(rng, 8, 2, 64))  # 8 KiB of k, v
@@ -251,18 +243,18 @@ def test_an_operation_larger_than_the_region_is_refused_before_sending(sserver, 
 # -- problems -------------------------------------------------------------------------
 
 
-def test_errors_are_per_operation_and_change_nothing(sserver, rng):
-    with Client(sserver.url) as client, client.stream(transport="shm") as ss:
+def test_errors_are_per_operation_and_change_nothing(shm_server, rng):
+    with Client(shm_server.url) as client, client.stream(transport="shm") as ss:
         s = errors_stay_per_operation(client, ss, rng)
         assert ss._region.ranges.taken_bytes == 0  # every operation's range is free again
         s.delete()
 
 
-def test_bad_references_and_ranges_get_problems_and_the_connection_stays(sserver, rng):
-    with Client(sserver.url) as client:
+def test_bad_references_and_ranges_get_problems_and_the_connection_stays(shm_server, rng):
+    with Client(shm_server.url) as client:
         s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
     sid = s.session_id
-    raw = RawShm(_path(sserver), region=1 << 16)
+    raw = RawShm(_path(shm_server), region=1 << 16)
     try:
         q = raw.put(rows(rng, 1, 2, 8), 0)  # 64 bytes at 0
         k, v = raw.put(rows(rng, 2, 1, 8), 64), raw.put(rows(rng, 2, 1, 8), 128)
@@ -306,15 +298,15 @@ def test_bad_references_and_ranges_get_problems_and_the_connection_stays(sserver
         assert r["result"]["length"] == 2
     finally:
         raw.close()
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         assert client.get_session(sid).info().lengths == (2,)
         client.delete_session(sid)
 
 
-def test_the_frame_transport_refuses_region_references(sserver, rng):
-    with Client(sserver.url) as client:
+def test_the_frame_transport_refuses_region_references(shm_server, rng):
+    with Client(shm_server.url) as client:
         s = client.create_session(num_qo_heads=2, num_kv_heads=1, head_dim=8)
-    raw = RawFrames(sserver.runtime.frames_port)
+    raw = RawFrames(shm_server.runtime.frames_port)
     try:
         r = raw.call({"id": 1, "op": "attend", "session_id": s.session_id, "layer": 0,
                       "q": {"dtype": "<f4", "shape": [1, 2, 8], "shm": [0, 64]}})  # fmt: skip
@@ -323,7 +315,7 @@ def test_the_frame_transport_refuses_region_references(sserver, rng):
         assert r["status"] == 422 and "reply_at" in r["error"]["detail"]
     finally:
         raw.close()
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         client.delete_session(s.session_id)
 
 
@@ -355,9 +347,9 @@ def _hello(region: int = 4096, **kw):
         ("huge-head", 413, "payload-too-large", "frame head"),
     ],
 )
-def test_hello_refusals_close_the_connection(sserver, case, status, slug, said):
+def test_hello_refusals_close_the_connection(shm_server, case, status, slug, said):
     name = f"attnserve-test-{case}"
-    raw = RawShm(_path(sserver), region=4096, hello=False, name=name)
+    raw = RawShm(_path(shm_server), region=4096, hello=False, name=name)
     opened: list[int] = []
     try:
         if case == "not-a-frame":
@@ -400,7 +392,7 @@ def test_hello_refusals_close_the_connection(sserver, case, status, slug, said):
     assert _until(lambda: _mappings(name) == 0)  # nothing of a refused region is kept
 
 
-def test_a_peer_of_another_user_is_refused(sserver, monkeypatch):
+def test_a_peer_of_another_user_is_refused(shm_server, monkeypatch):
     """The peer's user comes from SO_PEERCRED (a test cannot change its uid: the
     check is made to refuse this process's)."""
     left, right = socket.socketpair(socket.AF_UNIX)
@@ -408,17 +400,17 @@ def test_a_peer_of_another_user_is_refused(sserver, monkeypatch):
     left.close()
     right.close()
     monkeypatch.setattr(shm_module, "_peer_allowed", lambda uid: False)
-    before = Scrape(client_metrics(sserver)).get("attnserve_shm_events_total", event="peer_refused")
+    before = Scrape(client_metrics(shm_server)).get("attnserve_shm_events_total", event="peer_refused")
     with pytest.raises(Forbidden, match="uid"):
-        Client(sserver.url).stream(transport="shm")
-    raw = RawShm(_path(sserver), hello=False)
+        Client(shm_server.url).stream(transport="shm")
+    raw = RawShm(_path(shm_server), hello=False)
     try:
         r = raw.recv()  # refused before its hello is read
         assert r["status"] == 403 and r["error"]["type"] == "/problems/forbidden", r
         assert raw.closed()
     finally:
         raw.close()
-    after = Scrape(client_metrics(sserver)).get("attnserve_shm_events_total", event="peer_refused")
+    after = Scrape(client_metrics(shm_server)).get("attnserve_shm_events_total", event="peer_refused")
     assert after == before + 2
 
 
@@ -470,17 +462,17 @@ def test_the_client_shares_nothing_with_a_server_of_another_user(tmp_path, monke
         listener.close()
 
 
-def test_the_client_trusts_the_user_the_server_reports(sserver, rng, monkeypatch):
+def test_the_client_trusts_the_user_the_server_reports(shm_server, rng, monkeypatch):
     """GET /v1/info names the user the server runs as; a stream that took the socket
     from it connects to a server of that user (a root client's, of another user)."""
     from attnserve_client import _shm as client_shm
 
-    with Client(sserver.url) as client:
+    with Client(shm_server.url) as client:
         assert client.info()["shm"]["uid"] == os.getuid()
         seen = os.getuid() + 4242  # as if the server ran as another user, and said so
         monkeypatch.setattr(client_shm, "peer_uid", lambda sock: seen)
         with pytest.raises(APIConnectionError, match="were not sent"):
-            client.stream(transport="shm", shm_socket=_path(sserver), region_bytes=1 << 16)  # (info not asked)
+            client.stream(transport="shm", shm_socket=_path(shm_server), region_bytes=1 << 16)  # (info not asked)
         real = client._server_info_flow
 
         def told():  # GET /v1/info as that server would answer it
@@ -618,11 +610,11 @@ def test_stale_sockets_are_replaced_and_other_files_refused(engine, tmp_path, ca
     assert regular.read_text() == "keep me" and "exists and is no socket" in caplog.text
 
 
-def test_a_silent_connection_and_a_stalled_frame_are_closed(sserver, monkeypatch):
+def test_a_silent_connection_and_a_stalled_frame_are_closed(shm_server, monkeypatch):
     monkeypatch.setattr(shm_module, "BODY_IDLE_TIMEOUT_S", 0.4)
     monkeypatch.setattr(frames_module, "BODY_IDLE_TIMEOUT_S", 0.4)
-    silent = RawShm(_path(sserver), hello=False)
-    stalled = RawShm(_path(sserver))
+    silent = RawShm(_path(shm_server), hello=False)
+    stalled = RawShm(_path(shm_server))
     try:
         stalled.sock.sendall(PREFIX.pack(b"ATF1", 100, 0) + b"\x80")  # 1 byte of a 100-byte head
         t0 = time.monotonic()
@@ -644,9 +636,9 @@ def test_too_many_connections_and_draining_are_503(engine, rng, tmp_path):
     assert not os.path.exists(path)
 
 
-def test_async_shm_pipeline(sserver, rng):
+def test_async_shm_pipeline(shm_server, rng):
     async def main():
-        async with AsyncClient(sserver.url) as client:
+        async with AsyncClient(shm_server.url) as client:
             s = await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=16)
             ref = await client.create_session(num_qo_heads=4, num_kv_heads=2, head_dim=16)
             k, v = rows(rng, 20, 2, 16), rows(rng, 20, 2, 16)
@@ -697,7 +689,7 @@ def test_the_client_says_when_the_server_has_no_shm(engine):
         server.stop()
 
 
-def test_a_too_large_region_is_refused_by_the_client_path(sserver):
-    with Client(sserver.url) as client:
+def test_a_too_large_region_is_refused_by_the_client_path(shm_server):
+    with Client(shm_server.url) as client:
         with pytest.raises(PayloadTooLarge, match="shm_max_region_bytes"):
             client.stream(transport="shm", region_bytes=(256 << 20) + 64)  # (memory is touched lazily)
