@@ -1,10 +1,13 @@
-"""The one compiled part of attnserve: the GPU thread's command recording
-(service/attnserve/gpu/_commands.c; docs/benchmarks.md, issue 43 item 6), built by
-pip with the machine's C compiler. Everything else is in pyproject.toml.
+"""The compiled parts of attnserve, built by pip with the machine's C compiler:
+the GPU thread's command recording (service/attnserve/gpu/_commands.c;
+docs/benchmarks.md, issue 43 item 6) and the layer-call frame's parser and step
+checks (service/attnserve/transport/callframe.c and its binding _callframe.c;
+docs/architecture.md, issue 53). Everything else is in pyproject.toml.
 
-The module carries its source's SHA-256 (``_commands.SOURCE_DIGEST``): a checkout
-whose ``_commands.c`` changed after the build refuses the stale module
-(attnserve/gpu/native.py), and the image check compares it with the checkout's
+Each module carries its sources' SHA-256 (``SOURCE_DIGEST``; ``_callframe`` also
+``SOURCES``, one digest per file): a checkout whose source changed after the build
+refuses the stale module (attnserve/gpu/native.py; tests/test_callframe.py), and
+the image check compares them with the checkout's
 (deploy/image/image_matches_checkout.py)."""
 
 import hashlib
@@ -17,8 +20,22 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+HERE = Path(__file__).parent
 SOURCE = "service/attnserve/gpu/_commands.c"
-DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
+DIGEST = hashlib.sha256((HERE / SOURCE).read_bytes()).hexdigest()
+
+# the call frame: the pure C core (callframe.h, callframe.c) and its binding
+CALLFRAME = "service/attnserve/transport"
+CALLFRAME_FILES = {
+    "SOURCE_CALLFRAME_H": "callframe.h",
+    "SOURCE_CALLFRAME_C": "callframe.c",
+    "SOURCE_BINDING_C": "_callframe.c",
+}
+CALLFRAME_DIGESTS = {
+    macro: hashlib.sha256((HERE / CALLFRAME / name).read_bytes()).hexdigest() for macro, name in CALLFRAME_FILES.items()
+}
+# the module's own digest: of the three files' digests, in this order
+CALLFRAME_DIGEST = hashlib.sha256("".join(CALLFRAME_DIGESTS.values()).encode()).hexdigest()
 
 
 def missing_toolchain() -> list[str]:
@@ -42,7 +59,8 @@ class checked_build_ext(build_ext):
         missing = missing_toolchain()
         if missing:
             raise SystemExit(
-                f"attnserve: cannot build its C module ({SOURCE}), this machine lacks {' and '.join(missing)}: "
+                f"attnserve: cannot build its C modules ({SOURCE}, {CALLFRAME}/_callframe.c), "
+                f"this machine lacks {' and '.join(missing)}: "
                 "install them (Debian: apt-get install gcc python3-dev; ./dev.sh does it) and run pip again"
             )
         super().run()
@@ -57,6 +75,16 @@ setup(
             define_macros=[("SOURCE_DIGEST", f'"{DIGEST}"')],
             extra_compile_args=["-std=c11"],
             libraries=["dl"],
-        )
+        ),
+        Extension(
+            "attnserve.transport._callframe",
+            sources=[f"{CALLFRAME}/_callframe.c", f"{CALLFRAME}/callframe.c"],
+            depends=[f"{CALLFRAME}/callframe.h"],
+            define_macros=[
+                ("SOURCE_DIGEST", f'"{CALLFRAME_DIGEST}"'),
+                *((macro, f'"{digest}"') for macro, digest in CALLFRAME_DIGESTS.items()),
+            ],
+            extra_compile_args=["-std=c11"],
+        ),
     ],
 )
