@@ -45,7 +45,11 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "SessionExists",
+    "SessionInStep",
     "SessionNotFound",
+    "StepBroken",
+    "StepLayerCalled",
+    "StepNotFound",
     "Unauthorized",
     "UnsupportedMediaType",
     "parse_problem",
@@ -248,6 +252,36 @@ class OutOfMemory(APIError):
     slug = problems.OUT_OF_MEMORY.slug
 
 
+class StepNotFound(APIError):
+    """404: no open step has this handle for this API key (closed, expired after
+    idling, its connection closed, or another key's)."""
+
+    slug = problems.STEP_NOT_FOUND.slug
+
+
+class SessionInStep(APIError):
+    """409: the session is in an open step, which owns its append positions: call it
+    through the step, or close the step first (``problem["step"]``: its handle, when
+    the server names it)."""
+
+    slug = problems.SESSION_IN_STEP.slug
+
+
+class StepLayerCalled(APIError):
+    """409: the step's layer was already called this token (or a call of it is in
+    flight); call the step's other layers first."""
+
+    slug = problems.STEP_LAYER_CALLED.slug
+
+
+class StepBroken(APIError):
+    """409: a call of the step applied to some of its sessions and failed for others;
+    the step refuses further calls (close it and open another; ``detail`` names the
+    first failure)."""
+
+    slug = problems.STEP_BROKEN.slug
+
+
 _BY_SLUG: dict[str, type[APIError]] = {
     cls.slug: cls
     for cls in (
@@ -268,6 +302,10 @@ _BY_SLUG: dict[str, type[APIError]] = {
         BodyTimeout,
         RequestTimeout,
         OutOfMemory,
+        StepNotFound,
+        SessionInStep,
+        StepLayerCalled,
+        StepBroken,
     )
     if cls.slug is not None
 }

@@ -42,6 +42,10 @@ __all__ = [
     "NOT_READY",
     "TIMEOUT",
     "OUT_OF_MEMORY",
+    "STEP_NOT_FOUND",
+    "SESSION_IN_STEP",
+    "STEP_LAYER_CALLED",
+    "STEP_BROKEN",
 ]
 
 
@@ -75,6 +79,10 @@ OVERLOADED = ProblemType(503, "overloaded", "Overloaded")
 NOT_READY = ProblemType(503, "not-ready", "Not ready")
 TIMEOUT = ProblemType(503, "timeout", "Request timed out")
 OUT_OF_MEMORY = ProblemType(507, "out-of-memory", "Out of GPU memory")
+STEP_NOT_FOUND = ProblemType(404, "step-not-found", "Step not found")
+SESSION_IN_STEP = ProblemType(409, "session-in-step", "Session in a step")
+STEP_LAYER_CALLED = ProblemType(409, "step-layer-called", "Layer already called this token")
+STEP_BROKEN = ProblemType(409, "step-broken", "Step broken")
 
 #: every problem type of the contract, by slug
 PROBLEM_TYPES: dict[str, ProblemType] = {
@@ -101,6 +109,10 @@ PROBLEM_TYPES: dict[str, ProblemType] = {
         NOT_READY,
         TIMEOUT,
         OUT_OF_MEMORY,
+        STEP_NOT_FOUND,
+        SESSION_IN_STEP,
+        STEP_LAYER_CALLED,
+        STEP_BROKEN,
     )
 }
 
@@ -206,5 +218,26 @@ PROBLEM_HELP: dict[str, ProblemHelp] = {
         "reached, or the API key's quota (of sessions or bytes) is.",
         "Delete sessions you no longer need, use a smaller kv_format or max_tokens, or raise the limit named "
         "in the problem's members.",
+    ),
+    STEP_NOT_FOUND.slug: ProblemHelp(
+        "No open step has this handle for this API key: it was never opened, it was closed (by DELETE or "
+        "step_close, by the end of the connection that opened it, or after idling past the step idle timeout), "
+        "or another key's tenant opened it.",
+        "Open a step (POST /v1/steps or a stream's step_open) and use the handle it answers.",
+    ),
+    SESSION_IN_STEP.slug: ProblemHelp(
+        "The session is in an open step, which owns its append positions: an append, attend or batch naming it "
+        "from outside the step, a second step over it, or its DELETE is refused. Nothing was changed.",
+        "Call the session through its step, or close the step first (a fork or a snapshot of it is allowed).",
+    ),
+    STEP_LAYER_CALLED.slug: ProblemHelp(
+        "The step's layer was already called for the current token, or a call of it is still in flight; each "
+        "layer is called once a token, and the token advances once every layer has been.",
+        "Call the step's other layers first; the step's token and lengths are at GET /v1/steps/{step}.",
+    ),
+    STEP_BROKEN.slug: ProblemHelp(
+        "A call of the step applied to some of its sessions and failed for others, so the sessions no longer "
+        "stand at one token; the detail names the first failure (layer, token, item and its problem).",
+        "Close the step, look at the sessions' lengths (GET /v1/sessions/{id}), and open a new step.",
     ),
 }
