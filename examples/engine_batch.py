@@ -13,6 +13,11 @@ output is checked against a float64 numpy reference of the same q, k and v.
 
     python examples/engine_batch.py --url http://127.0.0.1:8421 --sequences 8 --layers 4
     python examples/engine_batch.py --transport http        # batched steps over plain HTTP
+    python examples/engine_batch.py --open-step             # decode through an open step
+
+``--open-step`` decodes through a step opened over the batch (``open_step``,
+``docs/client.md`` "Steps"): each layer call carries only q, k, v, and the server
+keeps the append positions (no offsets), with the same answers.
 
 ``--kv-format`` takes any format the server lists in ``GET /v1/info`` ``kv_formats``.
 A server with API keys takes the key from ``$ATTNSERVE_API_KEY``, as the client
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-format", default="f32", help=KV_FORMAT_HELP)
     ap.add_argument("--transport", choices=["stream", "http"], default="stream")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--open-step", action="store_true", help="decode through a step open over the batch")
     args = ap.parse_args(argv)
     model = TinyModel(args.layers, args.heads, args.kv_heads, args.head_dim, args.seed)
     rng = np.random.default_rng(args.seed + 1)
@@ -93,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ref_v = [[np.zeros((0, args.kv_heads, args.head_dim), np.float32)] * args.layers for _ in prompts]
     errors: list[float] = []
 
-    def run_layer(via, layer: int, xs: list[np.ndarray], positions: list[int]) -> list[np.ndarray]:
+    def run_layer(via, layer: int, xs: list[np.ndarray], positions: list[int], open_step=None) -> list[np.ndarray]:
         """One batched step: layer ``layer`` of every sequence; returns the new hidden
         states. Prompts of different lengths go as items; decode rows (one per
-        sequence, the same shapes) as stacked arrays, as an engine holds them."""
+        sequence, the same shapes) as stacked arrays, as an engine holds them: a
+        layer call of ``open_step`` when there is one."""
         qs, ks, vs = [], [], []
         for i, x in enumerate(xs):
             q, k, v = model.qkv(layer, x)
@@ -105,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             qs.append(q)
             ks.append(k)
             vs.append(v)
-        if len({q.shape for q in qs}) == 1:
+        if open_step is not None:
+            outs = open_step.call(layer, np.stack(qs), np.stack(ks), np.stack(vs))
+        elif len({q.shape for q in qs}) == 1:
             outs = via.attend_stacked(sessions, layer, np.stack(qs), np.stack(ks), np.stack(vs), offsets=positions)
         else:
             outs = via.attend_batch(
@@ -144,11 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                     xs = run_layer(step, layer, xs, positions)
                 positions = list(prompts)
                 # decode: one token per sequence per step, one batched step per layer
-                for _ in range(args.steps):
-                    xs = [x[-1:] + rng.standard_normal((1, model.width)).astype(np.float32) for x in xs]
-                    for layer in range(args.layers):
-                        xs = run_layer(step, layer, xs, positions)
-                    positions = [p + 1 for p in positions]
+                decoding = step.open_step(sessions) if args.open_step else None  # a row a sequence a call
+                try:
+                    for _ in range(args.steps):
+                        xs = [x[-1:] + rng.standard_normal((1, model.width)).astype(np.float32) for x in xs]
+                        for layer in range(args.layers):
+                            xs = run_layer(step, layer, xs, positions, decoding)
+                        positions = [p + 1 for p in positions]
+                finally:
+                    if decoding is not None:
+                        decoding.close()
                 lengths = [list(s.lengths) for s in sessions]
             finally:
                 if stream is not None:
@@ -162,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     calls = args.layers * (1 + args.steps)
     want = [[n + args.steps] * args.layers for n in prompts]
     print(
-        f"{len(prompts)} sequences x {args.layers} layers, {args.kv_format} over {args.transport}: "
+        f"{len(prompts)} sequences x {args.layers} layers, {args.kv_format} over {args.transport}"
+        f"{' (decoding through an open step)' if args.open_step else ''}: "
         f"{calls} batched steps, {calls * len(prompts)} attends in {took:.2f} s"
     )
     print(f"cache lengths {[ln[0] for ln in lengths]} (expected {[w[0] for w in want]})")

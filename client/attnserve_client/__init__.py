@@ -23,6 +23,7 @@ from ._client import (
     new_session_id,
 )
 from ._steps import AttendItem, BatchError
+from ._step_handles import AsyncStep, AsyncStreamStep, Step, StreamStep
 from ._streams import AsyncStream, AsyncStreamOpening, Stream
 from ._shm import AsyncShmStream, ShmStream
 from ._types import SessionInfo
@@ -51,7 +52,11 @@ from .errors import (
     Overloaded,
     PayloadTooLarge,
     SessionExists,
+    SessionInStep,
     SessionNotFound,
+    StepBroken,
+    StepLayerCalled,
+    StepNotFound,
     Unauthorized,
     UnsupportedMediaType,
     parse_problem,
@@ -70,8 +75,10 @@ __all__ = [
     "AsyncSession",
     "AsyncShardedSession",
     "AsyncShmStream",
+    "AsyncStep",
     "AsyncStream",
     "AsyncStreamOpening",
+    "AsyncStreamStep",
     "AttendItem",
     "Attention",
     "BatchError",
@@ -94,12 +101,18 @@ __all__ = [
     "PayloadTooLarge",
     "Session",
     "SessionExists",
+    "SessionInStep",
     "SessionInfo",
     "SessionNotFound",
     "ShardedSession",
     "ShardLost",
     "ShmStream",
+    "Step",
+    "StepBroken",
+    "StepLayerCalled",
+    "StepNotFound",
     "Stream",
+    "StreamStep",
     "Unauthorized",
     "UnsupportedMediaType",
     "WireError",

@@ -37,6 +37,8 @@ from ._steps import (
     AttendItem,
     StackedOptions,
     StackedStep,
+    StepOptions,
+    StepState,
     answer_dtype,
     attend_answer,
     batch_body,
@@ -48,9 +50,12 @@ from ._steps import (
     merge_items,
     merge_stacked,
     session_id_of,
+    one_replica,
     stacked_body,
     stacked_parts,
+    step_open_body,
 )
+from ._step_handles import AsyncStep, Step
 from ._types import SessionInfo
 from ._version import __version__
 from .merge import Attention
@@ -65,6 +70,7 @@ from .errors import (
     OffsetMismatch,
     SessionExists,
     SessionNotFound,
+    StepNotFound,
     parse_problem,
     parse_retry_after,
     refused,
@@ -591,6 +597,44 @@ class _BaseClient:
         parts = yield _Parallel([part(*p) for p in stacked_parts(step, body, kw, groups)])
         return merge_stacked(step, groups, parts)
 
+    # -- open steps ---------------------------------------------------------------
+
+    def _step_open_flow(self, sessions: Any, options: StepOptions) -> Flow[StepState]:
+        """``POST /v1/steps``: a step over ``sessions``, which must live on one replica."""
+        sessions, body = step_open_body(sessions, **options)
+        ids = body["session_ids"]
+        groups = yield from self._replica_groups(ids)
+        if len(groups) > 1:
+            raise one_replica(len(groups))
+        reply = yield from self._call("POST", "/v1/steps", body, idempotent=False, headers={ROUTE_HEADER: ids[0]})
+        if not reply.ok:
+            raise reply.error()
+        return StepState(sessions, body, self._decode(reply))
+
+    def _step_call_flow(self, state: StepState, layer: Any, q: Any, k: Any, v: Any) -> Flow[Any]:
+        """``POST /v1/steps/{step}/layers/{layer}``: one layer call (not retried once
+        it may have arrived: a second one would find the layer called)."""
+        step, members = state.call(layer, q, k, v)
+        path = f"/v1/steps/{state.handle}/layers/{step.layer}"
+        doc = yield from self._call_ok("POST", path, members, idempotent=False, headers={ROUTE_HEADER: state.route})
+        return state.finish(step, doc)
+
+    def _step_info_flow(self, state: StepState) -> Flow[dict[str, Any]]:
+        doc = yield from self._call_ok("GET", f"/v1/steps/{state.handle}", headers={ROUTE_HEADER: state.route})
+        return state.update(doc)
+
+    def _step_close_flow(self, state: StepState) -> Flow[None]:
+        """``DELETE /v1/steps/{step}``; a step the server does not have is closed too."""
+        if state.closed:
+            return None
+        reply = yield from self._call("DELETE", f"/v1/steps/{state.handle}", headers={ROUTE_HEADER: state.route})
+        if not reply.ok:
+            error = reply.error()
+            if not isinstance(error, StepNotFound):
+                raise error
+        state.closed = True
+        return None
+
     def _probe_flow(self, path: str) -> Flow[bool]:
         reply = yield from self._call("GET", path, retry=False)
         return reply.ok
@@ -1074,6 +1118,24 @@ class Client(_BaseClient):
         items that were applied, the errors of those that changed nothing)."""
         return self._run(self._stacked_flow(sessions, layer, q, k, v, options))
 
+    def open_step(self, sessions: Sequence[Any], **options: Unpack[StepOptions]) -> Step:
+        """Open a step over ``sessions`` (sessions or their ids, distinct, of one
+        shape, on one server): the server holds it, and each layer call
+        (:meth:`Step.call`) carries only ``q``, ``k``, ``v``, answered exactly as
+        :meth:`attend_stacked` with the same arrays and options.
+
+        Options (fixed for every call): ``rows`` (default 1: the K/V rows each
+        session appends per layer call; 0: none), ``queries`` (query rows; default
+        ``rows``, or 1), ``layers`` (the layers it calls, each once a token;
+        default all), ``dtype`` of ``q``, ``k``, ``v`` (default ``"<f4"``; also
+        ``"<f2"``, ``"bfloat16"`` or a numpy or torch dtype of those), ``causal``,
+        ``scale``, ``return_lse``, ``out_dtype``. While the step is open its sessions
+        take appends and attends only through it (others raise :class:`SessionInStep`).
+        Close it with :meth:`Step.close`, or use it as a context manager. See
+        ``docs/client.md``, "Steps".
+        """
+        return Step(self, self._run(self._step_open_flow(sessions, options)))
+
     def stream(
         self,
         route: Any = None,
@@ -1322,6 +1384,10 @@ class AsyncClient(_BaseClient):
     ) -> np.ndarray:
         """As :meth:`Client.attend_stacked`."""
         return await self._run(self._stacked_flow(sessions, layer, q, k, v, options))
+
+    async def open_step(self, sessions: Sequence[Any], **options: Unpack[StepOptions]) -> AsyncStep:
+        """As :meth:`Client.open_step`: an :class:`AsyncStep`."""
+        return AsyncStep(self, await self._run(self._step_open_flow(sessions, options)))
 
     def stream(
         self,

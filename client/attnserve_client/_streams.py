@@ -33,6 +33,8 @@ from ._steps import (
     AttendItem,
     AttendOptions,
     StackedOptions,
+    StepOptions,
+    StepState,
     attend_answer,
     attend_members,
     attend_out,
@@ -42,10 +44,13 @@ from ._steps import (
     item_results,
     merge_items,
     merge_stacked,
+    one_replica,
     stacked_body,
     stacked_parts,
+    step_open_body,
     track_length,
 )
+from ._step_handles import AsyncStreamStep, StreamStep
 from .errors import APIConnectionError, InvalidInput, InvalidResponse, parse_problem
 
 if TYPE_CHECKING:  # annotations only
@@ -485,6 +490,18 @@ class Stream:
         out: np.ndarray = self.submit_attend_stacked(sessions, layer, q, k, v, **kw).result()
         return out
 
+    def open_step(self, sessions: Sequence[Any], **options: Unpack[StepOptions]) -> StreamStep:
+        """As ``Client.open_step``, on the stream's connection (of the sessions'
+        replica): a :class:`StreamStep`, closed with the connection at the latest."""
+        sessions, body = step_open_body(sessions, **options)
+        ids = body["session_ids"]
+        groups = self._groups(ids)
+        if len(groups) > 1:
+            raise one_replica(len(groups))
+        link = self._link(groups[0][0], ids[0])
+        state: StepState = link.submit("step_open", body, lambda doc: StepState(sessions, body, doc)).result()
+        return StreamStep(link, state)
+
     def ping(self) -> None:
         """A round trip on every connection of the stream."""
         with self._lock:
@@ -801,6 +818,17 @@ class AsyncStream:
             ],
         )
         return merge_stacked(step, [g for _, g in groups], got)
+
+    async def open_step(self, sessions: Sequence[Any], **options: Unpack[StepOptions]) -> AsyncStreamStep:
+        """As :meth:`Stream.open_step`: an :class:`AsyncStreamStep`."""
+        sessions, body = step_open_body(sessions, **options)
+        ids = body["session_ids"]
+        groups = await self._where(ids)
+        if len(groups) > 1:
+            raise one_replica(len(groups))
+        link = await self._link(groups[0][0], ids[0])
+        state: StepState = await link.call("step_open", body, lambda doc: StepState(sessions, body, doc))
+        return AsyncStreamStep(link, state)
 
     async def ping(self) -> None:
         """A round trip on every connection of the stream."""

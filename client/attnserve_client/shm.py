@@ -156,7 +156,9 @@ def _attend_reply(doc: Mapping[str, Any]) -> int:
 def reply_bytes(doc: Any) -> int:
     """The bytes the reply to the request ``doc`` takes in the region at most: its
     arrays (``out``, ``lse``; of every item, or the stacked ones), each rounded up to
-    :data:`ALIGN`. An append's, a ``ping``'s or a ``session``'s is 0."""
+    :data:`ALIGN`; a step's layer call, whose ``out_dtype`` and ``return_lse`` its
+    step fixed, as if float32 with ``lse``. An append's, a ``ping``'s or a
+    ``session``'s is 0."""
     if not isinstance(doc, Mapping):
         return 0
     op = doc.get("op")
@@ -164,6 +166,8 @@ def reply_bytes(doc: Any) -> int:
         return _attend_reply(doc)
     if op == "attend_batch" and isinstance(doc.get("items"), list):
         return sum(_attend_reply(item) for item in doc["items"] if isinstance(item, Mapping))
+    if op == "step_call":  # out_dtype and return_lse are the step's: the most they can take
+        return _attend_reply({"q": doc.get("q"), "out_dtype": "<f4", "return_lse": True})
     return 0
 
 
