@@ -84,8 +84,9 @@ need = [
     "attnserve/shaders/include/paging.wgsl", "attnserve/loadtest/loadtest.py",
 ]
 missing = [n for n in need if n not in names]
-if not any(n.startswith("attnserve/gpu/_commands.") and n.endswith(".so") for n in names):
-    missing.append("attnserve/gpu/_commands.*.so (the compiled extension)")
+for module in ("attnserve/gpu/_commands", "attnserve/transport/_callframe"):
+    if not any(n.startswith(module + ".") and n.endswith(".so") for n in names):
+        missing.append(f"{module}.*.so (a compiled extension)")
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
 if missing or not entry:
     sys.exit(f"wheel lacks {missing or 'entry_points.txt'}")

@@ -32,9 +32,10 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A compiled extension is listed as its C source with the source's SHA-256 that its
-# build embedded (SOURCE_DIGEST, setup.py): the image holds the module, the
-# checkout the source.
+# A compiled extension is listed as its C sources with the SHA-256 that its build
+# embedded (setup.py): each file's in SOURCES (its name beside the module: the call
+# frame's _callframe.c, callframe.c, callframe.h), else SOURCE_DIGEST as the
+# module's own .c. The image holds the module, the checkout the sources.
 LISTER = """
 import hashlib, importlib.machinery, importlib.util, os, sys, sysconfig
 site = sys.argv[1] if len(sys.argv) > 1 else sysconfig.get_paths()["purelib"]
@@ -48,9 +49,11 @@ for top in ("attnserve", "attnserve_client"):
                 spec = importlib.util.spec_from_file_location(name[: -len(suffix)], path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                digest, path = module.SOURCE_DIGEST, path[: -len(suffix)] + ".c"
-            else:
-                digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+                sources = getattr(module, "SOURCES", None) or {name[: -len(suffix)] + ".c": module.SOURCE_DIGEST}
+                for source, digest in sources.items():
+                    print(digest, os.path.relpath(os.path.join(folder, source), site))
+                continue
+            digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
             print(digest, os.path.relpath(path, site))
 """
 
@@ -87,9 +90,9 @@ def project_files(project: Path) -> dict[str, str]:
         else:
             folder = project / Path(*parts)
         target = Path(*parts)
-        # *.c: an extension's source, which the image lists for its module (LISTER);
-        # *.pyi: its typed interface, which setuptools ships beside it
-        patterns = ["*.py", "*.pyi", "*.c", *data.get(package, [])]
+        # *.c, *.h: an extension's sources, which the image lists for its module
+        # (LISTER); *.pyi: its typed interface, which setuptools ships beside it
+        patterns = ["*.py", "*.pyi", "*.c", "*.h", *data.get(package, [])]
         for pattern in patterns:
             for path in folder.glob(pattern):
                 if path.is_file():
