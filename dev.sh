@@ -19,11 +19,17 @@ say() { echo "dev.sh: $*" >&2; }
 SERVE_STAMP="$VENV/.attnserve-installed-serve"
 TEST_STAMP="$VENV/.attnserve-installed-test"
 
-# (setup.py and the C source it compiles, service/attnserve/gpu/_commands.c, too: an
-# editable install builds the extension in place, and only an install rebuilds it)
+# (setup.py and the C sources it compiles, too: an editable install builds the
+# extensions in place, and only an install rebuilds them)
+C_SOURCES=(service/attnserve/gpu/_commands.c service/attnserve/transport/callframe.h
+  service/attnserve/transport/callframe.c service/attnserve/transport/_callframe.c)
 current() {
   [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! client/pyproject.toml -nt "$1" ] \
-    && [ ! setup.py -nt "$1" ] && [ ! service/attnserve/gpu/_commands.c -nt "$1" ]
+    && [ ! setup.py -nt "$1" ] || return 1
+  local src
+  for src in "${C_SOURCES[@]}"; do
+    [ ! "$src" -nt "$1" ] || return 1
+  done
 }
 
 # ensure_venv serve|test: install what that command needs, unless already there (a
@@ -72,7 +78,7 @@ ensure_venv() {
     PYTHONWARNINGS="$quiet" "$VENV/bin/python" -m pip install -q -e .
     touch "$SERVE_STAMP"
   fi
-  say "$VENV is ready (installed again only when pyproject.toml, client/pyproject.toml, setup.py or _commands.c changes)"
+  say "$VENV is ready (installed again only when pyproject.toml, client/pyproject.toml, setup.py or its C sources change)"
 }
 
 . deploy/_adapter.sh

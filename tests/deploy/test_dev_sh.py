@@ -7,6 +7,7 @@ every command instead of running pip, the server or pytest."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the C sources setup.py compiles: an edit of any of them must reinstall (rebuild)
+C_SOURCES = tuple(sorted(str(p.relative_to(ROOT)) for ext in ("c", "h") for p in (ROOT / "service").rglob(f"*.{ext}")))
 
 FAKE_PYTHON = r"""#!/bin/sh
 # python -m venv DIR: make DIR/bin with this script as its python, and an attnserve
@@ -36,7 +39,7 @@ echo "python $*" >> "$LOG"
 def checkout(tmp_path):
     for name in (
         "dev.sh", "deploy/_adapter.sh", "deploy/_compiler.sh", "pyproject.toml", "client/pyproject.toml", "setup.py",
-        "service/attnserve/gpu/_commands.c",
+        *C_SOURCES,
     ):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
@@ -93,14 +96,14 @@ def test_changed_metadata_reinstalls(checkout):
     assert run(checkout, "serve") == ["attnserve serve --host 127.0.0.1"]
 
 
-@pytest.mark.parametrize("changed", ["setup.py", "service/attnserve/gpu/_commands.c"])
+@pytest.mark.parametrize("changed", ["setup.py", *C_SOURCES])
 def test_a_changed_extension_reinstalls(checkout, changed):
     # an editable install builds the C extension in place: only an install rebuilds it
     run(checkout, "test")
     earlier = (checkout / changed).stat().st_mtime - 10  # the source changed after the installs
     for stamp in (checkout / ".venv").glob(".attnserve-installed-*"):
         os.utime(stamp, (earlier, earlier))
-    for other in ("pyproject.toml", "client/pyproject.toml", "setup.py", "service/attnserve/gpu/_commands.c"):
+    for other in ("pyproject.toml", "client/pyproject.toml", "setup.py", *C_SOURCES):
         if other != changed:
             os.utime(checkout / other, (earlier - 10, earlier - 10))
     assert run_said(checkout, "test")[:2] == [
@@ -115,7 +118,7 @@ def test_each_install_step_says_what_it_waits_for(checkout):
     # pip is quiet (-q); a line before each step, and one when all is installed
     ready = (
         "dev.sh: .venv is ready"
-        " (installed again only when pyproject.toml, client/pyproject.toml, setup.py or _commands.c changes)"
+        " (installed again only when pyproject.toml, client/pyproject.toml, setup.py or its C sources change)"
     )
     assert run_said(checkout, "serve") == [
         "dev.sh: creating .venv ...",
@@ -201,3 +204,10 @@ def test_headers_apt_cannot_bring_stop_the_install(checkout, tmp_path):
     lines = log.read_text().splitlines()
     assert any("still no Python.h" in ln for ln in lines), lines
     assert not any(ln.startswith("python -m pip install -q -e") for ln in lines), lines
+
+
+def test_dev_sh_watches_every_c_source():
+    # dev.sh's list is the tree's: a C file added under service/ is rebuilt when edited
+    listed = re.search(r"C_SOURCES=\(([^)]*)\)", (ROOT / "dev.sh").read_text())
+    assert listed is not None
+    assert sorted(listed.group(1).split()) == list(C_SOURCES)
