@@ -37,6 +37,10 @@ __all__ = [
     "RouteNotFound",
     "MethodNotAllowed",
     "InternalError",
+    "StepNotFound",
+    "SessionInStep",
+    "StepLayerCalled",
+    "StepBroken",
 ]
 
 
@@ -195,3 +199,29 @@ class InternalError(ApiError):
     """500: a bug; the detail names a request id found in the log."""
 
     status, slug, title = problems.INTERNAL_ERROR
+
+
+class StepNotFound(ApiError):
+    """404: no open step has this handle for the caller (closed, expired, or another tenant's)."""
+
+    status, slug, title = problems.STEP_NOT_FOUND
+
+
+class SessionInStep(ApiError):
+    """409: the session is in an open step, which owns its append positions (extra
+    member ``step``: its handle)."""
+
+    status, slug, title = problems.SESSION_IN_STEP
+
+
+class StepLayerCalled(ApiError):
+    """409: the step's layer was already called this token, or a call of it is in flight."""
+
+    status, slug, title = problems.STEP_LAYER_CALLED
+
+
+class StepBroken(ApiError):
+    """409: a call of the step applied to some sessions and failed for others (extra
+    member ``failure``: the first one)."""
+
+    status, slug, title = problems.STEP_BROKEN

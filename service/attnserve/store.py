@@ -41,12 +41,15 @@ from .errors import (
     OffsetMismatch,
     OutOfMemory,
     SessionExists,
+    SessionInStep,
     SessionNotFound,
 )
 from .gpu.step_plan import StepPlans
 from .kvcache import LayerCache, SessionConfig, SessionKV, bytes_growth
 
-__all__ = ["SESSION_ID_RE", "new_session_id", "LayerState", "Session", "StepReservation", "Store", "Owner"]
+__all__ = [
+    "SESSION_ID_RE", "new_session_id", "LayerState", "Session", "StepReservation", "Store", "Owner", "step_conflict",
+]  # fmt: skip
 
 Owner = Optional[str]
 
@@ -100,6 +103,9 @@ class Session:
         self.family: set[Session] = {self}
         # the plans of the steps that name this session alone (StepGroup.plans' twin)
         self.plans = StepPlans()
+        # the handle of the open step the session is in (None: none), which owns its
+        # append positions (set and cleared by step_registry.StepRegistry only)
+        self.step: int | None = None
 
     @property
     def key(self) -> tuple[Owner, str]:
@@ -134,6 +140,23 @@ class Session:
             "lengths": [ls.length for ls in self.layers],
             "bytes": self.nbytes,
         }
+
+
+def step_conflict(session: Session, via: int | None = None) -> SessionInStep | None:
+    """The rule of a session in an open step, which owns its append positions: an
+    append, attend or batch naming it other than through that step (``via``: the
+    handle of the step making the call, None for none), a second step over it and
+    its delete are refused (409 session-in-step). The one place the rule is
+    written: ``step/rules.py`` (every append and attend), the delete route and
+    the step's open ask it."""
+    handle = session.step
+    if handle is None or handle == via:
+        return None
+    return SessionInStep(
+        f"session {session.id!r} is in step {handle} (opened by this tenant); call it through the step "
+        "or close the step first",
+        step=handle,
+    )
 
 
 class StepReservation:
@@ -212,6 +235,7 @@ class Store:
         self.holds: dict[tuple[Owner, str], int] = {}  # (owner, id) of sessions being restored: their bytes
         self.generation = 0  # counts every session added or removed (StepGroup's validity)
         self._steps: dict[tuple[Owner, tuple[str, ...]], StepGroup] = {}
+        self.stepped = 0  # sessions in an open step (0: step_conflict cannot refuse anything)
 
     # ── sessions ────────────────────────────────────────────────────────────
 
@@ -337,6 +361,22 @@ class Store:
             s.last_used = now
         return group
 
+    def enter_step(self, sessions: Sequence[Session], handle: int) -> None:
+        """``sessions`` (in no step: ``step_conflict`` said so) are in the open step ``handle``."""
+        for s in sessions:
+            assert s.step is None, (s.id, s.step)
+            s.step = handle
+        self.stepped += len(sessions)
+
+    def leave_step(self, sessions: Sequence[Session], handle: int) -> None:
+        """The step ``handle`` is closed: its sessions are free (a use each, for the TTL)."""
+        now = time.monotonic()
+        for s in sessions:
+            if s.step == handle:
+                s.step = None
+                s.last_used = now
+                self.stepped -= 1
+
     def list(self, owner: Owner) -> list[Session]:
         return list(self._by_owner.get(owner, {}).values())
 
@@ -376,9 +416,14 @@ class Store:
     # (Store.list, above, shadows the builtin in the annotations below: builtins.list)
 
     def idle(self, ttl: float, now: float | None = None) -> builtins.list[Session]:
-        """Sessions unused for ``ttl`` seconds, with no job in flight."""
+        """Sessions unused for ``ttl`` seconds, with no job in flight and in no open
+        step (the step's own idle timeout governs those)."""
         now = time.monotonic() if now is None else now
-        return [s for s in self.sessions.values() if s.pending == 0 and not s.closed and now - s.last_used >= ttl]
+        return [
+            s
+            for s in self.sessions.values()
+            if s.pending == 0 and not s.closed and s.step is None and now - s.last_used >= ttl
+        ]
 
     # ── tenants ─────────────────────────────────────────────────────────────
 

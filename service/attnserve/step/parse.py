@@ -31,12 +31,16 @@ __all__ = [
     "Step",
     "append_fields",
     "attend_fields",
+    "attend_scale",
+    "check_count",
+    "max_elements",
     "one_append",
     "one_attend",
     "parse_append",
     "parse_attend",
     "parse_batch",
     "parse_batch_document",
+    "stacked_request",
 ]
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -74,7 +78,9 @@ class Step:
     ``start_pos[i]`` (None: not given). ``items[i]`` is row ``i``'s position in its
     request. ``q``, ``k``, ``v`` are float32, float16 or bfloat16 (``k`` and ``v``
     alike); ``out_dtype`` is the outputs' (None: ``q``'s); ``lse``: an item asks for
-    its log-sum-exp."""
+    its log-sum-exp; ``via``: the handle of the open step whose layer call this is
+    (None: an append, attend or batch of its own), which may name the step's
+    sessions (``store.step_conflict``)."""
 
     session_ids: list[Any]
     layer: int
@@ -88,6 +94,7 @@ class Step:
     items: list[int]
     out_dtype: np.dtype[Any] | None = None
     lse: bool = False
+    via: int | None = None
 
     def __len__(self) -> int:
         return len(self.session_ids)
@@ -116,6 +123,7 @@ class Parsed:
     want_lse: list[bool] = field(default_factory=list)
     out_shape: tuple[int, ...] = ()  # the stacked form's per-item output shape (n, H, d)
     out_dtype: np.dtype[Any] = np.dtype("<f4")  # the stacked form's output dtype
+    squeeze: bool = False  # the stacked answer without its rows axis (a step's call of q [B, H, d])
 
 
 # ── members ─────────────────────────────────────────────────────────────────
@@ -145,7 +153,7 @@ def attend_fields(f: Fields, max_bytes: int) -> AttendRequest:
         offset=f.int("offset"),
         start_pos=f.int("start_pos"),
         causal=f.bool("causal"),
-        scale=_attend_scale(f),
+        scale=attend_scale(f),
         return_lse=f.bool("return_lse"),
         out_dtype=_out_dtype(f),
     )
@@ -174,7 +182,7 @@ def _one_dtype(k: np.ndarray, v: np.ndarray) -> None:
         raise InvalidRequest(f"k, v: expected one dtype for both, got {wire.dtype_name(k)} and {wire.dtype_name(v)}")
 
 
-def _attend_scale(f: Fields) -> float | None:
+def attend_scale(f: Fields) -> float | None:
     """The optional ``scale`` of an attend: a finite float32 (the kernels take it so)."""
     scale: float | None = f.number("scale")
     if scale is not None:
@@ -229,7 +237,7 @@ def parse_batch_document(doc: Any, head: tuple[str, ...], what: str, max_bytes: 
     return _parse_items(Fields(doc, BatchItems, what, head=head), max_bytes, max_items)
 
 
-def _check_count(n: int, max_items: int, name: str) -> None:
+def check_count(n: int, max_items: int, name: str) -> None:
     if not n:
         raise InvalidRequest(f"{name}: expected a non-empty array")
     if n > max_items:
@@ -248,7 +256,7 @@ class _Item:
 
 def _parse_items(f: Fields, max_bytes: int, max_items: int) -> Parsed:
     docs = f.list("items")
-    _check_count(len(docs), max_items, "items")
+    check_count(len(docs), max_items, "items")
     errors: dict[int, ApiError] = {}
     items: dict[int, _Item] = {}
     for i, doc in enumerate(docs):
@@ -313,7 +321,7 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
     Item ``i`` is the attend of ``q[i]`` (and ``k[i]``, ``v[i]``) on session
     ``session_ids[i]``, checked as an item of the other form."""
     ids = f.list("session_ids")
-    _check_count(len(ids), max_items, "session_ids")
+    check_count(len(ids), max_items, "session_ids")
     b = len(ids)
     layer = f.int("layer")
     me = max_elements(max_bytes)
@@ -326,8 +334,30 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
                 f"{name}: expected {b} stacked items (one per session id) in dimension 0, got shape {list(a.shape)}"
             )
     per_item = {name: _per_item(f, name, b) for name in ("offsets", "start_pos")}
-    causal, scale, return_lse = f.bool("causal"), _attend_scale(f), f.bool("return_lse")
-    out_dtype = _out_dtype(f)
+    causal, scale, return_lse = f.bool("causal"), attend_scale(f), f.bool("return_lse")
+    return stacked_request(ids, layer, q, k, v, per_item, causal, scale, return_lse, _out_dtype(f))
+
+
+def stacked_request(
+    ids: list[Any],
+    layer: int,
+    q: np.ndarray,
+    k: np.ndarray | None,
+    v: np.ndarray | None,
+    per_item: dict[str, list[Any] | None],
+    causal: bool,
+    scale: float | None,
+    return_lse: bool,
+    out_dtype: np.dtype[Any] | None,
+    via: int | None = None,
+) -> Parsed:
+    """The stacked form's request from its members (arrays ``[B, ...]`` of ``B =
+    len(ids)`` items, ``per_item``'s ``offsets`` and ``start_pos`` lists or None):
+    each item's own problems (a non-finite value, an id that is not a string, a
+    bad offset) kept at its position. A step's layer call (``via``: its handle) is
+    this request too."""
+    b = len(ids)
+    arrays = [(name, a) for name, a in (("q", q), ("k", k), ("v", v)) if a is not None]
     errors: dict[int, ApiError] = {}
     for name, a in arrays:  # finiteness of every item at once; the first bad value of a bad item named
         if wire.all_finite(a):
@@ -353,8 +383,9 @@ def _parse_stacked(f: Fields, max_bytes: int, max_items: int) -> Parsed:
                     i, InvalidRequest(f"{name}[{i}]: expected an integer >= 0 or null, got {value!r:.40}")
                 )
     whole = Step(
-        ids, layer, q, k, v, ints["offsets"], ints["start_pos"], causal, scale, list(range(b)), out_dtype, return_lse
-    )
+        ids, layer, q, k, v, ints["offsets"], ints["start_pos"], causal, scale, list(range(b)), out_dtype, return_lse,
+        via,
+    )  # fmt: skip
     return Parsed(
         "stacked", b, _without_repeats(whole, errors), errors, [return_lse] * b, tuple(q.shape[1:]),
         q.dtype if out_dtype is None else out_dtype,
@@ -398,5 +429,5 @@ def _rows(step: Step, idx: list[int]) -> Step:
     return Step(
         [step.session_ids[i] for i in idx], step.layer, pick(step.q), pick(step.k), pick(step.v),
         [step.offsets[i] for i in idx], [step.start_pos[i] for i in idx], step.causal, step.scale,
-        [step.items[i] for i in idx], step.out_dtype, step.lse,
+        [step.items[i] for i in idx], step.out_dtype, step.lse, step.via,
     )  # fmt: skip

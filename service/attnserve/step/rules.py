@@ -7,7 +7,9 @@ one item is answered. An item is refused by the first rule it breaks, in this
 order (the order a single attend is checked in):
 
 1. the parse (``parse.py``: the item's members);
-2. its session exists (404 session-not-found) and has the layer (404 layer-not-found);
+2. its session exists (404 session-not-found) and has the layer (404
+   layer-not-found), and is in no open step but the one making the call (409
+   session-in-step: ``store.step_conflict``);
 3. ``q`` fits the session and the adapter (422: shape, the binding limit);
 4. ``k``, ``v`` fit it (422: shape, values a kv format cannot store, the binding limit);
 5. ``offset`` and ``max_tokens`` (409: ``Store.step_lengths``);
@@ -35,7 +37,7 @@ from ..formats import F16_MAX, TQ_SPECS
 from ..gpu.kernels import rotated_q_bytes
 from ..gpu.step_plan import StepPlans
 from ..kvcache import SessionConfig
-from ..store import Owner, Session, StepReservation, Store
+from ..store import Owner, Session, StepReservation, Store, step_conflict
 from ..turboquant import (
     MAX_NORM,
     MAX_OUTLIER,
@@ -88,8 +90,11 @@ def check_step(store: Store, engine: Engine, owner: Owner, step: Step) -> Checke
         by_shape = _by_shape(
             sessions, step.layer, [i for i in range(len(step)) if i not in problems], problems, formats
         )
+    stepped = set(problems) if store.stepped else None  # rule 2's first two parts decided
     for config, fmt, rows in by_shape:
         _check_arrays(engine.max_binding, config, fmt, step, rows, problems)
+    if stepped is not None:  # rule 2's last part: before the arrays' (it overrides their problems)
+        _in_steps(sessions, step.via, stepped, problems)
     found = cast("Sequence[Session]", sessions)  # a live row's session was found (rule 2)
     if problems:
         live = [i for i in range(len(step)) if i not in problems]
@@ -137,6 +142,19 @@ def _sessions(store: Store, owner: Owner, step: Step, problems: dict[int, ApiErr
             problems[i] = e
             found.append(None)
     return found
+
+
+def _in_steps(
+    sessions: Sequence[Session | None], via: int | None, decided: set[int], problems: dict[int, ApiError]
+) -> None:
+    """Rule 2's last part: a session in an open step is named only through that
+    step (``via``: the step making the call, None for none); rows in ``decided``
+    were refused by its first parts."""
+    for i, s in enumerate(sessions):
+        if s is not None and s.step is not None and i not in decided:
+            conflict = step_conflict(s, via)
+            if conflict is not None:
+                problems[i] = conflict
 
 
 def _by_shape(
