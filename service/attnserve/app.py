@@ -48,11 +48,12 @@ from .errors import (
     LayerNotFound,
     MethodNotAllowed,
     RouteNotFound,
+    StepNotFound,
 )
 from .gpu.device import DeviceError
 from .gpu.kernels import KernelPolicy
 from .persistence import SnapshotDir
-from .routes import problem_pages, probes, sessions, snapshots
+from .routes import problem_pages, probes, sessions, snapshots, steps
 from .transport import http, websocket
 from .transport.frames import FrameServer
 from .transport.shm import ShmServer
@@ -140,8 +141,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                 shm = ShmServer(rt)
                 await shm.start(settings.shm_socket)
                 rt.shm_socket = shm.path
-            if settings.session_ttl_seconds > 0:
-                expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")
+            expiry = asyncio.create_task(rt.expire_idle(), name="attnserve-expiry")  # steps always; sessions by TTL
         except BaseException:
             log.exception("start-up failed")
             if frames is not None:
@@ -189,6 +189,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
                     await rt.persistence.save_all(eng)
                 finally:
                     rt.persistence.close()
+            rt.steps.close_all()
             for s in list(rt.store.sessions.values()):
                 rt.store.remove(s)
                 try:
@@ -219,6 +220,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
             {"name": "sessions", "description": "Sessions: one KV cache per layer of one sequence."},
             {"name": "kv", "description": "Append K/V rows and attend."},
             {"name": "snapshots", "description": "A session as one MessagePack blob, and its restore."},
+            {"name": "steps", "description": "A batch of sessions held open across layers, called once a layer."},
             {"name": "probes", "description": "Liveness, readiness, metrics and server info."},
         ],
     )
@@ -227,6 +229,7 @@ def create_app(settings: Settings | None = None, *, engine: Engine | None = None
     app.include_router(http.router)
     app.include_router(websocket.router)
     app.include_router(snapshots.router)
+    app.include_router(steps.router)
     app.include_router(probes.router)
     app.include_router(problem_pages.router)
     _install_error_handlers(app)
@@ -306,6 +309,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             loc = tuple(e.get("loc", ()))
             if loc[:2] == ("path", "layer"):
                 return _problem(request, LayerNotFound(f"layer {e.get('input')!r} is not a layer index"))
+            if loc[:2] == ("path", "step"):
+                return _problem(request, StepNotFound(f"no open step {e.get('input')!r}"))
         parts = []
         for e in errors[:5]:
             where = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body", "query", "path"))

@@ -304,6 +304,12 @@ class Settings(BaseSettings):
         ge=0,
         description="A session not used for this long is deleted (its GPU memory freed); 0: sessions never expire.",
     )
+    step_idle_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A step opened over HTTP that no layer call has used for this long is closed (its sessions "
+        "freed); a step opened on a stream, frames or shared-memory connection closes with its connection.",
+    )
     snapshot_dir: str | None = Field(
         default=None,
         description="A local directory: on shutdown every session is written there as a "

@@ -39,7 +39,8 @@ from .formats import DEFAULT_KV_FORMAT, KV_FORMATS
 __all__ = [
     "MAX_LAYERS", "MAX_QO_HEADS", "MAX_SEED", "MAX_SINKS", "MAX_WINDOW", "EXACT_FORMATS", "SESSION_ID_PATTERN",
     "Member", "members", "CreateSession", "ForkSession", "Append", "Attend", "BatchItem", "BatchItems",
-    "StackedBatch", "AppendItem", "StreamHello", "ShmHello", "components", "ref", "array_schema", "request_body",
+    "StackedBatch", "AppendItem", "StepOpen", "StepCallArrays", "StepCall",
+    "StreamHello", "ShmHello", "components", "ref", "array_schema", "request_body",
     "ok", "problems", "PROBLEM_STATUSES", "Fields",
 ]  # fmt: skip
 
@@ -384,6 +385,64 @@ class StackedBatch(BaseModel):
     out_dtype: Optional[WireDtype] = Attend.model_fields["out_dtype"]  # type: ignore[assignment]
 
 
+class StepOpen(BaseModel):
+    """A step: a fixed batch of sessions held open across layers, called once per
+    layer per token (docs/api.md, "Steps")."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"session_ids": ["my-session-1"], "rows": 1}]}
+    )
+
+    session_ids: list[SessionId] = Field(
+        min_length=1,
+        description="B distinct sessions of one shape (num_qo_heads, num_kv_heads, head_dim), in the order of the "
+        "calls' arrays; at most limits.max_batch_items. Each may be in one open step at a time.",
+    )
+    rows: int = Field(1, ge=0, description="K/V rows each session appends per layer call (0: none; 1 at decode).")
+    queries: Optional[int] = Field(
+        None, ge=1, description="Query rows per session per call; default rows, or 1 when rows is 0."
+    )
+    layers: Optional[list[_NonNegative]] = Field(
+        None,
+        description="The distinct layers the step calls, each once per token; default every layer of the "
+        "sessions (which then must have one num_layers).",
+    )
+    dtype: WireDtype = Field("<f4", description="The dtype of every call's q, k and v.")
+    causal: bool = Attend.model_fields["causal"]  # type: ignore[assignment]
+    scale: Optional[float] = Attend.model_fields["scale"]  # type: ignore[assignment]
+    return_lse: bool = Attend.model_fields["return_lse"]  # type: ignore[assignment]
+    out_dtype: Optional[WireDtype] = Field(None, description="The dtype of out; default the step's dtype.")
+
+
+class StepCallArrays(BaseModel):
+    """A layer call of a step: only its arrays (the step fixed everything else)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"q": [_EXAMPLE_QUERY], "k": [_EXAMPLE_ROWS], "v": [_EXAMPLE_ROWS]}]},
+    )
+
+    q: Array4 = Field(
+        description="[B, queries, num_qo_heads, head_dim] in the step's dtype; [B, num_qo_heads, head_dim] "
+        "when queries is 1 (the answer then has no rows axis either)."
+    )
+    k: Optional[Array4] = Field(
+        None,
+        description="[B, rows, num_kv_heads, head_dim] in the step's dtype ([B, num_kv_heads, head_dim] when rows "
+        "is 1); required when the step's rows > 0, absent when 0.",
+    )
+    v: Optional[Array4] = Field(None, description="Same shape as k.")
+
+
+class StepCall(StepCallArrays):
+    """A stream frame's layer call: the step's handle and the layer, then the arrays."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=None)
+
+    step: int = Field(ge=1, description="The step's handle.")
+    layer: int = Field(ge=0, description="One of the step's layers, not yet called this token.")
+
+
 class StreamHello(BaseModel):
     """The first frame of a frames connection (docs/api.md, frame transport)."""
 
@@ -480,6 +539,39 @@ class StackedResult(BaseModel):
     )
 
 
+class StepFailure(BaseModel):
+    layer: int
+    token: int
+    item: int = Field(description="The failed item's index (its session's position in session_ids).")
+    type: str = Field(description="The item's problem type.")
+    detail: str
+
+
+class StepInfo(BaseModel):
+    """An open step."""
+
+    step: int = Field(description="The step's handle (scoped to the caller's API key).")
+    session_ids: list[SessionId]
+    layers: list[int]
+    rows: int
+    queries: int
+    dtype: str
+    causal: bool
+    scale: Optional[float]
+    return_lse: bool
+    out_dtype: Optional[str]
+    token: int = Field(description="The current token: how many times every layer of the step has been called.")
+    broken: Optional[StepFailure] = Field(
+        description="The first call that applied to some sessions and failed for others (null: none); a broken "
+        "step refuses its calls (409 step-broken)."
+    )
+    lengths: list[list[int]] = Field(description="Per session, the length of each of the step's layers.")
+
+
+class StepCallResult(StackedResult):
+    token: int = Field(description="The token this call belonged to.")
+
+
 class Status(BaseModel):
     status: str
 
@@ -557,6 +649,8 @@ _WITH_ARRAYS: dict[str, type[BaseModel]] = {
     "Append": Append,
     "Attend": Attend,
     "AttendResult": AttendResult,
+    "StepCallArrays": StepCallArrays,
+    "StepCallResult": StepCallResult,
 }
 _PLAIN: dict[str, type[BaseModel]] = {
     "CreateSession": CreateSession,
@@ -567,6 +661,8 @@ _PLAIN: dict[str, type[BaseModel]] = {
     "Status": Status,
     "ServerInfo": ServerInfo,
     "Problem": Problem,
+    "StepOpen": StepOpen,
+    "StepInfo": StepInfo,
 }
 
 

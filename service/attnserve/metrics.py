@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Bound", "Metrics", "CONTENT_TYPE", "SHM_EVENTS", "counted"]
+__all__ = ["Bound", "Metrics", "CONTENT_TYPE", "SHM_EVENTS", "STEP_CALL_OUTCOMES", "counted"]
 
 # What generate_latest writes: the text exposition format, version 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -104,6 +104,8 @@ class _Scraped(Collector):
 #: peer of another user refused; a reply's arrays sent in the frame because its
 #: ``reply_at`` could not hold them after all (logged as an error).
 SHM_EVENTS = ("mapped", "unmapped", "unmap_deferred", "peer_refused", "reply_in_frame")
+#: The outcomes ``attnserve_step_calls_total`` counts (step_registry.LayerBook.settle's, and refused).
+STEP_CALL_OUTCOMES = ("applied", "partial", "failed", "refused")
 
 
 class Metrics:
@@ -168,6 +170,20 @@ class Metrics:
         self.expired = counter(
             "attnserve_sessions_expired_total", "Sessions deleted after being idle for the session TTL."
         )
+        self.steps_opened = counter("attnserve_steps_opened_total", "Steps opened (POST /v1/steps, step_open).")
+        self.steps_closed = counter(
+            "attnserve_steps_closed_total",
+            "Steps closed, by reason (closed: DELETE or step_close; connection: their connection ended; idle: "
+            "the step idle timeout; shutdown).",
+            ("reason",),
+        )
+        self.step_calls = counter(
+            "attnserve_step_calls_total",
+            "Layer calls of steps, by outcome (applied: every item; partial: some items failed and the step "
+            "broke; failed: no item applied, the layer may be called again; refused: the call was refused whole "
+            "with a problem, nothing queued).",
+            ("outcome",),
+        )
         self.snapshot_writes = counter(
             "attnserve_snapshot_writes_total",
             "Session snapshots written to the snapshot directory, by result.",
@@ -194,6 +210,7 @@ class Metrics:
         PlatformCollector(registry=self.registry)
         # the hot paths' children, bound once per label set
         self.errors_by, self.rows_by, self.queue_wait_by = Bound(self.errors), Bound(self.rows), Bound(self.queue_wait)
+        self.step_calls_by = Bound(self.step_calls)
         self._by_request: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
 
     def _counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:

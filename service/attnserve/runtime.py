@@ -29,7 +29,8 @@ from .config import Settings
 from .engine import Engine, step_fallbacks_counter, step_plans_counter
 from .errors import NotReady
 from .formats import KV_FORMATS
-from .metrics import SHM_EVENTS, Metrics
+from .metrics import SHM_EVENTS, STEP_CALL_OUTCOMES, Metrics
+from .step_registry import CLOSE_REASONS, StepRegistry
 from .store import Session, StepReservation, Store
 
 __all__ = ["Runtime", "RequestState", "OWNER_KEY", "current_request", "install_gauges"]
@@ -63,6 +64,11 @@ class Runtime:
             quota_bytes_per_key=settings.quota_bytes_per_key,
             on_quota=lambda quota: self.metrics.quota_rejections.labels(quota).inc(),
         )
+        self.steps = StepRegistry(self.store, on_close=lambda reason: self.metrics.steps_closed.labels(reason).inc())
+        for reason in CLOSE_REASONS:  # exposed from the start, at 0
+            self.metrics.steps_closed.labels(reason)
+        for outcome in STEP_CALL_OUTCOMES:
+            self.metrics.step_calls_by[outcome]
         for reason in ("missing", "invalid"):  # exposed from the start, at 0
             self.metrics.auth_failures.labels(reason)
         for quota in ("sessions", "bytes"):
@@ -168,13 +174,18 @@ class Runtime:
         return fut
 
     async def expire_idle(self) -> None:
-        """Background task: delete sessions idle for ``session_ttl_seconds``."""
-        ttl = self.settings.session_ttl_seconds
-        interval = min(max(ttl / 4, 0.05), 5.0)
+        """Background task: close the steps opened over HTTP that no call used for
+        ``step_idle_timeout_s``, and delete sessions idle for ``session_ttl_seconds``
+        (when set; a session in an open step does not expire)."""
+        ttl, step_ttl = self.settings.session_ttl_seconds, self.settings.step_idle_timeout_s
+        interval = min(max(min(t for t in (ttl, step_ttl) if t > 0) / 4, 0.05), 5.0)
         while True:
             await asyncio.sleep(interval)
+            if self.draining:
+                continue
+            self.expire_steps(step_ttl)
             engine = self.engine
-            if engine is None or self.draining:
+            if engine is None or ttl <= 0:
                 continue
             for session in self.store.idle(ttl):
                 try:
@@ -184,6 +195,12 @@ class Runtime:
                     continue
                 self.metrics.expired.inc()
                 log.info("session expired", extra={"session_id": session.id, "tenant": session.owner, "idle_s": ttl})
+
+    def expire_steps(self, timeout: float) -> None:
+        """Close the steps not bound to a connection that no call used for ``timeout`` seconds."""
+        for step in self.steps.idle(timeout):
+            self.steps.close(step, "idle")
+            log.info("step expired", extra={"step": step.handle, "tenant": step.owner, "idle_s": timeout})
 
     # ── work ────────────────────────────────────────────────────────────────
 
@@ -355,6 +372,9 @@ def install_gauges(rt: Runtime) -> None:
     )
     m.add_gauge("attnserve_requests_in_flight", "HTTP requests being handled now.", (), lambda: [((), rt.in_flight)])
     m.add_gauge(
+        "attnserve_steps_open", "Steps open now (each session is in one at most).", (), lambda: [((), len(rt.steps))]
+    )
+    m.add_gauge(
         "attnserve_ready",
         "1 when the device is open and the server is not draining.",
         (),
@@ -383,7 +403,11 @@ def install_gauges(rt: Runtime) -> None:
         "attnserve_limit_seconds",
         "Configured time limits (0: none), by name.",
         ("name",),
-        lambda: [(("request_timeout",), s.request_timeout_s), (("session_ttl",), s.session_ttl_seconds)],
+        lambda: [
+            (("request_timeout",), s.request_timeout_s),
+            (("session_ttl",), s.session_ttl_seconds),
+            (("step_idle_timeout",), s.step_idle_timeout_s),
+        ],
     )
 
     def tenants(i: int) -> list[tuple[tuple[str, ...], float]]:

@@ -98,6 +98,10 @@ def test_operation_ids_are_readable(api):
         ("/v1/sessions/{session_id}", "get"): "get_session_info",
         ("/v1/sessions/{session_id}", "delete"): "delete_session",
         ("/v1/sessions/{session_id}/fork", "post"): "fork_session",
+        ("/v1/steps", "post"): "open_step",
+        ("/v1/steps/{step}", "get"): "get_step",
+        ("/v1/steps/{step}", "delete"): "close_step",
+        ("/v1/steps/{step}/layers/{layer}", "post"): "call_step",
         ("/v1/sessions/{session_id}/layers/{layer}/kv", "post"): "append_kv",
         ("/v1/sessions/{session_id}/layers/{layer}/attend", "post"): "attend",
         ("/v1/batch/attend", "post"): "batch_attend",
@@ -197,7 +201,11 @@ def test_limit_metrics_have_one_unit_each(api, server):
             "quota_sessions_per_key": s.quota_sessions_per_key,
         },
         "attnserve_limit_bytes": {"quota_bytes_per_key": s.quota_bytes_per_key},
-        "attnserve_limit_seconds": {"request_timeout": s.request_timeout_s, "session_ttl": s.session_ttl_seconds},
+        "attnserve_limit_seconds": {
+            "request_timeout": s.request_timeout_s,
+            "session_ttl": s.session_ttl_seconds,
+            "step_idle_timeout": s.step_idle_timeout_s,
+        },
     }
     for name in limits:  # Prometheus naming: the unit is the name's suffix
         assert m.families[name].type == "gauge" and name.rsplit("_", 1)[1] in ("sessions", "bytes", "seconds")

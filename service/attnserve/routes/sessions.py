@@ -12,7 +12,7 @@ from ..codec import MediaKind, decode_document, read_body, respond
 from ..errors import InvalidRequest
 from ..kvcache import SessionConfig
 from ..session_spec import CreateRequest, parse_create
-from ..store import check_session_id
+from ..store import check_session_id, step_conflict
 from ..transport.deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses
 from ..lifecycle import check_kept, place_session
 from ..contract import ok, problems, request_body
@@ -192,12 +192,19 @@ async def fork_session(
 @router.delete(
     "/{session_id}",
     summary="Delete a session",
-    description="Frees the session's GPU memory (after any of its work already queued) and answers 204.",
+    description="Frees the session's GPU memory (after any of its work already queued) and answers 204. A "
+    "session in an open step is 409 session-in-step: close the step first.",
     status_code=204,
     response_class=Response,
-    responses=merge_responses({204: {"description": "Deleted."}}, problems(404, 503, slugs={404: "session-not-found"})),
+    responses=merge_responses(
+        {204: {"description": "Deleted."}},
+        problems(404, 409, 503, slugs={404: "session-not-found", 409: "session-in-step"}),
+    ),
 )
 async def delete_session(session: SessionDep, rt: RuntimeDep, engine: EngineDep) -> Response:
+    conflict = step_conflict(session)  # a session in an open step: close the step first (409)
+    if conflict is not None:
+        raise conflict
     fut = rt.drop_session(session, engine)  # queued after the session's jobs; may raise Overloaded
     await asyncio.shield(asyncio.wrap_future(fut))
     return Response(status_code=204)

@@ -5,7 +5,8 @@
 * the items form: ``{"results": [...]}``, per item its answer or ``{"error"}``;
 * the stacked form: ``out [B, n, H, d]`` (zeros in the rows of a failed item),
   ``lengths`` (null for a failed item), ``errors`` (each with ``item``) and ``lse``
-  when asked.
+  when asked; a step's layer call answers this form too (``out [B, H, d]`` when
+  its ``q`` came without the rows axis).
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def _stacked_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[
                     out[p], lse[p], lengths[p] = r_out[i], r_lse[i], int(result.lengths[i])
     for p in problems:
         lengths[p] = None
+    if request.squeeze:  # q came without its rows axis (one row): so does the answer
+        out = None if out is None else out.reshape(b, *shape[1:])
+        lse = None if lse is None else lse.reshape(b, *shape[1:2])
     doc = {
         "out": array_out(np.ascontiguousarray(out), kind),
         "lengths": lengths,

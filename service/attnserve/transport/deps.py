@@ -34,6 +34,7 @@ __all__ = [
     "SessionDep",
     "SessionIdPath",
     "LayerPath",
+    "StepPath",
     "merge_responses",
 ]
 
@@ -87,6 +88,9 @@ EngineDep = Annotated[Engine, Depends(get_engine)]
 
 SessionIdPath = Annotated[str, Path(description="The session's id.", examples=["my-session-1"])]
 LayerPath = Annotated[str, Path(pattern=r"^[0-9]{1,10}$", description="Layer index, 0..num_layers-1.", examples=["0"])]
+StepPath = Annotated[
+    str, Path(pattern=r"^[0-9]{1,18}$", description="A step's handle (POST /v1/steps answers it).", examples=["1"])
+]
 
 
 async def get_session(session_id: SessionIdPath, rt: RuntimeDep, owner: OwnerDep) -> Session:

@@ -166,6 +166,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        self.rt.steps.close_bound(self)  # its steps close with it (their calls in flight complete)
         self.writable.set()  # replies still being produced are dropped, their slots freed
         if self.watchdog is not None:
             self.watchdog.cancel()
@@ -211,7 +212,7 @@ class _Connection(asyncio.BufferedProtocol):
             doc = decode_head(view[:head_len])
             rid = request_id(doc)
             reply_to = self._prepare(doc, view[head_len:])
-            pending = begin(self.rt, self.owner, doc, self.INSTANCE)
+            pending = begin(self.rt, self.owner, doc, self.INSTANCE, bound=self)
         except Reply as r:
             self.send(r.doc, t0)
             return

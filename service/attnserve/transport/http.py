@@ -1,5 +1,6 @@
 """The data plane over HTTP: append K/V to a layer, attend (with an optional fused
-append), and the batched step (``POST /v1/batch/attend``), as one router.
+append), the batched step (``POST /v1/batch/attend``) and a layer call of an open
+step (``POST /v1/steps/{step}/layers/{layer}``), as one router.
 
 Each request goes: negotiate (415, declared 413) -> session and layer (404; the
 batched step's items: each in its own result) -> read the body (streamed 413) ->
@@ -19,16 +20,18 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
 
-from ..codec import MediaKind, Wire, read_body, respond
+from ..codec import MediaKind, Wire, decode_document, encode, read_body, respond
 from ..engine import Engine
 from ..runtime import Runtime
 from ..step.answer import answer_document, count_problems, encode_answer
 from ..step.parse import Parsed, one_append, one_attend, parse_append, parse_attend, parse_batch
 from ..step.plan import Outcome, finish_request, queue_request
 from ..step.rules import layer_problem
+from ..step.steps import begin_call, finish_call, get_step
 from ..store import Session
-from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, WireDep, merge_responses
+from .deps import EngineDep, LayerPath, OwnerDep, RuntimeDep, SessionDep, StepPath, WireDep, merge_responses
 from ..contract import ok, problems, request_body
+from ..errors import ApiError
 
 __all__ = ["router"]
 
@@ -99,7 +102,7 @@ async def _run(rt: Runtime, engine: Engine, owner: str | None, parsed: Parsed) -
         ok(200, "The layer's new length", "AppendResult"),
         problems(
             *_STATUSES,
-            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded"},
+            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded, session-in-step"},
         ),
     ),
 )
@@ -130,7 +133,7 @@ async def append_kv(
         ok(200, "The attention output and the layer's length", "AttendResultJson", "AttendResultMsgpack"),
         problems(
             *_STATUSES,
-            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append)"},
+            slugs={408: "body-timeout", 409: "offset-mismatch, capacity-exceeded (fused append), session-in-step"},
         ),
     ),
 )
@@ -176,4 +179,53 @@ async def batch_attend(request: Request, rt: RuntimeDep, wire: WireDep, engine: 
     count_problems(rt, outcome)
     size = len(raw) * (1 if wire.response == "msgpack" else 6)
     body = await rt.offload(encode_answer, outcome, wire.response, request.url.path, size=size)
+    return respond(None, wire, body=body)
+
+
+@router.post(
+    "/v1/steps/{step}/layers/{layer}",
+    summary="Call a layer of an open step",
+    description="One layer call of a step (`POST /v1/steps`): only the arrays, `q` [B, queries, num_qo_heads, "
+    "head_dim] and, when the step's rows > 0, `k`, `v` [B, rows, num_kv_heads, head_dim], in the step's dtype "
+    "(without the rows axis when queries or rows is 1). It runs as the stacked form of `POST /v1/batch/attend` "
+    "over the step's sessions with the step's options, and answers the same document (bit-identical) with "
+    "`token`, the token the call belonged to. Each layer is called once a token, in any order; once every "
+    "layer of the step has been called, the token advances. A call whose items all fail changes nothing and "
+    "may be retried; one that applies to some sessions and fails for others breaks the step (409 step-broken "
+    "from then on).",
+    response_class=Response,
+    openapi_extra=request_body("StepCallArraysJson", "StepCallArraysMsgpack"),
+    responses=merge_responses(
+        ok(200, "The stacked answer and the call's token", "StepCallResultJson", "StepCallResultMsgpack"),
+        problems(
+            400,
+            404,
+            408,
+            409,
+            413,
+            415,
+            422,
+            500,
+            503,
+            slugs={404: "step-not-found", 408: "body-timeout", 409: "step-layer-called, step-broken"},
+        ),  # fmt: skip
+    ),
+)
+async def call_step(
+    request: Request, step: StepPath, layer: LayerPath, rt: RuntimeDep, wire: WireDep, engine: EngineDep,
+    owner: OwnerDep,
+) -> Response:  # fmt: skip
+    handle = int(step)  # the path pattern allows digits only
+    try:
+        get_step(rt, owner, handle)  # 404 before any of the body is read
+    except ApiError:
+        rt.metrics.step_calls_by["refused"].inc()
+        raise
+    max_bytes = rt.settings.max_body_bytes
+    raw = await read_body(request, max_bytes)
+    doc = await rt.offload(decode_document, raw, wire.request, max_bytes, size=len(raw))
+    call = begin_call(rt, engine, owner, doc, what="step call", target=(handle, int(layer)))
+    answer = await finish_call(rt, call, wire.response, request.url.path)
+    size = len(raw) * (1 if wire.response == "msgpack" else 6)
+    body = await rt.offload(encode, answer, wire.response, size=size)
     return respond(None, wire, body=body)

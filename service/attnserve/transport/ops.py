@@ -9,7 +9,12 @@ A request document is a map ``{"id": <int or string>, "op": <name>, ...members}`
 * ``attend``: ``session_id``, ``layer`` and the members of ``POST .../attend``;
 * ``append``: ``session_id``, ``layer`` and the members of ``POST .../kv``;
 * ``attend_batch``: ``items``, or the stacked form, as ``POST /v1/batch/attend``;
-* ``session``: ``session_id``: the session's info; ``ping``: nothing.
+* ``session``: ``session_id``: the session's info; ``ping``: nothing;
+* ``step_open``, ``step_call``, ``step_close``: a step held open across layers
+  (``step/steps.py``): the members of ``POST /v1/steps``, of a layer call with
+  its ``step`` and ``layer``, and ``step``. A step opened on a connection is
+  bound to it (its transport closes it when the connection ends:
+  ``StepRegistry.close_bound``).
 
 Its reply is ``{"id", "status": 200, "result": {...}}`` (the HTTP answer's body) or
 ``{"id", "status": <4xx/5xx>, "error": <problem>}``. :func:`begin` checks and
@@ -21,10 +26,12 @@ queues a document (in arrival order, with no ``await``) and returns a
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from typing import Any, Awaitable, Callable
 
 from ..codec import MediaKind
-from ..contract import AppendItem, BatchItem, BatchItems, Fields, StackedBatch, members
+from ..engine import Engine
+from ..contract import AppendItem, BatchItem, BatchItems, Fields, StackedBatch, StepOpen, members
 from ..errors import ApiError, InternalError, InvalidRequest
 from ..runtime import Runtime
 from ..step.answer import answer_document, count_problems
@@ -37,16 +44,19 @@ from ..step.parse import (
 )
 from ..step.plan import finish_request, queue_request
 from ..step.rules import layer_problem
+from ..step.steps import begin_call, close_step, finish_call, open_step
 from ..store import Owner
 
 __all__ = ["OPS", "HEAD", "Reply", "Pending", "request_id", "begin", "error_document", "count_reply"]
 
 log = logging.getLogger("attnserve")
 
-OPS = ("attend", "append", "attend_batch", "session", "ping")
+OPS = ("attend", "append", "attend_batch", "session", "ping", "step_open", "step_call", "step_close")
 HEAD = ("id", "op")
 # what a frame of any op may name (each op's own members are checked after)
-_ANY_OP = (*members(BatchItem), *members(StackedBatch), *members(BatchItems))
+_ANY_OP = tuple(
+    dict.fromkeys((*members(BatchItem), *members(StackedBatch), *members(BatchItems), *members(StepOpen), "step"))
+)
 
 
 class Reply(Exception):
@@ -103,26 +113,32 @@ def request_id(doc: Any) -> Any:
     return rid
 
 
-def begin(rt: Runtime, owner: Owner, doc: Any, instance: str) -> Pending:
-    """Check and queue one request document (no ``await`` inside).
+def begin(rt: Runtime, owner: Owner, doc: Any, instance: str, bound: Hashable | None = None) -> Pending:
+    """Check and queue one request document (no ``await`` inside); ``bound``: the
+    connection it came on (the steps it opens are bound to it).
 
     Raises:
-        Reply: the answer is ready now (a problem, ``ping``, ``session``).
+        Reply: the answer is ready now (a problem, ``ping``, ``session``, a
+        step's open or close).
     """
     rid: Any = None
     try:
         rid = request_id(doc)
         op = Fields(doc, _ANY_OP, "frame", head=HEAD).str("op", choices=OPS)
-        return _dispatch(rt, owner, op, doc, rid, instance)
+        return _dispatch(rt, owner, op, doc, rid, instance, bound)
     except ApiError as e:
         raise Reply(error_document(rid, e, instance)) from None
 
 
-def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any, instance: str) -> Pending:
+def _dispatch(
+    rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any, instance: str, bound: Hashable | None
+) -> Pending:
     max_bytes = rt.settings.max_body_bytes
     if op == "ping":
         raise Reply({"id": rid, "status": 200, "result": {}})
     engine = rt.ready_engine()
+    if op.startswith("step_"):
+        return _step_op(rt, engine, owner, op, doc, rid, instance, bound)
     if op == "attend_batch":
         parsed = parse_batch_document(doc, HEAD, "attend_batch", max_bytes, rt.settings.max_batch_items)
     elif op == "session":
@@ -148,5 +164,24 @@ def _dispatch(rt: Runtime, owner: Owner, op: str, doc: dict[str, Any], rid: Any,
         if parsed.form != "one":
             count_problems(rt, outcome)
         return answer_document(outcome, kind, instance)
+
+    return Pending(rid, instance, result)
+
+
+def _step_op(
+    rt: Runtime, engine: Engine, owner: Owner, op: str, doc: dict[str, Any], rid: Any, instance: str,
+    bound: Hashable | None,
+) -> Pending:  # fmt: skip
+    """``step_open``, ``step_close`` (answered at once) and ``step_call``."""
+    if op == "step_open":
+        step = open_step(rt, owner, doc, what=op, head=HEAD, bound=bound)
+        raise Reply({"id": rid, "status": 200, "result": step.document()})
+    if op == "step_close":
+        close_step(rt, owner, Fields(doc, (*HEAD, "step"), op).int("step", lo=1))
+        raise Reply({"id": rid, "status": 200, "result": {}})
+    call = begin_call(rt, engine, owner, doc, what=op, head=HEAD)
+
+    async def result(kind: MediaKind) -> Any:
+        return await finish_call(rt, call, kind, instance)
 
     return Pending(rid, instance, result)

@@ -40,12 +40,13 @@ import time
 from typing import Any
 
 from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, frame_buffers, read_prefix
-from attnserve_client.shm import ALIGN, peer_uid, place_arrays, reply_bytes
+from attnserve_client.shm import ALIGN, aligned, peer_uid, place_arrays, reply_bytes
 
 from ..codec import BODY_IDLE_TIMEOUT_S, wire
 from ..contract import ShmHello
 from ..errors import ApiError, Forbidden, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge
 from ..runtime import Runtime
+from ..step.steps import reply_sizes
 from ..store import Owner
 from .frames import ConnectionServer, _Connection, _resolve_arrays, decode_head, greet, hello_result
 from .ops import count_reply, error_document, request_id
@@ -383,7 +384,7 @@ class _ShmConnection(_Connection):
             reply_to = self._reply_range(doc.pop("reply_at"))
         _resolve_arrays(doc, body, self.readonly)
         if reply_to is not None:
-            need = reply_bytes(doc)
+            need = self._reply_bytes(doc)
             if need > reply_to[1]:
                 raise InvalidRequest(
                     f"reply_at: the reply's arrays need {need} bytes of the region (each rounded up to {ALIGN}), "
@@ -391,6 +392,14 @@ class _ShmConnection(_Connection):
                     reply_bytes=need,
                 )
         return reply_to
+
+    def _reply_bytes(self, doc: Any) -> int:
+        """The bytes the reply's arrays take in the region at most (a step's layer
+        call: the step's shapes, which its document does not carry)."""
+        if isinstance(doc, dict) and doc.get("op") == "step_call":
+            sizes = reply_sizes(self.rt, self.owner, doc)
+            return 0 if sizes is None else sum(aligned(n) for n in sizes)
+        return reply_bytes(doc)
 
     def _reply_range(self, value: Any) -> tuple[int, int]:
         if not (isinstance(value, list) and len(value) == 2 and all(type(x) is int and x >= 0 for x in value)):

@@ -9,7 +9,9 @@ A request frame is a map ``{"id": <int or string>, "op": <name>, ...members}``:
 * ``attend``: ``session_id``, ``layer`` and the members of ``POST .../attend``;
 * ``append``: ``session_id``, ``layer`` and the members of ``POST .../kv``;
 * ``attend_batch``: ``items``, as ``POST /v1/batch/attend``;
-* ``session``: ``session_id``: the session's info; ``ping``: nothing.
+* ``session``: ``session_id``: the session's info; ``ping``: nothing;
+* ``step_open``, ``step_call``, ``step_close``: a step held open across layers,
+  bound to the connection (closed when it ends).
 
 Each gets one reply frame ``{"id", "status": 200, "result": {...}}`` (the HTTP
 answer's body) or ``{"id", "status": <4xx/5xx>, "error": <problem>}``. Binary
@@ -136,6 +138,7 @@ class _Connection:
             pass
         finally:
             self.open = False
+            self.rt.steps.close_bound(self)  # its steps close with it (their calls in flight complete)
             # queued operations complete on the GPU whatever happens to the socket
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -147,7 +150,7 @@ class _Connection:
             doc = await rt.offload(decode_document, raw, kind, rt.settings.max_body_bytes, size=len(raw))
         except ApiError as e:
             raise Reply(error_document(None, e, STREAM_PATH)) from None
-        return begin(rt, self.owner, doc, STREAM_PATH)
+        return begin(rt, self.owner, doc, STREAM_PATH, bound=self)
 
     def hold(self, nbytes: int) -> None:
         self.in_flight_bytes += nbytes
