@@ -62,10 +62,17 @@ POOL = {
 # api.md: which problem types each status may carry
 SLUGS = {
     400: {"malformed-body"},
-    404: {"session-not-found", "layer-not-found", "not-found"},
+    404: {"session-not-found", "layer-not-found", "not-found", "step-not-found"},
     405: {"method-not-allowed"},
     408: {"body-timeout"},
-    409: {"offset-mismatch", "session-exists", "capacity-exceeded"},
+    409: {
+        "offset-mismatch",
+        "session-exists",
+        "capacity-exceeded",
+        "session-in-step",
+        "step-layer-called",
+        "step-broken",
+    },
     413: {"payload-too-large"},
     415: {"unsupported-media-type"},
     422: {"invalid-request", "invalid-snapshot"},
@@ -140,7 +147,9 @@ def _msgpack_deserializer(ctx, response):
 
 @schemathesis.check
 def msgpack_arrays_are_wire_arrays(ctx, response, case):
-    """Every array in a MessagePack answer decodes: dtype <f4, shape, exactly prod(shape)*4 bytes."""
+    """Every array in a MessagePack answer decodes: a wire dtype (out_dtype may ask
+    for <f2 or bfloat16), its shape (an attend's 3-D, a stacked answer's or a step
+    call's 4-D), exactly prod(shape) * itemsize bytes."""
     STATS.custom_checks["msgpack_arrays"] += 1
     ctype = response.headers.get("content-type", [""])
     ctype = ctype[0] if isinstance(ctype, list) else ctype
@@ -152,8 +161,8 @@ def msgpack_arrays_are_wire_arrays(ctx, response, case):
         return True
     doc = wire.unpackb(response.content, max_bytes=1 << 30)
     if isinstance(doc, dict) and "out" in doc:
-        out = wire.decode_array(doc["out"], name="out", ndim=3, finite=False)
-        assert out.dtype == np.float32
+        out = wire.decode_array(doc["out"], name="out", finite=False)
+        assert out.ndim in (3, 4) and out.dtype in set(wire.DTYPES.values()), (out.shape, out.dtype)
     return True
 
 
