@@ -387,7 +387,7 @@ class StackedBatch(BaseModel):
 
 class StepOpen(BaseModel):
     """A step: a fixed batch of sessions held open across layers, called once per
-    layer per token (docs/api.md, "Steps")."""
+    layer per token (docs/api.md, "Steps: a batch held open across layers")."""
 
     model_config = ConfigDict(
         extra="forbid", json_schema_extra={"examples": [{"session_ids": ["my-session-1"], "rows": 1}]}

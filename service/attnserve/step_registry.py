@@ -1,4 +1,5 @@
-"""Open steps: batches of sessions held open across layers (docs/api.md, "Steps").
+"""Open steps: batches of sessions held open across layers (docs/api.md,
+"Steps: a batch held open across layers").
 
 A step is opened over a fixed batch of sessions (their order, the rows each
 appends per layer call, the query rows, the layers it calls, the arrays' dtype

@@ -1,5 +1,5 @@
-"""The explicit step: a batch of sessions held open across layers (docs/api.md,
-"Steps"), its open, its layer calls and its close, as every transport carries
+"""The explicit step (docs/api.md, "Steps: a batch held open across layers"):
+its open, its layer calls and its close, as every transport carries
 them (``transport/ops.py``: ``step_open``, ``step_call``, ``step_close``;
 ``routes/steps.py`` and ``transport/http.py``: ``/v1/steps``).
 
