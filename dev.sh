@@ -21,8 +21,8 @@ TEST_STAMP="$VENV/.attnserve-installed-test"
 
 # (setup.py and the C sources it compiles, too: an editable install builds the
 # extensions in place, and only an install rebuilds them)
-C_SOURCES=(service/attnserve/gpu/_commands.c service/attnserve/transport/callframe.h
-  service/attnserve/transport/callframe.c service/attnserve/transport/_callframe.c)
+C_SOURCES=(service/attnserve/gpu/_commands.c service/attnserve/plane/callframe.h
+  service/attnserve/plane/callframe.c service/attnserve/plane/_callframe.c)
 current() {
   [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ] && [ ! client/pyproject.toml -nt "$1" ] \
     && [ ! setup.py -nt "$1" ] || return 1

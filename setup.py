@@ -1,7 +1,7 @@
 """The compiled parts of attnserve, built by pip with the machine's C compiler:
 the GPU thread's command recording (service/attnserve/gpu/_commands.c;
 docs/benchmarks.md, issue 43 item 6) and the layer-call frame's parser and step
-checks (service/attnserve/transport/callframe.c and its binding _callframe.c;
+checks (service/attnserve/plane/callframe.c and its binding _callframe.c;
 docs/architecture.md, issue 53). Everything else is in pyproject.toml.
 
 Each module carries its sources' SHA-256 (``SOURCE_DIGEST``; ``_callframe`` also
@@ -25,7 +25,7 @@ SOURCE = "service/attnserve/gpu/_commands.c"
 DIGEST = hashlib.sha256((HERE / SOURCE).read_bytes()).hexdigest()
 
 # the call frame: the pure C core (callframe.h, callframe.c) and its binding
-CALLFRAME = "service/attnserve/transport"
+CALLFRAME = "service/attnserve/plane"
 CALLFRAME_FILES = {
     "SOURCE_CALLFRAME_H": "callframe.h",
     "SOURCE_CALLFRAME_C": "callframe.c",
@@ -77,7 +77,7 @@ setup(
             libraries=["dl"],
         ),
         Extension(
-            "attnserve.transport._callframe",
+            "attnserve.plane._callframe",
             sources=[f"{CALLFRAME}/_callframe.c", f"{CALLFRAME}/callframe.c"],
             depends=[f"{CALLFRAME}/callframe.h"],
             define_macros=[

@@ -1,6 +1,6 @@
 # Sourced by dev.sh and deploy/ci-static-checks.sh:
 #   ensure_compiler PYTHON   make sure pip can build attnserve's C modules
-#                            (gpu/_commands.c, transport/_callframe.c: setup.py) for PYTHON:
+#                            (gpu/_commands.c, plane/_callframe.c: setup.py) for PYTHON:
 #                            a C compiler on PATH and PYTHON's headers (Python.h),
 #                            installing gcc, libc6-dev and python3-dev through apt
 #                            for what is missing.

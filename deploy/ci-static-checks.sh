@@ -84,7 +84,7 @@ need = [
     "attnserve/shaders/include/paging.wgsl", "attnserve/loadtest/loadtest.py",
 ]
 missing = [n for n in need if n not in names]
-for module in ("attnserve/gpu/_commands", "attnserve/transport/_callframe"):
+for module in ("attnserve/gpu/_commands", "attnserve/plane/_callframe"):
     if not any(n.startswith(module + ".") and n.endswith(".so") for n in names):
         missing.append(f"{module}.*.so (a compiled extension)")
 entry = [n for n in names if n.endswith(".dist-info/entry_points.txt")]

@@ -1,5 +1,5 @@
-"""The layer-call frame's parser and step checks (service/attnserve/transport/callframe.c)
-through its binding attnserve.transport._callframe (issue 53; docs/architecture.md,
+"""The layer-call frame's parser and step checks (service/attnserve/plane/callframe.c)
+through its binding attnserve.plane._callframe (issue 53; docs/architecture.md,
 "The call frame's parser, as built"): every status reached, frames of each dtype at
 awkward sizes, the finite check against numpy's isfinite, the claim/settle
 bookkeeping against a small model over many random sequences, tenancy, the table's
@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "service" / "attnserve" / "transport"
+SOURCE = ROOT / "service" / "attnserve" / "plane"
 
 
 def _load():
     path = os.environ.get("ATTNSERVE_CALLFRAME_MODULE")
     if not path:
-        from attnserve.transport import _callframe
+        from attnserve.plane import _callframe
 
         return _callframe
-    spec = importlib.util.spec_from_file_location("attnserve.transport._callframe", path)
+    spec = importlib.util.spec_from_file_location("attnserve.plane._callframe", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,5 +1,5 @@
 /* libFuzzer target: the layer-call frame's parser, the step checks and the step
- * bookkeeping (service/attnserve/transport/callframe.c), against a model of the
+ * bookkeeping (service/attnserve/plane/callframe.c), against a model of the
  * rules written independently here. Built and run by tools/fuzz/run.sh with
  * -fsanitize=fuzzer,address,undefined; any invariant that fails aborts.
  *

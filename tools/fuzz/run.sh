@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The call frame's parser and step checks (service/attnserve/transport/callframe.c)
+# The call frame's parser and step checks (service/attnserve/plane/callframe.c)
 # under the sanitizers (issue 53 item 7; docs/architecture.md, "The call frame's
 # parser, as built"). Run by .ci/run; on a developer machine as well:
 #
@@ -24,7 +24,7 @@ cd "$(dirname "$0")/../.."
 FUZZ_SECONDS="${ATTNSERVE_FUZZ_SECONDS:-60}"
 OUT="${ATTNSERVE_FUZZ_DIR:-build/fuzz}"
 PY="${PYTHON:-.venv/bin/python}"
-SRC=service/attnserve/transport
+SRC=service/attnserve/plane
 SAN=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g -O1)
 CFLAGS_WARN=(-std=c11 -Wall -Wextra -Werror)
 
@@ -137,7 +137,7 @@ say "tests/test_callframe.py against the module built with ASan and UBSan ..."
 CC=gcc CFLAGS="${SAN[*]}" LDFLAGS="-fsanitize=address,undefined" \
   "$PY" setup.py -q build_ext --build-lib "$OUT/san" --build-temp "$OUT/san-tmp" >"$OUT/san-build.log" 2>&1 \
   || { cat "$OUT/san-build.log" >&2; exit 1; }
-MODULE="$(ls "$OUT"/san/attnserve/transport/_callframe.*.so)"
+MODULE="$(ls "$OUT"/san/attnserve/plane/_callframe.*.so)"
 ATTNSERVE_CALLFRAME_MODULE="$MODULE" LD_PRELOAD="$(gcc -print-file-name=libasan.so)" PYTHONMALLOC=malloc \
   ASAN_OPTIONS="detect_leaks=0:abort_on_error=1" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
   "$PY" -m pytest -q --capture=sys -p no:cacheprovider -W ignore::pytest.PytestConfigWarning --noconftest tests/test_callframe.py

@@ -1,4 +1,4 @@
-/* attnserve.transport._callframe: the Python binding of callframe.c (the layer-call
+/* attnserve.plane._callframe: the Python binding of callframe.c (the layer-call
  * frame's parser and the step's checks; callframe.h, docs/architecture.md "The
  * call frame's parser, as built").
  *
@@ -370,7 +370,7 @@ static PyGetSetDef table_getset[] = {
 static PySequenceMethods table_as_sequence = {.sq_length = (lenfunc)table_len};
 
 static PyTypeObject StepTableType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "attnserve.transport._callframe.StepTable",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "attnserve.plane._callframe.StepTable",
     .tp_basicsize = sizeof(StepTable),
     .tp_dealloc = (destructor)table_dealloc,
     .tp_as_sequence = &table_as_sequence,
@@ -439,7 +439,7 @@ PyMODINIT_FUNC PyInit__callframe(void) {
                                       SOURCE_CALLFRAME_C, "_callframe.c", SOURCE_BINDING_C);
     if (defaults) {
         CallFrameError = PyErr_NewExceptionWithDoc(
-            "attnserve.transport._callframe.CallFrameError",
+            "attnserve.plane._callframe.CallFrameError",
             "A frame or a step operation refused: .status is the C status's name (NOT_FINITE: .array, .index)",
             PyExc_ValueError, defaults);
     }
