@@ -104,7 +104,7 @@ class _Scraped(Collector):
 #: peer of another user refused; a reply's arrays sent in the frame because its
 #: ``reply_at`` could not hold them after all (logged as an error).
 SHM_EVENTS = ("mapped", "unmapped", "unmap_deferred", "peer_refused", "reply_in_frame")
-#: The outcomes ``attnserve_step_calls_total`` counts (step_registry.LayerBook.settle's, and refused).
+#: The outcomes ``attnserve_step_calls_total`` counts (step_registry.OpenStep.settle's, and refused).
 STEP_CALL_OUTCOMES = ("applied", "partial", "failed", "refused")
 
 

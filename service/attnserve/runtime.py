@@ -64,7 +64,9 @@ class Runtime:
             quota_bytes_per_key=settings.quota_bytes_per_key,
             on_quota=lambda quota: self.metrics.quota_rejections.labels(quota).inc(),
         )
-        self.steps = StepRegistry(self.store, on_close=lambda reason: self.metrics.steps_closed.labels(reason).inc())
+        self.steps = StepRegistry(
+            self.store, settings.max_sessions, on_close=lambda reason: self.metrics.steps_closed.labels(reason).inc()
+        )
         for reason in CLOSE_REASONS:  # exposed from the start, at 0
             self.metrics.steps_closed.labels(reason)
         for outcome in STEP_CALL_OUTCOMES:

@@ -11,9 +11,11 @@ owns what lives between the calls, on the event loop only:
   is ``404 step-not-found``);
 * the sessions' membership (``Store.enter_step``, ``Store.leave_step``): a
   session is in at most one open step, so open steps are bounded by sessions;
-* per token, which layers are called and which have a call in flight
-  (:class:`LayerBook`, a small self-contained class), and the step's first
-  partial failure (broken);
+* per token, which layers are called and which have a call in flight, and
+  whether a partial call broke the step: the compiled step table's
+  (``plane/_callframe``: ``callframe.c``'s ``atc_claim``/``atc_settle``), the
+  one owner of that bookkeeping, which the binary call frame's parser checks
+  against too; the first partial failure's detail is kept here;
 * a connection's steps (closed with it) and the idle expiry of the others.
 
 What a layer call *is* (a stacked attend) is ``step/steps.py``'s, above this.
@@ -22,80 +24,34 @@ What a layer call *is* (a stacked attend) is ``step/steps.py``'s, above this.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from .errors import StepNotFound
+from .plane._callframe import CallFrameError, StepTable
 from .store import Owner, Session, Store
 
-__all__ = ["LayerBook", "OpenStep", "StepRegistry", "CLOSE_REASONS"]
+__all__ = ["CallFrameError", "OpenStep", "StepRegistry", "CLOSE_REASONS"]
 
 #: Why a step closed (``attnserve_steps_closed_total``'s ``reason``): its close
 #: (``DELETE``, ``step_close``), its connection's end, its idle timeout, shutdown.
 CLOSE_REASONS = ("closed", "connection", "idle", "shutdown")
 
 
-class LayerBook:
-    """A step's layers within a token: which are called and which have a call in
-    flight (claimed). Plain integers and sets, no session or request in sight,
-    so it can move into compiled code as it is.
-
-    A call claims its layer when it is queued (:meth:`claim`) and settles it when
-    it is done (:meth:`settle`): applied (at least one item applied), the layer is
-    called for this token, and once every layer is, the token advances and none
-    is; not applied, the layer is free again (a retry is safe). A layer is never
-    claimed twice, so the token a call settles in is the token it claimed in."""
-
-    __slots__ = ("layers", "token", "called", "claimed", "broken")
-
-    def __init__(self, layers: Sequence[int]):
-        self.layers = frozenset(layers)
-        self.token = 0
-        self.called: set[int] = set()
-        self.claimed: set[int] = set()
-        self.broken = False
-
-    def free(self, layer: int) -> bool:
-        """Whether ``layer`` (one of the step's) may be called now: not called this
-        token, and no call of it in flight."""
-        return layer not in self.called and layer not in self.claimed
-
-    def claim(self, layer: int) -> int:
-        """Take ``layer`` for a call (it must be :meth:`free`); returns the token."""
-        assert layer in self.layers and self.free(layer), (layer, self.called, self.claimed)
-        self.claimed.add(layer)
-        return self.token
-
-    def settle(self, layer: int, applied: int, failed: int) -> str:
-        """A claimed call of ``layer`` is done: ``applied`` items applied, ``failed``
-        did not. Returns its outcome: ``"applied"`` (every item), ``"partial"``
-        (some of each: the step is broken from now on) or ``"failed"`` (none
-        applied: the layer is free again)."""
-        self.claimed.discard(layer)
-        if not applied:
-            return "failed"
-        self.called.add(layer)
-        if len(self.called) == len(self.layers):
-            self.token += 1
-            self.called.clear()
-        if failed:
-            self.broken = True
-            return "partial"
-        return "applied"
-
-
 class OpenStep:
-    """One open step: its tenant, sessions and fixed options, its
-    :class:`LayerBook`, its first failure once broken, the connection it is bound
-    to (None: opened over HTTP, closed by ``DELETE`` or its idle timeout)."""
+    """One open step: its tenant, sessions and fixed options, its record in the
+    step table (``table``: the layers of the token called and in flight), its
+    first failure once broken, the connection it is bound to (None: opened over
+    HTTP, closed by ``DELETE`` or its idle timeout)."""
 
     __slots__ = (
-        "handle", "owner", "sessions", "layers", "rows", "queries", "dtype", "causal", "scale", "return_lse",
-        "out_dtype", "book", "failure", "bound", "last_used", "in_flight", "closed",
+        "table", "handle", "owner", "sessions", "layers", "rows", "queries", "dtype", "causal", "scale",
+        "return_lse", "out_dtype", "failure", "bound", "last_used", "in_flight", "closed",
     )  # fmt: skip
 
     def __init__(
         self,
+        table: StepTable,
         handle: int,
         owner: Owner,
         sessions: list[Session],
@@ -110,6 +66,7 @@ class OpenStep:
         out_dtype: str | None,
         bound: Hashable | None,
     ):
+        self.table = table
         self.handle = handle
         self.owner = owner
         self.sessions = sessions
@@ -121,7 +78,6 @@ class OpenStep:
         self.scale = scale
         self.return_lse = return_lse
         self.out_dtype = out_dtype
-        self.book = LayerBook(layers)
         self.failure: dict[str, Any] | None = None  # the first partial failure (broken)
         self.bound = bound
         self.last_used = time.monotonic()
@@ -131,6 +87,39 @@ class OpenStep:
     @property
     def session_ids(self) -> list[str]:
         return [s.id for s in self.sessions]
+
+    @property
+    def token(self) -> int:
+        """The token the step's calls are in (tokens completed so far)."""
+        return int(self.table.info(self.handle)["token"])
+
+    def in_flight_layers(self) -> list[int]:
+        """The layers with a call in flight (claimed, not settled)."""
+        return list(self.table.info(self.handle)["in_flight"])
+
+    def claim(self, layer: int) -> int:
+        """Take ``layer`` for a call; returns the token it belongs to.
+
+        Raises:
+            CallFrameError: ``BROKEN``, ``LAYER_NOT_IN_STEP`` or ``LAYER_CALLED``
+                (called this token, or a call of it in flight), in that order.
+        """
+        return self.table.claim(self.handle, layer)
+
+    def release(self, layer: int) -> None:
+        """Give back a claim whose call was refused before it was queued."""
+        self.table.settle(self.handle, layer, 0, 0)
+
+    def settle(self, layer: int, applied: int, failed: int) -> str:
+        """A claimed call of ``layer`` is done, ``applied`` items applied and
+        ``failed`` not: ``"applied"`` (every item), ``"partial"`` (some) or
+        ``"failed"`` (none; metrics.STEP_CALL_OUTCOMES). Once every layer of the
+        token is applied the token advances; a partial call breaks the step; a
+        call that applied nothing frees its layer (a retry is safe). A step closed
+        meanwhile keeps no record (its handle is gone)."""
+        if not self.closed:
+            self.table.settle(self.handle, layer, applied, failed)
+        return "failed" if not applied else "partial" if failed else "applied"
 
     def document(self) -> dict[str, Any]:
         """The step as ``step_open`` and ``GET /v1/steps/{step}`` answer it (lengths:
@@ -147,7 +136,7 @@ class OpenStep:
             "scale": self.scale,
             "return_lse": self.return_lse,
             "out_dtype": self.out_dtype,
-            "token": self.book.token,
+            "token": self.token,
             "broken": self.failure,
             "lengths": [[s.layers[layer].length for layer in self.layers] for s in self.sessions],
         }
@@ -160,12 +149,15 @@ class OpenStep:
 
 class StepRegistry:
     """Every open step of this server, by handle; each session in at most one
-    (``Store.enter_step``), so there are at most as many open steps as sessions.
+    (``Store.enter_step``), so there are at most as many open steps as sessions
+    (``capacity``: the server's ``max_sessions``, the step table's size).
     ``on_close(reason)`` is told of each close (a metric)."""
 
-    def __init__(self, store: Store, on_close: Callable[[str], None] | None = None):
+    def __init__(self, store: Store, capacity: int, on_close: Callable[[str], None] | None = None):
         self.store = store
         self.on_close = on_close
+        self.table = StepTable(capacity)
+        self._owners: dict[Owner, int] = {}  # each tenant's number in the table (its steps' owner)
         self._steps: dict[int, OpenStep] = {}
         self._by_bound: dict[Hashable, set[int]] = {}
         self._next = 1
@@ -173,12 +165,31 @@ class StepRegistry:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def open(self, owner: Owner, sessions: list[Session], *, bound: Hashable | None, **fixed: Any) -> OpenStep:
+    def owner_id(self, owner: Owner) -> int:
+        """The tenant's number in the step table (the owner its steps are checked against)."""
+        number = self._owners.get(owner)
+        if number is None:
+            number = self._owners[owner] = len(self._owners) + 1
+        return number
+
+    def open(
+        self,
+        owner: Owner,
+        sessions: list[Session],
+        sizes: tuple[int, int, int],
+        *,
+        bound: Hashable | None,
+        **fixed: Any,
+    ) -> OpenStep:
         """A new step over ``sessions`` (distinct, the owner's, each in no step:
-        checked by the caller), with its fixed options (:class:`OpenStep`'s)."""
+        checked by the caller), with its fixed options (:class:`OpenStep`'s) and
+        its call's bytes of q, k and v (``sizes``: what a binary call's body holds)."""
         handle = self._next
         self._next += 1
-        step = OpenStep(handle, owner, sessions, bound=bound, **fixed)
+        step = OpenStep(self.table, handle, owner, sessions, bound=bound, **fixed)
+        q_bytes, k_bytes, v_bytes = sizes
+        # values are checked item by item by the stacked request (a NaN fails its item alone), not by the table
+        self.table.open(handle, self.owner_id(owner), step.layers, q_bytes, k_bytes, v_bytes, step.dtype, False)
         self.store.enter_step(sessions, handle)
         self._steps[handle] = step
         if bound is not None:
@@ -201,6 +212,7 @@ class StepRegistry:
             return
         step.closed = True
         del self._steps[step.handle]
+        self.table.close(step.handle)
         if step.bound is not None:
             mine = self._by_bound.get(step.bound)
             if mine is not None:

@@ -519,16 +519,52 @@ def test_a_step_over_http_closes_when_idle_and_its_sessions_outlive_their_ttl(en
         srv.stop()
 
 
-def test_layer_book():
-    """The per-token bookkeeping alone: a layer is claimed once, called once a
-    token, released when its call applied nothing; the token advances when every
-    layer is called; a partial call breaks the book."""
-    from attnserve.step_registry import LayerBook
+def test_step_table_bookkeeping():
+    """The registry's steps keep their per-token bookkeeping in the compiled step
+    table (the binary call frame's parser checks against the same record): a
+    layer is claimed once, called once a token, released when its call applied
+    nothing; the token advances when every layer is called; a partial call breaks
+    the step; a closed step's late settle changes nothing."""
+    from attnserve.step_registry import CallFrameError, StepRegistry
 
-    book = LayerBook([3, 1])
-    assert book.claim(3) == 0 and not book.free(3)
-    assert book.settle(3, 0, 2) == "failed" and book.free(3) and book.token == 0
-    assert book.claim(3) == 0 and book.claim(1) == 0  # two layers in flight at once
-    assert book.settle(1, 2, 0) == "applied" and not book.free(1) and book.token == 0
-    assert book.settle(3, 2, 0) == "applied" and book.token == 1 and book.free(1) and book.free(3)
-    assert book.claim(1) == 1 and book.settle(1, 1, 1) == "partial" and book.broken
+    class Members:  # the store's side of a step: who is in which
+        def __init__(self) -> None:
+            self.step_of: dict[str, int] = {}
+
+        def enter_step(self, sessions: list[Any], handle: int) -> None:
+            self.step_of.update((s.id, handle) for s in sessions)
+
+        def leave_step(self, sessions: list[Any], handle: int) -> None:
+            for s in sessions:
+                assert self.step_of.pop(s.id) == handle
+
+    class One:
+        id = "s"
+
+    store = Members()
+    sessions = [One()]
+    reg = StepRegistry(store, 4)  # type: ignore[arg-type]
+    step = reg.open(None, sessions, (32, 16, 16), bound=None, layers=[3, 1], rows=1, queries=1, dtype="<f4",
+                    causal=True, scale=None, return_lse=False, out_dtype=None)  # fmt: skip
+    assert step.claim(3) == 0
+    with pytest.raises(CallFrameError) as e:
+        step.claim(3)
+    assert e.value.status == "LAYER_CALLED" and step.in_flight_layers() == [3]
+    assert step.settle(3, 0, 1) == "failed" and step.in_flight_layers() == [] and step.token == 0
+    assert step.claim(3) == 0 and step.claim(1) == 0  # two layers in flight at once
+    with pytest.raises(CallFrameError) as e:
+        step.claim(2)
+    assert e.value.status == "LAYER_NOT_IN_STEP"
+    assert step.settle(1, 1, 0) == "applied" and step.token == 0
+    with pytest.raises(CallFrameError) as e:
+        step.claim(1)
+    assert e.value.status == "LAYER_CALLED"
+    assert step.settle(3, 1, 0) == "applied" and step.token == 1
+    assert step.claim(1) == 1 and step.settle(1, 1, 1) == "partial"
+    with pytest.raises(CallFrameError) as e:
+        step.claim(3)
+    assert e.value.status == "BROKEN"
+    assert step.in_flight_layers() == []
+    reg.close(step, "closed")
+    assert len(reg.table) == 0 and store.step_of == {}
+    assert step.settle(3, 1, 0) == "applied"  # a call in flight at the close settles without a record

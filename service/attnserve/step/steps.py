@@ -30,7 +30,7 @@ from ..contract import Fields, StepCall, StepCallArrays, StepOpen
 from ..engine import Engine
 from ..errors import ApiError, InvalidRequest, RequestTimeout, StepBroken, StepLayerCalled, StepNotFound
 from ..runtime import Runtime
-from ..step_registry import OpenStep
+from ..step_registry import CallFrameError, OpenStep
 from ..store import Owner, step_conflict
 from .answer import answer_document, count_problems
 from .parse import Parsed, attend_scale, check_count, max_elements, stacked_request
@@ -107,9 +107,12 @@ def open_step(
         conflict = step_conflict(s)
         if conflict is not None:
             raise conflict
+    itemsize = wire.DTYPES[dtype].itemsize
+    q_bytes = len(sessions) * queries * c0.num_qo_heads * c0.head_dim * itemsize
+    kv_bytes = len(sessions) * rows * c0.num_kv_heads * c0.head_dim * itemsize
     step = rt.steps.open(
-        owner, sessions, bound=bound, layers=layers, rows=rows, queries=queries, dtype=dtype, causal=causal,
-        scale=scale, return_lse=return_lse, out_dtype=out_dtype,
+        owner, sessions, (q_bytes, kv_bytes, kv_bytes), bound=bound, layers=layers, rows=rows, queries=queries,
+        dtype=dtype, causal=causal, scale=scale, return_lse=return_lse, out_dtype=out_dtype,
     )  # fmt: skip
     rt.metrics.steps_opened.inc()
     return step
@@ -183,22 +186,18 @@ def begin_call(
         f = _call_fields(doc, StepCall if target is None else StepCallArrays, what, head)
         handle, layer = (f.int("step"), f.int("layer")) if target is None else target
         step = rt.steps.get(handle, owner)
-        if step.failure is not None:
-            raise _broken(step)
-        if layer not in step.book.layers:
-            raise InvalidRequest(f"layer {layer} is not one of this step's layers {step.layers}", layers=step.layers)
-        if not step.book.free(layer):
-            raise StepLayerCalled(
-                f"layer {layer} was already called for token {step.book.token}"
-                + (" (a call of it is in flight)" if layer in step.book.claimed else "")
-                + "; call the step's other layers first",
-                token=step.book.token,
-            )
-        parsed = _request(rt, step, layer, f)
+        try:
+            token = step.claim(layer)
+        except CallFrameError as e:
+            raise _claim_problem(step, layer, e) from None
+        try:
+            parsed = _request(rt, step, layer, f)
+        except BaseException:
+            step.release(layer)
+            raise
     except ApiError:
         rt.metrics.step_calls_by["refused"].inc()
         raise
-    token = step.book.claim(layer)
     step.in_flight += 1
     step.last_used = time.monotonic()
     try:
@@ -222,6 +221,22 @@ async def finish_call(rt: Runtime, call: Call, kind: MediaKind, instance: str) -
     doc = answer_document(outcome, kind, instance)
     doc["token"] = call.token
     return doc
+
+
+def _claim_problem(step: OpenStep, layer: int, e: CallFrameError) -> ApiError:
+    """The problem of a layer the step table would not claim (``e.status``)."""
+    if e.status == "BROKEN":
+        return _broken(step)
+    if e.status == "LAYER_NOT_IN_STEP":
+        return InvalidRequest(f"layer {layer} is not one of this step's layers {step.layers}", layers=step.layers)
+    assert e.status == "LAYER_CALLED", e.status
+    token = step.token
+    return StepLayerCalled(
+        f"layer {layer} was already called for token {token}"
+        + (" (a call of it is in flight)" if layer in step.in_flight_layers() else "")
+        + "; call the step's other layers first",
+        token=token,
+    )
 
 
 def _broken(step: OpenStep) -> StepBroken:
@@ -314,7 +329,7 @@ def _settle(
     """A call of ``layer`` (claimed at ``token``) is done: ``applied`` items applied,
     ``problems`` those that were not (by item)."""
     failed = len(step.sessions) - applied
-    outcome = step.book.settle(layer, applied, failed)
+    outcome = step.settle(layer, applied, failed)
     step.in_flight -= 1
     step.last_used = time.monotonic()
     rt.metrics.step_calls_by[outcome].inc()
