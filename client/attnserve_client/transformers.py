@@ -16,12 +16,13 @@ under the name ``"attnserve"`` (transformers' ``AttentionInterface`` and
 that holds one attnserve session per sequence of the batch, made on the first
 forward pass. Each layer's ``update`` hands its new K/V rows to the attention
 function that runs right after it, which sends them with the queries as one
-fused append + attend for the whole batch over the cache's stream: a stacked step
-when every sequence adds the same rows (decoding, or prompts without padding),
-else one item per sequence carrying only its real rows, so padding never reaches
-the server. Long prompts go in chunks (``max_chunk_bytes`` a request: whole
-sequences while one fits, else runs of one sequence's rows), pipelined on the
-stream. Beam search and ``num_return_sequences`` reorder and copy sequences with
+fused append + attend for the whole batch over the cache's stream: a layer call of
+a step the cache holds open over the batch when every sequence adds the same rows
+(decoding, or prompts without padding; a step for the prefill, then one for
+decoding), else one item per sequence carrying only its real rows, so padding
+never reaches the server. Long prompts go in chunks (``max_chunk_bytes`` a
+request: whole sequences while one fits, else runs of one sequence's rows),
+pipelined on the stream. Beam search and ``num_return_sequences`` reorder and copy sequences with
 forks. See ``docs/transformers.md``.
 
 :func:`generate_overlapped` (``_micro_batches.py``) is a greedy loop of its own for
@@ -49,7 +50,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import tensors
+from . import tensors, wire
+from ._step_handles import StreamStep
 from ._steps import AttendItem, BatchError
 
 __all__ = [
@@ -167,6 +169,9 @@ class AttnServeCache(Cache):
         self.sessions: list[Any] = []
         self.stats = {"calls": 0, "seconds": 0.0, "server_seconds": 0.0, "overlapped_seconds": 0.0}
         self._broken: str | None = None
+        # the steps open on the stream, by the sequences they hold ([start, stop) of
+        # the batch), with what they fixed: (rows a call, dtype, scale, causal)
+        self._steps: dict[tuple[int, int], tuple[StreamStep, tuple[Any, ...]]] = {}
 
     # -- transformers' Cache ------------------------------------------------------
 
@@ -197,10 +202,12 @@ class AttnServeCache(Cache):
         """Forget every sequence (their sessions are deleted unless ``keep_sessions``);
         the cache is fresh afterwards even when a deletion fails (that error is raised)."""
         try:
+            self._close_steps()
             if not self.keep_sessions:
                 self._delete(self.sessions)
         finally:
             self.sessions = []
+            self._steps = {}
             self._broken = None
             super().reset()
 
@@ -228,6 +235,9 @@ class AttnServeCache(Cache):
             return  # nothing sent yet: the sessions are made for the batch that comes
         if any(not 0 <= j < len(self.sessions) for j in idx):
             raise IndexError(f"batch indices {idx} out of range for a batch of {len(self.sessions)}")
+        if idx == list(range(len(self.sessions))):
+            return  # the batch as it is: its steps stay open
+        self._close_steps()  # the steps' batches change (and a session in a step cannot be deleted)
         first: set[int] = set()
         chosen = []
         for j in idx:
@@ -255,13 +265,47 @@ class AttnServeCache(Cache):
         self.sessions = made
 
     def close(self) -> None:
-        """Delete the sessions (unless ``keep_sessions``) and close the stream."""
+        """Close the steps, delete the sessions (unless ``keep_sessions``) and close the stream."""
         try:
+            self._close_steps()
             if not self.keep_sessions:
                 self._delete(self.sessions)
         finally:
             self.sessions = []
+            self._steps = {}
             self.stream.close()
+
+    # -- steps ----------------------------------------------------------------------
+
+    def _close_steps(self, start: int = 0, stop: int | None = None) -> None:
+        """Close the open steps that hold any of the sequences ``[start, stop)`` (all
+        by default); every one is closed before the first error is raised."""
+        stop = len(self.sessions) if stop is None else stop
+        failed: BaseException | None = None
+        for key in [key for key in self._steps if key[0] < stop and start < key[1]]:
+            step, _ = self._steps.pop(key)
+            try:
+                step.close()
+            except Exception as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+    def _step(self, start: int, stop: int, rows: int, fixed: tuple[Any, ...]) -> StreamStep:
+        """The step over the sequences ``[start, stop)`` whose calls append ``rows``
+        rows each with these options (``fixed``: dtype, scale, causal): the open one,
+        or a new one, the steps over any of those sequences closed first (the rows
+        a call, the sequences or the options changed: prefill, then decoding)."""
+        held = self._steps.get((start, stop))
+        if held is not None and held[1] == (rows, *fixed):
+            return held[0]
+        self._close_steps(start, stop)
+        dtype, scale, causal = fixed
+        step: StreamStep = self.stream.open_step(
+            self.sessions[start:stop], rows=rows, dtype=dtype, scale=scale, causal=causal
+        )
+        self._steps[start, stop] = (step, (rows, *fixed))
+        return step
 
     def __enter__(self) -> AttnServeCache:
         return self
@@ -324,6 +368,7 @@ class AttnServeCache(Cache):
         kv_heads = key.shape[1]
         with self._out_of_step_on_failure():
             sessions = self.sessions[rows]
+            first = rows.indices(len(self.sessions))[0]  # of the batch: the steps are by the batch's sequences
             if batch != len(sessions):
                 raise ValueError(f"a batch of {batch} sequences for {len(sessions)} sessions of the cache")
             # [B, n, H, d] on the host, in the model's dtype (bfloat16, float16 and
@@ -335,8 +380,9 @@ class AttnServeCache(Cache):
             chunk_rows = max(1, self.max_chunk_bytes // row_bytes)
             call = _InFlight(layer, query, np.zeros((batch, n, heads, d), q.dtype))  # zero bits: 0.0 in every dtype
             if real is None or real.all():
-                self._stacked(call, sessions, q, k, v, chunk_rows, scale, causal)
+                self._stacked(call, first, sessions, q, k, v, chunk_rows, scale, causal)
             else:
+                self._close_steps(first, first + batch)
                 self._items(call, sessions, q, k, v, real, chunk_rows, scale, causal)
         call.sent_at = time.perf_counter()
         call.host_seconds = call.sent_at - started
@@ -368,21 +414,30 @@ class AttnServeCache(Cache):
         return np.array([s.lengths[layer] for s in sessions], np.int64)
 
     def _stacked(
-        self, call: _InFlight, sessions: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray, rows: int,
-        scale: float | None, causal: bool,
+        self, call: _InFlight, first: int, sessions: list[Any], q: np.ndarray, k: np.ndarray, v: np.ndarray,
+        rows: int, scale: float | None, causal: bool,
     ) -> None:  # fmt: skip
-        """Every sequence adds all its n rows: stacked steps of at most ``rows`` rows
-        of the whole batch's worth of bytes each. Each step takes whole sequences
-        (a run of them, all their rows) while one sequence's rows fit, else one
-        sequence's rows in runs: either way a step's arrays are contiguous runs of
-        ``q``, ``k``, ``v`` ([B, n, heads, d]), sent without a copy."""
+        """Every sequence adds all its n rows: stacked calls of at most ``rows`` rows
+        of the whole batch's worth of bytes each. Each call takes whole sequences
+        (a run of them, all their rows) while one sequence's rows fit: a layer call
+        of the step over that run (opened at its first layer, kept while its rows a
+        call stay the same: every layer of the prefill, then of every decoding
+        token); else one sequence's rows in runs, stacked attends with their offsets
+        (a layer would be called more than once a token: no step). Either way a
+        call's arrays are contiguous runs of ``q``, ``k``, ``v`` ([B, n, heads, d]),
+        sent without a copy. ``first``: the batch's index of ``sessions[0]``."""
         batch, n = q.shape[:2]
-        base = self._held(sessions, call.layer)
-        per_step = rows * batch // n  # whole sequences a step holds
+        per_step = rows * batch // n  # whole sequences a call holds
         if per_step >= 1:
-            parts = [(slice(b, b + per_step), slice(0, n)) for b in range(0, batch, per_step)]
-        else:
-            parts = [(slice(b, b + 1), slice(c, c + rows)) for b in range(batch) for c in range(0, n, rows)]
+            fixed = (wire.dtype_name(q), scale, causal)
+            for b in range(0, batch, per_step):
+                seqs = slice(b, min(b + per_step, batch))
+                step = self._step(first + seqs.start, first + seqs.stop, n, fixed)
+                call.add_chunk((seqs, slice(0, n)), step.submit_call(call.layer, q[seqs], k[seqs], v[seqs]))
+            return
+        self._close_steps(first, first + batch)
+        base = self._held(sessions, call.layer)
+        parts = [(slice(b, b + 1), slice(c, c + rows)) for b in range(batch) for c in range(0, n, rows)]
         for seqs, chunk in parts:
             call.add_chunk((seqs, chunk), self.stream.submit_attend_stacked(
                 sessions[seqs], call.layer, q[seqs, chunk], k[seqs, chunk], v[seqs, chunk],

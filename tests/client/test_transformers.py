@@ -168,6 +168,33 @@ def test_long_prompts_go_in_chunks(client):
     assert_same_generation(ref, got)
 
 
+def test_the_cache_calls_its_layers_through_steps(client, monkeypatch):
+    """A step for the prefill's forward pass (rows: the prompt's), one for decoding
+    (rows 1) kept token after token, each closed when the rows change or the cache
+    closes; a padded prefill goes as items (no step); each micro-batch has its own."""
+    model = small_model("llama")
+    opened, closed = [], []
+    open_step, close = ac.Stream.open_step, ac.StreamStep.close
+
+    def spy_open(self, sessions, **kw):
+        opened.append((len(sessions), kw["rows"]))
+        return open_step(self, sessions, **kw)
+
+    monkeypatch.setattr(ac.Stream, "open_step", spy_open)
+    monkeypatch.setattr(ac.StreamStep, "close", lambda self: closed.append(self.rows) or close(self))
+    ref, got, _ = generate(model, padded_ids([6, 6]), client, max_new_tokens=5, **KW)
+    assert_same_generation(ref, got)
+    assert opened == [(2, 6), (2, 1)] and closed == [6, 1]
+    for lengths, want in (([7, 3], [(2, 1)]), ([5, 9], [(2, 1)])):  # padding: the prefill's items, no step
+        opened.clear()
+        ref, got, _ = generate(model, padded_ids(lengths), client, max_new_tokens=5, **KW)
+        assert_same_generation(ref, got)
+        assert opened == want
+    opened.clear()
+    overlapped(model, padded_ids([6, 6]), client, max_new_tokens=3, min_new_tokens=3)
+    assert sorted(opened) == [(1, 1), (1, 1), (1, 6), (1, 6)]
+
+
 def test_beam_search_reorders_with_forks(client):
     model = small_model("llama")
     kw = dict(KW, num_beams=3, num_return_sequences=2, output_scores=True)
