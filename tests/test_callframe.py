@@ -446,3 +446,16 @@ def test_zz_every_status_reached():
     if len(reached) < len(STATUSES):
         pytest.skip("run with the whole file")
     assert reached == STATUSES
+
+
+def test_the_clients_heads_are_the_parsers():
+    """The client builds call frames and reads call replies with its own structs
+    (attnserve_client.framing, pure Python): they agree with this module's heads."""
+    from attnserve_client import framing
+
+    assert framing.CALL_HEAD.size == cf.HEAD_BYTES and framing.REPLY_HEAD.size == cf.REPLY_HEAD_BYTES
+    for step, layer, seq, n in ((1, 0, 1, 0), (7, 3, 99, 1234), (2**32 - 1, 4095, 2**32 - 1, 2**31)):
+        head = framing.CALL_HEAD.pack(framing.CALL_MAGIC, step, layer, seq, n)
+        assert head == cf.call_head(step, layer, seq, n)
+        assert cf.parse_head(head, 2**32 - 1) == (step, layer, seq, n)
+        assert framing.REPLY_HEAD.pack(framing.REPLY_MAGIC, seq, 200, n) == cf.reply_head(seq, 200, n)

@@ -13,6 +13,7 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
 from websockets.client import ClientProtocol
 from websockets.frames import Opcode
 from websockets.protocol import State
@@ -190,10 +191,30 @@ class RawFrames(RawPeer):
     def _encode(self, doc: dict[str, Any]) -> bytes:
         return b"".join(bytes(b) for b in framing.frame_buffers(doc, wire.packb))
 
+    def call_frame(self, step: int, layer: int, seq: int, arrays: list[np.ndarray]) -> bytes:
+        """A call frame (docs/api.md, "Call frames: a step's layer call with no
+        MessagePack"): the arrays' bytes back to back."""
+        body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+        return framing.CALL_HEAD.pack(framing.CALL_MAGIC, step, layer, seq, len(body)) + body
+
     def _received(self, data: bytes) -> list[dict[str, Any]]:
+        """The whole frames in what was received so far: each reply document, and
+        each call reply as ``{"id": seq, "status", "call_reply": its body}``."""
         self._buf += data
-        docs = []
+        docs: list[dict[str, Any]] = []
         while len(self._buf) >= framing.PREFIX.size:
+            if self._buf[:4] == framing.REPLY_MAGIC:
+                if len(self._buf) < framing.REPLY_HEAD.size:
+                    break
+                _, seq, status, body_len = framing.REPLY_HEAD.unpack(self._buf[: framing.REPLY_HEAD.size])
+                end = framing.REPLY_HEAD.size + body_len
+                if len(self._buf) < end:
+                    break
+                docs.append(
+                    {"id": seq, "status": status, "call_reply": bytes(self._buf[framing.REPLY_HEAD.size : end])}
+                )
+                del self._buf[:end]
+                continue
             head_len, body_len = framing.read_prefix(self._buf[: framing.PREFIX.size])
             end = framing.PREFIX.size + head_len + body_len
             if len(self._buf) < end:

@@ -377,6 +377,7 @@ class _ShmChannel(_FrameChannel):
     frames' channel (its closing), connected and greeted by :func:`_connect`."""
 
     what = "shm"
+    call_frames = False  # a step's layer calls go as documents: their arrays are in the region
 
     def __init__(self, target: ShmTarget, open_timeout: float | None):  # (not the TCP connect of the frames')
         self.region = _Region(target.region_bytes, target.copy_outputs)
@@ -505,6 +506,7 @@ class _AsyncShmChannel(_AsyncFrameChannel):
     its arrays in the region."""
 
     what = "shm"
+    call_frames = False  # as _ShmChannel's
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, region: _Region):
         super().__init__(reader, writer)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from ._steps import StepState
+from ._steps import StepState, call_arrays
 from .errors import APIConnectionError, StepNotFound
 
 if TYPE_CHECKING:  # annotations only
@@ -183,6 +183,10 @@ class StreamStep(_StepHandle):
         the answer. The arrays may be reused once this returns (their bytes are sent)."""
         step, members = self._state.call(layer, q, k, v)
         state = self._state
+        if self._link.call_frames:
+            return self._link.submit_call(
+                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d)
+            )
         return self._link.submit("step_call", _call_members(state, layer, members), lambda d: state.finish(step, d))
 
     def call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Any:
@@ -220,6 +224,10 @@ class AsyncStreamStep(_StepHandle):
         """See :meth:`Step.call`."""
         step, members = self._state.call(layer, q, k, v)
         state = self._state
+        if self._link.call_frames:
+            return await self._link.call_frame(
+                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d)
+            )
         return await self._link.call("step_call", _call_members(state, layer, members), lambda d: state.finish(step, d))
 
     async def close(self) -> None:

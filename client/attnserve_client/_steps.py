@@ -607,6 +607,12 @@ def _config_of(session: Any) -> tuple[int, int, int] | None:
     return shape if all(type(x) is int for x in shape) else None  # type: ignore[return-value]
 
 
+def call_arrays(members: Mapping[str, Any]) -> list[memoryview]:
+    """The bytes of a layer call's encoded arrays, q then k and v (a call frame's
+    body), as they are: no copy."""
+    return [memoryview(members[name]["data"]).cast("B") for name in ("q", "k", "v") if name in members]
+
+
 class StepState:
     """An open step as the client holds it: what its opening fixed, the token it is
     at and the layers called in it (kept from the answers, as the server keeps them),
@@ -642,6 +648,13 @@ class StepState:
         self.return_lse = bool(sent.get("return_lse", False))
         self.out_dtype: str | None = sent.get("out_dtype")
         self.lengths = doc.get("lengths")
+        # each layer's sessions' lengths, as the answers leave them (a call reply
+        # carries none: its every item appended ``rows``)
+        self._layer_lengths: dict[int, list[int]] | None = None
+        if isinstance(self.lengths, list) and len(self.lengths) == len(self.session_ids):
+            per_session = [x for x in self.lengths if isinstance(x, list) and len(x) == len(self.layers)]
+            if len(per_session) == len(self.lengths) and all(type(n) is int for x in per_session for n in x):
+                self._layer_lengths = {layer: [x[j] for x in per_session] for j, layer in enumerate(self.layers)}
         configs = {_config_of(s) for s in sessions}
         self.shape = configs.pop() if len(configs) == 1 else None  # (heads, kv heads, head dim) when known
         self.token = token
@@ -712,6 +725,9 @@ class StepState:
         after its bookkeeping: a call that applied to any item marks its layer called
         (one that failed for some items breaks the step, as the server counts it), and
         the token advances once every layer of the step has been called."""
+        if isinstance(doc, Mapping) and "call_reply" in doc:
+            doc = self._call_reply_document(step, doc["call_reply"])
+        self._track_lengths(step.layer, doc)
         errors = doc.get("errors") if isinstance(doc, Mapping) else None
         failed = len({e.get("item") for e in errors if isinstance(e, Mapping)}) if isinstance(errors, list) else 0
         token = doc.get("token") if isinstance(doc, Mapping) else None
@@ -727,6 +743,40 @@ class StepState:
                     self.token += 1
                     self.called = set()
         return step.result(doc)
+
+    def _track_lengths(self, layer: int, doc: Any) -> None:
+        """Keep each session's length of ``layer`` from an answer's ``lengths``."""
+        lengths = doc.get("lengths") if isinstance(doc, Mapping) else None
+        with self._lock:
+            held = None if self._layer_lengths is None else self._layer_lengths.get(layer)
+            if held is None or not isinstance(lengths, list) or len(lengths) != len(held):
+                return
+            for i, n in enumerate(lengths):
+                if type(n) is int:
+                    held[i] = n
+
+    def _call_reply_document(self, step: StackedStep, body: memoryview) -> dict[str, Any]:
+        """The answer document a call reply stands for: every item applied, ``out``
+        (and ``lse``) the reply's bytes, in the shapes the call's q gave."""
+        qa = step.host["q"]
+        assert qa is not None
+        b = len(self.session_ids)
+        shape = [b, self.queries, *qa.shape[-2:]]
+        n_out = int(np.prod(shape)) * wire.DTYPES[step.answered_in].itemsize
+        want = n_out + (int(np.prod(shape[:3])) * 4 if self.return_lse else 0)
+        if body.nbytes != want:
+            raise InvalidResponse(f"step call: a call reply of {body.nbytes} bytes, expected {want}")
+        with self._lock:
+            held = None if self._layer_lengths is None else self._layer_lengths.get(step.layer)
+            lengths: list[int | None] = [None] * b if held is None else [n + self.rows for n in held]
+        doc: dict[str, Any] = {
+            "out": {"dtype": step.answered_in, "shape": shape, "data": body[:n_out]},
+            "lengths": lengths,
+            "errors": [],
+        }
+        if self.return_lse:
+            doc["lse"] = {"dtype": wire.DTYPE, "shape": shape[:3], "data": body[n_out:]}
+        return doc
 
     def update(self, doc: Any) -> dict[str, Any]:
         """Take the token of ``GET /v1/steps/{step}``'s answer; the answer itself."""

@@ -76,6 +76,14 @@ def _ws_url(base_url: str) -> str:
     raise InvalidInput(f"base_url: expected http:// or https://, got {base_url!r}")
 
 
+def call_reply(seq: int, status: int, body: memoryview) -> dict[str, Any]:
+    """A call reply as a reply document: its result ``{"call_reply": body}``
+    (``StepState.finish`` reads the arrays from it)."""
+    if status != 200:
+        raise InvalidResponse(f"frames: a call reply of status {status} (only 200 comes as one)")
+    return {"id": seq, "status": 200, "result": {"call_reply": body}}
+
+
 def _reply(doc: Any) -> tuple[Any, Any]:
     """``(id, result doc or APIError)`` of one decoded reply."""
     if not isinstance(doc, Mapping) or type(doc.get("status")) is not int:
@@ -106,6 +114,7 @@ class _WebSocketChannel:
     """``/v1/stream``: one MessagePack document per binary WebSocket message."""
 
     what = "stream"
+    call_frames = False  # a step's layer calls go as documents
 
     def __init__(self, base_url: str, headers: Mapping[str, str], open_timeout: float | None):
         from websockets.sync.client import connect
@@ -147,6 +156,10 @@ class _FrameChannel:
     caller's memory (``sendmsg``) and answers are views of the received frame."""
 
     what = "frames"
+    #: a step's layer calls go as call frames (framing.CALL_HEAD: no MessagePack),
+    #: answered by call replies; the shared-memory channel, a subclass, sends
+    #: documents instead (their arrays are in the region already)
+    call_frames = True
 
     def __init__(self, address: tuple[str, int], key: str | None, open_timeout: float | None):
         host, port = address
@@ -173,11 +186,22 @@ class _FrameChannel:
     def send(self, doc: dict[str, Any]) -> None:
         _send_all(self._sock, framing.frame_buffers(doc, wire.packb))
 
+    def send_call(self, step: int, layer: int, seq: int, arrays: list[memoryview]) -> None:
+        """A call frame: its head, then the arrays' bytes as they are (``sendmsg``)."""
+        body_len = sum(a.nbytes for a in arrays)
+        _send_all(self._sock, [framing.CALL_HEAD.pack(framing.CALL_MAGIC, step, layer, seq, body_len), *arrays])
+
     def receive(self) -> Any:
-        prefix = bytearray(framing.PREFIX.size)
-        if not _recv_exactly(self._sock, memoryview(prefix), eof_ok=True):
+        prefix = bytearray(framing.REPLY_HEAD.size)
+        if not _recv_exactly(self._sock, memoryview(prefix)[: framing.PREFIX.size], eof_ok=True):
             return None
-        head_len, body_len = _frame_lengths(prefix)
+        if prefix[:4] == framing.REPLY_MAGIC:  # a call reply: its arrays' bytes, as the step's call expects them
+            _recv_exactly(self._sock, memoryview(prefix)[framing.PREFIX.size :])
+            _, seq, status, body_len = framing.REPLY_HEAD.unpack(prefix)
+            body = memoryview(bytearray(body_len))
+            _recv_exactly(self._sock, body)
+            return call_reply(seq, status, body)
+        head_len, body_len = _frame_lengths(prefix[: framing.PREFIX.size])
         view = memoryview(bytearray(head_len + body_len))
         _recv_exactly(self._sock, view)
         return _frame_document(view, head_len)
@@ -345,6 +369,26 @@ class _Link:
                 self._pending.pop(rid, None)
                 raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return fut
+
+    def submit_call(self, step: int, layer: int, arrays: list[memoryview], finish: Any) -> Future[Any]:
+        """Send a step's layer call as a call frame (its channel has ``call_frames``)."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            seq = next(self._ids)
+            self._pending[seq] = (fut, finish)
+            try:
+                self._channel.send_call(step, layer, seq, arrays)  # type: ignore[union-attr]  # a frame channel
+            except Exception as exc:
+                self._pending.pop(seq, None)
+                raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
+        return fut
+
+    @property
+    def call_frames(self) -> bool:
+        """Whether a step's layer calls go as call frames on this connection."""
+        return bool(self._channel.call_frames)
 
     def close(self) -> None:
         """Close the connection (after the replies of what is in flight)."""
@@ -531,6 +575,7 @@ class _AsyncWebSocketChannel:
     """:class:`_WebSocketChannel` for asyncio."""
 
     what = "stream"
+    call_frames = False
 
     def __init__(self, ws: Any):
         self._ws = ws
@@ -575,6 +620,7 @@ class _AsyncFrameChannel:
     """:class:`_FrameChannel` for asyncio."""
 
     what = "frames"
+    call_frames = True  # as _FrameChannel's
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
@@ -605,6 +651,12 @@ class _AsyncFrameChannel:
         self._writer.writelines(framing.frame_buffers(doc, wire.packb))
         await self._writer.drain()
 
+    async def send_call(self, step: int, layer: int, seq: int, arrays: list[memoryview]) -> None:
+        """A call frame (:meth:`_FrameChannel.send_call`)."""
+        body_len = sum(a.nbytes for a in arrays)
+        self._writer.writelines([framing.CALL_HEAD.pack(framing.CALL_MAGIC, step, layer, seq, body_len), *arrays])
+        await self._writer.drain()
+
     async def receive(self) -> Any:
         try:
             prefix = await self._reader.readexactly(framing.PREFIX.size)
@@ -612,6 +664,10 @@ class _AsyncFrameChannel:
             if not exc.partial:
                 return None
             raise
+        if prefix[:4] == framing.REPLY_MAGIC:  # a call reply (_FrameChannel.receive)
+            prefix += await self._reader.readexactly(framing.REPLY_HEAD.size - framing.PREFIX.size)
+            _, seq, status, body_len = framing.REPLY_HEAD.unpack(prefix)
+            return call_reply(seq, status, memoryview(await self._reader.readexactly(body_len)))
         head_len, body_len = _frame_lengths(prefix)
         return _frame_document(memoryview(await self._reader.readexactly(head_len + body_len)), head_len)
 
@@ -655,6 +711,25 @@ class _AsyncLink:
         for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(self._closed)
+
+    async def call_frame(self, step: int, layer: int, arrays: list[memoryview], finish: Any) -> Any:
+        """A step's layer call as a call frame (its channel has ``call_frames``)."""
+        if self._closed is not None:
+            raise self._closed
+        seq = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[seq] = (fut, finish)
+        try:
+            await self._channel.send_call(step, layer, seq, arrays)  # type: ignore[union-attr]  # a frame channel
+        except Exception as exc:
+            self._pending.pop(seq, None)
+            raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
+        return await fut
+
+    @property
+    def call_frames(self) -> bool:
+        """Whether a step's layer calls go as call frames on this connection."""
+        return bool(self._channel.call_frames)
 
     async def call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
         if self._closed is not None:

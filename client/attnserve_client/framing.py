@@ -17,6 +17,16 @@ inline wire map (``data`` as ``bin``). The first frame of a connection is
 ``{"op": "hello", "id", "version": 1, "key"?}``, answered with the server's
 limits or with a problem that closes the connection.
 
+A layer call of an open step may instead travel as a *call frame*, with no
+MessagePack at all (docs/api.md, "Call frames: a step's layer call with no MessagePack")::
+
+    b"ATC1" | u32 step | u32 layer | u32 seq | u32 body_len | q | k | v
+
+(the arrays' bytes back to back in the step's dtype and shapes), answered, when
+every item applied, by a *call reply* ``b"ATR1" | u32 seq | u32 status (200) |
+u32 body_len | out | lse`` (lse only with the step's ``return_lse``), and
+otherwise by an ordinary reply frame whose document's ``id`` is ``seq``.
+
 The shared-memory transport (:mod:`attnserve_client.shm`) speaks the same frames
 over a Unix socket, and its arrays may also refer to a range of the region both
 sides map: ``{"dtype", "shape", "shm": [offset, nbytes]}``.
@@ -29,11 +39,21 @@ from typing import Any
 
 from .wire import WireError
 
-__all__ = ["MAGIC", "PREFIX", "VERSION", "MAX_HEAD_BYTES", "frame_buffers", "read_prefix", "resolve_arrays"]
+__all__ = [
+    "MAGIC", "PREFIX", "CALL_MAGIC", "CALL_HEAD", "REPLY_MAGIC", "REPLY_HEAD", "VERSION", "MAX_HEAD_BYTES",
+    "frame_buffers", "read_prefix", "resolve_arrays",
+]  # fmt: skip
 
 MAGIC = b"ATF1"
 #: magic, head length, body length
 PREFIX = struct.Struct("<4sII")
+#: A call frame's head: magic, step, layer, seq, body length (the server's parser:
+#: attnserve/plane/callframe.c, whose constants tests/test_callframe.py checks against these)
+CALL_MAGIC = b"ATC1"
+CALL_HEAD = struct.Struct("<4sIIII")
+#: A call reply's head: magic, seq, status, body length
+REPLY_MAGIC = b"ATR1"
+REPLY_HEAD = struct.Struct("<4sIII")
 #: The protocol version a hello names.
 VERSION = 1
 #: Most bytes of one frame's head (its arrays travel in the body).

@@ -435,3 +435,33 @@ def test_the_engine_example_decodes_through_a_step(server, capsys, transport):
     assert example.main(args) == 0
     out = capsys.readouterr().out
     assert "decoding through an open step" in out and "cache lengths [10, 7, 4]" in out and out.rstrip().endswith("ok")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_frames_send_layer_calls_as_call_frames(server, ref, mode, monkeypatch):
+    """Over the frame transport a step's layer calls go as call frames (no
+    MessagePack document is sent for them) and their call replies give what the
+    documents' answers give; the sessions' tracked lengths follow."""
+    sent_ops: list[str] = []
+    for channel in (ac._streams._FrameChannel, ac._streams._AsyncFrameChannel):
+        original = channel.send
+
+        def spy(self: Any, doc: dict[str, Any], _original: Any = original) -> Any:
+            sent_ops.append(doc.get("op"))
+            return _original(self, doc)
+
+        monkeypatch.setattr(channel, "send", spy)
+    steps = Steps(server.url, "frames", mode)
+    a, twins = make(ref), make(ref)
+    try:
+        with steps.open(a, rows=1, return_lse=True) as step:
+            for _ in range(2):
+                for layer in range(LAYERS):
+                    q, k, v = rand(B, 1, H, D), rand(B, 1, KV, D), rand(B, 1, KV, D)
+                    same(step.call(layer, q, k, v), ref.attend_stacked(twins, layer, q, k, v, return_lse=True))
+            assert step.token == 2
+        assert "step_call" not in sent_ops and "step_open" in sent_ops
+        assert [s.lengths for s in a] == [(2, 2)] * B
+    finally:
+        steps.close()
+        drop(ref, a, twins)

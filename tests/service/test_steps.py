@@ -189,6 +189,101 @@ def test_a_step_answers_as_the_stacked_form_on_twins(srv, api, rng, transport, d
             api.delete(s)
 
 
+# ── call frames: a layer call with no MessagePack ───────────────────────────
+
+
+def _call_reply(reply: dict[str, Any], shapes: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:
+    """A call reply's arrays (``shapes``: each one's shape and dtype, in order)."""
+    assert reply["status"] == 200 and "call_reply" in reply, reply
+    body, at, out = reply["call_reply"], 0, []
+    for shape, dtype in shapes:
+        n = int(np.prod(shape)) * wire.DTYPES[dtype].itemsize
+        out.append(np.frombuffer(body, wire.DTYPES[dtype], int(np.prod(shape)), at).reshape(shape))
+        at += n
+    assert at == len(body)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "bfloat16"])
+def test_call_frames_answer_as_the_stacked_form_on_twins(srv, api, rng, dtype):
+    """The same steps as above sent as call frames (the arrays' bytes after a
+    20-byte head): every call answered by a call reply whose out and lse are
+    bit-identical to the stacked form's on twin sessions; the sessions end
+    where the twins do."""
+    b = 3
+    mine, twins = _sessions(api, b), _sessions(api, b)
+    half = dtype == "bfloat16"
+
+    def arrays(n: int, heads: int) -> np.ndarray:
+        a = rng.standard_normal((b, n, heads, D)).astype(np.float32)
+        return bf16_nearest(a) if half else a
+
+    peer = Peer(srv, "frames")
+    try:
+        seq = 1000
+        for rows_, tokens, lse in ((5, 1, True), (1, 3, True), (1, 2, False)):
+            step = peer.open(mine, rows=rows_, dtype=dtype, return_lse=lse)
+            for token in range(tokens):
+                for layer in (0, 1):
+                    q, k, v = arrays(rows_, H), arrays(rows_, HKV), arrays(rows_, HKV)
+                    seq += 1
+                    frame = peer.raw.call_frame(step["step"], layer, seq, [q, k, v])
+                    reply = peer.raw.read_replies(1, memoryview(b""), [frame])[seq]
+                    want = _stacked(api, twins, layer, q, k, v, return_lse=lse)
+                    shapes = [((b, rows_, H, D), dtype)] + ([((b, rows_, H), "<f4")] if lse else [])
+                    got = _call_reply(reply, shapes)
+                    assert got[0].tobytes() == np.asarray(want["out"]).tobytes()
+                    if lse:
+                        assert got[1].tobytes() == np.asarray(want["lse"]).tobytes()
+            status, info = peer.op({"op": "step_close", "step": step["step"]})
+            assert status == 200
+        assert _lengths(api, mine) == _lengths(api, twins)
+    finally:
+        peer.close()
+        for s in mine + twins:
+            api.delete(s)
+
+
+def test_a_call_frame_the_step_refuses_is_answered_with_its_problem(srv, api, rng):
+    """A call frame that fails a check is answered by an ordinary reply frame
+    whose id is its seq, with the problem a document's call gets (the body's
+    length, the layer, called this token, another step's handle), and changes
+    nothing; a NaN in one item's q fails that item alone (the call's answer
+    document, with its errors) and breaks the step, as a document's call does."""
+    b = 2
+    ids = _sessions(api, b)
+    peer = Peer(srv, "frames")
+    try:
+        step = peer.open(ids, rows=1)
+        s = step["step"]
+        q, k, v = rows(rng, b, H, D)[:, None], rows(rng, b, HKV, D)[:, None], rows(rng, b, HKV, D)[:, None]
+
+        def send(frame: bytes, seq: int) -> dict[str, Any]:
+            return peer.raw.read_replies(1, memoryview(b""), [frame])[seq]
+
+        r = send(peer.raw.call_frame(s, 0, 1, [q, k]), 1)  # v missing: the body is short
+        assert r["status"] == 422 and "expected" in r["error"]["detail"], r
+        r = send(peer.raw.call_frame(s, 5, 2, [q, k, v]), 2)
+        assert r["status"] == 422 and "not one of this step's layers" in r["error"]["detail"], r
+        r = send(peer.raw.call_frame(s + 1000, 0, 3, [q, k, v]), 3)
+        assert r["status"] == 404 and r["error"]["type"] == "/problems/step-not-found", r
+        assert _lengths(api, ids) == [[0, 0]] * b  # nothing changed
+        assert "call_reply" in send(peer.raw.call_frame(s, 0, 4, [q, k, v]), 4)
+        r = send(peer.raw.call_frame(s, 0, 5, [q, k, v]), 5)
+        assert r["status"] == 409 and r["error"]["type"] == "/problems/step-layer-called", r
+        bad = q.copy()
+        bad[1, 0, 0, 0] = np.nan
+        r = send(peer.raw.call_frame(s, 1, 6, [bad, k, v]), 6)
+        assert r["status"] == 200 and [e["item"] for e in r["result"]["errors"]] == [1], r
+        assert r["result"]["lengths"][0] == 1 and r["result"]["lengths"][1] is None
+        r = send(peer.raw.call_frame(s, 0, 7, [q, k, v]), 7)
+        assert r["status"] == 409 and r["error"]["type"] == "/problems/step-broken", r
+    finally:
+        peer.close()
+        for sid in ids:
+            api.delete(sid)
+
+
 # ── the rules of a session in a step ────────────────────────────────────────
 
 

@@ -20,7 +20,7 @@ from ..errors import ApiError
 from ..runtime import Runtime
 from .plan import Outcome
 
-__all__ = ["answer_document", "encode_answer", "count_problems"]
+__all__ = ["answer_document", "encode_answer", "count_problems", "whole_arrays"]
 
 
 def answer_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[str, Any]:
@@ -81,11 +81,26 @@ def _problem(err: ApiError, i: int, instance: str) -> dict[str, Any]:
     return err.problem(instance) | {"item": i}
 
 
+def whole_arrays(outcome: Outcome) -> tuple[np.ndarray, np.ndarray] | None:
+    """A stacked request's ``out`` and ``lse`` as the GPU gave them back
+    (``[B, n, H, d]``, ``[B, n, H]``), when it ran as one step of every item in
+    order and every item applied; else None (its answer is a document)."""
+    if outcome.problems or not _whole(outcome):
+        return None
+    result = outcome.results[0][1]
+    assert result.out is not None and result.lse is not None  # the stacked form attends (q)
+    return result.out, result.lse
+
+
+def _whole(outcome: Outcome) -> bool:
+    """Whether a stacked request ran as one step of every item, in order."""
+    return len(outcome.results) == 1 and len(outcome.results[0][0].step) == outcome.request.size
+
+
 def _stacked_document(outcome: Outcome, kind: MediaKind, instance: str) -> dict[str, Any]:
     request, problems = outcome.request, outcome.problems
     b, shape = request.size, request.out_shape
-    whole = len(outcome.results) == 1 and len(outcome.results[0][0].step) == b
-    if whole:  # one step of every item, in order: its arrays as they came back
+    if _whole(outcome):  # one step of every item, in order: its arrays as they came back
         c, result = outcome.results[0]
         out, lse = result.out, result.lse
         lengths: list[int | None] = result.lengths.tolist()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +32,15 @@ from ..errors import ApiError, InvalidRequest, RequestTimeout, StepBroken, StepL
 from ..runtime import Runtime
 from ..step_registry import CallFrameError, OpenStep
 from ..store import Owner, step_conflict
-from .answer import answer_document, count_problems
+from .answer import answer_document, count_problems, whole_arrays
 from .parse import Parsed, attend_scale, check_count, max_elements, stacked_request
 from .plan import Queued, finish_request, queue_request
 from .rules import layer_problem
 
-__all__ = ["Call", "open_step", "close_step", "get_step", "begin_call", "finish_call", "reply_sizes"]
+__all__ = [
+    "Call", "open_step", "close_step", "get_step", "begin_call", "begin_frame_call", "finish_call",
+    "finish_frame_call", "reply_sizes",
+]  # fmt: skip
 
 log = logging.getLogger("attnserve")
 
@@ -186,12 +189,47 @@ def begin_call(
         f = _call_fields(doc, StepCall if target is None else StepCallArrays, what, head)
         handle, layer = (f.int("step"), f.int("layer")) if target is None else target
         step = rt.steps.get(handle, owner)
+    except ApiError:
+        rt.metrics.step_calls_by["refused"].inc()
+        raise
+    return _begin(rt, engine, owner, step, layer, lambda: _request(rt, step, layer, f))
+
+
+def begin_frame_call(
+    rt: Runtime, engine: Engine, owner: Owner, head: tuple[int, int, int, int], body: memoryview
+) -> Call:
+    """Check a binary layer call (a call frame's head ``(step, layer, seq,
+    body_len)`` and its body, q | k | v in the step's dtype and shapes) and queue
+    it as :func:`begin_call` does a document's: the same checks in the same order,
+    made by the step table (``StepTable.check``: the step, broken, the layer,
+    called this token, the body's length), then the same stacked request over
+    views of the body (its values checked item by item, as a document's are)."""
+    handle, layer, _, _ = head
+    try:
+        step = rt.steps.get(handle, owner)
+        try:
+            offsets = rt.steps.table.check(rt.steps.owner_id(owner), head, body)
+        except CallFrameError as e:
+            raise _frame_problem(step, layer, e, len(body)) from None
+    except ApiError:
+        rt.metrics.step_calls_by["refused"].inc()
+        raise
+    return _begin(rt, engine, owner, step, layer, lambda: _frame_request(step, layer, body.toreadonly(), offsets))
+
+
+def _begin(
+    rt: Runtime, engine: Engine, owner: Owner, step: OpenStep, layer: int, request: Callable[[], Parsed]
+) -> Call:
+    """Claim ``layer`` of ``step``, make the call's stacked ``request`` (its claim
+    given back when that is refused) and queue it; the layer is settled when its
+    jobs are done."""
+    try:
         try:
             token = step.claim(layer)
         except CallFrameError as e:
             raise _claim_problem(step, layer, e) from None
         try:
-            parsed = _request(rt, step, layer, f)
+            parsed = request()
         except BaseException:
             step.release(layer)
             raise
@@ -221,6 +259,35 @@ async def finish_call(rt: Runtime, call: Call, kind: MediaKind, instance: str) -
     doc = answer_document(outcome, kind, instance)
     doc["token"] = call.token
     return doc
+
+
+async def finish_frame_call(
+    rt: Runtime, call: Call, instance: str
+) -> tuple[np.ndarray, np.ndarray | None] | dict[str, Any]:
+    """Await a queued binary call: ``(out, lse)`` as the GPU gave them back when
+    every item applied (a call frame's reply carries their bytes), else the
+    answer document :func:`finish_call` gives (sent as a frame's reply)."""
+    outcome = await finish_request(rt, call.queued)
+    arrays = whole_arrays(outcome)
+    if arrays is not None:
+        out, lse = arrays
+        return out, lse if call.step.return_lse else None
+    count_problems(rt, outcome)
+    doc = answer_document(outcome, "msgpack", instance)
+    doc["token"] = call.token
+    return doc
+
+
+def _frame_problem(step: OpenStep, layer: int, e: CallFrameError, body_len: int) -> ApiError:
+    """The problem of a call frame the step table refused (``e.status``)."""
+    if e.status == "BODY_LEN":
+        info = step.table.info(step.handle)
+        want = info["q_bytes"] + info["k_bytes"] + info["v_bytes"]
+        return InvalidRequest(
+            f"call frame: body of {body_len} bytes, expected {want} (this step's q | k | v: "
+            f"{info['q_bytes']}, {info['k_bytes']}, {info['v_bytes']} bytes in {step.dtype})"
+        )
+    return _claim_problem(step, layer, e)
 
 
 def _claim_problem(step: OpenStep, layer: int, e: CallFrameError) -> ApiError:
@@ -272,6 +339,27 @@ def _request(rt: Runtime, step: OpenStep, layer: int, f: Fields) -> Parsed:
     )  # fmt: skip
     parsed.squeeze = squeeze
     return parsed
+
+
+def _frame_request(step: OpenStep, layer: int, body: memoryview, offsets: tuple[int, int, int]) -> Parsed:
+    """The stacked request of a binary call: views of its body (its length checked
+    against the step's shapes by the step table)."""
+    dt = wire.DTYPES[step.dtype]
+    b, c = len(step.sessions), step.sessions[0].config
+    q_off, k_off, v_off = offsets
+    q_shape = (b, step.queries, c.num_qo_heads, c.head_dim)
+    q = np.frombuffer(body, dt, int(np.prod(q_shape)), q_off).reshape(q_shape)
+    k = v = None
+    if step.rows:
+        kv_shape = (b, step.rows, c.num_kv_heads, c.head_dim)
+        count = int(np.prod(kv_shape))
+        k = np.frombuffer(body, dt, count, k_off).reshape(kv_shape)
+        v = np.frombuffer(body, dt, count, v_off).reshape(kv_shape)
+    out_dtype = None if step.out_dtype is None else wire.DTYPES[step.out_dtype]
+    return stacked_request(
+        step.session_ids, layer, q, k, v, {"offsets": None, "start_pos": None}, step.causal, step.scale,
+        step.return_lse, out_dtype, via=step.handle,
+    )  # fmt: skip
 
 
 def _array(

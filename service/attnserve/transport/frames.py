@@ -42,14 +42,32 @@ import time
 from typing import Any
 
 import numpy as np
-from attnserve_client.framing import MAX_HEAD_BYTES, PREFIX, VERSION, frame_buffers, read_prefix, resolve_arrays
+from attnserve_client.framing import (
+    CALL_MAGIC,
+    MAX_HEAD_BYTES,
+    PREFIX,
+    VERSION,
+    frame_buffers,
+    read_prefix,
+    resolve_arrays,
+)
 
 from .. import __version__
 from ..codec import BODY_IDLE_TIMEOUT_S, wire
 from ..contract import Fields, StreamHello
 from ..instance import instance_name
-from ..errors import ApiError, InvalidRequest, MalformedBody, NotReady, PayloadTooLarge, Unauthorized
+from ..errors import (
+    ApiError,
+    InternalError,
+    InvalidRequest,
+    MalformedBody,
+    NotReady,
+    PayloadTooLarge,
+    Unauthorized,
+)
+from ..plane import _callframe
 from ..runtime import Runtime
+from ..step.steps import Call, begin_frame_call, finish_frame_call
 from ..store import Owner
 from .ops import Pending, Reply, begin, count_reply, error_document, request_id
 
@@ -115,11 +133,14 @@ class _Connection(asyncio.BufferedProtocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.prefix = bytearray(PREFIX.size)
+        self.prefix = bytearray(_callframe.HEAD_BYTES)  # a frame's prefix, or a call frame's whole head
         self.frame: np.ndarray | None = None
-        self.view = memoryview(self.prefix)
+        self.view = memoryview(self.prefix)[: PREFIX.size]
         self.filled = 0
         self.head_len = 0
+        # a call frame's (step, layer, seq, body_len) while its head is whole (None: an ordinary frame)
+        self.call: tuple[int, int, int, int] | None = None
+        self.head_rest = False  # reading the rest of a call frame's head
         self.last_byte = time.monotonic()
         self.started = time.monotonic()
         self.watchdog: asyncio.TimerHandle | None = None
@@ -151,8 +172,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.last_byte = time.monotonic()
         if self.filled < len(self.view):
             return
-        if self.frame is None:
+        if self.head_rest:
+            self._call_head_done()
+        elif self.frame is None:
             self._prefix_done()
+        elif self.call is not None:
+            self._call_done()
         else:
             self._frame_done()
 
@@ -180,8 +205,12 @@ class _Connection(asyncio.BufferedProtocol):
     # ── frames in ───────────────────────────────────────────────────────────
 
     def _prefix_done(self) -> None:
+        if self.greeted and self.prefix[:4] == CALL_MAGIC:  # a call frame: its head is longer
+            self.head_rest = True
+            self.view = memoryview(self.prefix)
+            return
         try:
-            head_len, body_len = read_prefix(self.prefix)
+            head_len, body_len = read_prefix(self.prefix[: PREFIX.size])
         except wire.WireError as e:
             self.refuse(None, MalformedBody(str(e)))
             return
@@ -193,17 +222,66 @@ class _Connection(asyncio.BufferedProtocol):
             self.refuse(None, PayloadTooLarge(f"frame body: expected at most {max_body} bytes, got {body_len}"))
             return
         self.head_len = head_len
-        self.frame = np.empty(head_len + body_len, np.uint8)
-        self.view = self.frame.data.cast("B")  # ndarray.data: memoryview(frame) (typed on Python < 3.12 too)
-        self.filled = 0
+        self._read_frame(head_len + body_len)
         if not len(self.view):
             self._frame_done()
+
+    def _read_frame(self, nbytes: int) -> None:
+        self.frame = np.empty(nbytes, np.uint8)
+        self.view = self.frame.data.cast("B")  # ndarray.data: memoryview(frame) (typed on Python < 3.12 too)
+        self.filled = 0
+
+    def _next_frame(self) -> memoryview:
+        """The frame just read (its buffer's view); the connection reads the next one's prefix."""
+        view = self.view
+        self.frame, self.view, self.filled, self.call = None, memoryview(self.prefix)[: PREFIX.size], 0, None
+        return view
+
+    def _call_head_done(self) -> None:
+        """A call frame's head is whole: parsed by the step table's parser (its
+        body's length bounded as a frame's), then its body is read."""
+        self.head_rest = False
+        try:
+            self.call = _callframe.parse_head(self.prefix, self.rt.settings.max_body_bytes)
+        except _callframe.CallFrameError as e:
+            max_body = self.rt.settings.max_body_bytes
+            self.refuse(
+                None,
+                PayloadTooLarge(f"call frame body: expected at most {max_body} bytes")
+                if e.status == "TOO_LARGE"
+                else MalformedBody(f"call frame: {e}"),
+            )
+            return
+        self._read_frame(self.call[3])
+        if not len(self.view):
+            self._call_done()
+
+    def _call_done(self) -> None:
+        """A call frame is read: checked and queued as its step's layer call
+        (``steps.begin_frame_call``); a refused one is answered with its problem
+        in an ordinary reply frame (``id``: its seq), as every reply that is not
+        a call reply."""
+        assert self.call is not None
+        t0 = time.perf_counter()
+        head = self.call
+        view = self._next_frame()
+        seq = head[2]
+        try:
+            call = begin_frame_call(self.rt, self.rt.ready_engine(), self.owner, head, view)
+        except ApiError as e:
+            self.send(error_document(seq, e, self.INSTANCE), t0)
+            return
+        nbytes = len(view) + _callframe.HEAD_BYTES
+        self._hold_slot(nbytes)
+        task = asyncio.get_running_loop().create_task(self._finish_call(call, seq, t0, nbytes))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
 
     def _frame_done(self) -> None:
         assert self.frame is not None
         t0 = time.perf_counter()
-        view, head_len = self.view, self.head_len
-        self.frame, self.view, self.filled = None, memoryview(self.prefix), 0
+        head_len = self.head_len
+        view = self._next_frame()
         if not self.greeted:
             self._hello(view[:head_len], t0)
             return
@@ -303,6 +381,30 @@ class _Connection(asyncio.BufferedProtocol):
         finally:
             self._release_slot(nbytes)
 
+    async def _finish_call(self, call: Call, seq: int, t0: float, nbytes: int) -> None:
+        """Await a call frame's call and write its reply: a call reply of ``out``
+        (and ``lse``) when every item applied, else the answer document (or the
+        problem) in an ordinary reply frame; the slot is held until it is flushed."""
+        try:
+            doc: dict[str, Any] | None = None
+            try:
+                r = await finish_frame_call(self.rt, call, self.INSTANCE)
+                if isinstance(r, tuple):
+                    self.send_call_reply(seq, r[0], r[1], t0)
+                else:
+                    doc = {"id": seq, "status": 200, "result": r}
+            except ApiError as e:
+                doc = error_document(seq, e, self.INSTANCE)
+            except Exception:
+                log.exception("call frame failed", extra={"request_id": seq})
+                doc = error_document(seq, InternalError("an internal error occurred; it was logged"), self.INSTANCE)
+            if doc is not None:
+                self.send(doc, t0)
+            if not self.writable.is_set():
+                await self.writable.wait()
+        finally:
+            self._release_slot(nbytes)
+
     def _arm_watchdog(self) -> None:
         self.watchdog = asyncio.get_running_loop().call_later(BODY_IDLE_TIMEOUT_S / 4, self._watch)
 
@@ -329,6 +431,17 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.open or self.transport is None or self.transport.is_closing():
             return
         self.transport.writelines(frame_buffers(doc, wire.packb))
+
+    def send_call_reply(self, seq: int, out: np.ndarray, lse: np.ndarray | None, t0: float) -> None:
+        """A call reply: its head, then the bytes of ``out`` and ``lse`` as they are."""
+        self.rt.metrics.observe_request(self.INSTANCE, self.METHOD, 200, time.perf_counter() - t0)
+        if not self.open or self.transport is None or self.transport.is_closing():
+            return
+        parts = [np.ascontiguousarray(out).data.cast("B")]
+        if lse is not None:
+            parts.append(np.ascontiguousarray(lse).data.cast("B"))
+        body_len = sum(p.nbytes for p in parts)
+        self.transport.writelines([_callframe.reply_head(seq, 200, body_len), *parts])
 
     def refuse(self, rid: Any, err: ApiError, t0: float | None = None) -> None:
         """Answer ``err`` and close the connection (the frames after it cannot be read)."""
