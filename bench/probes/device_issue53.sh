@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call's measurements for issue 53's first slice and issue 54's first
+# probe (docs/benchmarks.md): the layer call by how it travels, then the
+# half-precision decode kernels beside torch. Run from the repository root on the
+# device machine after its prefix (the wheels, the Vulkan loader, the C modules
+# built in place); results go to $OUT (default bench/results).
+#
+#   bash bench/probes/device_issue53.sh
+set -uo pipefail
+OUT="${OUT:-bench/results}"
+stamp="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+timeout 260 python3 bench/probes/layer_call.py --adapter nvidia --seconds 2 \
+  --json-out "$OUT/layer-call-$stamp.json" || echo "layer_call: exit $?"
+timeout 300 python3 bench/probes/half_decode_variants.py --adapter nvidia \
+  --json-out "$OUT/half-decode-variants-$stamp.json" || echo "half_decode_variants: exit $?"
