@@ -21,7 +21,7 @@ import pytest
 
 from _core import bf16_nearest
 from attnserve.config import Settings
-from attnserve_client import wire
+from attnserve_client import framing, wire
 from svc_helpers import F32_TOL, Api, LiveServer, Model, Scrape, from_wire, rel_err, rows
 from tools.raw_peers import RawFrames, RawShm, RawStream
 
@@ -280,6 +280,62 @@ def test_a_call_frame_the_step_refuses_is_answered_with_its_problem(srv, api, rn
         assert r["status"] == 409 and r["error"]["type"] == "/problems/step-broken", r
     finally:
         peer.close()
+        for sid in ids:
+            api.delete(sid)
+
+
+def test_any_call_frame_gets_a_problem_or_a_close_and_changes_nothing(srv, api):
+    """Call frames mutated at random (their step, layer and body_len, bodies short,
+    long or of random bytes of the right length but no NaN, seeds swept): each one
+    is answered with its problem (an ordinary reply frame, id its seq), none changes
+    a session; a body_len past the limit is 413 and closes the connection, as a
+    head cut short does; the server answers as before afterwards."""
+    b = 2
+    ids = _sessions(api, b)
+    max_body = srv.runtime.settings.max_body_bytes
+    try:
+        for seed in range(4):
+            rng = np.random.default_rng(seed)
+            peer = Peer(srv, "frames")
+            step = peer.open(ids, rows=1, layers=[0])
+            s = step["step"]
+            want = (b * H * D + 2 * b * HKV * D) * 4
+            for seq in range(1, 41):
+                kind = int(rng.integers(0, 5))
+                if kind == 0:  # another handle
+                    head, n, status = (s + int(rng.integers(1, 2**31)), 0), want, 404
+                elif kind == 1:  # a layer not in the step
+                    head, n, status = (s, int(rng.integers(1, 2**32))), want, 422
+                elif kind == 2:  # a body too short
+                    head, n, status = (s, 0), int(rng.integers(0, want)), 422
+                elif kind == 3:  # a body too long
+                    head, n, status = (s, 0), want + int(rng.integers(1, 4096)), 422
+                else:  # the right length, the wrong shape: step, layer right, k and v missing, q longer
+                    head, n, status = (s, 0), want - 4, 422
+                body = rng.integers(0, 2**15, n // 2, dtype=np.uint16).tobytes() + b"\0" * (n % 2)
+                frame = framing.CALL_HEAD.pack(framing.CALL_MAGIC, head[0], head[1], seq, n) + body
+                r = peer.raw.read_replies(1, memoryview(b""), [frame])[seq]
+                assert r["status"] == status and "error" in r, (kind, r)
+            assert _lengths(api, ids) == [[0, 0]] * b
+            # a body_len past the limit: 413 and the connection closed (its step with it)
+            big = framing.CALL_HEAD.pack(framing.CALL_MAGIC, s, 0, 99, max_body + 1)
+            r = peer.raw.read_replies(1, memoryview(b""), [big])
+            assert r[None]["status"] == 413, r
+            peer.close()
+            # a head cut short, then the peer leaves
+            cut = RawFrames(srv.runtime.frames_port, rcvbuf=1 << 20)
+            cut.sock.sendall(framing.CALL_HEAD.pack(framing.CALL_MAGIC, s, 0, 1, 16)[: int(rng.integers(5, 20))])
+            cut.close()
+        peer = Peer(srv, "frames")
+        try:
+            step = peer.open(ids, rows=1, layers=[0])  # every earlier step closed with its connection
+            q, k = np.ones((b, 1, H, D), np.float32), np.ones((b, 1, HKV, D), np.float32)
+            reply = peer.raw.read_replies(1, memoryview(b""), [peer.raw.call_frame(step["step"], 0, 7, [q, k, k])])[7]
+            assert "call_reply" in reply
+        finally:
+            peer.close()
+        assert _lengths(api, ids) == [[1, 0]] * b
+    finally:
         for sid in ids:
             api.delete(sid)
 
