@@ -36,7 +36,10 @@ Tiny shapes: 2 query heads, 1 KV head, head_dim 8, f32, a 16-row context, and ea
 call a fused append of one K/V row and one query row per session (``rows=1``). Each
 cell (form x items) runs on fresh sessions (made, filled, then deleted, so contexts
 stay short), opens its step, warms up with 10 calls, then counts ``calls(B) =
-max(20, round(--calls * min(1, 16 / B)))`` calls one at a time. Every thread's CPU
+max(20, round(--calls * min(1, 16 / B)))`` calls one at a time; each repeat runs
+the forms side by side at each item count. Beside each cell: the load average and
+``calibration_ms``, the CPU time of a fixed pure-Python loop in this process
+around it (CPU time too grows when the machine is busy: compare cells by it). Every thread's CPU
 time comes from ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds on the CPU, user
 + system; ``stat``'s ticks where there is no schedstat): CPU time, not wall time,
 so a machine shared with other work changes it little (caches aside). The server
@@ -253,10 +256,12 @@ def measure_cell(client: Client, streams: dict[str, Any], pid: int, form: str, i
     try:
         for _ in range(10):
             call()
+        calibration = [calibrate()]
         c0, p0, t0 = thread_cpu_ns(pid), time.process_time(), time.perf_counter()
         for _ in range(n):
             call()
         c1, p1, t1 = thread_cpu_ns(pid), time.process_time(), time.perf_counter()
+        calibration.append(calibrate())
     finally:
         if step is not None:
             step.close()
@@ -271,7 +276,18 @@ def measure_cell(client: Client, streams: dict[str, Any], pid: int, form: str, i
         "threads_us_per_call": threads,
         "wall_ms_per_call": round(1e3 * (t1 - t0) / n, 3),
         "client_cpu_us_per_call": round(1e6 * (p1 - p0) / n, 1),
+        "calibration_ms": round(sum(calibration) / 2, 3),
+        "load": os.getloadavg()[0],
     }
+
+
+def calibrate() -> float:
+    """CPU ms of a fixed pure-Python loop in this process: on a machine shared with
+    other work, CPU time too grows with the load (caches, the host's other guests);
+    the report gives each cell's figure beside its own, to compare a cell with a quiet one."""
+    t0 = time.thread_time()
+    sum(i * i for i in range(200_000))
+    return 1e3 * (time.thread_time() - t0)
 
 
 def steps_main(args: argparse.Namespace) -> int:
@@ -288,6 +304,7 @@ def steps_main(args: argparse.Namespace) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), saved) if p)  # serving() passes it on
     rng = np.random.default_rng(0)
     cells: list[dict] = []
+    load_at_start = os.getloadavg()
     try:
         with serving(args.adapter, **env) as (server, url), Client(url, timeout=300) as client:
             info = client.info()
@@ -300,16 +317,18 @@ def steps_main(args: argparse.Namespace) -> int:
                 client.stream(transport="shm") as shm,
             ):
                 streams = {"frames": frames, "stream": ws, "shm": shm}
-                for repeat in range(args.repeats):
-                    for form in forms:
-                        for b in items:
+                for repeat in range(
+                    args.repeats
+                ):  # the forms side by side at each count: a load's drift hits them alike
+                    for b in items:
+                        for form in forms:
                             cell = measure_cell(client, streams, server.pid, form, b, calls_for(b, args.calls), rng)
                             cell["repeat"] = repeat
                             cells.append(cell)
                             g = cell["cpu_us_per_call"]
                             print(f"repeat {repeat} {form:16} items {b:4}: loop {g['event_loop']:8.1f}  gpu "
                                   f"{g['gpu_thread']:8.1f}  poller {g['wgpu_poller']:7.1f}  native {g['native']:9.1f} "
-                                  f"µs/call  wall {cell['wall_ms_per_call']:.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+                                  f"µs/call  wall {cell['wall_ms_per_call']:.2f} ms  cal {cell['calibration_ms']:.1f} ms", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
@@ -335,7 +354,8 @@ def steps_main(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": os.environ.get("ATTNSERVE_COMMIT", ""),
         "cores": os.cpu_count(),
-        "load_before": os.getloadavg(),
+        "load_at_start": load_at_start,
+        "load_at_end": os.getloadavg(),
         "shapes": {
             "num_qo_heads": H,
             "num_kv_heads": HKV,
