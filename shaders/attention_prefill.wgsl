@@ -25,7 +25,7 @@
 //
 // Bind group 0:
 // @binding(0) q_batch: array<f32> n_queries x q_stride floats
-// @binding(1) k_cache: slab rows of kv_dim elements (f32 or f16: include/kv_scalar_{f32,f16}.wgsl)
+// @binding(1) k_cache: slab rows of kv_dim elements (f32, f16 or bf16: include/kv_scalar_{f32,f16,bf16}.wgsl)
 // @binding(2) v_cache: the same for values, read through key1() / value1()
 // @binding(3) out_batch: array<f32> n_queries x out_stride floats, then the
 //                         log-sum-exp of each (query, head): n_queries x n_heads

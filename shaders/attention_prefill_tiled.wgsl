@@ -60,7 +60,7 @@
 // params block per workgroup; a single attend is the batch of one):
 // @binding(0) q_batch:   array<vec4<f32>>  every item's queries, the item's n_queries x
 //                                          q_stride floats at word q_off
-// @binding(1) k_cache:   the slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
+// @binding(1) k_cache:   the slab, [rows, kv_dim] (f32, f16 or bf16: include/kv_vec4_{f32,f16,bf16}.wgsl)
 // @binding(2) v_cache:   the slab's values, [rows, kv_dim], read through key4() / value4()
 // @binding(3) out_batch: array<vec4<f32>>  every item's outputs, at word out_off, then its
 //                                          log-sum-exp per (row, head) (rw; gpu/kernels.py "LSE")

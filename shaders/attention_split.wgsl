@@ -1,4 +1,4 @@
-// Split-KV attention (flash-decoding) over a plain (f32 or f16) KV cache: the decode path.
+// Split-KV attention (flash-decoding) over a plain (f32, f16 or bf16) KV cache: the decode path.
 //
 // The seed kernel (`attention_prefill.wgsl`) runs one workgroup per (head,
 // query): at decode that is 32 workgroups on a 132-SM GPU, each thread walking
@@ -39,7 +39,7 @@
 // query row; a single attend is the batch of one):
 // @binding(0) q_batch:  array<f32>        every item's queries, the item's n_queries x
 //                                         q_stride floats at word q_off
-// @binding(1) k_cache:  the pool slab, [rows, kv_dim] (f32 or f16: include/kv_vec4_{f32,f16}.wgsl)
+// @binding(1) k_cache:  the pool slab, [rows, kv_dim] (f32, f16 or bf16: include/kv_vec4_{f32,f16,bf16}.wgsl)
 // @binding(2) v_cache:  the slab's values, [rows, kv_dim], read through key4() / value4()
 // @binding(3) partial:  array<f32>        every item's [acc: n_q*H*n_splits*d | m: n_q*H*n_splits
 //                                         | l: same] at word part_off (rw)
@@ -108,7 +108,7 @@ fn attention_split(
         var sb = vec4<f32>(0.0);                 // heads 4..7
         var c = 0u;
         if KV_NARROW {
-            // a narrow slab (f16: 8 bytes a column): sixteen loads in flight per step
+            // a narrow slab (f16, bf16: 8 bytes a column): sixteen loads in flight per step
             for (; c + 16u <= d4; c += 16u) {
                 let ka = keys8(r + c);
                 let kb = keys8(r + c + 8u);

@@ -2,7 +2,7 @@
 // copied into their pool slabs, one params block per row, each row to the slab row its
 // layer's page table names (the plain twin of tqx.wgsl's encodes; rows in the layer's
 // dtype, as sent or converted by convert.wgsl before this runs). A row is `row_words` u32 words (kv_dim f32 values, or
-// kv_dim IEEE halves two to a word: f16 takes an even head_dim), the same layout in the
+// kv_dim halves, IEEE or bfloat16, two to a word: f16 and bf16 take an even head_dim), the same layout in the
 // input arena and in the slab (row-major [rows, kv_dim], pool.py).
 //
 // @binding(0) src:    array<u32>  the input arena: row j of the item at word src_off + j * row_words

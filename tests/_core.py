@@ -64,10 +64,13 @@ def rows(rng, n, heads, d, scale=1.0) -> np.ndarray:
 
 
 def stored(fmt: str, x: np.ndarray) -> np.ndarray:
-    """Rows as a plain format stores them (f16: rounded to float16 as numpy rounds),
-    for the float64 oracle."""
+    """Rows as a plain format stores them (f16: rounded to float16 as numpy rounds;
+    bf16: to bfloat16 to nearest even, :func:`bf16_nearest`), for the float64 oracle."""
     from attnserve.formats import PLAIN_DTYPES
+    from attnserve_client import wire
 
+    if fmt == "bf16":
+        return wire.to_float32(bf16_nearest(x))
     return x.astype(PLAIN_DTYPES[fmt]).astype(np.float32)
 
 

@@ -1,7 +1,7 @@
 """GPU attention (every format) against float64 oracles at awkward sizes.
 
-f32 and f16: max abs error <= 1e-5 of the max abs value of the oracle over the
-rows as the format stores them (f16: rounded to float16).
+f32, f16 and bf16: max abs error <= 1e-5 of the max abs value of the oracle over the
+rows as the format stores them (f16: rounded to float16; bf16: to bfloat16).
 TurboQuant: against its own oracle computed from the GPU's packed cache
 (same signs, same codebook) to <= 1e-4 of the max abs value.
 The log-sum-exp every attend answers beside its output (``lse``) to the same
@@ -62,7 +62,7 @@ def _run_cases(engine, fmt, head_dims, rng):
 
 
 @pytest.mark.parametrize("head_dims", [(32,), (64,), (128,), (80,), (6,)], ids=lambda x: f"d{x[0]}")
-@pytest.mark.parametrize("fmt", ["f32", "f16"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
 def test_plain_attention_matches_oracle(engine, rng, fmt, head_dims):
     worst = 0.0
     for s, layer, q, k, v, sp, causal, scale, fut, case in _run_cases(engine, fmt, head_dims, rng):
@@ -109,7 +109,7 @@ def test_turboquant_attention_matches_its_oracle(engine, rng, d):
     print("worst turboquant relative error vs own oracle", worst)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "turboquant"])
 def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
     """Bit for bit on the single-pass and tiled kernels (each query row's
     arithmetic does not depend on the batch: tiles sit at fixed timesteps, and a
@@ -138,7 +138,7 @@ def test_chunked_prefill_equals_one_call(engine, rng, fmt, kernel_path):
         assert rel_err(whole, ref.attention(q, stored(fmt, k), stored(fmt, v))) <= F32_TOL
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant", "tq4"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "turboquant", "tq4"])
 def test_growth_past_capacity_equals_preallocation(engine, rng, fmt):
     """A layer that took its pages 50 rows at a time (the pool's slab growing under
     it) answers bit for bit like one whose pages were all taken up front."""
@@ -327,7 +327,7 @@ def test_a_batch_stays_within_the_arena_budget_and_a_larger_job_lets_its_arenas_
 
 
 @pytest.mark.parametrize("kernel_path", ["tiled", "tiled-rb", "tiled-rb-generic", "single"], indirect=True)
-@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "turboquant"])
 def test_many_query_rows_at_awkward_sizes(engine, rng, fmt, kernel_path):
     """Prefill-sized attends (the tiled kernels' blocks of 64 rows = 64 / G query
     positions x G heads): a last block partly past the queries, key tiles (32)

@@ -125,8 +125,8 @@ def uploads(request, monkeypatch):
 @pytest.mark.usefixtures("uploads")
 @pytest.mark.parametrize("heads", [(H, HKV), (9, 3)], ids=["gqa2", "gqa3"])  # 3: a workgroup per query head
 def test_columns_are_bit_identical_to_attends_one_by_one(engine, rng, columns, heads):
-    formats = ["f32", "turboquant", "f16", "tq4", "f32", "turboquant", "tq2o", "f32", "f16"]
-    lengths = [P - 1, P, 1, 2 * P + 3, P + 1, 0, 3 * P - 2, 5, 2 * P - 1]
+    formats = ["f32", "turboquant", "f16", "tq4", "f32", "turboquant", "tq2o", "f32", "f16", "bf16"]
+    lengths = [P - 1, P, 1, 2 * P + 3, P + 1, 0, 3 * P - 2, 5, 2 * P - 1, P + 3]
     pairs = _pairs(engine, formats, lengths, rng, heads=heads)
     b = len(pairs)
     h, hkv = heads
@@ -188,12 +188,12 @@ def test_windowed_layers_are_columns_bit_identical_to_one_by_one(engine, rng, co
 
 
 def test_several_query_rows_and_a_step_without_appends(engine, rng, columns):
-    pairs = _pairs(engine, ["f32", "turboquant", "f16"], [3 * P + 1, 2 * P, P + 7], rng, layers=1)
-    q = rng.standard_normal((3, 4, H, D)).astype(np.float32)  # 4 query rows: still the split path
-    k = rng.standard_normal((3, 4, HKV, D)).astype(np.float32)
+    pairs = _pairs(engine, ["f32", "turboquant", "f16", "bf16"], [3 * P + 1, 2 * P, P + 7, 2 * P - 3], rng, layers=1)
+    q = rng.standard_normal((4, 4, H, D)).astype(np.float32)  # 4 query rows: still the split path
+    k = rng.standard_normal((4, 4, HKV, D)).astype(np.float32)
     _check_step(engine, pairs, 0, q, k, k)
     _check_step(engine, pairs, 0, q, None, None)
-    assert sum(columns) == 6
+    assert sum(columns) == 2 * len(pairs)  # every item of both steps as columns
     _same_words(engine, pairs)
 
 
@@ -346,8 +346,8 @@ def test_a_steps_plan_recorded_on_one_layer_is_replayed_on_the_others(rng, colum
 
 def _replayed_steps(engine, rng, columns):
     num_layers = 4
-    formats = ["f32", "tq4", "f16", "turboquant", "tq4", "f32"]
-    lengths = [P - 1, P, 2 * P + 3, 1, 3 * P - 1, 2 * P]
+    formats = ["f32", "tq4", "f16", "turboquant", "tq4", "f32", "bf16"]
+    lengths = [P - 1, P, 2 * P + 3, 1, 3 * P - 1, 2 * P, P + 5]
     pairs = _pairs(engine, formats, lengths, rng, layers=num_layers)
     plans, events = StepPlans(), engine.step_plans
     b, groups = len(pairs), len(set(formats))  # one group (pool) per format: one plan each per layer
@@ -558,7 +558,7 @@ def test_columns_that_fail_fall_back_visibly_to_the_same_answers(engine, rng, mo
     """A stacked step whose columns raise is planned item by item and gives the same
     answers, and is never silent: counted by reason in engine.step_fallbacks
     (attnserve_step_fallbacks_total) and logged with the traceback."""
-    pairs = _pairs(engine, ["f32", "turboquant", "f16"], [P + 1, 3, 2 * P], rng)
+    pairs = _pairs(engine, ["f32", "turboquant", "f16", "bf16"], [P + 1, 3, 2 * P, P - 1], rng)
     b = len(pairs)
 
     def broken(*args, **kw):

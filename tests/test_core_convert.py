@@ -132,7 +132,7 @@ def test_bf16_oracle_agrees_with_the_float64_definition():
     assert [hex(g) for g in got] == [hex(v) for v in cases.values()]
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "turboquant", "tq4v3"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "turboquant", "tq4v3"])
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_a_layer_fed_half_arrays_answers_as_fed_their_float32_values(engine, rng, fmt, dtype):
     """Twin layers, one fed half arrays (converted on the GPU), one the same values

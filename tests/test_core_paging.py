@@ -211,7 +211,7 @@ def test_a_batch_of_attends_is_one_dispatch_per_phase_and_bit_identical(engine, 
         engine.release(s).result()
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
 def test_the_longest_plain_split_reads_every_page_of_its_window(engine, rng, fmt):
     """At G = 1 a plain split holds PLAIN_MAX_SCORES keys: MAX_SCORES / P pages of
     its window in workgroup memory (split_plain_decls.wgsl's pg_sh), the most there are."""

@@ -77,13 +77,16 @@ def test_plain_kernels_read_their_format():
     """Each plain kernel has a pipeline per plain format, reading that format's slab."""
     from attnserve.gpu.shaders import PLAIN_FORMATS
 
-    assert PLAIN_FORMATS == ("f32", "f16")
+    assert PLAIN_FORMATS == ("f32", "f16", "bf16")
     for base in ("attention_prefill", "attention_prefill_tiled", "attention_prefill_rb", "attention_split"):
-        f32, f16 = (KERNELS[plain_kernel(base, kv)] for kv in PLAIN_FORMATS)
-        assert f32.file == f16.file and f32.entry_point == f16.entry_point == base
-        src32, src16 = load_wgsl(f32.file, f32.defines), load_wgsl(f16.file, f16.defines)
+        f32, f16, bf16 = (KERNELS[plain_kernel(base, kv)] for kv in PLAIN_FORMATS)
+        assert f32.file == f16.file == bf16.file and f32.entry_point == f16.entry_point == bf16.entry_point == base
+        src32, src16, srcb16 = (load_wgsl(k.file, k.defines) for k in (f32, f16, bf16))
         assert "unpack2x16float" in src16 and "unpack2x16float" not in src32, base
         assert "array<vec2<u32>>" in src16 or "k_cache: array<u32>" in src16, base
+        # bfloat16: widened by a shift or a mask, never read as IEEE halves
+        assert "unpack2x16float" not in srcb16 and "0xffff0000u" in srcb16, base
+        assert "array<vec2<u32>>" in srcb16 or "k_cache: array<u32>" in srcb16, base
 
 
 @pytest.mark.gpu

@@ -85,9 +85,13 @@ def test_bytes_per_token():
     assert bytes_per_token("f32", 1, 128) / bytes_per_token("turboquant", 1, 128) > 11.6
     assert bytes_per_token("f16", 8, 128) == 8 * 128 * 2 * 2
     assert bytes_per_token("f16", 3, 6) == 3 * 6 * 2 * 2  # an odd row of halves still takes whole words
-    assert [bits_per_element(f, 128) for f in ("f32", "f16", "turboquant")] == [32, 16, 2.75]
+    assert bytes_per_token("bf16", 8, 128) == bytes_per_token("f16", 8, 128)
+    assert bytes_per_token("bf16", 3, 6) == 3 * 6 * 2 * 2
+    assert [bits_per_element(f, 128) for f in ("f32", "f16", "bf16", "turboquant")] == [32, 16, 16, 2.75]
     with pytest.raises(ValueError, match="even head_dim"):
         bytes_per_token("f16", 1, 7)
+    with pytest.raises(ValueError, match="bf16 supports an even head_dim"):
+        bytes_per_token("bf16", 1, 41)
 
 
 def _slope(est, exact):

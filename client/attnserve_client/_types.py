@@ -22,7 +22,7 @@ class SessionInfo:
             ``[n, num_qo_heads, head_dim]``.
         num_kv_heads: key/value heads; ``k`` and ``v`` are ``[m, num_kv_heads, head_dim]``.
         head_dim: size of one head.
-        kv_format: how the cache is stored (``"f32"``, ``"f16"``, ``"turboquant"`` or a
+        kv_format: how the cache is stored (``"f32"``, ``"f16"``, ``"bf16"``, ``"turboquant"`` or a
             TurboQuant variant: ``"tq4"``, ``"tq3"``, ``"tq4v2"``, ``"tq4v3"``, ``"tq3q"``, ``"tq4q"``,
             ``"tq4o"``, ``"tq3o"``, ``"tq2o"``), as
             created: one format for every layer, or a tuple of one per layer.

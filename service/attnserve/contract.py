@@ -50,7 +50,7 @@ MAX_SEED = (1 << 64) - 1
 MAX_SINKS = 4096  # exact first timesteps of a compressed layer
 MAX_WINDOW = 1 << 20  # exact recent timesteps of a compressed layer
 #: The formats a layer kept exact by ``exact_layers`` may take.
-EXACT_FORMATS = ("f16", "f32")
+EXACT_FORMATS = ("f16", "bf16", "f32")
 SESSION_ID_PATTERN = "^[A-Za-z0-9_-]{1,64}$"
 
 
@@ -202,7 +202,7 @@ class CreateSession(BaseModel):
     num_qo_heads: int = Field(ge=1, le=MAX_QO_HEADS)
     num_kv_heads: int = Field(ge=1, le=MAX_QO_HEADS, description="Divides num_qo_heads (GQA).")
     head_dim: int = Field(
-        description="f32: 1..128; f16: even, 2..128; turboquant and its variants (tq4, tq3, ...): 32, 64 or 128."
+        description="f32: 1..128; f16, bf16: even, 2..128; turboquant and its variants (tq4, tq3, ...): 32, 64 or 128."
     )
     kv_format: Union[_Format, list[_Format]] = Field(
         DEFAULT_KV_FORMAT,
@@ -215,7 +215,7 @@ class CreateSession(BaseModel):
         "negative ones counted from the last layer (e.g. [0, -1]: the first and the last). "
         "Shorthand for a per-layer kv_format array, which the session's info then shows.",
     )
-    exact_format: Optional[Literal["f16", "f32"]] = Field("f16", description="The format of the exact_layers.")
+    exact_format: Optional[Literal["f16", "bf16", "f32"]] = Field("f16", description="The format of the exact_layers.")
     sinks: int = Field(
         0,
         ge=0,

@@ -5,6 +5,11 @@ out, the kernels read them).
 * ``f32``: plain float32 rows ``[Hkv * d]``.
 * ``f16``: plain IEEE half rows ``[Hkv * d]`` (two to a 32-bit word, element 2j in
   the low half): half the bytes of f32, the rounding of float16 on every value.
+* ``bf16``: plain bfloat16 rows ``[Hkv * d]``, laid out as ``f16``'s (numpy's
+  little-endian bfloat16, ``wire.BFLOAT16``): the dtype engines run in, so a
+  bfloat16 row is kept bit for bit (a float32 one rounded to nearest even, as
+  ``wire.to_bfloat16``, torch and the GPU's ``convert.wgsl`` round); half the bytes
+  of f32, float32's range.
 * ``turboquant``: per head, 2-bit PolarQuant codes + 1-bit QJL signs + two
   float16 norms for a key, 2-bit codes + a float16 norm for a value
   (``docs/turboquant.md``, ``shaders/tqx.wgsl``): ``TqSpec(2, True, 2)``, served by
@@ -43,6 +48,7 @@ __all__ = [
     "is_tq_variant",
     "PLAIN_DTYPES",
     "PLAIN_ELEMENT_BYTES",
+    "HALF_FORMATS",
     "F16_MAX",
     "is_plain",
     "head_dims",
@@ -99,7 +105,7 @@ TQ_VARIANTS: dict[str, TqSpec] = {
 #: is (2, QJL, 2), its layout the variants' at b = 2.
 TQ_SPECS: dict[str, TqSpec] = {"turboquant": TqSpec(2, True, 2), **TQ_VARIANTS}
 
-KV_FORMATS = ("f32", "f16", "turboquant", *TQ_VARIANTS)
+KV_FORMATS = ("f32", "f16", "bf16", "turboquant", *TQ_VARIANTS)
 #: The kv format of a session that names none: exact.
 DEFAULT_KV_FORMAT = "f32"
 
@@ -135,10 +141,14 @@ class CompressedSetting:
 #: compressed format without exact rows; there is no default compressed format.
 RECOMMENDED = CompressedSetting("tq4v3", sinks=4, window=128)
 #: The element type of each plain (uncompressed) format, as numpy names it
-#: (little-endian): the rows are stored as numpy rounds them to it.
-PLAIN_DTYPES = {"f32": "<f4", "f16": "<f2"}
+#: (little-endian; bfloat16 is ``wire.BFLOAT16``, two bytes numpy has no arithmetic
+#: for): the rows are stored as numpy rounds them to it (bfloat16: as
+#: ``wire.to_bfloat16`` rounds).
+PLAIN_DTYPES = {"f32": "<f4", "f16": "<f2", "bf16": "|V2"}
 #: Bytes of one element of each plain format.
 PLAIN_ELEMENT_BYTES = {fmt: int(dtype[2:]) for fmt, dtype in PLAIN_DTYPES.items()}
+#: The plain formats of two bytes an element (two to a 32-bit word: an even head_dim).
+HALF_FORMATS = tuple(fmt for fmt, size in PLAIN_ELEMENT_BYTES.items() if size == 2)
 TQ_HEAD_DIMS = (32, 64, 128)
 F16_MAX = 65504.0  # the largest finite float16
 
@@ -155,7 +165,7 @@ def head_dims(kv_format: str) -> list[int]:
     """The head dims a layer of ``kv_format`` takes."""
     if kv_format == "f32":
         return list(range(1, 129))
-    if kv_format == "f16":
+    if kv_format in HALF_FORMATS:
         return list(range(2, 129, 2))  # whole 32-bit words per row
     if kv_format in TQ_SPECS:
         return list(TQ_HEAD_DIMS)
@@ -167,8 +177,8 @@ def check_head_dim(kv_format: str, head_dim: int) -> None:
     if head_dim not in dims:
         if kv_format in TQ_SPECS:
             raise ValueError(f"{kv_format} supports head_dim 32, 64 or 128, got {head_dim}")
-        if kv_format == "f16":
-            raise ValueError(f"f16 supports an even head_dim 2..128, got {head_dim}")
+        if kv_format in HALF_FORMATS:
+            raise ValueError(f"{kv_format} supports an even head_dim 2..128, got {head_dim}")
         raise ValueError(f"{kv_format} supports head_dim 1..128, got {head_dim}")
 
 

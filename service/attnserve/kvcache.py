@@ -586,9 +586,10 @@ class LayerCache:
 
 
 class PlainLayerCache(LayerCache):
-    """Plain K/V (``f32``, or ``f16``: the rows rounded to float16 on the host, as
-    numpy rounds, before they are uploaded): slab row ``r`` at ``r * kv_dim``
-    elements (``kv_dim = Hkv * d``)."""
+    """Plain K/V (``f32``; ``f16`` or ``bf16``: the rows rounded to the layer's
+    dtype, ``row_dtype``, as numpy and ``wire.to_bfloat16`` round, by the convert
+    kernel before they are written, or uploaded as sent when they come in it): slab
+    row ``r`` at ``r * kv_dim`` elements (``kv_dim = Hkv * d``)."""
 
     def __init__(self, *, pool: PagePool, max_tokens: int, layer: int = 0):
         super().__init__(pool=pool, max_tokens=max_tokens, layer=layer)

@@ -4,7 +4,7 @@ This module is the one owner of where a timestep lives on the GPU (the design is
 in docs/architecture.md, "The paged KV pool"):
 
 * A :class:`PageLayout` says, for a kv format and head shape, how the rows of a
-  cache of ``cap`` timesteps are laid out in its K and V buffers (plain f32 / f16:
+  cache of ``cap`` timesteps are laid out in its K and V buffers (plain f32 / f16 / bf16:
   row-major ``[cap, kv_dim]``; TurboQuant: the region-major words of shaders/tqx.wgsl,
   ``slot = head * cap + row``).
 * A :class:`PagePool` (one per layout, see :class:`PagePools`) holds that format's

@@ -210,7 +210,7 @@ def parse_blob(
         if fmt in PLAIN_DTYPES and n:
             used = n * config.num_kv_heads * config.head_dim
             for name, b in (("k", kb), ("v", vb)):
-                if not np.isfinite(np.frombuffer(b, PLAIN_DTYPES[fmt], count=used)).all():
+                if wire.nonfinite(np.frombuffer(b, PLAIN_DTYPES[fmt], count=used)).any():
                     raise InvalidSnapshot(f"layers[{i}].{name}: non-finite values")
         if fmt in TQ_SPECS and n:
             _check_tq_norms(i, fmt, config, n, cap, kb, vb)

@@ -1,4 +1,4 @@
-// Module-scope declarations of the plain (f32, f16) split kernels
+// Module-scope declarations of the plain (f32, f16, bf16) split kernels
 // (attention_split.wgsl): bindings, constants and
 // workgroup memory; the slab's element type comes from kv_vec4_{KV}.wgsl.
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;

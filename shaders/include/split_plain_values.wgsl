@@ -17,7 +17,7 @@
     if grp < n_grp {
         var t = grp;
         if KV_NARROW {
-            // a narrow slab (f16): eight rows per step, so that a step moves f32's bytes
+            // a narrow slab (f16, bf16): eight rows per step, so that a step moves f32's bytes
             for (; t + 7u * n_grp < n_t; t += 8u * n_grp) {
                 let v0 = value4(split_row(page0, page_shift, t0 + t) * kv4 + head4 + c);
                 let v1 = value4(split_row(page0, page_shift, t0 + t + n_grp) * kv4 + head4 + c);

@@ -32,7 +32,7 @@ def test_the_checks_read_the_model():
     assert list(m)[:4] == ["num_layers", "num_qo_heads", "num_kv_heads", "head_dim"]
     assert (m["num_layers"].default, m["num_layers"].lo, m["num_layers"].hi) == (1, 1, MAX_LAYERS)
     assert m["num_qo_heads"].required and not m["seed"].required
-    assert m["exact_format"].choices == ("f16", "f32") and "tq4" in m["kv_format"].choices
+    assert m["exact_format"].choices == ("f16", "bf16", "f32") and "tq4" in m["kv_format"].choices
     assert members(Attend)["q"].rank == 3 and members(StackedBatch)["q"].rank == 4
     f = Fields({"num_layers": MAX_LAYERS + 1}, CreateSession, "session")
     with pytest.raises(InvalidRequest, match=rf"num_layers: expected an integer in 1..{MAX_LAYERS}, got 257"):

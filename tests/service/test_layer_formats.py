@@ -1,7 +1,7 @@
 """Per-layer kv formats: a session whose ``kv_format`` is one format per layer. Each
 layer answers bit for bit as the same layer of a session of its format alone (same
-seed: the same TurboQuant rotations), the f32 and f16 layers against the float64
-oracle (f16: over the rows rounded to float16);
+seed: the same TurboQuant rotations), the f32, f16 and bf16 layers against the
+float64 oracle (f16: over the rows rounded to float16, bf16: to bfloat16);
 bytes, metrics, snapshots, forks and the client follow the layer formats; bad
 format lists are refused and create nothing."""
 
@@ -13,10 +13,11 @@ import pytest
 from attnserve.formats import bytes_per_token
 from attnserve_client import Client
 from attnserve_client import wire
+from _core import bf16_nearest
 from svc_helpers import F32_TOL, PAGE, Model, Scrape, rel_err, rows
 
 H, HKV, D = 4, 2, 32
-FORMATS = ["f16", "turboquant", "f32", "f16"]
+FORMATS = ["f16", "turboquant", "f32", "bf16"]
 
 
 def _bytes_per_page(fmt: str) -> int:
@@ -45,6 +46,8 @@ def test_each_layer_answers_as_a_session_of_its_format(api, rng, enc):
             assert got.body["out"].tobytes() == want.body["out"].tobytes()
             if fmt == "f16":
                 k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+            if fmt == "bf16":
+                k, v = wire.to_float32(bf16_nearest(k)), wire.to_float32(bf16_nearest(v))
             model.add(layer, k, v)
             if fmt != "turboquant":
                 assert rel_err(got.body["out"], model.attention(layer, q)) <= F32_TOL
@@ -136,12 +139,15 @@ def test_exact_layers_are_the_per_layer_formats_they_stand_for(api, rng, enc):
     f32 = api.create(enc, num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=4,
                      kv_format=["tq4", "f16", "tq4", "tq4"], exact_layers=[-3], exact_format="f32")  # fmt: skip
     assert f32["layer_formats"] == ["tq4", "f32", "tq4", "tq4"]
+    bf16 = api.create(enc, num_qo_heads=H, num_kv_heads=HKV, head_dim=D, num_layers=4, kv_format="tq4",
+                      exact_layers=[0, -1], exact_format="bf16")  # fmt: skip
+    assert bf16["layer_formats"] == ["bf16", "tq4", "tq4", "bf16"]
     for layer in range(4):
         q, k, v = rows(rng, PAGE + 1, H, D), rows(rng, PAGE + 1, HKV, D), rows(rng, PAGE + 1, HKV, D)
         a = api.attend(short["session_id"], layer, q, k=k, v=v, enc=enc)
         b = api.attend(spelled, layer, q, k=k, v=v, enc=enc)
         assert a.status == b.status == 200 and a.body["out"].tobytes() == b.body["out"].tobytes()
-    for sid in (short["session_id"], spelled, f32["session_id"]):
+    for sid in (short["session_id"], spelled, f32["session_id"], bf16["session_id"]):
         api.delete(sid)
 
 
@@ -152,7 +158,7 @@ def test_exact_layers_are_the_per_layer_formats_they_stand_for(api, rng, enc):
         ({"exact_layers": [0, -5]}, "exact_layers[1]: expected a layer index in -4..3"),
         ({"exact_layers": ["0"]}, "exact_layers[0]: expected a layer index"),
         ({"exact_layers": 0}, "exact_layers: expected an array"),
-        ({"exact_layers": [0], "exact_format": "tq4"}, "exact_format: expected one of 'f16', 'f32'"),
+        ({"exact_layers": [0], "exact_format": "tq4"}, "exact_format: expected one of 'f16', 'bf16', 'f32'"),
         ({"exact_format": "f32"}, "exact_format: applies to exact_layers"),
     ],
 )

@@ -28,6 +28,7 @@ def test_info(api, server, enc):
     assert info["kv_formats"] == [
         "f32",
         "f16",
+        "bf16",
         "turboquant",
         "tq4",
         "tq3",
@@ -40,10 +41,12 @@ def test_info(api, server, enc):
         "tq2o",
     ]
     assert info["head_dims"]["turboquant"] == [32, 64, 128] and info["head_dims"]["f32"] == list(range(1, 129))
-    assert info["head_dims"]["f16"] == list(range(2, 129, 2))
-    assert info["kv_format_sizes"]["f16"] == [
-        {"head_dim": d, "bits_per_element": 16.0, "bytes_per_token_per_kv_head": 4 * d} for d in (32, 64, 128)
-    ]
+    assert info["head_dims"]["f16"] == info["head_dims"]["bf16"] == list(range(2, 129, 2))
+    assert (
+        info["kv_format_sizes"]["f16"]
+        == info["kv_format_sizes"]["bf16"]
+        == [{"head_dim": d, "bits_per_element": 16.0, "bytes_per_token_per_kv_head": 4 * d} for d in (32, 64, 128)]
+    )
     assert info["kv_format_sizes"]["turboquant"][2] == {
         "head_dim": 128,
         "bits_per_element": 2.75,

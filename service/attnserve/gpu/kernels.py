@@ -19,7 +19,7 @@ Array layouts (all float32, row-major):
 
 * queries ``[n, n_heads, head_dim]`` (``q_stride = out_stride = n_heads * head_dim``)
 * plain slabs ``[rows, n_kv_heads * head_dim]`` (slab row ``r`` at ``r * kv_dim``
-  elements), float32 (kv format ``f32``) or IEEE half (``f16``)
+  elements), float32 (kv format ``f32``), IEEE half (``f16``) or bfloat16 (``bf16``)
 * TurboQuant slabs (``turboquant`` and the variants, ``formats.TQ_SPECS``) as in
   ``shaders/tqx.wgsl``
 * new K/V rows ``[n, n_kv_heads, head_dim]``
@@ -47,7 +47,7 @@ from attnserve_client.wire import BFLOAT16
 from ..errors import InvalidRequest
 from ..turboquant import qjl_scale
 from . import params as P
-from ..formats import PLAIN_ELEMENT_BYTES, TQ_SPECS
+from ..formats import HALF_FORMATS, PLAIN_ELEMENT_BYTES, TQ_SPECS
 from .shaders import plain_kernel, tqx_kernel
 from .batch import (
     PHASE_ANSWER, PHASE_ATTEND, PHASE_MERGE, PHASE_ROTATE, PHASE_WRITE, Batch, Items, Resource, Seg, whole,
@@ -116,7 +116,7 @@ def plan_uploads_as(batch: Batch, arrays: Sequence[tuple[np.ndarray, str]]) -> l
             out.append(batch.upload_items(data))
             continue
         count, per_item = int(data.shape[0]), int(data[0].size)
-        if want.itemsize == 2 and per_item % 2 and count > 1:  # (a plain f16 layer's rows are whole words)
+        if want.itemsize == 2 and per_item % 2 and count > 1:  # (a plain half layer's rows are whole words)
             raise ValueError(f"half-precision items of an odd size ({per_item}) cannot be converted in place")
         items = batch.reserve_items(count, per_item * want.itemsize)
         src = batch.upload_wire(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
@@ -627,13 +627,14 @@ class KernelPolicy:
     # Measured on the H200 (bench/probes/decode_sweep.py, docs/benchmarks.md): the longest
     # splits win; 128 gives 512-key splits from 8k context on with 8 KV heads.
     target_workgroups: int = 128
-    # The plain (f32, f16) query-block prefill kernel behind the "tiled" path: "tiled"
+    # The plain (f32, f16, bf16) query-block prefill kernel behind the "tiled" path: "tiled"
     # (attention_prefill_tiled, 64 rows x 32 keys per tile) or "rb"
     # (attention_prefill_rb, 64 rows x 64 keys, outer-product register blocks).
     # "rb" measured faster on the H200 (bench/prefill_sweep.py, docs/benchmarks.md).
     prefill_f32: str = "rb"
-    # The same choice for f16: "tiled" measured faster on the H200 (2.40 against
-    # 2.75 ms at 2048 x 2048, 5.01 against 5.48 at 512 x 8192; docs/benchmarks.md).
+    # The same choice for the half formats (f16, bf16: the same slab bytes): "tiled"
+    # measured faster for f16 on the H200 (2.40 against 2.75 ms at 2048 x 2048, 5.01
+    # against 5.48 at 512 x 8192; docs/benchmarks.md); bf16 takes f16's until measured.
     prefill_f16: str = "tiled"
     # attention_prefill_rb: specialize the pipeline on G and head_dim (override
     # constants GROUP, HEAD_DIM; one pipeline per shape) or run the generic one.
@@ -641,7 +642,7 @@ class KernelPolicy:
 
     def plain_prefill(self, kv_format: str) -> str:
         """The query-block prefill kernel ("rb" or "tiled") of a plain format."""
-        return self.prefill_f16 if kv_format == "f16" else self.prefill_f32
+        return self.prefill_f16 if kv_format in HALF_FORMATS else self.prefill_f32
 
     def path(self, kv_format: str, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
         """ "split", "tiled" or "single" for this attend. The split kernels take any
@@ -1105,7 +1106,7 @@ def _plan_one(batch: Batch, plan: Callable[..., None], *args: Any) -> None:
 
 
 def plan_attend_plain(batch: Batch, a: Attend, kv_format: str) -> None:
-    """Attention over a plain slab (``f32`` or ``f16``) with the kernel family
+    """Attention over a plain slab (``f32``, ``f16`` or ``bf16``) with the kernel family
     ``batch.policy`` picks for the shape: split-KV (batched with the batch's other
     split attends), the query-block tiled prefill, or the single-pass kernel."""
     path = batch.policy.path(kv_format, a.n_queries, a.n_heads, a.n_kv_heads, a.head_dim)
