@@ -104,7 +104,7 @@ class TinyModel:
 KEY_EPILOG = "A server with API keys: set ATTNSERVE_API_KEY (no option takes a key: a command line shows in ps)."
 
 #: --kv-format's help: the server owns the list of formats.
-KV_FORMAT_HELP = "a kv format the server offers (GET /v1/info kv_formats: f32, f16, turboquant, tq4, ...)"
+KV_FORMAT_HELP = "a kv format the server offers (GET /v1/info kv_formats: f32, f16, bf16, turboquant, tq4, ...)"
 
 
 def unoffered_kv_format(client, kv_format: str) -> str | None:

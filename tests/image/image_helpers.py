@@ -21,7 +21,7 @@ from attnserve_client import wire
 from contract_helpers import TYPES, Model, Resp, decode, rel_err, request_parts, rows, to_wire  # noqa: F401
 
 ENCODINGS = ("json", "msgpack")
-KV_FORMATS = ("f32", "f16", "turboquant")
+KV_FORMATS = ("f32", "f16", "bf16", "turboquant")
 PROBLEM = "application/problem+json"
 # Relative error (max abs error over max abs value) of float32 attention on the
 # device against the float64 oracle, and of TurboQuant against its own float64

@@ -116,11 +116,11 @@ def test_info(api, target, enc):
     # every format of this checkout, in its order (the ones tested below among them)
     assert info["kv_formats"] == list(ALL_FORMATS) and set(KV_FORMATS) <= set(ALL_FORMATS)
     assert info["head_dims"]["turboquant"] == [32, 64, 128]
-    assert info["head_dims"]["f16"] == list(range(2, 129, 2))
+    assert info["head_dims"]["f16"] == info["head_dims"]["bf16"] == list(range(2, 129, 2))
     sizes = {fmt: {s["head_dim"]: s for s in info["kv_format_sizes"][fmt]} for fmt in info["kv_formats"]}
-    fmts = ("f32", "f16", "turboquant", "tq4", "tq3", "tq2o")
-    assert [sizes[fmt][128]["bytes_per_token_per_kv_head"] for fmt in fmts] == [1024, 512, 88, 136, 104, 80]
-    assert [sizes[fmt][64]["bits_per_element"] for fmt in fmts] == [32, 16, 3.0, 4.5, 3.5, 3.0]
+    fmts = ("f32", "f16", "bf16", "turboquant", "tq4", "tq3", "tq2o")
+    assert [sizes[fmt][128]["bytes_per_token_per_kv_head"] for fmt in fmts] == [1024, 512, 512, 88, 136, 104, 80]
+    assert [sizes[fmt][64]["bits_per_element"] for fmt in fmts] == [32, 16, 16, 3.0, 4.5, 3.5, 3.0]
     assert info["adapter"]["name"] and info["backend"], info
     if target.adapter:
         assert target.adapter.lower() in info["adapter"]["name"].lower(), info["adapter"]
@@ -487,8 +487,12 @@ def test_client_package(target, rng, fmt):
         with pytest.raises(SessionExists):
             client.create_session(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, session_id=sid)
         m = Model(h, hkv, d, 2)
-        # the oracle holds the rows as the format stores them (f16: rounded to float16)
-        kept = (lambda x: x.astype(np.float16).astype(np.float32)) if fmt == "f16" else (lambda x: x)
+        # the oracle holds the rows as the format stores them (f16: rounded to float16,
+        # bf16: to bfloat16, as wire.to_bfloat16 rounds)
+        kept = {
+            "f16": lambda x: x.astype(np.float16).astype(np.float32),
+            "bf16": lambda x: wire.to_float32(wire.to_bfloat16(x)),
+        }.get(fmt, lambda x: x)
         for layer in (0, 1):
             k, v = rows(rng, 20, hkv, d), rows(rng, 20, hkv, d)
             assert session.append(layer, k, v) == 20

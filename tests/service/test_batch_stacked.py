@@ -93,8 +93,8 @@ def test_stacked_mixes_formats_and_lengths_across_pages(api, rng):
     bit-identical to the same attends sent one by one to twin sessions, step after
     step."""
     h, hkv, d = 4, 2, 32
-    formats = ["f32", "f16", "turboquant", "tq4", "tq2o", ["f32", "tq4o"], "tq3q"]
-    lengths = [15, 16, 17, 1, 31, 33, 0]  # prefilled rows of each: around page edges
+    formats = ["f32", "f16", "turboquant", "tq4", "tq2o", ["f32", "tq4o"], "tq3q", "bf16"]
+    lengths = [15, 16, 17, 1, 31, 33, 0, 18]  # prefilled rows of each: around page edges
     pairs = []
     for fmt, length in zip(formats, lengths):
         spec = dict(num_qo_heads=h, num_kv_heads=hkv, head_dim=d, kv_format=fmt, num_layers=2)

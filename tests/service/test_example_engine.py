@@ -38,7 +38,7 @@ ARGS = [
 
 
 @pytest.mark.parametrize("transport", ["stream", "http"])
-@pytest.mark.parametrize("fmt", ["f32", "turboquant", "f16", "tq2o"])
+@pytest.mark.parametrize("fmt", ["f32", "turboquant", "f16", "bf16", "tq2o"])
 def test_engine_loop_passes(example, server, capsys, transport, fmt):
     assert example.main([*ARGS, "--url", server.url, "--transport", transport, "--kv-format", fmt]) == 0
     out = capsys.readouterr().out

@@ -16,7 +16,7 @@ import pytest
 from attnserve_client import Client, wire
 from svc_helpers import PAGE, rows
 
-SHAPES = [(4, 2, 32, "f32"), (6, 2, 64, "turboquant")]
+SHAPES = [(4, 2, 32, "f32"), (6, 2, 64, "turboquant"), (4, 2, 72, "bf16")]
 
 
 def _fork(api, sid, body=None, enc="json"):

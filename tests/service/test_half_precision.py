@@ -125,7 +125,7 @@ def _sessions(api, n: int, fmt: str) -> list[str]:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", ["<f2", "bfloat16"])
-@pytest.mark.parametrize("fmt", ["f32", "f16"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
 def test_half_arrays_answer_as_the_float32_request_of_their_values(hserver, hapi, rng, transport, dtype, fmt):
     api, b = hapi, 2
     half, full, as_f32 = _sessions(api, b, fmt), _sessions(api, b, fmt), _sessions(api, b, fmt)
@@ -152,6 +152,8 @@ def test_half_arrays_answer_as_the_float32_request_of_their_values(hserver, hapi
                 k_all, v_all = np.concatenate(keys[i]), np.concatenate(vals[i])
                 if fmt == "f16":  # the layer stores float16 (bfloat16 rows rounded once more)
                     k_all, v_all = k_all.astype(np.float16), v_all.astype(np.float16)
+                if fmt == "bf16":  # bfloat16 (bfloat16 rows kept, float16 ones rounded once more)
+                    k_all, v_all = (wire.to_float32(bf16_nearest(a)) for a in (k_all, v_all))
                 exact = oracle(widened["q"][i], k_all, v_all)
                 assert rel_err(wire.to_float32(out), exact) <= TOL[dtype]
     finally:

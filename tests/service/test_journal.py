@@ -24,6 +24,7 @@ SHAPES = {
     "tq-s": dict(kv_format="turboquant", num_layers=2, num_qo_heads=4, num_kv_heads=1, head_dim=64),
     # per-layer formats: each layer's pages journaled in its own layout
     "mixed-s": dict(kv_format=["turboquant", "f32"], num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32),
+    "half-s": dict(kv_format=["bf16", "f16"], num_layers=2, num_qo_heads=6, num_kv_heads=3, head_dim=40),
 }
 
 
@@ -103,7 +104,12 @@ def test_sigkill_mid_load_loses_nothing_older_than_the_last_sync(tmp_path, rng):
             proc.kill()
             proc.wait()
     assert not list(snapdir.glob("*.snap"))  # a hard kill wrote no snapshot: all comes from journals
-    assert sorted(p.name for p in snapdir.glob("*.journal")) == ["f32-s.journal", "mixed-s.journal", "tq-s.journal"]
+    assert sorted(p.name for p in snapdir.glob("*.journal")) == [
+        "f32-s.journal",
+        "half-s.journal",
+        "mixed-s.journal",
+        "tq-s.journal",
+    ]
 
     proc = _start(port, env, log)
     try:

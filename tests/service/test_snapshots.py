@@ -12,6 +12,7 @@ from svc_helpers import rows
 
 FORMATS = [
     ("f32", 8, 2, 32),
+    ("bf16", 6, 3, 40),
     ("turboquant", 8, 2, 64),
     ("tq4", 8, 2, 64),
     ("tq3q", 4, 1, 32),
@@ -195,6 +196,29 @@ def test_corrupt_outlier_regions_create_nothing(api, rng, fmt, h, hkv, d):
     r = _restore(api, "never-created", blob)
     assert r.status == 201, r.body
     api.delete("never-created")
+    api.delete(sid)
+
+
+def test_a_bf16_snapshot_with_a_non_finite_value_creates_nothing(api, rng):
+    """A bf16 layer's used rows must be finite bfloat16 (an append never stores
+    others): a NaN or an infinity there is a 422; past the length, the words are not
+    read."""
+    sid = _session(api, rng, "bf16", 4, 2, 40)
+    doc = wire.unpackb(_snapshot(api, sid), max_bytes=1 << 30)
+    layer = doc["layers"][0]
+    used = layer["length"] * 2 * 40
+    for name, at, bits in (("k", 3, 0x7FC0), ("v", used - 1, 0xFF80)):  # a NaN; -inf, the last used element
+        bad = bytearray(layer[name])
+        bad[2 * at : 2 * at + 2] = int(bits).to_bytes(2, "little")
+        r = _restore(api, "never-created", _reseal(_mutate(doc, ("layers", 0, name), bytes(bad))))
+        assert r.status == 422 and f"layers[0].{name}: non-finite values" in r.body["detail"], r.body
+        assert api.call("GET", "/v1/sessions/never-created").status == 404
+    if layer["capacity"] > layer["length"]:  # a NaN in the capacity past the length is not read
+        bad = bytearray(layer["k"])
+        bad[2 * used : 2 * used + 2] = (0x7FC0).to_bytes(2, "little")
+        r = _restore(api, "past-the-length", _reseal(_mutate(doc, ("layers", 0, "k"), bytes(bad))))
+        assert r.status == 201, r.body
+        api.delete("past-the-length")
     api.delete(sid)
 
 
