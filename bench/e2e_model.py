@@ -485,6 +485,10 @@ class OracleAttention:
 
         fmt = self.formats[layer]
         exact = tuple(a.astype(np.float64) for a in (k, v))  # float32 as sent, as the service keeps them
+        if fmt == "bf16":  # numpy has no bfloat16 arithmetic: rounded as the service rounds
+            from attnserve_client import wire
+
+            return (*exact, *(wire.to_float32(wire.to_bfloat16(a)).astype(np.float64) for a in (k, v)))
         if fmt in self.plain:
             return (*exact, *(a.astype(self.plain[fmt]).astype(np.float64) for a in (k, v)))
         spec, (ps, js), n = self.specs[fmt], self.signs[layer], k.shape[0]
@@ -648,7 +652,7 @@ def average_bits(
 
     formats = per_layer_formats(kv_format, exact, cfg.n_layers)
     extra = 32.0 * min(sinks + window, tokens) / tokens
-    return sum(bits(f) + (extra if f not in ("f16", "f32") else 0.0) for f in formats) / len(formats)
+    return sum(bits(f) + (extra if f not in ("f16", "bf16", "f32") else 0.0) for f in formats) / len(formats)
 
 
 def per_layer_formats(kv_format: str | list[str], exact: list[int] | None, n_layers: int) -> list[str]:

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         "--prefill-f16",
         choices=["tiled", "rb"],
         default=K.KernelPolicy.prefill_f16,
-        help="the same for f16",
+        help="the same for the half formats (f16, bf16)",
     )
     args = ap.parse_args(argv)
 

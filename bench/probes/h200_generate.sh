@@ -42,6 +42,6 @@ GGUF=${3:?gguf}
   --settings f32,tq4v3/s4w128 --out "$OUTDIR/generate.json" 2>&1 | grep -v "Converting\|Loading weights"
 # every format alone, then the windowed settings (about 10 s each on the H200)
 timeout 400 python3 bench/generate.py --adapter nvidia --gguf "$GGUF" --batches "" \
-  --fidelity f32,f16,turboquant,tq4,tq3,tq4v2,tq4v3,tq3q,tq4q,tq4o,tq3o,tq2o,tq4v3/s4w128,tq4/s4w128,turboquant/s4w128 \
+  --fidelity f32,f16,bf16,turboquant,tq4,tq3,tq4v2,tq4v3,tq3q,tq4q,tq4o,tq3o,tq2o,tq4v3/s4w128,tq4/s4w128,turboquant/s4w128 \
   --out "$OUTDIR/generate-fidelity.json" 2>&1 \
   | grep -v "Converting\|Loading weights"
