@@ -20,7 +20,11 @@ from _core import bf16_nearest, lse_err, read_words, rel_err, reserve, rows, ses
 
 pytestmark = pytest.mark.gpu
 
-F32_TOL = 1e-5  # test_core_attention.py's bound for the plain formats
+# test_core_attention.py's bound for the plain formats. Measured spread of the attention
+# test below (ATTNSERVE_TEST_SEED=0..24, every kernel path and both head dims, 300 runs,
+# lavapipe): median 7.3e-7, worst 2.0e-6 (tiled-rb); the output's own rounding, not
+# bfloat16's (the oracle holds the stored rows).
+F32_TOL = 1e-5
 
 
 def _awkward(rng, n: int, hkv: int, d: int) -> np.ndarray:
