@@ -56,7 +56,7 @@ slab holding bfloat16 bits, loaded through LayerCache.load_words: the same layou
 rounded to nearest even on the host), ``f32``. Variants (``VARIANTS``):
 
 - ``base``: the shipped split kernel (``attention_split.f16`` / ``.f32``; for bf16 the
-  shipped file compiled with this folder's include/kv_vec4_bf16.wgsl);
+  shipped file compiled with the shipped bf16 slab include, shaders/include/kv_vec4_bf16.wgsl);
 - ``wide``: bench/probes/shaders/half_split_wide.wgsl, (b) of the issue's brief;
 - ``flash``, ``flash-t2``, ``flash-long``: half_split_flash.wgsl, (c)
   (and over f32, (d)); needs the adapter's ``subgroup`` feature (asked for here) and
