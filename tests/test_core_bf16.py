@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnserve.formats import bytes_per_token
+from attnserve.errors import InvalidRequest
+from attnserve.formats import BF16_INF_FROM, bytes_per_token
+from attnserve.step.rules import kv_rows_problem
 from attnserve_client import wire
 from tools import reference as ref
 
@@ -121,3 +123,23 @@ def test_attention_at_awkward_head_dims_matches_the_oracle(engine, rng, kernel_p
         assert err <= F32_TOL, (q.shape, len(k), causal, err)
         assert lse_err(res.lse, want_lse) <= F32_TOL
     print(f"worst bf16 relative error ({kernel_path}, d {d})", worst)
+
+
+def test_float32_values_that_round_to_infinity_are_refused(engine, rng):
+    """A float32 value of magnitude 2^128 - 2^119 or more rounds to infinity in
+    bfloat16 (the midpoint past the largest bfloat16 rounds up to the even
+    infinity): refused naming it; the largest that rounds to a finite bfloat16 is
+    taken, and stored as the largest bfloat16."""
+    s = session(engine, "bf16", 2, 1, 8)
+    k = rows(rng, 3, 1, 8)
+    v = k.copy()
+    below = np.nextafter(np.float32(BF16_INF_FROM), np.float32(0))
+    assert wire.to_bfloat16(np.array([BF16_INF_FROM], np.float32)).view(np.uint16)[0] == 0x7F80  # inf
+    assert wire.to_bfloat16(np.array([below], np.float32)).view(np.uint16)[0] == 0x7F7F  # the largest finite
+    v[2, 0, 5] = -BF16_INF_FROM
+    problem = kv_rows_problem(engine.max_binding, s.config, k, v, "bf16")
+    assert isinstance(problem, InvalidRequest) and problem.detail.startswith("v[2, 0, 5]: -3.396")
+    assert "rounds to infinity in bfloat16" in problem.detail
+    v[2, 0, 5] = -below
+    assert kv_rows_problem(engine.max_binding, s.config, k, v, "bf16") is None
+    assert s.layers[0].length == 0

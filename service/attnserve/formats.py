@@ -151,6 +151,10 @@ PLAIN_ELEMENT_BYTES = {fmt: int(dtype[2:]) for fmt, dtype in PLAIN_DTYPES.items(
 HALF_FORMATS = tuple(fmt for fmt, size in PLAIN_ELEMENT_BYTES.items() if size == 2)
 TQ_HEAD_DIMS = (32, 64, 128)
 F16_MAX = 65504.0  # the largest finite float16
+#: The smallest magnitude a float32 value rounds to infinity from in bfloat16 (to
+#: nearest even): 2^128 - 2^119, the midpoint past the largest bfloat16 (2^128 - 2^120),
+#: a tie that rounds up to the even infinity. Finite float32 values from here on are refused.
+BF16_INF_FROM = float(2.0**128 - 2.0**119)
 
 
 def is_plain(kv_format: str) -> bool:

@@ -223,3 +223,32 @@ def test_json_answers_give_the_values_of_the_asked_dtype(hapi, rng):
         got = np.array(json.loads(r.raw)["out"], np.float64)
         assert np.array_equal(got, wire.to_float32(_narrow(ref, dtype)).astype(np.float64))
     api.delete(sid)
+
+
+def test_float32_rows_that_round_to_infinity_in_bf16_are_refused(hapi, rng):
+    """A bf16 layer refuses float32 rows with a value that rounds to infinity in
+    bfloat16 (2^128 - 2^119 or more), in an append and in a stacked step's item
+    alone, and appends nothing for them; the largest value that rounds to a
+    finite bfloat16 is taken."""
+    from attnserve.formats import BF16_INF_FROM
+
+    api = hapi
+    a, b = _sessions(api, 2, "bf16")
+    k = rng.standard_normal((2, HKV, D)).astype(np.float32)
+    bad = k.copy()
+    bad[1, 0, 3] = BF16_INF_FROM
+    r = api.append(a, 0, k, bad)
+    assert r.status == 422 and "rounds to infinity in bfloat16" in r.body["detail"], r.body
+    q = rng.standard_normal((2, 1, H, D)).astype(np.float32)
+    kk = np.stack([k[:1], k[:1]])
+    vv = np.stack([k[:1], bad[1:]])
+    r = api.call("POST", "/v1/batch/attend", {"session_ids": [a, b], "layer": 0, "q": q, "k": kk, "v": vv},
+                 enc="msgpack")  # fmt: skip
+    assert r.status == 200 and [e["item"] for e in r.body["errors"]] == [1], r.body
+    assert "rounds to infinity in bfloat16" in r.body["errors"][0]["detail"]
+    below = np.nextafter(np.float32(BF16_INF_FROM), np.float32(0))
+    bad[1, 0, 3] = below
+    assert api.append(b, 0, k, bad).status == 200
+    assert [api.info(s)["lengths"] for s in (a, b)] == [[1], [2]]
+    for s in (a, b):
+        api.delete(s)

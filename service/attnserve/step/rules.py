@@ -33,7 +33,7 @@ import numpy as np
 from ..codec import wire
 from ..engine import Engine
 from ..errors import ApiError, InvalidRequest, LayerNotFound
-from ..formats import F16_MAX, TQ_SPECS
+from ..formats import BF16_INF_FROM, F16_MAX, TQ_SPECS
 from ..gpu.kernels import rotated_q_bytes
 from ..gpu.step_plan import StepPlans
 from ..kvcache import SessionConfig
@@ -213,8 +213,9 @@ def _check_arrays(
     item_shape = k.shape[1:]
     problem = _kv_shape_problem(config, item_shape, v.shape[1:])
     if problem is None:
-        # the formats whose values have a range (float16 rows always fit a float16 layer)
-        if fmt in TQ_SPECS or fmt == "f16" and k.dtype != np.float16:
+        # the formats whose values have a range (float16 rows always fit a float16
+        # layer; float16 and bfloat16 rows always fit a bfloat16 one)
+        if fmt in TQ_SPECS or fmt == "f16" and k.dtype != np.float16 or fmt == "bf16" and k.dtype == np.float32:
             if k.dtype == wire.BFLOAT16:  # its range is float32's: judged on its values
                 k, v = wire.to_float32(k), wire.to_float32(v)
             whole = len(rows) == len(k)  # every row of the step: no gather
@@ -284,9 +285,9 @@ def kv_values_clear(k: np.ndarray, v: np.ndarray, kv_format: str) -> np.ndarray:
             clear &= norms.max(axis=1) <= MAX_NORM * margin
             if n:
                 clear &= outlier_bound(a, n, bits).reshape(b, -1).max(axis=1) <= MAX_OUTLIER * margin
-    elif kv_format == "f16":
+    elif kv_format in _HALF_RANGE:
         for a in (k, v):
-            clear &= np.abs(a).reshape(b, -1).max(axis=1) <= F16_MAX
+            clear &= ~_past_half_range(a, kv_format).reshape(b, -1).any(axis=1)
     return clear
 
 
@@ -316,16 +317,30 @@ def _kv_values_problem(config: SessionConfig, k: np.ndarray, v: np.ndarray, kv_f
                     f"of them could be stored as up to {bound:.6g} (its largest |value| + {factor:.4g} x "
                     f"the norm of the rest of the row), over {MAX_OUTLIER:g}; scale the rows down"
                 )
-    elif kv_format == "f16":
+    elif kv_format in _HALF_RANGE:
         for name, a in (("k", k), ("v", v)):
-            big = np.abs(a) > F16_MAX
+            big = _past_half_range(a, kv_format)
             if big.any():
                 i, h, j = (int(x) for x in np.argwhere(big)[0])
                 return InvalidRequest(
-                    f"{name}[{i}, {h}, {j}]: {float(a[i, h, j]):.6g} is past {F16_MAX:g}, the largest value "
-                    "f16 stores; scale the rows down or use f32"
+                    f"{name}[{i}, {h}, {j}]: {float(a[i, h, j]):.7g} {_HALF_RANGE[kv_format]}; "
+                    "scale the rows down or use f32"
                 )
     return None
+
+
+#: The plain half formats' range, as a refusal says it (the values past it would be stored as inf).
+_HALF_RANGE = {
+    "f16": f"is past {F16_MAX:g}, the largest value f16 stores",
+    "bf16": "rounds to infinity in bfloat16 (as every value of magnitude 2^128 - 2^119, about 3.396e38, or more)",
+}
+
+
+def _past_half_range(a: np.ndarray, kv_format: str) -> np.ndarray:
+    """Where ``a``'s values would be stored as inf by the plain half format ``kv_format``
+    (float16 and bfloat16 input always fits bf16; float32 past its range does not)."""
+    past: np.ndarray = np.abs(a) > F16_MAX if kv_format == "f16" else np.abs(a) >= BF16_INF_FROM
+    return past
 
 
 def kv_rows_problem(
