@@ -1,7 +1,10 @@
 """The 8-bit kv candidates of bench/probes/kv8_fidelity.py (issue 54, item 2): the OCP
 FP8 E4M3FN encoder checked exhaustively (every code's value from the spec's table, a
 sweep of float32s against a brute-force nearest-code search with ties to even), and
-the int8 / scaled e4m3 round trips' error bounds."""
+the int8 / scaled e4m3 round trips' error bounds; the key codes for outlier channels:
+the fast Hadamard against tools.reference's matrix, the rotations orthogonal to 1e-12
+(TurboQuant's signs; a dense Haar one at d 72), the rotated, per-channel and centered
+round trips within their stated steps at awkward sizes (13 rows, d 72), seeds swept."""
 
 from __future__ import annotations
 
@@ -113,3 +116,163 @@ def test_int8_codes_round_to_even_and_zero_rows():
 def test_bits_per_element():
     assert kv8.bits_per_element("int8", 64) == 8.25 and kv8.bits_per_element("int8", 128) == 8.125
     assert kv8.bits_per_element("int8a", 64) == 8.5 and kv8.bits_per_element("e4m3", 128) == 8
+
+
+# -- the key codes for outlier channels: rotations, per-channel, centered --------------------
+
+import sys  # noqa: E402
+
+for _p in (ROOT / "service", ROOT):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from attnserve.turboquant import layer_signs  # noqa: E402
+from tools import reference as ref  # noqa: E402
+
+
+def _rows(seed: int, n: int, d: int, hkv: int = 2) -> np.ndarray:
+    """LLM-like rows: mixed magnitudes, a few large channels, a per-channel offset."""
+    rng = np.random.default_rng([seed, n, d])
+    x = rng.standard_normal((n, hkv, d)) * rng.uniform(0.05, 20, (n, hkv, 1))
+    x[..., rng.choice(d, 3, replace=False)] *= 25
+    x += rng.standard_normal(d) * 3
+    return x.astype(np.float32)
+
+
+def _int8a_bound(y: np.ndarray, axis: int = -1) -> np.ndarray:
+    """int8a's worst error on vectors along ``axis``: half a step of (max - min) / 254
+    with the float16 scale's rounding, plus the float16 offset's rounding."""
+    lo, hi = y.min(axis, keepdims=True).astype(np.float64), y.max(axis, keepdims=True).astype(np.float64)
+    return (hi - lo) / 254 * (0.5 + 2.0**-9) + np.abs(lo) * 2.0**-11 * 2 + 1e-30
+
+
+def _int8_bound(y: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.abs(y).max(axis, keepdims=True).astype(np.float64) / 127 * (0.5 + 2.0**-10) + 1e-30
+
+
+@pytest.mark.parametrize("d", [1, 2, 4, 8, 32, 64, 128, 256])
+def test_fwht_is_sylvester_hadamard(d):
+    x = np.random.default_rng(d).standard_normal((5, 3, d))
+    want = x @ ref.hadamard(d).T
+    assert np.allclose(kv8.fwht(x), want, rtol=0, atol=1e-12 * np.abs(want).max())
+    assert np.array_equal(kv8.fwht(x), kv8.fwht(x.copy())) and not np.shares_memory(kv8.fwht(x), x)
+
+
+def test_fwht_needs_a_power_of_two():
+    for d in (72, 3, 96):
+        with pytest.raises(ValueError, match="power-of-two"):
+            kv8.fwht(np.zeros((2, d)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7, 2**40 + 3])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_rht_rotation_is_turboquants_and_orthogonal(seed, d):
+    for layer in (0, 5):
+        rot, unrot = kv8.rotation("rht", seed, layer, d)
+        m = rot(np.eye(d))  # row i: the image of e_i, i.e. the matrix R.T
+        assert np.abs(m @ m.T - np.eye(d)).max() < 1e-12
+        s = layer_signs(seed, layer, d)[0].astype(np.float64)
+        x = np.random.default_rng([seed, layer]).standard_normal((13, 2, d))
+        assert np.abs(rot(x) - ref.rht(x, s)).max() < 1e-12 * np.abs(x).max() * np.sqrt(d)
+        assert np.abs(unrot(ref.rht(x, s)) - x).max() < 1e-12 * np.abs(x).max() * np.sqrt(d)
+        # q . k is kept: the query rotated once at attend
+        q = np.random.default_rng([seed, layer, 1]).standard_normal(d)
+        assert np.allclose(rot(x) @ rot(q), x @ q, rtol=0, atol=1e-12 * np.abs(x @ q).max() + 1e-12)
+    # the layer and the seed pick the signs
+    assert not np.array_equal(kv8.rht_signs(seed, 0, d), kv8.rht_signs(seed, 1, d))
+    assert not np.array_equal(kv8.rht_signs(seed, 0, d), kv8.rht_signs(seed + 1, 0, d))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("d", [13, 64, 72, 128])
+def test_haar_rotation_is_orthogonal(seed, d):
+    r = kv8.haar_rotation(seed, 3, d)
+    assert np.abs(r @ r.T - np.eye(d)).max() < 1e-12 and np.abs(r.T @ r - np.eye(d)).max() < 1e-12
+    assert np.array_equal(r, kv8.haar_rotation(seed, 3, d))  # deterministic
+    assert not np.allclose(r, kv8.haar_rotation(seed + 1, 3, d))
+    rot, unrot = kv8.rotation("haar", seed, 3, d)
+    x = np.random.default_rng(seed).standard_normal((13, 2, d))
+    assert np.abs(unrot(rot(x)) - x).max() < 1e-12 * np.abs(x).max() * np.sqrt(d)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    ("name", "d"), [("rint8", 64), ("rint8a", 64), ("rint8", 128), ("rint8a", 128), ("oint8", 72), ("oint8a", 72)]
+)
+def test_rotated_round_trip_within_the_rotated_step(seed, name, d):
+    x = _rows(seed, 13, d)
+    fk, fv = kv8.quantizer(name, seed, 2)
+    got = fk(x)
+    assert got.dtype == np.float64 and got.shape == x.shape and np.array_equal(fv(x), got)
+    rot, _ = kv8.rotation("rht" if name[0] == "r" else "haar", seed, 2, d)
+    y = rot(x).astype(np.float32)  # the row as the kernel would store it, before its code
+    err = np.abs(rot(got) - y)  # the code's error, in the rotated space
+    bound = (_int8a_bound(y) if name.endswith("a") else _int8_bound(y)) + 1e-12 * np.abs(y).max()
+    assert np.all(err <= bound)
+    # orthonormal: the row's error norm is the rotated one's (within float32 rounding of y)
+    e = np.linalg.norm(got - x, axis=-1)
+    assert np.all(e <= np.sqrt(d) * bound[..., 0] + 1e-6 * np.linalg.norm(x, axis=-1))
+    # the rotation spreads the outlier channels: a finer code than int8 / int8a's
+    plain = kv8.int8_asym(x) if name.endswith("a") else kv8.int8_sym(x)
+    assert np.linalg.norm(got - x) < np.linalg.norm(plain - x)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("group", [1, 4, 5, 13, 64])
+@pytest.mark.parametrize("d", [72, 64])
+def test_per_channel_round_trip_against_float64_groups(seed, group, d):
+    x = _rows(seed, 13, d)
+    for base, bound_of in (("int8", _int8_bound), ("int8a", _int8a_bound)):
+        got = kv8.quantizer(f"c{base}{group}")[0](x)
+        assert got.shape == x.shape and got.dtype == np.float32
+        for at in range(0, 13, group):  # the groups as float64 runs of rows, per channel
+            blk = x[at : at + group].astype(np.float64)
+            assert np.all(np.abs(got[at : at + group] - blk) <= bound_of(blk, axis=0))
+        # a group's scales see its own rows only
+        y = x.copy()
+        y[min(group, 12) :] *= 7
+        if group < 13:
+            assert np.array_equal(kv8.quantizer(f"c{base}{group}")[0](y)[:group], got[:group])
+
+
+def test_per_channel_beats_per_vector_on_channel_scales():
+    # KIVI's case: rows of one size, channels of very different scales and offsets
+    rng = np.random.default_rng(3)
+    scale = np.exp(rng.uniform(-2, 3, 64))
+    x = (rng.standard_normal((64, 2, 64)) * scale + rng.standard_normal(64) * 5).astype(np.float32)
+    small = scale < np.median(scale)  # the channels a per-vector step is too coarse for
+    pc, pv = kv8.quantizer("cint8a")[0](x), kv8.int8_asym(x)
+    assert np.linalg.norm((pc - x)[..., small]) < np.linalg.norm((pv - x)[..., small]) / 10
+    assert np.linalg.norm(pc - x) < np.linalg.norm(pv - x)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_centered_codes_the_rows_less_the_first_page_mean(seed):
+    x = _rows(seed, 80, 64)
+    mu = x[:64].astype(np.float64).mean(0).astype(np.float32)
+    got = kv8.quantizer("zint8a")[0](x)
+    assert np.allclose(got, kv8.int8_asym((x - mu).astype(np.float32)) + mu.astype(np.float64), rtol=0, atol=1e-6)
+    assert np.all(np.abs(got - x) <= _int8a_bound(x - mu) + 1e-5 * np.abs(x).max())
+    # keys: softmax ignores the shift (every score of a query moves by q . mu)
+    q = np.random.default_rng(seed).standard_normal(64)
+    s1, s2 = x[:, 0] @ q, (x[:, 0] - mu[0]) @ q
+    p1, p2 = np.exp(s1 - s1.max()), np.exp(s2 - s2.max())
+    assert np.allclose(p1 / p1.sum(), p2 / p2.sum(), rtol=1e-9, atol=1e-12)
+    # centred then rotated: rint8a of x - mu, plus mu
+    zr = kv8.quantizer("zrint8a", seed, 1)[0](x)
+    assert np.allclose(zr, kv8.quantizer("rint8a", seed, 1)[0]((x - mu).astype(np.float32)) + mu, rtol=0, atol=1e-6)
+
+
+def test_new_candidates_seeds_bits_and_zero_rows():
+    assert kv8.seeded("rint8a") and kv8.seeded("zrint8a:int8a") and kv8.seeded("f16:oint8")
+    assert not kv8.seeded("cint8a:int8a") and not kv8.seeded("zint8a") and not kv8.seeded("int8a")
+    x = _rows(0, 13, 64)
+    assert not np.array_equal(kv8.quantizer("rint8a", 0)[0](x), kv8.quantizer("rint8a", 1)[0](x))
+    assert np.array_equal(kv8.quantizer("cint8a", 0)[0](x), kv8.quantizer("cint8a", 1)[0](x))
+    assert kv8.bits_per_element("rint8", 64) == 8.25 and kv8.bits_per_element("rint8a", 128) == 8.25
+    assert kv8.bits_per_element("oint8a", 64) == 8.5 and kv8.bits_per_element("zrint8a", 64) == 8.5
+    assert kv8.bits_per_element("cint8a", 128) == 8.5 and kv8.bits_per_element("cint8", 64) == 8.25
+    assert kv8.bits_per_element("cint8a16", 64) == 10 and kv8.bits_per_element("cint8a:int8a", 64) == 8.5
+    z = np.zeros((13, 2, 64), np.float32)
+    for name in ("rint8", "rint8a", "oint8", "oint8a", "cint8", "cint8a", "cint8a5", "zint8a", "zrint8a"):
+        assert np.array_equal(kv8.quantizer(name, 3, 1)[0](z), z), name
