@@ -5,7 +5,7 @@ round-trip quantizers of K and V rows measured on CPU, no GPU and no server.
     python bench/probes/kv8_fidelity.py [--contexts 1024,4096,32768] [--queries 8]
         [--candidates int8,int8a,e4m3s,e4m3,f16,bf16,rint8a,cint8a:int8a,...] [--seeds 0,1,2]
         [--texts gettysburg,austen,melville,darwin] [--max-tokens N]
-        [--no-model] [--no-synthetic] [--quick] [--json-out FILE]
+        [--sinks N] [--no-model] [--no-synthetic] [--quick] [--json-out FILE]
 
 Candidates (each ``[rows, Hkv, d] float32 -> stored -> float32``, a scale per row and
 KV head):
@@ -92,7 +92,10 @@ candidate's round trip as the layer's format): top-1 agreement, KL(exact || form
 and Δ perplexity over the texts. The quantizers are deterministic; only the rotated
 ones take the session seed (their signs or matrix, per layer), so those run once per
 ``--seeds`` seed and the others once, their run standing for every seed. The LLM-shaped
-data (one layer) rotates by the first seed's layer 0.
+data (one layer) rotates by the first seed's layer 0. ``--sinks N``: the first N
+timesteps read exactly, as sent (the service's ``sinks``, issue 27, which any format
+can take; ``OracleAttention``'s path); they still enter a per-channel group's or the
+centering mean's rows here.
 
 Prediction (written before running): ``int8`` (symmetric, per-vector f16 scale) wins
 on fidelity: its step is max|x|/127 everywhere, while e4m3's 3 mantissa bits give a
@@ -412,7 +415,7 @@ def synthetic(candidates, contexts, n_q: int, seed: int, rot_seed: int = 0, log=
 # -- (2) through SmolLM2-135M (e2e_model's path, OracleAttention as the server) ---------------
 
 
-def through_model(candidates, texts: list[str], seeds, max_tokens: int, log=print) -> dict:
+def through_model(candidates, texts: list[str], seeds, max_tokens: int, sinks: int = 0, log=print) -> dict:
     _paths()
     import e2e_model as e2e
 
@@ -421,7 +424,7 @@ def through_model(candidates, texts: list[str], seeds, max_tokens: int, log=prin
         candidate's rotation drawn per layer from the session seed)."""
 
         def __init__(self, cfg, name: str, seed: int) -> None:
-            super().__init__(cfg, ["f32"] * cfg.n_layers, 0)
+            super().__init__(cfg, ["f32"] * cfg.n_layers, 0, sinks=sinks)
             self.fns = [quantizer(name, seed, layer) for layer in range(cfg.n_layers)]
 
         def _coded(self, layer, k, v):
@@ -466,7 +469,7 @@ def through_model(candidates, texts: list[str], seeds, max_tokens: int, log=prin
             f"({row['seconds']} s)",
             flush=True,
         )
-    return {"model": "SmolLM2-135M-Instruct Q4_1 (float64 numpy, e2e_model.Llama)", "texts": {n: len(t) for n, t in ids.items()}, "rows": rows}  # fmt: skip
+    return {"model": "SmolLM2-135M-Instruct Q4_1 (float64 numpy, e2e_model.Llama)", "texts": {n: len(t) for n, t in ids.items()}, "sinks": sinks, "rows": rows}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -478,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2", help="e2e session seeds (only the rotated candidates take them)")
     ap.add_argument("--texts", default="gettysburg,austen,melville,darwin")
     ap.add_argument("--max-tokens", type=int, default=0)
+    ap.add_argument("--sinks", type=int, default=0, help="SmolLM2 pass: the first N timesteps read exactly")
     ap.add_argument("--no-model", action="store_true", help="skip the SmolLM2 pass")
     ap.add_argument("--no-synthetic", action="store_true", help="skip fidelity.py's data")
     ap.add_argument("--quick", action="store_true", help="contexts 256 and 1024, 4 queries, one text of 48 tokens")
@@ -499,7 +503,7 @@ def main(argv=None) -> int:
     if not args.no_synthetic:
         result["synthetic"] = synthetic(cands, contexts, n_q, args.seed, int(args.seeds.split(",")[0]))
     if not args.no_model:
-        result["model"] = through_model(cands, texts, args.seeds.split(","), max_tokens)
+        result["model"] = through_model(cands, texts, args.seeds.split(","), max_tokens, args.sinks)
     if args.json_out:
         sys.path[:0] = [str(ROOT)]
         from tools.common import write_result
