@@ -5,7 +5,7 @@ round-trip quantizers of K and V rows measured on CPU, no GPU and no server.
     python bench/probes/kv8_fidelity.py [--contexts 1024,4096,32768] [--queries 8]
         [--candidates int8,int8a,e4m3s,e4m3,f16,bf16,rint8a,cint8a:int8a,...] [--seeds 0,1,2]
         [--texts gettysburg,austen,melville,darwin] [--max-tokens N]
-        [--sinks N] [--no-model] [--no-synthetic] [--quick] [--json-out FILE]
+        [--sinks N] [--no-model] [--no-synthetic] [--key-stats] [--quick] [--json-out FILE]
 
 Candidates (each ``[rows, Hkv, d] float32 -> stored -> float32``, a scale per row and
 KV head):
@@ -95,7 +95,9 @@ ones take the session seed (their signs or matrix, per layer), so those run once
 data (one layer) rotates by the first seed's layer 0. ``--sinks N``: the first N
 timesteps read exactly, as sent (the service's ``sinks``, issue 27, which any format
 can take; ``OracleAttention``'s path); they still enter a per-channel group's or the
-centering mean's rows here.
+centering mean's rows here. ``--key-stats``: instead of the candidates, what SmolLM2's
+keys look like per layer (the share of their energy in the per-channel mean, in the 4
+largest channels, and those channels' spread over 64 rows).
 
 Prediction (written before running): ``int8`` (symmetric, per-vector f16 scale) wins
 on fidelity: its step is max|x|/127 everywhere, while e4m3's 3 mantissa bits give a
@@ -472,6 +474,45 @@ def through_model(candidates, texts: list[str], seeds, max_tokens: int, sinks: i
     return {"model": "SmolLM2-135M-Instruct Q4_1 (float64 numpy, e2e_model.Llama)", "texts": {n: len(t) for n, t in ids.items()}, "sinks": sinks, "rows": rows}  # fmt: skip
 
 
+def key_stats(texts: list[str], max_tokens: int, log=print) -> dict:
+    """Why a key code works (``--key-stats``): per layer, over SmolLM2's keys of the texts
+    (the first row, the sink, left out): the share of the key energy in the per-channel
+    mean, the share in the 4 largest channels of each KV head, and those channels' std
+    over the first 64 rows relative to their rms."""
+    _paths()
+    import e2e_model as e2e
+
+    model, tok = e2e.Llama.from_gguf(e2e.package_gguf())
+    keys: dict[int, list[np.ndarray]] = {}
+
+    class Keep(e2e.ExactAttention):
+        def attend(self, layer, q, k, v):
+            keys.setdefault(layer, []).append(np.asarray(k, np.float64))
+            return super().attend(layer, q, k, v)
+
+    per_text = {}
+    for name in texts:
+        keys.clear()
+        t = tok.encode(e2e.text_of(name))
+        model.run(t[:max_tokens] if max_tokens else t, Keep(model.cfg))
+        mean_share, top4_share, top4_window = [], [], []
+        for layer in sorted(keys):
+            k = np.concatenate(keys[layer])[1:]  # [L, Hkv, d]
+            energy = (k**2).mean(0)  # [Hkv, d]
+            mean_share.append(float((k.mean(0) ** 2).sum() / energy.sum()))
+            top = np.argsort(energy, -1)[:, -4:]
+            top4_share.append(float((np.take_along_axis(energy, top, -1).sum(-1) / energy.sum(-1)).mean()))
+            sd = np.take_along_axis(k[:64].std(0), top, -1)
+            top4_window.append(float((sd / np.sqrt(np.take_along_axis(energy, top, -1))).mean()))
+        per_text[name] = {"mean_share": mean_share, "top4_share": top4_share, "top4_std64_over_rms": top4_window}
+        log(
+            f"{name}: per-layer medians: mean share {np.median(mean_share):.2f}, top-4 share "
+            f"{np.median(top4_share):.2f}, top-4 std over 64 rows / rms {np.median(top4_window):.2f}",
+            flush=True,
+        )
+    return per_text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--candidates", default=",".join(CANDIDATES))
@@ -482,6 +523,7 @@ def main(argv=None) -> int:
     ap.add_argument("--texts", default="gettysburg,austen,melville,darwin")
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--sinks", type=int, default=0, help="SmolLM2 pass: the first N timesteps read exactly")
+    ap.add_argument("--key-stats", action="store_true", help="SmolLM2's key statistics over the texts (no candidates)")
     ap.add_argument("--no-model", action="store_true", help="skip the SmolLM2 pass")
     ap.add_argument("--no-synthetic", action="store_true", help="skip fidelity.py's data")
     ap.add_argument("--quick", action="store_true", help="contexts 256 and 1024, 4 queries, one text of 48 tokens")
@@ -500,6 +542,9 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
         "bits_per_element": {c: {"d64": bits_per_element(c, 64), "d128": bits_per_element(c, 128)} for c in cands},
     }
+    if args.key_stats:
+        result["key_stats"] = key_stats(texts, max_tokens)
+        args.no_synthetic = args.no_model = True
     if not args.no_synthetic:
         result["synthetic"] = synthetic(cands, contexts, n_q, args.seed, int(args.seeds.split(",")[0]))
     if not args.no_model:
