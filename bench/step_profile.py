@@ -72,6 +72,7 @@ class Driver:
         self.url, self.server, self.args, self.worker = url, server, args, worker
         self.loop_thread = threading.main_thread()
         self.loop = None  # the server's event loop (profiled through it with --top)
+        self.engine = None  # the server's engine (its worker profiled through it with --profile worker)
         self.rows: list[dict] = []
         self.error: BaseException | None = None
 
@@ -87,13 +88,19 @@ class Driver:
         return metric_sum(parse_prometheus(text), "attnserve_gpu_submission_seconds_sum")
 
     def profiled(self, steps) -> list[str]:
-        """cProfile of the event loop's thread over ``steps()``: enabled and disabled
-        from a callback on the loop, so it records that thread."""
+        """cProfile of the event loop's thread (``--profile loop``) or the GPU
+        worker's (``worker``) over ``steps()``: enabled and disabled from a callback
+        on that thread, so it records that thread."""
         prof = cProfile.Profile()
         done = threading.Event()
-        self.loop.call_soon_threadsafe(prof.enable)
-        steps()
-        self.loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
+        if self.args.profile == "worker":
+            self.engine.call(lambda _ctx: prof.enable()).result()
+            steps()
+            self.engine.call(lambda _ctx: (prof.disable(), done.set())).result()
+        else:
+            self.loop.call_soon_threadsafe(prof.enable)
+            steps()
+            self.loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
         done.wait(60)
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(self.args.top)
@@ -125,16 +132,27 @@ class Driver:
                 s.append(0, kv, kv)
             sessions.append(s)
         per_batch = []
+        held: dict = {}  # the open step of --call step
         with c.stream(transport="frames" if a.transport == "frames" else "websocket") as stream:
             for b in batches:
                 ids = [s.session_id for s in sessions[:b]]
                 q = as_dtype(rng.standard_normal((b, 1, H, D), dtype=np.float32), a.dtype)
                 kv = as_dtype(rng.standard_normal((b, 1, HKV, D), dtype=np.float32), a.dtype)
+                if a.call == "step":  # an open step's layer calls (call frames over the frame transport)
+                    held["step"] = stream.open_step(ids, dtype=q.dtype)
+
+                    def one_call(q=q, kv=kv) -> None:
+                        held["step"].call(0, q, kv, kv)
+                else:
+
+                    def one_call(ids=ids, q=q, kv=kv) -> None:
+                        stream.attend_stacked(ids, 0, q, kv, kv)
+
                 for _ in range(3):
-                    stream.attend_stacked(ids, 0, q, kv, kv)
+                    one_call()
                 gpu0, cpu0, t0 = self.gpu_seconds(), self.cpu(), time.perf_counter()
                 for _ in range(a.steps):
-                    stream.attend_stacked(ids, 0, q, kv, kv)
+                    one_call()
                 wall = (time.perf_counter() - t0) / a.steps
                 cpu1, gpu1 = self.cpu(), self.gpu_seconds()
                 row = {
@@ -146,10 +164,16 @@ class Driver:
                 }
                 per_batch.append(row)
                 print(json.dumps({"kv_format": fmt, "dtype": a.dtype, **row}), flush=True)
+                if a.call == "step":
+                    held.pop("step").close()
             profile = None
             if a.top:  # the largest batch's steps again, under the profiler
-                profile = self.profiled(lambda: [stream.attend_stacked(ids, 0, q, kv, kv) for _ in range(a.steps)])
+                if a.call == "step":
+                    held["step"] = stream.open_step(ids, dtype=q.dtype)
+                profile = self.profiled(lambda: [one_call() for _ in range(a.steps)])
                 print("\n".join(profile), flush=True)
+                if a.call == "step":
+                    held.pop("step").close()
         for s in sessions:
             s.delete()
         out = {
@@ -165,7 +189,7 @@ class Driver:
         for k in ("step_ms", "loop_cpu_ms", "worker_cpu_ms", "client_cpu_ms", "gpu_submission_ms"):
             out[f"fit_{k.removesuffix('_ms')}"] = fit([r["batch"] for r in per_batch], [r[k] for r in per_batch])
         if profile:
-            out["loop_profile"] = profile
+            out[f"{a.profile}_profile"] = profile
         return out
 
 
@@ -177,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="f32,turboquant")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--transport", choices=("stream", "frames"), default="stream")
+    ap.add_argument(
+        "--call",
+        choices=("stacked", "step"),
+        default="stacked",
+        help="each call an attend_stacked, or a layer call of an open step (call frames over --transport frames)",
+    )
     ap.add_argument("--dtype", choices=("f32", "f16", "bf16"), default="f32", help="the step's arrays' dtype")
-    ap.add_argument("--top", type=int, default=0, help="cProfile rows of the event loop to print (0: no profile)")
+    ap.add_argument("--top", type=int, default=0, help="cProfile rows of the profiled thread to print (0: no profile)")
+    ap.add_argument("--profile", choices=("loop", "worker"), default="loop", help="--top: the thread profiled")
     ap.add_argument("--sinks", type=int, default=0, help="a compressed session's exact first timesteps")
     ap.add_argument("--window", type=int, default=0, help="a compressed session's exact recent window")
     ap.add_argument("--json-out", type=Path)
@@ -199,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         gc_thresholds.extend(apply_gc_policy(settings.gc_threshold))  # as `attnserve serve` does once started
         rt = app.state.runtime
         driver = Driver(f"http://127.0.0.1:{port}", server, args, rt.engine.worker._thread)  # noqa: SLF001
-        driver.loop = rt.loop
+        driver.loop, driver.engine = rt.loop, rt.engine
         drivers.append(driver)
         driver.run()
 
