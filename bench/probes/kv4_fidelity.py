@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -97,7 +96,8 @@ F16 = np.float16
 def f16_down(x) -> np.ndarray:
     """The largest float16 <= x (float64 in); ValueError past float16's range."""
     x = np.asarray(x, np.float64)
-    h = x.astype(F16)
+    with np.errstate(over="ignore"):
+        h = x.astype(F16)
     if not np.isfinite(h).all():
         raise ValueError("a value beyond float16's range (65504): no float16 offset or scale")
     return np.where(h.astype(np.float64) > x, np.nextafter(h, F16(-np.inf)), h).astype(F16)
@@ -106,7 +106,8 @@ def f16_down(x) -> np.ndarray:
 def f16_up(x) -> np.ndarray:
     """The smallest float16 >= x (float64 in); ValueError past float16's range."""
     x = np.asarray(x, np.float64)
-    h = x.astype(F16)
+    with np.errstate(over="ignore"):
+        h = x.astype(F16)
     if not np.isfinite(h).all():
         raise ValueError("a value beyond float16's range (65504): no float16 offset or scale")
     h = np.where(h.astype(np.float64) < x, np.nextafter(h, F16(np.inf)), h).astype(F16)
@@ -145,12 +146,15 @@ def encode(x: np.ndarray, bits: int, group: int = 0) -> tuple[np.ndarray, np.nda
     return codes.reshape(*x.shape[:-1], ng * group)[..., :d], scale, offset
 
 
-def decode(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+def decode(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, group: int = 0) -> np.ndarray:
     """``code * scale + offset`` in float32, the group's scale and offset broadcast over its
-    elements (what a kernel does: one FMA per element)."""
+    ``group`` elements (0: the whole row), as ``encode`` made them (what a kernel does:
+    one FMA per element)."""
     codes = np.asarray(codes)
-    d, ng = codes.shape[-1], scale.shape[-1]
-    group = -(-d // ng)
+    d = codes.shape[-1]
+    group = group or d
+    if scale.shape[-1] != n_groups(d, group) or offset.shape != scale.shape:
+        raise ValueError(f"{scale.shape[-1]} scales for d {d} in groups of {group}")
     at = np.arange(d) // group
     s, o = scale.astype(np.float32)[..., at], offset.astype(np.float32)[..., at]
     return (codes.astype(np.float32) * s + o).astype(np.float32)
@@ -160,7 +164,7 @@ def uniform(bits: int, group: int = 0):
     """The round trip ``x -> decode(encode(x))`` (float32 in and out)."""
 
     def fn(x: np.ndarray) -> np.ndarray:
-        return decode(*encode(np.asarray(x, np.float32), bits, group))
+        return decode(*encode(np.asarray(x, np.float32), bits, group), group)
 
     return fn
 
