@@ -52,7 +52,7 @@
 // Dispatch: (the batch's largest n_splits, n_kv_heads, query rows of the batch)
 // workgroups of 256 threads; a workgroup past its item's n_splits returns.
 
-// #include "split_plain_decls.wgsl"
+// #include "split_plain_decls.wgsl" SLAB="vec4"
 
 // Column c of key k dotted with query heads 0..3 (lo) and 4..7 (hi) of the group.
 fn qk_lo(c: u32, d4: u32, group: u32, k: vec4<f32>) -> vec4<f32> {

@@ -57,7 +57,9 @@ rounded to nearest even on the host), ``f32``. Variants (``VARIANTS``):
 
 - ``base``: the shipped split kernel (``attention_split.f16`` / ``.f32``; for bf16 the
   shipped file compiled with the shipped bf16 slab include, shaders/include/kv_vec4_bf16.wgsl);
-- ``wide``: bench/probes/shaders/half_split_wide.wgsl, (b) of the issue's brief;
+- ``wide``: (b) of the issue's brief, shipped since as the half formats' split kernel
+  (shaders/attention_split_wide.wgsl, include/kv_wide_{f16,bf16}.wgsl; halves only):
+  ``base`` is then the vec4 kernel it replaced for head_dim % 8 == 0;
 - ``flash``, ``flash-t2``, ``flash-long``: half_split_flash.wgsl, (c)
   (and over f32, (d)); needs the adapter's ``subgroup`` feature (asked for here) and
   queries the subgroup size (a one-line kernel) to size its lane groups.
@@ -144,12 +146,14 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
-        Variant("base", "the shipped split kernel (bf16: the shipped file over kv_vec4_bf16.wgsl)"),
+        Variant("base", "the vec4 split kernel (attention_split.wgsl; bf16: the shipped file over kv_vec4_bf16.wgsl)"),
         Variant(
             "wide",
-            "shipped structure, 16-byte loads (8 halves) in the score and the value phase",
-            "half_split_wide.wgsl",
-            "half_split_wide",
+            "attention_split's structure, 16-byte loads (8 halves) in the score and the value phase: the shipped "
+            "kernel of the half formats since issue 54 (attention_split_wide.wgsl)",
+            "attention_split_wide.wgsl",
+            "attention_split_wide",
+            formats=HALF,
         ),
         Variant(
             "flash",
@@ -188,7 +192,7 @@ def register() -> list[str]:
     )}  # fmt: skip
     for v in VARIANTS.values():
         if v.file is not None:
-            for fmt in FORMATS:
+            for fmt in v.formats:
                 features = ("subgroup",) if v.subgroups else ()
                 specs[v.kernel(fmt)] = S.KernelSpec(
                     v.file, v.entry, bindings, features, (("KV", fmt),), warm=False, folder=SHADERS
@@ -288,7 +292,10 @@ def routed(engine, variant: str, fmt: str, group: int, head_dim: int, sg: int | 
     kernels in ``drop``."""
     v = VARIANTS[variant]
     target = v.kernel(fmt)
-    shipped = S.plain_kernel("attention_split", SLAB[fmt])
+    # what the service dispatches for this slab: the wide kernel for halves with head_dim % 8 == 0
+    shipped = S.plain_kernel(
+        "attention_split_wide" if K.wide_split(SLAB[fmt], head_dim) else "attention_split", SLAB[fmt]
+    )
     consts: dict[str, int] | None = None
     cap = K.PLAIN_MAX_SCORES * v.split_mult
     if v.subgroups:
@@ -496,7 +503,7 @@ def _run(eng, args, h, hkv, d, g, contexts, formats, variants, budget, batched) 
             kv_bytes = 2 * ctx_len * hkv * d * ELEMENT_BYTES[fmt]
             base_out, base_step = None, None
             for name in variants:
-                why = supports(name, fmt, d, sg) or (None if fmt != "f32" or name != "wide" else "wide: halves only")
+                why = supports(name, fmt, d, sg)
                 if why:
                     if name == "base" or VARIANTS[name].subgroups and fmt != "f32":
                         failures.append(f"{fmt} {name}: {why}")
@@ -563,7 +570,7 @@ def _run(eng, args, h, hkv, d, g, contexts, formats, variants, budget, batched) 
             layers = [s.layers[0] for s in group_s]
             base_ms = None
             for name in variants:
-                if supports(name, fmt, d, sg) or (fmt == "f32" and name == "wide"):
+                if supports(name, fmt, d, sg):
                     continue
                 try:
                     with routed(eng, name, fmt, g, d, sg):

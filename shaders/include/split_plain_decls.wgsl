@@ -1,8 +1,9 @@
 // Module-scope declarations of the plain (f32, f16, bf16) split kernels
 // (attention_split.wgsl): bindings, constants and
-// workgroup memory; the slab's element type comes from kv_vec4_{KV}.wgsl.
+// workgroup memory; the slab and its reads come from kv_{SLAB}_{KV}.wgsl (SLAB: vec4
+// for attention_split.wgsl, wide for attention_split_wide.wgsl).
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
-// #include "kv_vec4_{KV}.wgsl"
+// #include "kv_{SLAB}_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 // #struct SplitParams
 @group(0) @binding(4) var<storage, read> params: array<SplitParams>;   // one block per query row (wid.z)

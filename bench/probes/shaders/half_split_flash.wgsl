@@ -2,7 +2,7 @@
 // split kernel without the scores in workgroup memory. Same bindings, params,
 // partials and dispatch as the shipped split kernel (shaders/attention_split.wgsl;
 // the shipped merge finishes it), over a slab read in 16-byte pieces of eight
-// elements (include/half_wide_{KV}.wgsl: f16, bf16, or f32 as two 16-byte loads).
+// elements (include/kv_wide_{KV}.wgsl: f16, bf16, or f32 as two 16-byte loads).
 //
 // A lane group of LG consecutive invocations (a power of two, at most the subgroup
 // size: the host queries it, and the kernel checks it) owns one key at a time: lane

@@ -666,6 +666,13 @@ def split_eligible(kv_format: str, n_heads: int, n_kv_heads: int, head_dim: int,
     return head_dim % 4 == 0 and head_dim <= 128  # plain: vec4 columns
 
 
+def wide_split(kv_format: str, head_dim: int) -> bool:
+    """Whether a plain split attend reads its slab in 16-byte pieces
+    (``attention_split_wide``: a half format whose rows and heads start on a piece,
+    head_dim % 8 == 0); else ``attention_split``, a vec4 column at a time."""
+    return kv_format in HALF_FORMATS and head_dim % 8 == 0
+
+
 def split_sizes(
     kv_format: str,
     max_seq: np.ndarray,
@@ -819,7 +826,8 @@ def _defer_split(batch: Batch, item: _SplitItem, kv_format: str) -> None:
     """Queue ``item``'s split kernel (one dispatch per kernel, slab and shape for the batch)."""
     a = item.a
     if not item.tq:
-        kernel, constants = plain_kernel("attention_split", kv_format), None
+        base = "attention_split_wide" if wide_split(kv_format, a.head_dim) else "attention_split"
+        kernel, constants = plain_kernel(base, kv_format), None
     else:
         kernel = tqx_kernel("attention_split_tqx", kv_format)
         constants = {"GROUP": a.wg_group, "HEAD_DIM": a.head_dim}

@@ -25,7 +25,7 @@ import wgpu
 
 import numpy as np
 
-from ..formats import PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS
+from ..formats import HALF_FORMATS, PLAIN_ELEMENT_BYTES, TQ_HEAD_DIMS, TQ_SPECS
 from . import native
 from . import params as P
 
@@ -99,6 +99,17 @@ for _base, (_file, _features) in _PLAIN_KERNELS.items():
         KERNELS[plain_kernel(_base, _kv)] = KernelSpec(
             _file, _base, ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)), _features, (("KV", _kv),)
         )
+
+#: The half formats' decode split kernel over 16-byte pieces (kernels.wide_split:
+#: head_dim % 8 == 0), one pipeline per half format, with attention_split's bindings.
+for _kv in HALF_FORMATS:
+    KERNELS[plain_kernel("attention_split_wide", _kv)] = KernelSpec(
+        "attention_split_wide.wgsl",
+        "attention_split_wide",
+        ((0, R), (1, R), (2, R), (3, RW), (4, R), (5, R)),
+        (),
+        (("KV", _kv),),
+    )
 
 
 #: The kernels over a TurboQuant slab (every format of formats.TQ_SPECS), one pipeline

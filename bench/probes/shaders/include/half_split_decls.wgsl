@@ -1,11 +1,11 @@
 // (bench/probes/shaders/include/half_split_decls.wgsl: a probe's.) Module-scope
-// declarations of the probe's piece-wise split kernels (half_split_wide.wgsl,
-// half_split_flash.wgsl): the shipped split kernel's bindings, params and page
-// table in workgroup memory (as shaders/include/split_plain_decls.wgsl, so that the
+// declarations of the probe's piece-wise split kernel (half_split_flash.wgsl):
+// the shipped split kernel's bindings, params and page table in workgroup memory (as shaders/include/split_plain_decls.wgsl, so that the
 // shipped prologue, split_plain_prologue.wgsl, runs unchanged), the slab read in
-// 16-byte pieces (half_wide_{KV}.wgsl: key8 / value8).
+// 16-byte pieces (kv_wide_{KV}.wgsl: key8 / value8; f16 and bf16 the shipped
+// includes, f32 the probe's).
 @group(0) @binding(0) var<storage, read> q_batch: array<f32>;
-// #include "half_wide_{KV}.wgsl"
+// #include "kv_wide_{KV}.wgsl"
 @group(0) @binding(3) var<storage, read_write> partial: array<f32>;
 // #struct SplitParams
 @group(0) @binding(4) var<storage, read> params: array<SplitParams>;

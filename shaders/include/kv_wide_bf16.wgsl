@@ -1,7 +1,9 @@
-// (bench/probes/shaders/include/half_wide_bf16.wgsl: a probe's.) The bfloat16
-// slab (the f16 layout holding bfloat16 bits) read in 16-byte pieces: piece i is
-// elements 8i .. 8i+7 (one vec4<u32> load), widened exactly (a bfloat16 is the high
-// half of its float32: the low element of a word by a shift, the high by a mask).
+// The plain KV slab of kv_format "bf16" (f16's layout holding bfloat16 bits) read
+// in 16-byte pieces, for the wide split kernel (attention_split_wide.wgsl): piece i
+// is elements 8i .. 8i+7 (one vec4<u32> load), widened exactly as
+// kv_vec4_bf16.wgsl widens its columns (a bfloat16 is the high half of its
+// float32: the low element of a word by a shift, the high by a mask). Rows and
+// heads start on a piece (head_dim % 8 == 0: kernels.wide_split).
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<u32>>;
 

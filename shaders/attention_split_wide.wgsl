@@ -1,26 +1,30 @@
-// Probe kernel (issue 54 item 1, variant "wide"; not shipped): the shipped plain
-// split kernel (shaders/attention_split.wgsl: read its header for the work split,
-// params, partials and dispatch) with the slab read in 16-byte pieces of eight
-// elements (include/half_wide_{KV}.wgsl) in both phases, so that a half-precision
-// key row costs half the load instructions of an f32 one instead of the same:
+// Split-KV attention (flash-decoding) over a half-precision (f16, bf16) KV cache,
+// read in 16-byte pieces: the decode path of the half formats where head_dim % 8 == 0
+// (kernels.wide_split; other head sizes take attention_split.wgsl).
+//
+// attention_split.wgsl's design (read its header: the work split, the params, the
+// partials, the dispatch, the constraints) with the slab read eight halves at a
+// time (include/kv_wide_{f16,bf16}.wgsl: one vec4<u32> load, widened to two
+// vec4<f32>), so that a half-precision key row costs half the load instructions of
+// an f32 row instead of the same number (issue 54 item 1):
 //
 //   1. scores: one thread per key, every head of the group; the key row as d/8
-//      pieces (f16 / bf16: one vec4<u32> load each), eight pieces in flight per
-//      step; the queries from workgroup memory (a broadcast), as shipped.
-//   2. softmax: the shipped include (split_softmax.wgsl).
+//      pieces, eight pieces in flight per step; the queries from workgroup memory
+//      (a broadcast), as attention_split.wgsl;
+//   2. softmax: the shared include (split_softmax.wgsl);
 //   3. values: thread (piece c, row group grp) owns the eight columns of piece c
 //      for every head of the group (G pairs of vec4 accumulators): head_dim/8
-//      threads a row, so twice the shipped kernel's row groups; four rows a step;
-//      the row groups summed through `scores` (two heads a pass), partials as shipped.
+//      threads a row, so twice attention_split's row groups; four rows a step;
+//      the row groups summed through `scores` (two heads a pass), partials as
+//      attention_split.wgsl writes them (attention_merge.wgsl combines them).
 //
-// Constraints: head_dim % 8 == 0, <= 128; G in {1, 2, 4, 8}; G * split_len <= MAX_SCORES.
+// Measured in bench/probes/half_decode_variants.py as the variant "wide" before it
+// shipped (docs/benchmarks.md, "Half-precision decode kernels").
+//
+// Bindings: attention_split.wgsl's, k_cache and v_cache as array<vec4<u32>>.
+// Constraints: head_dim % 8 == 0 and <= 128; G in {1, 2, 4, 8}; G * split_len <= MAX_SCORES.
 
-// #include "half_split_decls.wgsl"
-
-const MAX_SCORES: u32 = 4096u;
-var<workgroup> scores: array<f32, MAX_SCORES>;   // [G][split_len]; reused for the row-group sums
-var<workgroup> red: array<f32, WG>;
-var<workgroup> stat: array<f32, MAX_GROUP>;
+// #include "split_plain_decls.wgsl" SLAB="wide"
 
 // Piece c (vec4 columns 2c, 2c+1) of key k dotted with query heads 0..3 (lo), 4..7 (hi).
 fn qk_lo8(c: u32, d4: u32, group: u32, k: H8) -> vec4<f32> {
@@ -68,7 +72,7 @@ fn accumulate(acc: ptr<function, Acc8>, group: u32, split_len: u32, t: u32, v: H
 }
 
 @compute @workgroup_size(256, 1, 1)
-fn half_split_wide(
+fn attention_split_wide(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(workgroup_id) wid: vec3<u32>,
 ) {

@@ -1,7 +1,8 @@
-// (bench/probes/shaders/include/half_wide_f16.wgsl: a probe's.) The f16 slab read
-// in 16-byte pieces: piece i is elements 8i .. 8i+7 of the slab (one vec4<u32>
-// load), widened to two vec4<f32> (H8). Rows and heads must start on a piece
-// (head_dim % 8 == 0).
+// The plain KV slab of kv_format "f16" read in 16-byte pieces, for the wide split
+// kernel (attention_split_wide.wgsl): piece i is elements 8i .. 8i+7 of the slab
+// (one vec4<u32> load), widened to two vec4<f32> (H8) by unpack2x16float, as
+// kv_vec4_f16.wgsl widens its columns. Rows and heads start on a piece
+// (head_dim % 8 == 0: kernels.wide_split).
 @group(0) @binding(1) var<storage, read> k_cache: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> v_cache: array<vec4<u32>>;
 
