@@ -1,5 +1,5 @@
 """The half-precision decode split-kernel variants of bench/probes/half_decode_variants.py
-(bench/probes/shaders/half_split_wide.wgsl, half_split_flash.wgsl, and the shipped
+(the shipped wide kernel, bench/probes/shaders/half_split_flash.wgsl, and the vec4
 split kernel over a bfloat16 slab) against the float64 oracle of the cache as stored and
 against the shipped kernel, at awkward sizes, on the tests' adapter (lavapipe in CI).
 
