@@ -49,7 +49,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.formats import KV_FORMATS, TQ_SPECS, bits_per_element  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 from tools import reference as ref  # noqa: E402
 from attnserve.turboquant import layer_signs  # noqa: E402
 

@@ -42,7 +42,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 from attnserve.formats import bytes_per_token, is_plain  # noqa: E402
 
 from tools.common import window_setting, write_result  # noqa: E402

@@ -41,7 +41,7 @@ os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
 from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 from attnserve.metrics import counted  # noqa: E402
 
 from gpu_timing import GpuTimer, dispatch_times, request_timestamps  # noqa: E402

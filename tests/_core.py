@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from attnserve.kvcache import SessionConfig, SessionKV
+from attnserve.kv.config import SessionConfig
+from attnserve.kv.session import SessionKV
 from tools.common import rel_err  # noqa: F401  (the tests import it from here)
 
 # Relative error of a result against its float64 oracle: max abs error over the

@@ -16,7 +16,9 @@ import pytest
 
 from attnserve.engine import Engine
 from attnserve.gpu.step_plan import PLAN_REASONS, StepPlans
-from attnserve.kvcache import LayerCache, SessionConfig, WindowedLayerCache
+from attnserve.kv.config import SessionConfig
+from attnserve.kv.layer import LayerCache
+from attnserve.kv.windowed import WindowedLayerCache
 
 from _core import CORE_PAGE_TOKENS as P, core_engine, item_path, read_words, rows
 from attnserve.metrics import counted as count

@@ -138,7 +138,7 @@ def test_a_layer_fed_half_arrays_answers_as_fed_their_float32_values(engine, rng
     """Twin layers, one fed half arrays (converted on the GPU), one the same values
     as float32: every output bit-identical (float32 asked), and the half answer the
     float32 one rounded."""
-    from attnserve.kvcache import SessionConfig
+    from attnserve.kv.config import SessionConfig
 
     cfg = SessionConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=64, kv_format=fmt,
                         max_tokens=512, seed=3)  # fmt: skip

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnserve.errors import OutOfMemory
-from attnserve.kvcache import SessionConfig
+from attnserve.kv.config import SessionConfig
 from attnserve.pool import PageTables, TableRegion, _runs
 from tools import reference as ref
 

@@ -1,4 +1,4 @@
-"""The paged KV pool (pool.py, kvcache.py): attention through page tables whose
+"""The paged KV pool (pool.py, kv/layer.py): attention through page tables whose
 pages are out of order in the pool, at every awkward boundary (lengths 1, P-1,
 P, P+1, many pages), slabs that grow and layers that move, jobs rolled back, and
 the bytes a layer holds."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from attnserve.engine import Engine
-from attnserve.kvcache import SessionConfig
+from attnserve.kv.config import SessionConfig
 from tools import reference as ref
 from attnserve.turboquant import codebook, layer_signs
 

@@ -70,7 +70,7 @@ def _attends(engine, kv, qs, length):
 
 
 def write_golden(engine) -> None:
-    from attnserve.kvcache import SessionConfig
+    from attnserve.kv.config import SessionConfig
 
     data: dict[str, np.ndarray] = {}
     saved = engine.policy

@@ -1,5 +1,5 @@
 """Exact sinks and a recent window over a TurboQuant layer (issue 27,
-``kvcache.WindowedLayerCache``, ``kernels.plan_split_windowed``): every attend against
+``kv.windowed.WindowedLayerCache``, ``kernels.plan_split_windowed``): every attend against
 the float64 oracle (``reference.windowed_attention`` over the GPU's own codes and the
 rows as sent), at awkward lengths across page boundaries, GQA groups the split
 kernels serve whole and one they do not; the exact rows' pages let go as the window
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from attnserve.formats import TQ_SPECS
-from attnserve.kvcache import SessionConfig, WindowedLayerCache
+from attnserve.kv.config import SessionConfig
+from attnserve.kv.windowed import WindowedLayerCache
 from tools import reference as ref
 from attnserve.turboquant import layer_signs
 

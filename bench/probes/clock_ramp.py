@@ -37,7 +37,7 @@ from kernel_bench import D, H, HKV, fill_layer, plan_batched_steps  # noqa: E402
 
 from attnserve.engine import Engine  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ memory. The kernel was rewritten with named registers and vec4-per-four-heads so
 
 What it does: a decode attend (one query row) over a plain cache written by the
 service (Engine, pool, appends: f16 rows rounded on the host as numpy rounds), planned
-by the service's own code (kvcache -> kernels.plan_split: the split kernel with the
+by the service's own code (kv.kinds -> kernels.plan_split: the split kernel with the
 params blocks it packs, then attention_merge). A variant replaces only the split
 kernel's dispatches: the same bindings, params (SplitParams) and partials, so the
 shipped merge finishes it. Formats: ``f16`` (the service's), ``bf16`` (an f16 session's
@@ -108,7 +108,7 @@ from attnserve.gpu import device as DEV  # noqa: E402
 from attnserve.gpu import kernels as K  # noqa: E402
 from attnserve.gpu import shaders as S  # noqa: E402
 from attnserve.gpu.batch import Batch  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 from tools import reference as ref  # noqa: E402
 from tools.common import rel_err, write_result  # noqa: E402
 

@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "client"), str(ROOT / "bench")
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 
 from attnserve.engine import Engine  # noqa: E402
-from attnserve.kvcache import SessionConfig  # noqa: E402
+from attnserve.kv.config import SessionConfig  # noqa: E402
 from kernel_bench import D, H, HKV, fill_layer, time_batched  # noqa: E402
 
 

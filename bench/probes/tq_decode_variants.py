@@ -6,7 +6,7 @@
 
 The decode step (one query row; 32 query heads, 8 KV heads, d = 128 unless
 --quick) over a TurboQuant cache written by the service itself (Engine, pool,
-its encode kernels), planned by the service's own code (kvcache -> kernels.py:
+its encode kernels), planned by the service's own code (kv.kinds -> kernels.py:
 tq_rotate_q, the split kernel with the params blocks _plan_split packs,
 attention_merge). A variant replaces only the split kernel's dispatches: the
 same bindings, params (TqSplitParams) and partials, so the shipped merge finishes

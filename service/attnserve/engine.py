@@ -27,7 +27,10 @@ from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import ELEMENT_KINDS, KernelPolicy, attend_output_bytes, plan_answer, plan_uploads_as
 from .gpu.batch import Batch, Items, Seg
 from .gpu.step_plan import StepPlans
-from .kvcache import LayerCache, OutOfRange, SessionConfig, SessionKV
+from .kv.columns import OutOfRange
+from .kv.config import SessionConfig
+from .kv.layer import LayerCache
+from .kv.session import SessionKV
 from .pool import PageLayout, PagePools
 
 if TYPE_CHECKING:

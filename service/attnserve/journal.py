@@ -36,7 +36,7 @@ from typing import Any, Callable
 import msgpack
 
 from .errors import ApiError, InvalidSnapshot
-from .kvcache import SessionConfig
+from .kv.config import SessionConfig
 from .pool import PageLayout, copy_host_rows
 from .session_spec import parse_create
 

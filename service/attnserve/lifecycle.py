@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from .engine import Engine
 from .errors import InvalidRequest
-from .kvcache import SessionConfig, SessionKV
+from .kv.config import SessionConfig
+from .kv.session import SessionKV
 from .runtime import Runtime
 from .store import Session
 

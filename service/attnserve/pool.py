@@ -10,7 +10,7 @@ in docs/architecture.md, "The paged KV pool"):
 * A :class:`PagePool` (one per layout, see :class:`PagePools`) holds that format's
   pages in *slabs*: a slab is one K and one V buffer laid out as a cache of
   ``pages * P`` rows, so page ``p`` is rows ``p*P .. p*P+P-1``. A layer is a page
-  table (``kvcache.LayerCache``): its timestep ``t`` lives at slab row
+  table (``kv.layer.LayerCache``): its timestep ``t`` lives at slab row
   ``pages[t // P] * P + t % P``, which every kernel computes through the table it
   is given (``shaders/include/paging.wgsl``).
 * Appends take free pages; nothing is copied to grow a layer. A slab grows by
@@ -71,7 +71,7 @@ def check_page_tokens(page_tokens: int) -> int:
 
 
 class Holder(Protocol):
-    """What holds pages (``kvcache.LayerCache``): it counts the pages it pays for."""
+    """What holds pages (``kv.layer.LayerCache``): it counts the pages it pays for."""
 
     paid_pages: int
 

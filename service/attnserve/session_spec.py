@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .contract import CreateSession, Fields
 from .errors import InvalidRequest
 from .formats import KV_FORMATS, TQ_SPECS, check_head_dim
-from .kvcache import layer_formats
+from .kv.config import layer_formats
 
 __all__ = ["CreateRequest", "parse_create"]
 

@@ -32,7 +32,8 @@ import numpy as np
 from .codec import wire
 from .errors import ApiError, InvalidSnapshot
 from .formats import PLAIN_DTYPES, TQ_SPECS, key_words, norm_region, outlier_region, value_words
-from .kvcache import SessionConfig, SessionKV
+from .kv.config import SessionConfig
+from .kv.session import SessionKV
 from .pool import PageLayout
 from .session_spec import parse_create
 

@@ -45,7 +45,9 @@ from .errors import (
     SessionNotFound,
 )
 from .gpu.step_plan import StepPlans
-from .kvcache import LayerCache, SessionConfig, SessionKV, bytes_growth
+from .kv.config import SessionConfig
+from .kv.layer import LayerCache
+from .kv.session import SessionKV, bytes_growth
 
 __all__ = [
     "SESSION_ID_RE", "new_session_id", "LayerState", "Session", "StepReservation", "Store", "Owner", "step_conflict",

@@ -36,7 +36,7 @@ import numpy as np
 
 from .engine import Engine
 from .formats import RECOMMENDED, TQ_SPECS, head_dims
-from .kvcache import SessionConfig
+from .kv.config import SessionConfig
 
 __all__ = ["Warm", "warm_up", "warmup_plan"]
 

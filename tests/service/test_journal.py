@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attnserve import journal as J
-from attnserve.kvcache import SessionConfig
+from attnserve.kv.config import SessionConfig
 from attnserve.pool import PageLayout
 from attnserve_client import wire
 from svc_helpers import F32_TOL, Api, Model, free_port, from_wire, rel_err, rows

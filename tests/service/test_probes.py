@@ -256,7 +256,7 @@ def test_openapi_documents_both_encodings(api):
 def test_a_stacked_step_planned_item_by_item_is_counted(server, rng, monkeypatch):
     """A batched step whose columns fail still answers (item by item) and shows in
     /metrics as attnserve_step_fallbacks_total{reason="error"}."""
-    from attnserve.kvcache import LayerCache
+    from attnserve.kv.layer import LayerCache
     from attnserve_client import Client
 
     def broken(*args, **kw):

@@ -157,9 +157,9 @@ def test_a_step_refuses_each_item_by_its_own_rule_and_reserves_the_rest():
 
 
 def _windowed(length: int, sinks: int, window: int, exact_page_bytes: int = 30):
-    """A windowed layer (kvcache.WindowedLayerCache) as its sizing methods see it:
+    """A windowed layer (kv.windowed.WindowedLayerCache) as its sizing methods see it:
     its pool's page size and bytes, its exact rows' pool's page bytes."""
-    from attnserve.kvcache import WindowedLayerCache
+    from attnserve.kv.windowed import WindowedLayerCache
 
     cache = object.__new__(WindowedLayerCache)
     cache.pool = SimpleNamespace(page_tokens=P, page_bytes=PAGE_BYTES, pages_for=lambda rows: -(-rows // P))
@@ -170,10 +170,10 @@ def _windowed(length: int, sinks: int, window: int, exact_page_bytes: int = 30):
 
 
 def test_a_windowed_layers_bytes_grow_as_columns_as_one_by_one():
-    """kvcache.bytes_growth, what a stacked step reserves: each layer's bytes_for at
+    """kv.session.bytes_growth, what a stacked step reserves: each layer's bytes_for at
     its new capacity less at its old, windowed layers (their exact rows' pages, which
     grow with the capacity up to the window's) beside plain ones, at every capacity."""
-    from attnserve.kvcache import bytes_growth
+    from attnserve.kv.session import bytes_growth
 
     caches = [_windowed(0, s, w) for s in (0, 1, 4, 6) for w in (0, 1, 3, 4, 9)] + [_Cache(0)]
     for cap in range(0, 13 * P, P):

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..codec import MediaKind, decode_document, read_body, respond
 from ..errors import InvalidRequest
-from ..kvcache import SessionConfig
+from ..kv.config import SessionConfig
 from ..session_spec import CreateRequest, parse_create
 from ..store import check_session_id, step_conflict
 from ..transport.deps import EngineDep, OwnerDep, RuntimeDep, SessionDep, SessionIdPath, WireDep, merge_responses

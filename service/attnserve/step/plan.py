@@ -21,7 +21,7 @@ from typing import Any, cast
 from ..engine import Engine, StackedResult
 from ..errors import ApiError, InternalError, RequestTimeout
 from ..gpu.device import PlanFn
-from ..kvcache import LayerCache
+from ..kv.layer import LayerCache
 from ..runtime import Runtime
 from ..store import Owner, StepReservation
 from .parse import Parsed

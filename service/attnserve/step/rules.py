@@ -36,7 +36,7 @@ from ..errors import ApiError, InvalidRequest, LayerNotFound
 from ..formats import BF16_INF_FROM, F16_MAX, TQ_SPECS
 from ..gpu.kernels import rotated_q_bytes
 from ..gpu.step_plan import StepPlans
-from ..kvcache import SessionConfig
+from ..kv.config import SessionConfig
 from ..store import Owner, Session, StepReservation, Store, step_conflict
 from ..turboquant import (
     MAX_NORM,
