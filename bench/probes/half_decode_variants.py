@@ -115,6 +115,7 @@ from tools.common import rel_err, write_result  # noqa: E402
 SHADERS = Path(__file__).resolve().parent / "shaders"  # the probe's kernels (KernelSpec.folder)
 TOL = 1e-4  # max abs error / max abs of the reference: against the shipped kernel and the float64 oracle
 FORMATS = ("f16", "bf16", "f32")
+HALF = ("f16", "bf16")
 SLAB = {"f16": "f16", "bf16": "f16", "f32": "f32"}  # the service format whose slab holds each
 ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 MAX_PPL = 2  # half_split_flash.wgsl: pieces per lane at most (its TK: 2 or 4)
