@@ -611,10 +611,11 @@ class _BaseClient:
             raise reply.error()
         return StepState(sessions, body, self._decode(reply))
 
-    def _step_call_flow(self, state: StepState, layer: Any, q: Any, k: Any, v: Any) -> Flow[Any]:
+    def _step_call_flow(self, state: StepState, layer: Any, q: Any, k: Any, v: Any, out: Any = None) -> Flow[Any]:
         """``POST /v1/steps/{step}/layers/{layer}``: one layer call (not retried once
-        it may have arrived: a second one would find the layer called)."""
-        step, members = state.call(layer, q, k, v)
+        it may have arrived: a second one would find the layer called); ``out``: its
+        destination (the decoded answer copied into it)."""
+        step, members = state.call(layer, q, k, v, out)
         path = f"/v1/steps/{state.handle}/layers/{step.layer}"
         doc = yield from self._call_ok("POST", path, members, idempotent=False, headers={ROUTE_HEADER: state.route})
         return state.finish(step, doc)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import framing, wire
+from ._steps import CallSink
 from ._streams import (
     AsyncStream,
     Stream,
@@ -123,6 +124,26 @@ def _wire_dtype(dtype: Any) -> np.dtype[Any]:
     if dt is None or dt not in wire.DTYPES.values():
         raise InvalidInput(f"dtype: expected one of {sorted(wire.DTYPES)}, got {dtype!r}")
     return dt
+
+
+def _into_sink(doc: Any, sink: CallSink) -> None:
+    """A layer call's reply ``doc`` (resolved) with its ``out`` (and ``lse``) copied
+    from the region into ``sink`` (the call's ``out=``; a view of its bytes in their
+    place), where the reply is an answer of that size; otherwise left as it is
+    (the call's answer is then copied to its destination once decoded)."""
+    result = doc.get("result") if isinstance(doc, dict) and doc.get("status") == 200 else None
+    if not isinstance(result, dict):
+        return
+    for name, view in zip(("out", "lse"), sink.views()):
+        arr = result.get(name)
+        if not isinstance(arr, dict) or arr.keys() != _ARRAY:
+            return
+        data = arr["data"]
+        if not isinstance(data, memoryview) or data.nbytes != view.nbytes:
+            return
+        view[:] = data
+        arr["data"] = view
+    sink.filled = True
 
 
 class _Region:
@@ -238,14 +259,18 @@ class _Region:
 
     # ── a reply ──────────────────────────────────────────────────────────────
 
-    def document(self, frame: memoryview, head_len: int) -> Any:
+    def document(self, frame: memoryview, head_len: int, sinks: dict[int, CallSink] | None = None) -> Any:
         """A received frame's head, its references resolved (into its body, into the
-        region: copied out unless the stream was opened with ``copy_outputs=False``),
-        and its operation's range freed."""
+        region: copied out unless the stream was opened with ``copy_outputs=False``;
+        a layer call's ``out`` and ``lse`` into its :class:`CallSink` in ``sinks``,
+        when it has one), and its operation's range freed."""
         doc = _unpack(frame[:head_len], "shm")
         rid = doc.get("id") if isinstance(doc, dict) else None
         try:
             framing.resolve_arrays(doc, frame[head_len:], region=self.view)
+            sink = sinks.pop(rid, None) if sinks and type(rid) is int else None
+            if sink is not None:
+                _into_sink(doc, sink)
             if self.copy_outputs:
                 self._copy_out(doc, 0)
         except wire.WireError as exc:
@@ -380,6 +405,7 @@ class _ShmChannel(_FrameChannel):
     call_frames = False  # a step's layer calls go as documents: their arrays are in the region
 
     def __init__(self, target: ShmTarget, open_timeout: float | None):  # (not the TCP connect of the frames')
+        self.sinks: dict[int, CallSink] = {}  # by id: where a layer call's reply arrays go (its out=)
         self.region = _Region(target.region_bytes, target.copy_outputs)
         try:
             self._sock = _connect(target, self.region, open_timeout)
@@ -417,7 +443,7 @@ class _ShmChannel(_FrameChannel):
             head_len, body_len = _frame_lengths(prefix)
             frame = memoryview(bytearray(head_len + body_len))
             _recv_exactly(self._sock, frame)
-            return self.region.document(frame, head_len)
+            return self.region.document(frame, head_len, self.sinks)
         except BaseException as exc:
             self.region.end(self.what, exc)
             raise
@@ -435,7 +461,7 @@ class _ShmLink(_Link):
         self._shm = channel
         super().__init__(channel)  # a frames channel (its send unused: operations go through send_staged)
 
-    def submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future[Any]:
+    def submit(self, op: str, members: Mapping[str, Any], finish: Any, sink: CallSink | None = None) -> Future[Any]:
         doc, start = self._shm.stage({"op": op, **members})  # may wait for room, outside the lock
         fut: Future[Any] = Future()
         with self._lock:
@@ -444,10 +470,13 @@ class _ShmLink(_Link):
                 raise self._closed
             rid = next(self._ids)
             self._pending[rid] = (fut, finish)
+            if sink is not None:
+                self._shm.sinks[rid] = sink
             try:
                 self._shm.send_staged(rid, doc, start)
             except Exception as exc:
                 self._pending.pop(rid, None)
+                self._shm.sinks.pop(rid, None)
                 raise APIConnectionError(f"shm: send failed: {exc}") from exc
         return fut
 
@@ -566,7 +595,7 @@ class _AsyncShmChannel(_AsyncFrameChannel):
                 raise
             head_len, body_len = _frame_lengths(prefix)
             frame = memoryview(bytearray(await self._reader.readexactly(head_len + body_len)))
-            return self.region.document(frame, head_len)
+            return self.region.document(frame, head_len, self.sinks)
         except BaseException as exc:
             self.region.end(self.what, exc)
             raise
@@ -584,7 +613,7 @@ class _AsyncShmLink(_AsyncLink):
         self._shm = channel
         super().__init__(channel)  # a frames channel (its send unused: calls go through send_staged)
 
-    async def call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
+    async def call(self, op: str, members: Mapping[str, Any], finish: Any, sink: CallSink | None = None) -> Any:
         if self._closed is not None:
             raise self._closed
         doc, start = await self._shm.stage({"op": op, **members})
@@ -594,10 +623,13 @@ class _AsyncShmLink(_AsyncLink):
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, finish)
+        if sink is not None:
+            self._shm.sinks[rid] = sink
         try:
             await self._shm.send_staged(rid, doc, start)
         except Exception as exc:
             self._pending.pop(rid, None)
+            self._shm.sinks.pop(rid, None)
             raise APIConnectionError(f"shm: send failed: {exc}") from exc
         return await fut
 

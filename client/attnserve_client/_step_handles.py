@@ -105,7 +105,7 @@ class Step(_StepHandle):
         super().__init__(state)
         self._client = client
 
-    def call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Any:
+    def call(self, layer: int, q: Any, k: Any = None, v: Any = None, *, out: Any = None) -> Any:
         """One layer call: item ``i`` attends ``q[i]`` after appending ``k[i]``,
         ``v[i]`` (``rows`` > 0) on the step's session ``i``. ``q`` is ``[B, queries,
         H, d]`` (``k``, ``v``: ``[B, rows, Hkv, d]``), or ``[B, H, d]`` when that axis
@@ -113,13 +113,23 @@ class Step(_StepHandle):
         ``q``'s shape (a tensor when ``q`` is one; :class:`Attention` with
         ``return_lse``), :class:`BatchError` when items failed.
 
+        ``out``: where the output goes instead of a new array: a C-contiguous,
+        writable numpy array or torch tensor (CPU, or CUDA: through a pinned host
+        buffer of the step's, copied to it on the stream current at the call, not
+        blocking) of the answer's shape (``q``'s) and dtype (the step's
+        ``out_dtype``, else its ``dtype``); the call answers ``out`` itself (with
+        ``return_lse``, ``Attention(out, lse)``, ``lse`` a new float32 array, or a
+        tensor as ``q``). Over the frame transport the reply is read off the
+        socket straight into it, over shared memory copied from the region into it.
+
         Raises:
             InvalidRequest: (also an ``InvalidInput``, nothing sent) a layer not of
-                the step, shapes or a dtype other than the step's.
+                the step, shapes or a dtype other than the step's, an ``out`` not
+                as above.
             StepLayerCalled: the layer was called this token already.
             StepBroken, StepNotFound, ...: see ``docs/client.md``, "Steps".
         """
-        return self._client._run(self._client._step_call_flow(self._state, layer, q, k, v))
+        return self._client._run(self._client._step_call_flow(self._state, layer, q, k, v, out))
 
     def info(self) -> dict[str, Any]:
         """The step as the server holds it (``GET /v1/steps/{step}``): its token,
@@ -146,9 +156,9 @@ class AsyncStep(_StepHandle):
         super().__init__(state)
         self._client = client
 
-    async def call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Any:
+    async def call(self, layer: int, q: Any, k: Any = None, v: Any = None, *, out: Any = None) -> Any:
         """See :meth:`Step.call`."""
-        return await self._client._run(self._client._step_call_flow(self._state, layer, q, k, v))
+        return await self._client._run(self._client._step_call_flow(self._state, layer, q, k, v, out))
 
     async def info(self) -> dict[str, Any]:
         """See :meth:`Step.info`."""
@@ -178,20 +188,24 @@ class StreamStep(_StepHandle):
         super().__init__(state)
         self._link = link
 
-    def submit_call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Future[Any]:
+    def submit_call(self, layer: int, q: Any, k: Any = None, v: Any = None, *, out: Any = None) -> Future[Any]:
         """Send a layer call (:meth:`Step.call`) without waiting; its future gives
-        the answer. The arrays may be reused once this returns (their bytes are sent)."""
-        step, members = self._state.call(layer, q, k, v)
+        the answer. The arrays may be reused once this returns (their bytes are
+        sent); ``out`` (:meth:`Step.call`) is written until the future is done."""
+        step, members = self._state.call(layer, q, k, v, out)
         state = self._state
+        sink = None if step.dest is None else step.dest.sink()
         if self._link.call_frames:
             return self._link.submit_call(
-                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d)
+                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d), sink
             )
-        return self._link.submit("step_call", _call_members(state, layer, members), lambda d: state.finish(step, d))
+        return self._link.submit(
+            "step_call", _call_members(state, layer, members), lambda d: state.finish(step, d), sink
+        )
 
-    def call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Any:
+    def call(self, layer: int, q: Any, k: Any = None, v: Any = None, *, out: Any = None) -> Any:
         """See :meth:`Step.call`."""
-        return self.submit_call(layer, q, k, v).result()
+        return self.submit_call(layer, q, k, v, out=out).result()
 
     def close(self) -> None:
         """Close the step (after its calls in flight). A step closed already, one the
@@ -220,15 +234,18 @@ class AsyncStreamStep(_StepHandle):
         super().__init__(state)
         self._link = link
 
-    async def call(self, layer: int, q: Any, k: Any = None, v: Any = None) -> Any:
+    async def call(self, layer: int, q: Any, k: Any = None, v: Any = None, *, out: Any = None) -> Any:
         """See :meth:`Step.call`."""
-        step, members = self._state.call(layer, q, k, v)
+        step, members = self._state.call(layer, q, k, v, out)
         state = self._state
+        sink = None if step.dest is None else step.dest.sink()
         if self._link.call_frames:
             return await self._link.call_frame(
-                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d)
+                state.handle, int(layer), call_arrays(members), lambda d: state.finish(step, d), sink
             )
-        return await self._link.call("step_call", _call_members(state, layer, members), lambda d: state.finish(step, d))
+        return await self._link.call(
+            "step_call", _call_members(state, layer, members), lambda d: state.finish(step, d), sink
+        )
 
     async def close(self) -> None:
         """See :meth:`StreamStep.close`."""

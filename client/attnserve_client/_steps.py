@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = [
     "AttendItem",
+    "CallSink",
+    "Destination",
     "AttendOptions",
     "StackedOptions",
     "BatchError",
@@ -312,6 +314,8 @@ class StackedStep:
     # q, k, v as converted for the wire, in their given shapes (None: no k, v): a step
     # split over replicas slices these (``stacked_parts``) rather than converting again
     host: dict[str, np.ndarray | None] = field(default_factory=dict, repr=False, compare=False)
+    # a layer call's ``out=`` (None: none): where its answer goes, and what it answers
+    dest: Destination | None = field(default=None, repr=False, compare=False)
 
     def result(self, doc: Any) -> Any:
         """The stacked output (:class:`Attention` with ``return_lse``); raises
@@ -326,6 +330,11 @@ class StackedStep:
         """``out`` (and ``lse``) as the step's queries were given (:func:`as_given`)."""
         if self.return_lse and lse is None:
             raise InvalidResponse("attend_stacked: expected lse (return_lse)")
+        if self.dest is not None:
+            given = self.dest.fill(out)
+            if lse is None or not self.return_lse:
+                return given
+            return Attention(given, tensors.answer(lse, self.like, "<f4"))  # lse: a new array, always float32
         return as_given(out, lse if self.return_lse else None, self.like, self.out_dtype)
 
     def outcome(self, doc: Any) -> tuple[np.ndarray, np.ndarray | None, dict[int, APIError]]:
@@ -613,6 +622,138 @@ def call_arrays(members: Mapping[str, Any]) -> list[memoryview]:
     return [memoryview(members[name]["data"]).cast("B") for name in ("q", "k", "v") if name in members]
 
 
+class CallSink:
+    """Where a layer call's reply body is received (a frames call reply, read off
+    the socket into it; a shared-memory reply, copied from the region into it): the
+    bytes of the call's ``out=`` destination, then, with ``return_lse``, a fresh
+    float32 ``lse``. Registered by the call's id before the call is sent."""
+
+    __slots__ = ("out", "lse", "nbytes", "filled")
+
+    def __init__(self, out: memoryview, lse: np.ndarray | None):
+        self.out = out
+        self.lse = lse
+        self.nbytes = out.nbytes + (0 if lse is None else lse.nbytes)
+        self.filled = False  # set by the channel that received the whole reply into it
+
+    def views(self) -> list[memoryview]:
+        """The body's parts, in the order they come: ``out``, then ``lse``."""
+        return [self.out] if self.lse is None else [self.out, self.lse.reshape(-1).view(np.uint8).data]
+
+
+#: A CUDA destination's pinned host buffers, by shape and torch dtype: each with the
+#: event its last copy to the device recorded (None: none yet)
+PinnedPool = dict[tuple[tuple[int, ...], Any], list[tuple[Any, Any]]]
+
+
+class Destination:
+    """A layer call's ``out=``: the caller's array or tensor (``given``) and the host
+    array the answer's bytes go to (``host``: ``given`` itself, a view of a CPU
+    tensor's memory, or a pinned host buffer of the step's for a CUDA tensor, copied
+    to it on the stream that was current at the call, without blocking)."""
+
+    __slots__ = ("given", "host", "_bytes", "_lse_shape", "_sink", "_pinned", "_pool", "_stream")
+
+    def __init__(
+        self, given: Any, host: np.ndarray, lse_shape: tuple[int, ...] | None, host_bytes: memoryview | None = None
+    ):
+        self.given = given
+        self.host = host
+        self._bytes = host.reshape(-1).view(np.uint8).data if host_bytes is None else host_bytes
+        self._lse_shape = lse_shape
+        self._sink: CallSink | None = None
+        self._pinned: Any = None  # (a CUDA destination) the pinned buffer the host array views
+        self._pool: list[tuple[Any, Any]] | None = None
+        self._stream: Any = None
+
+    def sink(self) -> CallSink:
+        """Where the call reply's body is received (a fresh ``lse`` with ``return_lse``)."""
+        lse = None if self._lse_shape is None else np.empty(self._lse_shape, np.float32)
+        self._sink = CallSink(self._bytes, lse)
+        return self._sink
+
+    def fill(self, out: np.ndarray) -> Any:
+        """``given``, holding the answer ``out`` (copied into it unless it was
+        received there; for a CUDA tensor, its copy to the device enqueued)."""
+        if self._sink is None or not self._sink.filled:  # not received in place: decoded from a document
+            np.copyto(self.host, out.reshape(self.host.shape))
+        pinned = self._pinned
+        if pinned is not None:
+            torch = tensors._torch()
+            with torch.cuda.stream(self._stream):
+                self.given.copy_(pinned, non_blocking=bool(pinned.is_pinned()))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            assert self._pool is not None
+            self._pool.append((pinned, event))  # reused once this copy is done (event)
+            self._pinned = None
+        return self.given
+
+
+def _refuse_out(out: Any, shape: tuple[int, ...], dtype: str, why: str) -> APIError:
+    got = f"{type(out).__name__} of shape {list(getattr(out, 'shape', ()))}, dtype {getattr(out, 'dtype', None)}"
+    return refused(
+        InvalidRequest,
+        f"out: expected a C-contiguous writable numpy array or torch tensor (CPU or CUDA) of this call's answer, "
+        f"shape {list(shape)} and dtype {dtype}: {why}; got a {got}",
+    )
+
+
+def destination(
+    out: Any,
+    shape: tuple[int, ...],
+    dtype: str,
+    lse_shape: tuple[int, ...] | None,
+    pools: PinnedPool,
+    views: dict[int, tuple[Any, memoryview]],
+) -> Destination:
+    """A layer call's ``out=``, checked against its answer's ``shape`` and ``dtype`` (a
+    wire name); ``lse_shape``: the 4-D ``lse``'s with ``return_lse`` (None: none);
+    ``pools``: the step's pinned host buffers (CUDA destinations); ``views``: the
+    byte views of the numpy destinations it was given, by id.
+
+    Raises:
+        InvalidRequest: (also an ``InvalidInput``) not such an array or tensor.
+    """
+    if type(out) is not np.ndarray and tensors.is_tensor(out):
+        torch = tensors._torch()
+        if out.dtype != tensors._torch_dtypes()[dtype] or tuple(out.shape) != shape:
+            raise _refuse_out(out, shape, dtype, "another shape or dtype")
+        if not out.is_contiguous():
+            raise _refuse_out(out, shape, dtype, "not contiguous")
+        if out.device.type == "cpu":
+            return Destination(out, tensors.host_view(out.detach()), lse_shape)
+        if out.device.type != "cuda":
+            raise _refuse_out(out, shape, dtype, f"a tensor on {out.device}")
+        pool = pools.setdefault((shape, out.dtype), [])
+        if pool:
+            pinned, event = pool.pop()
+            if event is not None:
+                event.synchronize()  # its last copy to the device is done: it may be written again
+        else:
+            pinned = torch.empty(shape, dtype=out.dtype, pin_memory=True)
+        dest = Destination(out, tensors.host_view(pinned), lse_shape)
+        dest._pinned, dest._pool, dest._stream = pinned, pool, torch.cuda.current_stream(out.device)
+        return dest
+    if not isinstance(out, np.ndarray):
+        raise _refuse_out(out, shape, dtype, "not an array")
+    if out.dtype != wire.DTYPES[dtype] or out.shape != shape:
+        raise _refuse_out(out, shape, dtype, "another shape or dtype")
+    flags = out.flags
+    if not flags.c_contiguous or not flags.writeable:
+        raise _refuse_out(out, shape, dtype, "not C-contiguous" if flags.writeable else "read-only")
+    held = views.get(id(out))
+    if held is None or held[0] is not out:  # the byte view of an array given before: kept (a decoding loop's)
+        if len(views) >= _VIEWS_KEPT:
+            views.clear()
+        held = views[id(out)] = (out, out.reshape(-1).view(np.uint8).data)
+    return Destination(out, out, lse_shape, held[1])
+
+
+#: The numpy destinations whose byte views a step keeps (a layer's each, in a decoding loop)
+_VIEWS_KEPT = 256
+
+
 class StepState:
     """An open step as the client holds it: what its opening fixed, the token it is
     at and the layers called in it (kept from the answers, as the server keeps them),
@@ -663,6 +804,8 @@ class StepState:
         self.closed = False
         self._layer_set = frozenset(self.layers)
         self._lock = threading.Lock()
+        self._pinned: PinnedPool = {}  # the pinned host buffers of its calls' CUDA destinations (out=)
+        self._views: dict[int, tuple[Any, memoryview]] = {}  # its numpy destinations' byte views (out=)
 
     @property
     def route(self) -> str:
@@ -671,9 +814,11 @@ class StepState:
 
     # -- a layer call -------------------------------------------------------------
 
-    def call(self, layer: Any, q: Any, k: Any, v: Any) -> tuple[StackedStep, dict[str, Any]]:
+    def call(self, layer: Any, q: Any, k: Any, v: Any, out: Any = None) -> tuple[StackedStep, dict[str, Any]]:
         """A layer call's arrays (``{q, k, v}``, encoded), checked against the step
-        before anything is sent, and what decodes its answer (:meth:`finish`)."""
+        before anything is sent, and what decodes its answer (:meth:`finish`);
+        ``out``: where the answer goes (:func:`destination`; its sink:
+        ``step.dest.sink()``), None: a new array."""
         if self.closed:
             raise refused(StepNotFound, f"step {self.handle}: closed")
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or int(layer) not in self._layer_set:
@@ -695,8 +840,13 @@ class StepState:
         qa = host["q"]
         assert qa is not None
         answered_in = self.out_dtype or self.dtype
+        dest = None
+        if out is not None:
+            lse_shape = (qa.shape[0], self.queries, qa.shape[-2]) if self.return_lse else None
+            with self._lock:
+                dest = destination(out, qa.shape, answered_in, lse_shape, self._pinned, self._views)
         step = StackedStep(
-            self.sessions, int(layer), qa.ndim == 3, given, self.return_lse, self.out_dtype, answered_in, host
+            self.sessions, int(layer), qa.ndim == 3, given, self.return_lse, self.out_dtype, answered_in, host, dest
         )
         return step, members
 
@@ -755,9 +905,10 @@ class StepState:
                 if type(n) is int:
                     held[i] = n
 
-    def _call_reply_document(self, step: StackedStep, body: memoryview) -> dict[str, Any]:
+    def _call_reply_document(self, step: StackedStep, body: memoryview | CallSink) -> dict[str, Any]:
         """The answer document a call reply stands for: every item applied, ``out``
-        (and ``lse``) the reply's bytes, in the shapes the call's q gave."""
+        (and ``lse``) the reply's bytes (or the :class:`CallSink` they were received
+        into), in the shapes the call's q gave."""
         qa = step.host["q"]
         assert qa is not None
         b = len(self.session_ids)
@@ -766,16 +917,21 @@ class StepState:
         want = n_out + (int(np.prod(shape[:3])) * 4 if self.return_lse else 0)
         if body.nbytes != want:
             raise InvalidResponse(f"step call: a call reply of {body.nbytes} bytes, expected {want}")
+        if isinstance(body, CallSink):  # (its size is the destination's: checked when it was made)
+            out_bytes: memoryview = body.out
+            lse_bytes: Any = body.lse
+        else:
+            out_bytes, lse_bytes = body[:n_out], body[n_out:]
         with self._lock:
             held = None if self._layer_lengths is None else self._layer_lengths.get(step.layer)
             lengths: list[int | None] = [None] * b if held is None else [n + self.rows for n in held]
         doc: dict[str, Any] = {
-            "out": {"dtype": step.answered_in, "shape": shape, "data": body[:n_out]},
+            "out": {"dtype": step.answered_in, "shape": shape, "data": out_bytes},
             "lengths": lengths,
             "errors": [],
         }
         if self.return_lse:
-            doc["lse"] = {"dtype": wire.DTYPE, "shape": shape[:3], "data": body[n_out:]}
+            doc["lse"] = {"dtype": wire.DTYPE, "shape": shape[:3], "data": memoryview(lse_bytes).cast("B")}
         return doc
 
     def update(self, doc: Any) -> dict[str, Any]:

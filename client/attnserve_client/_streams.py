@@ -33,6 +33,7 @@ from ._steps import (
     AttendItem,
     AttendOptions,
     StackedOptions,
+    CallSink,
     StepOptions,
     StepState,
     attend_answer,
@@ -76,9 +77,10 @@ def _ws_url(base_url: str) -> str:
     raise InvalidInput(f"base_url: expected http:// or https://, got {base_url!r}")
 
 
-def call_reply(seq: int, status: int, body: memoryview) -> dict[str, Any]:
+def call_reply(seq: int, status: int, body: memoryview | CallSink) -> dict[str, Any]:
     """A call reply as a reply document: its result ``{"call_reply": body}``
-    (``StepState.finish`` reads the arrays from it)."""
+    (``StepState.finish`` reads the arrays from it; a :class:`CallSink`: they were
+    received into the call's destination)."""
     if status != 200:
         raise InvalidResponse(f"frames: a call reply of status {status} (only 200 comes as one)")
     return {"id": seq, "status": 200, "result": {"call_reply": body}}
@@ -119,6 +121,8 @@ class _WebSocketChannel:
     def __init__(self, base_url: str, headers: Mapping[str, str], open_timeout: float | None):
         from websockets.sync.client import connect
 
+        self.sinks: dict[int, CallSink] = {}  # unused: an answer is decoded, then copied to its destination
+
         try:
             # entered as a context manager: what every websockets release from 13 on accepts
             self._ws = connect(
@@ -153,7 +157,9 @@ class _WebSocketChannel:
 class _FrameChannel:
     """The frame transport: a TCP connection carrying length-prefixed frames whose
     arrays are raw bytes (:mod:`attnserve_client.framing`). Arrays are sent from the
-    caller's memory (``sendmsg``) and answers are views of the received frame."""
+    caller's memory (``sendmsg``) and answers are views of the received frame; a
+    step's call reply whose call named ``out=`` is received straight into it (its
+    :class:`CallSink`, by the call's seq)."""
 
     what = "frames"
     #: a step's layer calls go as call frames (framing.CALL_HEAD: no MessagePack),
@@ -164,6 +170,10 @@ class _FrameChannel:
     def __init__(self, address: tuple[str, int], key: str | None, open_timeout: float | None):
         host, port = address
         self._where = f"{host}:{port}"
+        #: by call id, where a call's reply body is to be received (its ``out=``):
+        #: set before the call is sent, taken by the reader
+        self.sinks: dict[int, CallSink] = {}
+        self._head = memoryview(bytearray(framing.REPLY_HEAD.size))  # the reader's: each frame's first bytes
         try:
             self._sock = socket.create_connection((host, port), timeout=open_timeout)
         except OSError as exc:
@@ -192,16 +202,22 @@ class _FrameChannel:
         _send_all(self._sock, [framing.CALL_HEAD.pack(framing.CALL_MAGIC, step, layer, seq, body_len), *arrays])
 
     def receive(self) -> Any:
-        prefix = bytearray(framing.REPLY_HEAD.size)
-        if not _recv_exactly(self._sock, memoryview(prefix)[: framing.PREFIX.size], eof_ok=True):
+        prefix = self._head
+        if not _recv_exactly(self._sock, prefix[: framing.PREFIX.size], eof_ok=True):
             return None
         if prefix[:4] == framing.REPLY_MAGIC:  # a call reply: its arrays' bytes, as the step's call expects them
-            _recv_exactly(self._sock, memoryview(prefix)[framing.PREFIX.size :])
+            _recv_exactly(self._sock, prefix[framing.PREFIX.size :])
             _, seq, status, body_len = framing.REPLY_HEAD.unpack(prefix)
+            sink = self.sinks.pop(seq, None)
+            if sink is not None and body_len == sink.nbytes:  # straight into the call's destination
+                for view in sink.views():
+                    _recv_exactly(self._sock, view)
+                sink.filled = True
+                return call_reply(seq, status, sink)
             body = memoryview(bytearray(body_len))
             _recv_exactly(self._sock, body)
             return call_reply(seq, status, body)
-        head_len, body_len = _frame_lengths(prefix[: framing.PREFIX.size])
+        head_len, body_len = _frame_lengths(bytes(prefix[: framing.PREFIX.size]))
         view = memoryview(bytearray(head_len + body_len))
         _recv_exactly(self._sock, view)
         return _frame_document(view, head_len)
@@ -338,6 +354,8 @@ class _Link:
                 rid, result = _reply(doc)
                 with self._lock:
                     fut, finish = self._pending.pop(rid, (None, None))
+                    if self._channel.sinks:  # a reply not read into its call's destination
+                        self._channel.sinks.pop(rid, None)
                 if fut is not None:
                     _settle(fut, finish, result)
         except Exception as exc:
@@ -353,35 +371,47 @@ class _Link:
         with self._lock:
             self._closed = self._closed or err
             pending, self._pending = self._pending, {}
+            self._channel.sinks.clear()
         for fut, _ in pending.values():
             fut.set_exception(err)
 
-    def submit(self, op: str, members: Mapping[str, Any], finish: Any) -> Future[Any]:
+    def submit(self, op: str, members: Mapping[str, Any], finish: Any, sink: CallSink | None = None) -> Future[Any]:
+        """Send an operation; ``sink``: where its reply's arrays go (a step's layer
+        call with ``out=``), where the channel reads them straight there."""
         fut: Future[Any] = Future()
         with self._lock:
             if self._closed is not None:
                 raise self._closed
             rid = next(self._ids)
             self._pending[rid] = (fut, finish)
+            if sink is not None:
+                self._channel.sinks[rid] = sink
             try:
                 self._channel.send({"id": rid, "op": op, **members})
             except Exception as exc:
                 self._pending.pop(rid, None)
+                self._channel.sinks.pop(rid, None)
                 raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return fut
 
-    def submit_call(self, step: int, layer: int, arrays: list[memoryview], finish: Any) -> Future[Any]:
-        """Send a step's layer call as a call frame (its channel has ``call_frames``)."""
+    def submit_call(
+        self, step: int, layer: int, arrays: list[memoryview], finish: Any, sink: CallSink | None = None
+    ) -> Future[Any]:
+        """Send a step's layer call as a call frame (its channel has ``call_frames``);
+        ``sink``: where its call reply's body is received (``out=``)."""
         fut: Future[Any] = Future()
         with self._lock:
             if self._closed is not None:
                 raise self._closed
             seq = next(self._ids)
             self._pending[seq] = (fut, finish)
+            if sink is not None:
+                self._channel.sinks[seq] = sink
             try:
                 self._channel.send_call(step, layer, seq, arrays)  # type: ignore[union-attr]  # a frame channel
             except Exception as exc:
                 self._pending.pop(seq, None)
+                self._channel.sinks.pop(seq, None)
                 raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return fut
 
@@ -579,6 +609,7 @@ class _AsyncWebSocketChannel:
 
     def __init__(self, ws: Any):
         self._ws = ws
+        self.sinks: dict[int, CallSink] = {}  # unused (_WebSocketChannel's)
 
     @classmethod
     async def open(
@@ -624,6 +655,7 @@ class _AsyncFrameChannel:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader, self._writer = reader, writer
+        self.sinks: dict[int, CallSink] = {}  # as _FrameChannel's (a call reply is copied into its sink)
 
     @classmethod
     async def open(cls, target: FrameTarget, open_timeout: float | None) -> _AsyncFrameChannel:
@@ -667,7 +699,16 @@ class _AsyncFrameChannel:
         if prefix[:4] == framing.REPLY_MAGIC:  # a call reply (_FrameChannel.receive)
             prefix += await self._reader.readexactly(framing.REPLY_HEAD.size - framing.PREFIX.size)
             _, seq, status, body_len = framing.REPLY_HEAD.unpack(prefix)
-            return call_reply(seq, status, memoryview(await self._reader.readexactly(body_len)))
+            body = memoryview(await self._reader.readexactly(body_len))
+            sink = self.sinks.pop(seq, None)
+            if sink is not None and body_len == sink.nbytes:  # copied into the call's destination
+                at = 0
+                for view in sink.views():
+                    view[:] = body[at : at + view.nbytes]
+                    at += view.nbytes
+                sink.filled = True
+                return call_reply(seq, status, sink)
+            return call_reply(seq, status, body)
         head_len, body_len = _frame_lengths(prefix)
         return _frame_document(memoryview(await self._reader.readexactly(head_len + body_len)), head_len)
 
@@ -699,6 +740,8 @@ class _AsyncLink:
             while (doc := await self._channel.receive()) is not None:
                 rid, result = _reply(doc)
                 fut, finish = self._pending.pop(rid, (None, None))
+                if self._channel.sinks:  # a reply not read into its call's destination
+                    self._channel.sinks.pop(rid, None)
                 if fut is not None and not fut.done():
                     _settle(fut, finish, result)
         except Exception as exc:
@@ -708,21 +751,28 @@ class _AsyncLink:
             "did not arrive may or may not have been applied"
         )
         pending, self._pending = self._pending, {}
+        self._channel.sinks.clear()
         for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(self._closed)
 
-    async def call_frame(self, step: int, layer: int, arrays: list[memoryview], finish: Any) -> Any:
-        """A step's layer call as a call frame (its channel has ``call_frames``)."""
+    async def call_frame(
+        self, step: int, layer: int, arrays: list[memoryview], finish: Any, sink: CallSink | None = None
+    ) -> Any:
+        """A step's layer call as a call frame (its channel has ``call_frames``);
+        ``sink``: where its call reply's body goes (``out=``)."""
         if self._closed is not None:
             raise self._closed
         seq = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[seq] = (fut, finish)
+        if sink is not None:
+            self._channel.sinks[seq] = sink
         try:
             await self._channel.send_call(step, layer, seq, arrays)  # type: ignore[union-attr]  # a frame channel
         except Exception as exc:
             self._pending.pop(seq, None)
+            self._channel.sinks.pop(seq, None)
             raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return await fut
 
@@ -731,16 +781,19 @@ class _AsyncLink:
         """Whether a step's layer calls go as call frames on this connection."""
         return bool(self._channel.call_frames)
 
-    async def call(self, op: str, members: Mapping[str, Any], finish: Any) -> Any:
+    async def call(self, op: str, members: Mapping[str, Any], finish: Any, sink: CallSink | None = None) -> Any:
         if self._closed is not None:
             raise self._closed
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (fut, finish)
+        if sink is not None:
+            self._channel.sinks[rid] = sink
         try:
             await self._channel.send({"id": rid, "op": op, **members})
         except Exception as exc:
             self._pending.pop(rid, None)
+            self._channel.sinks.pop(rid, None)
             raise APIConnectionError(f"{self._channel.what}: send failed: {exc}") from exc
         return await fut
 

@@ -86,6 +86,15 @@ def _host_array(tensor: Any, name: str) -> np.ndarray:
     return host.view(wire.BFLOAT16) if bits else host
 
 
+def host_view(tensor: Any) -> np.ndarray:
+    """A writable numpy view of a contiguous CPU tensor of a wire dtype (bfloat16
+    as :data:`wire.BFLOAT16`): writing to it writes the tensor."""
+    torch = _torch()
+    bits = tensor.dtype == torch.bfloat16
+    host: np.ndarray = (tensor.view(torch.int16) if bits else tensor).numpy()
+    return host.view(wire.BFLOAT16) if bits else host
+
+
 def out_dtype_name(dtype: Any) -> str | None:
     """The wire name (a key of :data:`wire.DTYPES`) of an attend's ``out_dtype``,
     or None for none (the answer comes in ``q``'s dtype).

@@ -71,6 +71,7 @@ ATTN_IMPLEMENTATION = "attnserve"
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 _pending = threading.local()  # the last update's (cache, layer, key, value), per thread
+_WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the dtypes the wire carries as they are
 
 
 class _Timeline(CacheLayerMixin):
@@ -144,6 +145,13 @@ class AttnServeCache(Cache):
     and bookkeeping); ``overlapped_seconds``: of the calls' round trips, the seconds
     this process spent on other work while they were in flight (only
     :func:`generate_overlapped` has any). Use it as a context manager, or call :meth:`close`.
+
+    A decoding token allocates no buffer for its answers: each layer's step calls
+    read their replies into a buffer the cache keeps for that layer (``out=`` of
+    the step's call; pinned host memory for a CUDA model, copied to the device
+    without blocking, and reused once that copy is done). On the CPU the attention
+    output a decoding layer returns is that buffer itself, which the layer's next
+    token overwrites (the model's ``o_proj`` has read it by then).
     """
 
     def __init__(
@@ -172,6 +180,10 @@ class AttnServeCache(Cache):
         # the steps open on the stream, by the sequences they hold ([start, stop) of
         # the batch), with what they fixed: (rows a call, dtype, scale, causal)
         self._steps: dict[tuple[int, int], tuple[StreamStep, tuple[Any, ...]]] = {}
+        # the decoding outputs, per layer and sequences of the batch (and shape, dtype,
+        # device): a host tensor (pinned for a CUDA model) the step's call replies are
+        # read into, its numpy view, and the event of its last copy to the device
+        self._outs: dict[tuple[Any, ...], list[Any]] = {}
 
     # -- transformers' Cache ------------------------------------------------------
 
@@ -208,6 +220,7 @@ class AttnServeCache(Cache):
         finally:
             self.sessions = []
             self._steps = {}
+            self._outs = {}
             self._broken = None
             super().reset()
 
@@ -378,7 +391,12 @@ class AttnServeCache(Cache):
             v = tensors.as_wire_array(value.transpose(1, 2), name="v")
             row_bytes = batch * d * (heads * q.itemsize + 2 * kv_heads * k.itemsize)
             chunk_rows = max(1, self.max_chunk_bytes // row_bytes)
-            call = _InFlight(layer, query, np.zeros((batch, n, heads, d), q.dtype))  # zero bits: 0.0 in every dtype
+            if n == 1 and (real is None or real.all()) and query.dtype in _WIRE_DTYPES:
+                # decoding: through the step, its replies read into the layer's output buffer
+                held = self._layer_out(layer, first, (batch, n, heads, d), query)
+                call = _InFlight(layer, query, held[1], held=held)
+            else:
+                call = _InFlight(layer, query, np.zeros((batch, n, heads, d), q.dtype))  # zero bits: 0.0 in any dtype
             if real is None or real.all():
                 self._stacked(call, first, sessions, q, k, v, chunk_rows, scale, causal)
             else:
@@ -388,18 +406,45 @@ class AttnServeCache(Cache):
         call.host_seconds = call.sent_at - started
         return call
 
+    def _layer_out(self, layer: int, first: int, shape: tuple[int, ...], query: torch.Tensor) -> list[Any]:
+        """The decoding output buffer of ``layer`` for the sequences from ``first``:
+        ``[tensor, its numpy view, event]``, made at the first decoding token (pinned
+        host memory when ``query`` is on a CUDA device) and reused at every next one,
+        once the last copy from it to the device is done."""
+        key = (layer, first, shape, query.dtype, query.device)
+        held = self._outs.get(key)
+        if held is None:
+            buf = torch.empty(shape, dtype=query.dtype, pin_memory=query.device.type == "cuda")
+            held = self._outs[key] = [buf, tensors.host_view(buf), None]
+        elif held[2] is not None:
+            held[2].synchronize()  # the last token's copy to the device has read it
+            held[2] = None
+        return held
+
     def _collect(self, call: _InFlight) -> torch.Tensor:
         """Wait for the answers of a call :meth:`_send` sent; its output as
         :meth:`attend` returns it. Counts the call in ``stats``."""
         started = time.perf_counter()
         with self._out_of_step_on_failure():
             for part, fut in call.chunks:
-                call.out[part] = fut.result()
+                got = fut.result()
+                if call.held is None:  # (else the answer was read into call.out: out=)
+                    call.out[part] = got
             for where, fut in call.items:
                 for (b, sel), got in zip(where, fut.result()):
                     call.out[b, sel] = got
         waited = time.perf_counter() - started
-        answer: torch.Tensor = tensors.answer(call.out, call.query)
+        answer: torch.Tensor
+        if call.held is None:
+            answer = tensors.answer(call.out, call.query)
+        elif call.query.device.type == "cpu":
+            answer = call.held[0]  # the layer's buffer itself: o_proj reads it before the layer's next call
+        else:
+            buf = call.held[0]
+            answer = buf.to(call.query.device, non_blocking=bool(buf.is_pinned()))
+            if call.query.device.type == "cuda":
+                call.held[2] = torch.cuda.Event()
+                call.held[2].record()  # the next token's reply waits for this copy (_layer_out)
         self.stats["calls"] += 1
         self.stats["seconds"] += call.host_seconds + time.perf_counter() - started
         self.stats["server_seconds"] += waited
@@ -433,7 +478,8 @@ class AttnServeCache(Cache):
             for b in range(0, batch, per_step):
                 seqs = slice(b, min(b + per_step, batch))
                 step = self._step(first + seqs.start, first + seqs.stop, n, fixed)
-                call.add_chunk((seqs, slice(0, n)), step.submit_call(call.layer, q[seqs], k[seqs], v[seqs]))
+                into = {} if call.held is None else {"out": call.out[seqs]}
+                call.add_chunk((seqs, slice(0, n)), step.submit_call(call.layer, q[seqs], k[seqs], v[seqs], **into))
             return
         self._close_steps(first, first + batch)
         base = self._held(sessions, call.layer)
@@ -473,6 +519,9 @@ class _InFlight:
     layer: int
     query: torch.Tensor  # the queries as given: the output comes back on their device, in their dtype
     out: np.ndarray  # [B, n, heads, d]: zero at padding, filled as the answers are collected
+    # decoding: the layer's output buffer (AttnServeCache._layer_out) that out views,
+    # into which the step's calls read their answers (None: out is this call's own)
+    held: list[Any] | None = None
     # stacked steps: (sequences, rows)
     chunks: list[tuple[tuple[slice, slice], Future[Any]]] = field(default_factory=list)
     items: list[tuple[list[tuple[int, np.ndarray]], Future[Any]]] = field(default_factory=list)  # (sequence, rows)

@@ -476,3 +476,142 @@ def test_frames_send_layer_calls_as_call_frames(server, ref, mode, monkeypatch):
     finally:
         steps.close()
         drop(ref, a, twins)
+
+
+# -- out=: the answer into the caller's array -------------------------------------------
+
+
+def _received_in_place(monkeypatch) -> list[bool]:
+    """Per call with ``out=``, whether its answer was in the destination already when
+    decoded (read off the socket or copied from the region into it), not copied there."""
+    seen: list[bool] = []
+    fill = ac._steps.Destination.fill
+
+    def spy(self: Any, out: np.ndarray) -> Any:
+        seen.append(out.ctypes.data == self.host.ctypes.data)
+        return fill(self, out)
+
+    monkeypatch.setattr(ac._steps.Destination, "fill", spy)
+    return seen
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+@pytest.mark.parametrize("dtype", ["<f4", "bfloat16", "<f2"])
+def test_out_answers_into_the_callers_array_bit_for_bit(steps, ref, dtype, return_lse, monkeypatch):
+    """A call with ``out=`` answers ``out`` itself, holding bit for bit what the call
+    answers without it (attend_stacked on twins); over frames and shared memory the
+    reply lands in it (no copy after decoding); a prefill and decoding, [B, 1, H, d]
+    and [B, H, d], numpy arrays and CPU tensors alike."""
+    seen = _received_in_place(monkeypatch)
+    a, twins = make(ref), make(ref)
+    opts = {"return_lse": True} if return_lse else {}
+    try:
+        with steps.open(a, rows=3, dtype=dtype, **opts) as step:
+            for layer in range(LAYERS):
+                q, k, v = rand(B, 3, H, D, dtype=dtype), rand(B, 3, KV, D, dtype=dtype), rand(B, 3, KV, D, dtype=dtype)
+                out = np.full_like(q, 7)
+                got = step.call(layer, q, k, v, out=out)
+                want = ref.attend_stacked(twins, layer, q, k, v, **opts)
+                if return_lse:
+                    assert got.out is out
+                else:
+                    assert got is out
+                same(got, want)
+        with steps.open(a, dtype=dtype, **opts) as step:
+            out3 = np.empty((B, H, D), wire.DTYPES[dtype])  # one destination for every call
+            for token in range(3):
+                for layer in range(LAYERS):
+                    q, k, v = (
+                        rand(B, 1, H, D, dtype=dtype),
+                        rand(B, 1, KV, D, dtype=dtype),
+                        rand(B, 1, KV, D, dtype=dtype),
+                    )
+                    if token == 1:  # CPU tensors: the answer a tensor, the destination's own
+                        tq, tk, tv = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if dtype == "bfloat16"
+                                      else torch.from_numpy(x) for x in (q, k, v))  # fmt: skip
+                        tout = torch.empty(tq.shape, dtype=tq.dtype)
+                        got = step.call(layer, tq, tk, tv, out=tout)
+                        assert (got.out if return_lse else got) is tout
+                        same(got, ref.attend_stacked(twins, layer, tq, tk, tv, **opts))
+                        continue
+                    if token == 2:
+                        q, k, v = q[:, 0], k[:, 0], v[:, 0]
+                        out = out3
+                    else:
+                        out = np.empty_like(q)
+                    got = step.call(layer, q, k, v, out=out)
+                    assert (got.out if return_lse else got) is out
+                    same(got, ref.attend_stacked(twins, layer, q, k, v, **opts))
+            assert step.token == 3
+        assert [s.lengths for s in a] == [(6, 6)] * B
+    finally:
+        drop(ref, a, twins)
+    assert len(seen) == LAYERS * 4
+    if steps.transport in ("frames", "shm"):
+        assert all(seen), seen
+    else:  # decoded from the answer's document, then copied into out
+        assert not any(seen), seen
+
+
+def test_pipelined_calls_each_answer_into_their_own_out(server, ref):
+    a, twins = make(ref), make(ref)
+    try:
+        for transport in ("frames", "shm"):
+            with ac.Client(server.url) as c, c.stream(transport=transport) as stream:
+                with stream.open_step(a) as step:
+                    arrays = [[rand(B, 1, H, D), rand(B, 1, KV, D), rand(B, 1, KV, D)] for _ in range(LAYERS)]
+                    outs = [np.empty((B, 1, H, D), np.float32) for _ in range(LAYERS)]
+                    futures = [step.submit_call(i, *arrays[i], out=outs[i]) for i in range(LAYERS)]
+                    assert all(f.result() is o for f, o in zip(futures, outs))
+            for i, arrs in enumerate(arrays):
+                same(outs[i], ref.attend_stacked(twins, i, *arrs))
+    finally:
+        drop(ref, a, twins)
+
+
+def test_a_call_reply_that_fails_leaves_out_unanswered(server, ref):
+    """A call answered by an error (its layer called already) raises it; the sink its
+    out= registered is dropped, and the next call's out= is answered as usual."""
+    a = make(ref, 2)
+    try:
+        with ac.Client(server.url) as c, c.stream(transport="frames") as stream, stream.open_step(a) as step:
+            q, k, v = rand(2, 1, H, D), rand(2, 1, KV, D), rand(2, 1, KV, D)
+            out = np.empty_like(q)
+            step.call(0, q, k, v, out=out)
+            with pytest.raises(ac.StepLayerCalled):
+                step.call(0, q, k, v, out=np.empty_like(q))
+            assert not step._link._channel.sinks
+            assert step.call(1, q, k, v, out=out) is out
+    finally:
+        drop(ref, a)
+
+
+def test_an_out_that_does_not_fit_is_refused_unsent(steps, ref, monkeypatch):
+    sent: list[Any] = []
+    for cls in (ac._streams._FrameChannel, ac._streams._AsyncFrameChannel):
+        original = cls.send_call
+        monkeypatch.setattr(cls, "send_call", lambda self, *a, _o=original: sent.append(a) or _o(self, *a))
+    a = make(ref)
+    try:
+        with steps.open(a, rows=2, return_lse=True) as step:
+            q, k, v = rand(B, 2, H, D), rand(B, 2, KV, D), rand(B, 2, KV, D)
+            wide = np.empty((B, 2, H, 2 * D), np.float32)
+            cases = [
+                (np.empty((B, 2, H, D + 1), np.float32), "another shape or dtype"),
+                (np.empty((B, H, D), np.float32), "another shape or dtype"),  # q's shape is [B, 2, H, d]
+                (np.empty((B, 2, H, D), np.float16), "another shape or dtype"),
+                (wide[..., :D], "not C-contiguous"),
+                (np.empty((B, 2, H, D), np.float32).T.copy().T, "not C-contiguous"),
+                (np.frombuffer(bytes(q.nbytes), np.float32).reshape(q.shape), "read-only"),
+                (q.tolist(), "not an array"),
+                (torch.empty(B, 2, H, D, dtype=torch.float16), "another shape or dtype"),
+                (torch.empty(B, H, 2, D).transpose(1, 2), "not contiguous"),
+                (torch.empty(B, 2, H, D, device="meta"), "a tensor on meta"),
+            ]
+            for out, match in cases:
+                refused_unsent(monkeypatch, lambda out=out: step.call(0, q, k, v, out=out), match)
+            assert not sent
+            got = step.call(0, q, k, v, out=np.empty_like(q))  # the step is as it was
+            assert isinstance(got, ac.Attention) and got.lse.shape == (B, 2, H)
+    finally:
+        drop(ref, a)

@@ -195,6 +195,28 @@ def test_the_cache_calls_its_layers_through_steps(client, monkeypatch):
     assert sorted(opened) == [(1, 1), (1, 1), (1, 6), (1, 6)]
 
 
+def test_decoding_reads_each_layers_answers_into_its_buffer(client, monkeypatch):
+    """A decoding token's layer calls pass out= (a buffer the cache keeps per layer,
+    the same one token after token, so a token allocates no reply buffers); the
+    prefill's do not; the greedy tokens and logits are sdpa's."""
+    model = small_model("llama")
+    calls = []
+    submit = ac.StreamStep.submit_call
+
+    def spy(self, layer, q, k=None, v=None, *, out=None):
+        calls.append((self.rows, layer, None if out is None else out.ctypes.data))
+        return submit(self, layer, q, k, v, out=out)
+
+    monkeypatch.setattr(ac.StreamStep, "submit_call", spy)
+    ref, got, _ = generate(model, padded_ids([6, 6]), client, max_new_tokens=5, **KW)
+    assert_same_generation(ref, got)
+    assert [c for c in calls if c[0] == 6] == [(6, 0, None), (6, 1, None)]  # the prefill: answers of their own
+    decoding = [c for c in calls if c[0] == 1]
+    assert len(decoding) == 4 * 2  # 4 decoding tokens, 2 layers
+    buffers = [{c[2] for c in decoding if c[1] == layer} for layer in range(2)]
+    assert all(len(b) == 1 and None not in b for b in buffers) and buffers[0] != buffers[1]
+
+
 def test_beam_search_reorders_with_forks(client):
     model = small_model("llama")
     kw = dict(KW, num_beams=3, num_return_sequences=2, output_scores=True)
