@@ -4,7 +4,7 @@ thread and the stream's reader thread, each by its own clock
 (``pthread_getcpuclockid``), summed and divided by the calls; the server runs in
 this process (``tests/live_server.py``) on its own threads, which are not counted.
 
-    .venv/bin/python bench/results/client_call_cpu.py [--calls 400] [--calls-32 60] [--json-out FILE]
+    .venv/bin/python bench/probes/client_call_cpu.py [--calls 400] [--calls-32 60] [--json-out FILE]
 
 Decode calls (one row a session, one layer) over the frame and the shared-memory
 transports, at 1 and 32 sessions of 32 query / 8 KV heads of 128 and 4 sessions
