@@ -132,18 +132,7 @@ fn attention_split(
         }
         sa *= scale;
         sb *= scale;
-        scores[t] = sa.x;
-        if group > 1u { scores[split_len + t] = sa.y; }
-        if group > 2u {
-            scores[2u * split_len + t] = sa.z;
-            scores[3u * split_len + t] = sa.w;
-        }
-        if group > 4u {
-            scores[4u * split_len + t] = sb.x;
-            scores[5u * split_len + t] = sb.y;
-            scores[6u * split_len + t] = sb.z;
-            scores[7u * split_len + t] = sb.w;
-        }
+        store_scores(t, split_len, group, sa, sb);
     }
     workgroupBarrier();
 

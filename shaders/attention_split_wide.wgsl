@@ -114,18 +114,7 @@ fn attention_split_wide(
         }
         sa *= scale;
         sb *= scale;
-        scores[t] = sa.x;
-        if group > 1u { scores[split_len + t] = sa.y; }
-        if group > 2u {
-            scores[2u * split_len + t] = sa.z;
-            scores[3u * split_len + t] = sa.w;
-        }
-        if group > 4u {
-            scores[4u * split_len + t] = sb.x;
-            scores[5u * split_len + t] = sb.y;
-            scores[6u * split_len + t] = sb.z;
-            scores[7u * split_len + t] = sb.w;
-        }
+        store_scores(t, split_len, group, sa, sb);
     }
     workgroupBarrier();
 
@@ -189,17 +178,6 @@ fn attention_split_wide(
             scores[pass_len + o + 6u] = y.b.z;
             scores[pass_len + o + 7u] = y.b.w;
         }
-        workgroupBarrier();
-        let hh = tid / head_dim;
-        let e = tid % head_dim;
-        for (var hx = hh; hx < 2u; hx += WG / head_dim) {
-            if h0 + hx < group {
-                var sum = 0.0;
-                for (var g = 0u; g < n_grp; g += 1u) {
-                    sum += scores[hx * pass_len + 8u * g * d8 + e];
-                }
-                partial[part_off + (pbase + (h0 + hx) * split_total) * head_dim + e] = sum;
-            }
-        }
+        // #include "split_sum_row_groups.wgsl" PASS="pass_len"
     }
 }

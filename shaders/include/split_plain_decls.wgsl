@@ -32,3 +32,20 @@ var<workgroup> pg_sh: array<u32, 256>;
 fn split_row(page0: u32, shift: u32, t: u32) -> u32 {
     return (pg_sh[(t >> shift) - page0] << shift) | (t & ((1u << shift) - 1u));
 }
+
+// Key t's scores against the group's heads 0..3 (sa) and 4..7 (sb), into `scores`
+// ([G][split_len]): the score phase's last step, in both plain split kernels.
+fn store_scores(t: u32, split_len: u32, group: u32, sa: vec4<f32>, sb: vec4<f32>) {
+    scores[t] = sa.x;
+    if group > 1u { scores[split_len + t] = sa.y; }
+    if group > 2u {
+        scores[2u * split_len + t] = sa.z;
+        scores[3u * split_len + t] = sa.w;
+    }
+    if group > 4u {
+        scores[4u * split_len + t] = sb.x;
+        scores[5u * split_len + t] = sb.y;
+        scores[6u * split_len + t] = sb.z;
+        scores[7u * split_len + t] = sb.w;
+    }
+}

@@ -90,17 +90,5 @@
             scores[4u * WG + o + 2u] = y.z;
             scores[4u * WG + o + 3u] = y.w;
         }
-        workgroupBarrier();
-        // thread -> (head hh of this pass, float column e)
-        let hh = tid / head_dim;
-        let e = tid % head_dim;
-        for (var hx = hh; hx < 2u; hx += WG / head_dim) {
-            if h0 + hx < group {
-                var sum = 0.0;
-                for (var g = 0u; g < n_grp; g += 1u) {
-                    sum += scores[hx * 4u * WG + 4u * g * d4 + e];
-                }
-                partial[part_off + (pbase + (h0 + hx) * split_total) * head_dim + e] = sum;
-            }
-        }
+        // #include "split_sum_row_groups.wgsl" PASS="4u * WG"
     }
