@@ -27,7 +27,7 @@ from .gpu.device import GpuContext, GpuWorker, PlanFn, open_device
 from .gpu.kernels import ELEMENT_KINDS, KernelPolicy, attend_output_bytes, plan_answer, plan_uploads_as
 from .gpu.batch import Batch, Items, Seg
 from .gpu.step_plan import StepPlans
-from .kv.columns import OutOfRange
+from .kv.columns import OutOfRange, start_position
 from .kv.config import SessionConfig
 from .kv.layer import LayerCache
 from .kv.session import SessionKV
@@ -100,10 +100,7 @@ def _plan_item(
         layer._call_done(batch)
         return length
     assert out is not None
-    n = shape[0]
-    sp = length - n if start_pos is None else int(start_pos)
-    if sp < 0 or sp + n > length:
-        raise OutOfRange(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
+    sp = start_position(start_pos, length, shape[0])  # the engine's rule (a service request passed rule 6)
     layer.plan_attend_rows(batch, q, shape, out=out, length=length, start_pos=sp, causal=causal, scale=scale)
     return length
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .kinds import PlainLayerCache
     from .layer import LayerCache
 
-__all__ = ["OutOfRange"]
+__all__ = ["OutOfRange", "start_position", "start_positions"]
 
 
 class OutOfRange(ValueError):
@@ -31,13 +31,44 @@ class OutOfRange(ValueError):
     only an engine's own caller (a tool, a test) gets this far."""
 
 
-def _start_positions(start_pos: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:
-    """Each item's first query row's timestep (``-1``: its last ``n`` rows), checked
-    against its layer's length."""
-    sp = np.where(start_pos < 0, after - n, start_pos)
-    if (sp < 0).any() or (sp + n > after).any():
-        raise OutOfRange("start_pos + n rows exceeds a layer's length")
+def start_position(start_pos: int | None, length: int, n: int) -> int:
+    """The engine's start_pos rule for one item (its owner, with the columns' form
+    below): its first query row's timestep (None: its last ``n`` rows), inside its
+    layer's ``length`` with its ``n`` rows, else :class:`OutOfRange`. A service
+    request never breaks it (``step/rules.py``'s rule 6 refused it on the event
+    loop, against the reserved length); a direct engine caller (a tool, a test)
+    learns its layer's length only here, on the GPU thread."""
+    sp = length - n if start_pos is None else int(start_pos)
+    if sp < 0 or sp + n > length:
+        raise _out_of_range(sp, n, length)
     return sp
+
+
+def start_positions(start_pos: np.ndarray | None, after: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The start_pos rule as columns, deciding nothing: each item's first query
+    row's timestep (``start_pos[i]`` ``-1``, or ``start_pos`` None: ``after[i] - n``)
+    and whether it breaks the rule (``sp < 0`` or ``sp + n > after``). Both owners
+    decide with it: ``step/rules.py``'s rule 6 (a request's problem, on the event
+    loop) and the engine's (:func:`_start_positions`, on the GPU thread)."""
+    if start_pos is None:  # length - n: inside the length unless the layer is shorter than n
+        sp = after - n
+        return sp, sp < 0
+    sp = np.where(start_pos < 0, after - n, start_pos)
+    return sp, (sp < 0) | (sp + n > after)
+
+
+def _start_positions(start_pos: np.ndarray, after: np.ndarray, n: int) -> np.ndarray:
+    """:func:`start_position` as columns: each item's (``-1``: its last ``n`` rows)
+    against its layer's length ``after``; the first item that breaks it is named."""
+    sp, bad = start_positions(start_pos, after, n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise _out_of_range(int(sp[i]), n, int(after[i]))
+    return sp
+
+
+def _out_of_range(sp: int, n: int, length: int) -> OutOfRange:
+    return OutOfRange(f"start_pos {sp} + {n} rows exceeds the layer length {length}")
 
 
 def _by_value(keys: Sequence[object]) -> list[np.ndarray]:
@@ -71,8 +102,9 @@ class _Where:
     @classmethod
     def of(cls, batch: Batch, layers: Sequence[LayerCache]) -> "_Where":
         slabs = [layer.slab for layer in layers]
-        if any(slab is None for slab in slabs):
-            raise OutOfRange("attend over a layer that holds no timestep")
+        # (an invariant: an append took its pages first; an attend's layers passed the
+        # start_pos rule, n >= 1 query rows inside their length)
+        assert all(slab is not None for slab in slabs), "the layers of a stacked step hold their pages"
         table_off = np.fromiter((layer.table_offset(batch) for layer in layers), np.int64, len(layers))
         signs = np.asarray(type(layers[0]).sign_words(batch, layers), dtype=np.int64)
         ids = [id(slab) for slab in slabs]

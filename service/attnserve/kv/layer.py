@@ -28,7 +28,7 @@ from ..gpu import kernels as K
 from ..gpu.step_plan import PlanEvent, StepPlan, StepPlans
 from ..pool import DirectCopies, PagePool, PoolFull, Slab, TableRegion, copy_host_rows, copy_rows
 from ..formats import check_head_dim
-from .columns import OutOfRange, _start_positions, _Where, _words
+from .columns import _start_positions, _Where, _words
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -270,14 +270,13 @@ class LayerCache:
         assert out is not None  # an attend's queries come with its outputs
         # the layers' state first (pages, page tables, signs, lengths, what their
         # attends read); then the commands
-        if rows is None:
-            after, where = (
-                np.fromiter((layer.length for layer in layers), np.int64, len(layers)),
-                _Where.of(batch, layers),
-            )
+        if rows is None:  # the start_pos rule before where the layers are (an empty layer breaks it)
+            after = np.fromiter((layer.length for layer in layers), np.int64, len(layers))
+            sp = _start_positions(start_pos, after, shape[0])
+            where = _Where.of(batch, layers)
         else:
             after, where = kind._take_columns(batch, layers, items, rows)
-        sp = _start_positions(start_pos, after, shape[0])
+            sp = _start_positions(start_pos, after, shape[0])
         where = kind._attend_state(batch, layers, where, sp)
         # the step's plan run where an earlier layer of its sessions made it; else the
         # commands planned, and recorded as the plan where a later layer of its
@@ -403,8 +402,9 @@ class LayerCache:
         scale: float,
     ) -> K.Attend:
         n, h, d = shape
-        if self.slab is None or length > self.capacity:
-            raise OutOfRange(f"attend over {length} timesteps of a layer holding {self.length}")
+        # an invariant, not a rule: the caller passed the start_pos rule (n >= 1 rows inside
+        # ``length``, the layer's own length), so the layer holds pages for all of it
+        assert self.slab is not None and length <= self.capacity, f"attend over {length} of {self.capacity} held"
         return K.Attend(
             q, out, self.slab, self.table_offset(batch), self.pool.page_shift,
             n, h, self.n_kv_heads, d, length, start_pos, causal, scale,

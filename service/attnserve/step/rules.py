@@ -36,6 +36,7 @@ from ..errors import ApiError, InvalidRequest, LayerNotFound
 from ..formats import BF16_INF_FROM, F16_MAX, TQ_SPECS
 from ..gpu.kernels import rotated_q_bytes
 from ..gpu.step_plan import StepPlans
+from ..kv.columns import start_positions
 from ..kv.config import SessionConfig
 from ..store import Owner, Session, StepReservation, Store, step_conflict
 from ..turboquant import (
@@ -364,13 +365,10 @@ def _start_positions(
     in ``live`` (rows already ``refused`` are skipped)."""
     n = step.queries
     given = [step.start_pos[i] for i in live]
+    g = None  # every row's default, length - n
     if any(p is not None for p in given):  # (past int64 is past any length: held at 2^62 to compare)
         g = np.fromiter((-1 if p is None else min(p, 1 << 62) for p in given), np.int64, len(live))
-        sp = np.where(g < 0, new_length - n, g)
-        bad = (sp < 0) | (sp + n > new_length)
-    else:  # length - n: inside the length unless the layer is shorter than n
-        sp = new_length - n
-        bad = sp < 0
+    sp, bad = start_positions(g, new_length, n)  # the rule's arithmetic, the engine's too
     out.extend(sp.tolist())
     problems: dict[int, ApiError] = {}
     for j in np.flatnonzero(bad).tolist() if bad.any() else ():
