@@ -31,12 +31,6 @@ class PlainLayerCache(LayerCache):
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
-    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
-        self._ensure_pages(batch, self.length + n)
-        K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
-        self.length += n
-        return self.length
-
     def plan_attend_rows(
         self,
         batch: Batch,
@@ -78,12 +72,6 @@ class TurboQuantLayerCache(LayerCache):
     @staticmethod
     def plan_split_attends(batch: Batch, a: K.Attends, kv_format: str) -> None:
         K.plan_split_turboquant(batch, a, kv_format)
-
-    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
-        self._ensure_pages(batch, self.length + n)
-        K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
-        self.length += n
-        return self.length
 
     def plan_attend_rows(
         self,

@@ -189,10 +189,14 @@ class LayerCache:
         """Record the append of rows ``[n, Hkv, d]``; returns the new length."""
         return self.plan_append_rows(batch, *self.upload_rows(batch, k, v), k.shape[0])
 
-    def plan_append_rows(self, batch: Batch, k: Seg, v: Seg, n: int) -> int:
-        """Record the append of ``n`` uploaded rows (``row_dtype``, ``[n, Hkv, d]``);
-        returns the new length."""
-        raise NotImplementedError
+    def plan_append_rows(self, batch: Batch, ks: Seg, vs: Seg, n: int) -> int:
+        """Record the append of ``n`` uploaded rows (``row_dtype``, ``[n, Hkv, d]``):
+        the pages they need, then one write of them (:meth:`_append`, each kind's
+        kernel); returns the new length."""
+        self._ensure_pages(batch, self.length + n)
+        K.plan_append(batch, self._append(batch, (n,), (self.length,), (ks.offset // 4,), (vs.offset // 4,)))
+        self.length += n
+        return self.length
 
     def _call_done(self, batch: Batch) -> None:
         """The layer's call (an append, or an attend after its fused append) is
