@@ -654,12 +654,10 @@ class Destination:
 
     __slots__ = ("given", "host", "_bytes", "_lse_shape", "_sink", "_pinned", "_pool", "_stream")
 
-    def __init__(
-        self, given: Any, host: np.ndarray, lse_shape: tuple[int, ...] | None, host_bytes: memoryview | None = None
-    ):
+    def __init__(self, given: Any, host: np.ndarray, lse_shape: tuple[int, ...] | None):
         self.given = given
         self.host = host
-        self._bytes = host.reshape(-1).view(np.uint8).data if host_bytes is None else host_bytes
+        self._bytes = host.reshape(-1).view(np.uint8).data
         self._lse_shape = lse_shape
         self._sink: CallSink | None = None
         self._pinned: Any = None  # (a CUDA destination) the pinned buffer the host array views
@@ -705,12 +703,10 @@ def destination(
     dtype: str,
     lse_shape: tuple[int, ...] | None,
     pools: PinnedPool,
-    views: dict[int, tuple[Any, memoryview]],
 ) -> Destination:
     """A layer call's ``out=``, checked against its answer's ``shape`` and ``dtype`` (a
     wire name); ``lse_shape``: the 4-D ``lse``'s with ``return_lse`` (None: none);
-    ``pools``: the step's pinned host buffers (CUDA destinations); ``views``: the
-    byte views of the numpy destinations it was given, by id.
+    ``pools``: the step's pinned host buffers (CUDA destinations).
 
     Raises:
         InvalidRequest: (also an ``InvalidInput``) not such an array or tensor.
@@ -742,16 +738,7 @@ def destination(
     flags = out.flags
     if not flags.c_contiguous or not flags.writeable:
         raise _refuse_out(out, shape, dtype, "not C-contiguous" if flags.writeable else "read-only")
-    held = views.get(id(out))
-    if held is None or held[0] is not out:  # the byte view of an array given before: kept (a decoding loop's)
-        if len(views) >= _VIEWS_KEPT:
-            views.clear()
-        held = views[id(out)] = (out, out.reshape(-1).view(np.uint8).data)
-    return Destination(out, out, lse_shape, held[1])
-
-
-#: The numpy destinations whose byte views a step keeps (a layer's each, in a decoding loop)
-_VIEWS_KEPT = 256
+    return Destination(out, out, lse_shape)
 
 
 class StepState:
@@ -805,7 +792,6 @@ class StepState:
         self._layer_set = frozenset(self.layers)
         self._lock = threading.Lock()
         self._pinned: PinnedPool = {}  # the pinned host buffers of its calls' CUDA destinations (out=)
-        self._views: dict[int, tuple[Any, memoryview]] = {}  # its numpy destinations' byte views (out=)
 
     @property
     def route(self) -> str:
@@ -844,7 +830,7 @@ class StepState:
         if out is not None:
             lse_shape = (qa.shape[0], self.queries, qa.shape[-2]) if self.return_lse else None
             with self._lock:
-                dest = destination(out, qa.shape, answered_in, lse_shape, self._pinned, self._views)
+                dest = destination(out, qa.shape, answered_in, lse_shape, self._pinned)
         step = StackedStep(
             self.sessions, int(layer), qa.ndim == 3, given, self.return_lse, self.out_dtype, answered_in, host, dest
         )
